@@ -1,0 +1,1 @@
+"""Cache broker: the index of which sender holds which context; answers lookups."""

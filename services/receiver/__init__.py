@@ -1,0 +1,1 @@
+"""Receiver: hosts a model, serves generate requests, reuses senders' caches or falls back."""

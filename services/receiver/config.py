@@ -1,0 +1,46 @@
+"""Receiver configuration (flags / DM_RECEIVER_* / DM_* env)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from shared.errors import ConfigError
+from shared.model.adapter import DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverConfig:
+    """Hosts one model; answers generate requests, reusing a sender's cache when it can."""
+
+    model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
+    model_id: str = dataclasses.field(default="", metadata={"help": "id served (default: directory name)"})
+    nats_url: str = dataclasses.field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
+    dtype: str = dataclasses.field(default="float32", metadata={"help": "weights and cache dtype"})
+    default_group: tuple[int, ...] = dataclasses.field(
+        default=(), metadata={"help": "recompute group 'start,end' used without a profile (empty: full prefill)"})
+    lookup_timeout_s: float = dataclasses.field(default=0.5, metadata={"help": "broker lookup deadline"})
+    reuse_timeout_s: float = dataclasses.field(default=10.0, metadata={"help": "deadline for pulling + reuse"})
+    request_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "default request deadline"})
+    max_concurrent_pulls: int = dataclasses.field(default=4, metadata={"help": "bound on pulls in flight"})
+    receiver_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: model_id-pid)"})
+    log_level: str = dataclasses.field(default="info", metadata={"help": "debug|info|warning|error"})
+
+    def __post_init__(self) -> None:
+        p = Path(self.model_path)
+        if not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
+            raise ConfigError(f"model_path {self.model_path!r} holds no checkpoint")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if self.default_group and (len(self.default_group) != 2 or not 0 <= self.default_group[0] < self.default_group[1]):
+            raise ConfigError(f"default_group must be 'start,end' with start < end, got {self.default_group}")
+        for name in ("lookup_timeout_s", "reuse_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.max_concurrent_pulls < 1:
+            raise ConfigError("max_concurrent_pulls must be >= 1")
+        if not self.model_id:
+            object.__setattr__(self, "model_id", p.name)
+        if not self.receiver_id:
+            object.__setattr__(self, "receiver_id", f"{self.model_id}-{os.getpid()}")

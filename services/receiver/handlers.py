@@ -1,0 +1,97 @@
+"""Receiver handlers: one function per subject."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from services.receiver.pipeline import reuse_generate
+from shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, ReuseError
+from shared.kv.partial import generate as engine_generate
+from shared.kv.plan import ReusePlan
+from shared.model import text
+from shared.wire import schemas, subjects
+
+if TYPE_CHECKING:
+    from services.receiver.service import ReceiverState
+
+log = structlog.get_logger("receiver")
+
+
+async def _lookup(s: ReceiverState, prompt: list[int]) -> tuple[schemas.CacheAvailable | None, str | None]:
+    """The broker's best holder for `prompt`, or (None, why not)."""
+    req = schemas.LookupRequest(token_ids=prompt, fingerprint_id=s.model.fingerprint.id)
+    try:
+        data = await s.bus.request(subjects.BROKER_LOOKUP, schemas.encode(req), timeout=s.cfg.lookup_timeout_s)
+    except TimeoutError as e:
+        return None, f"broker: {e}"
+    try:
+        reply = schemas.decode(data, schemas.LookupReply)
+    except DroidMeshError:
+        err = schemas.decode(data, schemas.ErrorReply)
+        return None, f"broker error {err.code}: {err.message}"
+    if reply.holder is None:
+        return None, "no cached prefix"
+    return reply.holder, None
+
+
+async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
+    """Answer over a shared context: reuse a sender's cache per the pair's plan, else full prefill."""
+    t0 = time.perf_counter()
+    deadline = req.deadline or time.time() + s.cfg.request_timeout_s
+    if time.time() > deadline:
+        raise DeadlineExceededError(f"deadline passed {time.time() - deadline:.3f}s before start; dropped")
+    if req.mode not in schemas.MODES:
+        raise BadRequestError(f"mode {req.mode!r} not in {schemas.MODES}")
+    if req.max_new_tokens < 1:
+        raise BadRequestError("max_new_tokens must be >= 1")
+    ctx_ids, q_ids = text.prompt_ids(s.model.tokenizer, req.context, req.question)
+    prompt = ctx_ids + q_ids
+    stamps: dict[str, float] = {"start": t0}
+    holder, reason, plan = None, None, ReusePlan.full_prefill()
+    if req.mode != "full_prefill":
+        holder, reason = await _lookup(s, prompt)
+        stamps["lookup_done"] = time.perf_counter()
+        if holder is not None:
+            plan, reason = s.plan_for(holder.model_id, req.mode)
+    path, bytes_pulled, gen = "full_prefill", 0, None
+    if plan.mode != "full_prefill" and holder is not None:
+        try:
+            out = await reuse_generate(s, holder, plan, prompt, req.max_new_tokens,
+                                       timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.time())))
+            gen, bytes_pulled, path = out.generation, out.bytes_pulled, _path_name(plan)
+            stamps.update(out.stamps)
+        except ReuseError as e:
+            path, reason = "fallback", f"{e.code}: {e}"
+            log.warning("reuse_fallback", request_id=req.request_id, reason=reason)
+    if gen is None:  # no cache, no config, forced, or a fault: the receiver's own full prefill
+        stamps["engine_start"] = time.perf_counter()
+        gen = await s.run_torch(lambda: engine_generate(s.model, prompt, ReusePlan.full_prefill(),
+                                                        max_new_tokens=req.max_new_tokens, eos_token_id=s.eos_token_id))
+        stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
+        plan = ReusePlan.full_prefill()
+    done = time.perf_counter()
+    stages_ms = {k: round((v - t0) * 1e3, 3) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])}
+    stages_ms["done"] = round((done - t0) * 1e3, 3)
+    ttft_ms = (stamps["first_token"] - t0) * 1e3
+    log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=reason,
+             prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=bytes_pulled,
+             ttft_ms=round(ttft_ms, 3), stages_ms=stages_ms)
+    return schemas.GenerateReply(
+        request_id=req.request_id, text=text.decode(s.model.tokenizer, gen.tokens), token_ids=gen.tokens, path=path,
+        fallback_reason=reason if path in ("fallback", "full_prefill") else None, plan=plan.label(),
+        sender_id=holder.sender_id if holder is not None and path != "full_prefill" else None,
+        bytes_pulled=bytes_pulled, ttft_ms=ttft_ms, stages_ms=stages_ms, served_by=s.cfg.receiver_id,
+    )
+
+
+def _path_name(plan: ReusePlan) -> str:
+    return {"groups": "partial", "full_reuse": "full_reuse", "cacheblend": "cacheblend"}[plan.mode]
+
+
+async def on_available(s: ReceiverState, ev: schemas.CacheAvailable) -> None:
+    """A compatible sender announced a cache: connect ahead so the first pull is warm."""
+    if ev.fingerprint_id == s.model.fingerprint.id:
+        await s.warm(ev.ucx_host, ev.ucx_port)

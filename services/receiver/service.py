@@ -1,0 +1,99 @@
+"""Receiver service: generate requests on the model's queue group (copies share the load),
+availability events to warm UCX endpoints, recompute configs per sender model."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+
+from services.receiver import handlers
+from services.receiver.config import ReceiverConfig
+from shared.bus import Bus, NatsBus
+from shared.model.adapter import ModelAdapter, load_model
+from shared.kv.plan import ReusePlan
+from shared.service_kit import Background, event, rpc
+from shared.transport.ucx import BulkClient
+from shared.wire import schemas, subjects
+
+log = structlog.get_logger("receiver")
+VERSION = "0.1.0"
+
+
+class ReceiverState:
+    """What the handlers share: config, model, bus, UCX client, pair configs, the torch thread."""
+
+    def __init__(self, cfg: ReceiverConfig, bus: Bus, model: ModelAdapter, executor: ThreadPoolExecutor,
+                 bg: Background):
+        self.cfg, self.bus, self.model, self.executor, self._bg = cfg, bus, model, executor, bg
+        self.bulk = BulkClient()
+        self.pull_slots = asyncio.Semaphore(cfg.max_concurrent_pulls)
+        self.configs: dict[str, ReusePlan] = {}  # sender model id -> profiled plan for this receiver
+        self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
+        self._warmed: set[tuple[str, int]] = set()
+
+    def plan_for(self, sender_model: str, mode: str) -> tuple[ReusePlan, str | None]:
+        """The plan for a cache from `sender_model`, and why it is full prefill when it is."""
+        if mode == "full_reuse":
+            return ReusePlan.full_reuse(), None
+        if sender_model in self.configs:
+            return self.configs[sender_model], None
+        if self.cfg.default_group:
+            s, e = self.cfg.default_group
+            return ReusePlan.recompute(s, min(e, self.model.num_layers)), None
+        return ReusePlan.full_prefill(), f"no recompute config for {sender_model} -> {self.cfg.model_id}"
+
+    async def run_torch(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def warm(self, host: str, port: int) -> None:
+        if (host, port) in self._warmed:
+            return
+        self._warmed.add((host, port))
+        self._bg.spawn(self._warm(host, port), f"warm-{host}:{port}")
+
+    async def _warm(self, host: str, port: int) -> None:
+        try:
+            await self.bulk.warm(host, port)
+        except Exception as e:  # a dead sender is found again at pull time; the pull falls back
+            self._warmed.discard((host, port))
+            log.warning("warm_failed", host=host, port=port, error=repr(e))
+
+
+class ReceiverService:
+    def __init__(self, cfg: ReceiverConfig, bus: Bus | None = None, model: ModelAdapter | None = None):
+        self.cfg = cfg
+        self._bus = bus
+        self._model = model
+        self._bg = Background()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.state: ReceiverState | None = None
+
+    async def __aenter__(self) -> ReceiverService:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        model = self._model or await loop.run_in_executor(
+            self._executor, functools.partial(load_model, cfg.model_path, dtype=cfg.dtype, name=cfg.model_id))
+        if model.tokenizer is None:
+            raise ValueError(f"{cfg.model_path} has no tokenizer; the receiver serves text")
+        bus = self._bus or await NatsBus.connect(cfg.nats_url, "droidmesh-receiver", VERSION)
+        s = self.state = ReceiverState(cfg, bus, model, self._executor, self._bg)
+        await bus.subscribe(subjects.CACHE_AVAILABLE, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))
+        await bus.serve(subjects.receiver_generate(cfg.model_id),
+                        rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)),
+                        queue=subjects.receiver_queue(cfg.model_id))
+        log.info("receiver_started", model_id=cfg.model_id, receiver_id=cfg.receiver_id,
+                 fingerprint=model.fingerprint.id, layers=model.num_layers)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        s = self.state
+        if s is not None and self._bus is None:
+            await s.bus.close()  # type: ignore[attr-defined]  # drain: in-flight requests finish first
+        await self._bg.close()
+        if s is not None:
+            await s.bulk.close()
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,98 @@
+"""Sender handlers: one function per subject. Torch work runs in the service's worker thread."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from shared.errors import BadRequestError, DeadlineExceededError
+from shared.kv.blocks import CapturedContext, context_id, tensor_nbytes
+from shared.kv.capture import capture_prefill
+from shared.kv.partial import generate as engine_generate
+from shared.kv.plan import ReusePlan
+from shared.kv.sources import CapturedSource
+from shared.model import text
+from shared.transport.tensors import dtype_name
+from shared.wire import schemas, subjects
+
+if TYPE_CHECKING:
+    from services.sender.service import SenderState
+
+log = structlog.get_logger("sender")
+
+
+async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, CapturedContext]:
+    """The context's capture, from the store or by prefilling it now (then stored + announced)."""
+    cid = context_id(ctx_ids)
+    captured = s.store.get(cid)
+    if captured is None:
+        e_layers = [l for l in s.e_layers() if l < s.model.num_layers]
+        captured = await s.run_torch(capture_prefill, s.model, ctx_ids, e_layers)
+        for evicted in s.store.put(cid, captured):
+            await s.bus.publish(subjects.CACHE_EVICTED, schemas.encode(
+                schemas.CacheEvicted(sender_id=s.cfg.sender_id, context_id=evicted)))
+        await announce(s, cid, captured)
+    return cid, captured
+
+
+async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
+    """Publish the availability event receivers and brokers act on."""
+    e_sizes = {tensor_nbytes(t) for t in captured.e.values()}
+    msg = schemas.CacheAvailable(
+        sender_id=s.cfg.sender_id, model_id=s.cfg.model_id,
+        fingerprint=schemas.fingerprint_to_wire(captured.fingerprint), fingerprint_id=captured.fingerprint.id,
+        context_id=cid, token_ids=list(captured.token_ids), dtype=dtype_name(s.model.dtype),
+        kv_nbytes=captured.kv_nbytes(), e_layers=sorted(captured.e), e_nbytes=max(e_sizes, default=0),
+        ucx_host=s.cfg.ucx_host, ucx_port=s.ucx_port, published_at=time.time(),
+    )
+    await s.bus.publish(subjects.CACHE_AVAILABLE, schemas.encode(msg))
+
+
+def _check_deadline(deadline: float) -> None:
+    if deadline and time.time() > deadline:
+        raise DeadlineExceededError(f"deadline passed {time.time() - deadline:.3f}s ago; dropped")
+
+
+async def generate(s: SenderState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
+    """Answer the sender's own question over a context; the context is captured and announced."""
+    _check_deadline(req.deadline)
+    if req.max_new_tokens < 1:
+        raise BadRequestError("max_new_tokens must be >= 1")
+    t0 = time.perf_counter()
+    ctx_ids, q_ids = text.prompt_ids(s.model.tokenizer, req.context, req.question)
+    if not ctx_ids:
+        raise BadRequestError("empty context")
+    cid, captured = await _ensure_captured(s, ctx_ids)
+    captured_ms = (time.perf_counter() - t0) * 1e3
+    # The sender's own KV is exact for itself: full reuse of it == full prefill, minus the work.
+    gen = await s.run_torch(
+        lambda: engine_generate(s.model, ctx_ids + q_ids, ReusePlan.full_reuse(), CapturedSource(captured),
+                                max_new_tokens=req.max_new_tokens, eos_token_id=s.model.tokenizer.eos_token_id))
+    total_ms = (time.perf_counter() - t0) * 1e3
+    log.info("request", request_id=req.request_id, context_id=cid, tokens=len(ctx_ids) + len(q_ids),
+             capture_ms=round(captured_ms, 2), total_ms=round(total_ms, 2))
+    return schemas.GenerateReply(
+        request_id=req.request_id, text=text.decode(s.model.tokenizer, gen.tokens), token_ids=gen.tokens,
+        path="sender_own", fallback_reason=None, plan="own cache", sender_id=s.cfg.sender_id, bytes_pulled=0,
+        ttft_ms=captured_ms + gen.ttft_s * 1e3, stages_ms={"capture": captured_ms, "total": total_ms},
+        served_by=s.cfg.sender_id,
+    )
+
+
+async def prefill(s: SenderState, req: schemas.PrefillRequest) -> schemas.PrefillReply:
+    """A prefill-only job: capture and announce a context so receivers can reuse it."""
+    ctx_ids = text.context_ids(s.model.tokenizer, req.context)
+    if not ctx_ids:
+        raise BadRequestError("empty context")
+    cid, captured = await _ensure_captured(s, ctx_ids)
+    log.info("request", request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
+    return schemas.PrefillReply(request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
+
+
+async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:
+    """A (re)started broker asks for the current holdings: re-announce every stored context."""
+    for cid, captured in s.store.items():
+        await announce(s, cid, captured)
+    log.info("reannounced", broker_id=msg.broker_id, contexts=len(s.store.ids()))

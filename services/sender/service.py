@@ -1,0 +1,94 @@
+"""Sender service: wires the bus and the UCX server to the handlers.
+
+Lifecycle: load the model (worker thread) -> start the UCX listener on an ephemeral port ->
+serve generate/prefill requests -> heartbeat; on exit withdraw every cache (eviction events),
+stop serving, drain the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+
+from services.sender import handlers
+from services.sender.config import SenderConfig
+from services.sender.store import CacheStore
+from shared.bus import Bus, NatsBus
+from shared.model.adapter import ModelAdapter, load_model
+from shared.service_kit import Background, event, rpc
+from shared.transport.ucx import BulkServer
+from shared.wire import schemas, subjects
+
+log = structlog.get_logger("sender")
+VERSION = "0.1.0"
+
+
+class SenderState:
+    """What the handlers share: config, model, store, bus, and the torch worker thread."""
+
+    def __init__(self, cfg: SenderConfig, bus: Bus, model: ModelAdapter, executor: ThreadPoolExecutor):
+        self.cfg, self.bus, self.model, self.executor = cfg, bus, model, executor
+        self.store = CacheStore(cfg.store_bytes)
+        self.ucx_port = 0
+
+    def e_layers(self) -> list[int]:
+        return sorted(set(self.cfg.e_layers))
+
+    async def run_torch(self, fn: Any, *args: Any) -> Any:
+        """Run torch work on the single worker thread (never on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+
+class SenderService:
+    def __init__(self, cfg: SenderConfig, bus: Bus | None = None, model: ModelAdapter | None = None):
+        self.cfg = cfg
+        self._bus = bus
+        self._model = model
+        self._bg = Background()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self._server: BulkServer | None = None
+        self.state: SenderState | None = None
+
+    async def __aenter__(self) -> SenderService:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        model = self._model or await loop.run_in_executor(
+            self._executor, functools.partial(load_model, cfg.model_path, dtype=cfg.dtype, name=cfg.model_id))
+        bus = self._bus or await NatsBus.connect(cfg.nats_url, "droidmesh-sender", VERSION)
+        s = self.state = SenderState(cfg, bus, model, self._executor)
+        self._server = BulkServer(s.store.tensor)
+        s.ucx_port = self._server.start(cfg.ucx_port)
+        await bus.serve(subjects.sender_generate(cfg.model_id),
+                        rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")
+        await bus.serve(subjects.sender_prefill(cfg.model_id),
+                        rpc(schemas.PrefillRequest, functools.partial(handlers.prefill, s)), queue="senders")
+        await bus.subscribe(subjects.BROKER_HELLO, event(schemas.BrokerHello, functools.partial(handlers.broker_hello, s)))
+        self._bg.spawn(self._heartbeat(s), "heartbeat")
+        log.info("sender_started", model_id=cfg.model_id, sender_id=cfg.sender_id, ucx_port=s.ucx_port,
+                 fingerprint=model.fingerprint.id, layers=model.num_layers)
+        return self
+
+    async def _heartbeat(self, s: SenderState) -> None:
+        while True:
+            msg = schemas.SenderHeartbeat(sender_id=s.cfg.sender_id, model_id=s.cfg.model_id,
+                                          context_ids=s.store.ids(), interval_s=s.cfg.heartbeat_s, sent_at=time.time())
+            await s.bus.publish(subjects.SENDER_HEARTBEAT, schemas.encode(msg))
+            await asyncio.sleep(s.cfg.heartbeat_s)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._bg.close()
+        s = self.state
+        if s is not None:
+            for cid in s.store.ids():  # withdraw: nobody should be sent here any more
+                await s.bus.publish(subjects.CACHE_EVICTED, schemas.encode(
+                    schemas.CacheEvicted(sender_id=s.cfg.sender_id, context_id=cid)))
+            if self._bus is None:
+                await s.bus.close()  # type: ignore[attr-defined]
+        if self._server is not None:
+            await self._server.close()
+        self._executor.shutdown(wait=True)

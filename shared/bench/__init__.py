@@ -1,0 +1,1 @@
+"""Benchmark suites behind `droidmesh bench ...`: they print tables and write JSON/PNG, never assert."""

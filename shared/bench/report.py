@@ -1,0 +1,57 @@
+"""Common output of every benchmark: machine record, a printed table, JSON, optional plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (stored with every JSON)."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def model_record(adapter: Any) -> dict[str, Any]:
+    return {
+        "name": adapter.name,
+        "layers": adapter.num_layers,
+        "hidden": adapter.fingerprint.hidden_size,
+        "params": sum(p.numel() for p in adapter.model.parameters()),
+        "dtype": str(adapter.dtype).removeprefix("torch."),
+    }
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain fixed-width table (also pasted into the README as is)."""
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def write_json(path: str | os.PathLike | None, payload: dict[str, Any]) -> None:
+    if path is None:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2) + "\n")

@@ -1,0 +1,141 @@
+"""The control-plane bus: a narrow interface over NATS, and an in-process twin for tests.
+
+`Bus` (all methods are coroutines on the service's event loop; none blocks the loop):
+  - `publish(subject, data)`                 fire-and-forget event (senders, brokers)
+  - `request(subject, data, timeout)`        one request, one reply or TimeoutError (clients)
+  - `subscribe(subject, handler, queue)`     events to `handler` (broker, receivers)
+  - `serve(subject, handler, queue)`         request/reply endpoint; one copy of `queue` answers
+Payloads are bytes of `shared.wire.schemas` messages; decoding and error replies live in
+`shared.service_kit`, so a bus never interprets what it carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import structlog
+
+RequestHandler = Callable[[bytes], Awaitable[bytes]]
+EventHandler = Callable[[bytes], Awaitable[None]]
+
+log = structlog.get_logger("bus")
+
+
+class Bus(Protocol):
+    async def publish(self, subject: str, data: bytes) -> None: ...
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes: ...
+
+    async def subscribe(self, subject: str, handler: EventHandler, queue: str | None = None) -> None: ...
+
+    async def serve(self, subject: str, handler: RequestHandler, queue: str) -> None: ...
+
+
+class NatsBus:
+    """`Bus` over a nats-py connection; `serve` endpoints are NATS micro endpoints, so every
+    service answers `$SRV.PING/INFO/STATS` discovery under its service name."""
+
+    def __init__(self, nc: Any, service_name: str, version: str):
+        self.nc = nc
+        self._service_name = service_name
+        self._version = version
+        self._micro: Any = None
+        self._subs: list[Any] = []
+
+    @classmethod
+    async def connect(cls, url: str, service_name: str, version: str, **options: Any) -> NatsBus:
+        import nats
+
+        async def on_error(e: Exception) -> None:
+            log.warning("nats_error", error=str(e))
+
+        nc = await nats.connect(
+            url, name=service_name, error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options
+        )
+        return cls(nc, service_name, version)
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        await self.nc.publish(subject, data)
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        import nats.errors
+
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+            raise TimeoutError(f"no reply on {subject} within {timeout:.3g}s ({type(e).__name__})") from e
+        return msg.data
+
+    async def subscribe(self, subject: str, handler: EventHandler, queue: str | None = None) -> None:
+        async def cb(msg: Any) -> None:
+            await handler(msg.data)
+
+        self._subs.append(await self.nc.subscribe(subject, queue=queue or "", cb=cb))
+
+    async def serve(self, subject: str, handler: RequestHandler, queue: str) -> None:
+        from nats import micro
+
+        if self._micro is None:
+            self._micro = await micro.add_service(self.nc, name=self._service_name, version=self._version)
+
+        async def endpoint(req: Any) -> None:
+            await req.respond(await handler(req.data))
+
+        name = subject.replace(".", "-").replace("*", "any").replace(">", "all")
+        await self._micro.add_endpoint(name=name, subject=subject, handler=endpoint, queue_group=queue)
+
+    async def close(self) -> None:
+        """Drain: stop taking new messages, let in-flight handlers finish, then disconnect."""
+        if self._micro is not None:
+            await self._micro.stop()
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+
+class InProcessBus:
+    """`Bus` inside one event loop, for integration tests: exact subjects, queue groups round-robin."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, list[tuple[str | None, EventHandler]]] = defaultdict(list)
+        self._servers: dict[str, list[RequestHandler]] = defaultdict(list)
+        self._rr: dict[str, itertools.count] = defaultdict(itertools.count)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        seen_queues: set[str] = set()
+        handlers = self._events.get(subject, [])
+        for queue, handler in handlers:
+            if queue is not None:
+                if queue in seen_queues:
+                    continue
+                seen_queues.add(queue)
+                group = [h for q, h in handlers if q == queue]
+                handler = group[next(self._rr[subject + queue]) % len(group)]
+            task = asyncio.get_running_loop().create_task(handler(data))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        servers = self._servers.get(subject)
+        if not servers:
+            raise TimeoutError(f"no responders on {subject}")
+        handler = servers[next(self._rr[subject]) % len(servers)]
+        return await asyncio.wait_for(handler(data), timeout)
+
+    async def subscribe(self, subject: str, handler: EventHandler, queue: str | None = None) -> None:
+        self._events[subject].append((queue, handler))
+
+    async def serve(self, subject: str, handler: RequestHandler, queue: str) -> None:
+        self._servers[subject].append(handler)
+
+    async def settle(self) -> None:
+        """Wait until every delivered event has been handled (tests only)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks))
+
+    async def close(self) -> None:
+        await self.settle()

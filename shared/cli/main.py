@@ -1,0 +1,22 @@
+"""The `droidmesh` command line: one click group, one module per command family."""
+
+from __future__ import annotations
+
+import click
+
+from shared.cli.bench import bench
+from shared.cli.eval import eval_cmd
+from shared.cli.zoo import zoo
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """DroidMesh: reuse one LLM's KV cache in another, recomputing only a critical layer group."""
+
+
+main.add_command(bench)
+main.add_command(zoo)
+main.add_command(eval_cmd)
+
+if __name__ == "__main__":
+    main()

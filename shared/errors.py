@@ -1,0 +1,103 @@
+"""The DroidMesh error hierarchy.
+
+Every failure a caller can act on has its own class, so a receiver can tell "fall back to
+full prefill" (any `ReuseError`) from "this request itself is bad" (`BadRequestError`) and
+services can turn each into a specific error reply. `code` is the stable, wire-visible name.
+"""
+
+from __future__ import annotations
+
+
+class DroidMeshError(Exception):
+    """Base of all DroidMesh errors."""
+
+    code = "internal"
+
+
+class ConfigError(DroidMeshError, ValueError):
+    """A configuration value is missing or out of range."""
+
+    code = "bad_config"
+
+
+class CheckpointNotFoundError(DroidMeshError, FileNotFoundError):
+    """A model path does not exist locally (DroidMesh never downloads weights)."""
+
+    code = "checkpoint_not_found"
+
+
+class UnsupportedModelError(DroidMeshError):
+    """The checkpoint's architecture is outside what the engine supports."""
+
+    code = "unsupported_model"
+
+
+class BadRequestError(DroidMeshError, ValueError):
+    """A request is malformed (empty prompt, bad layer group, ...)."""
+
+    code = "bad_request"
+
+
+class ReuseError(DroidMeshError):
+    """Reusing another model's cache is not possible; the caller falls back to full prefill."""
+
+    code = "reuse_failed"
+
+
+class IncompatibleModelsError(ReuseError):
+    """Sender and receiver architecture fingerprints differ; `diff` names each differing field."""
+
+    code = "incompatible_models"
+
+    def __init__(self, diff: dict[str, tuple[object, object]]):
+        self.diff = diff
+        parts = ", ".join(f"{k}: sender={a!r} receiver={b!r}" for k, (a, b) in sorted(diff.items()))
+        super().__init__(f"architectures differ: {parts}")
+
+
+class CacheLayoutError(ReuseError):
+    """A delivered tensor's shape or dtype does not match the receiver's expected layout."""
+
+    code = "cache_layout"
+
+
+class MissingLayerError(ReuseError):
+    """A layer's KV or E tensor never arrived (deadline passed, or the source gave up)."""
+
+    code = "missing_layer"
+
+
+class BadMessageError(BadRequestError):
+    """Bytes that are not a valid message: undecodable, wrong field types, oversize."""
+
+    code = "bad_message"
+
+
+class SchemaVersionError(BadMessageError):
+    """A message of a schema version this build does not speak."""
+
+    code = "schema_version"
+
+
+class UnknownModelError(BadRequestError):
+    """A request names a model this service does not host."""
+
+    code = "unknown_model"
+
+
+class DeadlineExceededError(DroidMeshError):
+    """The request's deadline passed before it could be served."""
+
+    code = "deadline_exceeded"
+
+
+class TransferError(ReuseError):
+    """A bulk transfer failed (peer gone, refused, unknown context)."""
+
+    code = "transfer_failed"
+
+
+class IntegrityError(ReuseError):
+    """A transferred tensor's checksum, shape or dtype did not match its header."""
+
+    code = "integrity"

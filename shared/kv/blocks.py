@@ -1,0 +1,103 @@
+"""Data of the numeric core: one layer's KV (`KVBlock`) and a sender's captured context.
+
+Shapes (batch is always 1 on the sharing path):
+  K, V  [1, kv_heads, T, head_dim]   keys after RoPE, at positions 0..T-1
+  E_l   [1, T, hidden]               the hidden state entering layer l
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+
+import torch
+import xxhash
+
+from shared.errors import BadRequestError, CacheLayoutError
+from shared.model.fingerprint import ArchFingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBlock:
+    """Layer `layer`'s keys and values for a context."""
+
+    layer: int
+    k: torch.Tensor  # [1, kv_heads, T, head_dim]
+    v: torch.Tensor  # [1, kv_heads, T, head_dim]
+
+    @property
+    def tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.k) + tensor_nbytes(self.v)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedContext:
+    """What a sender keeps for one prefilled context: KV of every layer, E of chosen layers."""
+
+    token_ids: tuple[int, ...]
+    fingerprint: ArchFingerprint
+    model_name: str
+    kv: tuple[KVBlock, ...]  # one per layer, in layer order
+    e: dict[int, torch.Tensor]  # layer -> E_layer [1, T, hidden]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.kv)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: all K/V plus the captured E tensors."""
+        return sum(b.nbytes for b in self.kv) + sum(tensor_nbytes(t) for t in self.e.values())
+
+    def kv_nbytes(self) -> list[int]:
+        return [b.nbytes for b in self.kv]
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def check_kv(block: KVBlock, layer: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise `CacheLayoutError` unless `block` is layer `layer`'s KV of `shape` and `dtype`."""
+    if block.layer != layer:
+        raise CacheLayoutError(f"expected KV of layer {layer}, got layer {block.layer}")
+    for name, t in (("K", block.k), ("V", block.v)):
+        check_tensor(f"layer {layer} {name}", t, shape, dtype)
+
+
+def check_tensor(what: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise CacheLayoutError(f"{what}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.dtype != dtype:
+        raise CacheLayoutError(f"{what}: dtype {t.dtype}, expected {dtype}")
+
+
+def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    """Length of the longest common prefix of two token-id sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def reusable_prefix(cached: tuple[int, ...] | list[int], prompt: list[int]) -> int:
+    """Tokens of `prompt` that can come from `cached`: the common prefix, but always leave at
+    least one prompt token to compute (its logits start decoding)."""
+    if not prompt:
+        raise BadRequestError("empty prompt")
+    return min(common_prefix(cached, prompt), len(prompt) - 1)
+
+
+def context_id(token_ids: tuple[int, ...] | list[int]) -> str:
+    """Content address of a context: xxh3-128 of its token ids as little-endian uint32."""
+    arr = array.array("I", token_ids)
+    return xxhash.xxh3_128_hexdigest(arr.tobytes())

@@ -1,0 +1,159 @@
+"""Partial prefill (receiver side): run the receiver over a context whose KV came from a sender.
+
+Sequence for a prompt P whose first m tokens are the sender's cached context (m = longest common
+token prefix, leaving >= 1 token to compute):
+  1. for each recompute group [s, e): wait for the sender's E_s only, then run receiver layers
+     s..e-1 over the m context tokens (positions 0..m-1) -> receiver KV of layers s..e-1.
+     (cacheblend instead recomputes a share of tokens through all layers, see `blend.py`.)
+  2. the suffix P[m:] runs through all receiver layers at positions m.. ; before layer l it waits
+     for layer l's KV only (reused layers: the sender's, checked and sliced to m tokens).
+  3. greedy decoding continues from the suffix's last logits on the assembled cache.
+Step 1 needs no reused KV at all, so a transport that delivers E first overlaps the recompute
+with the KV transfer. Every delivered tensor is checked before use and the cache is private to
+the call: on any error nothing is half-applied, the caller falls back to full prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shared.errors import BadRequestError, ReuseError
+from shared.kv.blend import blend_context
+from shared.kv.blocks import check_kv, check_tensor, reusable_prefix
+from shared.kv.plan import ReusePlan
+from shared.kv.sources import LayerSource
+from shared.model import hf_cache
+from shared.model.adapter import ModelAdapter
+from shared.model.fingerprint import require_compatible
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    cache: Any  # the assembled receiver cache, all layers at len(prompt) tokens
+    logits: torch.Tensor  # [S, vocab] float32 for the S computed (suffix) tokens
+    prompt_tokens: int
+    reused_tokens: int  # m: context tokens taken from the sender
+    plan: ReusePlan
+    stages: dict[str, float]  # seconds since the call began, per stage boundary
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[int]
+    prefill: PrefillResult
+    ttft_s: float  # call start -> first token chosen
+    total_s: float
+
+
+@torch.inference_mode()
+def prefill(
+    receiver: ModelAdapter,
+    prompt_ids: Sequence[int],
+    plan: ReusePlan,
+    source: LayerSource | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> PrefillResult:
+    """Prefill `prompt_ids` on `receiver` following `plan`, reusing `source`'s cached prefix."""
+    t0 = time.perf_counter()
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise BadRequestError("empty prompt")
+    L = receiver.num_layers
+    plan.validate(L)
+    receiver.check_length(len(prompt))
+    stages: dict[str, float] = {}
+    cache = receiver.new_cache()
+    if plan.mode == "full_prefill":
+        h = receiver.run_layers(receiver.embed(torch.tensor([prompt])), 0, L, cache, past=0)
+        stages["suffix_done"] = time.perf_counter() - t0
+        return PrefillResult(cache, receiver.logits(h)[0], len(prompt), 0, plan, stages)
+    if source is None:
+        raise BadRequestError(f"plan {plan.label()} needs a sender cache")
+    require_compatible(source.fingerprint, receiver.fingerprint)
+    m = reusable_prefix(source.token_ids, prompt)
+    if m == 0:
+        raise ReuseError("the sender's context shares no token prefix with the prompt")
+    deadline = time.monotonic() + timeout_s
+    filled = _fill_context(receiver, prompt[:m], plan, source, cache, deadline, stages, t0)
+
+    # Step 2: suffix through all layers; layer l waits only for layer l's KV.
+    h = receiver.embed(torch.tensor([prompt[m:]]))  # [1, S, D]
+    full = len(source.token_ids)
+    for layer in range(L):
+        if not filled[layer]:
+            block = source.kv(layer, deadline)
+            check_kv(block, layer, receiver.kv_shape(full), receiver.dtype)
+            hf_cache.set_layer_kv(cache, layer, block.k[:, :, :m], block.v[:, :, :m])  # [1, kvh, m, hd]
+            stages["kv_last_ready"] = time.perf_counter() - t0
+        h = receiver.run_layers(h, layer, layer + 1, cache, past=m)
+    stages["suffix_done"] = time.perf_counter() - t0
+    return PrefillResult(cache, receiver.logits(h)[0], len(prompt), m, plan, stages)
+
+
+def _fill_context(
+    receiver: ModelAdapter,
+    context: list[int],
+    plan: ReusePlan,
+    source: LayerSource,
+    cache: Any,
+    deadline: float,
+    stages: dict[str, float],
+    t0: float,
+) -> list[bool]:
+    """Step 1: compute the receiver's own context KV where the plan says so; return which
+    layers of `cache` now hold the context."""
+    L, m = receiver.num_layers, len(context)
+    filled = [False] * L
+    if plan.mode == "cacheblend":
+        stages["recompute_start"] = time.perf_counter() - t0
+        blend_context(receiver, context, source, plan.ratio, cache, deadline)
+        stages["recompute_done"] = time.perf_counter() - t0
+        return [True] * L
+    full = len(source.token_ids)
+    for s, e in plan.groups:
+        e_s = source.e(s, deadline)
+        check_tensor(f"E of layer {s}", e_s, receiver.e_shape(full), receiver.dtype)
+        stages.setdefault("recompute_start", time.perf_counter() - t0)
+        # E_s [1, full, D] -> the m reused context tokens [1, m, D]; layers s..e-1 over them.
+        receiver.run_layers(e_s[:, :m], s, e, cache, past=0)
+        for layer in range(s, e):
+            filled[layer] = True
+    if plan.groups:
+        stages["recompute_done"] = time.perf_counter() - t0
+    assert all(hf_cache.seq_length(cache, l) == m for l in range(L) if filled[l])
+    return filled
+
+
+@torch.inference_mode()
+def generate(
+    receiver: ModelAdapter,
+    prompt_ids: Sequence[int],
+    plan: ReusePlan,
+    source: LayerSource | None = None,
+    *,
+    max_new_tokens: int = 32,
+    eos_token_id: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Generation:
+    """Prefill per `plan`, then greedy-decode up to `max_new_tokens` (stopping at EOS)."""
+    if max_new_tokens < 1:
+        raise BadRequestError("max_new_tokens must be >= 1")
+    t0 = time.perf_counter()
+    pre = prefill(receiver, prompt_ids, plan, source, timeout_s=timeout_s)
+    token = int(pre.logits[-1].argmax())
+    ttft = time.perf_counter() - t0
+    tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers
+    while len(tokens) < max_new_tokens and token != eos_token_id:
+        h = receiver.run_layers(receiver.embed(torch.tensor([[token]])), 0, L, pre.cache, past=past)  # [1, 1, D]
+        token = int(receiver.logits(h)[0, -1].argmax())
+        tokens.append(token)
+        past += 1
+    return Generation(tokens=tokens, prefill=pre, ttft_s=ttft, total_s=time.perf_counter() - t0)

@@ -1,0 +1,102 @@
+"""`ReusePlan`: which layers a receiver reuses from the sender and which it recomputes.
+
+Four modes behind one interface:
+  full_prefill  no reuse; the receiver computes every layer over the whole prompt
+  full_reuse    every layer's KV from the sender; only the suffix is computed
+  groups        recompute each half-open group [s, e) over the context starting from the
+                sender's E_s; every other layer reuses the sender's KV
+  cacheblend    CacheBlend-style token-level recompute: the `ratio` share of context tokens
+                whose layer-0 K/V deviate most from the receiver's are recomputed through all
+                layers, the rest reuse the sender's KV
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Literal
+
+from shared.errors import BadRequestError
+
+Mode = Literal["full_prefill", "full_reuse", "groups", "cacheblend"]
+MODES: tuple[str, ...] = ("full_prefill", "full_reuse", "groups", "cacheblend")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReusePlan:
+    mode: Mode
+    groups: tuple[tuple[int, int], ...] = ()
+    ratio: float = 0.0
+
+    @staticmethod
+    def full_prefill() -> ReusePlan:
+        return ReusePlan("full_prefill")
+
+    @staticmethod
+    def full_reuse() -> ReusePlan:
+        return ReusePlan("full_reuse")
+
+    @staticmethod
+    def recompute(start: int, end: int) -> ReusePlan:
+        return ReusePlan.recompute_groups([(start, end)])
+
+    @staticmethod
+    def recompute_groups(groups: Iterable[tuple[int, int]]) -> ReusePlan:
+        gs = tuple(sorted((int(s), int(e)) for s, e in groups))
+        if not gs:
+            return ReusePlan.full_reuse()
+        return ReusePlan("groups", groups=gs)
+
+    @staticmethod
+    def cacheblend(ratio: float) -> ReusePlan:
+        return ReusePlan("cacheblend", ratio=float(ratio))
+
+    @property
+    def e_layers(self) -> tuple[int, ...]:
+        """Layers whose sender E the receiver needs (each group's first layer)."""
+        return tuple(s for s, _ in self.groups)
+
+    def recomputed_layers(self, num_layers: int) -> tuple[int, ...]:
+        if self.mode == "full_prefill":
+            return tuple(range(num_layers))
+        return tuple(l for s, e in self.groups for l in range(s, e))
+
+    def reused_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers whose KV comes from the sender (cacheblend: all, partly overwritten)."""
+        if self.mode == "full_prefill":
+            return ()
+        recomputed = set(self.recomputed_layers(num_layers))
+        return tuple(l for l in range(num_layers) if l not in recomputed)
+
+    def validate(self, num_layers: int) -> None:
+        """Raise `BadRequestError` unless the plan fits a model of `num_layers` layers."""
+        if self.mode not in MODES:
+            raise BadRequestError(f"unknown plan mode {self.mode!r}; expected one of {MODES}")
+        if self.mode == "cacheblend" and not 0.0 <= self.ratio <= 1.0:
+            raise BadRequestError(f"cacheblend ratio {self.ratio} outside [0, 1]")
+        if self.mode != "groups":
+            if self.groups:
+                raise BadRequestError(f"mode {self.mode} takes no groups")
+            return
+        prev_end = -1
+        for s, e in self.groups:
+            if not 0 <= s < e <= num_layers:
+                raise BadRequestError(f"group [{s}, {e}) outside 0..{num_layers} or empty")
+            if s < prev_end:
+                raise BadRequestError(f"groups overlap at layer {s}: {list(self.groups)}")
+            prev_end = e
+
+    def label(self) -> str:
+        if self.mode == "groups":
+            return "recompute " + ",".join(f"[{s},{e})" for s, e in self.groups)
+        if self.mode == "cacheblend":
+            return f"cacheblend {self.ratio:.0%}"
+        return self.mode.replace("_", " ")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"mode": self.mode, "groups": [list(g) for g in self.groups], "ratio": self.ratio}
+
+    @staticmethod
+    def from_dict(d: dict[str, object]) -> ReusePlan:
+        groups = tuple((int(s), int(e)) for s, e in d.get("groups", ()))  # type: ignore[union-attr]
+        return ReusePlan(str(d["mode"]), groups=groups, ratio=float(d.get("ratio", 0.0)))  # type: ignore[arg-type]

@@ -1,0 +1,103 @@
+"""Layer sources: where the engine gets the sender's per-layer KV and E from.
+
+`LayerSource` is the engine's narrow interface to the data plane (called from the engine's
+worker thread; both calls block until the layer is present or the deadline passes):
+  - `kv(layer, deadline)`  the sender's KVBlock of `layer`
+  - `e(layer, deadline)`   the sender's E tensor entering `layer`
+plus the cached context's `token_ids` and `fingerprint`.
+
+`CapturedSource` has everything up front. `ArrivingSource` is filled later, in any order, by a
+transport (`put_kv` / `put_e` from any thread) and lets the engine start recomputing as soon as
+E lands while the reused KV layers are still arriving: a wait is per layer, never global.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+import torch
+
+from shared.errors import MissingLayerError
+from shared.kv.blocks import CapturedContext, KVBlock
+from shared.model.fingerprint import ArchFingerprint
+
+
+class LayerSource(Protocol):
+    token_ids: tuple[int, ...]
+    fingerprint: ArchFingerprint
+
+    def kv(self, layer: int, deadline: float) -> KVBlock: ...
+
+    def e(self, layer: int, deadline: float) -> torch.Tensor: ...
+
+
+class CapturedSource:
+    """A source over a `CapturedContext` already in memory (same process as the sender)."""
+
+    def __init__(self, captured: CapturedContext):
+        self.captured = captured
+        self.token_ids = captured.token_ids
+        self.fingerprint = captured.fingerprint
+
+    def kv(self, layer: int, deadline: float) -> KVBlock:
+        if not 0 <= layer < self.captured.num_layers:
+            raise MissingLayerError(f"sender has no KV for layer {layer}")
+        return self.captured.kv[layer]
+
+    def e(self, layer: int, deadline: float) -> torch.Tensor:
+        if layer not in self.captured.e:
+            raise MissingLayerError(f"sender captured no E for layer {layer} (has {sorted(self.captured.e)})")
+        return self.captured.e[layer]
+
+
+class ArrivingSource:
+    """A source whose layers are delivered later by another thread, in any order."""
+
+    def __init__(self, token_ids: tuple[int, ...], fingerprint: ArchFingerprint):
+        self.token_ids = tuple(token_ids)
+        self.fingerprint = fingerprint
+        self._cond = threading.Condition()
+        self._kv: dict[int, KVBlock] = {}
+        self._e: dict[int, torch.Tensor] = {}
+        self._failure: BaseException | None = None
+        # Arrival stamps (time.perf_counter()) so callers can show what overlapped what.
+        self.arrived_at: dict[str, float] = {}
+
+    # -- producer side (transport thread) ------------------------------------------------
+    def put_kv(self, block: KVBlock) -> None:
+        with self._cond:
+            self._kv[block.layer] = block
+            self.arrived_at[f"kv{block.layer}"] = time.perf_counter()
+            self._cond.notify_all()
+
+    def put_e(self, layer: int, e: torch.Tensor) -> None:
+        with self._cond:
+            self._e[layer] = e
+            self.arrived_at[f"e{layer}"] = time.perf_counter()
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """Abort every current and future wait with `exc` (e.g. the sender died mid-transfer)."""
+        with self._cond:
+            self._failure = exc
+            self._cond.notify_all()
+
+    # -- consumer side (engine thread) ---------------------------------------------------
+    def kv(self, layer: int, deadline: float) -> KVBlock:
+        return self._wait(self._kv, layer, deadline, "KV")
+
+    def e(self, layer: int, deadline: float) -> torch.Tensor:
+        return self._wait(self._e, layer, deadline, "E")
+
+    def _wait(self, table: dict, layer: int, deadline: float, kind: str):  # type: ignore[no-untyped-def]
+        with self._cond:
+            while layer not in table:
+                if self._failure is not None:
+                    raise MissingLayerError(f"{kind} of layer {layer} will not arrive: {self._failure}") from self._failure
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MissingLayerError(f"{kind} of layer {layer} did not arrive before the deadline")
+                self._cond.wait(left)
+            return table[layer]

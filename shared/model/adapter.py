@@ -1,0 +1,242 @@
+"""Model adapter: load a local HF causal LM and run it layer by layer.
+
+`ModelAdapter` is the narrow interface the engine uses (called from the engine's worker thread;
+every method blocks while torch computes):
+  - `embed(ids)`                      token ids -> E_0
+  - `run_layers(h, start, end, ...)`  E_start -> E_end, filling the cache's layers start..end-1
+  - `run_sparse_layer(h, l, ...)`     one layer on scattered token positions (token-level recompute)
+  - `logits(h)`                       final norm + LM head
+A manual layer loop matches the model's own forward exactly when the causal mask is built
+explicitly whenever the cache already holds tokens (with sdpa, `attention_mask=None` on a
+non-empty cache silently mis-aligns the causal pattern).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from shared.errors import BadRequestError, CheckpointNotFoundError, UnsupportedModelError
+from shared.model import hf_cache
+from shared.model.fingerprint import ArchFingerprint, fingerprint_of
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise BadRequestError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclasses.dataclass
+class ModelAdapter:
+    """A decoder-only LM plus what the engine needs to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: Any | None
+    name: str
+
+    def __post_init__(self) -> None:
+        cfg = self.model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {cfg.model_type!r} not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        impl = cfg._attn_implementation
+        if impl not in ATTN_IMPLEMENTATIONS:
+            raise UnsupportedModelError(f"attention implementation {impl!r}; use one of {ATTN_IMPLEMENTATIONS}")
+        self.model.eval()
+        self.fingerprint: ArchFingerprint = fingerprint_of(cfg, self.tokenizer)
+        # Sliding-window layers keep only the last W tokens; within W they equal full attention,
+        # which is the only regime the engine accepts (checked per call in `check_length`).
+        self.window: int | None = getattr(cfg, "sliding_window", None) if _has_sliding(cfg) else None
+
+    # -- facts -----------------------------------------------------------------------------
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def kv_shape(self, tokens: int) -> tuple[int, int, int, int]:
+        """Per-layer K (and V) shape for `tokens` context tokens, batch 1."""
+        fp = self.fingerprint
+        return (1, fp.num_kv_heads, tokens, fp.head_dim)
+
+    def e_shape(self, tokens: int) -> tuple[int, int, int]:
+        """E (hidden state entering a layer) shape for `tokens` context tokens, batch 1."""
+        return (1, tokens, self.fingerprint.hidden_size)
+
+    def check_length(self, tokens: int) -> None:
+        if self.window is not None and tokens >= self.window:
+            raise BadRequestError(f"{tokens} tokens exceed the sliding window {self.window} of {self.name}")
+
+    def new_cache(self) -> Any:
+        return hf_cache.new_cache(self.model.config)
+
+    # -- the three calls -------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [1, T] -> E_0 [1, T, D]."""
+        return self.model.model.embed_tokens(ids.to(self.device))
+
+    def run_layers(self, h: torch.Tensor, start: int, end: int, cache: Any, past: int) -> torch.Tensor:
+        """Run decoder layers start..end-1 on h [1, T, D] sitting at positions past..past+T-1.
+
+        Layer l attends to whatever `cache` layer l already holds (exactly `past` tokens) plus
+        the new tokens, and appends the new tokens' K/V to it. Returns E_end [1, T, D].
+        """
+        t = h.shape[1]
+        positions = torch.arange(past, past + t, device=h.device)[None]  # [1, T]
+        cos, sin = self.model.model.rotary_emb(h, positions)  # each [1, T, head_dim]
+        mask = self._mask(past, t, h.dtype, h.device)
+        for layer in self.model.model.layers[start:end]:
+            h = layer(
+                h,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=(cos, sin),
+            )
+        return h
+
+    def run_sparse_layer(
+        self, h: torch.Tensor, layer: int, cache: Any, positions: torch.Tensor, allowed: torch.Tensor
+    ) -> torch.Tensor:
+        """Run one layer on tokens at arbitrary `positions` [1, n] (h [1, n, D]) with an explicit
+        boolean visibility `allowed` [1, 1, n, past+n] over (cache contents + these tokens).
+        Used by token-level recompute, where the recomputed tokens are scattered."""
+        cos, sin = self.model.model.rotary_emb(h, positions)  # each [1, n, head_dim]
+        impl = self.config._attn_implementation
+        mask = allowed if impl == "sdpa" else _additive(allowed, h.dtype)
+        return self.model.model.layers[layer](
+            h, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, position_embeddings=(cos, sin)
+        )
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """E_L [1, T, D] -> logits [1, T, vocab] (final norm, LM head), in float32."""
+        return self.model.lm_head(self.model.model.norm(h)).float()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _mask(self, past: int, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        if past == 0 and self.config._attn_implementation == "sdpa":
+            return None  # plain causal over an empty cache: sdpa's is_causal path is exact and fast
+        return causal_mask(past, t, self.config._attn_implementation, dtype, device)
+
+
+def causal_mask(past: int, t: int, impl: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Mask [1, 1, T, past+T] letting query i (position past+i) see keys 0..past+i.
+
+    sdpa takes a boolean mask (True = attend); eager takes an additive float mask.
+    """
+    q = torch.arange(past, past + t, device=device)[:, None]  # [T, 1]
+    k = torch.arange(past + t, device=device)[None, :]  # [1, past+T]
+    allowed = (k <= q)[None, None]  # [1, 1, T, past+T]
+    return allowed if impl == "sdpa" else _additive(allowed, dtype)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility -> eager attention's additive mask (0 where visible, -inf-ish elsewhere)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _has_sliding(cfg: Any) -> bool:
+    types = getattr(cfg, "layer_types", None) or []
+    return "sliding_attention" in types
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    name: str | None = None,
+) -> ModelAdapter:
+    """Load a local HF checkpoint (config + weights [+ tokenizer]); never touches the hub.
+
+    A directory holding `adapter_config.json` is a PEFT LoRA adapter: its base is loaded and the
+    adapter merged, so the result is an ordinary model with the adapter's weights.
+    """
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
+        raise CheckpointNotFoundError(f"no local checkpoint at {p} (expected config.json); DroidMesh never downloads")
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise UnsupportedModelError(f"attention implementation {attn_implementation!r}; use {ATTN_IMPLEMENTATIONS}")
+    kw = dict(dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True)
+    if (p / "adapter_config.json").is_file():
+        model = _load_lora(p, kw)
+    else:
+        model_type = AutoConfig.from_pretrained(p, local_files_only=True).model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(f"{p}: model_type {model_type!r} not in {SUPPORTED_MODEL_TYPES}")
+        model = AutoModelForCausalLM.from_pretrained(p, **kw)
+    tok = _load_tokenizer(p)
+    return ModelAdapter(model=model.to(device), tokenizer=tok, name=name or p.name)
+
+
+def _load_lora(p: Path, kw: dict[str, Any]) -> PreTrainedModel:
+    from peft import PeftModel  # imported lazily: only adapter checkpoints need it
+
+    base_path = _lora_base(p)
+    if base_path is None or not (base_path / "config.json").is_file():
+        raise CheckpointNotFoundError(f"LoRA adapter {p}: its base model is not found locally at {base_path}")
+    model = AutoModelForCausalLM.from_pretrained(base_path, **kw)
+    return PeftModel.from_pretrained(model, p, local_files_only=True).merge_and_unload()
+
+
+def _load_tokenizer(p: Path) -> Any | None:
+    for candidate in (p, _lora_base(p)):
+        if candidate is not None and (candidate / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(candidate, local_files_only=True)
+    return None
+
+
+def _lora_base(p: Path) -> Path | None:
+    """The adapter's base checkpoint; a relative path is taken relative to the adapter dir."""
+    cfg = p / "adapter_config.json"
+    if not cfg.is_file():
+        return None
+    base = Path(json.loads(cfg.read_text())["base_model_name_or_path"])
+    return base if base.is_absolute() else (p / base).resolve()
+
+
+def random_model(
+    model_type: str = "llama",
+    *,
+    seed: int = 0,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    name: str | None = None,
+    **config: Any,
+) -> ModelAdapter:
+    """A random-init model of the given family (tests, benchmarks before the zoo exists)."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type {model_type!r} not in {SUPPORTED_MODEL_TYPES}")
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+    model = model.to(resolve_dtype(dtype))
+    return ModelAdapter(model=model, tokenizer=None, name=name or f"random-{model_type}-{seed}")

@@ -1,0 +1,1 @@
+"""The wire vocabulary: typed msgpack schemas (`schemas`) and NATS subjects (`subjects`)."""

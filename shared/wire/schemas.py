@@ -1,0 +1,184 @@
+"""Every wire message, typed, in one module (msgpack via msgspec, which validates types).
+
+Each message is a tagged struct: its msgpack map carries `type` (the message kind) and `v`
+(the schema version). `decode` checks, in order: size, msgpack-ness, version, then every field's
+type, and raises a specific `BadMessageError` subclass naming what is wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from shared.errors import BadMessageError, SchemaVersionError
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never ride the bus
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True):
+    v: int = SCHEMA_VERSION
+
+
+class Fingerprint(msgspec.Struct):
+    """`shared.model.fingerprint.ArchFingerprint` on the wire."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: str
+    vocab_hash: str
+
+
+# -- cache availability (events) ------------------------------------------------------------
+class CacheAvailable(Message, tag="cache.available"):
+    """A sender holds a context's KV of every layer and E of `e_layers`, pullable over UCX."""
+
+    sender_id: str
+    model_id: str
+    fingerprint: Fingerprint
+    fingerprint_id: str
+    context_id: str  # hash of the token ids
+    token_ids: list[int]
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    kv_nbytes: list[int]  # per layer, K + V
+    e_layers: list[int]
+    e_nbytes: int  # per E tensor
+    ucx_host: str
+    ucx_port: int
+    published_at: float  # unix seconds
+
+
+class CacheEvicted(Message, tag="cache.evicted"):
+    sender_id: str
+    context_id: str
+
+
+class SenderHeartbeat(Message, tag="sender.heartbeat"):
+    """Liveness; `context_ids` lets a restarted broker drop holders that vanished meanwhile."""
+
+    sender_id: str
+    model_id: str
+    context_ids: list[str]
+    interval_s: float
+    sent_at: float
+
+
+# -- broker lookup --------------------------------------------------------------------------
+class LookupRequest(Message, tag="lookup.request"):
+    token_ids: list[int]
+    fingerprint_id: str
+    exclude_model: str | None = None  # e.g. the receiver itself
+
+
+class LookupReply(Message, tag="lookup.reply"):
+    holder: CacheAvailable | None
+    matched_tokens: int
+
+
+# -- generate / prefill ---------------------------------------------------------------------
+MODES = ("auto", "full_prefill", "full_reuse", "partial")
+
+
+class GenerateRequest(Message, tag="generate.request"):
+    request_id: str
+    context: str  # the shared document (the sender's prefix)
+    question: str
+    max_new_tokens: int = 32
+    deadline: float = 0.0  # unix seconds; 0 = the service's default
+    mode: str = "auto"  # see MODES; anything but auto forces that path (benchmarks, demo)
+
+
+class GenerateReply(Message, tag="generate.reply"):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    path: str  # partial | full_reuse | full_prefill | fallback
+    fallback_reason: str | None
+    plan: str
+    sender_id: str | None
+    bytes_pulled: int
+    ttft_ms: float
+    stages_ms: dict[str, float]
+    served_by: str
+
+
+class PrefillRequest(Message, tag="prefill.request"):
+    request_id: str
+    context: str
+
+
+class PrefillReply(Message, tag="prefill.reply"):
+    request_id: str
+    context_id: str
+    tokens: int
+    nbytes: int
+
+
+class ErrorReply(Message, tag="error"):
+    code: str
+    message: str
+    request_id: str | None = None
+
+
+# -- the UCX pull protocol (rides the UCX endpoint, not NATS) ------------------------------
+class PullItem(msgspec.Struct):
+    layer: int
+    kind: str  # "K" | "V" | "E"
+
+
+class PullRequest(Message, tag="pull.request"):
+    context_id: str
+    items: list[PullItem]  # served in this order: E first lets the receiver start early
+
+
+class TensorHeader(Message, tag="tensor.header"):
+    """Precedes each tensor's bytes; `checksum` is xxh3-64 of exactly those bytes."""
+
+    context_id: str
+    layer: int
+    kind: str
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    checksum: str
+    error: str | None = None  # set (and no bytes follow) when the sender cannot serve the item
+
+
+M = TypeVar("M", bound=Message)
+
+
+def encode(msg: Message) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+def decode(data: bytes, kind: type[M]) -> M:
+    """Decode `data` as a `kind` message or raise a BadMessageError saying exactly why."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise BadMessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        raw: Any = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError as e:
+        raise BadMessageError(f"not msgpack: {e}") from None
+    if not isinstance(raw, dict):
+        raise BadMessageError(f"expected a msgpack map, got {type(raw).__name__}")
+    if raw.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise SchemaVersionError(f"schema version {raw.get('v')!r}; this build speaks {SCHEMA_VERSION}")
+    try:
+        return msgspec.msgpack.decode(data, type=kind)
+    except msgspec.ValidationError as e:
+        raise BadMessageError(f"invalid {kind.__name__}: {e}") from None
+    except msgspec.DecodeError as e:  # pragma: no cover - raw decode above already succeeded
+        raise BadMessageError(str(e)) from None
+
+
+def fingerprint_to_wire(fp: Any) -> Fingerprint:
+    return Fingerprint(**fp.to_dict())
+
+
+class BrokerHello(Message, tag="broker.hello"):
+    broker_id: str

@@ -1,0 +1,29 @@
+"""Training-free oracle: a sender that differs from the receiver only in layers [a, b)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.kv.capture import capture_prefill
+from shared.kv.partial import prefill
+from shared.kv.plan import ReusePlan
+from shared.kv.sources import CapturedSource
+from tests.conftest import ATOL, perturbed_copy, reference_logits
+
+L = 6
+
+
+@pytest.mark.parametrize("a,b", [(0, 1), (2, 4), (4, 6)])
+def test_group_is_exact_iff_it_starts_by_a_and_ends_at_L(receiver, prompt, a, b):
+    """Recomputing [s, e) is exact iff s <= a and e == L; every other group is measurably off."""
+    ctx, q = prompt
+    sender = perturbed_copy(receiver, range(a, b))
+    src = CapturedSource(capture_prefill(sender, ctx, e_layers=range(L)))
+    ref = reference_logits(receiver, ctx + q)[-len(q):]
+    for s in range(L):
+        for e in range(s + 1, L + 1):
+            diff = float((prefill(receiver, ctx + q, ReusePlan.recompute(s, e), src).logits[-len(q):] - ref).abs().max())
+            if s <= a and e == L:
+                assert diff <= ATOL, f"[{s},{e}) should be exact for a sender differing in [{a},{b}): {diff}"
+            else:
+                assert diff > 100 * ATOL, f"[{s},{e}) should differ for a sender differing in [{a},{b}): {diff}"

@@ -1,0 +1,89 @@
+"""Partial prefill against the receiver's own full prefill (float32, ATOL = 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.kv.capture import capture_prefill
+from shared.kv.partial import generate, prefill
+from shared.kv.plan import ReusePlan
+from shared.kv.sources import CapturedSource
+from tests.conftest import ATOL, reference_greedy, reference_logits
+
+L = 6
+EVERY_GROUP = [(s, e) for s in range(L) for e in range(s + 1, L + 1)]
+
+
+def _suffix_diff(result, ref, question) -> float:  # type: ignore[no-untyped-def]
+    return float((result.logits[-len(question):] - ref[-len(question):]).abs().max())
+
+
+def test_full_prefill_matches_hf_forward(receiver, prompt):
+    """The engine's own layer loop equals the model's HF forward on the whole prompt."""
+    ctx, q = prompt
+    res = prefill(receiver, ctx + q, ReusePlan.full_prefill())
+    assert float((res.logits - reference_logits(receiver, ctx + q)).abs().max()) <= ATOL
+
+
+def test_group_covering_all_layers_is_full_prefill(receiver, prompt):
+    """Recomputing [0, L) from E_0 reproduces full prefill's logits and greedy tokens."""
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=[0]))
+    ref = reference_logits(receiver, ctx + q)
+    res = prefill(receiver, ctx + q, ReusePlan.recompute(0, L), src)
+    assert res.reused_tokens == len(ctx)
+    assert _suffix_diff(res, ref, q) <= ATOL
+    gen = generate(receiver, ctx + q, ReusePlan.recompute(0, L), src, max_new_tokens=8)
+    assert gen.tokens == reference_greedy(receiver, ctx + q, 8)
+
+
+@pytest.mark.parametrize("plan", [ReusePlan.recompute(s, e) for s, e in EVERY_GROUP], ids=str)
+def test_self_reuse_every_group_is_exact(receiver, prompt, plan):
+    """With sender == receiver every recompute group gives the receiver's own output."""
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=plan.e_layers))
+    assert _suffix_diff(prefill(receiver, ctx + q, plan, src), reference_logits(receiver, ctx + q), q) <= ATOL
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [ReusePlan.full_reuse(), ReusePlan.cacheblend(0.0), ReusePlan.cacheblend(0.25), ReusePlan.recompute_groups([(0, 1), (3, 5)])],
+    ids=lambda p: p.label(),
+)
+def test_self_reuse_baselines_are_exact(receiver, prompt, plan):
+    """With sender == receiver full reuse, CacheBlend and scattered groups are exact too."""
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=plan.e_layers))
+    ref = reference_logits(receiver, ctx + q)
+    assert _suffix_diff(prefill(receiver, ctx + q, plan, src), ref, q) <= ATOL
+    gen = generate(receiver, ctx + q, plan, src, max_new_tokens=6)
+    assert gen.tokens == reference_greedy(receiver, ctx + q, 6)
+
+
+def test_cacheblend_full_ratio_recovers_a_different_sender(receiver, prompt):
+    """CacheBlend with every token recomputed equals full prefill even from a foreign sender."""
+    from tests.conftest import perturbed_copy
+
+    ctx, q = prompt
+    sender = perturbed_copy(receiver, range(L))
+    src = CapturedSource(capture_prefill(sender, ctx))
+    ref = reference_logits(receiver, ctx + q)
+    assert _suffix_diff(prefill(receiver, ctx + q, ReusePlan.cacheblend(1.0), src), ref, q) <= ATOL
+    assert _suffix_diff(prefill(receiver, ctx + q, ReusePlan.cacheblend(0.0), src), ref, q) > 10 * ATOL
+
+
+def test_cached_context_is_a_prefix_of_the_prompt(receiver, prompt):
+    """A cache of a longer or diverging context reuses only the common token prefix."""
+    ctx, q = prompt
+    ref = reference_logits(receiver, ctx + q)
+    # The sender cached the context plus other tokens: only len(ctx) tokens are shared.
+    other = ctx + [(t + 1) % 97 for t in q] + [5, 6, 7]
+    src = CapturedSource(capture_prefill(receiver, other, e_layers=[2]))
+    res = prefill(receiver, ctx + q, ReusePlan.recompute(2, 4), src)
+    assert res.reused_tokens == len(ctx)
+    assert _suffix_diff(res, ref, q) <= ATOL
+    # The sender cached exactly the whole prompt: one token is still computed for its logits.
+    src = CapturedSource(capture_prefill(receiver, ctx + q))
+    res = prefill(receiver, ctx + q, ReusePlan.full_reuse(), src)
+    assert res.reused_tokens == len(ctx + q) - 1
+    assert float((res.logits[-1] - ref[-1]).abs().max()) <= ATOL
