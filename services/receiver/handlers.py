@@ -39,6 +39,14 @@ async def _lookup(s: ReceiverState, prompt: list[int]) -> tuple[schemas.CacheAva
 
 async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
     """Answer over a shared context: reuse a sender's cache per the pair's plan, else full prefill."""
+    s.inflight += 1
+    try:
+        return await _generate(s, req)
+    finally:
+        s.inflight -= 1
+
+
+async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
     t0 = time.perf_counter()
     deadline = req.deadline or time.time() + s.cfg.request_timeout_s
     if time.time() > deadline:
@@ -55,7 +63,8 @@ async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.Ge
         holder, reason = await _lookup(s, prompt)
         stamps["lookup_done"] = time.perf_counter()
         if holder is not None:
-            plan, reason = s.plan_for(holder.model_id, req.mode)
+            slo = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None
+            plan, reason = s.plan_for(holder.model_id, req.mode, len(prompt), slo)
     path, bytes_pulled, gen = "full_prefill", 0, None
     if plan.mode != "full_prefill" and holder is not None:
         try:
@@ -63,6 +72,7 @@ async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.Ge
                                        timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.time())))
             gen, bytes_pulled, path = out.generation, out.bytes_pulled, _path_name(plan)
             stamps.update(out.stamps)
+            s.observe_pull(bytes_pulled, out.stamps["pull_done"] - out.stamps["pull_start"])
         except ReuseError as e:
             path, reason = "fallback", f"{e.code}: {e}"
             log.warning("reuse_fallback", request_id=req.request_id, reason=reason)
@@ -89,6 +99,17 @@ async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.Ge
 
 def _path_name(plan: ReusePlan) -> str:
     return {"groups": "partial", "full_reuse": "full_reuse", "cacheblend": "cacheblend"}[plan.mode]
+
+
+async def on_config(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
+    """A profile for a pair with this receiver: the newest version per sender model wins."""
+    if cfg.receiver_model != s.cfg.model_id or cfg.total_layers != s.model.num_layers:
+        return
+    current = s.configs.get(cfg.sender_model)
+    if current is None or cfg.profile_version >= current.profile_version:
+        s.configs[cfg.sender_model] = cfg
+        log.info("config_loaded", sender_model=cfg.sender_model, version=cfg.profile_version,
+                 chosen=[cfg.chosen.start, cfg.chosen.end])
 
 
 async def on_available(s: ReceiverState, ev: schemas.CacheAvailable) -> None:

@@ -13,8 +13,10 @@ import structlog
 from services.receiver import handlers
 from services.receiver.config import ReceiverConfig
 from shared.bus import Bus, NatsBus
-from shared.model.adapter import ModelAdapter, load_model
+from shared.config_board import ConfigBoard, NatsConfigBoard
 from shared.kv.plan import ReusePlan
+from shared.model.adapter import ModelAdapter, load_model
+from shared.profiling.select import select_point
 from shared.service_kit import Background, event, rpc
 from shared.transport.ucx import BulkClient
 from shared.wire import schemas, subjects
@@ -31,20 +33,31 @@ class ReceiverState:
         self.cfg, self.bus, self.model, self.executor, self._bg = cfg, bus, model, executor, bg
         self.bulk = BulkClient()
         self.pull_slots = asyncio.Semaphore(cfg.max_concurrent_pulls)
-        self.configs: dict[str, ReusePlan] = {}  # sender model id -> profiled plan for this receiver
+        self.configs: dict[str, schemas.RecomputeConfig] = {}  # sender model -> newest profile for us
+        self.inflight = 0  # generate requests being served (the torch thread runs one at a time)
+        self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
         self._warmed: set[tuple[str, int]] = set()
 
-    def plan_for(self, sender_model: str, mode: str) -> tuple[ReusePlan, str | None]:
+    def plan_for(self, sender_model: str, mode: str, tokens: int, slo_s: float | None
+                 ) -> tuple[ReusePlan, str | None]:
         """The plan for a cache from `sender_model`, and why it is full prefill when it is."""
         if mode == "full_reuse":
             return ReusePlan.full_reuse(), None
-        if sender_model in self.configs:
-            return self.configs[sender_model], None
+        cfg = self.configs.get(sender_model)
+        if cfg is not None:
+            p = select_point(cfg, queued=self.inflight - 1, tokens=tokens, slo_s=slo_s,
+                             bandwidth_bps=self.bandwidth_bps)
+            return (ReusePlan.recompute(p.start, p.end) if p.end > p.start else ReusePlan.full_reuse()), None
         if self.cfg.default_group:
             s, e = self.cfg.default_group
             return ReusePlan.recompute(s, min(e, self.model.num_layers)), None
         return ReusePlan.full_prefill(), f"no recompute config for {sender_model} -> {self.cfg.model_id}"
+
+    def observe_pull(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            bps = nbytes / seconds
+            self.bandwidth_bps = bps if self.bandwidth_bps is None else 0.8 * self.bandwidth_bps + 0.2 * bps
 
     async def run_torch(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
@@ -64,10 +77,12 @@ class ReceiverState:
 
 
 class ReceiverService:
-    def __init__(self, cfg: ReceiverConfig, bus: Bus | None = None, model: ModelAdapter | None = None):
+    def __init__(self, cfg: ReceiverConfig, bus: Bus | None = None, model: ModelAdapter | None = None,
+                 board: ConfigBoard | None = None):
         self.cfg = cfg
         self._bus = bus
         self._model = model
+        self._board = board
         self._bg = Background()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self.state: ReceiverState | None = None
@@ -81,6 +96,8 @@ class ReceiverService:
             raise ValueError(f"{cfg.model_path} has no tokenizer; the receiver serves text")
         bus = self._bus or await NatsBus.connect(cfg.nats_url, "droidmesh-receiver", VERSION)
         s = self.state = ReceiverState(cfg, bus, model, self._executor, self._bg)
+        board = self._board or NatsConfigBoard(bus.nc)  # type: ignore[attr-defined]
+        self._bg.spawn(board.watch(functools.partial(handlers.on_config, s)), "config-watch")
         await bus.subscribe(subjects.CACHE_AVAILABLE, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))
         await bus.serve(subjects.receiver_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)),

@@ -96,3 +96,12 @@ async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:
     for cid, captured in s.store.items():
         await announce(s, cid, captured)
     log.info("reannounced", broker_id=msg.broker_id, contexts=len(s.store.ids()))
+
+
+async def on_config(s: SenderState, cfg: schemas.RecomputeConfig) -> None:
+    """A profile naming this model as sender: keep E for every group start it may use."""
+    if cfg.sender_model != s.cfg.model_id:
+        return
+    starts = {p.start for p in (*cfg.frontier, cfg.chosen) if p.end > p.start}
+    s.profiled_e_layers[cfg.receiver_model] = starts
+    log.info("config_loaded", receiver_model=cfg.receiver_model, version=cfg.profile_version, e_layers=sorted(starts))

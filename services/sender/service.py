@@ -19,6 +19,7 @@ from services.sender import handlers
 from services.sender.config import SenderConfig
 from services.sender.store import CacheStore
 from shared.bus import Bus, NatsBus
+from shared.config_board import ConfigBoard, NatsConfigBoard
 from shared.model.adapter import ModelAdapter, load_model
 from shared.service_kit import Background, event, rpc
 from shared.transport.ucx import BulkServer
@@ -35,9 +36,11 @@ class SenderState:
         self.cfg, self.bus, self.model, self.executor = cfg, bus, model, executor
         self.store = CacheStore(cfg.store_bytes)
         self.ucx_port = 0
+        self.profiled_e_layers: dict[str, set[int]] = {}  # receiver model -> group starts it may use
 
     def e_layers(self) -> list[int]:
-        return sorted(set(self.cfg.e_layers))
+        """Configured E layers plus every group start a profiled receiver may choose online."""
+        return sorted(set(self.cfg.e_layers).union(*self.profiled_e_layers.values()))
 
     async def run_torch(self, fn: Any, *args: Any) -> Any:
         """Run torch work on the single worker thread (never on the event loop)."""
@@ -45,10 +48,12 @@ class SenderState:
 
 
 class SenderService:
-    def __init__(self, cfg: SenderConfig, bus: Bus | None = None, model: ModelAdapter | None = None):
+    def __init__(self, cfg: SenderConfig, bus: Bus | None = None, model: ModelAdapter | None = None,
+                 board: ConfigBoard | None = None):
         self.cfg = cfg
         self._bus = bus
         self._model = model
+        self._board = board
         self._bg = Background()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self._server: BulkServer | None = None
@@ -69,6 +74,8 @@ class SenderService:
                         rpc(schemas.PrefillRequest, functools.partial(handlers.prefill, s)), queue="senders")
         await bus.subscribe(subjects.BROKER_HELLO, event(schemas.BrokerHello, functools.partial(handlers.broker_hello, s)))
         self._bg.spawn(self._heartbeat(s), "heartbeat")
+        board = self._board or NatsConfigBoard(bus.nc)  # type: ignore[attr-defined]
+        self._bg.spawn(board.watch(functools.partial(handlers.on_config, s)), "config-watch")
         log.info("sender_started", model_id=cfg.model_id, sender_id=cfg.sender_id, ucx_port=s.ucx_port,
                  fingerprint=model.fingerprint.id, layers=model.num_layers)
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from shared.cli.ask import ask
 from shared.cli.bench import bench
 from shared.cli.eval import eval_cmd
 from shared.cli.zoo import zoo
@@ -14,6 +15,7 @@ def main() -> None:
     """DroidMesh: reuse one LLM's KV cache in another, recomputing only a critical layer group."""
 
 
+main.add_command(ask)
 main.add_command(bench)
 main.add_command(zoo)
 main.add_command(eval_cmd)

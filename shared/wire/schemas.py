@@ -91,6 +91,7 @@ class GenerateRequest(Message, tag="generate.request"):
     max_new_tokens: int = 32
     deadline: float = 0.0  # unix seconds; 0 = the service's default
     mode: str = "auto"  # see MODES; anything but auto forces that path (benchmarks, demo)
+    ttft_slo_ms: float = 0.0  # 0 = none; lets an idle receiver spend spare time on quality
 
 
 class GenerateReply(Message, tag="generate.reply"):
@@ -123,6 +124,40 @@ class ErrorReply(Message, tag="error"):
     code: str
     message: str
     request_id: str | None = None
+
+
+# -- recompute configs (profiler -> JetStream KV bucket -> receivers, senders) --------------
+class FrontierPoint(msgspec.Struct):
+    start: int
+    end: int  # recompute [start, end); start == end means full reuse
+    recomputed_layers: int
+    quality: float
+
+
+class LatencyFit(msgspec.Struct):
+    """Prefill seconds ~= c0 + c_tok * tokens + c_layer_tok * tokens * layers + c_attn * tokens^2 * layers."""
+
+    c0: float
+    c_tok: float
+    c_layer_tok: float
+    c_attn: float
+    kv_bytes_per_token_layer: int  # K + V bytes one reused layer costs per token
+    e_bytes_per_token: int
+
+
+class RecomputeConfig(Message, tag="recompute.config"):
+    sender_model: str
+    receiver_model: str
+    profile_version: int
+    task: str
+    tolerance: float
+    chosen: FrontierPoint
+    frontier: list[FrontierPoint]  # best quality per recomputed-layer count, ascending layers
+    full_prefill_quality: float
+    full_reuse_quality: float
+    total_layers: int
+    latency: LatencyFit | None = None
+    created_at: float = 0.0
 
 
 # -- the UCX pull protocol (rides the UCX endpoint, not NATS) ------------------------------

@@ -14,6 +14,7 @@ from services.receiver.service import ReceiverService
 from services.sender.config import SenderConfig
 from services.sender.service import SenderService
 from shared.bus import InProcessBus
+from shared.config_board import InMemoryConfigBoard
 from shared.kv.capture import capture_prefill
 from shared.kv.partial import generate
 from shared.kv.plan import ReusePlan
@@ -27,13 +28,13 @@ QUESTION = " what is gamma"
 
 @contextlib.asynccontextmanager
 async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):  # type: ignore[no-untyped-def]
-    bus = InProcessBus()
+    bus, board = InProcessBus(), InMemoryConfigBoard()
     sender_m, receiver_m = tiny_models
     scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2)
     rcfg = ReceiverConfig(model_path=str(tiny_pair[1]), model_id="receiver", default_group=default_group)
     async with BrokerService(BrokerConfig(), bus=bus) as broker, \
-            SenderService(scfg, bus=bus, model=sender_m) as sender, \
-            ReceiverService(rcfg, bus=bus, model=receiver_m) as receiver:
+            SenderService(scfg, bus=bus, model=sender_m, board=board) as sender, \
+            ReceiverService(rcfg, bus=bus, model=receiver_m, board=board) as receiver:
         yield bus, broker, sender, receiver
 
 

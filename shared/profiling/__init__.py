@@ -1,0 +1,1 @@
+"""Profiling a model pair (offline) and choosing a recompute config (online); pure functions."""

@@ -1,0 +1,67 @@
+"""The mesh as separate processes: real nats-server, UCX between sender and receiver."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shared.client import MeshClient
+from shared.kv.capture import capture_prefill
+from shared.kv.partial import generate
+from shared.kv.plan import ReusePlan
+from shared.kv.sources import CapturedSource
+from shared.launch import start_service
+from shared.model import text
+
+pytestmark = pytest.mark.system
+
+# Long enough that each per-layer transfer takes a measurable share of the pull.
+CONTEXT = " ".join(["alpha beta gamma delta epsilon"] * 160)
+QUESTION = " what is gamma"
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
+def _start(services, nats_url, tiny_pair, group=(1, 2), receivers=1):  # type: ignore[no-untyped-def]
+    services.append(start_service("cache_broker", {}, nats_url, env=THREADS))
+    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 1, 2],
+                                             "heartbeat_s": 0.5}, nats_url, env=THREADS))
+    for i in range(receivers):
+        services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
+                                                   "default_group": list(group)}, nats_url, name=f"receiver{i}",
+                                      env=THREADS))
+
+
+async def _prefill_and_ask(url: str, n: int = 1, max_new_tokens: int = 6):  # type: ignore[no-untyped-def]
+    client = await MeshClient.connect(url)
+    try:
+        await client.prefill("sender", CONTEXT)
+        await client.ask("receiver", CONTEXT, QUESTION, max_new_tokens=1)  # wait until the broker has it
+        return await asyncio.gather(*(client.ask("receiver", CONTEXT, QUESTION, max_new_tokens=max_new_tokens)
+                                      for _ in range(n)))
+    finally:
+        await client.close()
+
+
+def test_answer_through_mesh_equals_engine(nats, services, tiny_pair, tiny_models):
+    """Separate processes + UCX give the same tokens as the in-process engine, and the
+    receiver started recomputing before the last reused KV layer had arrived."""
+    _start(services, nats[1], tiny_pair, group=(1, 2))
+    (reply,) = asyncio.run(_prefill_and_ask(nats[1]))
+    assert reply.path == "partial", reply
+    sender_m, receiver_m = tiny_models
+    ctx, q = text.prompt_ids(receiver_m.tokenizer, CONTEXT, QUESTION)
+    ref = generate(receiver_m, ctx + q, ReusePlan.recompute(1, 2), CapturedSource(capture_prefill(sender_m, ctx, [1])),
+                   max_new_tokens=6, eos_token_id=receiver_m.tokenizer.eos_token_id)
+    assert reply.token_ids == ref.tokens
+    st = reply.stages_ms
+    last_kv = max(v for k, v in st.items() if k.startswith("arrived_kv"))
+    assert st["arrived_e1"] <= st["recompute_start"] < last_kv, st
+
+
+def test_two_receiver_copies_share_the_queue_group(nats, services, tiny_pair):
+    """Requests to one model spread over both receiver copies on its queue group."""
+    _start(services, nats[1], tiny_pair, receivers=2)
+    replies = asyncio.run(_prefill_and_ask(nats[1], n=12, max_new_tokens=2))
+    assert {r.path for r in replies} == {"partial"}
+    assert len({r.served_by for r in replies}) == 2
