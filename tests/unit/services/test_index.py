@@ -1,0 +1,83 @@
+"""The broker's index: longest-prefix lookup, compatibility, liveness, eviction."""
+
+from __future__ import annotations
+
+from services.cache_broker.index import BLOCK, CacheIndex
+from shared.wire import schemas
+
+FP = schemas.Fingerprint("llama", 2, 8, 2, 2, 4, "{}", "v")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _ev(sender: str, cid: str, tokens: list[int], fp_id: str = "fp", model: str = "m", at: float = 0.0):  # type: ignore[no-untyped-def]
+    return schemas.CacheAvailable(
+        sender_id=sender, model_id=model, fingerprint=FP, fingerprint_id=fp_id, context_id=cid, token_ids=tokens,
+        dtype="float32", kv_nbytes=[1, 1], e_layers=[0], e_nbytes=1, ucx_host="h", ucx_port=1, published_at=at)
+
+
+def _alive(ix: CacheIndex, sender: str, ids: list[str]) -> None:
+    ix.heartbeat(schemas.SenderHeartbeat(sender_id=sender, model_id="m", context_ids=ids, interval_s=1.0, sent_at=0))
+
+
+def test_longest_prefix_wins():
+    """Of two cached contexts, the one sharing the longer token prefix is returned, with its length."""
+    ix = CacheIndex()
+    base = list(range(100))
+    ix.add(_ev("s1", "short", base[:40]))
+    ix.add(_ev("s2", "long", base[:90] + [999] * 5))
+    _alive(ix, "s1", ["short"])
+    _alive(ix, "s2", ["long"])
+    holder, n = ix.lookup(base + [7, 8], "fp")
+    assert holder is not None and holder.context_id == "long" and n == 90
+
+
+def test_incompatible_or_excluded_holders_are_skipped():
+    """A holder with another fingerprint id or the excluded model is never returned."""
+    ix = CacheIndex()
+    ix.add(_ev("s1", "c", list(range(64)), fp_id="other"))
+    ix.add(_ev("s2", "d", list(range(64)), model="me"))
+    _alive(ix, "s1", ["c"])
+    _alive(ix, "s2", ["d"])
+    assert ix.lookup(list(range(64)), "fp")[0].context_id == "d"  # type: ignore[union-attr]
+    assert ix.lookup(list(range(64)), "other")[0].context_id == "c"  # type: ignore[union-attr]
+    assert ix.lookup(list(range(64)), "nobody")[0] is None
+    assert ix.lookup(list(range(64)), "fp", exclude_model="me")[0] is None
+
+
+def test_prefix_shorter_than_a_block_is_not_found():
+    """Prompts sharing less than one block with every context find nothing."""
+    ix = CacheIndex()
+    ix.add(_ev("s1", "c", list(range(64))))
+    _alive(ix, "s1", ["c"])
+    assert ix.lookup(list(range(BLOCK - 1)) + [500] * 40, "fp") == (None, 0)
+
+
+def test_dead_senders_expire_and_are_never_served():
+    """Without heartbeats a sender's holders are not served, and expire() drops them."""
+    clock = Clock()
+    ix = CacheIndex(ttl_factor=3.0, clock=clock)
+    ix.add(_ev("s1", "c", list(range(64))))
+    assert ix.lookup(list(range(64)), "fp")[0] is None  # never heard from: not served
+    _alive(ix, "s1", ["c"])
+    assert ix.lookup(list(range(64)), "fp")[0] is not None
+    clock.t = 10.0
+    assert ix.lookup(list(range(64)), "fp")[0] is None
+    assert ix.expire() == ["s1"] and len(ix) == 0
+
+
+def test_eviction_and_heartbeat_reconcile():
+    """Evicted contexts and contexts missing from a heartbeat leave the index."""
+    ix = CacheIndex()
+    ix.add(_ev("s1", "a", list(range(64))))
+    ix.add(_ev("s1", "b", list(range(100, 164))))
+    ix.remove("s1", "a")
+    assert len(ix) == 1
+    _alive(ix, "s1", [])
+    assert len(ix) == 0

@@ -1,0 +1,41 @@
+"""Wire schemas: round trips and a specific error for every kind of bad message."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared.errors import BadMessageError, SchemaVersionError
+from shared.wire import schemas
+
+
+def _req(**kw):  # type: ignore[no-untyped-def]
+    return schemas.GenerateRequest(**{"request_id": "r", "context": "c", "question": "q", **kw})
+
+
+def test_round_trip():
+    """encode -> decode gives the same message, with type tag and version on the wire."""
+    msg = _req(max_new_tokens=7)
+    raw = msgspec.msgpack.decode(schemas.encode(msg))
+    assert raw["type"] == "generate.request" and raw["v"] == schemas.SCHEMA_VERSION
+    assert schemas.decode(schemas.encode(msg), schemas.GenerateRequest) == msg
+
+
+@pytest.mark.parametrize(
+    "data,error,match",
+    [
+        (b"\xc1", BadMessageError, "not msgpack"),
+        (msgspec.msgpack.encode([1, 2]), BadMessageError, "expected a msgpack map"),
+        (msgspec.msgpack.encode({"type": "generate.request", "v": 99}), SchemaVersionError, "schema version 99"),
+        (msgspec.msgpack.encode({"type": "generate.request", "v": 1, "request_id": 5, "context": "c", "question": "q"}),
+         BadMessageError, r"request_id"),
+        (msgspec.msgpack.encode({"type": "lookup.request", "v": 1, "token_ids": [], "fingerprint_id": "x"}),
+         BadMessageError, "invalid GenerateRequest"),
+        (b"\x80" + b"\x00" * (schemas.MAX_MESSAGE_BYTES + 1), BadMessageError, "exceeds"),
+    ],
+    ids=["undecodable", "not-a-map", "version", "field-type", "wrong-kind", "oversize"],
+)
+def test_bad_messages_raise_specific_errors(data, error, match):
+    """Each malformed input raises its own BadMessageError subclass, naming the problem."""
+    with pytest.raises(error, match=match):
+        schemas.decode(data, schemas.GenerateRequest)
