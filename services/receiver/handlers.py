@@ -64,7 +64,7 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
         stamps["lookup_done"] = time.perf_counter()
         if holder is not None:
             slo = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None
-            plan, reason = s.plan_for(holder.model_id, req.mode, len(prompt), slo)
+            plan, reason = s.plan_for(holder, req.mode, len(prompt), slo)
     path, bytes_pulled, gen = "full_prefill", 0, None
     if plan.mode != "full_prefill" and holder is not None:
         try:

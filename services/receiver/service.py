@@ -39,20 +39,24 @@ class ReceiverState:
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
         self._warmed: set[tuple[str, int]] = set()
 
-    def plan_for(self, sender_model: str, mode: str, tokens: int, slo_s: float | None
+    def plan_for(self, holder: schemas.CacheAvailable, mode: str, tokens: int, slo_s: float | None
                  ) -> tuple[ReusePlan, str | None]:
-        """The plan for a cache from `sender_model`, and why it is full prefill when it is."""
+        """The plan for `holder`'s cache, and why it is full prefill when it is."""
         if mode == "full_reuse":
             return ReusePlan.full_reuse(), None
-        cfg = self.configs.get(sender_model)
+        cfg = self.configs.get(holder.model_id)
         if cfg is not None:
             p = select_point(cfg, queued=self.inflight - 1, tokens=tokens, slo_s=slo_s,
-                             bandwidth_bps=self.bandwidth_bps)
+                             bandwidth_bps=self.bandwidth_bps, e_layers=set(holder.e_layers))
+            if p is None:
+                return ReusePlan.full_prefill(), f"sender holds E for none of the profiled groups {holder.e_layers}"
             return (ReusePlan.recompute(p.start, p.end) if p.end > p.start else ReusePlan.full_reuse()), None
         if self.cfg.default_group:
             s, e = self.cfg.default_group
+            if s not in holder.e_layers:
+                return ReusePlan.full_prefill(), f"sender holds no E for layer {s} (has {holder.e_layers})"
             return ReusePlan.recompute(s, min(e, self.model.num_layers)), None
-        return ReusePlan.full_prefill(), f"no recompute config for {sender_model} -> {self.cfg.model_id}"
+        return ReusePlan.full_prefill(), f"no recompute config for {holder.model_id} -> {self.cfg.model_id}"
 
     def observe_pull(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:

@@ -39,16 +39,22 @@ def estimated_ttft(cfg: RecomputeConfig, p: FrontierPoint, tokens: int, bandwidt
     return max(compute, move)
 
 
-def eligible(cfg: RecomputeConfig) -> list[FrontierPoint]:
+def eligible(cfg: RecomputeConfig, e_layers: set[int] | None = None) -> list[FrontierPoint]:
+    """Frontier points meeting the quality target whose E the sender holds (None: any)."""
     target = (1.0 - cfg.tolerance) * cfg.full_prefill_quality
-    pts = [p for p in cfg.frontier if p.quality >= target]
-    return pts or [cfg.chosen]
+    pts = [p for p in cfg.frontier or [cfg.chosen] if p.quality >= target] or [cfg.chosen]
+    if e_layers is not None:
+        pts = [p for p in pts if p.end == p.start or p.start in e_layers]
+    return pts
 
 
 def select_point(cfg: RecomputeConfig, *, queued: int, tokens: int, slo_s: float | None = None,
-                 bandwidth_bps: float | None = None) -> FrontierPoint:
-    """The frontier point to use for one request (see the module docstring for the rules)."""
-    pts = eligible(cfg)
+                 bandwidth_bps: float | None = None, e_layers: set[int] | None = None) -> FrontierPoint | None:
+    """The frontier point to use for one request (see the module docstring for the rules);
+    None when the sender holds E for no eligible point."""
+    pts = eligible(cfg, e_layers)
+    if not pts:
+        return None
     ttft = {(p.start, p.end): estimated_ttft(cfg, p, tokens, bandwidth_bps) for p in pts}
     fastest = min(pts, key=lambda p: (ttft[(p.start, p.end)], p.recomputed_layers))
     if queued > 0 or slo_s is None:

@@ -160,6 +160,31 @@ class RecomputeConfig(Message, tag="recompute.config"):
     created_at: float = 0.0
 
 
+class ProfileRequest(Message, tag="profile.request"):
+    """Profile a pair offline and publish its config (checkpoint paths local to the profiler)."""
+
+    request_id: str
+    sender_path: str
+    receiver_path: str
+    task: str
+    sender_model: str = ""  # ids the config is published under (default: directory names)
+    receiver_model: str = ""
+    n_train: int = 50
+    n_test: int = 50
+    granularity: int = 2
+    tolerance: float = 0.05
+    exhaustive: bool = True
+    data_train: str | None = None  # LongBench-style JSONL instead of the zoo's generated split
+    data_test: str | None = None
+    version: int = 0  # 0: a time-based version
+
+
+class ProfileReply(Message, tag="profile.reply"):
+    request_id: str
+    config: RecomputeConfig
+    result_json: str
+
+
 # -- the UCX pull protocol (rides the UCX endpoint, not NATS) ------------------------------
 class PullItem(msgspec.Struct):
     layer: int

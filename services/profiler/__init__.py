@@ -1,0 +1,1 @@
+"""Profiler: profiles model pairs offline on request and publishes their recompute configs."""

@@ -1,0 +1,54 @@
+"""Profiler service: profile requests on a queue group (copies share the work); results go to
+the recompute-config bucket that receivers and senders watch."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+
+from services.profiler import handlers
+from services.profiler.config import ProfilerConfig
+from shared.bus import Bus, NatsBus
+from shared.config_board import ConfigBoard, NatsConfigBoard
+from shared.service_kit import rpc
+from shared.wire import schemas, subjects
+
+log = structlog.get_logger("profiler")
+VERSION = "0.1.0"
+
+
+class ProfilerState:
+    def __init__(self, cfg: ProfilerConfig, board: ConfigBoard, executor: ThreadPoolExecutor):
+        self.cfg, self.board, self.executor = cfg, board, executor
+
+    async def run_torch(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+
+class ProfilerService:
+    def __init__(self, cfg: ProfilerConfig, bus: Bus | None = None, board: ConfigBoard | None = None):
+        self.cfg = cfg
+        self._bus = bus
+        self._board = board
+        self._own_bus: NatsBus | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+
+    async def __aenter__(self) -> ProfilerService:
+        bus = self._bus
+        if bus is None:
+            bus = self._own_bus = await NatsBus.connect(self.cfg.nats_url, "droidmesh-profiler", VERSION)
+        board = self._board or NatsConfigBoard(bus.nc)  # type: ignore[attr-defined]
+        state = ProfilerState(self.cfg, board, self._executor)
+        await bus.serve(subjects.PROFILER_PROFILE, rpc(schemas.ProfileRequest, functools.partial(handlers.profile, state)),
+                        queue=subjects.PROFILER_QUEUE)
+        log.info("profiler_started")
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._own_bus is not None:
+            await self._own_bus.close()
+        self._executor.shutdown(wait=True)

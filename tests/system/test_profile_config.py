@@ -1,0 +1,68 @@
+"""Recompute configs flow through the JetStream bucket into running services."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from shared.client import MeshClient
+from shared.config_board import NatsConfigBoard
+from shared.launch import start_service
+from shared.wire import schemas
+
+pytestmark = pytest.mark.system
+
+CONTEXT = " ".join(["alpha beta gamma delta"] * 40)
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
+def _config(start: int, end: int, version: int) -> schemas.RecomputeConfig:
+    point = schemas.FrontierPoint(start=start, end=end, recomputed_layers=end - start, quality=0.99)
+    return schemas.RecomputeConfig(
+        sender_model="sender", receiver_model="receiver", profile_version=version, task="test", tolerance=0.05,
+        chosen=point, frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6,
+        created_at=time.time())
+
+
+def test_published_profile_changes_a_running_receivers_group(nats, services, tiny_pair):
+    """Without a profile the receiver runs full prefill; after a config lands in the bucket the
+    same running receiver (and sender) use its group, and a newer version replaces it."""
+    url = nats[1]
+    services.append(start_service("cache_broker", {}, url, env=THREADS))
+    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0]},
+                                  url, env=THREADS))
+    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver"}, url, env=THREADS))
+
+    async def run():  # type: ignore[no-untyped-def]
+        client = await MeshClient.connect(url)
+        board = NatsConfigBoard(client.bus.nc)  # type: ignore[attr-defined]
+        try:
+            await client.prefill("sender", CONTEXT)
+            before = await client.ask("receiver", CONTEXT, " q", max_new_tokens=2)
+            await board.put(_config(2, 4, version=1))
+            # New contexts are captured with the profiled E layer; wait until the receiver uses it.
+            after = None
+            for i in range(50):
+                ctx = f"{CONTEXT} epsilon {i}"
+                await client.prefill("sender", ctx)
+                after = await client.ask("receiver", ctx, " q", max_new_tokens=2)
+                if after.plan == "recompute [2,4)":
+                    break
+            await board.put(_config(1, 5, version=2))
+            newer = None
+            for i in range(50):
+                ctx = f"{CONTEXT} zeta {i}"
+                await client.prefill("sender", ctx)
+                newer = await client.ask("receiver", ctx, " q", max_new_tokens=2)
+                if newer.plan == "recompute [1,5)":
+                    break
+            return before, after, newer
+        finally:
+            await client.close()
+
+    before, after, newer = asyncio.run(run())
+    assert before.path == "full_prefill" and "no recompute config" in (before.fallback_reason or "")
+    assert after is not None and after.path == "partial" and after.plan == "recompute [2,4)"
+    assert newer is not None and newer.path == "partial" and newer.plan == "recompute [1,5)"
