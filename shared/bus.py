@@ -47,15 +47,18 @@ class NatsBus:
         self._subs: list[Any] = []
 
     @classmethod
-    async def connect(cls, url: str, service_name: str, version: str, **options: Any) -> NatsBus:
+    async def connect(cls, url: str | None, service_name: str, version: str, **options: Any) -> NatsBus:
+        """Connect (reconnecting forever by default); `options` go to `nats.connect` as is."""
         import nats
 
         async def on_error(e: Exception) -> None:
             log.warning("nats_error", error=str(e))
 
-        nc = await nats.connect(
-            url, name=service_name, error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5, **options
-        )
+        opts: dict[str, Any] = {"name": service_name, "error_cb": on_error, "max_reconnect_attempts": -1,
+                                "reconnect_time_wait": 0.5, **options}
+        if url is not None:
+            opts["servers"] = [url]
+        nc = await nats.connect(**opts)
         return cls(nc, service_name, version)
 
     async def publish(self, subject: str, data: bytes) -> None:

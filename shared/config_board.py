@@ -9,6 +9,7 @@ Backed by a JetStream key-value bucket, so configs survive restarts and late joi
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -32,21 +33,38 @@ class ConfigBoard(Protocol):
 
 
 class NatsConfigBoard:
-    def __init__(self, nc: Any):
+    def __init__(self, nc: Any, retry_s: float = 2.0):
         self._nc = nc
+        self._retry_s = retry_s
         self._kv: Any = None
 
-    async def _bucket(self) -> Any:
+    async def _bucket(self, create: bool) -> Any:
         if self._kv is None:
             js = self._nc.jetstream()
-            self._kv = await js.create_key_value(bucket=subjects.CONFIG_BUCKET, history=5)
+            if create:
+                self._kv = await js.create_key_value(bucket=subjects.CONFIG_BUCKET, history=5)
+            else:
+                self._kv = await js.key_value(subjects.CONFIG_BUCKET)
         return self._kv
 
     async def put(self, config: schemas.RecomputeConfig) -> None:
-        await (await self._bucket()).put(config_key(config), schemas.encode(config))
+        await (await self._bucket(create=True)).put(config_key(config), schemas.encode(config))
+
+    async def _open_for_watch(self) -> Any:
+        """The bucket, once it exists: readers may lack the permission to create it (under
+        role permissions only profilers and admins can), so they wait for it to appear."""
+        while True:
+            try:
+                return await self._bucket(create=False)
+            except Exception as e:  # bucket not there yet (or JetStream briefly unavailable)
+                try:
+                    return await self._bucket(create=True)
+                except Exception:
+                    log.info("config_bucket_unavailable", error=repr(e), retry_s=self._retry_s)
+                    await asyncio.sleep(self._retry_s)
 
     async def watch(self, on_config: OnConfig) -> None:
-        watcher = await (await self._bucket()).watchall()
+        watcher = await (await self._open_for_watch()).watchall()
         try:
             async for entry in watcher:
                 if entry is None or not entry.value:  # end of the initial replay, or a delete
@@ -65,8 +83,6 @@ class InMemoryConfigBoard:
     """In-process twin for tests: `watch` replays what was put, then follows new puts."""
 
     def __init__(self) -> None:
-        import asyncio
-
         self._configs: dict[str, schemas.RecomputeConfig] = {}
         self._new = asyncio.Condition()
 

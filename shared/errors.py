@@ -101,3 +101,9 @@ class IntegrityError(ReuseError):
     """A transferred tensor's checksum, shape or dtype did not match its header."""
 
     code = "integrity"
+
+
+class UnauthorizedError(DroidMeshError):
+    """A pull without a valid capability token (missing, wrong, expired, other context)."""
+
+    code = "unauthorized"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 INFRA = Path(__file__).resolve().parent.parent / "infra"
 NATS_CONF = INFRA / "nats" / "nats.conf"
+NATS_AUTH_CONF = INFRA / "nats" / "nats-auth.conf"
 
 
 def free_port() -> int:
@@ -117,13 +118,15 @@ class Proc:
 
 
 def start_nats(port: int | None = None, store_dir: str | None = None, extra: list[str] | None = None,
-               log_dir: Path | None = None) -> tuple[Proc, str]:
-    """A real nats-server with JetStream on a free port; returns (process, url)."""
+               log_dir: Path | None = None, conf: Path = NATS_CONF, env: dict[str, str] | None = None
+               ) -> tuple[Proc, str]:
+    """A real nats-server with JetStream on a free port; returns (process, url). With
+    `conf=NATS_AUTH_CONF`, pass the role passwords in `env`."""
     port = port or free_port()
     store = store_dir or tempfile.mkdtemp(prefix="dm-js-")
-    argv = [nats_server_binary(), "-c", str(NATS_CONF), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store,
+    argv = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store,
             *(extra or [])]
-    proc = Proc("nats", argv, log_path=log_dir / "nats.log" if log_dir else None)
+    proc = Proc("nats", argv, env=env, log_path=log_dir / "nats.log" if log_dir else None)
     proc.wait_for(lambda l: "Server is ready" in l, 30, "readiness")
     return proc, f"nats://127.0.0.1:{port}"
 

@@ -55,3 +55,49 @@ def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: dic
         return cls(**values)
     except TypeError as e:  # a required field without flag/env
         raise ConfigError(f"{service}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BusSettings:
+    """Fields every service shares: how to reach NATS (auth, TLS), logging, metrics."""
+
+    nats_url: str = dataclasses.field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL(s), comma-separated"})
+    nats_user: str = dataclasses.field(default="", metadata={"help": "NATS user of this service's role"})
+    nats_password: str = dataclasses.field(default="", metadata={"help": "NATS password (prefer the _file form)"})
+    nats_password_file: str = dataclasses.field(default="", metadata={"help": "file holding the NATS password"})
+    nats_tls_ca: str = dataclasses.field(default="", metadata={"help": "CA bundle: connect with TLS and verify"})
+    nats_tls_cert: str = dataclasses.field(default="", metadata={"help": "client certificate (mutual TLS)"})
+    nats_tls_key: str = dataclasses.field(default="", metadata={"help": "client key (mutual TLS)"})
+    metrics_port: int = dataclasses.field(default=-1, metadata={"help": "HTTP port for /metrics /livez /readyz (0: any, -1: off)"})
+    log_level: str = dataclasses.field(default="info", metadata={"help": "debug|info|warning|error"})
+
+    def __post_init__(self) -> None:
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level {self.log_level!r} not one of debug|info|warning|error")
+        if self.nats_password_file and not os.path.isfile(self.nats_password_file):
+            raise ConfigError(f"nats_password_file {self.nats_password_file!r} does not exist")
+        for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            if getattr(self, name) and not os.path.isfile(getattr(self, name)):
+                raise ConfigError(f"{name} {getattr(self, name)!r} does not exist")
+        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
+            raise ConfigError("nats_tls_cert and nats_tls_key go together")
+        if not -1 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port {self.metrics_port} out of range")
+
+    def nats_options(self) -> dict[str, Any]:
+        """Keyword arguments for `nats.connect` (servers, credentials, TLS)."""
+        opts: dict[str, Any] = {"servers": [u.strip() for u in self.nats_url.split(",") if u.strip()]}
+        password = self.nats_password
+        if self.nats_password_file:
+            with open(self.nats_password_file) as f:
+                password = f.read().strip()
+        if self.nats_user:
+            opts.update(user=self.nats_user, password=password)
+        if self.nats_tls_ca:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=self.nats_tls_ca)
+            if self.nats_tls_cert:
+                ctx.load_cert_chain(self.nats_tls_cert, self.nats_tls_key)
+            opts["tls"] = ctx
+        return opts

@@ -35,7 +35,7 @@ class BrokerService:
     async def __aenter__(self) -> BrokerService:
         bus = self._bus
         if bus is None:
-            bus = self._own_bus = await NatsBus.connect(self.cfg.nats_url, "droidmesh-broker", VERSION)
+            bus = self._own_bus = await NatsBus.connect(None, "droidmesh-broker", VERSION, **self.cfg.nats_options())
         ix = self.index
         await bus.subscribe(subjects.CACHE_AVAILABLE, event(schemas.CacheAvailable, functools.partial(handlers.on_available, ix)))
         await bus.subscribe(subjects.CACHE_EVICTED, event(schemas.CacheEvicted, functools.partial(handlers.on_evicted, ix)))

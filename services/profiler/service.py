@@ -40,7 +40,7 @@ class ProfilerService:
     async def __aenter__(self) -> ProfilerService:
         bus = self._bus
         if bus is None:
-            bus = self._own_bus = await NatsBus.connect(self.cfg.nats_url, "droidmesh-profiler", VERSION)
+            bus = self._own_bus = await NatsBus.connect(None, "droidmesh-profiler", VERSION, **self.cfg.nats_options())
         board = self._board or NatsConfigBoard(bus.nc)  # type: ignore[attr-defined]
         state = ProfilerState(self.cfg, board, self._executor)
         await bus.serve(subjects.PROFILER_PROFILE, rpc(schemas.ProfileRequest, functools.partial(handlers.profile, state)),

@@ -7,16 +7,16 @@ import os
 from pathlib import Path
 
 from shared.errors import ConfigError
+from shared.settings import BusSettings
 from shared.model.adapter import DTYPES
 
 
-@dataclasses.dataclass(frozen=True)
-class ReceiverConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReceiverConfig(BusSettings):
     """Hosts one model; answers generate requests, reusing a sender's cache when it can."""
 
     model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
     model_id: str = dataclasses.field(default="", metadata={"help": "id served (default: directory name)"})
-    nats_url: str = dataclasses.field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "weights and cache dtype"})
     default_group: tuple[int, ...] = dataclasses.field(
         default=(), metadata={"help": "recompute group 'start,end' used without a profile (empty: full prefill)"})
@@ -25,9 +25,9 @@ class ReceiverConfig:
     request_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "default request deadline"})
     max_concurrent_pulls: int = dataclasses.field(default=4, metadata={"help": "bound on pulls in flight"})
     receiver_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: model_id-pid)"})
-    log_level: str = dataclasses.field(default="info", metadata={"help": "debug|info|warning|error"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         p = Path(self.model_path)
         if not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
             raise ConfigError(f"model_path {self.model_path!r} holds no checkpoint")

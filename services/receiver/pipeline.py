@@ -73,7 +73,8 @@ async def reuse_generate(
             source.put_kv(KVBlock(item.layer, half_kv.pop(item.layer), t))
 
     stamps: dict[str, float] = {}
-    request = PullRequest(context_id=holder.context_id, items=pull_items(plan, model.num_layers))
+    request = PullRequest(context_id=holder.context_id, items=pull_items(plan, model.num_layers),
+                          token=holder.pull_token)
 
     async def pull() -> int:
         async with s.pull_slots:

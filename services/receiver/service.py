@@ -98,7 +98,7 @@ class ReceiverService:
             self._executor, functools.partial(load_model, cfg.model_path, dtype=cfg.dtype, name=cfg.model_id))
         if model.tokenizer is None:
             raise ValueError(f"{cfg.model_path} has no tokenizer; the receiver serves text")
-        bus = self._bus or await NatsBus.connect(cfg.nats_url, "droidmesh-receiver", VERSION)
+        bus = self._bus or await NatsBus.connect(None, "droidmesh-receiver", VERSION, **self.cfg.nats_options())
         s = self.state = ReceiverState(cfg, bus, model, self._executor, self._bg)
         board = self._board or NatsConfigBoard(bus.nc)  # type: ignore[attr-defined]
         self._bg.spawn(board.watch(functools.partial(handlers.on_config, s)), "config-watch")

@@ -7,26 +7,27 @@ import os
 from pathlib import Path
 
 from shared.errors import ConfigError
+from shared.settings import BusSettings
 from shared.model.adapter import DTYPES
 
 
-@dataclasses.dataclass(frozen=True)
-class SenderConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SenderConfig(BusSettings):
     """Hosts one model; prefills contexts and serves their KV/E to receivers."""
 
     model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
     model_id: str = dataclasses.field(default="", metadata={"help": "id announced (default: directory name)"})
-    nats_url: str = dataclasses.field(default="nats://127.0.0.1:4222", metadata={"help": "NATS server URL"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "weights and cache dtype"})
     store_bytes: int = dataclasses.field(default=2 << 30, metadata={"help": "byte budget of the KV/E store"})
     e_layers: tuple[int, ...] = dataclasses.field(default=(0,), metadata={"help": "layers whose E is kept"})
     heartbeat_s: float = dataclasses.field(default=1.0, metadata={"help": "heartbeat interval"})
+    token_ttl_s: float = dataclasses.field(default=300.0, metadata={"help": "lifetime of pull capability tokens"})
     ucx_host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address receivers reach us at"})
     ucx_port: int = dataclasses.field(default=0, metadata={"help": "UCX listener port (0: ephemeral)"})
     sender_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: model_id-pid)"})
-    log_level: str = dataclasses.field(default="info", metadata={"help": "debug|info|warning|error"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not (Path(self.model_path) / "config.json").is_file() and not (
             Path(self.model_path) / "adapter_config.json"
         ).is_file():
@@ -37,6 +38,8 @@ class SenderConfig:
             raise ConfigError("store_bytes must be positive")
         if self.heartbeat_s <= 0:
             raise ConfigError("heartbeat_s must be positive")
+        if self.token_ttl_s < 2 * self.heartbeat_s:
+            raise ConfigError("token_ttl_s must be at least two heartbeats (tokens are refreshed on heartbeats)")
         if any(l < 0 for l in self.e_layers):
             raise ConfigError(f"e_layers must be >= 0: {self.e_layers}")
         if not 0 <= self.ucx_port < 65536:

@@ -40,12 +40,15 @@ async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, Cap
 async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
     """Publish the availability event receivers and brokers act on."""
     e_sizes = {tensor_nbytes(t) for t in captured.e.values()}
+    token, expires = s.tokens.issue(cid)
+    s.announced_until[cid] = expires
     msg = schemas.CacheAvailable(
         sender_id=s.cfg.sender_id, model_id=s.cfg.model_id,
         fingerprint=schemas.fingerprint_to_wire(captured.fingerprint), fingerprint_id=captured.fingerprint.id,
         context_id=cid, token_ids=list(captured.token_ids), dtype=dtype_name(s.model.dtype),
         kv_nbytes=captured.kv_nbytes(), e_layers=sorted(captured.e), e_nbytes=max(e_sizes, default=0),
-        ucx_host=s.cfg.ucx_host, ucx_port=s.ucx_port, published_at=time.time(),
+        ucx_host=s.cfg.ucx_host, ucx_port=s.ucx_port, published_at=time.time(), pull_token=token,
+        token_expires_at=expires,
     )
     await s.bus.publish(subjects.CACHE_AVAILABLE, schemas.encode(msg))
 
@@ -89,6 +92,18 @@ async def prefill(s: SenderState, req: schemas.PrefillRequest) -> schemas.Prefil
     cid, captured = await _ensure_captured(s, ctx_ids)
     log.info("request", request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
     return schemas.PrefillReply(request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
+
+
+async def refresh_tokens(s: SenderState) -> None:
+    """Re-announce contexts whose pull token is past half its life (receivers need a live one)."""
+    horizon = time.time() + s.tokens.ttl_s / 2
+    for cid, captured in s.store.items():
+        if s.announced_until.get(cid, 0.0) < horizon:
+            await announce(s, cid, captured)
+
+
+def authorize(s: SenderState, req: schemas.PullRequest) -> None:
+    s.tokens.verify(req.context_id, req.token)
 
 
 async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:

@@ -22,6 +22,7 @@ from shared.bus import Bus, NatsBus
 from shared.config_board import ConfigBoard, NatsConfigBoard
 from shared.model.adapter import ModelAdapter, load_model
 from shared.service_kit import Background, event, rpc
+from shared.transport.tokens import TokenIssuer
 from shared.transport.ucx import BulkServer
 from shared.wire import schemas, subjects
 
@@ -37,6 +38,8 @@ class SenderState:
         self.store = CacheStore(cfg.store_bytes)
         self.ucx_port = 0
         self.profiled_e_layers: dict[str, set[int]] = {}  # receiver model -> group starts it may use
+        self.tokens = TokenIssuer(cfg.token_ttl_s)
+        self.announced_until: dict[str, float] = {}  # context -> expiry of its last announced token
 
     def e_layers(self) -> list[int]:
         """Configured E layers plus every group start a profiled receiver may choose online."""
@@ -64,9 +67,9 @@ class SenderService:
         loop = asyncio.get_running_loop()
         model = self._model or await loop.run_in_executor(
             self._executor, functools.partial(load_model, cfg.model_path, dtype=cfg.dtype, name=cfg.model_id))
-        bus = self._bus or await NatsBus.connect(cfg.nats_url, "droidmesh-sender", VERSION)
+        bus = self._bus or await NatsBus.connect(None, "droidmesh-sender", VERSION, **self.cfg.nats_options())
         s = self.state = SenderState(cfg, bus, model, self._executor)
-        self._server = BulkServer(s.store.tensor)
+        self._server = BulkServer(s.store.tensor, functools.partial(handlers.authorize, s))
         s.ucx_port = self._server.start(cfg.ucx_port)
         await bus.serve(subjects.sender_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")
@@ -85,6 +88,7 @@ class SenderService:
             msg = schemas.SenderHeartbeat(sender_id=s.cfg.sender_id, model_id=s.cfg.model_id,
                                           context_ids=s.store.ids(), interval_s=s.cfg.heartbeat_s, sent_at=time.time())
             await s.bus.publish(subjects.SENDER_HEARTBEAT, schemas.encode(msg))
+            await handlers.refresh_tokens(s)
             await asyncio.sleep(s.cfg.heartbeat_s)
 
     async def __aexit__(self, *exc: Any) -> None:

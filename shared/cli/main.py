@@ -6,7 +6,9 @@ import click
 
 from shared.cli.ask import ask
 from shared.cli.bench import bench
+from shared.cli.demo import demo
 from shared.cli.eval import eval_cmd
+from shared.cli.profile import profile
 from shared.cli.zoo import zoo
 
 
@@ -17,8 +19,10 @@ def main() -> None:
 
 main.add_command(ask)
 main.add_command(bench)
+main.add_command(demo)
 main.add_command(zoo)
 main.add_command(eval_cmd)
+main.add_command(profile)
 
 if __name__ == "__main__":
     main()

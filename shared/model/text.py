@@ -1,8 +1,9 @@
 """Text -> token ids for the sharing path, one rule for every service and tool.
 
-The shared context is tokenized on its own (with the tokenizer's special tokens, e.g. BOS) and
-the question on its own (without them), then concatenated: so the context's ids are a prefix of
-every prompt over it, whatever the question, which is what makes a sender's cache reusable.
+The shared context is tokenized on its own, after the start token (BOS, or EOS for tokenizers
+without one), and the question on its own without special tokens, then concatenated: so the
+context's ids are a prefix of every prompt over it, whatever the question, which is what makes
+a sender's cache reusable. The zoo's task suite encodes rows by the same rule.
 """
 
 from __future__ import annotations
@@ -10,8 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 
+def start_token(tokenizer: Any) -> list[int]:
+    for tid in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return [int(tid)]
+    return []
+
+
 def context_ids(tokenizer: Any, context: str) -> list[int]:
-    return list(tokenizer(context, add_special_tokens=True)["input_ids"])
+    return start_token(tokenizer) + list(tokenizer(context, add_special_tokens=False)["input_ids"])
 
 
 def question_ids(tokenizer: Any, question: str) -> list[int]:

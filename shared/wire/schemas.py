@@ -51,6 +51,8 @@ class CacheAvailable(Message, tag="cache.available"):
     ucx_host: str
     ucx_port: int
     published_at: float  # unix seconds
+    pull_token: str = ""  # capability for pulling this context (see shared.transport.tokens)
+    token_expires_at: float = 0.0
 
 
 class CacheEvicted(Message, tag="cache.evicted"):
@@ -194,6 +196,7 @@ class PullItem(msgspec.Struct):
 class PullRequest(Message, tag="pull.request"):
     context_id: str
     items: list[PullItem]  # served in this order: E first lets the receiver start early
+    token: str = ""  # the availability event's pull_token
 
 
 class TensorHeader(Message, tag="tensor.header"):

@@ -1,0 +1,101 @@
+"""The ci tier: deterministic build, ordinary HF checkpoints, caching, listing and eval CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.model.adapter import load_model
+from shared.zoo import build_tier
+from shared.zoo.build import sha256_file
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_builds_give_identical_weights(ci_tier, tmp_path: Path) -> None:
+    """Same recipe and seed -> bit-identical weight files (sha256) for every model."""
+    _, first = ci_tier
+    second = build_tier("ci", tmp_path / "again")
+    assert {k: m["sha256"] for k, m in first["models"].items()} == {k: m["sha256"] for k, m in second["models"].items()}
+    assert first["recipe_hash"] == second["recipe_hash"]
+
+
+def test_checkpoints_are_ordinary_hf_checkpoints(ci_tier) -> None:
+    """Full models load with AutoModelForCausalLM + AutoTokenizer; the LoRA adapter merges via load_model."""
+    out, man = ci_tier
+    assert {"base", "qa", "summ", "code"} <= set(man["models"])
+    for name, m in man["models"].items():
+        path = out / m["path"]
+        if m["kind"] == "full":
+            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+            assert model.config.model_type == "llama" and model.config.max_position_embeddings >= 4096
+            assert AutoTokenizer.from_pretrained(path) is not None
+        else:
+            cfg = json.loads((path / "adapter_config.json").read_text())
+            assert cfg["base_model_name_or_path"] == "../base"
+        adapter = load_model(path)
+        assert adapter.num_layers == man["models"]["base"]["layers"]
+        assert sha256_file(path / m["weights"]) == m["sha256"]
+    # at least three models share the base, so there are >= 2 sender -> receiver pairs
+    assert sum(m["parent"] == "base" for m in man["models"].values()) >= 3
+    assert len(man["pairs"]) >= 2
+
+
+def test_cached_build_is_reused_and_a_damaged_one_rebuilt(ci_tier, tmp_path: Path) -> None:
+    """A current build is returned as is; a damaged weight file makes the next call rebuild it."""
+    out, man = ci_tier
+    again = build_tier("ci", out)
+    assert again["build_seconds"] == man["build_seconds"]  # the very same manifest, nothing retrained
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(out, copy)
+    (copy / "summ" / "model.safetensors").write_bytes(b"broken")
+    rebuilt = build_tier("ci", copy)
+    assert rebuilt["models"]["summ"]["sha256"] == man["models"]["summ"]["sha256"]
+
+
+def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`zoo list --json` shows the tier's models and pairs; `eval` writes the required JSON keys."""
+    from shared.cli.eval import eval_cmd
+    from shared.cli.zoo import zoo
+
+    out, _ = ci_tier
+    monkeypatch.setenv("DROIDMESH_ZOO_DIR", str(out.parent))
+    runner = CliRunner()
+    res = runner.invoke(zoo, ["list", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    names = {m["name"] for m in data["models"] if m["tier"] == "ci"}
+    assert {"ci/base", "ci/qa", "ci/summ", "ci/code"} <= names
+    qa = next(m for m in data["models"] if m["name"] == "ci/qa")
+    assert qa["parent"] == "ci/base" and qa["fine_tuned_for"] == "multihop_qa"
+    assert {"tier": "ci", "sender": "ci/summ", "receiver": "ci/qa", "task": "multihop_qa"} in data["pairs"]
+    path = tmp_path / "ev.json"
+    res = runner.invoke(eval_cmd, ["--sender", "ci/summ", "--receiver", "ci/qa", "--task", "multihop_qa",
+                                   "--split", "test", "--n", "2", "--json", str(path)])
+    assert res.exit_code == 0, res.output
+    ev = json.loads(path.read_text())
+    for k in ("total_layers", "sender_alone", "receiver_full_prefill", "receiver_full_reuse", "per_layer_reuse", "best_groups"):
+        assert k in ev
+    assert len(ev["per_layer_reuse"]) == ev["total_layers"]
+
+
+def test_eval_cli_on_a_user_jsonl_dataset(ci_tier, tmp_path: Path) -> None:
+    """`eval --data` scores any LongBench-style JSONL with local checkpoint paths."""
+    from shared.cli.eval import eval_cmd
+    from shared.zoo.jsonl import write_jsonl
+
+    out, _ = ci_tier
+    data = tmp_path / "d.jsonl"
+    write_jsonl(data, [{"context": "doc north anna amber . bruno basil .", "input": "ask anna", "answers": ["amber"]}])
+    path = tmp_path / "ev.json"
+    res = CliRunner().invoke(eval_cmd, ["--sender", str(out / "summ"), "--receiver", str(out / "code"), "--task", "mine",
+                                        "--data", str(data), "--group-sizes", "1", "--json", str(path)])
+    assert res.exit_code == 0, res.output
+    ev = json.loads(path.read_text())
+    assert ev["rows"] == 1 and ev["metric"] == "f1" and len(ev["best_groups"]) == 1

@@ -1,0 +1,127 @@
+"""Access control: role permissions on a real nats-server, capability tokens on UCX pulls."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import msgspec
+import nats
+import pytest
+import torch
+
+from shared.client import MeshClient
+from shared.errors import TransferError
+from shared.launch import NATS_AUTH_CONF, start_nats, start_service
+from shared.transport.ucx import BulkClient
+from shared.wire import schemas, subjects
+
+pytestmark = [pytest.mark.system, pytest.mark.security]
+
+ROLES = ("sender", "broker", "receiver", "profiler", "client", "admin")
+CONTEXT = " ".join(["alpha beta gamma delta"] * 30)
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def auth_nats(tmp_path):  # type: ignore[no-untyped-def]
+    passwords = {r: secrets.token_hex(12) for r in ROLES}
+    env = {f"DM_NATS_PASSWORD_{r.upper()}": p for r, p in passwords.items()}
+    proc, url = start_nats(store_dir=str(tmp_path / "js"), conf=NATS_AUTH_CONF, env=env)
+    yield url, passwords
+    proc.stop()
+
+
+def _role_env(role: str, passwords: dict[str, str]) -> dict[str, str]:
+    return {**THREADS, "DM_NATS_USER": role, "DM_NATS_PASSWORD": passwords[role]}
+
+
+async def _connect(url: str, role: str, passwords: dict[str, str], errors: list[str]):  # type: ignore[no-untyped-def]
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    return await nats.connect(url, user=role, password=passwords[role], error_cb=on_error, max_reconnect_attempts=0)
+
+
+def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny_pair):
+    """Each role does its job under least privilege; a receiver cannot forge availability
+    events, a sender cannot answer lookups, a client cannot prefill, and a pull without a
+    valid capability token is refused."""
+    url, pw = auth_nats
+    # The bucket exists before readers start (readers may not create it).
+    services.append(start_service("profiler", {}, url, env=_role_env("profiler", pw)))
+    services.append(start_service("cache_broker", {}, url, env=_role_env("broker", pw)))
+    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [2]}, url,
+                                  env=_role_env("sender", pw)))
+    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
+                                               "default_group": [2, 4]}, url, env=_role_env("receiver", pw)))
+
+    async def run():  # type: ignore[no-untyped-def]
+        errors: list[str] = []
+        admin = await _connect(url, "admin", pw, errors)
+        seen: list[schemas.CacheAvailable] = []
+
+        async def on_available(msg):  # type: ignore[no-untyped-def]
+            seen.append(schemas.decode(msg.data, schemas.CacheAvailable))
+
+        await admin.subscribe(subjects.CACHE_AVAILABLE, cb=on_available)
+        await admin.flush()
+        admin_client = MeshClient(_Bus(admin))
+        await admin_client.prefill("sender", CONTEXT)
+        client = await MeshClient.connect(url, user="client", password=pw["client"])
+        answer = await client.ask("receiver", CONTEXT, " q", max_new_tokens=2)
+
+        # A receiver forging an availability event: refused by the server, never delivered.
+        rogue = await _connect(url, "receiver", pw, errors)
+        forged = msgspec.structs.replace(seen[0], sender_id="rogue", ucx_port=1)
+        await rogue.publish(subjects.CACHE_AVAILABLE, schemas.encode(forged))
+        await rogue.flush()
+        # A sender trying to answer lookups: its subscription is refused.
+        impostor = await _connect(url, "sender", pw, errors)
+        await impostor.subscribe(subjects.BROKER_LOOKUP, queue=subjects.BROKER_QUEUE)
+        await impostor.flush()
+        # A client trying to run a prefill job: refused.
+        with pytest.raises(Exception):
+            await client.prefill("sender", CONTEXT + " more", timeout=2)
+
+        # UCX pulls with a missing, wrong (another context's) or tampered token are refused.
+        ev = seen[0]
+        refusals = []
+        bulk = BulkClient()
+        other = await admin_client.prefill("sender", CONTEXT + " other")
+        other_ev = next(e for e in seen if e.context_id == other.context_id) if any(
+            e.context_id == other.context_id for e in seen) else None
+        tokens = {"missing": "", "tampered": ev.pull_token[:-4] + "0000",
+                  "other-context": other_ev.pull_token if other_ev else "x.y"}
+        for name, token in tokens.items():
+            req = schemas.PullRequest(context_id=ev.context_id, items=[schemas.PullItem(0, "K")], token=token)
+            try:
+                await bulk.pull(ev.ucx_host, ev.ucx_port, req, lambda it: ([1], torch.float32), lambda *a: None, 10)
+                refusals.append((name, None))
+            except TransferError as e:
+                refusals.append((name, str(e)))
+        await bulk.close()
+        await admin.flush()  # anything the server delivered to the admin has arrived by now
+        forged_seen = [e for e in seen if e.sender_id == "rogue"]
+        for c in (rogue, impostor, admin):
+            await c.close()
+        await client.close()
+        return answer, forged_seen, errors, refusals
+
+    answer, forged_seen, errors, refusals = asyncio.run(run())
+    assert answer.path == "partial"
+    assert forged_seen == []
+    assert any("permissions violation for publish" in e.lower() and subjects.CACHE_AVAILABLE in e for e in errors), errors
+    assert any("permissions violation for subscription" in e.lower() and subjects.BROKER_LOOKUP in e for e in errors), errors
+    for name, err in refusals:
+        assert err is not None and "unauthorized" in err, (name, err)
+
+
+class _Bus:
+    """A `Bus` over an existing nats connection (the admin's), for the client helper."""
+
+    def __init__(self, nc):  # type: ignore[no-untyped-def]
+        self.nc = nc
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        return (await self.nc.request(subject, data, timeout=timeout)).data

@@ -1,0 +1,44 @@
+"""Capability tokens: scoped to one context, unforgeable, expiring."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import UnauthorizedError
+from shared.transport.tokens import TokenIssuer
+
+
+class Clock:
+    t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_valid_token_passes_until_expiry():
+    """A fresh token verifies for its context and fails once its expiry has passed."""
+    clock = Clock()
+    issuer = TokenIssuer(ttl_s=60, clock=clock)
+    token, expires = issuer.issue("ctx")
+    issuer.verify("ctx", token)
+    assert expires == 1060
+    clock.t = 1061
+    with pytest.raises(UnauthorizedError, match="expired"):
+        issuer.verify("ctx", token)
+
+
+@pytest.mark.parametrize("token", ["", "garbage", "99999999999.deadbeef"])
+def test_missing_or_forged_tokens_fail(token):
+    """Missing, malformed and forged tokens are refused."""
+    with pytest.raises(UnauthorizedError):
+        TokenIssuer(ttl_s=60).verify("ctx", token)
+
+
+def test_token_is_scoped_to_its_context_and_issuer():
+    """A token for one context, or from another sender's key, grants nothing else."""
+    a, b = TokenIssuer(ttl_s=60), TokenIssuer(ttl_s=60)
+    token, _ = a.issue("ctx")
+    with pytest.raises(UnauthorizedError, match="not valid for context other"):
+        a.verify("other", token)
+    with pytest.raises(UnauthorizedError):
+        b.verify("ctx", token)

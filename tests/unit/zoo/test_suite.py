@@ -1,0 +1,70 @@
+"""Task generators and row encoding."""
+
+from __future__ import annotations
+
+import random
+
+from shared.zoo import vocab as V
+from shared.zoo.suite import SuiteShape, TASKS, code_row, encode_row, make_rows, stdlib_files
+from shared.zoo.tasks import CODE, make_context
+from shared.zoo.tokenizer import WordIds
+
+SMALL = SuiteShape(facts=(3, 6), docs=(2, 3), filler=(20, 40), code_tokens=120)
+
+
+def test_code_is_a_derangement() -> None:
+    """The receiver's code maps every value to a different value, bijectively."""
+    assert sorted(CODE.values()) == sorted(V.VALUES)
+    assert all(CODE[v] != v for v in V.VALUES)
+
+
+def test_context_keys_unique_and_true_value_follows_header() -> None:
+    """Keys are unique within a context; a coded context's facts mean CODE[written value]."""
+    ctx = make_context(random.Random(0), 8, 3, 50, header=V.CODED)
+    keys = [w for w in ctx.words if w in V.KEYS]
+    assert len(keys) == len(set(keys)) == 8
+    k = keys[0]
+    assert ctx.true_value(k) == CODE[ctx.facts[k]]
+    assert ctx.words[0] == V.CODED and ctx.words.count(V.DOC) == 3
+
+
+def test_rows_are_deterministic_and_splits_differ() -> None:
+    """Same (task, split, seed) -> same rows; train and test contexts differ."""
+    for task in TASKS:
+        a = make_rows(task, "test", 3, SMALL)
+        assert a == make_rows(task, "test", 3, SMALL)
+        train = {r["context"] for r in make_rows(task, "train", 3, SMALL)}
+        assert not train & {r["context"] for r in a}
+
+
+def test_multihop_row_answer_is_the_decoded_value_of_the_aliased_key() -> None:
+    """The `who <alias>` answer is the aliased key's value, decoded when the header is coded."""
+    for row in make_rows("multihop_qa", "test", 12, SMALL):
+        alias = row["input"].split()[1]
+        key = V.KEYS[V.ALIASES.index(alias)]
+        words = row["context"].split()
+        written = words[words.index(key) + 1]
+        want = CODE[written] if row["header"] == V.CODED else written
+        assert row["answers"] == [want]
+
+
+def test_code_rows_come_from_the_split_files() -> None:
+    """Code rows use real stdlib lines: the answer is the file's line after the context."""
+    row = code_row(random.Random(1), "test", 120, 0)
+    path = next(p for p in stdlib_files()["test"] if p.endswith("/" + row["source"]))
+    lines = open(path, encoding="utf-8").read().split("\n")
+    assert row["answers"] == [lines[row["line"] - 1]]
+    assert row["context"].endswith(lines[row["line"] - 2] + "\n")
+    assert not set(stdlib_files()["test"]) & set(stdlib_files()["train"])
+
+
+def test_encode_row_tokenizes_answer_in_place() -> None:
+    """Context gets <bos>; the gold answer ids are what follows the prompt in the joined text."""
+    ids = WordIds()
+    row = make_rows("multihop_qa", "test", 1, SMALL)[0]
+    ctx, q, ans = encode_row(ids, row, TASKS["multihop_qa"])
+    assert ctx[0] == ids.bos and ctx[1:] == ids.encode_text(row["context"])
+    assert q == ids.encode_text(row["input"]) and ans == [ids[row["answers"][0]]]
+    code = make_rows("code_completion", "test", 1, SMALL)[0]
+    ctx, q, ans = encode_row(ids, code, TASKS["code_completion"])
+    assert q == [] and ids.decode(ans) == code["answers"][0]
