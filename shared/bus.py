@@ -95,8 +95,10 @@ class NatsBus:
         """Drain: stop taking new messages, let in-flight handlers finish, then disconnect."""
         if self._micro is not None:
             await self._micro.stop()
-        if not self.nc.is_closed:
+        if self.nc.is_connected:
             await self.nc.drain()
+        elif not self.nc.is_closed:  # reconnecting: nothing to drain through, just stop
+            await self.nc.close()
 
 
 class InProcessBus:

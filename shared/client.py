@@ -3,6 +3,7 @@ the demo, the benchmarks and the system tests)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -28,19 +29,33 @@ class MeshClient:
     async def connect(cls, url: str, **options: Any) -> MeshClient:
         return cls(await NatsBus.connect(url, "droidmesh-client", "0.1.0", **options))
 
-    async def _call(self, subject: str, msg: schemas.Message, kind: type, timeout: float) -> Any:
-        data = await self.bus.request(subject, schemas.encode(msg), timeout=timeout)
+    async def _call(self, subject: str, msg: schemas.Message, kind: type, timeout: float,
+                    attempt_s: float | None = None) -> Any:
+        """Request until answered or `timeout` passes. With `attempt_s`, a silent attempt (the
+        server restarting, a responder gone) is retried with the same message: requests carry
+        ids and services answer duplicates once, so retrying never does the work twice."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                data = await self.bus.request(subject, schemas.encode(msg), timeout=min(left, attempt_s or left))
+                break
+            except TimeoutError:
+                if attempt_s is None or deadline - time.monotonic() <= 0:
+                    raise
+                await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))  # back off, then retry
         try:
             return schemas.decode(data, kind)
         except DroidMeshError:
             raise MeshError(schemas.decode(data, schemas.ErrorReply)) from None
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
-                  mode: str = "auto", timeout: float = 60.0, request_id: str | None = None) -> schemas.GenerateReply:
+                  mode: str = "auto", timeout: float = 60.0, request_id: str | None = None,
+                  attempt_s: float | None = None, ttft_slo_ms: float = 0.0) -> schemas.GenerateReply:
         req = schemas.GenerateRequest(request_id=request_id or uuid.uuid4().hex[:12], context=context,
                                       question=question, max_new_tokens=max_new_tokens, mode=mode,
-                                      deadline=time.time() + timeout)
-        return await self._call(subjects.receiver_generate(receiver), req, schemas.GenerateReply, timeout)
+                                      deadline=time.time() + timeout, ttft_slo_ms=ttft_slo_ms)
+        return await self._call(subjects.receiver_generate(receiver), req, schemas.GenerateReply, timeout, attempt_s)
 
     async def sender_generate(self, sender: str, context: str, question: str, *, max_new_tokens: int = 32,
                               timeout: float = 60.0) -> schemas.GenerateReply:

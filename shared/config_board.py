@@ -64,6 +64,19 @@ class NatsConfigBoard:
                     await asyncio.sleep(self._retry_s)
 
     async def watch(self, on_config: OnConfig) -> None:
+        """Follow the bucket forever; a broken watcher (server restart) is re-opened and
+        replays the current configs (handlers keep the newest version, so replays are harmless)."""
+        while True:
+            try:
+                await self._watch_once(on_config)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("config_watch_restarting", error=repr(e))
+                self._kv = None
+                await asyncio.sleep(self._retry_s)
+
+    async def _watch_once(self, on_config: OnConfig) -> None:
         watcher = await (await self._open_for_watch()).watchall()
         try:
             async for entry in watcher:

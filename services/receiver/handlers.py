@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -38,10 +39,26 @@ async def _lookup(s: ReceiverState, prompt: list[int]) -> tuple[schemas.CacheAva
 
 
 async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
-    """Answer over a shared context: reuse a sender's cache per the pair's plan, else full prefill."""
+    """Answer over a shared context: reuse a sender's cache per the pair's plan, else full prefill.
+
+    Duplicates (a client's retry, or NATS redelivering after a reconnect) share one answer:
+    the first copy computes it, later copies await the same result."""
+    known = s.replies.get(req.request_id)
+    if known is not None:
+        log.info("duplicate_request", request_id=req.request_id)
+        return await asyncio.shield(known)
+    fut: asyncio.Future = asyncio.get_running_loop().create_future()
+    s.remember(req.request_id, fut)
     s.inflight += 1
     try:
-        return await _generate(s, req)
+        reply = await _generate(s, req)
+        fut.set_result(reply)
+        return reply
+    except BaseException as e:
+        s.replies.pop(req.request_id, None)  # a failed attempt may be retried afresh
+        fut.set_exception(e)
+        fut.exception()  # mark retrieved: duplicates waiting on it re-raise it themselves
+        raise
     finally:
         s.inflight -= 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +39,12 @@ class ReceiverState:
         self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
         self._warmed: set[tuple[str, int]] = set()
+        self.replies: OrderedDict[str, asyncio.Future] = OrderedDict()  # recent request id -> answer
+
+    def remember(self, request_id: str, fut: asyncio.Future, keep: int = 4096) -> None:
+        self.replies[request_id] = fut
+        while len(self.replies) > keep:
+            self.replies.popitem(last=False)
 
     def plan_for(self, holder: schemas.CacheAvailable, mode: str, tokens: int, slo_s: float | None
                  ) -> tuple[ReusePlan, str | None]:

@@ -1,0 +1,68 @@
+"""`droidmesh zoo ...`: build the model zoo, list it, export task data as JSONL."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+TIERS = ("ci", "demo")
+
+
+@click.group()
+def zoo() -> None:
+    """The model zoo: small Llama families trained here (no downloads) and their task suite."""
+
+
+@zoo.command()
+@click.option("--tier", type=click.Choice(TIERS), required=True, help="ci: minutes on CPU, for tests; demo: the benchmark family.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Output directory (default $DROIDMESH_ZOO_DIR/<tier> or ~/.cache/droidmesh/zoo/<tier>).")
+@click.option("--force", is_flag=True, help="Rebuild even when the cached build matches the recipe.")
+def build(tier: str, out_dir: str | None, force: bool) -> None:
+    """Train (or reuse) a tier: deterministic base + fine-tuned derivatives + a LoRA adapter."""
+    from shared.zoo.build import build_tier, zoo_dir
+
+    t0 = time.time()
+    man = build_tier(tier, out_dir, force=force, log=lambda s: click.echo(s, err=True))
+    where = out_dir or str(zoo_dir(tier))
+    click.echo(f"tier {tier} at {where} (recipe {man['recipe_hash'][:12]}, {time.time() - t0:.0f}s this run)")
+    for name, m in sorted(man["models"].items()):
+        click.echo(f"  {name:6s} {m['kind']:5s} parent={m['parent'] or '-':5s} for={m['task']:16s} sha256={m['sha256'][:16]}")
+
+
+@zoo.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def list_cmd(as_json: bool) -> None:
+    """List built models (path, tier, parent, what each was fine-tuned for) and intended pairs."""
+    from shared.zoo.manifest import listing
+
+    data = listing()
+    if as_json:
+        json.dump(data, sys.stdout, indent=2)
+        click.echo()
+        return
+    if not data["models"]:
+        click.echo("no zoo tier built; run `droidmesh zoo build --tier ci` (or demo)")
+    for m in data["models"]:
+        click.echo(f"{m['name']:12s} {m['kind']:5s} parent={m['parent'] or '-':10s} for={m['fine_tuned_for']:16s} {m['path']}")
+    for p in data["pairs"]:
+        click.echo(f"pair {p['sender']} -> {p['receiver']} on {p['task']}")
+
+
+@zoo.command()
+@click.option("--task", type=click.Choice(["multihop_qa", "summarization", "code_completion"]), required=True)
+@click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
+@click.option("--n", "n_rows", type=click.IntRange(1, 100000), default=100, show_default=True)
+@click.option("--tier", type=click.Choice(TIERS), default="demo", show_default=True, help="Context shape of this tier.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True)
+def data(task: str, split: str, n_rows: int, tier: str, out_path: str) -> None:
+    """Write a task split as LongBench-style JSONL ({context, input, answers, ...})."""
+    from shared.zoo.jsonl import write_jsonl
+    from shared.zoo.suite import make_rows
+    from shared.zoo.tiers import get_recipe
+
+    n = write_jsonl(out_path, make_rows(task, split, n_rows, get_recipe(tier).suite))
+    click.echo(f"wrote {n} rows to {out_path}")
