@@ -45,6 +45,7 @@ class NatsBus:
         self._version = version
         self._micro: Any = None
         self._subs: list[Any] = []
+        self._inflight: set[asyncio.Task] = set()  # requests being answered
 
     @classmethod
     async def connect(cls, url: str | None, service_name: str, version: str, **options: Any) -> NatsBus:
@@ -85,16 +86,30 @@ class NatsBus:
         if self._micro is None:
             self._micro = await micro.add_service(self.nc, name=self._service_name, version=self._version)
 
+        async def respond(req: Any) -> None:
+            reply = await handler(req.data)  # never raises: handlers are wrapped by service_kit.rpc
+            try:
+                await req.respond(reply)
+            except Exception as e:  # connection lost meanwhile: the caller retries with the same id
+                log.warning("reply_failed", subject=subject, error=repr(e))
+
         async def endpoint(req: Any) -> None:
-            await req.respond(await handler(req.data))
+            # nats-py runs a subscription's callbacks one at a time; a task per request lets a
+            # service overlap requests (one's transfer with another's compute).
+            task = asyncio.get_running_loop().create_task(respond(req))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
 
         name = subject.replace(".", "-").replace("*", "any").replace(">", "all")
         await self._micro.add_endpoint(name=name, subject=subject, handler=endpoint, queue_group=queue)
 
     async def close(self) -> None:
-        """Drain: stop taking new messages, let in-flight handlers finish, then disconnect."""
+        """Drain: stop taking new requests (queue-group siblings get them), finish and answer
+        every request already taken, then flush and disconnect."""
         if self._micro is not None:
             await self._micro.stop()
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
         if self.nc.is_connected:
             await self.nc.drain()
         elif not self.nc.is_closed:  # reconnecting: nothing to drain through, just stop

@@ -44,6 +44,7 @@ class Proc:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log_path: Path | None = None):
         self.name = name
+        self._terminated = False
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in stop()
@@ -97,7 +98,9 @@ class Proc:
         return out
 
     def signal_stop(self) -> None:
-        if self.popen.poll() is None:
+        """SIGTERM, once: a second one would hit a process already past its own handler."""
+        if self.popen.poll() is None and not self._terminated:
+            self._terminated = True
             self.popen.terminate()
 
     def stop(self, grace: float = 15.0) -> int:

@@ -17,6 +17,7 @@ import structlog
 
 from shared.bus import EventHandler, RequestHandler
 from shared.errors import DroidMeshError
+from shared.metrics import HealthServer, Metrics
 from shared.wire import schemas
 
 log = structlog.get_logger("service")
@@ -91,3 +92,13 @@ async def run_until_signalled(service: Any) -> None:
         await stop.wait()
         log.info("stopping")
     log.info("stopped")
+
+
+def start_health(metrics: Metrics, port: int) -> HealthServer | None:
+    """Serve /metrics /livez /readyz on `port` (0: any free port, logged; -1: off)."""
+    if port < 0:
+        return None
+    health = HealthServer(metrics, port)
+    health.start()
+    log.info("health_listening", port=health.port)
+    return health

@@ -14,7 +14,8 @@ from services.profiler import handlers
 from services.profiler.config import ProfilerConfig
 from shared.bus import Bus, NatsBus
 from shared.config_board import ConfigBoard, NatsConfigBoard
-from shared.service_kit import rpc
+from shared.metrics import HealthServer, Metrics
+from shared.service_kit import start_health, rpc
 from shared.wire import schemas, subjects
 
 log = structlog.get_logger("profiler")
@@ -32,6 +33,8 @@ class ProfilerState:
 class ProfilerService:
     def __init__(self, cfg: ProfilerConfig, bus: Bus | None = None, board: ConfigBoard | None = None):
         self.cfg = cfg
+        self.metrics = Metrics("profiler")
+        self._health: HealthServer | None = None
         self._bus = bus
         self._board = board
         self._own_bus: NatsBus | None = None
@@ -46,9 +49,16 @@ class ProfilerService:
         await bus.serve(subjects.PROFILER_PROFILE, rpc(schemas.ProfileRequest, functools.partial(handlers.profile, state)),
                         queue=subjects.PROFILER_QUEUE)
         log.info("profiler_started")
+        self._health = start_health(self.metrics, self.cfg.metrics_port)
+        if self._health is not None:
+            self._health.ready = True
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
+        if self._health is not None:
+            self._health.ready = False  # stop routing probes' traffic here first
         if self._own_bus is not None:
             await self._own_bus.close()
         self._executor.shutdown(wait=True)
+        if self._health is not None:
+            await self._health.close()

@@ -21,20 +21,24 @@ if TYPE_CHECKING:
 log = structlog.get_logger("receiver")
 
 
-async def _lookup(s: ReceiverState, prompt: list[int]) -> tuple[schemas.CacheAvailable | None, str | None]:
+Reason = tuple[str, str]  # (bounded code for metrics, text for the reply and the log)
+
+
+async def _lookup(s: ReceiverState, prompt: list[int]) -> tuple[schemas.CacheAvailable | None, Reason | None]:
     """The broker's best holder for `prompt`, or (None, why not)."""
     req = schemas.LookupRequest(token_ids=prompt, fingerprint_id=s.model.fingerprint.id)
     try:
         data = await s.bus.request(subjects.BROKER_LOOKUP, schemas.encode(req), timeout=s.cfg.lookup_timeout_s)
     except TimeoutError as e:
-        return None, f"broker: {e}"
+        return None, ("broker_unavailable", f"broker: {e}")
     try:
         reply = schemas.decode(data, schemas.LookupReply)
     except DroidMeshError:
         err = schemas.decode(data, schemas.ErrorReply)
-        return None, f"broker error {err.code}: {err.message}"
+        return None, ("broker_error", f"broker error {err.code}: {err.message}")
+    s.metrics.lookups.labels("hit" if reply.holder is not None else "miss").inc()
     if reply.holder is None:
-        return None, "no cached prefix"
+        return None, ("no_cache", "no cached prefix")
     return reply.holder, None
 
 
@@ -75,7 +79,8 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
     ctx_ids, q_ids = text.prompt_ids(s.model.tokenizer, req.context, req.question)
     prompt = ctx_ids + q_ids
     stamps: dict[str, float] = {"start": t0}
-    holder, reason, plan = None, None, ReusePlan.full_prefill()
+    holder, plan = None, ReusePlan.full_prefill()
+    reason: Reason | None = ("forced", "full prefill requested") if req.mode == "full_prefill" else None
     if req.mode != "full_prefill":
         holder, reason = await _lookup(s, prompt)
         stamps["lookup_done"] = time.perf_counter()
@@ -91,8 +96,8 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
             stamps.update(out.stamps)
             s.observe_pull(bytes_pulled, out.stamps["pull_done"] - out.stamps["pull_start"])
         except ReuseError as e:
-            path, reason = "fallback", f"{e.code}: {e}"
-            log.warning("reuse_fallback", request_id=req.request_id, reason=reason)
+            path, reason = "fallback", (e.code, f"{e.code}: {e}")
+            log.warning("reuse_fallback", request_id=req.request_id, reason=reason[1])
     if gen is None:  # no cache, no config, forced, or a fault: the receiver's own full prefill
         stamps["engine_start"] = time.perf_counter()
         gen = await s.run_torch(lambda: engine_generate(s.model, prompt, ReusePlan.full_prefill(),
@@ -103,15 +108,30 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
     stages_ms = {k: round((v - t0) * 1e3, 3) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])}
     stages_ms["done"] = round((done - t0) * 1e3, 3)
     ttft_ms = (stamps["first_token"] - t0) * 1e3
-    log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=reason,
+    why = reason[1] if reason is not None and path in ("fallback", "full_prefill") else None
+    _record(s, path, reason[0] if why else "", ttft_ms, stages_ms, bytes_pulled, stamps)
+    log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=why,
              prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=bytes_pulled,
              ttft_ms=round(ttft_ms, 3), stages_ms=stages_ms)
     return schemas.GenerateReply(
         request_id=req.request_id, text=text.decode(s.model.tokenizer, gen.tokens), token_ids=gen.tokens, path=path,
-        fallback_reason=reason if path in ("fallback", "full_prefill") else None, plan=plan.label(),
+        fallback_reason=why, plan=plan.label(),
         sender_id=holder.sender_id if holder is not None and path != "full_prefill" else None,
         bytes_pulled=bytes_pulled, ttft_ms=ttft_ms, stages_ms=stages_ms, served_by=s.cfg.receiver_id,
     )
+
+
+def _record(s: ReceiverState, path: str, reason: str, ttft_ms: float, stages_ms: dict[str, float],
+            bytes_pulled: int, stamps: dict[str, float]) -> None:
+    m = s.metrics
+    m.requests.labels(path, reason).inc()
+    m.ttft.labels(path).observe(ttft_ms / 1e3)
+    for stage, ms in stages_ms.items():
+        if not stage.startswith("arrived_"):  # per-layer arrivals would explode the label set
+            m.stage.labels(stage).observe(ms / 1e3)
+    if bytes_pulled:
+        m.bytes_pulled.inc(bytes_pulled)
+        m.ucx_throughput.observe(bytes_pulled / max(1e-9, stamps["pull_done"] - stamps["pull_start"]))
 
 
 def _path_name(plan: ReusePlan) -> str:
@@ -125,6 +145,7 @@ async def on_config(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
     current = s.configs.get(cfg.sender_model)
     if current is None or cfg.profile_version >= current.profile_version:
         s.configs[cfg.sender_model] = cfg
+        s.metrics.profile_version.labels(cfg.sender_model).set(cfg.profile_version)
         log.info("config_loaded", sender_model=cfg.sender_model, version=cfg.profile_version,
                  chosen=[cfg.chosen.start, cfg.chosen.end])
 

@@ -18,7 +18,8 @@ from shared.config_board import ConfigBoard, NatsConfigBoard
 from shared.kv.plan import ReusePlan
 from shared.model.adapter import ModelAdapter, load_model
 from shared.profiling.select import select_point
-from shared.service_kit import Background, event, rpc
+from shared.metrics import HealthServer, Metrics
+from shared.service_kit import start_health, Background, event, rpc
 from shared.transport.ucx import BulkClient
 from shared.wire import schemas, subjects
 
@@ -30,8 +31,9 @@ class ReceiverState:
     """What the handlers share: config, model, bus, UCX client, pair configs, the torch thread."""
 
     def __init__(self, cfg: ReceiverConfig, bus: Bus, model: ModelAdapter, executor: ThreadPoolExecutor,
-                 bg: Background):
+                 bg: Background, metrics: Metrics):
         self.cfg, self.bus, self.model, self.executor, self._bg = cfg, bus, model, executor, bg
+        self.metrics = metrics
         self.bulk = BulkClient()
         self.pull_slots = asyncio.Semaphore(cfg.max_concurrent_pulls)
         self.configs: dict[str, schemas.RecomputeConfig] = {}  # sender model -> newest profile for us
@@ -47,7 +49,7 @@ class ReceiverState:
             self.replies.popitem(last=False)
 
     def plan_for(self, holder: schemas.CacheAvailable, mode: str, tokens: int, slo_s: float | None
-                 ) -> tuple[ReusePlan, str | None]:
+                 ) -> tuple[ReusePlan, tuple[str, str] | None]:
         """The plan for `holder`'s cache, and why it is full prefill when it is."""
         if mode == "full_reuse":
             return ReusePlan.full_reuse(), None
@@ -56,14 +58,14 @@ class ReceiverState:
             p = select_point(cfg, queued=self.inflight - 1, tokens=tokens, slo_s=slo_s,
                              bandwidth_bps=self.bandwidth_bps, e_layers=set(holder.e_layers))
             if p is None:
-                return ReusePlan.full_prefill(), f"sender holds E for none of the profiled groups {holder.e_layers}"
+                return ReusePlan.full_prefill(), ("no_e", f"sender holds E for none of the profiled groups {holder.e_layers}")
             return (ReusePlan.recompute(p.start, p.end) if p.end > p.start else ReusePlan.full_reuse()), None
         if self.cfg.default_group:
             s, e = self.cfg.default_group
             if s not in holder.e_layers:
-                return ReusePlan.full_prefill(), f"sender holds no E for layer {s} (has {holder.e_layers})"
+                return ReusePlan.full_prefill(), ("no_e", f"sender holds no E for layer {s} (has {holder.e_layers})")
             return ReusePlan.recompute(s, min(e, self.model.num_layers)), None
-        return ReusePlan.full_prefill(), f"no recompute config for {holder.model_id} -> {self.cfg.model_id}"
+        return ReusePlan.full_prefill(), ("no_config", f"no recompute config for {holder.model_id} -> {self.cfg.model_id}")
 
     def observe_pull(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
@@ -91,6 +93,8 @@ class ReceiverService:
     def __init__(self, cfg: ReceiverConfig, bus: Bus | None = None, model: ModelAdapter | None = None,
                  board: ConfigBoard | None = None):
         self.cfg = cfg
+        self.metrics = Metrics("receiver")
+        self._health: HealthServer | None = None
         self._bus = bus
         self._model = model
         self._board = board
@@ -106,7 +110,7 @@ class ReceiverService:
         if model.tokenizer is None:
             raise ValueError(f"{cfg.model_path} has no tokenizer; the receiver serves text")
         bus = self._bus or await NatsBus.connect(None, "droidmesh-receiver", VERSION, **self.cfg.nats_options())
-        s = self.state = ReceiverState(cfg, bus, model, self._executor, self._bg)
+        s = self.state = ReceiverState(cfg, bus, model, self._executor, self._bg, self.metrics)
         board = self._board or NatsConfigBoard(bus.nc)  # type: ignore[attr-defined]
         self._bg.spawn(board.watch(functools.partial(handlers.on_config, s)), "config-watch")
         await bus.subscribe(subjects.CACHE_AVAILABLE, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))
@@ -115,13 +119,20 @@ class ReceiverService:
                         queue=subjects.receiver_queue(cfg.model_id))
         log.info("receiver_started", model_id=cfg.model_id, receiver_id=cfg.receiver_id,
                  fingerprint=model.fingerprint.id, layers=model.num_layers)
+        self._health = start_health(self.metrics, self.cfg.metrics_port)
+        if self._health is not None:
+            self._health.ready = True
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
+        if self._health is not None:
+            self._health.ready = False  # stop routing probes' traffic here first
         s = self.state
+        await self._bg.close()  # config watch, endpoint warm-ups: nothing a request waits on
         if s is not None and self._bus is None:
             await s.bus.close()  # type: ignore[attr-defined]  # drain: in-flight requests finish first
-        await self._bg.close()
         if s is not None:
             await s.bulk.close()
         self._executor.shutdown(wait=True)
+        if self._health is not None:
+            await self._health.close()

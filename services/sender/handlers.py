@@ -30,7 +30,9 @@ async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, Cap
     if captured is None:
         e_layers = [l for l in s.e_layers() if l < s.model.num_layers]
         captured = await s.run_torch(capture_prefill, s.model, ctx_ids, e_layers)
+        s.metrics.prefills.inc()
         for evicted in s.store.put(cid, captured):
+            s.metrics.evictions.inc()
             await s.bus.publish(subjects.CACHE_EVICTED, schemas.encode(
                 schemas.CacheEvicted(sender_id=s.cfg.sender_id, context_id=evicted)))
         await announce(s, cid, captured)

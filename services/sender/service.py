@@ -21,7 +21,8 @@ from services.sender.store import CacheStore
 from shared.bus import Bus, NatsBus
 from shared.config_board import ConfigBoard, NatsConfigBoard
 from shared.model.adapter import ModelAdapter, load_model
-from shared.service_kit import Background, event, rpc
+from shared.metrics import HealthServer, Metrics
+from shared.service_kit import start_health, Background, event, rpc
 from shared.transport.tokens import TokenIssuer
 from shared.transport.ucx import BulkServer
 from shared.wire import schemas, subjects
@@ -33,9 +34,12 @@ VERSION = "0.1.0"
 class SenderState:
     """What the handlers share: config, model, store, bus, and the torch worker thread."""
 
-    def __init__(self, cfg: SenderConfig, bus: Bus, model: ModelAdapter, executor: ThreadPoolExecutor):
-        self.cfg, self.bus, self.model, self.executor = cfg, bus, model, executor
+    def __init__(self, cfg: SenderConfig, bus: Bus, model: ModelAdapter, executor: ThreadPoolExecutor,
+                 metrics: Metrics):
+        self.cfg, self.bus, self.model, self.executor, self.metrics = cfg, bus, model, executor, metrics
         self.store = CacheStore(cfg.store_bytes)
+        metrics.store_bytes.set_function(lambda: self.store.nbytes)
+        metrics.store_contexts.set_function(lambda: len(self.store.ids()))
         self.ucx_port = 0
         self.profiled_e_layers: dict[str, set[int]] = {}  # receiver model -> group starts it may use
         self.tokens = TokenIssuer(cfg.token_ttl_s)
@@ -54,6 +58,8 @@ class SenderService:
     def __init__(self, cfg: SenderConfig, bus: Bus | None = None, model: ModelAdapter | None = None,
                  board: ConfigBoard | None = None):
         self.cfg = cfg
+        self.metrics = Metrics("sender")
+        self._health: HealthServer | None = None
         self._bus = bus
         self._model = model
         self._board = board
@@ -68,7 +74,7 @@ class SenderService:
         model = self._model or await loop.run_in_executor(
             self._executor, functools.partial(load_model, cfg.model_path, dtype=cfg.dtype, name=cfg.model_id))
         bus = self._bus or await NatsBus.connect(None, "droidmesh-sender", VERSION, **self.cfg.nats_options())
-        s = self.state = SenderState(cfg, bus, model, self._executor)
+        s = self.state = SenderState(cfg, bus, model, self._executor, self.metrics)
         self._server = BulkServer(s.store.tensor, functools.partial(handlers.authorize, s))
         s.ucx_port = self._server.start(cfg.ucx_port)
         await bus.serve(subjects.sender_generate(cfg.model_id),
@@ -81,6 +87,9 @@ class SenderService:
         self._bg.spawn(board.watch(functools.partial(handlers.on_config, s)), "config-watch")
         log.info("sender_started", model_id=cfg.model_id, sender_id=cfg.sender_id, ucx_port=s.ucx_port,
                  fingerprint=model.fingerprint.id, layers=model.num_layers)
+        self._health = start_health(self.metrics, self.cfg.metrics_port)
+        if self._health is not None:
+            self._health.ready = True
         return self
 
     async def _heartbeat(self, s: SenderState) -> None:
@@ -92,6 +101,8 @@ class SenderService:
             await asyncio.sleep(s.cfg.heartbeat_s)
 
     async def __aexit__(self, *exc: Any) -> None:
+        if self._health is not None:
+            self._health.ready = False  # stop routing probes' traffic here first
         await self._bg.close()
         s = self.state
         if s is not None:
@@ -103,3 +114,5 @@ class SenderService:
         if self._server is not None:
             await self._server.close()
         self._executor.shutdown(wait=True)
+        if self._health is not None:
+            await self._health.close()

@@ -1,0 +1,106 @@
+"""Prometheus metrics and health endpoints, one registry per service instance.
+
+`Metrics` holds every series DroidMesh exports (a service only moves the ones it owns).
+`HealthServer` serves, from its own thread (so a busy event loop cannot hide it):
+  /metrics  Prometheus text format
+  /livez    200 while the event loop has ticked within `stall_s` (a wedged loop fails it)
+  /readyz   200 once the service has finished starting and until it begins to stop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self, service: str):
+        r = self.registry = CollectorRegistry()
+        self.service = service
+        # receiver
+        self.requests = Counter("dm_requests", "Generate requests by path taken and fallback reason",
+                                ["path", "reason"], registry=r)
+        self.ttft = Histogram("dm_ttft_seconds", "Time to first token by path", ["path"], buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.stage = Histogram("dm_stage_seconds", "Seconds from request start to each stage", ["stage"],
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.bytes_pulled = Counter("dm_bytes_pulled", "Bytes pulled over UCX", registry=r)
+        self.ucx_throughput = Histogram("dm_ucx_throughput_bytes_per_second", "Per-pull UCX throughput",
+                                        buckets=(1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10), registry=r)
+        self.lookups = Counter("dm_cache_lookups", "Cache lookups by result (hit / miss)", ["result"], registry=r)
+        self.profile_version = Gauge("dm_profile_version", "Recompute profile version in use per sender model",
+                                     ["sender_model"], registry=r)
+        # sender
+        self.store_bytes = Gauge("dm_store_bytes", "Bytes held in the KV/E store", registry=r)
+        self.store_contexts = Gauge("dm_store_contexts", "Contexts held in the store", registry=r)
+        self.evictions = Counter("dm_store_evictions", "Contexts evicted from the store", registry=r)
+        self.prefills = Counter("dm_prefills", "Contexts captured (prefilled) by the sender", registry=r)
+        # broker
+        self.index_contexts = Gauge("dm_index_contexts", "(sender, context) holders in the broker index", registry=r)
+        self.expired_senders = Counter("dm_expired_senders", "Senders dropped for missing heartbeats", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HealthServer:
+    def __init__(self, metrics: Metrics, port: int, stall_s: float = 10.0):
+        self.metrics = metrics
+        self.ready = False
+        self._stall_s = stall_s
+        self._tick = time.monotonic()
+        self._httpd = ThreadingHTTPServer(("0.0.0.0", port), self._handler())
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="health", daemon=True)
+        self._ticker: asyncio.Task | None = None
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if self.path == "/metrics":
+                    self._send(200, server.metrics.render(), CONTENT_TYPE_LATEST)
+                elif self.path == "/livez":
+                    ok = time.monotonic() - server._tick < server._stall_s
+                    self._send(200 if ok else 503, b"ok\n" if ok else b"event loop stalled\n")
+                elif self.path == "/readyz":
+                    self._send(200 if server.ready else 503, b"ready\n" if server.ready else b"not ready\n")
+                else:
+                    self._send(404, b"not found\n")
+
+            def _send(self, code: int, body: bytes, ctype: str = "text/plain") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:  # probes every few seconds: keep logs quiet
+                return
+
+        return Handler
+
+    async def _tick_loop(self) -> None:
+        while True:
+            self._tick = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="health-tick")
+
+    async def close(self) -> None:
+        self.ready = False
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        self._httpd.shutdown()
+        self._httpd.server_close()
