@@ -121,23 +121,25 @@ class Proc:
 
 
 def start_nats(port: int | None = None, store_dir: str | None = None, extra: list[str] | None = None,
-               log_dir: Path | None = None, conf: Path = NATS_CONF, env: dict[str, str] | None = None
-               ) -> tuple[Proc, str]:
+               log_dir: Path | None = None, conf: Path = NATS_CONF, env: dict[str, str] | None = None,
+               host: str = "127.0.0.1", wrap: list[str] | None = None) -> tuple[Proc, str]:
     """A real nats-server with JetStream on a free port; returns (process, url). With
-    `conf=NATS_AUTH_CONF`, pass the role passwords in `env`."""
+    `conf=NATS_AUTH_CONF`, pass the role passwords in `env`; `wrap` prefixes the command
+    (e.g. `ip netns exec NS` to run it inside a network namespace)."""
     port = port or free_port()
     store = store_dir or tempfile.mkdtemp(prefix="dm-js-")
-    argv = [nats_server_binary(), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store,
+    argv = [*(wrap or []), nats_server_binary(), "-c", str(conf), "-a", host, "-p", str(port), "-js", "-sd", store,
             *(extra or [])]
     proc = Proc("nats", argv, env=env, log_path=log_dir / "nats.log" if log_dir else None)
     proc.wait_for(lambda l: "Server is ready" in l, 30, "readiness")
-    return proc, f"nats://127.0.0.1:{port}"
+    return proc, f"nats://{host}:{port}"
 
 
 def start_service(service: str, args: dict[str, object], nats_url: str, name: str | None = None,
-                  env: dict[str, str] | None = None, log_dir: Path | None = None, timeout: float = 120) -> Proc:
+                  env: dict[str, str] | None = None, log_dir: Path | None = None, timeout: float = 120,
+                  wrap: list[str] | None = None) -> Proc:
     """`python -m services.<service> --k v ...`, ready once it logs its `ready` event."""
-    argv = [sys.executable, "-m", f"services.{service}", "--nats-url", nats_url]
+    argv = [*(wrap or []), sys.executable, "-m", f"services.{service}", "--nats-url", nats_url]
     for k, v in args.items():
         argv += [f"--{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)]
     name = name or service

@@ -58,3 +58,115 @@ def ttft(json_path, plot_path, model_path, contexts, repeats, dtype, threads) ->
                                   "rows": rows})
     if plot_path:
         suite.plot(rows, plot_path)
+
+
+def _demo_pair() -> tuple[str, str]:
+    """(sender, receiver) checkpoint paths of the zoo's first demo pair (ci tier if absent)."""
+    from shared.cli.models import resolve, zoo_roots
+    from shared.zoo.build import read_manifest
+
+    for root in zoo_roots():
+        man = read_manifest(root)
+        if man is not None:
+            pair = man["pairs"][0]
+            return resolve(pair["sender"])[0], resolve(pair["receiver"])[0]
+    raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
+
+
+def _group(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, int]:
+    s, e = _int_list(_ctx, _param, value)[:2]
+    return s, e
+
+
+def _save(json_path: str | None, suite: str, payload: dict) -> None:  # type: ignore[type-arg]
+    report.write_json(json_path, {"suite": suite, "machine": report.machine(), **payload})
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
+@click.option("--group", default="0,6", callback=_group, show_default=True, help="Recompute group 'start,end'.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+def pipeline(json_path, tokens, group, repeats) -> None:  # type: ignore[no-untyped-def]
+    """Fig. 13: load-all vs load-reused vs pipelined, over UCX between processes."""
+    from shared.bench import runs
+
+    sender, receiver = _demo_pair()
+    r = runs.pipeline(sender, receiver, tokens, group, repeats)
+    rows = [{"mode": m, "seconds": s, "vs_piped": s / r["seconds"]["piped"]} for m, s in r["seconds"].items()]
+    click.echo(report.format_table(rows, ["mode", "seconds", "vs_piped"]))
+    click.echo(f"pipeline_overhead = TTFT(piped) / max(recompute, transfer) = {r['pipeline_overhead']:.3f}")
+    _save(json_path, "pipeline", r)
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
+@click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
+@click.option("--group", default="0,6", callback=_group, show_default=True)
+@click.option("--rates", default="500,1000,2000,5000,0", show_default=True, help="Mbit/s; 0 = unlimited.")
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 50))
+def bandwidth(json_path, plot_path, tokens, group, rates, repeats) -> None:  # type: ignore[no-untyped-def]
+    """Fig. 20: sender and receiver in their own namespaces over a tc-limited veth link."""
+    from shared.bench import runs
+
+    sender, receiver = _demo_pair()
+    rate_list = [float(r) or None for r in rates.split(",")]
+    try:
+        rows = runs.bandwidth(sender, receiver, tokens, group, repeats, rate_list)
+    except RuntimeError as e:
+        click.echo(str(e), err=True)
+        _save(json_path, "bandwidth", {"skipped": str(e)})
+        return
+    table = [{"configured_gbit_s": r["configured_gbit_s"], "achieved_gbit_s": r["achieved_gbit_s"],
+              "link_efficiency": r["link_efficiency"], **{k: r["seconds"][k] for k in ("piped", "reused", "all", "prefill")}}
+             for r in rows]
+    click.echo(report.format_table(table, list(table[0])))
+    effs = [r["link_efficiency"] for r in rows if r["link_efficiency"]]
+    _save(json_path, "bandwidth", {"rows": rows, "link_efficiency": min(effs) if effs else None})
+    if plot_path:
+        _plot_bandwidth(table, plot_path)
+
+
+def _plot_bandwidth(table: list[dict], path: str) -> None:  # type: ignore[type-arg]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["configured_gbit_s"] or max(r["achieved_gbit_s"] for r in table) * 1.5 for r in table]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("piped", "pipelined"), ("reused", "load reused, then compute"), ("all", "load all, then compute"),
+                       ("prefill", "full prefill")):
+        ax.plot(xs, [r[key] for r in table], "o-", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate (Gbit/s; rightmost = unlimited)")
+    ax.set_ylabel("TTFT (s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--sizes", default="262144,1048576,4194304,16777216", show_default=True, help="Bytes per tensor.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
+def transfer(json_path, sizes, repeats) -> None:  # type: ignore[no-untyped-def]
+    """Data plane: UCX between two processes vs a memcpy of the same bytes."""
+    from shared.bench import runs
+
+    rows = runs.transfer([int(s) for s in sizes.split(",")], repeats)
+    click.echo(report.format_table(rows, ["bytes", "ucx_gb_s", "memcpy_gb_s", "ucx_over_memcpy"]))
+    _save(json_path, "transfer", {"rows": rows, "ucx_over_memcpy": rows[-1]["ucx_over_memcpy"]})
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--events", default=1000, show_default=True, type=click.IntRange(10, 100000))
+def control(json_path, events) -> None:  # type: ignore[no-untyped-def]
+    """Control plane: availability event -> visible in the broker index; lookup round trip."""
+    from shared.bench import runs
+
+    r = runs.control(events)
+    click.echo(report.format_table([r], list(r)))
+    _save(json_path, "control", r)

@@ -1,0 +1,167 @@
+"""Benchmarks that run the real mesh: processes, nats-server, UCX (and namespaces for bandwidth)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from shared.bench import netns
+from shared.launch import Proc, start_nats, start_service
+
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
+def _probe(url: str, model: str, sender: str, tokens: int, group: tuple[int, int], repeats: int,
+           wrap: list[str] | None = None) -> dict[str, Any]:
+    argv = [*(wrap or []), sys.executable, "-m", "shared.bench.pipeline", "--nats", url, "--model", model,
+            "--sender", sender, "--tokens", str(tokens), "--group", f"{group[0]},{group[1]}", "--repeats", str(repeats)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    for line in out.stdout.splitlines():
+        if line.startswith("PROBE "):
+            return json.loads(line[6:])
+    raise RuntimeError(f"probe failed ({out.returncode}):\n{out.stderr[-3000:]}")
+
+
+def pipeline(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int) -> dict[str, Any]:
+    """The Fig. 13 ablation on loopback: one sender process, the probe as the receiver."""
+    procs: list[Proc] = []
+    try:
+        nats, url = start_nats()
+        procs.append(nats)
+        procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender",
+                                              "dtype": "bfloat16", "e_layers": [group[0]]}, url, env=THREADS))
+        return _probe(url, receiver_path, "bench-sender", tokens, group, repeats)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int,
+              rates_mbit: list[float | None]) -> list[dict[str, Any]]:
+    """The probe in its own namespace, the sender (and NATS) in another, per link rate."""
+    why = netns.available()
+    if why:
+        raise RuntimeError(f"bandwidth sweep skipped: {why}")
+    rows = []
+    with netns.link() as (snd, rcv):
+        procs: list[Proc] = []
+        try:
+            nats, url = start_nats(host=netns.SND_IP, wrap=snd)
+            procs.append(nats)
+            procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender",
+                                                  "dtype": "bfloat16", "e_layers": [group[0]],
+                                                  "ucx_host": netns.SND_IP}, url, env=THREADS, wrap=snd))
+            for rate in tqdm(rates_mbit, desc="bandwidth", unit="rate"):
+                netns.set_rate(rate)
+                r = _probe(url, receiver_path, "bench-sender", tokens, group, repeats, wrap=rcv)
+                r["configured_gbit_s"] = rate / 1000 if rate else None
+                r["link_efficiency"] = r["achieved_gbit_s"] / (rate / 1000) if rate else None
+                rows.append(r)
+        finally:
+            for p in reversed(procs):
+                p.stop()
+    return rows
+
+
+# -- data plane ---------------------------------------------------------------------------------
+async def _transfer(port: int, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    from shared.transport.ucx import BulkClient
+    from shared.wire.schemas import PullItem, PullRequest
+
+    client = BulkClient()
+    await client.warm("127.0.0.1", port)
+    rows = []
+    for nbytes in sizes:
+        n = nbytes // 2
+        req = PullRequest(context_id=str(nbytes), items=[PullItem(0, "K")], token="")
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            await client.pull("127.0.0.1", port, req, lambda it: ([n], torch.bfloat16), lambda *a: None, 60)
+            times.append(time.perf_counter() - t0)
+        src = torch.empty(n, dtype=torch.bfloat16)
+        copies = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            src.clone()
+            copies.append(time.perf_counter() - t0)
+        ucx_s, copy_s = statistics.median(times[1:]), statistics.median(copies[1:])
+        rows.append({"bytes": nbytes, "ucx_gb_s": nbytes / ucx_s / 1e9, "memcpy_gb_s": nbytes / copy_s / 1e9,
+                     "ucx_over_memcpy": copy_s / ucx_s})
+    await client.close()
+    return rows
+
+
+def transfer(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    """UCX between two processes (a tensor server and this one) vs a memcpy of the same bytes."""
+    server = subprocess.Popen([sys.executable, "-m", "shared.bench.tensor_server", ",".join(map(str, sizes))],
+                              stdout=subprocess.PIPE, text=True, env={**__import__("os").environ, **THREADS})
+    try:
+        port = int(server.stdout.readline())  # type: ignore[union-attr]  # the server prints its port when ready
+        return asyncio.run(_transfer(port, sizes, repeats))
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+# -- control plane ------------------------------------------------------------------------------
+async def _control(url: str, n: int) -> dict[str, Any]:
+    import nats
+
+    from shared.wire import schemas, subjects
+
+    nc = await nats.connect(url)
+    fp = schemas.Fingerprint("llama", 12, 128, 4, 4, 32, "{}", "bench")
+    hb = schemas.SenderHeartbeat(sender_id="bench", model_id="bench", context_ids=[], interval_s=3600, sent_at=time.time())
+    await nc.publish(subjects.SENDER_HEARTBEAT, schemas.encode(hb))
+    rng = np.random.default_rng(0)
+    visible, rtt = [], []
+    for i in tqdm(range(n), desc="control", unit="event"):
+        tokens = rng.integers(0, 50_000, 256).tolist()
+        ev = schemas.CacheAvailable(sender_id="bench", model_id="bench", fingerprint=fp, fingerprint_id="bench",
+                                    context_id=f"c{i}", token_ids=tokens, dtype="bfloat16", kv_nbytes=[1] * 12,
+                                    e_layers=[0], e_nbytes=1, ucx_host="127.0.0.1", ucx_port=1,
+                                    published_at=time.time())
+        lookup = schemas.encode(schemas.LookupRequest(token_ids=tokens, fingerprint_id="bench"))
+        t0 = time.perf_counter()
+        await nc.publish(subjects.CACHE_AVAILABLE, schemas.encode(ev))
+        while True:  # poll until the broker's index answers with it: an upper bound of event->index
+            t1 = time.perf_counter()
+            reply = schemas.decode((await nc.request(subjects.BROKER_LOOKUP, lookup, timeout=5)).data,
+                                   schemas.LookupReply)
+            t2 = time.perf_counter()
+            if reply.holder is not None and reply.holder.context_id == f"c{i}":
+                visible.append(t2 - t0)
+                rtt.append(t2 - t1)
+                break
+    await nc.close()
+    ms = lambda xs, q: float(np.percentile(np.array(xs) * 1e3, q))  # noqa: E731
+    return {"events": n, "event_to_index_p50_ms": ms(visible, 50), "event_to_index_p99_ms": ms(visible, 99),
+            "lookup_rtt_p50_ms": ms(rtt, 50), "lookup_rtt_p99_ms": ms(rtt, 99)}
+
+
+def control(n: int) -> dict[str, Any]:
+    procs: list[Proc] = []
+    try:
+        nats, url = start_nats()
+        procs.append(nats)
+        procs.append(start_service("cache_broker", {}, url, env=THREADS))
+        return asyncio.run(_control(url, n))
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def tmpdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="dm-bench-"))
