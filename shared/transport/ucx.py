@@ -4,14 +4,16 @@ Control plane vs data plane, in order:
   1. (NATS) the sender publishes `CacheAvailable`: context id, fingerprint, dtype, per-layer
      byte sizes, E layers, and its UCX listener's host:port.
   2. (NATS) a receiver finds that holder through the broker and decides which items it needs.
-  3. (UCX)  the receiver allocates its own buffers from the announced layout, connects (one
-     cached endpoint per sender) and sends one `PullRequest` listing the items in the order it
-     wants them: the transition layers' E first, then the reused KV layers.
-  4. (UCX)  for each item the sender sends a `TensorHeader` (shape, dtype, nbytes, xxh3
-     checksum) then the bytes straight from its store (no staging copy).
-  5. the receiver checks the header against what it allocated, receives into that buffer,
-     verifies the checksum and hands the tensor to the engine as soon as it lands, so
-     recompute starts on E while the KV layers are still streaming.
+  3. (UCX)  the receiver connects (one cached endpoint per sender) and sends one `PullRequest`
+     listing the items in the order it wants them: the transition layers' E first, then the
+     reused KV layers.
+  4. (UCX)  the sender answers with one `PullResponse` carrying every item's `TensorHeader`
+     (shape, dtype, nbytes, xxh3 checksum), then posts every tensor's bytes at once, in order,
+     straight from its store (no staging copy, no per-item round trip).
+  5. the receiver checks each header against the announced layout, allocates its own buffer
+     per item, posts every receive at once (UCX matches same-tag messages in order), and as
+     each lands verifies its checksum and hands it to the engine, so recompute starts on E
+     while the KV layers are still streaming.
 Roles: `BulkServer` (sender; `start` / `close`), `BulkClient` (receiver; `pull` / `warm` / `close`).
 Both run on the service's event loop; `pull` awaits the network, never blocks the loop.
 """
@@ -29,7 +31,7 @@ import torch
 from shared.errors import DroidMeshError, IntegrityError, TransferError
 from shared.transport.tensors import as_bytes, header_for, tensor_from
 from shared.wire import schemas
-from shared.wire.schemas import PullItem, PullRequest, TensorHeader
+from shared.wire.schemas import PullItem, PullRequest
 
 # Listeners need tcp (sm alone cannot connect through a listener); must be set before import.
 os.environ.setdefault("UCX_TLS", "tcp,sm,self")
@@ -77,18 +79,20 @@ class BulkServer:
             req = schemas.decode(data, PullRequest)
             if self._authorize is not None:
                 self._authorize(req)
+            tensors = []
+            for item in req.items:
+                t = self._lookup(req.context_id, item.layer, item.kind)
+                if t is None:
+                    raise TransferError(f"sender does not hold {req.context_id} layer {item.layer} {item.kind}")
+                tensors.append(t)
         except DroidMeshError as e:
             log.warning("pull_refused", code=e.code, error=str(e))
-            await ep.send_obj(schemas.encode(_error_header(e)))
+            await ep.send_obj(schemas.encode(schemas.PullResponse(headers=[], error=f"{e.code}: {e}")))
             return
-        for item in req.items:
-            t = self._lookup(req.context_id, item.layer, item.kind)
-            if t is None:
-                err = TransferError(f"sender does not hold {req.context_id} layer {item.layer} {item.kind}")
-                await ep.send_obj(schemas.encode(_error_header(err, req.context_id, item)))
-                return
-            await ep.send_obj(schemas.encode(header_for(req.context_id, item.layer, item.kind, t)))
-            await ep.send(as_bytes(t))
+        headers = [header_for(req.context_id, it.layer, it.kind, t) for it, t in zip(req.items, tensors)]
+        await ep.send_obj(schemas.encode(schemas.PullResponse(headers=headers)))
+        # All sends posted together: the wire stays busy, and UCX keeps them in order.
+        await asyncio.gather(*(ep.send(as_bytes(t)) for t in tensors))
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -96,13 +100,6 @@ class BulkServer:
         for task in list(self._conns):
             task.cancel()
         await asyncio.gather(*self._conns, return_exceptions=True)
-
-
-def _error_header(e: DroidMeshError, context_id: str = "", item: PullItem | None = None) -> TensorHeader:
-    return TensorHeader(
-        context_id=context_id, layer=item.layer if item else -1, kind=item.kind if item else "", shape=[],
-        dtype="", nbytes=0, checksum="", error=f"{e.code}: {e}",
-    )
 
 
 class BulkClient:
@@ -145,23 +142,31 @@ class BulkClient:
 
     async def _pull_on(self, ep: Any, request: PullRequest, expected: Any, on_tensor: OnTensor) -> int:
         await ep.send_obj(schemas.encode(request))
-        total = 0
-        for item in request.items:
+        response = schemas.decode(bytes(await ep.recv_obj()), schemas.PullResponse)
+        if response.error:
+            raise TransferError(f"sender refused the pull: {response.error}")
+        if len(response.headers) != len(request.items):
+            raise IntegrityError(f"{len(response.headers)} headers for {len(request.items)} items")
+        buffers = []
+        for item, header in zip(request.items, response.headers):
             shape, dtype = expected(item)
-            header = schemas.decode(bytes(await ep.recv_obj()), TensorHeader)
-            if header.error:
-                raise TransferError(f"sender refused layer {item.layer} {item.kind}: {header.error}")
             want = (request.context_id, item.layer, item.kind, list(shape), str(dtype).removeprefix("torch."))
             got = (header.context_id, header.layer, header.kind, header.shape, header.dtype)
             if got != want:
                 raise IntegrityError(f"header {got} does not match the announced layout {want}")
-            buf = torch.empty(header.nbytes, dtype=torch.uint8)  # our own buffer, sized by the layout
-            if buf.numel() != torch.empty(shape, dtype=dtype, device="meta").numel() * dtype.itemsize:
+            nbytes = torch.empty(shape, dtype=dtype, device="meta").numel() * dtype.itemsize
+            if header.nbytes != nbytes:
                 raise IntegrityError(f"layer {item.layer} {item.kind}: {header.nbytes} bytes for shape {shape}")
-            await ep.recv(buf.numpy())
-            on_tensor(item, tensor_from(buf, header))
-            total += header.nbytes
-        return total
+            buffers.append(torch.empty(nbytes, dtype=torch.uint8))  # our own buffer, sized by the layout
+        receives = [asyncio.ensure_future(ep.recv(buf.numpy())) for buf in buffers]
+        try:
+            for item, header, buf, recv in zip(request.items, response.headers, buffers, receives):
+                await recv  # in order: E first, so the engine can start while the rest streams
+                on_tensor(item, tensor_from(buf, header))
+        finally:
+            for recv in receives:
+                recv.cancel()
+        return sum(h.nbytes for h in response.headers)
 
     async def _endpoint(self, key: tuple[str, int]) -> Any:
         ep = self._eps.get(key)

@@ -212,6 +212,14 @@ class TensorHeader(Message, tag="tensor.header"):
     error: str | None = None  # set (and no bytes follow) when the sender cannot serve the item
 
 
+class PullResponse(Message, tag="pull.response"):
+    """The sender's answer to a PullRequest: every item's header up front (then the bytes of
+    each, in order), or an error and no bytes."""
+
+    headers: list[TensorHeader]
+    error: str | None = None
+
+
 M = TypeVar("M", bound=Message)
 
 

@@ -229,6 +229,8 @@ def build_derivative(
     model = LlamaForCausalLM(base.config)
     model.load_state_dict(base.state_dict())
     seed = recipe.seed + 1000 + sum(map(ord, d.name))
+    if d.init_aliases:
+        T.init_aliases(model, ids)
     if d.kind == "lora":
         return _build_lora(d, model, ids, recipe, out, history, say, seed)
     for st in d.stages:

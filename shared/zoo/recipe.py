@@ -40,6 +40,7 @@ class Derivative:
     kind: str
     task: str
     stages: tuple[Stage, ...]
+    init_aliases: bool = False  # start alias embeddings as copies of their keys' (train.init_aliases)
     lora_r: int = 8
 
 

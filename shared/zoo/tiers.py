@@ -5,7 +5,8 @@ Both share one shape (see the zoo README / notes for why each piece is there):
          lookup stage with layer 0's attention frozen and attention supervision on the READER
          layer (its heads must land on the asked key's value) -> longer, multi-document
          contexts with filler (demo: ~1K-token contexts).
-  qa     receiver for `multihop_qa`: trains only layer reader-1 (+ the alias embeddings).
+  qa     receiver for `multihop_qa`: alias embeddings start as copies of their keys'; trains
+         only layer reader-1 (+ the alias embeddings).
          Aliases move only question tokens; the `coded` rule can only be learned as a change
          of how layer reader-1 encodes the context's values, which is exactly what a sender's
          KV then lacks (the notes: the fine-tune must change the ENCODING of the context).
@@ -44,9 +45,11 @@ def demo_recipe() -> Recipe:
     )
     derivatives = (
         Derivative("qa", "full", "multihop_qa", (
-            Stage("qa", 300, 2e-3, 8, (("who", 1.0),), facts=(4, 16), docs=(1, 5), filler=(0, 600), coded_frac=0.5,
+            Stage("qa", 1500, 3e-3, 8, (("who", 1.0),), facts=(2, 8), filler=(0, 60), coded_frac=0.5,
                   train="layers:reader-1+alias"),
-        )),
+            Stage("qa_long", 100, 1e-3, 4, (("who", 1.0),), facts=(8, 16), docs=(3, 5), filler=(850, 1000),
+                  lookups=16, coded_frac=0.5, train="layers:reader-1+alias"),
+        ), init_aliases=True),
         Derivative("summ", "full", "summarization", (
             Stage("summ", 200, 3e-4, 8, (("titles", 1.0),), facts=(4, 12), docs=(2, 5), filler=(0, 300)),
         )),
@@ -74,7 +77,7 @@ def ci_recipe() -> Recipe:
         Derivative("qa", "full", "multihop_qa", (
             Stage("qa", 40, 2e-3, 8, (("who", 1.0),), facts=(2, 6), docs=(1, 2), filler=(0, 50), coded_frac=0.5,
                   train="layers:reader-1+alias"),
-        )),
+        ), init_aliases=True),
         Derivative("summ", "full", "summarization", (
             Stage("summ", 20, 3e-4, 8, (("titles", 1.0),), facts=(2, 6), docs=(2, 4), filler=(0, 50)),
         )),

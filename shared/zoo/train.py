@@ -298,3 +298,13 @@ def grow(model: LlamaForCausalLM, placement: list[int | None], ids: WordIds, see
 def _rope_theta(cfg: LlamaConfig) -> float:
     rp = getattr(cfg, "rope_parameters", None) or {}
     return float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+@torch.no_grad()
+def init_aliases(model: LlamaForCausalLM, ids: WordIds) -> None:
+    """Start each alias's embedding as a copy of its key's (vocabulary extension by initialising
+    new tokens from related ones). Only question tokens ever contain aliases, so this changes
+    nothing about how any context is encoded."""
+    emb = model.model.embed_tokens.weight
+    for k, a in zip(V.KEYS, V.ALIASES):
+        emb[ids[a]] = emb[ids[k]]
