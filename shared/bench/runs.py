@@ -165,3 +165,81 @@ def control(n: int) -> dict[str, Any]:
 
 def tmpdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="dm-bench-"))
+
+
+# -- load ---------------------------------------------------------------------------------------
+async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, seconds: float, mode: str,
+                     slo_s: float, seed: int) -> dict[str, Any]:
+    from shared.client import MeshClient
+
+    client = await MeshClient.connect(url)
+    rng = np.random.default_rng(seed)
+    records: list[tuple[float, float, Any]] = []
+
+    async def one(i: int) -> None:
+        t0 = time.perf_counter()
+        r = await client.ask(receiver, contexts[i % len(contexts)], f" who q{i}", max_new_tokens=8, mode=mode,
+                             timeout=120, attempt_s=60)
+        records.append((t0, time.perf_counter(), r))
+
+    tasks, start, i = [], time.perf_counter(), 0
+    while (now := time.perf_counter()) - start < seconds:
+        tasks.append(asyncio.create_task(one(i)))
+        i += 1
+        await asyncio.sleep(rng.exponential(1.0 / rate))  # Poisson arrivals
+    await asyncio.gather(*tasks)
+    await client.close()
+    ttft, tbt, e2e = [], [], []
+    for t0, t1, r in records:
+        decode_s = (r.stages_ms["done"] - r.stages_ms["first_token"]) / 1e3
+        ttft.append(t1 - t0 - decode_s)  # client-side: queueing + lookup + transfer + prefill
+        e2e.append(t1 - t0)
+        if len(r.token_ids) > 1:
+            tbt.append(decode_s / (len(r.token_ids) - 1))
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+    return {"rate": rate, "mode": mode, "requests": len(records), "seconds": seconds,
+            "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tbt_p50": pct(tbt, 50), "tbt_p99": pct(tbt, 99),
+            "e2e_p50": pct(e2e, 50), "e2e_p99": pct(e2e, 99),
+            "goodput": sum(1 for x in ttft if x <= slo_s) / seconds,
+            "paths": sorted({r.path for _, _, r in records})}
+
+
+def load(sender_path: str, receiver_path: str, group: tuple[int, int], tokens: int, rates: list[float],
+         seconds: float, slo_s: float, copies: list[int]) -> list[dict[str, Any]]:
+    """Poisson load against 1..N receiver copies, DroidMesh (auto) vs full prefill."""
+    from shared.client import MeshClient
+    from shared.zoo import vocab
+
+    rng = np.random.default_rng(0)
+    contexts = [" ".join(rng.choice(vocab.FILLER, tokens).tolist()) for _ in range(4)]
+    rows = []
+    for n in copies:
+        procs: list[Proc] = []
+        try:
+            nats, url = start_nats()
+            procs.append(nats)
+            procs.append(start_service("cache_broker", {}, url, env=THREADS))
+            procs.append(start_service("sender", {"model_path": sender_path, "model_id": "load-sender",
+                                                  "dtype": "bfloat16", "e_layers": [group[0]]}, url, env=THREADS))
+            for k in range(n):
+                procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": "load-receiver",
+                                                        "dtype": "bfloat16", "default_group": list(group)}, url,
+                                           name=f"receiver{k}", env=THREADS))
+
+            async def prefill_all() -> None:
+                client = await MeshClient.connect(url)
+                for c in contexts:
+                    await client.prefill("load-sender", c, timeout=300)
+                for c in contexts:  # once per receiver copy's endpoint warm-up and until the broker sees them
+                    await client.ask("load-receiver", c, " who", max_new_tokens=1, timeout=300)
+                await client.close()
+
+            asyncio.run(prefill_all())
+            for rate in tqdm(rates, desc=f"load x{n}", unit="rate"):
+                for mode in ("auto", "full_prefill"):
+                    r = asyncio.run(_load_rate(url, "load-receiver", contexts, rate, seconds, mode, slo_s, seed=int(rate * 7)))
+                    rows.append({"receivers": n, **r})
+        finally:
+            for p in reversed(procs):
+                p.stop()
+    return rows

@@ -170,3 +170,98 @@ def control(json_path, events) -> None:  # type: ignore[no-untyped-def]
     r = runs.control(events)
     click.echo(report.format_table([r], list(r)))
     _save(json_path, "control", r)
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(16, 32768))
+@click.option("--group", default="0,2", callback=_group, show_default=True)
+@click.option("--rates", default="0.5,1,2,4", show_default=True, help="Requests per second.")
+@click.option("--seconds", default=20.0, show_default=True, type=click.FloatRange(1, 3600))
+@click.option("--slo", default=1.0, show_default=True, type=click.FloatRange(0.001, 600), help="TTFT SLO (s).")
+@click.option("--copies", default="1,2", show_default=True, help="Receiver copies to try.")
+def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies) -> None:  # type: ignore[no-untyped-def]
+    """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill."""
+    from shared.bench import runs
+
+    sender, receiver = _demo_pair()
+    rows = runs.load(sender, receiver, group, tokens, [float(r) for r in rates.split(",")], seconds, slo,
+                     [int(c) for c in copies.split(",")])
+    cols = ["receivers", "rate", "mode", "requests", "ttft_p50", "ttft_p99", "tbt_p50", "e2e_p50", "e2e_p99", "goodput"]
+    click.echo(report.format_table(rows, cols))
+    best = {m: max((r["goodput"] for r in rows if r["mode"] == m), default=0.0) for m in ("auto", "full_prefill")}
+    ratio = best["auto"] / best["full_prefill"] if best["full_prefill"] else None
+    click.echo(f"goodput_ratio (best DroidMesh / best full prefill at TTFT <= {slo}s) = {ratio}")
+    _save(json_path, "load", {"rows": rows, "slo_s": slo, "goodput_ratio": ratio, "tokens": tokens, "group": list(group)})
+    if plot_path:
+        _plot_load(rows, plot_path, slo)
+
+
+def _plot_load(rows: list[dict], path: str, slo: float) -> None:  # type: ignore[type-arg]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for n in sorted({r["receivers"] for r in rows}):
+        for mode, style in (("auto", "o-"), ("full_prefill", "s--")):
+            rs = [r for r in rows if r["receivers"] == n and r["mode"] == mode]
+            label = f"{'DroidMesh' if mode == 'auto' else 'full prefill'} x{n}"
+            a.plot([r["rate"] for r in rs], [r["ttft_p99"] for r in rs], style, label=label)
+            b.plot([r["rate"] for r in rs], [r["goodput"] for r in rs], style, label=label)
+    a.axhline(slo, c="k", ls=":", label="SLO")
+    a.set_xlabel("arrival rate (req/s)")
+    a.set_ylabel("TTFT p99 (s)")
+    a.set_yscale("log")
+    b.set_xlabel("arrival rate (req/s)")
+    b.set_ylabel("goodput (req/s within SLO)")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
+@click.option("--pair", "pair_index", default=0, show_default=True, type=click.IntRange(0, 16),
+              help="Which of the zoo's pairs.")
+@click.option("--rows", default=32, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
+              help="A `droidmesh profile` JSON whose frontier to sweep (default: the zoo's, if saved).")
+def quality(json_path, plot_path, pair_index, rows, profile_path) -> None:  # type: ignore[no-untyped-def]
+    """Fig. 14: TTFT vs quality for full prefill, full reuse, CacheBlend and DroidMesh groups."""
+    import json
+    from pathlib import Path
+
+    from shared.bench import quality as suite
+    from shared.cli.models import resolve, zoo_roots
+    from shared.model.adapter import load_model
+    from shared.profiling.evaluate import PairEvaluator
+    from shared.profiling.profile import load_rows
+    from shared.zoo.build import read_manifest
+    from shared.zoo.suite import task_spec
+    from shared.zoo.tiers import get_recipe
+
+    root = next((r for r in zoo_roots() if read_manifest(r)), None)
+    if root is None:
+        raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
+    man = read_manifest(root)
+    pair = man["pairs"][pair_index]  # type: ignore[index]
+    sender = load_model(resolve(pair["sender"])[0], name=pair["sender"])
+    receiver = load_model(resolve(pair["receiver"])[0], name=pair["receiver"])
+    shape = get_recipe(man["tier"]).suite  # type: ignore[index]
+    ev = PairEvaluator(sender, receiver, load_rows(pair["task"], "test", rows, shape=shape), task_spec(pair["task"]))
+    default_profile = root / "profiles" / f"{pair['sender']}__{pair['receiver']}.json"
+    prof = Path(profile_path) if profile_path else default_profile
+    frontier = json.loads(prof.read_text())["frontier"] if prof.is_file() else None
+    result = suite.measure(sender, receiver, ev, frontier)
+    click.echo(report.format_table(result["rows"], ["config", "recomputed_layers", "quality", "ttft_s", "speedup",
+                                                    "ttft_4k_s", "speedup_4k"]))
+    click.echo(f"sender alone: {result['sender_alone']:.3f}; speedup_at_5pct (4K tokens): {result['speedup_at_5pct']}")
+    _save(json_path, "quality", {"pair": pair, "tier": man["tier"], "model": report.model_record(receiver),  # type: ignore[index]
+                                 **result})
+    if plot_path:
+        suite.plot(result, plot_path, f"{pair['sender']} -> {pair['receiver']} ({pair['task']})")
