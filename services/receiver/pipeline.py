@@ -18,7 +18,6 @@ import msgspec
 import torch
 
 from shared.errors import CacheLayoutError
-from shared.kv.blocks import KVBlock
 from shared.kv.partial import Generation, generate
 from shared.kv.plan import ReusePlan
 from shared.kv.sources import ArrivingSource
@@ -58,19 +57,13 @@ async def reuse_generate(
         raise CacheLayoutError(f"sender cache dtype {holder.dtype}, receiver runs {model.dtype}")
     source = ArrivingSource(tuple(holder.token_ids), fingerprint)
     tokens = len(holder.token_ids)
-    half_kv: dict[int, torch.Tensor] = {}
 
     def expected(item: PullItem) -> tuple[list[int], torch.dtype]:
         shape = model.e_shape(tokens) if item.kind == "E" else model.kv_shape(tokens)
         return list(shape), model.dtype
 
     def on_tensor(item: PullItem, t: torch.Tensor) -> None:
-        if item.kind == "E":
-            source.put_e(item.layer, t)
-        elif item.kind == "K":
-            half_kv[item.layer] = t
-        else:
-            source.put_kv(KVBlock(item.layer, half_kv.pop(item.layer), t))
+        source.put(item.kind, item.layer, t)
 
     stamps: dict[str, float] = {}
     request = PullRequest(context_id=holder.context_id, items=pull_items(plan, model.num_layers),

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from shared.kv.blocks import KVBlock
 from shared.kv.partial import generate
 from shared.kv.plan import ReusePlan
 from shared.kv.sources import ArrivingSource
@@ -41,20 +40,13 @@ QUESTION = " who"
 async def _pull(bulk: BulkClient, ev: schemas.CacheAvailable, items: list[PullItem], model: ModelAdapter,
                 source: ArrivingSource | None) -> int:
     tokens = len(ev.token_ids)
-    half: dict[int, torch.Tensor] = {}
 
     def expected(it: PullItem):  # type: ignore[no-untyped-def]
         return list(model.e_shape(tokens) if it.kind == "E" else model.kv_shape(tokens)), DTYPES[ev.dtype]
 
     def on_tensor(it: PullItem, t: torch.Tensor) -> None:
-        if source is None:
-            return
-        if it.kind == "E":
-            source.put_e(it.layer, t)
-        elif it.kind == "K":
-            half[it.layer] = t
-        else:
-            source.put_kv(KVBlock(it.layer, half.pop(it.layer), t))
+        if source is not None:
+            source.put(it.kind, it.layer, t)
 
     req = PullRequest(context_id=ev.context_id, items=items, token=ev.pull_token)
     return await bulk.pull(ev.ucx_host, ev.ucx_port, req, expected, on_tensor, timeout_s=300)

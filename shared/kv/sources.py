@@ -62,6 +62,7 @@ class ArrivingSource:
         self._kv: dict[int, KVBlock] = {}
         self._e: dict[int, torch.Tensor] = {}
         self._failure: BaseException | None = None
+        self._halves: dict[int, tuple[str, torch.Tensor]] = {}  # layer -> the half that came first
         # Arrival stamps (time.perf_counter()) so callers can show what overlapped what.
         self.arrived_at: dict[str, float] = {}
 
@@ -77,6 +78,20 @@ class ArrivingSource:
             self._e[layer] = e
             self.arrived_at[f"e{layer}"] = time.perf_counter()
             self._cond.notify_all()
+
+    def put(self, kind: str, layer: int, t: torch.Tensor) -> None:
+        """Deliver one transferred tensor: "E", or one half ("K" / "V") of a layer's KV (the
+        layer becomes available once both halves are in)."""
+        if kind == "E":
+            self.put_e(layer, t)
+            return
+        with self._cond:
+            half = self._halves.pop(layer, None)
+            if half is None:
+                self._halves[layer] = (kind, t)
+                return
+        k, v = (half[1], t) if half[0] == "K" else (t, half[1])
+        self.put_kv(KVBlock(layer, k, v))
 
     def fail(self, exc: BaseException) -> None:
         """Abort every current and future wait with `exc` (e.g. the sender died mid-transfer)."""

@@ -84,3 +84,19 @@ def test_source_failure_aborts_waits(receiver, prompt):
     source.fail(ConnectionResetError("sender died"))
     with pytest.raises(MissingLayerError, match="sender died"):
         prefill(receiver, ctx + q, ReusePlan.recompute(2, 4), source, timeout_s=30)
+
+
+def test_halves_in_either_order_make_one_layer(receiver, prompt):
+    """K and V delivered separately, V first, become that layer's KV block exactly once both are in."""
+    import torch
+
+    ctx, _ = prompt
+    captured = capture_prefill(receiver, ctx)
+    source = ArrivingSource(captured.token_ids, captured.fingerprint)
+    block = captured.kv[3]
+    source.put("V", 3, block.v)
+    with pytest.raises(MissingLayerError):
+        source.kv(3, deadline=time.monotonic() + 0.05)
+    source.put("K", 3, block.k)
+    got = source.kv(3, deadline=time.monotonic() + 1)
+    assert torch.equal(got.k, block.k) and torch.equal(got.v, block.v)
