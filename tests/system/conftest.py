@@ -1,13 +1,41 @@
-"""System tier: a real nats-server on a free port and services as separate OS processes."""
+"""System tier: a real nats-server on a free port, services as separate OS processes, and the
+checkpoints the zoo's ci tier really trained (built once per session)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from shared.launch import Proc, start_nats
+from shared.model.adapter import ModelAdapter, load_model
+from shared.zoo import build_tier, vocab
+
+
+def words(n: int, offset: int = 0) -> str:
+    """A context of `n` zoo filler words (one token each with the zoo tokenizer)."""
+    return " ".join(vocab.FILLER[(i * 7 + offset) % len(vocab.FILLER)] for i in range(n))
+
+
+@pytest.fixture(scope="session")
+def zoo_ci(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ci tier, built once per session (deterministic, well under a minute)."""
+    out = tmp_path_factory.mktemp("zoo") / "ci"
+    build_tier("ci", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(zoo_ci: Path) -> tuple[Path, Path]:
+    """(sender, receiver) checkpoint dirs of a real zoo pair: summ -> qa."""
+    return zoo_ci / "summ", zoo_ci / "qa"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_pair: tuple[Path, Path]) -> tuple[ModelAdapter, ModelAdapter]:
+    return load_model(tiny_pair[0], name="sender"), load_model(tiny_pair[1], name="receiver")
 
 
 @pytest.fixture
@@ -28,3 +56,15 @@ def services() -> Iterator[list[Proc]]:
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
+
+
+async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 2000) -> None:  # type: ignore[no-untyped-def]
+    """Return once the broker's index answers `context` for `model` (events are asynchronous:
+    a sender's prefill reply can beat its availability event to the broker)."""
+    from shared.model import text
+
+    ids = text.context_ids(model.tokenizer, context)
+    for _ in range(tries):
+        if (await client.lookup(ids, model.fingerprint.id)).holder is not None:
+            return
+    raise TimeoutError("the broker never indexed the context")

@@ -12,10 +12,11 @@ from shared.kv.partial import generate
 from shared.kv.plan import ReusePlan
 from shared.launch import start_nats, start_service
 from shared.model import text
+from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.fault]
 
-CONTEXT = " ".join(["alpha beta gamma delta epsilon zeta"] * 200)
+CONTEXT = words(1200)
 THREADS = {"OMP_NUM_THREADS": "1"}
 N = 20
 
@@ -43,6 +44,7 @@ def test_sender_killed_mid_transfer_loses_nothing(nats, services, tiny_pair, tin
         client = await MeshClient.connect(url)
         try:
             await client.prefill("sender", CONTEXT)
+            await until_indexed(client, receiver_m, CONTEXT)
             deadline = time.time() + 90
             tasks = [asyncio.create_task(client.ask("receiver", CONTEXT, q, max_new_tokens=4, timeout=90))
                      for q in questions]
@@ -73,7 +75,7 @@ def test_broker_and_nats_restarts_under_load_lose_nothing(tmp_path, services, ti
                                   url, env=THREADS))
     services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
                                                "default_group": [2, 4]}, url, env=THREADS))
-    ctx = " ".join(["alpha beta gamma delta"] * 40)
+    ctx = words(160)
     holder = {"nats": nats_proc}
 
     async def run():  # type: ignore[no-untyped-def]

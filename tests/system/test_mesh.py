@@ -13,11 +13,12 @@ from shared.kv.plan import ReusePlan
 from shared.kv.sources import CapturedSource
 from shared.launch import start_service
 from shared.model import text
+from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system
 
 # Long enough that each per-layer transfer takes a measurable share of the pull.
-CONTEXT = " ".join(["alpha beta gamma delta epsilon"] * 160)
+CONTEXT = words(3000)
 QUESTION = " what is gamma"
 THREADS = {"OMP_NUM_THREADS": "1"}
 
@@ -32,11 +33,11 @@ def _start(services, nats_url, tiny_pair, group=(1, 2), receivers=1):  # type: i
                                       env=THREADS))
 
 
-async def _prefill_and_ask(url: str, n: int = 1, max_new_tokens: int = 6):  # type: ignore[no-untyped-def]
+async def _prefill_and_ask(url: str, model, n: int = 1, max_new_tokens: int = 6):  # type: ignore[no-untyped-def]
     client = await MeshClient.connect(url)
     try:
         await client.prefill("sender", CONTEXT)
-        await client.ask("receiver", CONTEXT, QUESTION, max_new_tokens=1)  # wait until the broker has it
+        await until_indexed(client, model, CONTEXT)
         return await asyncio.gather(*(client.ask("receiver", CONTEXT, QUESTION, max_new_tokens=max_new_tokens)
                                       for _ in range(n)))
     finally:
@@ -47,7 +48,7 @@ def test_answer_through_mesh_equals_engine(nats, services, tiny_pair, tiny_model
     """Separate processes + UCX give the same tokens as the in-process engine, and the
     receiver started recomputing before the last reused KV layer had arrived."""
     _start(services, nats[1], tiny_pair, group=(1, 2))
-    (reply,) = asyncio.run(_prefill_and_ask(nats[1]))
+    (reply,) = asyncio.run(_prefill_and_ask(nats[1], tiny_models[1]))
     assert reply.path == "partial", reply
     sender_m, receiver_m = tiny_models
     ctx, q = text.prompt_ids(receiver_m.tokenizer, CONTEXT, QUESTION)
@@ -59,9 +60,9 @@ def test_answer_through_mesh_equals_engine(nats, services, tiny_pair, tiny_model
     assert st["arrived_e1"] <= st["recompute_start"] < last_kv, st
 
 
-def test_two_receiver_copies_share_the_queue_group(nats, services, tiny_pair):
+def test_two_receiver_copies_share_the_queue_group(nats, services, tiny_pair, tiny_models):
     """Requests to one model spread over both receiver copies on its queue group."""
     _start(services, nats[1], tiny_pair, receivers=2)
-    replies = asyncio.run(_prefill_and_ask(nats[1], n=12, max_new_tokens=2))
+    replies = asyncio.run(_prefill_and_ask(nats[1], tiny_models[1], n=12, max_new_tokens=2))
     assert {r.path for r in replies} == {"partial"}
     assert len({r.served_by for r in replies}) == 2

@@ -10,10 +10,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared.client import MeshClient
 from shared.launch import start_service
+from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system
 
-CONTEXT = " ".join(["alpha beta gamma delta"] * 60)
+CONTEXT = words(240)
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
@@ -37,7 +38,7 @@ def _port(proc) -> int:  # type: ignore[no-untyped-def]
     return proc.events("health_listening")[0]["port"]
 
 
-def test_metrics_after_a_small_workload(nats, services, tiny_pair):
+def test_metrics_after_a_small_workload(nats, services, tiny_pair, tiny_models):
     """Each service's /metrics carries its series with the right counts; probes answer."""
     url = nats[1]
     broker = start_service("cache_broker", {"metrics_port": 0}, url, env=THREADS)
@@ -51,8 +52,9 @@ def test_metrics_after_a_small_workload(nats, services, tiny_pair):
         client = await MeshClient.connect(url)
         try:
             out = [await client.ask("receiver", CONTEXT, " q", max_new_tokens=2, mode="full_prefill")]
-            out.append(await client.ask("receiver", "an unseen context " * 5, " q", max_new_tokens=2))  # miss
+            out.append(await client.ask("receiver", words(40, offset=11), " q", max_new_tokens=2))  # miss
             await client.prefill("sender", CONTEXT)
+            await until_indexed(client, tiny_models[1], CONTEXT)
             for i in range(3):
                 out.append(await client.ask("receiver", CONTEXT, f" q{i}", max_new_tokens=2))  # hits
             return out

@@ -11,10 +11,11 @@ from shared.client import MeshClient
 from shared.config_board import NatsConfigBoard
 from shared.launch import start_service
 from shared.wire import schemas
+from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system
 
-CONTEXT = " ".join(["alpha beta gamma delta"] * 40)
+CONTEXT = words(160)
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
@@ -26,7 +27,7 @@ def _config(start: int, end: int, version: int) -> schemas.RecomputeConfig:
         created_at=time.time())
 
 
-def test_published_profile_changes_a_running_receivers_group(nats, services, tiny_pair):
+def test_published_profile_changes_a_running_receivers_group(nats, services, tiny_pair, tiny_models):
     """Without a profile the receiver runs full prefill; after a config lands in the bucket the
     same running receiver (and sender) use its group, and a newer version replaces it."""
     url = nats[1]
@@ -40,12 +41,13 @@ def test_published_profile_changes_a_running_receivers_group(nats, services, tin
         board = NatsConfigBoard(client.bus.nc)  # type: ignore[attr-defined]
         try:
             await client.prefill("sender", CONTEXT)
+            await until_indexed(client, tiny_models[1], CONTEXT)
             before = await client.ask("receiver", CONTEXT, " q", max_new_tokens=2)
             await board.put(_config(2, 4, version=1))
             # New contexts are captured with the profiled E layer; wait until the receiver uses it.
             after = None
             for i in range(50):
-                ctx = f"{CONTEXT} epsilon {i}"
+                ctx = words(161 + i, offset=1)
                 await client.prefill("sender", ctx)
                 after = await client.ask("receiver", ctx, " q", max_new_tokens=2)
                 if after.plan == "recompute [2,4)":
@@ -53,7 +55,7 @@ def test_published_profile_changes_a_running_receivers_group(nats, services, tin
             await board.put(_config(1, 5, version=2))
             newer = None
             for i in range(50):
-                ctx = f"{CONTEXT} zeta {i}"
+                ctx = words(300 + i, offset=2)
                 await client.prefill("sender", ctx)
                 newer = await client.ask("receiver", ctx, " q", max_new_tokens=2)
                 if newer.plan == "recompute [1,5)":

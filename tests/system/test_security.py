@@ -15,11 +15,12 @@ from shared.errors import TransferError
 from shared.launch import NATS_AUTH_CONF, start_nats, start_service
 from shared.transport.ucx import BulkClient
 from shared.wire import schemas, subjects
+from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
 
 ROLES = ("sender", "broker", "receiver", "profiler", "client", "admin")
-CONTEXT = " ".join(["alpha beta gamma delta"] * 30)
+CONTEXT = words(120)
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
@@ -43,7 +44,7 @@ async def _connect(url: str, role: str, passwords: dict[str, str], errors: list[
     return await nats.connect(url, user=role, password=passwords[role], error_cb=on_error, max_reconnect_attempts=0)
 
 
-def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny_pair):
+def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny_pair, tiny_models):
     """Each role does its job under least privilege; a receiver cannot forge availability
     events, a sender cannot answer lookups, a client cannot prefill, and a pull without a
     valid capability token is refused."""
@@ -68,6 +69,7 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
         await admin.flush()
         admin_client = MeshClient(_Bus(admin))
         await admin_client.prefill("sender", CONTEXT)
+        await until_indexed(admin_client, tiny_models[1], CONTEXT)
         client = await MeshClient.connect(url, user="client", password=pw["client"])
         answer = await client.ask("receiver", CONTEXT, " q", max_new_tokens=2)
 
@@ -82,13 +84,13 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
         await impostor.flush()
         # A client trying to run a prefill job: refused.
         with pytest.raises(Exception):
-            await client.prefill("sender", CONTEXT + " more", timeout=2)
+            await client.prefill("sender", words(100, offset=3), timeout=2)
 
         # UCX pulls with a missing, wrong (another context's) or tampered token are refused.
         ev = seen[0]
         refusals = []
         bulk = BulkClient()
-        other = await admin_client.prefill("sender", CONTEXT + " other")
+        other = await admin_client.prefill("sender", words(100, offset=5))
         other_ev = next(e for e in seen if e.context_id == other.context_id) if any(
             e.context_id == other.context_id for e in seen) else None
         tokens = {"missing": "", "tampered": ev.pull_token[:-4] + "0000",
