@@ -62,7 +62,7 @@ class ReceiverState:
             return (ReusePlan.recompute(p.start, p.end) if p.end > p.start else ReusePlan.full_reuse()), None
         if self.cfg.default_group:
             s, e = self.cfg.default_group
-            if s not in holder.e_layers:
+            if s > 0 and s not in holder.e_layers:
                 return ReusePlan.full_prefill(), ("no_e", f"sender holds no E for layer {s} (has {holder.e_layers})")
             return ReusePlan.recompute(s, min(e, self.model.num_layers)), None
         return ReusePlan.full_prefill(), ("no_config", f"no recompute config for {holder.model_id} -> {self.cfg.model_id}")

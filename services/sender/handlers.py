@@ -119,6 +119,6 @@ async def on_config(s: SenderState, cfg: schemas.RecomputeConfig) -> None:
     """A profile naming this model as sender: keep E for every group start it may use."""
     if cfg.sender_model != s.cfg.model_id:
         return
-    starts = {p.start for p in (*cfg.frontier, cfg.chosen) if p.end > p.start}
+    starts = {p.start for p in (*cfg.frontier, cfg.chosen) if p.end > p.start > 0}
     s.profiled_e_layers[cfg.receiver_model] = starts
     log.info("config_loaded", receiver_model=cfg.receiver_model, version=cfg.profile_version, e_layers=sorted(starts))

@@ -77,7 +77,7 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
     plan = ReusePlan.recompute(*group)
     reused = [PullItem(l, k) for l in plan.reused_layers(L) for k in ("K", "V")]
     every = [PullItem(l, k) for l in range(L) for k in ("K", "V")]
-    first_e = [PullItem(group[0], "E")]
+    first_e = [PullItem(group[0], "E")] if group[0] > 0 else []  # layer 0: own embeddings
     fp = ArchFingerprint.from_dict(__import__("msgspec").structs.asdict(ev.fingerprint))
     bulk = BulkClient()
     await bulk.warm(ev.ucx_host, ev.ucx_port)

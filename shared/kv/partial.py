@@ -2,8 +2,9 @@
 
 Sequence for a prompt P whose first m tokens are the sender's cached context (m = longest common
 token prefix, leaving >= 1 token to compute):
-  1. for each recompute group [s, e): wait for the sender's E_s only, then run receiver layers
-     s..e-1 over the m context tokens (positions 0..m-1) -> receiver KV of layers s..e-1.
+  1. for each recompute group [s, e): wait for the sender's E_s only (s = 0 needs nothing: its
+     input is the receiver's own embedding), then run receiver layers s..e-1 over the m context
+     tokens (positions 0..m-1) -> receiver KV of layers s..e-1.
      (cacheblend instead recomputes a share of tokens through all layers, see `blend.py`.)
   2. the suffix P[m:] runs through all receiver layers at positions m.. ; before layer l it waits
      for layer l's KV only (reused layers: the sender's, checked and sliced to m tokens).
@@ -119,11 +120,14 @@ def _fill_context(
         return [True] * L
     full = len(source.token_ids)
     for s, e in plan.groups:
-        e_s = source.e(s, deadline)
-        check_tensor(f"E of layer {s}", e_s, receiver.e_shape(full), receiver.dtype)
+        if s == 0:  # layer 0's input is the receiver's own embedding: exact and local
+            h = receiver.embed(torch.tensor([context]))  # [1, m, D]
+        else:
+            e_s = source.e(s, deadline)
+            check_tensor(f"E of layer {s}", e_s, receiver.e_shape(full), receiver.dtype)
+            h = e_s[:, :m]  # E_s [1, full, D] -> the m reused context tokens [1, m, D]
         stages.setdefault("recompute_start", time.perf_counter() - t0)
-        # E_s [1, full, D] -> the m reused context tokens [1, m, D]; layers s..e-1 over them.
-        receiver.run_layers(e_s[:, :m], s, e, cache, past=0)
+        receiver.run_layers(h, s, e, cache, past=0)
         for layer in range(s, e):
             filled[layer] = True
     if plan.groups:

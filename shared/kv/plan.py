@@ -4,7 +4,8 @@ Four modes behind one interface:
   full_prefill  no reuse; the receiver computes every layer over the whole prompt
   full_reuse    every layer's KV from the sender; only the suffix is computed
   groups        recompute each half-open group [s, e) over the context starting from the
-                sender's E_s; every other layer reuses the sender's KV
+                sender's E_s (s = 0: from the receiver's own embeddings); every other layer
+                reuses the sender's KV
   cacheblend    CacheBlend-style token-level recompute: the `ratio` share of context tokens
                 whose layer-0 K/V deviate most from the receiver's are recomputed through all
                 layers, the rest reuse the sender's KV
@@ -53,8 +54,9 @@ class ReusePlan:
 
     @property
     def e_layers(self) -> tuple[int, ...]:
-        """Layers whose sender E the receiver needs (each group's first layer)."""
-        return tuple(s for s, _ in self.groups)
+        """Layers whose sender E the receiver needs: each group's first layer, except layer 0,
+        whose input is the receiver's own token embedding (exact, local, nothing to pull)."""
+        return tuple(s for s, _ in self.groups if s > 0)
 
     def recomputed_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.mode == "full_prefill":

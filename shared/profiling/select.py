@@ -44,7 +44,7 @@ def eligible(cfg: RecomputeConfig, e_layers: set[int] | None = None) -> list[Fro
     target = (1.0 - cfg.tolerance) * cfg.full_prefill_quality
     pts = [p for p in cfg.frontier or [cfg.chosen] if p.quality >= target] or [cfg.chosen]
     if e_layers is not None:
-        pts = [p for p in pts if p.end == p.start or p.start in e_layers]
+        pts = [p for p in pts if p.end == p.start or p.start == 0 or p.start in e_layers]
     return pts
 
 

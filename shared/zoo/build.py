@@ -50,6 +50,11 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_hashes(model_dir: Path) -> dict[str, str]:
+    """sha256 of every file of a saved model (weights, config, tokenizer, adapter config)."""
+    return {f.name: sha256_file(f) for f in sorted(model_dir.iterdir()) if f.is_file()}
+
+
 def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
     p = Path(out_dir) / MANIFEST
     return json.loads(p.read_text()) if p.is_file() else None
@@ -269,7 +274,7 @@ def _build_lora(d: Derivative, model: LlamaForCausalLM, ids: WordIds, recipe: Re
     return {
         "path": d.name, "kind": "lora", "parent": "base", "task": d.task, "weights": "adapter_model.safetensors",
         "sha256": sha256_file(path / "adapter_model.safetensors"), "layers": model.config.num_hidden_layers,
-        "lora_r": d.lora_r,
+        "lora_r": d.lora_r, "files": file_hashes(path),
     }
 
 
@@ -299,7 +304,7 @@ def _entry(out: Path, name: str, kind: str, parent: str | None, task: str, model
     return {
         "path": name, "kind": kind, "parent": parent, "task": task, "weights": "model.safetensors",
         "sha256": sha256_file(out / name / "model.safetensors"), "layers": model.config.num_hidden_layers,
-        "params": sum(p.numel() for p in model.parameters()),
+        "params": sum(p.numel() for p in model.parameters()), "files": file_hashes(out / name),
     }
 
 

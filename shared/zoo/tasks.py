@@ -119,6 +119,10 @@ def lookup_block(ctx: Context, rng: random.Random, n: int, kind: str) -> tuple[l
             words += [V.ASK, k, ctx.true_value(k), V.SEP]
             mask += [0, 0, 1, 0]
         elif kind == "who":
+            # Only the value is a target. (Also training the closing "." was tried: with one
+            # trainable layer it competed with the code rule, and the receiver then applied the
+            # code to plain contexts too -- test F1 0.25. QA answers are single words, so the
+            # task decodes one token instead.)
             words += [V.WHO, ALIAS_OF[k], ctx.true_value(k), V.SEP]
             mask += [0, 0, 1, 0]
         else:

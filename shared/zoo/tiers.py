@@ -23,6 +23,7 @@ from shared.zoo.train import Arch, Stage
 
 LOOKUP = (("recall", 0.5), ("ask", 0.3), ("echo", 0.2))
 PAIRS = (
+    Pair("base", "qa", "multihop_qa"),
     Pair("summ", "qa", "multihop_qa"),
     Pair("qa", "summ", "summarization"),
     Pair("summ", "code", "code_completion"),
@@ -67,7 +68,7 @@ def ci_recipe() -> Recipe:
         Op("new", arch=arch),
         Op("train", stage=Stage("echo", 60, 3e-3, 16, (("echo", 1.0),))),
         Op("reinit_above", n=1),
-        Op("train", stage=Stage("lookup", 150, 3e-3, 16, LOOKUP, facts=(2, 4), freeze_attn0=True,
+        Op("train", stage=Stage("lookup", 300, 3e-3, 16, LOOKUP, facts=(2, 4), freeze_attn0=True,
                                 attn_sup=1.0, attn_layer=R)),
         Op("grow", placement=(0, 1, 2, None, 3, None)),
         Op("train", stage=Stage("medium", 30, 1e-3, 8, (("ask", 0.5), ("recall", 0.5)), facts=(4, 8), docs=(1, 3),
@@ -75,7 +76,7 @@ def ci_recipe() -> Recipe:
     )
     derivatives = (
         Derivative("qa", "full", "multihop_qa", (
-            Stage("qa", 40, 2e-3, 8, (("who", 1.0),), facts=(2, 6), docs=(1, 2), filler=(0, 50), coded_frac=0.5,
+            Stage("qa", 120, 2e-3, 8, (("who", 1.0),), facts=(2, 6), docs=(1, 2), filler=(0, 50), coded_frac=0.5,
                   train="layers:reader-1+alias"),
         ), init_aliases=True),
         Derivative("summ", "full", "summarization", (

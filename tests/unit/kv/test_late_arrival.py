@@ -52,15 +52,15 @@ def test_late_random_order_equals_up_front(receiver, prompt, seed):
 def test_recompute_starts_before_reused_kv_arrives(receiver, prompt):
     """With E first, the group is recomputed before the last reused KV layer lands."""
     ctx, q = prompt
-    plan = ReusePlan.recompute(0, 2)
+    plan = ReusePlan.recompute(1, 3)
     captured = capture_prefill(receiver, ctx, e_layers=plan.e_layers)
     source = ArrivingSource(captured.token_ids, captured.fingerprint)
-    order = [("e", 0)] + [("kv", l) for l in plan.reused_layers(L)]
+    order = [("e", 1)] + [("kv", l) for l in plan.reused_layers(L)]
     thread = _deliver(captured, source, order, gap_s=0.02)
     res = prefill(receiver, ctx + q, plan, source)
     thread.join()
     last_kv = max(source.arrived_at[f"kv{l}"] for l in plan.reused_layers(L))
-    assert source.arrived_at["e0"] < last_kv
+    assert source.arrived_at["e1"] < last_kv
     # recompute_done is relative to the call start; compare on one clock via the E stamp.
     assert res.stages["recompute_done"] < res.stages["kv_last_ready"]
 

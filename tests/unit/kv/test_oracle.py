@@ -27,3 +27,23 @@ def test_group_is_exact_iff_it_starts_by_a_and_ends_at_L(receiver, prompt, a, b)
                 assert diff <= ATOL, f"[{s},{e}) should be exact for a sender differing in [{a},{b}): {diff}"
             else:
                 assert diff > 100 * ATOL, f"[{s},{e}) should differ for a sender differing in [{a},{b}): {diff}"
+
+
+def test_group_from_layer_zero_uses_the_receivers_own_embeddings(receiver, prompt):
+    """A sender with other token embeddings (a fine-tune that moved them) still gives an exact
+    [0, L) recompute: layer 0's input is the receiver's own embedding, nothing is pulled."""
+    import copy
+
+    import torch
+
+    from shared.model.adapter import ModelAdapter
+
+    ctx, q = prompt
+    sender = ModelAdapter(model=copy.deepcopy(receiver.model), tokenizer=None, name="sender")
+    with torch.no_grad():
+        sender.model.model.embed_tokens.weight.add_(0.1)
+    assert ReusePlan.recompute(0, L).e_layers == ()
+    src = CapturedSource(capture_prefill(sender, ctx))  # no E captured at all
+    ref = reference_logits(receiver, ctx + q)[-len(q):]
+    got = prefill(receiver, ctx + q, ReusePlan.recompute(0, L), src).logits[-len(q):]
+    assert float((got - ref).abs().max()) <= ATOL
