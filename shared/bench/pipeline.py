@@ -66,8 +66,9 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
         await events.put(schemas.decode(msg.data, schemas.CacheAvailable))
 
     await nc.subscribe(subjects.CACHE_AVAILABLE, cb=on_available)
-    words = vocab.FILLER
-    context = " ".join(words[i % len(words)] for i in range(tokens))
+    # A fresh context per probe: a sender announces a context once, when it first captures it.
+    rng = __import__("random").Random(time.time_ns())
+    context = " ".join(rng.choice(vocab.FILLER) for _ in range(tokens))
     await nc.request(subjects.sender_prefill(sender), schemas.encode(
         schemas.PrefillRequest(request_id="probe", context=context)), timeout=300)
     ev: schemas.CacheAvailable = await asyncio.wait_for(events.get(), 60)
