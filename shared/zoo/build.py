@@ -213,7 +213,8 @@ def find_reader(model: LlamaForCausalLM, ids: WordIds, n: int = 16) -> dict[str,
 
 # -- derivatives -------------------------------------------------------------------------------
 def _resolve_train(spec: str, reader: int) -> str:
-    """`layers:reader-1+alias` -> `layers:5+alias` given the reader layer."""
+    """`layers:reader-1+alias` -> `layers:4+alias` given reader 5 (offsets: `reader` or `reader-N`;
+    a `+` starts the extras, e.g. `+alias`)."""
     if not spec.startswith("layers:"):
         return spec
     layers, plus, extra = spec.split(":", 1)[1].partition("+")
@@ -268,6 +269,7 @@ def _build_lora(d: Derivative, model: LlamaForCausalLM, ids: WordIds, recipe: Re
     pm.save_pretrained(str(path))
     acfg = json.loads((path / "adapter_config.json").read_text())
     acfg["base_model_name_or_path"] = "../base"  # relative to the adapter dir: the tier moves as a whole
+    acfg["target_modules"] = sorted(acfg["target_modules"])  # peft writes a set: fix the order
     (path / "adapter_config.json").write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
     for f in ("README.md",):
         (path / f).unlink(missing_ok=True)

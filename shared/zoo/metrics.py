@@ -4,7 +4,7 @@ Task scores are in [0, 1] and take the max over the gold answers, as LongBench d
   token_f1         multi-doc QA (HotpotQA / 2WikiMQA): SQuAD-normalised bag-of-tokens F1
   rouge_l          summarization (MultiNews): Rouge-L F-measure from `rouge-score`
   edit_similarity  code completion (LCC / RepoBench): rapidfuzz `fuzz.ratio` / 100 on the first
-                   non-comment line of the prediction
+                   comment-free line of the prediction (LongBench's rule)
 Fidelity metrics compare next-token distributions (logits [S, vocab]) of a reuse path with the
 receiver's full prefill over the same positions.
 """
@@ -52,9 +52,10 @@ def rouge_l(prediction: str, answers: Sequence[str]) -> float:
 
 
 def first_code_line(prediction: str) -> str:
-    """LongBench's code rule: the first line that is not blank and not a comment."""
+    """LongBench's `code_sim_score` rule: after leading newlines, the first line holding no
+    backtick, `#` or `//` (a whitespace-only line counts: it scores its indentation)."""
     for line in prediction.lstrip("\n").split("\n"):
-        if line.strip() and not line.strip().startswith(("#", "//")):
+        if "`" not in line and "#" not in line and "//" not in line:
             return line
     return ""
 

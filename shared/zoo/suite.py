@@ -39,7 +39,8 @@ TASKS: dict[str, TaskSpec] = {
     # single-word answers (an entity's attribute): one generated token
     "multihop_qa": TaskSpec("multihop_qa", "f1", 1, " .", " "),
     "summarization": TaskSpec("summarization", "rouge_l", 8, " end", " "),
-    "code_completion": TaskSpec("code_completion", "edit_sim", 24, "\n", ""),
+    # no stop string: the metric takes the first comment-free line (LongBench)
+    "code_completion": TaskSpec("code_completion", "edit_sim", 24, None, ""),
 }
 GENERIC = TaskSpec("custom", "f1", 16, "\n", " ")
 

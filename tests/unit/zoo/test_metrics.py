@@ -78,3 +78,9 @@ def test_top1_agreement_known_answer() -> None:
     ref = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
     oth = torch.tensor([[2.0, 0.0], [0.0, 3.0], [0.0, 1.0]])
     assert M.top1_agreement(ref, oth) == pytest.approx(2 / 3)
+
+
+def test_edit_similarity_scores_an_indentation_only_line() -> None:
+    """LongBench's rule keeps a whitespace-only first line: 4 spaces vs `    x` -> 2*4/9."""
+    assert M.edit_similarity("\n    \nreturn", ["    x"]) == pytest.approx(8 / 9)
+    assert M.edit_similarity("a = 1  # set\nb = 2", ["b = 2"]) == 1.0
