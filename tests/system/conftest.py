@@ -11,7 +11,7 @@ import pytest
 
 from shared.launch import Proc, start_nats
 from shared.model.adapter import ModelAdapter, load_model
-from shared.zoo import build_tier, vocab
+from shared.zoo import vocab
 
 
 def words(n: int, offset: int = 0) -> str:
@@ -20,11 +20,9 @@ def words(n: int, offset: int = 0) -> str:
 
 
 @pytest.fixture(scope="session")
-def zoo_ci(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The ci tier, built once per session (deterministic, well under a minute)."""
-    out = tmp_path_factory.mktemp("zoo") / "ci"
-    build_tier("ci", out)
-    return out
+def zoo_ci(ci_tier: tuple[Path, dict]) -> Path:  # type: ignore[type-arg]
+    """The ci tier's directory (built once per session by the top-level fixture)."""
+    return ci_tier[0]
 
 
 @pytest.fixture(scope="session")
