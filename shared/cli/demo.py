@@ -9,7 +9,7 @@ import click
 
 
 @click.command()
-@click.option("--rows", default=4, show_default=True, type=click.IntRange(1, 200), help="Contexts per pair.")
+@click.option("--rows", default=8, show_default=True, type=click.IntRange(1, 200), help="Contexts per pair.")
 @click.option("--tier", type=click.Choice(["auto", "demo", "ci"]), default="auto", show_default=True,
               help="auto: the committed demo tier, else the ci tier (built if needed).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the summary rows here.")
