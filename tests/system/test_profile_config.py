@@ -27,6 +27,18 @@ def _config(start: int, end: int, version: int) -> schemas.RecomputeConfig:
         created_at=time.time())
 
 
+async def _until_plan(client, plan: str, context, tries: int = 50):  # type: ignore[no-untyped-def]
+    """Prefill fresh contexts and ask over each until a reply used `plan` (configs propagate
+    asynchronously); return the last reply."""
+    reply = None
+    for i in range(tries):
+        await client.prefill("sender", context(i))
+        reply = await client.ask("receiver", context(i), " q", max_new_tokens=2)
+        if reply.plan == plan:
+            break
+    return reply
+
+
 def test_published_profile_changes_a_running_receivers_group(nats, services, tiny_pair, tiny_models):
     """Without a profile the receiver runs full prefill; after a config lands in the bucket the
     same running receiver (and sender) use its group, and a newer version replaces it."""
@@ -44,22 +56,10 @@ def test_published_profile_changes_a_running_receivers_group(nats, services, tin
             await until_indexed(client, tiny_models[1], CONTEXT)
             before = await client.ask("receiver", CONTEXT, " q", max_new_tokens=2)
             await board.put(_config(2, 4, version=1))
-            # New contexts are captured with the profiled E layer; wait until the receiver uses it.
-            after = None
-            for i in range(50):
-                ctx = words(161 + i, offset=1)
-                await client.prefill("sender", ctx)
-                after = await client.ask("receiver", ctx, " q", max_new_tokens=2)
-                if after.plan == "recompute [2,4)":
-                    break
+            # New contexts are captured with the profiled E layer; ask until the receiver uses it.
+            after = await _until_plan(client, "recompute [2,4)", lambda i: words(161 + i, offset=1))
             await board.put(_config(1, 5, version=2))
-            newer = None
-            for i in range(50):
-                ctx = words(300 + i, offset=2)
-                await client.prefill("sender", ctx)
-                newer = await client.ask("receiver", ctx, " q", max_new_tokens=2)
-                if newer.plan == "recompute [1,5)":
-                    break
+            newer = await _until_plan(client, "recompute [1,5)", lambda i: words(300 + i, offset=2))
             return before, after, newer
         finally:
             await client.close()
