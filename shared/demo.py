@@ -98,7 +98,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
-def run_demo(pairs: list[Pair], tier: str, n_rows: int, profiles: dict[tuple[str, str], dict[str, Any]],
+def run_demo(pairs: list[Pair], n_rows: int, profiles: dict[tuple[str, str], dict[str, Any]],
              shape: SuiteShape, num_layers: int, say: Callable[[str], None], log_dir: Path | None = None
              ) -> list[dict[str, Any]]:
     """Start the mesh, run the workload, stop everything; return the summary rows."""

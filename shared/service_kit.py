@@ -9,6 +9,7 @@ therefore never crash a service or leave a caller without an answer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -56,6 +57,11 @@ def event(kind: type[Req], handler: Callable[[Req], Awaitable[None]]) -> EventHa
             log.exception("event_crashed", kind=kind.__name__)
 
     return on_event
+
+
+async def run_in(executor: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run blocking torch work on `executor` (a service's single worker thread), never on the loop."""
+    return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args))
 
 
 class Background:

@@ -3,7 +3,6 @@ the recompute-config bucket that receivers and senders watch."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,7 +14,7 @@ from services.profiler.config import ProfilerConfig
 from shared.bus import Bus, NatsBus
 from shared.config_board import ConfigBoard, NatsConfigBoard
 from shared.metrics import HealthServer, Metrics
-from shared.service_kit import start_health, rpc
+from shared.service_kit import run_in, start_health, rpc
 from shared.wire import schemas, subjects
 
 log = structlog.get_logger("profiler")
@@ -27,7 +26,7 @@ class ProfilerState:
         self.cfg, self.board, self.executor = cfg, board, executor
 
     async def run_torch(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        return await run_in(self.executor, fn, *args)
 
 
 class ProfilerService:

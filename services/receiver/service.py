@@ -19,7 +19,7 @@ from shared.kv.plan import ReusePlan
 from shared.model.adapter import ModelAdapter, load_model
 from shared.profiling.select import select_point
 from shared.metrics import HealthServer, Metrics
-from shared.service_kit import start_health, Background, event, rpc
+from shared.service_kit import run_in, start_health, Background, event, rpc
 from shared.transport.ucx import BulkClient
 from shared.wire import schemas, subjects
 
@@ -73,7 +73,7 @@ class ReceiverState:
             self.bandwidth_bps = bps if self.bandwidth_bps is None else 0.8 * self.bandwidth_bps + 0.2 * bps
 
     async def run_torch(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        return await run_in(self.executor, fn, *args)
 
     async def warm(self, host: str, port: int) -> None:
         if (host, port) in self._warmed:

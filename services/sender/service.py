@@ -22,7 +22,7 @@ from shared.bus import Bus, NatsBus
 from shared.config_board import ConfigBoard, NatsConfigBoard
 from shared.model.adapter import ModelAdapter, load_model
 from shared.metrics import HealthServer, Metrics
-from shared.service_kit import start_health, Background, event, rpc
+from shared.service_kit import run_in, start_health, Background, event, rpc
 from shared.transport.tokens import TokenIssuer
 from shared.transport.ucx import BulkServer
 from shared.wire import schemas, subjects
@@ -51,7 +51,7 @@ class SenderState:
 
     async def run_torch(self, fn: Any, *args: Any) -> Any:
         """Run torch work on the single worker thread (never on the event loop)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        return await run_in(self.executor, fn, *args)
 
 
 class SenderService:

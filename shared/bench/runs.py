@@ -183,7 +183,7 @@ async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, 
         records.append((t0, time.perf_counter(), r))
 
     tasks, start, i = [], time.perf_counter(), 0
-    while (now := time.perf_counter()) - start < seconds:
+    while time.perf_counter() - start < seconds:
         tasks.append(asyncio.create_task(one(i)))
         i += 1
         await asyncio.sleep(rng.exponential(1.0 / rate))  # Poisson arrivals

@@ -43,7 +43,7 @@ def demo(rows: int, tier: str, json_path: str | None, log_dir: str | None) -> No
             profiles[(p.sender, p.receiver)] = json.loads(f.read_text())
     layers = json.loads((Path(pairs[0].receiver_path) / "config.json").read_text())["num_hidden_layers"]
     click.echo(f"DroidMesh demo: tier {tier_name}, pairs " + ", ".join(f"{p.sender}->{p.receiver} ({p.task})" for p in pairs))
-    summary = run_demo(pairs, tier_name, rows, profiles, recipe.suite, layers, lambda s: click.echo(s, err=True),
+    summary = run_demo(pairs, rows, profiles, recipe.suite, layers, lambda s: click.echo(s, err=True),
                        Path(log_dir) if log_dir else None)
     click.echo(table(summary))
     if json_path:

@@ -66,7 +66,6 @@ def blend_visibility(picked: torch.Tensor, m: int) -> torch.Tensor:
     the picked tokens. Query i (position p_i) sees the sender's key j iff j <= p_i and j was not
     recomputed, and fresh key j' iff p_j' <= p_i: a causal view of the blended context.
     """
-    n = picked.numel()
     pos = torch.arange(m)
     recomputed = torch.zeros(m, dtype=torch.bool)
     recomputed[picked] = True

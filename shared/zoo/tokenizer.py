@@ -11,7 +11,6 @@ of `vocab.ALL_WORDS` (deterministic, no training), saved as an ordinary `tokeniz
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
