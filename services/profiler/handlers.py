@@ -32,7 +32,7 @@ async def profile(s: ProfilerState, req: schemas.ProfileRequest) -> schemas.Prof
         lambda: profile_checkpoints(req.sender_path, req.receiver_path, req.task, settings, n_train=req.n_train,
                                     n_test=req.n_test, data_train=req.data_train, data_test=req.data_test,
                                     sender_model=req.sender_model, receiver_model=req.receiver_model,
-                                    version=req.version or None, dtype=s.cfg.dtype))
+                                    version=req.version or None, dtype=s.cfg.dtype, other_tasks=req.other_tasks))
     await s.board.put(cfg)
     log.info("request", request_id=req.request_id, sender=cfg.sender_model, receiver=cfg.receiver_model,
              chosen=[cfg.chosen.start, cfg.chosen.end], version=cfg.profile_version,

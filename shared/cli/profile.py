@@ -23,20 +23,31 @@ import click
 @click.option("--tolerance", default=0.05, show_default=True, type=click.FloatRange(0, 1, max_open=True))
 @click.option("--exhaustive/--guided-only", default=True, show_default=True,
               help="Also run the O((L/g)^2) search to compare with the guided one.")
+@click.option("--robustness/--no-robustness", default=True, show_default=True,
+              help="Apply the chosen config to the test split of other tasks (DroidSpeak §5.4).")
+@click.option("--other-task", "other_tasks", multiple=True,
+              help="A task or shift (e.g. multihop_qa/long) to check robustness on (repeatable; "
+                   "default: the task's shifts and every other zoo task).")
 @click.option("--publish", "nats_url", default=None, help="Also publish the config to this NATS server's bucket.")
 def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data_train, data_test, granularity,  # type: ignore[no-untyped-def]
-            tolerance, exhaustive, nats_url) -> None:
+            tolerance, exhaustive, robustness, other_tasks, nats_url) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config."""
     from shared.cli.models import resolve
     from shared.profiling.plot import frontier_png
     from shared.profiling.profile import ProfileSettings, profile_checkpoints
 
+    from shared.zoo.suite import known_tasks
+
+    unknown = sorted(set(other_tasks) - set(known_tasks()))
+    if unknown:
+        raise click.BadParameter(f"{unknown} are not zoo tasks; known: {known_tasks()}", param_hint="--other-task")
     s_path, s_name = resolve(sender)
     r_path, r_name = resolve(receiver)
     settings = ProfileSettings(granularity=granularity, tolerance=tolerance, exhaustive=exhaustive)
     result, cfg = profile_checkpoints(s_path, r_path, task, settings, n_train=n_train, n_test=n_test,
                                       data_train=data_train, data_test=data_test, sender_model=s_name,
-                                      receiver_model=r_name)
+                                      receiver_model=r_name,
+                                      other_tasks=(list(other_tasks) or None) if robustness else [])
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     if plot_path:
@@ -53,6 +64,9 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data_
     ev = result["evaluations"]
     click.echo(f"  searches agree: {result['searches_agree']}  (exhaustive {ev['exhaustive']} configs, "
                f"guided {ev['guided']} + {ev['sensitivity']} sensitivity)")
+    for r in result["robustness"]:
+        click.echo(f"  robustness {r['task']:<22} full prefill {r['full_prefill']:.3f}  chosen {r['chosen']:.3f}  "
+                   f"difference {r['difference']:+.3f} ({r['relative']:+.1%})")
     if nats_url:
         asyncio.run(_publish(nats_url, cfg))
         click.echo(f"  published {cfg.sender_model}.{cfg.receiver_model}.v{cfg.profile_version}")

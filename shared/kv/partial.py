@@ -5,7 +5,9 @@ token prefix, leaving >= 1 token to compute):
   1. for each recompute group [s, e): wait for the sender's E_s only (s = 0 needs nothing: its
      input is the receiver's own embedding), then run receiver layers s..e-1 over the m context
      tokens (positions 0..m-1) -> receiver KV of layers s..e-1.
-     (cacheblend instead recomputes a share of tokens through all layers, see `blend.py`.)
+     (cacheblend instead recomputes a share of tokens through all layers, see `blend.py`;
+     the swap probe runs the receiver over the whole context and leaves step 2 to replace
+     the listed layers with the sender's KV.)
   2. the suffix P[m:] runs through all receiver layers at positions m.. ; before layer l it waits
      for layer l's KV only (reused layers: the sender's, checked and sliced to m tokens).
   3. greedy decoding continues from the suffix's last logits on the assembled cache.
@@ -118,6 +120,9 @@ def _fill_context(
         blend_context(receiver, context, source, plan.ratio, cache, deadline)
         stages["recompute_done"] = time.perf_counter() - t0
         return [True] * L
+    if plan.mode == "swap":  # probe: the receiver's own context KV, then step 2 swaps the listed layers
+        receiver.run_layers(receiver.embed(torch.tensor([context])), 0, L, cache, past=0)  # [1, m, D] in
+        return [l not in plan.reused_layers(L) for l in range(L)]
     full = len(source.token_ids)
     for s, e in plan.groups:
         if s == 0:  # layer 0's input is the receiver's own embedding: exact and local

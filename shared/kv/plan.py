@@ -9,6 +9,11 @@ Four modes behind one interface:
   cacheblend    CacheBlend-style token-level recompute: the `ratio` share of context tokens
                 whose layer-0 K/V deviate most from the receiver's are recomputed through all
                 layers, the rest reuse the sender's KV
+  swap          a profiling probe, not a serving mode (it saves nothing): the receiver prefills
+                the context itself, then the layers in `groups` take the sender's KV instead of
+                its own. "Only layer l reuses the sender's KV, every other layer is the
+                receiver's own" (DroidSpeak Fig. 7) with no E at any transition, so it measures
+                which layers' KV the receiver reads, apart from the E deviation groups bring
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from typing import Literal
 
 from shared.errors import BadRequestError
 
-Mode = Literal["full_prefill", "full_reuse", "groups", "cacheblend"]
-MODES: tuple[str, ...] = ("full_prefill", "full_reuse", "groups", "cacheblend")
+Mode = Literal["full_prefill", "full_reuse", "groups", "cacheblend", "swap"]
+MODES: tuple[str, ...] = ("full_prefill", "full_reuse", "groups", "cacheblend", "swap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,14 @@ class ReusePlan:
         return ReusePlan("groups", groups=gs)
 
     @staticmethod
+    def swap(layers: Iterable[int]) -> ReusePlan:
+        """Probe: the receiver's own prefill with `layers`' KV replaced by the sender's."""
+        ls = sorted({int(l) for l in layers})
+        if not ls:
+            return ReusePlan.full_prefill()
+        return ReusePlan("swap", groups=tuple((l, l + 1) for l in ls))
+
+    @staticmethod
     def cacheblend(ratio: float) -> ReusePlan:
         return ReusePlan("cacheblend", ratio=float(ratio))
 
@@ -56,12 +69,17 @@ class ReusePlan:
     def e_layers(self) -> tuple[int, ...]:
         """Layers whose sender E the receiver needs: each group's first layer, except layer 0,
         whose input is the receiver's own token embedding (exact, local, nothing to pull)."""
+        if self.mode != "groups":
+            return ()
         return tuple(s for s, _ in self.groups if s > 0)
 
     def recomputed_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.mode == "full_prefill":
             return tuple(range(num_layers))
-        return tuple(l for s, e in self.groups for l in range(s, e))
+        listed = tuple(l for s, e in self.groups for l in range(s, e))
+        if self.mode == "swap":
+            return tuple(l for l in range(num_layers) if l not in listed)
+        return listed
 
     def reused_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers whose KV comes from the sender (cacheblend: all, partly overwritten)."""
@@ -76,7 +94,7 @@ class ReusePlan:
             raise BadRequestError(f"unknown plan mode {self.mode!r}; expected one of {MODES}")
         if self.mode == "cacheblend" and not 0.0 <= self.ratio <= 1.0:
             raise BadRequestError(f"cacheblend ratio {self.ratio} outside [0, 1]")
-        if self.mode != "groups":
+        if self.mode not in ("groups", "swap"):
             if self.groups:
                 raise BadRequestError(f"mode {self.mode} takes no groups")
             return
@@ -93,6 +111,8 @@ class ReusePlan:
             return "recompute " + ",".join(f"[{s},{e})" for s, e in self.groups)
         if self.mode == "cacheblend":
             return f"cacheblend {self.ratio:.0%}"
+        if self.mode == "swap":
+            return "swap kv " + ",".join(str(s) for s, _ in self.groups)
         return self.mode.replace("_", " ")
 
     def to_dict(self) -> dict[str, object]:

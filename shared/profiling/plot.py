@@ -11,7 +11,12 @@ def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, A
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    robust = result.get("robustness") or []
+    if len(robust) > 1:
+        fig, (ax, rax) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+        _robustness_bars(rax, robust, result["chosen"])
+    else:
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
     if all_points:
         ax.scatter([p["recomputed_layers"] for p in all_points], [p["quality"] for p in all_points],
                    s=14, c="0.7", label="evaluated groups")
@@ -36,3 +41,18 @@ def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, A
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _robustness_bars(ax, rows: list[dict[str, Any]], chosen: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    """Per task or shift (test split): full prefill, the chosen config, full reuse (DroidSpeak §5.4)."""
+    import numpy as np
+
+    y = np.arange(len(rows))[::-1]  # first row (the profiled task) on top
+    for i, (key, colour, label) in enumerate((("full_prefill", "C2", "full prefill"),
+                                              ("chosen", "k", f"chosen [{chosen['start']},{chosen['end']})"),
+                                              ("full_reuse", "C3", "full reuse"))):
+        ax.barh(y + (1 - i) * 0.27, [r[key] for r in rows], 0.27, color=colour, alpha=0.75, label=label)
+    ax.set_yticks(y, [f"{r['task']} ({r['metric'] or 'quality'})" for r in rows], fontsize=7)
+    ax.set_xlabel("quality, test split")
+    ax.set_title("the chosen config on shifted data and other tasks", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")

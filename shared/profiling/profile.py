@@ -1,19 +1,23 @@
 """Profile one sender -> receiver pair: sensitivity, both searches, frontier, choice, test check.
 
 Input: two quality oracles over the same pair (the task's train split, where the choice is
-made, and its test split, where it is checked, as in DroidSpeak §5.4) plus the receiver for the
-latency fit. Output: the profile JSON (schema in `run`'s docstring) and a `RecomputeConfig`.
+made, and its test split, where it is checked), optionally more oracles for other data (shifted
+suites, other tasks: the chosen config is applied to them unchanged, DroidSpeak §5.4), plus the
+receiver for the latency fit. Output: the profile JSON (schema in `run`'s docstring) and a
+`RecomputeConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 from tqdm import tqdm
 
+from shared.errors import BadRequestError
 from shared.kv.plan import ReusePlan
 from shared.profiling import latency, search
 from shared.profiling.search import Evaluate, Memo, Point
@@ -41,10 +45,12 @@ def _progress(evaluate: Evaluate, bar: tqdm) -> Evaluate:
 
 def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSettings, *,
         receiver: Any = None, sender_model: str = "", receiver_model: str = "", task: str = "",
-        version: int | None = None) -> tuple[dict[str, Any], schemas.RecomputeConfig]:
+        version: int | None = None, others: Mapping[str, Evaluate] | None = None,
+        ) -> tuple[dict[str, Any], schemas.RecomputeConfig]:
     """Profile a pair. JSON keys: total_layers, full_prefill / full_reuse / chosen (with
     quality_train, quality_test), sensitivity, critical_layers, frontier, evaluations
-    {exhaustive, guided}, searches_agree, scattered_critical (train/test), latency_fit."""
+    {exhaustive, guided}, searches_agree, scattered_critical (train/test), robustness (the
+    chosen config on the test split and on each of `others`' tasks), latency_fit."""
     L, g = num_layers, settings.granularity
     cuts = len(search.grid(L, g))
     budget = 2 + L + (cuts - 1) + ((cuts - 1) * cuts // 2 if settings.exhaustive else 0)
@@ -75,6 +81,7 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         "chosen": {"start": chosen.start, "end": chosen.end, "recomputed_layers": chosen.layers,
                    "quality_train": chosen.quality, "quality_test": test_memo(chosen.plan())},
         "sensitivity": [{"layer": l, "quality": q} for l, q in enumerate(sens)],
+        "sensitivity_probe": "only layer l's KV from the sender, every other layer the receiver's own (no E)",
         "evaluated": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
                       for p in points],
         "critical_layers": critical,
@@ -86,8 +93,10 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         "scattered_critical": {
             "groups": [list(gr) for gr in scattered.groups], "recomputed_layers": len(critical),
             "quality_train": memo(scattered), "quality_test": test_memo(scattered),
+            "e_transitions": len(scattered.e_layers),
         },
     }
+    result["robustness"] = robustness(result, test, dict(others or {}))
     fit = None
     if receiver is not None:
         ks = sorted({0, max(1, L // 4), L // 2, L})
@@ -101,6 +110,22 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         created_at=time.time(),
     )
     return result, cfg
+
+
+def robustness(result: dict[str, Any], test: Evaluate, others: dict[str, Evaluate]) -> list[dict[str, Any]]:
+    """DroidSpeak §5.4: the config chosen on one task's train split, applied unchanged to its test
+    split and to other tasks. `difference` = chosen - receiver's full prefill on that data (0: the
+    profile transfers; negative: it loses quality there), `relative` = difference / full prefill."""
+    ch = result["chosen"]
+    plan = Point(ch["start"], ch["end"], ch["quality_train"]).plan()
+    rows = [(result.get("task") or "profiled task", test, result["full_prefill"]["quality_test"],
+             result["full_reuse"]["quality_test"], ch["quality_test"])]
+    for name, ev in tqdm(others.items(), desc="robustness", unit="task", disable=not others):
+        rows.append((name, ev, ev(ReusePlan.full_prefill()), ev(ReusePlan.full_reuse()), ev(plan)))
+    return [{"task": t, "split": "test", "metric": getattr(getattr(ev, "spec", None), "metric", None),
+             "full_prefill": fp, "full_reuse": fr, "chosen": q, "difference": q - fp,
+             "relative": (q - fp) / fp if fp > 0 else 0.0, "within_tolerance": q >= (1 - result["tolerance"]) * fp}
+            for t, ev, fp, fr, q in rows]
 
 
 def _fp(p: Point) -> schemas.FrontierPoint:
@@ -121,20 +146,31 @@ def load_rows(task: str, split: str, n: int, data: str | None = None, shape: Any
 def profile_checkpoints(sender_path: str, receiver_path: str, task: str, settings: ProfileSettings, *,
                         n_train: int = 50, n_test: int = 50, data_train: str | None = None,
                         data_test: str | None = None, sender_model: str = "", receiver_model: str = "",
-                        version: int | None = None, dtype: str = "float32") -> tuple[dict[str, Any], schemas.RecomputeConfig]:
-    """Load both checkpoints, score plans on the train split, check on the test split."""
+                        version: int | None = None, dtype: str = "float32", other_tasks: Sequence[str] | None = None,
+                        ) -> tuple[dict[str, Any], schemas.RecomputeConfig]:
+    """Load both checkpoints, score plans on the train split, check on the test split and on
+    `other_tasks`' test splits (None, when profiling a zoo task's own splits: the task's shifts,
+    e.g. longer contexts, then every other zoo task)."""
     from shared.model.adapter import load_model
     from shared.model.fingerprint import require_compatible
     from shared.profiling.evaluate import PairEvaluator
-    from shared.zoo.suite import task_spec
+    from shared.zoo.suite import TASKS, known_tasks, shifts_of, task_spec
 
+    if other_tasks is None:
+        zoo = task in TASKS and not (data_train or data_test)
+        other_tasks = [*shifts_of(task), *(t for t in TASKS if t != task)] if zoo else []
+    other_tasks = [t for t in other_tasks if t != task]
+    unknown = [t for t in other_tasks if t not in known_tasks()]
+    if unknown:
+        raise BadRequestError(f"robustness tasks {unknown} are not zoo tasks; known: {known_tasks()}")
     sender = load_model(sender_path, dtype=dtype, name=sender_model or None)
     receiver = load_model(receiver_path, dtype=dtype, name=receiver_model or None)
     require_compatible(sender.fingerprint, receiver.fingerprint)
     spec = task_spec(task)
     train = PairEvaluator(sender, receiver, load_rows(task, "train", n_train, data_train), spec)
     test = PairEvaluator(sender, receiver, load_rows(task, "test", n_test, data_test), spec)
+    others = {t: PairEvaluator(sender, receiver, load_rows(t, "test", n_test), task_spec(t)) for t in other_tasks}
     result, cfg = run(train, test, receiver.num_layers, settings, receiver=receiver, sender_model=sender.name,
-                      receiver_model=receiver.name, task=task, version=version)
+                      receiver_model=receiver.name, task=task, version=version, others=others)
     result["sender_alone"] = {"quality_train": train.sender_alone(), "quality_test": test.sender_alone()}
     return result, cfg

@@ -4,7 +4,9 @@
 with the receiver's task score on a train split). Memoised: a plan is never evaluated twice, and
 `evaluations` counts distinct plans, which is what each search strategy is charged.
 
-  sensitivity   quality when only layer l reuses the sender's KV (all else recomputed)
+  sensitivity   quality when only layer l's KV is the sender's and every other layer the
+                receiver's own (the swap probe, DroidSpeak Fig. 7: no E enters, so it shows
+                which layers' KV the receiver reads; E deviation is what groups then pay for)
   critical      layers whose reuse alone drops quality by more than `threshold` x full prefill
   exhaustive    every group [s, e) on a granularity-g grid: O((L/g)^2) evaluations
   guided        per size k, only the window [s, s+k) holding the most sensitivity loss: O(L/g)
@@ -54,12 +56,8 @@ class Memo:
 
 
 def sensitivity(evaluate: Evaluate, num_layers: int) -> list[float]:
-    """quality[l] with only layer l reused from the sender."""
-    out = []
-    for l in range(num_layers):
-        groups = [g for g in ((0, l), (l + 1, num_layers)) if g[1] > g[0]]
-        out.append(evaluate(ReusePlan.recompute_groups(groups)))
-    return out
+    """quality[l] with only layer l's KV taken from the sender."""
+    return [evaluate(ReusePlan.swap([l])) for l in range(num_layers)]
 
 
 def critical_layers(sens: list[float], full_prefill: float, threshold: float) -> list[int]:

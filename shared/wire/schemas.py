@@ -179,6 +179,7 @@ class ProfileRequest(Message, tag="profile.request"):
     data_train: str | None = None  # LongBench-style JSONL instead of the zoo's generated split
     data_test: str | None = None
     version: int = 0  # 0: a time-based version
+    other_tasks: list[str] | None = None  # robustness check tasks (None: every other zoo task)
 
 
 class ProfileReply(Message, tag="profile.reply"):

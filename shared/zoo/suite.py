@@ -46,7 +46,8 @@ GENERIC = TaskSpec("custom", "f1", 16, "\n", " ")
 
 
 def task_spec(name: str) -> TaskSpec:
-    return TASKS.get(name, dataclasses.replace(GENERIC, name=name))
+    """The spec of a zoo task or of one of its shifts ("<task>/<shift>"), else a generic one."""
+    return TASKS.get(name.split("/", 1)[0], dataclasses.replace(GENERIC, name=name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,16 +61,52 @@ class SuiteShape:
     code_tokens: int = 1000
 
 
+# Shifted suites of a task, named "<task>/<shift>": data the task's profile was not made on, to
+# check that a config chosen on the train split transfers (DroidSpeak §5.4 profiles on one
+# dataset and applies the result to others). Fields not used by a task (coded_frac outside
+# multihop_qa, the context shape for code) leave that task unchanged, so only listed ones apply.
+SHIFTS: dict[str, dict[str, dict[str, Any]]] = {
+    "multihop_qa": {
+        "plain": {"coded_frac": 0.0},  # no coded document: what the sender's KV lacks is never needed
+        "coded": {"coded_frac": 1.0},  # every document coded: the receiver's change always matters
+        "short": {"facts": (2, 6), "docs": (1, 3), "filler": (150, 250)},  # ~0.3K tokens
+        "long": {"facts": (12, 16), "docs": (4, 6), "filler": (1800, 1900)},  # ~2K: twice the profiled length
+    },
+    "summarization": {
+        "short": {"facts": (2, 6), "docs": (1, 3), "filler": (150, 250)},
+        "long": {"facts": (12, 16), "docs": (4, 6), "filler": (1800, 1900)},
+    },
+    "code_completion": {"short": {"code_tokens": 300}, "long": {"code_tokens": 2000}},
+}
+
+
+def known_tasks() -> list[str]:
+    """Zoo tasks and their shifts, in a stable order."""
+    return [*TASKS, *(f"{t}/{s}" for t, shifts in SHIFTS.items() for s in shifts)]
+
+
+def shifts_of(task: str) -> list[str]:
+    return [f"{task}/{s}" for s in SHIFTS.get(task, {})]
+
+
 def _split_seed(task: str, split: str, seed: int) -> random.Random:
     # Disjoint streams per (task, split): train and test never share a generated context.
     return random.Random(f"suite/{task}/{split}/{seed}")
 
 
 def make_rows(task: str, split: str, n: int, shape: SuiteShape, seed: int = 0) -> list[dict[str, Any]]:
-    """`n` rows of `task` for `split` (train/test), deterministic in (task, split, seed)."""
+    """`n` rows of `task` (or a shift "<task>/<shift>") for `split` (train/test), deterministic
+    in (task, split, seed)."""
     rng = _split_seed(task, split, seed)
+    name = task
+    if "/" in task:
+        task, shift = task.split("/", 1)
+        if shift not in SHIFTS.get(task, {}):
+            raise ValueError(f"unknown zoo task {name!r}; expected one of {known_tasks()}")
+        shape = dataclasses.replace(shape, **SHIFTS[task][shift])
     if task == "code_completion":
-        return [code_row(rng, split, shape.code_tokens, i) for i in range(n)]
+        return [{**r, "task": name, "_id": f"{name}-{split}-{i}"}
+                for i, r in enumerate(code_row(rng, split, shape.code_tokens, i) for i in range(n))]
     rows = []
     for i in range(n):
         header = V.CODED if (task == "multihop_qa" and rng.random() < shape.coded_frac) else V.PLAIN
@@ -82,8 +119,8 @@ def make_rows(task: str, split: str, n: int, shape: SuiteShape, seed: int = 0) -
         else:
             raise ValueError(f"unknown zoo task {task!r}; expected one of {sorted(TASKS)}")
         rows.append({
-            "context": " ".join(ctx.words), "input": inp, "answers": answers, "task": task,
-            "split": split, "length": len(ctx.words) + 1, "header": header, "_id": f"{task}-{split}-{i}",
+            "context": " ".join(ctx.words), "input": inp, "answers": answers, "task": name,
+            "split": split, "length": len(ctx.words) + 1, "header": header, "_id": f"{name}-{split}-{i}",
         })
     return rows
 

@@ -162,9 +162,11 @@ def select_trainable(model: LlamaForCausalLM, stage: Stage, ids: WordIds) -> tup
             rows = torch.zeros(emb.shape[0], 1)
             rows[[ids[a] for a in V.ALIASES]] = 1.0
 
-            def hook() -> None:
+            def mask_alias_grad() -> None:
                 if emb.grad is not None:
                     emb.grad.mul_(rows)
+
+            hook = mask_alias_grad
 
     if stage.freeze_attn0:
         for p in model.model.layers[0].self_attn.parameters():

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import pytest
-
 from services.cache_broker.config import BrokerConfig
 from services.cache_broker.service import BrokerService
 from services.receiver.config import ReceiverConfig

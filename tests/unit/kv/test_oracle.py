@@ -47,3 +47,20 @@ def test_group_from_layer_zero_uses_the_receivers_own_embeddings(receiver, promp
     ref = reference_logits(receiver, ctx + q)[-len(q):]
     got = prefill(receiver, ctx + q, ReusePlan.recompute(0, L), src).logits[-len(q):]
     assert float((got - ref).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize("a,b", [(0, 1), (2, 4)])
+def test_swap_probe_is_exact_iff_the_swapped_layer_is_below_a(receiver, prompt, a, b):
+    """The sensitivity probe (receiver's own prefill, one layer's KV swapped for the sender's)
+    needs no E and is exact iff that layer lies below the sender's first changed layer."""
+    ctx, q = prompt
+    sender = perturbed_copy(receiver, range(a, b))
+    src = CapturedSource(capture_prefill(sender, ctx, e_layers=[]))  # no E at all: the probe must not ask
+    ref = reference_logits(receiver, ctx + q)[-len(q):]
+    for layer in range(L):
+        res = prefill(receiver, ctx + q, ReusePlan.swap([layer]), src)
+        diff = float((res.logits[-len(q):] - ref).abs().max())
+        if layer < a:
+            assert diff <= ATOL, f"swapping layer {layer} should be exact for a sender differing in [{a},{b}): {diff}"
+        else:
+            assert diff > 100 * ATOL, f"swapping layer {layer} should differ for a sender differing in [{a},{b}): {diff}"

@@ -47,11 +47,12 @@ def test_self_reuse_every_group_is_exact(receiver, prompt, plan):
 
 @pytest.mark.parametrize(
     "plan",
-    [ReusePlan.full_reuse(), ReusePlan.cacheblend(0.0), ReusePlan.cacheblend(0.25), ReusePlan.recompute_groups([(0, 1), (3, 5)])],
+    [ReusePlan.full_reuse(), ReusePlan.cacheblend(0.0), ReusePlan.cacheblend(0.25), ReusePlan.recompute_groups([(0, 1), (3, 5)]),
+     ReusePlan.swap([2]), ReusePlan.swap([0, 3, 5])],
     ids=lambda p: p.label(),
 )
 def test_self_reuse_baselines_are_exact(receiver, prompt, plan):
-    """With sender == receiver full reuse, CacheBlend and scattered groups are exact too."""
+    """With sender == receiver full reuse, CacheBlend, scattered groups and the swap probe are exact too."""
     ctx, q = prompt
     src = CapturedSource(capture_prefill(receiver, ctx, e_layers=plan.e_layers))
     ref = reference_logits(receiver, ctx + q)

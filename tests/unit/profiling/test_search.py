@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shared.kv.plan import ReusePlan
 from shared.profiling import search
 from shared.profiling.profile import ProfileSettings, run
@@ -49,3 +51,20 @@ def test_frontier_is_monotone_and_starts_at_full_reuse():
     assert front[0]["recomputed_layers"] == 0
     qs = [p["quality"] for p in front]
     assert qs == sorted(qs) and len(set(qs)) == len(qs)
+
+
+def test_robustness_reports_the_chosen_configs_difference_per_task():
+    """The config chosen on the train oracle is applied unchanged to other tasks: a task that
+    also needs layer 2 recomputed shows the loss, one with the same critical layers shows none."""
+
+    def needs_layer_2(plan: ReusePlan) -> float:
+        if plan.mode == "full_prefill":
+            return 0.8
+        return oracle(plan) * 0.8 - (0.4 if 2 not in plan.recomputed_layers(L) else 0.0)
+
+    result, _ = run(oracle, oracle, L, ProfileSettings(), task="t", others={"same": oracle, "other": needs_layer_2})
+    rows = {r["task"]: r for r in result["robustness"]}
+    assert list(rows) == ["t", "same", "other"]
+    assert rows["same"]["difference"] == 0.0 and rows["same"]["within_tolerance"]
+    assert rows["other"]["chosen"] == pytest.approx(0.4) and rows["other"]["difference"] == pytest.approx(-0.4)
+    assert rows["other"]["relative"] == pytest.approx(-0.5) and not rows["other"]["within_tolerance"]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from shared.zoo import vocab as V
-from shared.zoo.suite import SuiteShape, TASKS, code_row, encode_row, make_rows, stdlib_files
+from shared.zoo.suite import SuiteShape, TASKS, code_row, encode_row, known_tasks, make_rows, stdlib_files, task_spec
 from shared.zoo.tasks import CODE, make_context
 from shared.zoo.tokenizer import WordIds
 
@@ -68,3 +70,17 @@ def test_encode_row_tokenizes_answer_in_place() -> None:
     code = make_rows("code_completion", "test", 1, SMALL)[0]
     ctx, q, ans = encode_row(ids, code, TASKS["code_completion"])
     assert q == [] and ids.decode(ans) == code["answers"][0]
+
+
+def test_shifts_change_the_documented_part_of_the_shape() -> None:
+    """A shift keeps the task's spec but moves its data: coded/plain fix the header, long
+    contexts are longer than the task's own, and an unknown shift is a clear error."""
+    base = make_rows("multihop_qa", "test", 6, SuiteShape())
+    assert {r["header"] for r in make_rows("multihop_qa/coded", "test", 6, SuiteShape())} == {V.CODED}
+    assert {r["header"] for r in make_rows("multihop_qa/plain", "test", 6, SuiteShape())} == {V.PLAIN}
+    long = make_rows("multihop_qa/long", "test", 6, SuiteShape())
+    assert min(r["length"] for r in long) > max(r["length"] for r in base)
+    assert long[0]["task"] == "multihop_qa/long" and task_spec("multihop_qa/long") == TASKS["multihop_qa"]
+    assert "code_completion/long" in known_tasks()
+    with pytest.raises(ValueError, match="multihop_qa/nope"):
+        make_rows("multihop_qa/nope", "test", 1, SuiteShape())

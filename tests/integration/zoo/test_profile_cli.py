@@ -1,0 +1,53 @@
+"""`droidmesh profile` on the ci tier's real checkpoints: the JSON a user gets, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from shared.cli.main import main as cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path: Path) -> None:
+    """The profile JSON carries chosen/full prefill/full reuse on both splits, critical layers,
+    frontier, search costs, and one robustness row per shift and other zoo task whose
+    difference is chosen - full prefill; the frontier PNG is written."""
+    out, man = ci_tier
+    path = lambda name: str(out / man["models"][name]["path"])  # noqa: E731
+    js, png = tmp_path / "p.json", tmp_path / "p.png"
+    res = CliRunner().invoke(cli, ["profile", "--sender", path("base"), "--receiver", path("qa"),
+                                   "--task", "multihop_qa", "--n-train", "3", "--n-test", "3",
+                                   "--granularity", "3", "--json", str(js), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    p = json.loads(js.read_text())
+    for key in ("full_prefill", "full_reuse", "chosen"):
+        assert {"quality_train", "quality_test"} <= set(p[key])
+    assert {"start", "end", "recomputed_layers"} <= set(p["chosen"])
+    assert set(p["evaluations"]) >= {"exhaustive", "guided"} and p["evaluations"]["exhaustive"] == 3
+    assert isinstance(p["critical_layers"], list) and p["frontier"][0]["recomputed_layers"] == 0
+    rows = {r["task"]: r for r in p["robustness"]}
+    # the profiled task's test split, then its shifts, then the other zoo tasks
+    assert list(rows)[0] == "multihop_qa"
+    assert {"multihop_qa/long", "multihop_qa/coded", "summarization", "code_completion"} <= set(rows)
+    assert rows["multihop_qa"]["chosen"] == p["chosen"]["quality_test"]
+    assert rows["code_completion"]["metric"] == "edit_sim"
+    for r in rows.values():
+        assert r["difference"] == pytest.approx(r["chosen"] - r["full_prefill"])
+    assert png.stat().st_size > 10_000
+    assert "robustness summarization" in res.output
+
+
+def test_profile_rejects_an_unknown_robustness_task(ci_tier, tmp_path: Path) -> None:
+    """A robustness task the zoo does not know is a clear error, not a crash mid-profile."""
+    out, man = ci_tier
+    path = lambda name: str(out / man["models"][name]["path"])  # noqa: E731
+    res = CliRunner().invoke(cli, ["profile", "--sender", path("base"), "--receiver", path("qa"),
+                                   "--task", "multihop_qa", "--other-task", "poetry", "--n-train", "1",
+                                   "--n-test", "1", "--json", str(tmp_path / "p.json")])
+    assert res.exit_code != 0
+    assert "poetry" in str(res.exception) or "poetry" in res.output
