@@ -66,7 +66,8 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data_
                f"guided {ev['guided']} + {ev['sensitivity']} sensitivity)")
     for r in result["robustness"]:
         click.echo(f"  robustness {r['task']:<22} full prefill {r['full_prefill']:.3f}  chosen {r['chosen']:.3f}  "
-                   f"difference {r['difference']:+.3f} ({r['relative']:+.1%})")
+                   f"difference {r['difference']:+.3f}"
+                   + (f" ({r['relative']:+.1%})" if r["relative"] is not None else " (receiver scores 0 here)"))
     if nats_url:
         asyncio.run(_publish(nats_url, cfg))
         click.echo(f"  published {cfg.sender_model}.{cfg.receiver_model}.v{cfg.profile_version}")

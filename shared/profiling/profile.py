@@ -115,7 +115,8 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
 def robustness(result: dict[str, Any], test: Evaluate, others: dict[str, Evaluate]) -> list[dict[str, Any]]:
     """DroidSpeak §5.4: the config chosen on one task's train split, applied unchanged to its test
     split and to other tasks. `difference` = chosen - receiver's full prefill on that data (0: the
-    profile transfers; negative: it loses quality there), `relative` = difference / full prefill."""
+    profile transfers; negative: it loses quality there), `relative` = difference / full prefill
+    (None where full prefill scores 0: the receiver cannot do that task at all)."""
     ch = result["chosen"]
     plan = Point(ch["start"], ch["end"], ch["quality_train"]).plan()
     rows = [(result.get("task") or "profiled task", test, result["full_prefill"]["quality_test"],
@@ -124,7 +125,7 @@ def robustness(result: dict[str, Any], test: Evaluate, others: dict[str, Evaluat
         rows.append((name, ev, ev(ReusePlan.full_prefill()), ev(ReusePlan.full_reuse()), ev(plan)))
     return [{"task": t, "split": "test", "metric": getattr(getattr(ev, "spec", None), "metric", None),
              "full_prefill": fp, "full_reuse": fr, "chosen": q, "difference": q - fp,
-             "relative": (q - fp) / fp if fp > 0 else 0.0, "within_tolerance": q >= (1 - result["tolerance"]) * fp}
+             "relative": (q - fp) / fp if fp > 0 else None, "within_tolerance": q >= (1 - result["tolerance"]) * fp}
             for t, ev, fp, fr, q in rows]
 
 
