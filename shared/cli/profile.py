@@ -61,6 +61,9 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data_
     sc = result["scattered_critical"]
     click.echo(f"  critical layers {result['critical_layers']}  recomputed alone: train {sc['quality_train']:.3f}"
                f"  test {sc['quality_test']:.3f}")
+    sp = result["chosen_split"]
+    click.echo(f"  chosen layers as {len(sp['groups'])} one-layer groups ({sp['e_transitions']} E transitions): "
+               f"train {sp['quality_train']:.3f}  test {sp['quality_test']:.3f}")
     ev = result["evaluations"]
     click.echo(f"  searches agree: {result['searches_agree']}  (exhaustive {ev['exhaustive']} configs, "
                f"guided {ev['guided']} + {ev['sensitivity']} sensitivity)")

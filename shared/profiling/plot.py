@@ -33,6 +33,10 @@ def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, A
     if sc["recomputed_layers"]:
         ax.scatter([sc["recomputed_layers"]], [sc["quality_train"]], marker="x", c="C1", s=60, zorder=5,
                    label="critical layers only")
+    sp = result.get("chosen_split")
+    if sp and len(sp["groups"]) > 1:
+        ax.scatter([sp["recomputed_layers"]], [sp["quality_train"]], marker="v", c="C4", s=60, zorder=5,
+                   label=f"chosen layers, {sp['e_transitions']} E transitions")
     ax.set_xlabel("recomputed layers")
     ax.set_ylabel(f"quality ({result.get('task') or 'train split'})")
     ax.set_xlim(-0.3, result["total_layers"] + 0.3)

@@ -49,7 +49,8 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         ) -> tuple[dict[str, Any], schemas.RecomputeConfig]:
     """Profile a pair. JSON keys: total_layers, full_prefill / full_reuse / chosen (with
     quality_train, quality_test), sensitivity, critical_layers, frontier, evaluations
-    {exhaustive, guided}, searches_agree, scattered_critical (train/test), robustness (the
+    {exhaustive, guided}, searches_agree, scattered_critical and chosen_split (train/test),
+    robustness (the
     chosen config on the test split and on each of `others`' tasks), latency_fit."""
     L, g = num_layers, settings.granularity
     cuts = len(search.grid(L, g))
@@ -72,6 +73,7 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
     front = search.frontier(points + guided_pts, full_reuse)
     chosen = search.choose(front, full_prefill, settings.tolerance)
     scattered = search.scattered(critical)
+    split = search.split(chosen.start, chosen.end)
     test_memo = Memo(test)
     result: dict[str, Any] = {
         "sender": sender_model, "receiver": receiver_model, "task": task, "total_layers": L,
@@ -94,6 +96,11 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
             "groups": [list(gr) for gr in scattered.groups], "recomputed_layers": len(critical),
             "quality_train": memo(scattered), "quality_test": test_memo(scattered),
             "e_transitions": len(scattered.e_layers),
+        },
+        # The same layers as the chosen group, but one transition (own sender E) per layer.
+        "chosen_split": {
+            "groups": [list(gr) for gr in split.groups], "recomputed_layers": chosen.layers,
+            "quality_train": memo(split), "quality_test": test_memo(split), "e_transitions": len(split.e_layers),
         },
     }
     result["robustness"] = robustness(result, test, dict(others or {}))

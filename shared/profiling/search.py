@@ -120,3 +120,9 @@ def scattered(critical: list[int]) -> ReusePlan:
         else:
             groups.append((l, l + 1))
     return ReusePlan.recompute_groups(groups)
+
+
+def split(start: int, end: int) -> ReusePlan:
+    """The group [start, end) recomputed as one-layer groups, each from its own sender E: the
+    same compute, more transitions (DroidSpeak §4.1: each one injects the sender's deviation)."""
+    return ReusePlan.recompute_groups((l, l + 1) for l in range(start, end))

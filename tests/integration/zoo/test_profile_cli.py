@@ -30,6 +30,7 @@ def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path
     assert {"start", "end", "recomputed_layers"} <= set(p["chosen"])
     assert set(p["evaluations"]) >= {"exhaustive", "guided"} and p["evaluations"]["exhaustive"] == 3
     assert isinstance(p["critical_layers"], list) and p["frontier"][0]["recomputed_layers"] == 0
+    assert p["chosen_split"]["recomputed_layers"] == p["chosen"]["recomputed_layers"]
     rows = {r["task"]: r for r in p["robustness"]}
     # the profiled task's test split, then its shifts, then the other zoo tasks
     assert list(rows)[0] == "multihop_qa"

@@ -68,3 +68,13 @@ def test_robustness_reports_the_chosen_configs_difference_per_task():
     assert rows["same"]["difference"] == 0.0 and rows["same"]["within_tolerance"]
     assert rows["other"]["chosen"] == pytest.approx(0.4) and rows["other"]["difference"] == pytest.approx(-0.4)
     assert rows["other"]["relative"] == pytest.approx(-0.5) and not rows["other"]["within_tolerance"]
+
+
+def test_chosen_split_keeps_the_layers_but_pays_per_transition():
+    """The chosen group split into one-layer groups recomputes the same layers with one E
+    transition each, and the oracle charges every extra transition."""
+    result, _ = run(oracle, oracle, L, ProfileSettings())
+    sp, ch = result["chosen_split"], result["chosen"]
+    assert sp["groups"] == [[l, l + 1] for l in range(ch["start"], ch["end"])]
+    assert sp["recomputed_layers"] == ch["recomputed_layers"] and sp["e_transitions"] == ch["recomputed_layers"]
+    assert sp["quality_train"] == pytest.approx(ch["quality_train"] - 0.02 * (ch["recomputed_layers"] - 1))
