@@ -33,21 +33,20 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data_
             tolerance, exhaustive, robustness, other_tasks, nats_url) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config."""
     from shared.cli.models import resolve
+    from shared.errors import BadRequestError
     from shared.profiling.plot import frontier_png
     from shared.profiling.profile import ProfileSettings, profile_checkpoints
 
-    from shared.zoo.suite import known_tasks
-
-    unknown = sorted(set(other_tasks) - set(known_tasks()))
-    if unknown:
-        raise click.BadParameter(f"{unknown} are not zoo tasks; known: {known_tasks()}", param_hint="--other-task")
     s_path, s_name = resolve(sender)
     r_path, r_name = resolve(receiver)
     settings = ProfileSettings(granularity=granularity, tolerance=tolerance, exhaustive=exhaustive)
-    result, cfg = profile_checkpoints(s_path, r_path, task, settings, n_train=n_train, n_test=n_test,
-                                      data_train=data_train, data_test=data_test, sender_model=s_name,
-                                      receiver_model=r_name,
-                                      other_tasks=(list(other_tasks) or None) if robustness else [])
+    try:
+        result, cfg = profile_checkpoints(s_path, r_path, task, settings, n_train=n_train, n_test=n_test,
+                                          data_train=data_train, data_test=data_test, sender_model=s_name,
+                                          receiver_model=r_name,
+                                          other_tasks=(list(other_tasks) or None) if robustness else [])
+    except BadRequestError as e:  # bad arguments (an unknown --other-task, ...): a usage error, not a traceback
+        raise click.UsageError(str(e)) from e
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     if plot_path:

@@ -50,8 +50,7 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
     """Profile a pair. JSON keys: total_layers, full_prefill / full_reuse / chosen (with
     quality_train, quality_test), sensitivity, critical_layers, frontier, evaluations
     {exhaustive, guided}, searches_agree, scattered_critical and chosen_split (train/test),
-    robustness (the
-    chosen config on the test split and on each of `others`' tasks), latency_fit."""
+    robustness (the chosen config on the test split and on each of `others`' tasks), latency_fit."""
     L, g = num_layers, settings.granularity
     cuts = len(search.grid(L, g))
     budget = 2 + L + (cuts - 1) + ((cuts - 1) * cuts // 2 if settings.exhaustive else 0)
