@@ -122,7 +122,8 @@ def _fill_context(
         return [True] * L
     if plan.mode == "swap":  # probe: the receiver's own context KV, then step 2 swaps the listed layers
         receiver.run_layers(receiver.embed(torch.tensor([context])), 0, L, cache, past=0)  # [1, m, D] in
-        return [l not in plan.reused_layers(L) for l in range(L)]
+        swapped = set(plan.reused_layers(L))
+        return [l not in swapped for l in range(L)]
     full = len(source.token_ids)
     for s, e in plan.groups:
         if s == 0:  # layer 0's input is the receiver's own embedding: exact and local

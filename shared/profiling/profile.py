@@ -102,7 +102,7 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
             "quality_train": memo(split), "quality_test": test_memo(split), "e_transitions": len(split.e_layers),
         },
     }
-    result["robustness"] = robustness(result, test, dict(others or {}))
+    result["robustness"] = robustness(result, chosen.plan(), test, dict(others or {}))
     fit = None
     if receiver is not None:
         ks = sorted({0, max(1, L // 4), L // 2, L})
@@ -118,13 +118,13 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
     return result, cfg
 
 
-def robustness(result: dict[str, Any], test: Evaluate, others: dict[str, Evaluate]) -> list[dict[str, Any]]:
+def robustness(result: dict[str, Any], plan: ReusePlan, test: Evaluate,
+               others: dict[str, Evaluate]) -> list[dict[str, Any]]:
     """DroidSpeak §5.4: the config chosen on one task's train split, applied unchanged to its test
     split and to other tasks. `difference` = chosen - receiver's full prefill on that data (0: the
     profile transfers; negative: it loses quality there), `relative` = difference / full prefill
     (None where full prefill scores 0: the receiver cannot do that task at all)."""
     ch = result["chosen"]
-    plan = Point(ch["start"], ch["end"], ch["quality_train"]).plan()
     rows = [(result.get("task") or "profiled task", test, result["full_prefill"]["quality_test"],
              result["full_reuse"]["quality_test"], ch["quality_test"])]
     for name, ev in tqdm(others.items(), desc="robustness", unit="task", disable=not others):

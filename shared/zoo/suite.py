@@ -65,17 +65,16 @@ class SuiteShape:
 # check that a config chosen on the train split transfers (DroidSpeak §5.4 profiles on one
 # dataset and applies the result to others). Fields not used by a task (coded_frac outside
 # multihop_qa, the context shape for code) leave that task unchanged, so only listed ones apply.
+_SHORT = {"facts": (2, 6), "docs": (1, 3), "filler": (150, 250)}  # ~0.3K tokens
+_LONG = {"facts": (12, 16), "docs": (4, 6), "filler": (1800, 1900)}  # ~2K: twice the profiled length
 SHIFTS: dict[str, dict[str, dict[str, Any]]] = {
     "multihop_qa": {
         "plain": {"coded_frac": 0.0},  # no coded document: what the sender's KV lacks is never needed
         "coded": {"coded_frac": 1.0},  # every document coded: the receiver's change always matters
-        "short": {"facts": (2, 6), "docs": (1, 3), "filler": (150, 250)},  # ~0.3K tokens
-        "long": {"facts": (12, 16), "docs": (4, 6), "filler": (1800, 1900)},  # ~2K: twice the profiled length
+        "short": _SHORT,
+        "long": _LONG,
     },
-    "summarization": {
-        "short": {"facts": (2, 6), "docs": (1, 3), "filler": (150, 250)},
-        "long": {"facts": (12, 16), "docs": (4, 6), "filler": (1800, 1900)},
-    },
+    "summarization": {"short": _SHORT, "long": _LONG},
     "code_completion": {"short": {"code_tokens": 300}, "long": {"code_tokens": 2000}},
 }
 
@@ -105,8 +104,7 @@ def make_rows(task: str, split: str, n: int, shape: SuiteShape, seed: int = 0) -
             raise ValueError(f"unknown zoo task {name!r}; expected one of {known_tasks()}")
         shape = dataclasses.replace(shape, **SHIFTS[task][shift])
     if task == "code_completion":
-        return [{**r, "task": name, "_id": f"{name}-{split}-{i}"}
-                for i, r in enumerate(code_row(rng, split, shape.code_tokens, i) for i in range(n))]
+        return [code_row(rng, split, shape.code_tokens, i, name) for i in range(n)]
     rows = []
     for i in range(n):
         header = V.CODED if (task == "multihop_qa" and rng.random() < shape.coded_frac) else V.PLAIN
@@ -144,7 +142,7 @@ def _lines(path: str) -> tuple[str, ...]:
     return tuple(Path(path).read_text(encoding="utf-8", errors="replace").split("\n"))
 
 
-def code_row(rng: random.Random, split: str, budget_tokens: int, i: int) -> dict[str, Any]:
+def code_row(rng: random.Random, split: str, budget_tokens: int, i: int, name: str = "code_completion") -> dict[str, Any]:
     """Context: the lines before a target line (about `budget_tokens` tokens, ~1.3 chars each)."""
     files = stdlib_files()[split]
     while True:
@@ -162,8 +160,8 @@ def code_row(rng: random.Random, split: str, budget_tokens: int, i: int) -> dict
             chars += len(lines[start]) + 1
         context = "\n".join(lines[start:j]) + "\n"
         return {
-            "context": context, "input": "", "answers": [target], "task": "code_completion", "split": split,
-            "length": chars, "source": Path(path).name, "line": j + 1, "_id": f"code_completion-{split}-{i}",
+            "context": context, "input": "", "answers": [target], "task": name, "split": split,
+            "length": chars, "source": Path(path).name, "line": j + 1, "_id": f"{name}-{split}-{i}",
         }
 
 
