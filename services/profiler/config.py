@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 
+from shared.device import DTYPES, check_device_name, default_dtype_name
 from shared.errors import ConfigError
 from shared.settings import BusSettings
-from shared.model.adapter import DTYPES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProfilerConfig(BusSettings):
     """Profiles pairs on request (off the event loop) and publishes configs to the bucket."""
 
-    dtype: str = dataclasses.field(default="float32", metadata={"help": "dtype models are profiled in"})
+    device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
+    dtype: str = dataclasses.field(default="", metadata={"help": "dtype models are profiled in (default: bfloat16 on cuda, float32 on cpu)"})
     max_rows: int = dataclasses.field(default=500, metadata={"help": "cap on n_train / n_test per request"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_device_name(self.device)
+        if not self.dtype:
+            object.__setattr__(self, "dtype", default_dtype_name(self.device))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.max_rows < 1:

@@ -6,9 +6,9 @@ import dataclasses
 import os
 from pathlib import Path
 
+from shared.device import DTYPES, check_device_name, default_dtype_name
 from shared.errors import ConfigError
 from shared.settings import BusSettings
-from shared.model.adapter import DTYPES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,7 +17,8 @@ class ReceiverConfig(BusSettings):
 
     model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
     model_id: str = dataclasses.field(default="", metadata={"help": "id served (default: directory name)"})
-    dtype: str = dataclasses.field(default="float32", metadata={"help": "weights and cache dtype"})
+    device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
+    dtype: str = dataclasses.field(default="", metadata={"help": "weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)"})
     default_group: tuple[int, ...] = dataclasses.field(
         default=(), metadata={"help": "recompute group 'start,end' used without a profile (empty: full prefill)"})
     lookup_timeout_s: float = dataclasses.field(default=0.5, metadata={"help": "broker lookup deadline"})
@@ -31,6 +32,9 @@ class ReceiverConfig(BusSettings):
         p = Path(self.model_path)
         if not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
             raise ConfigError(f"model_path {self.model_path!r} holds no checkpoint")
+        check_device_name(self.device)
+        if not self.dtype:
+            object.__setattr__(self, "dtype", default_dtype_name(self.device))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.default_group and (len(self.default_group) != 2 or not 0 <= self.default_group[0] < self.default_group[1]):

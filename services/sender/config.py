@@ -6,9 +6,9 @@ import dataclasses
 import os
 from pathlib import Path
 
+from shared.device import DTYPES, check_device_name, default_dtype_name
 from shared.errors import ConfigError
 from shared.settings import BusSettings
-from shared.model.adapter import DTYPES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,7 +17,8 @@ class SenderConfig(BusSettings):
 
     model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
     model_id: str = dataclasses.field(default="", metadata={"help": "id announced (default: directory name)"})
-    dtype: str = dataclasses.field(default="float32", metadata={"help": "weights and cache dtype"})
+    device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
+    dtype: str = dataclasses.field(default="", metadata={"help": "weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)"})
     store_bytes: int = dataclasses.field(default=2 << 30, metadata={"help": "byte budget of the KV/E store"})
     e_layers: tuple[int, ...] = dataclasses.field(default=(0,), metadata={"help": "layers whose E is kept"})
     heartbeat_s: float = dataclasses.field(default=1.0, metadata={"help": "heartbeat interval"})
@@ -32,6 +33,9 @@ class SenderConfig(BusSettings):
             Path(self.model_path) / "adapter_config.json"
         ).is_file():
             raise ConfigError(f"model_path {self.model_path!r} holds no checkpoint")
+        check_device_name(self.device)
+        if not self.dtype:
+            object.__setattr__(self, "dtype", default_dtype_name(self.device))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.store_bytes <= 0:
