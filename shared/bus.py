@@ -5,6 +5,9 @@
   - `request(subject, data, timeout)`        one request, one reply or TimeoutError (clients)
   - `subscribe(subject, handler, queue)`     events to `handler` (broker, receivers)
   - `serve(subject, handler, queue)`         request/reply endpoint; one copy of `queue` answers
+  - `config_board()`                         the recompute-config board over the same connection
+                                             (plain method; callers never reach the client under it)
+  - `close()`                                drain and disconnect (its owner, once, at shutdown)
 Payloads are bytes of `shared.wire.schemas` messages; decoding and error replies live in
 `shared.service_kit`, so a bus never interprets what it carries.
 """
@@ -18,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
+
+from shared.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
 
 RequestHandler = Callable[[bytes], Awaitable[bytes]]
 EventHandler = Callable[[bytes], Awaitable[None]]
@@ -33,6 +38,10 @@ class Bus(Protocol):
     async def subscribe(self, subject: str, handler: EventHandler, queue: str | None = None) -> None: ...
 
     async def serve(self, subject: str, handler: RequestHandler, queue: str) -> None: ...
+
+    def config_board(self) -> ConfigBoard: ...
+
+    async def close(self) -> None: ...
 
 
 class NatsBus:
@@ -103,6 +112,10 @@ class NatsBus:
         name = subject.replace(".", "-").replace("*", "any").replace(">", "all")
         await self._micro.add_endpoint(name=name, subject=subject, handler=endpoint, queue_group=queue)
 
+    def config_board(self) -> ConfigBoard:
+        """The JetStream key-value board on this connection (a new handle per call)."""
+        return NatsConfigBoard(self.nc)
+
     async def close(self) -> None:
         """Drain: stop taking new requests (queue-group siblings get them), finish and answer
         every request already taken, then flush and disconnect."""
@@ -124,6 +137,7 @@ class InProcessBus:
         self._servers: dict[str, list[RequestHandler]] = defaultdict(list)
         self._rr: dict[str, itertools.count] = defaultdict(itertools.count)
         self._tasks: set[asyncio.Task] = set()
+        self._board = InMemoryConfigBoard()
 
     async def publish(self, subject: str, data: bytes) -> None:
         seen_queues: set[str] = set()
@@ -151,6 +165,10 @@ class InProcessBus:
 
     async def serve(self, subject: str, handler: RequestHandler, queue: str) -> None:
         self._servers[subject].append(handler)
+
+    def config_board(self) -> ConfigBoard:
+        """One in-memory board per bus, shared by every service on it (as a NATS bucket is)."""
+        return self._board
 
     async def settle(self) -> None:
         """Wait until every delivered event has been handled (tests only)."""

@@ -72,4 +72,4 @@ class MeshClient:
         return await self._call(subjects.BROKER_LOOKUP, req, schemas.LookupReply, timeout)
 
     async def close(self) -> None:
-        await self.bus.close()  # type: ignore[attr-defined]
+        await self.bus.close()

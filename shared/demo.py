@@ -9,7 +9,6 @@ full prefill, full reuse of the sender's KV, and the profiled (or default) parti
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import statistics
 import tempfile
@@ -19,44 +18,17 @@ from typing import Any
 
 from shared.bench.report import format_table
 from shared.client import MeshClient
-from shared.config_board import NatsConfigBoard
+from shared.device import DEFAULT_DEVICE, DEVICE_ENV
 from shared.launch import Proc, start_nats, start_service
+from shared.models import ModelRef, Pair
+from shared.profiling.profile import recompute_config
+from shared.tasks.scorer import score_text
+from shared.tasks.spec import task_spec
 from shared.wire import schemas
-from shared.zoo import metrics
-from shared.zoo.suite import SuiteShape, make_rows, task_spec
+from shared.zoo.suite import SuiteShape, make_rows
 
 PATHS = ("full_prefill", "full_reuse", "auto")
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Pair:
-    sender: str
-    receiver: str
-    task: str
-    sender_path: str
-    receiver_path: str
-
-
-def config_from_profile(result: dict[str, Any], version: int) -> schemas.RecomputeConfig:
-    """The bucket config of a saved `droidmesh profile` JSON."""
-
-    def point(p: dict[str, Any], q: str = "quality") -> schemas.FrontierPoint:
-        return schemas.FrontierPoint(start=p["start"], end=p["end"], recomputed_layers=p["end"] - p["start"],
-                                     quality=p[q])
-
-    fit = result.get("latency_fit")
-    return schemas.RecomputeConfig(
-        sender_model=result["sender"], receiver_model=result["receiver"], profile_version=version,
-        task=result["task"], tolerance=result["tolerance"], chosen=point(result["chosen"], "quality_train"),
-        frontier=[point(p) for p in result["frontier"]], full_prefill_quality=result["full_prefill"]["quality_train"],
-        full_reuse_quality=result["full_reuse"]["quality_train"], total_layers=result["total_layers"],
-        latency=schemas.LatencyFit(**fit) if fit else None,
-    )
-
-
-def cut(text: str, stop: str | None) -> str:
-    return (text[: text.index(stop)] if stop and stop in text else text).strip()
 
 
 async def _workload(url: str, pairs: list[Pair], rows: dict[str, list[dict[str, Any]]], say: Callable[[str], None]
@@ -71,11 +43,11 @@ async def _workload(url: str, pairs: list[Pair], rows: dict[str, list[dict[str, 
                 for mode in PATHS:
                     r = await client.ask(pair.receiver, row["context"], row["input"], mode=mode,
                                          max_new_tokens=spec.max_new_tokens, timeout=120)
-                    q = metrics.score(spec.metric, cut(r.text, spec.stop), row["answers"])
-                    out.append({"pair": f"{pair.sender}->{pair.receiver}", "task": pair.task, "mode": mode,
+                    q = score_text(spec, r.text, row["answers"])
+                    out.append({"pair": pair.id, "task": pair.task, "mode": mode,
                                 "path": r.path, "plan": r.plan, "ttft_ms": r.ttft_ms, "quality": q,
                                 "bytes_pulled": r.bytes_pulled, "fallback": r.fallback_reason})
-                say(f"  {pair.sender}->{pair.receiver}: row {i + 1}/{len(rows[pair.task])} done")
+                say(f"  {pair.id}: row {i + 1}/{len(rows[pair.task])} done")
     finally:
         await client.close()
     return out
@@ -98,31 +70,38 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
-def run_demo(pairs: list[Pair], n_rows: int, profiles: dict[tuple[str, str], dict[str, Any]],
-             shape: SuiteShape, num_layers: int, say: Callable[[str], None], log_dir: Path | None = None
-             ) -> list[dict[str, Any]]:
-    """Start the mesh, run the workload, stop everything; return the summary rows."""
+def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profiles: dict[str, dict[str, Any]],
+             shape: SuiteShape, num_layers: int, say: Callable[[str], None], log_dir: Path | None = None,
+             device: str = DEFAULT_DEVICE, dtype: str | None = None) -> list[dict[str, Any]]:
+    """Start the mesh (every service's model on `device`, in `dtype` or the device's default),
+    run the workload, stop everything; return the summary rows. `models`: model id ->
+    checkpoint; `profiles`: pair id -> a saved `droidmesh profile` result (pairs without one get
+    a default group)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="droidmesh-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**THREADS, DEVICE_ENV: device, **({"DM_DTYPE": dtype} if dtype else {})}
     procs: list[Proc] = []
     try:
         say(f"starting nats-server (logs in {log_dir})")
         nats, url = start_nats(log_dir=log_dir)
         procs.append(nats)
-        asyncio.run(_publish([config_from_profile(p, 1) for p in profiles.values()], url))
+        configs = [recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1) for p in pairs
+                   if p.id in profiles]
+        asyncio.run(_publish(configs, url))
         procs.append(start_service("cache_broker", {}, url, env=THREADS, log_dir=log_dir))
         default_group = (0, max(1, round(0.25 * num_layers)))
-        for name, path in dict.fromkeys((p.sender, p.sender_path) for p in pairs):
-            starts = {pr["chosen"]["start"] for (s, _), pr in profiles.items() if s == name} | {default_group[0]}
+        for name in dict.fromkeys(p.sender for p in pairs):
+            starts = {profiles[p.id]["chosen"]["start"] for p in pairs if p.sender == name and p.id in profiles}
             say(f"starting sender {name}")
-            procs.append(start_service("sender", {"model_path": path, "model_id": name, "e_layers": sorted(starts)},
-                                       url, name=f"sender-{name}", env=THREADS, log_dir=log_dir))
+            procs.append(start_service("sender", {"model_path": models[name].path, "model_id": name,
+                                                  "e_layers": sorted(starts | {default_group[0]})},
+                                       url, name=f"sender-{name}", env=env, log_dir=log_dir))
         for pair in pairs:
-            args: dict[str, object] = {"model_path": pair.receiver_path, "model_id": pair.receiver}
-            if (pair.sender, pair.receiver) not in profiles:
+            args: dict[str, object] = {"model_path": models[pair.receiver].path, "model_id": pair.receiver}
+            if pair.id not in profiles:
                 args["default_group"] = list(default_group)
             say(f"starting receiver {pair.receiver} ({'profiled' if 'default_group' not in args else 'default'} group)")
-            procs.append(start_service("receiver", args, url, name=f"receiver-{pair.receiver}", env=THREADS,
+            procs.append(start_service("receiver", args, url, name=f"receiver-{pair.receiver}", env=env,
                                        log_dir=log_dir))
         rows = {p.task: make_rows(p.task, "test", n_rows, shape) for p in pairs}
         say(f"workload: {n_rows} contexts per pair x {len(PATHS)} paths")
@@ -140,7 +119,7 @@ async def _publish(configs: list[schemas.RecomputeConfig], url: str) -> None:
         return
     client = await MeshClient.connect(url)
     try:
-        board = NatsConfigBoard(client.bus.nc)  # type: ignore[attr-defined]
+        board = client.bus.config_board()
         for cfg in configs:
             await board.put(cfg)
     finally:

@@ -41,6 +41,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def same_device(a: str | torch.device, b: str | torch.device) -> bool:
+    """Whether two devices are one: `cuda` (no index) is the current CUDA device, so it equals
+    `cuda:N` when N is current (tensors always carry an index, names often do not)."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and _index(a) == _index(b)
+
+
+def _index(device: torch.device) -> int | None:
+    if device.type == "cuda" and device.index is None:
+        return torch.cuda.current_device()  # only reached once a CUDA device is in use
+    return device.index
+
+
 def default_dtype_name(device: str | torch.device) -> str:
     """bfloat16 on CUDA, float32 elsewhere."""
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"

@@ -56,7 +56,7 @@ class IncompatibleModelsError(ReuseError):
 
 
 class CacheLayoutError(ReuseError):
-    """A delivered tensor's shape or dtype does not match the receiver's expected layout."""
+    """A delivered tensor's shape, dtype or device does not match the receiver's expected layout."""
 
     code = "cache_layout"
 
@@ -77,12 +77,6 @@ class SchemaVersionError(BadMessageError):
     """A message of a schema version this build does not speak."""
 
     code = "schema_version"
-
-
-class UnknownModelError(BadRequestError):
-    """A request names a model this service does not host."""
-
-    code = "unknown_model"
 
 
 class DeadlineExceededError(DroidMeshError):

@@ -3,8 +3,10 @@
 `Metrics` holds every series DroidMesh exports (a service only moves the ones it owns).
 `HealthServer` serves, from its own thread (so a busy event loop cannot hide it):
   /metrics  Prometheus text format
-  /livez    200 while the event loop has ticked within `stall_s` (a wedged loop fails it)
-  /readyz   200 once the service has finished starting and until it begins to stop
+  /livez    200 while the event loop has ticked within `stall_s` (a wedged loop fails it); it
+            is up before the model loads, so a slow load is not mistaken for a dead process
+  /readyz   200 while `ready()` says so (the service runtime: started, every supervised
+            background loop running, not stopping)
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -51,9 +54,9 @@ class Metrics:
 
 
 class HealthServer:
-    def __init__(self, metrics: Metrics, port: int, stall_s: float = 10.0):
+    def __init__(self, metrics: Metrics, port: int, ready: Callable[[], bool], stall_s: float = 10.0):
         self.metrics = metrics
-        self.ready = False
+        self._ready = ready  # called from the health thread: reads flags only, never blocks
         self._stall_s = stall_s
         self._tick = time.monotonic()
         self._httpd = ThreadingHTTPServer(("0.0.0.0", port), self._handler())
@@ -72,7 +75,8 @@ class HealthServer:
                     ok = time.monotonic() - server._tick < server._stall_s
                     self._send(200 if ok else 503, b"ok\n" if ok else b"event loop stalled\n")
                 elif self.path == "/readyz":
-                    self._send(200 if server.ready else 503, b"ready\n" if server.ready else b"not ready\n")
+                    ok = server._ready()
+                    self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
                 else:
                     self._send(404, b"not found\n")
 
@@ -98,7 +102,6 @@ class HealthServer:
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="health-tick")
 
     async def close(self) -> None:
-        self.ready = False
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)

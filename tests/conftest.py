@@ -1,5 +1,10 @@
 """Shared fixtures: tiny random-init models of two families (MHA Llama, GQA Qwen2), and a
-tiny on-disk sender/receiver pair with the zoo tokenizer for wiring tests."""
+tiny on-disk sender/receiver pair with the zoo tokenizer for wiring tests.
+
+Also the suite-wide settings: torch runs on one thread (tiny models gain nothing from more, and
+one thread makes CPU reductions run in one order on every machine), and tests marked `gpu` are
+skipped where CUDA is absent.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,17 @@ FAMILIES = {
     "qwen2": dict(TINY, num_key_value_heads=2),  # GQA, attention bias
 }
 ATOL = 1e-4  # float32 logits, max-abs-diff against the receiver's own full prefill
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(params=sorted(FAMILIES), scope="module")
@@ -51,18 +67,18 @@ def prompt() -> tuple[list[int], list[int]]:
 def reference_logits(model: ModelAdapter, ids: list[int]) -> torch.Tensor:
     """The model's own HF forward over `ids` (no DroidMesh code on this path): [T, vocab]."""
     with torch.inference_mode():
-        return model.model(input_ids=torch.tensor([ids])).logits[0].float()
+        return model.model(input_ids=torch.tensor([ids], device=model.device)).logits[0].float()
 
 
 def reference_greedy(model: ModelAdapter, ids: list[int], n: int) -> list[int]:
     """Greedy tokens from the model's own HF forward with its own cache."""
     out: list[int] = []
     with torch.inference_mode():
-        res = model.model(input_ids=torch.tensor([ids]), use_cache=True)
+        res = model.model(input_ids=torch.tensor([ids], device=model.device), use_cache=True)
         for _ in range(n):
             tok = int(res.logits[0, -1].argmax())
             out.append(tok)
-            res = model.model(input_ids=torch.tensor([[tok]]), cache=res.cache, use_cache=True)
+            res = model.model(input_ids=torch.tensor([[tok]], device=model.device), cache=res.cache, use_cache=True)
     return out
 
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import xxhash
 
-from shared.kv.blocks import common_prefix
+from shared.hashing import common_prefix
 from shared.wire.schemas import CacheAvailable, SenderHeartbeat
 
 BLOCK = 16

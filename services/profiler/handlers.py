@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 import structlog
 
 from shared.errors import BadRequestError
+from shared.models import Pair, resolve_model
 from shared.profiling.profile import ProfileSettings, profile_checkpoints
 from shared.wire import schemas
 
 if TYPE_CHECKING:
-    from services.profiler.service import ProfilerState
+    from services.profiler.state import ProfilerState
 
 log = structlog.get_logger("profiler")
 
@@ -28,13 +29,14 @@ async def profile(s: ProfilerState, req: schemas.ProfileRequest) -> schemas.Prof
         raise BadRequestError("granularity must be >= 1 and tolerance in [0, 1)")
     settings = ProfileSettings(granularity=req.granularity, tolerance=req.tolerance, exhaustive=req.exhaustive)
     t0 = time.perf_counter()
+    sender = resolve_model(req.sender_path, name=req.sender_model or None)
+    receiver = resolve_model(req.receiver_path, name=req.receiver_model or None)
     result, cfg = await s.run_torch(
-        lambda: profile_checkpoints(req.sender_path, req.receiver_path, req.task, settings, n_train=req.n_train,
-                                    n_test=req.n_test, data_train=req.data_train, data_test=req.data_test,
-                                    sender_model=req.sender_model, receiver_model=req.receiver_model,
-                                    version=req.version or None, dtype=s.cfg.dtype, other_tasks=req.other_tasks))
+        lambda: profile_checkpoints(sender, receiver, req.task, settings, n_train=req.n_train, n_test=req.n_test,
+                                    data_train=req.data_train, data_test=req.data_test, version=req.version or None,
+                                    device=s.cfg.device, dtype=s.cfg.dtype, other_tasks=req.other_tasks))
     await s.board.put(cfg)
-    log.info("request", request_id=req.request_id, sender=cfg.sender_model, receiver=cfg.receiver_model,
-             chosen=[cfg.chosen.start, cfg.chosen.end], version=cfg.profile_version,
+    log.info("request", request_id=req.request_id, pair=Pair(cfg.sender_model, cfg.receiver_model).versioned(
+             cfg.profile_version), chosen=cfg.chosen.plan.groups,
              seconds=round(time.perf_counter() - t0, 2))
     return schemas.ProfileReply(request_id=req.request_id, config=cfg, result_json=json.dumps(result))

@@ -10,18 +10,18 @@ import structlog
 
 from services.receiver.pipeline import reuse_generate
 from shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, ReuseError
+from shared.kv import policy
+from shared.kv.partial import Generation
 from shared.kv.partial import generate as engine_generate
 from shared.kv.plan import ReusePlan
+from shared.kv.policy import Reason
 from shared.model import text
 from shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
-    from services.receiver.service import ReceiverState
+    from services.receiver.state import ReceiverState
 
 log = structlog.get_logger("receiver")
-
-
-Reason = tuple[str, str]  # (bounded code for metrics, text for the reply and the log)
 
 
 async def _lookup(s: ReceiverState, prompt: list[int]) -> tuple[schemas.CacheAvailable | None, Reason | None]:
@@ -72,34 +72,33 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
     deadline = req.deadline or time.time() + s.cfg.request_timeout_s
     if time.time() > deadline:
         raise DeadlineExceededError(f"deadline passed {time.time() - deadline:.3f}s before start; dropped")
-    if req.mode not in schemas.MODES:
-        raise BadRequestError(f"mode {req.mode!r} not in {schemas.MODES}")
     if req.max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
     ctx_ids, q_ids = text.prompt_ids(s.model.tokenizer, req.context, req.question)
     prompt = ctx_ids + q_ids
     stamps: dict[str, float] = {"start": t0}
-    holder, plan = None, ReusePlan.full_prefill()
-    reason: Reason | None = ("forced", "full prefill requested") if req.mode == "full_prefill" else None
+    holder, miss = None, None
     if req.mode != "full_prefill":
-        holder, reason = await _lookup(s, prompt)
+        holder, miss = await _lookup(s, prompt)
         stamps["lookup_done"] = time.perf_counter()
-        if holder is not None:
-            slo = req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None
-            plan, reason = s.plan_for(holder, req.mode, len(prompt), slo)
-    path, bytes_pulled, gen = "full_prefill", 0, None
+    online = policy.Online(tokens=len(prompt), queued=s.inflight - 1, bandwidth_bps=s.bandwidth_bps,
+                           slo_s=req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None)
+    decision = policy.decide(req.mode, holder, miss, s.configs.get(holder.model_id) if holder else None,
+                             s.policy_facts, online)
+    plan, path, reason = decision.plan, decision.path, decision.reason
+    bytes_pulled, gen = 0, None
     if plan.mode != "full_prefill" and holder is not None:
         try:
-            out = await reuse_generate(s, holder, plan, prompt, req.max_new_tokens,
+            out = await reuse_generate(s, holder, decision, prompt, req.max_new_tokens,
                                        timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.time())))
-            gen, bytes_pulled, path = out.generation, out.bytes_pulled, _path_name(plan)
+            gen, bytes_pulled = out.generation, out.bytes_pulled
             stamps.update(out.stamps)
             s.observe_pull(bytes_pulled, out.stamps["pull_done"] - out.stamps["pull_start"])
         except ReuseError as e:
             path, reason = "fallback", (e.code, f"{e.code}: {e}")
             log.warning("reuse_fallback", request_id=req.request_id, reason=reason[1])
     if gen is None:  # no cache, no config, forced, or a fault: the receiver's own full prefill
-        def full_prefill():  # type: ignore[no-untyped-def]
+        def full_prefill() -> Generation:
             stamps["engine_start"] = time.perf_counter()  # in the worker: queueing is not compute
             return engine_generate(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=req.max_new_tokens,
                                    eos_token_id=s.eos_token_id)
@@ -138,23 +137,23 @@ def _record(s: ReceiverState, path: str, reason: str, ttft_ms: float, stages_ms:
         m.ucx_throughput.observe(bytes_pulled / max(1e-9, stamps["pull_done"] - stamps["pull_start"]))
 
 
-def _path_name(plan: ReusePlan) -> str:
-    return {"groups": "partial", "full_reuse": "full_reuse", "cacheblend": "cacheblend"}[plan.mode]
-
-
 async def on_config(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
-    """A profile for a pair with this receiver: the newest version per sender model wins."""
-    if cfg.receiver_model != s.cfg.model_id or cfg.total_layers != s.model.num_layers:
+    """A profile for a pair with this receiver's exact weights: the newest version per sender
+    model wins (whether it fits the holder's weights is checked per request)."""
+    if not policy.accepts(cfg, s.policy_facts):
+        if cfg.receiver_model == s.cfg.model_id:
+            log.warning("config_ignored", sender_model=cfg.sender_model, version=cfg.profile_version,
+                        reason="profiled on other receiver weights or layer count")
         return
     current = s.configs.get(cfg.sender_model)
     if current is None or cfg.profile_version >= current.profile_version:
         s.configs[cfg.sender_model] = cfg
         s.metrics.profile_version.labels(cfg.sender_model).set(cfg.profile_version)
         log.info("config_loaded", sender_model=cfg.sender_model, version=cfg.profile_version,
-                 chosen=[cfg.chosen.start, cfg.chosen.end])
+                 chosen=cfg.chosen.plan.groups)
 
 
 async def on_available(s: ReceiverState, ev: schemas.CacheAvailable) -> None:
     """A compatible sender announced a cache: connect ahead so the first pull is warm."""
-    if ev.fingerprint_id == s.model.fingerprint.id:
-        await s.warm(ev.ucx_host, ev.ucx_port)
+    if ev.fingerprint_id == s.model.fingerprint.id and ev.transport == s.bulk.transport:
+        await s.warm(ev.address)

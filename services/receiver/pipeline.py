@@ -1,10 +1,11 @@
 """The receiver's reuse pipeline: pull a holder's tensors while the engine already computes.
 
-`reuse_generate` starts one UCX pull (transition-layer E first, then the reused KV layers in
-layer order) and, concurrently, the engine in the torch worker thread. The engine blocks per
-layer on an `ArrivingSource` the pull fills, so recompute begins the moment E lands. A pull
-failure is reported into the source, which ends the engine's wait with `MissingLayerError`;
-an engine failure cancels the pull. Either way the caller gets a `ReuseError` and falls back.
+`reuse_generate` starts one pull (`shared/transport/pull.py`: transition-layer E first, then the
+reused KV layers in layer order) and, concurrently, the engine in the torch worker thread. The
+engine blocks per layer on the `ArrivingSource` the pull fills, so recompute begins the moment E
+lands. A pull failure is reported into the source, which ends the engine's wait with
+`MissingLayerError`; an engine failure cancels the pull. Either way the caller gets a
+`ReuseError` and falls back.
 """
 
 from __future__ import annotations
@@ -14,20 +15,14 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-import msgspec
-import torch
-
-from shared.errors import CacheLayoutError
 from shared.kv.partial import Generation, generate
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import ArrivingSource
-from shared.model.fingerprint import ArchFingerprint, require_compatible
-from shared.transport.tensors import DTYPES
+from shared.kv.policy import Decision
+from shared.model.fingerprint import require_compatible
+from shared.transport.pull import pull_into, pull_items, source_for
 from shared.wire import schemas
-from shared.wire.schemas import PullItem, PullRequest
 
 if TYPE_CHECKING:
-    from services.receiver.service import ReceiverState
+    from services.receiver.state import ReceiverState
 
 
 @dataclasses.dataclass
@@ -37,43 +32,22 @@ class ReuseOutcome:
     stamps: dict[str, float]  # absolute time.perf_counter() per stage
 
 
-def pull_items(plan: ReusePlan, num_layers: int) -> list[PullItem]:
-    """E of each group's first layer first (recompute waits on it), then reused K/V by layer."""
-    reused = range(num_layers) if plan.mode == "cacheblend" else plan.reused_layers(num_layers)
-    return [PullItem(layer=l, kind="E") for l in plan.e_layers] + [
-        PullItem(layer=l, kind=k) for l in reused for k in ("K", "V")
-    ]
-
-
 async def reuse_generate(
-    s: ReceiverState, holder: schemas.CacheAvailable, plan: ReusePlan, prompt: list[int], max_new_tokens: int,
+    s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
     timeout_s: float,
 ) -> ReuseOutcome:
-    model = s.model
-    fingerprint = ArchFingerprint.from_dict(msgspec.structs.asdict(holder.fingerprint))
-    require_compatible(fingerprint, model.fingerprint)
-    dtype = DTYPES.get(holder.dtype)
-    if dtype != model.dtype:
-        raise CacheLayoutError(f"sender cache dtype {holder.dtype}, receiver runs {model.dtype}")
-    source = ArrivingSource(tuple(holder.token_ids), fingerprint)
-    tokens = len(holder.token_ids)
-
-    def expected(item: PullItem) -> tuple[list[int], torch.dtype]:
-        shape = model.e_shape(tokens) if item.kind == "E" else model.kv_shape(tokens)
-        return list(shape), model.dtype
-
-    def on_tensor(item: PullItem, t: torch.Tensor) -> None:
-        source.put(item.kind, item.layer, t)
-
+    model, plan = s.model, decision.plan
+    source = source_for(holder)
+    require_compatible(source.fingerprint, model.fingerprint)
+    items = pull_items(plan, model.num_layers)
     stamps: dict[str, float] = {}
-    request = PullRequest(context_id=holder.context_id, items=pull_items(plan, model.num_layers),
-                          token=holder.pull_token)
 
     async def pull() -> int:
         async with s.pull_slots:
             stamps["pull_start"] = time.perf_counter()
             try:
-                return await s.bulk.pull(holder.ucx_host, holder.ucx_port, request, expected, on_tensor, timeout_s)
+                return await pull_into(s.bulk, holder, items, model, source, timeout_s, codec=decision.codec,
+                                       codec_params=decision.codec_params)
             except BaseException as e:
                 source.fail(e)
                 raise

@@ -9,6 +9,7 @@ from pathlib import Path
 from shared.device import DTYPES, check_device_name, default_dtype_name
 from shared.errors import ConfigError
 from shared.settings import BusSettings
+from shared.transport.bulk import TRANSPORTS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,6 +18,7 @@ class SenderConfig(BusSettings):
 
     model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
     model_id: str = dataclasses.field(default="", metadata={"help": "id announced (default: directory name)"})
+    transport: str = dataclasses.field(default="ucx", metadata={"help": "bulk channel serving pulls (ucx; inproc: same process, tests)"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
     dtype: str = dataclasses.field(default="", metadata={"help": "weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)"})
     store_bytes: int = dataclasses.field(default=2 << 30, metadata={"help": "byte budget of the KV/E store"})
@@ -34,6 +36,8 @@ class SenderConfig(BusSettings):
         ).is_file():
             raise ConfigError(f"model_path {self.model_path!r} holds no checkpoint")
         check_device_name(self.device)
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport {self.transport!r} not one of {TRANSPORTS}")
         if not self.dtype:
             object.__setattr__(self, "dtype", default_dtype_name(self.device))
         if self.dtype not in DTYPES:

@@ -7,18 +7,19 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from shared.device import dtype_name
 from shared.errors import BadRequestError, DeadlineExceededError
-from shared.kv.blocks import CapturedContext, context_id, tensor_nbytes
+from shared.hashing import context_id
+from shared.kv.blocks import CapturedContext, tensor_nbytes
 from shared.kv.capture import capture_prefill
 from shared.kv.partial import generate as engine_generate
 from shared.kv.plan import ReusePlan
 from shared.kv.sources import CapturedSource
 from shared.model import text
-from shared.transport.tensors import dtype_name
 from shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
-    from services.sender.service import SenderState
+    from services.sender.state import SenderState
 
 log = structlog.get_logger("sender")
 
@@ -45,11 +46,11 @@ async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
     token, expires = s.tokens.issue(cid)
     s.announced_until[cid] = expires
     msg = schemas.CacheAvailable(
-        sender_id=s.cfg.sender_id, model_id=s.cfg.model_id,
+        sender_id=s.cfg.sender_id, model_id=s.cfg.model_id, model_sha256=s.model_sha256,
         fingerprint=schemas.fingerprint_to_wire(captured.fingerprint), fingerprint_id=captured.fingerprint.id,
         context_id=cid, token_ids=list(captured.token_ids), dtype=dtype_name(s.model.dtype),
         kv_nbytes=captured.kv_nbytes(), e_layers=sorted(captured.e), e_nbytes=max(e_sizes, default=0),
-        ucx_host=s.cfg.ucx_host, ucx_port=s.ucx_port, published_at=time.time(), pull_token=token,
+        transport=s.bulk_transport, address=s.bulk_address, published_at=time.time(), pull_token=token,
         token_expires_at=expires,
     )
     await s.bus.publish(subjects.CACHE_AVAILABLE, schemas.encode(msg))
@@ -116,9 +117,9 @@ async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:
 
 
 async def on_config(s: SenderState, cfg: schemas.RecomputeConfig) -> None:
-    """A profile naming this model as sender: keep E for every group start it may use."""
-    if cfg.sender_model != s.cfg.model_id:
+    """A profile of this model's exact weights as sender: keep E for every group start it may use."""
+    if cfg.sender_model != s.cfg.model_id or cfg.sender_sha256 != s.model_sha256:
         return
-    starts = {p.start for p in (*cfg.frontier, cfg.chosen) if p.end > p.start > 0}
+    starts = {start for p in (*cfg.frontier, cfg.chosen) for start, _ in p.plan.groups if start > 0}
     s.profiled_e_layers[cfg.receiver_model] = starts
     log.info("config_loaded", receiver_model=cfg.receiver_model, version=cfg.profile_version, e_layers=sorted(starts))

@@ -17,48 +17,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
 from typing import Any
 
-import torch
-
+from shared.device import DEVICE_ENV
 from shared.kv.partial import generate
 from shared.kv.plan import ReusePlan
 from shared.kv.sources import ArrivingSource
-from shared.model.adapter import ModelAdapter, load_model
-from shared.model.fingerprint import ArchFingerprint
-from shared.transport.tensors import DTYPES
-from shared.transport.ucx import BulkClient
+from shared.model.adapter import load_model
+from shared.transport.bulk import make_client
+from shared.transport.pull import pull_into, pull_items, source_for
 from shared.wire import schemas, subjects
-from shared.wire.schemas import PullItem, PullRequest
+from shared.wire.schemas import PullItem
 
 QUESTION = " who"
 
 
-async def _pull(bulk: BulkClient, ev: schemas.CacheAvailable, items: list[PullItem], model: ModelAdapter,
-                source: ArrivingSource | None) -> int:
-    tokens = len(ev.token_ids)
-
-    def expected(it: PullItem):  # type: ignore[no-untyped-def]
-        return list(model.e_shape(tokens) if it.kind == "E" else model.kv_shape(tokens)), DTYPES[ev.dtype]
-
-    def on_tensor(it: PullItem, t: torch.Tensor) -> None:
-        if source is not None:
-            source.put(it.kind, it.layer, t)
-
-    req = PullRequest(context_id=ev.context_id, items=items, token=ev.pull_token)
-    return await bulk.pull(ev.ucx_host, ev.ucx_port, req, expected, on_tensor, timeout_s=300)
-
-
-async def probe(url: str, model_path: str, sender: str, tokens: int, group: tuple[int, int], repeats: int
-                ) -> dict[str, Any]:
+async def probe(url: str, model_path: str, sender: str, tokens: int, group: tuple[int, int], repeats: int,
+                device: str = "cpu") -> dict[str, Any]:
     import nats
 
     from shared.zoo import vocab
 
-    model = load_model(model_path, dtype="bfloat16")
+    model = load_model(model_path, dtype="bfloat16", device=device)
     nc = await nats.connect(url)
     events: asyncio.Queue = asyncio.Queue()
 
@@ -76,12 +60,15 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
     prompt = list(ev.token_ids) + model.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     L = model.num_layers
     plan = ReusePlan.recompute(*group)
-    reused = [PullItem(l, k) for l in plan.reused_layers(L) for k in ("K", "V")]
-    every = [PullItem(l, k) for l in range(L) for k in ("K", "V")]
-    first_e = [PullItem(group[0], "E")] if group[0] > 0 else []  # layer 0: own embeddings
-    fp = ArchFingerprint.from_dict(__import__("msgspec").structs.asdict(ev.fingerprint))
-    bulk = BulkClient()
-    await bulk.warm(ev.ucx_host, ev.ucx_port)
+    needed = pull_items(plan, L)  # E first (none for a group at layer 0: own embeddings), then reused KV
+    every = [PullItem(layer=l, kind="E") for l in plan.e_layers] + [
+        PullItem(layer=l, kind=k) for l in range(L) for k in ("K", "V")]
+    bulk = make_client(ev.transport)
+    await bulk.warm(ev.address)
+
+    async def pull(items: list[PullItem], src: ArrivingSource | None) -> int:
+        return await pull_into(bulk, ev, items, model, src, timeout_s=300)
+
     loop = asyncio.get_running_loop()
 
     def engine(src: ArrivingSource, p: ReusePlan = plan) -> float:
@@ -90,18 +77,18 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
         return time.perf_counter() - t0
 
     async def run_mode(mode: str) -> float:
-        src = ArrivingSource(ev.token_ids, fp)
+        src = source_for(ev)
         t0 = time.perf_counter()
         if mode == "transfer":
-            await _pull(bulk, ev, first_e + reused, model, None)
+            await pull(needed, None)
         elif mode == "recompute":
-            await _pull(bulk, ev, first_e + reused, model, src)
+            await pull(needed, src)
             return await loop.run_in_executor(None, engine, src)
         elif mode in ("all", "reused"):
-            await _pull(bulk, ev, first_e + (every if mode == "all" else reused), model, src)
+            await pull(every if mode == "all" else needed, src)
             await loop.run_in_executor(None, engine, src)
         elif mode == "piped":
-            pulling = loop.create_task(_pull(bulk, ev, first_e + reused, model, src))
+            pulling = loop.create_task(pull(needed, src))
             await loop.run_in_executor(None, engine, src)
             await pulling
         else:  # prefill
@@ -130,9 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--group", default="0,6")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default=os.environ.get(DEVICE_ENV, "cpu"))
     a = ap.parse_args(argv)
     s, e = (int(x) for x in a.group.split(","))
-    out = asyncio.run(probe(a.nats, a.model, a.sender, a.tokens, (s, e), a.repeats))
+    out = asyncio.run(probe(a.nats, a.model, a.sender, a.tokens, (s, e), a.repeats, a.device))
     sys.stdout.write("PROBE " + json.dumps(out) + "\n")
 
 

@@ -1,6 +1,6 @@
 """`droidmesh bench quality` (DroidSpeak Fig. 14): receiver TTFT vs quality per path, one pair.
 
-Quality: the task metric on the test split through each path (`PairEvaluator`). TTFT: the
+Quality: the task metric on the test split through each path (`PairScorer`, the one scorer). TTFT: the
 receiver's compute for that path in process (the sender's cache already local; transfer costs
 are the pipeline / bandwidth suites' business), at the rows' context length and at a 4K-token
 context. `speedup_at_5pct` = full prefill TTFT / TTFT of the cheapest DroidMesh group whose
@@ -20,7 +20,7 @@ from shared.kv.partial import generate
 from shared.kv.plan import ReusePlan
 from shared.kv.sources import CapturedSource
 from shared.model.adapter import ModelAdapter
-from shared.profiling.evaluate import PairEvaluator
+from shared.tasks.scorer import PairScorer
 
 BLEND_RATIOS = (0.1, 0.2, 0.4, 0.6)
 
@@ -42,7 +42,7 @@ def plans(num_layers: int, frontier: list[dict[str, Any]] | None) -> list[tuple[
     return out
 
 
-def measure(sender: ModelAdapter, receiver: ModelAdapter, evaluator: PairEvaluator,
+def measure(sender: ModelAdapter, receiver: ModelAdapter, evaluator: PairScorer,
             frontier: list[dict[str, Any]] | None, long_tokens: int = 4096, tolerance: float = 0.05
             ) -> dict[str, Any]:
     L = receiver.num_layers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -17,38 +18,46 @@ import torch
 from tqdm import tqdm
 
 from shared.bench import netns
+from shared.device import DEFAULT_DEVICE, DEVICE_ENV
 from shared.launch import Proc, start_nats, start_service
 
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
-def _probe(url: str, model: str, sender: str, tokens: int, group: tuple[int, int], repeats: int,
+def _on(device: str) -> dict[str, str]:
+    """Environment of a launched model process: one torch thread, models on `device`. The
+    services keep `dtype` bfloat16 given explicitly, on any device."""
+    return {**THREADS, DEVICE_ENV: device}
+
+
+def _probe(url: str, model: str, sender: str, tokens: int, group: tuple[int, int], repeats: int, device: str,
            wrap: list[str] | None = None) -> dict[str, Any]:
     argv = [*(wrap or []), sys.executable, "-m", "shared.bench.pipeline", "--nats", url, "--model", model,
             "--sender", sender, "--tokens", str(tokens), "--group", f"{group[0]},{group[1]}", "--repeats", str(repeats)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env={**os.environ, DEVICE_ENV: device})
     for line in out.stdout.splitlines():
         if line.startswith("PROBE "):
             return json.loads(line[6:])
     raise RuntimeError(f"probe failed ({out.returncode}):\n{out.stderr[-3000:]}")
 
 
-def pipeline(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int) -> dict[str, Any]:
+def pipeline(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int,
+             device: str = DEFAULT_DEVICE) -> dict[str, Any]:
     """The Fig. 13 ablation on loopback: one sender process, the probe as the receiver."""
     procs: list[Proc] = []
     try:
         nats, url = start_nats()
         procs.append(nats)
         procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender",
-                                              "dtype": "bfloat16", "e_layers": [group[0]]}, url, env=THREADS))
-        return _probe(url, receiver_path, "bench-sender", tokens, group, repeats)
+                                              "dtype": "bfloat16", "e_layers": [group[0]]}, url, env=_on(device)))
+        return _probe(url, receiver_path, "bench-sender", tokens, group, repeats, device)
     finally:
         for p in reversed(procs):
             p.stop()
 
 
 def bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int,
-              rates_mbit: list[float | None]) -> list[dict[str, Any]]:
+              rates_mbit: list[float | None], device: str = DEFAULT_DEVICE) -> list[dict[str, Any]]:
     """The probe in its own namespace, the sender (and NATS) in another, per link rate."""
     why = netns.available()
     if why:
@@ -61,10 +70,10 @@ def bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tuple[in
             procs.append(nats)
             procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender",
                                                   "dtype": "bfloat16", "e_layers": [group[0]],
-                                                  "ucx_host": netns.SND_IP}, url, env=THREADS, wrap=snd))
+                                                  "ucx_host": netns.SND_IP}, url, env=_on(device), wrap=snd))
             for rate in tqdm(rates_mbit, desc="bandwidth", unit="rate"):
                 netns.set_rate(rate)
-                r = _probe(url, receiver_path, "bench-sender", tokens, group, repeats, wrap=rcv)
+                r = _probe(url, receiver_path, "bench-sender", tokens, group, repeats, device, wrap=rcv)
                 r["configured_gbit_s"] = rate / 1000 if rate else None
                 r["link_efficiency"] = r["achieved_gbit_s"] / (rate / 1000) if rate else None
                 rows.append(r)
@@ -75,20 +84,21 @@ def bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tuple[in
 
 
 # -- data plane ---------------------------------------------------------------------------------
-async def _transfer(port: int, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
-    from shared.transport.ucx import BulkClient
+async def _transfer(address: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+    from shared.transport.bulk import make_client
     from shared.wire.schemas import PullItem, PullRequest
 
-    client = BulkClient()
-    await client.warm("127.0.0.1", port)
+    client = make_client("ucx")
+    await client.warm(address)
     rows = []
     for nbytes in sizes:
         n = nbytes // 2
         req = PullRequest(context_id=str(nbytes), items=[PullItem(0, "K")], token="")
+        into = [torch.empty(n, dtype=torch.bfloat16)]  # the server's one bf16 tensor of nbytes
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
-            await client.pull("127.0.0.1", port, req, lambda it: ([n], torch.bfloat16), lambda *a: None, 60)
+            await client.pull(address, req, into, lambda *a: None, 60)
             times.append(time.perf_counter() - t0)
         src = torch.empty(n, dtype=torch.bfloat16)
         copies = []
@@ -106,10 +116,10 @@ async def _transfer(port: int, sizes: list[int], repeats: int) -> list[dict[str,
 def transfer(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     """UCX between two processes (a tensor server and this one) vs a memcpy of the same bytes."""
     server = subprocess.Popen([sys.executable, "-m", "shared.bench.tensor_server", ",".join(map(str, sizes))],
-                              stdout=subprocess.PIPE, text=True, env={**__import__("os").environ, **THREADS})
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, **THREADS})
     try:
-        port = int(server.stdout.readline())  # type: ignore[union-attr]  # the server prints its port when ready
-        return asyncio.run(_transfer(port, sizes, repeats))
+        address = server.stdout.readline().strip()  # type: ignore[union-attr]  # printed once listening
+        return asyncio.run(_transfer(address, sizes, repeats))
     finally:
         server.terminate()
         server.wait(10)
@@ -129,10 +139,10 @@ async def _control(url: str, n: int) -> dict[str, Any]:
     visible, rtt = [], []
     for i in tqdm(range(n), desc="control", unit="event"):
         tokens = rng.integers(0, 50_000, 256).tolist()
-        ev = schemas.CacheAvailable(sender_id="bench", model_id="bench", fingerprint=fp, fingerprint_id="bench",
-                                    context_id=f"c{i}", token_ids=tokens, dtype="bfloat16", kv_nbytes=[1] * 12,
-                                    e_layers=[0], e_nbytes=1, ucx_host="127.0.0.1", ucx_port=1,
-                                    published_at=time.time())
+        ev = schemas.CacheAvailable(sender_id="bench", model_id="bench", model_sha256="bench", fingerprint=fp,
+                                    fingerprint_id="bench", context_id=f"c{i}", token_ids=tokens, dtype="bfloat16",
+                                    kv_nbytes=[1] * 12, e_layers=[0], e_nbytes=1, transport="ucx",
+                                    address="127.0.0.1:1", published_at=time.time())
         lookup = schemas.encode(schemas.LookupRequest(token_ids=tokens, fingerprint_id="bench"))
         t0 = time.perf_counter()
         await nc.publish(subjects.CACHE_AVAILABLE, schemas.encode(ev))
@@ -205,7 +215,7 @@ async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, 
 
 
 def load(sender_path: str, receiver_path: str, group: tuple[int, int], tokens: int, rates: list[float],
-         seconds: float, slo_s: float, copies: list[int]) -> list[dict[str, Any]]:
+         seconds: float, slo_s: float, copies: list[int], device: str = DEFAULT_DEVICE) -> list[dict[str, Any]]:
     """Poisson load against 1..N receiver copies, DroidMesh (auto) vs full prefill."""
     from shared.client import MeshClient
     from shared.zoo import vocab
@@ -220,11 +230,12 @@ def load(sender_path: str, receiver_path: str, group: tuple[int, int], tokens: i
             procs.append(nats)
             procs.append(start_service("cache_broker", {}, url, env=THREADS))
             procs.append(start_service("sender", {"model_path": sender_path, "model_id": "load-sender",
-                                                  "dtype": "bfloat16", "e_layers": [group[0]]}, url, env=THREADS))
+                                                  "dtype": "bfloat16", "e_layers": [group[0]]}, url,
+                                       env=_on(device)))
             for k in range(n):
                 procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": "load-receiver",
                                                         "dtype": "bfloat16", "default_group": list(group)}, url,
-                                           name=f"receiver{k}", env=THREADS))
+                                           name=f"receiver{k}", env=_on(device)))
 
             async def prefill_all() -> None:
                 client = await MeshClient.connect(url)

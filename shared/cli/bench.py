@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 import torch
 
 from shared.bench import report
+from shared.cli.models import device_options
+from shared.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
+from shared.errors import ConfigError, DroidMeshError
 
 # Before the zoo's demo tier exists, latency runs on a random-init 12-layer model of this shape.
-RANDOM_BENCH_MODEL = dict(
+RANDOM_BENCH_MODEL: dict[str, Any] = dict(
     hidden_size=384, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=6,
     num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192,
 )
@@ -24,6 +29,19 @@ def _int_list(_ctx: click.Context, _param: click.Parameter, value: str) -> list[
     return out
 
 
+def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return check_device_name(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param=param) from None
+
+
+def _device_option(f):  # type: ignore[no-untyped-def]  # a click decorator
+    """`--device` alone, for suites whose services and probe run bfloat16 on any device."""
+    return click.option("--device", envvar=DEVICE_ENV, default=DEFAULT_DEVICE, show_default=True, callback=_device,
+                        help=f"cpu, cuda or cuda:N for the launched processes (env {DEVICE_ENV}).")(f)
+
+
 @click.group()
 def bench() -> None:
     """Benchmark suites: each prints a table and writes --json (and --plot where it plots)."""
@@ -37,20 +55,24 @@ def bench() -> None:
 @click.option("--contexts", default="1024,2048,4096", callback=_int_list, show_default=True,
               help="Context lengths in tokens.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100))
-@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True)
+@device_options
 @click.option("--threads", default=None, type=click.IntRange(1, 256), help="torch threads (default: torch's).")
-def ttft(json_path, plot_path, model_path, contexts, repeats, dtype, threads) -> None:  # type: ignore[no-untyped-def]
+def ttft(json_path, plot_path, model_path, contexts, repeats, device, dtype,  # type: ignore[no-untyped-def]
+         threads) -> None:
     """Receiver TTFT: full prefill vs full reuse vs partial prefill with k layers recomputed."""
     from shared.bench import ttft as suite
     from shared.model.adapter import load_model, random_model
 
     if threads:
         torch.set_num_threads(threads)
-    if model_path:
-        model = load_model(model_path, dtype=dtype)
-    else:
-        click.echo("no --model given: using a random-init 12-layer Llama (latency only, no quality)", err=True)
-        model = random_model("llama", dtype=dtype, name="random-llama-12L", **RANDOM_BENCH_MODEL)
+    try:
+        if model_path:
+            model = load_model(model_path, device=device, dtype=dtype)
+        else:
+            click.echo("no --model given: using a random-init 12-layer Llama (latency only, no quality)", err=True)
+            model = random_model("llama", device=device, dtype=dtype, name="random-llama-12L", **RANDOM_BENCH_MODEL)
+    except DroidMeshError as e:  # no such GPU, not a checkpoint: one line
+        raise click.UsageError(str(e)) from None
     rows = suite.measure(model, contexts, repeats)
     cols = ["context_tokens", "mode", "recomputed_layers", "total_layers", "ttft_s", "speedup", "ideal_speedup"]
     click.echo(report.format_table(rows, cols))
@@ -62,14 +84,13 @@ def ttft(json_path, plot_path, model_path, contexts, repeats, dtype, threads) ->
 
 def _demo_pair() -> tuple[str, str]:
     """(sender, receiver) checkpoint paths of the zoo's first demo pair (ci tier if absent)."""
-    from shared.cli.models import resolve, zoo_roots
-    from shared.zoo.build import read_manifest
+    from shared.models import resolve_model
+    from shared.zoo.manifest import find_tiers
 
-    for root in zoo_roots():
-        man = read_manifest(root)
-        if man is not None:
-            pair = man["pairs"][0]
-            return resolve(pair["sender"])[0], resolve(pair["receiver"])[0]
+    for tier, _dir, man in find_tiers():
+        pair = man["pairs"][0]
+        sender, receiver = (resolve_model(f"{tier}/{pair[role]}") for role in ("sender", "receiver"))
+        return str(sender.path), str(receiver.path)
     raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
 
 
@@ -87,12 +108,13 @@ def _save(json_path: str | None, suite: str, payload: dict) -> None:  # type: ig
 @click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
 @click.option("--group", default="0,6", callback=_group, show_default=True, help="Recompute group 'start,end'.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
-def pipeline(json_path, tokens, group, repeats) -> None:  # type: ignore[no-untyped-def]
+@_device_option
+def pipeline(json_path, tokens, group, repeats, device) -> None:  # type: ignore[no-untyped-def]
     """Fig. 13: load-all vs load-reused vs pipelined, over UCX between processes."""
     from shared.bench import runs
 
     sender, receiver = _demo_pair()
-    r = runs.pipeline(sender, receiver, tokens, group, repeats)
+    r = runs.pipeline(sender, receiver, tokens, group, repeats, device)
     rows = [{"mode": m, "seconds": s, "vs_piped": s / r["seconds"]["piped"]} for m, s in r["seconds"].items()]
     click.echo(report.format_table(rows, ["mode", "seconds", "vs_piped"]))
     click.echo(f"pipeline_overhead = TTFT(piped) / max(recompute, transfer) = {r['pipeline_overhead']:.3f}")
@@ -106,14 +128,15 @@ def pipeline(json_path, tokens, group, repeats) -> None:  # type: ignore[no-unty
 @click.option("--group", default="0,6", callback=_group, show_default=True)
 @click.option("--rates", default="500,1000,2000,5000,0", show_default=True, help="Mbit/s; 0 = unlimited.")
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 50))
-def bandwidth(json_path, plot_path, tokens, group, rates, repeats) -> None:  # type: ignore[no-untyped-def]
+@_device_option
+def bandwidth(json_path, plot_path, tokens, group, rates, repeats, device) -> None:  # type: ignore[no-untyped-def]
     """Fig. 20: sender and receiver in their own namespaces over a tc-limited veth link."""
     from shared.bench import runs
 
     sender, receiver = _demo_pair()
     rate_list = [float(r) or None for r in rates.split(",")]
     try:
-        rows = runs.bandwidth(sender, receiver, tokens, group, repeats, rate_list)
+        rows = runs.bandwidth(sender, receiver, tokens, group, repeats, rate_list, device)
     except RuntimeError as e:
         click.echo(str(e), err=True)
         _save(json_path, "bandwidth", {"skipped": str(e)})
@@ -181,13 +204,14 @@ def control(json_path, events) -> None:  # type: ignore[no-untyped-def]
 @click.option("--seconds", default=20.0, show_default=True, type=click.FloatRange(1, 3600))
 @click.option("--slo", default=1.0, show_default=True, type=click.FloatRange(0.001, 600), help="TTFT SLO (s).")
 @click.option("--copies", default="1,2", show_default=True, help="Receiver copies to try.")
-def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies) -> None:  # type: ignore[no-untyped-def]
+@_device_option
+def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, device) -> None:  # type: ignore[no-untyped-def]
     """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill."""
     from shared.bench import runs
 
     sender, receiver = _demo_pair()
     rows = runs.load(sender, receiver, group, tokens, [float(r) for r in rates.split(",")], seconds, slo,
-                     [int(c) for c in copies.split(",")])
+                     [int(c) for c in copies.split(",")], device)
     cols = ["receivers", "rate", "mode", "requests", "ttft_p50", "ttft_p99", "tbt_p50", "e2e_p50", "e2e_p99", "goodput"]
     click.echo(report.format_table(rows, cols))
     best = {m: max((r["goodput"] for r in rows if r["mode"] == m), default=0.0) for m in ("auto", "full_prefill")}
@@ -231,37 +255,41 @@ def _plot_load(rows: list[dict], path: str, slo: float) -> None:  # type: ignore
 @click.option("--rows", default=32, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
               help="A `droidmesh profile` JSON whose frontier to sweep (default: the zoo's, if saved).")
-def quality(json_path, plot_path, pair_index, rows, profile_path) -> None:  # type: ignore[no-untyped-def]
+@device_options
+def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype) -> None:  # type: ignore[no-untyped-def]
     """Fig. 14: TTFT vs quality for full prefill, full reuse, CacheBlend and DroidMesh groups."""
     import json
     from pathlib import Path
 
     from shared.bench import quality as suite
-    from shared.cli.models import resolve, zoo_roots
     from shared.model.adapter import load_model
-    from shared.profiling.evaluate import PairEvaluator
+    from shared.models import Pair, resolve_model
     from shared.profiling.profile import load_rows
-    from shared.zoo.build import read_manifest
-    from shared.zoo.suite import task_spec
+    from shared.tasks.scorer import PairScorer
+    from shared.tasks.spec import task_spec
+    from shared.zoo.manifest import find_tiers, profile_file
     from shared.zoo.tiers import get_recipe
 
-    root = next((r for r in zoo_roots() if read_manifest(r)), None)
-    if root is None:
+    tiers = find_tiers()
+    if not tiers:
         raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
-    man = read_manifest(root)
-    pair = man["pairs"][pair_index]  # type: ignore[index]
-    sender = load_model(resolve(pair["sender"])[0], name=pair["sender"])
-    receiver = load_model(resolve(pair["receiver"])[0], name=pair["receiver"])
-    shape = get_recipe(man["tier"]).suite  # type: ignore[index]
-    ev = PairEvaluator(sender, receiver, load_rows(pair["task"], "test", rows, shape=shape), task_spec(pair["task"]))
-    default_profile = root / "profiles" / f"{pair['sender']}__{pair['receiver']}.json"
-    prof = Path(profile_path) if profile_path else default_profile
+    tier, root, man = tiers[0]
+    pair = man["pairs"][pair_index]
+    names = Pair(pair["sender"], pair["receiver"])
+    try:
+        s_ref, r_ref = resolve_model(f"{tier}/{names.sender}"), resolve_model(f"{tier}/{names.receiver}")
+        sender = load_model(s_ref.path, device=device, dtype=dtype, name=s_ref.name)
+        receiver = load_model(r_ref.path, device=device, dtype=dtype, name=r_ref.name)
+    except DroidMeshError as e:  # no such GPU: one line
+        raise click.UsageError(str(e)) from None
+    shape = get_recipe(tier).suite
+    ev = PairScorer(sender, receiver, load_rows(pair["task"], "test", rows, shape=shape), task_spec(pair["task"]))
+    prof = Path(profile_path) if profile_path else profile_file(root, names)
     frontier = json.loads(prof.read_text())["frontier"] if prof.is_file() else None
     result = suite.measure(sender, receiver, ev, frontier)
     click.echo(report.format_table(result["rows"], ["config", "recomputed_layers", "quality", "ttft_s", "speedup",
                                                     "ttft_4k_s", "speedup_4k"]))
     click.echo(f"sender alone: {result['sender_alone']:.3f}; speedup_at_5pct (4K tokens): {result['speedup_at_5pct']}")
-    _save(json_path, "quality", {"pair": pair, "tier": man["tier"], "model": report.model_record(receiver),  # type: ignore[index]
-                                 **result})
+    _save(json_path, "quality", {"pair": pair, "tier": tier, "model": report.model_record(receiver), **result})
     if plot_path:
-        suite.plot(result, plot_path, f"{pair['sender']} -> {pair['receiver']} ({pair['task']})")
+        suite.plot(result, plot_path, f"{names.id} ({pair['task']})")

@@ -7,50 +7,52 @@ from pathlib import Path
 
 import click
 
+from shared.cli.models import MODEL_HELP, device_options, model_arg
+from shared.tasks.spec import METRIC_NAMES
+
 
 @click.command("eval")
-@click.option("--sender", required=True, help="Sender checkpoint path or zoo model name (e.g. demo/summ).")
-@click.option("--receiver", required=True, help="Receiver checkpoint path or zoo model name (e.g. demo/qa).")
+@click.option("--sender", required=True, callback=model_arg, help=f"Sender: {MODEL_HELP}.")
+@click.option("--receiver", required=True, callback=model_arg, help=f"Receiver: {MODEL_HELP}.")
 @click.option("--task", required=True, help="multihop_qa | summarization | code_completion (or a name for --data).")
 @click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
 @click.option("--data", "data_path", type=click.Path(exists=True, dir_okay=False),
               help="A LongBench-style JSONL dataset instead of the zoo's generated split.")
-@click.option("--metric", type=click.Choice(["f1", "rouge_l", "edit_sim"]), default=None,
+@click.option("--metric", type=click.Choice(METRIC_NAMES), default=None,
               help="Metric for a --data task the zoo does not know (default f1).")
 @click.option("--n", "n_rows", type=click.IntRange(1, 100000), default=None, help="Rows to evaluate (default: the tier's).")
 @click.option("--group-sizes", default=None, help="Comma-separated recompute-group sizes (default: all).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@device_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the eval JSON here.")
 @click.option("--predictions", is_flag=True, help="Include per-row predictions in the JSON.")
-def eval_cmd(sender: str, receiver: str, task: str, split: str, data_path: str | None, metric: str | None,
-             n_rows: int | None, group_sizes: str | None, dtype: str, json_path: str, predictions: bool) -> None:
+def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, metric: str | None,  # type: ignore[no-untyped-def]
+             n_rows: int | None, group_sizes: str | None, device: str, dtype: str | None, json_path: str,
+             predictions: bool) -> None:
     """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups."""
-    import dataclasses
-
+    from shared.errors import DroidMeshError
     from shared.model.adapter import load_model
-    from shared.zoo.evaluate import evaluate_pair
-    from shared.zoo.jsonl import read_jsonl
-    from shared.zoo.manifest import resolve_model
-    from shared.zoo.suite import SuiteShape, make_rows, task_spec
+    from shared.tasks.jsonl import read_jsonl
+    from shared.tasks.report import evaluate_pair
+    from shared.tasks.spec import task_spec
+    from shared.zoo.suite import SuiteShape, make_rows
     from shared.zoo.tiers import get_recipe
 
-    s_path, _ = resolve_model(sender)
-    r_path, tier = resolve_model(receiver)
-    spec = task_spec(task)
-    if metric is not None:
-        spec = dataclasses.replace(spec, metric=metric)
-    if data_path is not None:
-        rows = read_jsonl(data_path)
-    else:
-        recipe = get_recipe(tier) if tier else None
-        shape = recipe.suite if recipe else SuiteShape()
-        rows = make_rows(task, split, n_rows or (recipe.eval_rows if recipe else 48), shape)
-    rows = rows[:n_rows] if n_rows else rows
-    sizes = [int(s) for s in group_sizes.split(",")] if group_sizes else None
-    s_model = load_model(s_path, dtype=dtype)
-    r_model = load_model(r_path, dtype=dtype)
+    spec = task_spec(task, metric=metric)
+    try:
+        if data_path is not None:
+            rows = read_jsonl(data_path)
+        else:
+            recipe = get_recipe(receiver.tier) if receiver.tier else None
+            shape = recipe.suite if recipe else SuiteShape()
+            rows = make_rows(task, split, n_rows or (recipe.eval_rows if recipe else 48), shape)
+        rows = rows[:n_rows] if n_rows else rows
+        sizes = [int(s) for s in group_sizes.split(",")] if group_sizes else None
+        s_model = load_model(sender.path, device=device, dtype=dtype)
+        r_model = load_model(receiver.path, device=device, dtype=dtype)
+    except (DroidMeshError, ValueError) as e:  # a bad dataset, task, device or group size: one line
+        raise click.UsageError(str(e)) from None
     ev = evaluate_pair(s_model, r_model, rows, spec, group_sizes=sizes, keep_predictions=predictions)
-    ev.update({"sender": sender, "receiver": receiver, "split": split, "data": data_path or "zoo"})
+    ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo"})
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(ev, indent=2) + "\n")
     click.echo(format_table(ev))

@@ -1,32 +1,40 @@
-"""Resolve a model argument: a local checkpoint path, or the name of a built zoo model."""
+"""Model options shared by commands: which model (a zoo name or a checkpoint path, resolved by
+`shared.models.resolve_model`), on which device, in which dtype."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import click
 
-REPO_ZOO = Path(__file__).resolve().parents[2] / "zoo"
+from shared.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES, check_device_name
+from shared.errors import ConfigError, DroidMeshError
+from shared.models import ModelRef, resolve_model
+
+MODEL_HELP = "a zoo model as `droidmesh zoo list` names it (demo/base), or a local checkpoint directory"
 
 
-def zoo_roots() -> list[Path]:
-    """Where built tiers may live: the committed demo tier first, then the cache dirs."""
-    from shared.zoo.build import zoo_dir
+def model_arg(_ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> ModelRef | None:
+    """click callback: the option's value as a ModelRef; an unknown model is a usage error."""
+    if value is None:
+        return None
+    try:
+        return resolve_model(value)
+    except DroidMeshError as e:
+        raise click.BadParameter(str(e), param=param) from None
 
-    return [REPO_ZOO / "demo", zoo_dir("demo"), zoo_dir("ci")]
+
+def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return check_device_name(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param=param) from None
 
 
-def resolve(arg: str) -> tuple[str, str]:
-    """(checkpoint path, model id) for a path or a zoo model name."""
-    p = Path(arg).expanduser()
-    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
-        return str(p), p.name
-    for root in zoo_roots():
-        man = root / "manifest.json"
-        if man.is_file():
-            models = json.loads(man.read_text())["models"]
-            if arg in models:
-                return str(root / models[arg]["path"]), arg
-    raise click.BadParameter(f"{arg!r} is neither a local checkpoint nor a model of a built zoo tier "
-                             f"(looked in {', '.join(map(str, zoo_roots()))}); run `droidmesh zoo build`")
+def device_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """`--device` (env DM_DEVICE; cpu, cuda, cuda:N) and `--dtype` (default: the device's)."""
+    f = click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
+                     help="Model dtype (default: bfloat16 on cuda, float32 on cpu).")(f)
+    return click.option("--device", envvar=DEVICE_ENV, default=DEFAULT_DEVICE, show_default=True, callback=_device,
+                        help=f"cpu, cuda or cuda:N (env {DEVICE_ENV}).")(f)

@@ -8,17 +8,30 @@ from pathlib import Path
 
 import click
 
+from shared.cli.models import MODEL_HELP, device_options, model_arg
+from shared.tasks.spec import METRIC_NAMES
+
 
 @click.command()
-@click.option("--sender", required=True, help="Sender checkpoint path or zoo model name.")
-@click.option("--receiver", required=True, help="Receiver checkpoint path or zoo model name.")
-@click.option("--task", required=True, help="Zoo task (multihop_qa, summarization, code_completion) or a name.")
+@click.option("--sender", required=True, callback=model_arg, help=f"Sender: {MODEL_HELP}.")
+@click.option("--receiver", required=True, callback=model_arg, help=f"Receiver: {MODEL_HELP}.")
+@click.option("--task", required=True,
+              help="Zoo task (multihop_qa, summarization, code_completion), or a name for your --data.")
 @click.option("--json", "json_path", required=True, type=click.Path(dir_okay=False), help="Write the profile here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the frontier PNG here.")
-@click.option("--n-train", default=50, show_default=True, type=click.IntRange(1, 10000))
-@click.option("--n-test", default=50, show_default=True, type=click.IntRange(1, 10000))
-@click.option("--data-train", type=click.Path(exists=True, dir_okay=False), help="LongBench-style JSONL (train).")
-@click.option("--data-test", type=click.Path(exists=True, dir_okay=False), help="LongBench-style JSONL (test).")
+@click.option("--n-train", default=50, show_default=True, type=click.IntRange(1, 10000), help="Train rows (at most).")
+@click.option("--n-test", default=50, show_default=True, type=click.IntRange(1, 10000), help="Test rows (at most).")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False),
+              help="Your LongBench-style JSONL ({context, input, answers}), split in two: a fixed shuffle of "
+                   "its rows puts half in test, the rest in train (the same file always splits the same way).")
+@click.option("--data-train", type=click.Path(exists=True, dir_okay=False), help="JSONL train rows (with --data-test).")
+@click.option("--data-test", type=click.Path(exists=True, dir_okay=False), help="JSONL test rows (with --data-train).")
+@click.option("--metric", type=click.Choice(METRIC_NAMES), default=None,
+              help="Answer metric (default: the zoo task's; f1 for your own task).")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=None,
+              help="Answer length in tokens (default: the zoo task's; 16 for your own task).")
+@click.option("--stop", multiple=True,
+              help="Cut answers at this string (repeatable; default: the zoo task's; a newline for your own task).")
 @click.option("--granularity", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option("--tolerance", default=0.05, show_default=True, type=click.FloatRange(0, 1, max_open=True))
 @click.option("--exhaustive/--guided-only", default=True, show_default=True,
@@ -26,33 +39,34 @@ import click
 @click.option("--robustness/--no-robustness", default=True, show_default=True,
               help="Apply the chosen config to the test split of other tasks (DroidSpeak §5.4).")
 @click.option("--other-task", "other_tasks", multiple=True,
-              help="A task or shift (e.g. multihop_qa/long) to check robustness on (repeatable; "
-                   "default: the task's shifts and every other zoo task).")
+              help="A zoo task or shift (e.g. multihop_qa/long), or a JSONL file, to check robustness on "
+                   "(repeatable; default: for a zoo task, its shifts and every other zoo task).")
+@device_options
 @click.option("--publish", "nats_url", default=None, help="Also publish the config to this NATS server's bucket.")
-def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data_train, data_test, granularity,  # type: ignore[no-untyped-def]
-            tolerance, exhaustive, robustness, other_tasks, nats_url) -> None:
+def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data, data_train, data_test, metric,  # type: ignore[no-untyped-def]
+            max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, device, dtype,
+            nats_url) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config."""
-    from shared.cli.models import resolve
-    from shared.errors import BadRequestError
+    from shared.errors import DroidMeshError
+    from shared.models import Pair
     from shared.profiling.plot import frontier_png
     from shared.profiling.profile import ProfileSettings, profile_checkpoints
 
-    s_path, s_name = resolve(sender)
-    r_path, r_name = resolve(receiver)
     settings = ProfileSettings(granularity=granularity, tolerance=tolerance, exhaustive=exhaustive)
     try:
-        result, cfg = profile_checkpoints(s_path, r_path, task, settings, n_train=n_train, n_test=n_test,
-                                          data_train=data_train, data_test=data_test, sender_model=s_name,
-                                          receiver_model=r_name,
-                                          other_tasks=(list(other_tasks) or None) if robustness else [])
-    except BadRequestError as e:  # bad arguments (an unknown --other-task, ...): a usage error, not a traceback
-        raise click.UsageError(str(e)) from e
+        result, cfg = profile_checkpoints(sender, receiver, task, settings, n_train=n_train, n_test=n_test, data=data,
+                                          data_train=data_train, data_test=data_test, metric=metric,
+                                          max_new_tokens=max_new_tokens, stop=tuple(stop) or None, device=device,
+                                          dtype=dtype, other_tasks=(list(other_tasks) or None) if robustness else [])
+    except DroidMeshError as e:  # bad arguments (an unknown --other-task, a bad JSONL row, no GPU): one line
+        raise click.UsageError(str(e)) from None
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     if plot_path:
         frontier_png(result, plot_path, result["evaluated"])
+    pair = Pair(sender.name, receiver.name)
     ch, fp, fr = result["chosen"], result["full_prefill"], result["full_reuse"]
-    click.echo(f"{s_name} -> {r_name} on {task} ({result['total_layers']} layers)")
+    click.echo(f"{pair.id} on {task} ({result['total_layers']} layers)")
     click.echo(f"  full prefill  train {fp['quality_train']:.3f}  test {fp['quality_test']:.3f}")
     click.echo(f"  full reuse    train {fr['quality_train']:.3f}  test {fr['quality_test']:.3f}")
     click.echo(f"  chosen [{ch['start']},{ch['end']}) ({ch['recomputed_layers']} layers)  "
@@ -72,15 +86,14 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data_
                    + (f" ({r['relative']:+.1%})" if r["relative"] is not None else " (receiver scores 0 here)"))
     if nats_url:
         asyncio.run(_publish(nats_url, cfg))
-        click.echo(f"  published {cfg.sender_model}.{cfg.receiver_model}.v{cfg.profile_version}")
+        click.echo(f"  published {pair.versioned(cfg.profile_version)}")
 
 
 async def _publish(url: str, cfg) -> None:  # type: ignore[no-untyped-def]
     from shared.client import MeshClient
-    from shared.config_board import NatsConfigBoard
 
     client = await MeshClient.connect(url)
     try:
-        await NatsConfigBoard(client.bus.nc).put(cfg)  # type: ignore[attr-defined]
+        await client.bus.config_board().put(cfg)
     finally:
         await client.close()

@@ -8,6 +8,8 @@ import time
 
 import click
 
+from shared.tasks.spec import known_tasks
+
 TIERS = ("ci", "demo")
 
 
@@ -23,7 +25,8 @@ def zoo() -> None:
 @click.option("--force", is_flag=True, help="Rebuild even when the cached build matches the recipe.")
 def build(tier: str, out_dir: str | None, force: bool) -> None:
     """Train (or reuse) a tier: deterministic base + fine-tuned derivatives + a LoRA adapter."""
-    from shared.zoo.build import build_tier, zoo_dir
+    from shared.zoo.build import build_tier
+    from shared.zoo.manifest import zoo_dir
 
     t0 = time.time()
     man = build_tier(tier, out_dir, force=force, log=lambda s: click.echo(s, err=True))
@@ -49,18 +52,18 @@ def list_cmd(as_json: bool) -> None:
     for m in data["models"]:
         click.echo(f"{m['name']:12s} {m['kind']:5s} parent={m['parent'] or '-':10s} for={m['fine_tuned_for']:16s} {m['path']}")
     for p in data["pairs"]:
-        click.echo(f"pair {p['sender']} -> {p['receiver']} on {p['task']}")
+        click.echo(f"pair {p['id']:14s} {p['sender']} -> {p['receiver']} on {p['task']}")
 
 
 @zoo.command()
-@click.option("--task", type=click.Choice(["multihop_qa", "summarization", "code_completion"]), required=True)
+@click.option("--task", type=click.Choice(known_tasks()), required=True, help="A zoo task or one of its shifts.")
 @click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
 @click.option("--n", "n_rows", type=click.IntRange(1, 100000), default=100, show_default=True)
 @click.option("--tier", type=click.Choice(TIERS), default="demo", show_default=True, help="Context shape of this tier.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True)
 def data(task: str, split: str, n_rows: int, tier: str, out_path: str) -> None:
     """Write a task split as LongBench-style JSONL ({context, input, answers, ...})."""
-    from shared.zoo.jsonl import write_jsonl
+    from shared.tasks.jsonl import write_jsonl
     from shared.zoo.suite import make_rows
     from shared.zoo.tiers import get_recipe
 

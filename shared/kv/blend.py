@@ -26,11 +26,12 @@ def blend_context(
     """Fill every layer of `cache` with the blended KV of `context`; return the recomputed
     token positions [n]."""
     m, full = len(context), len(source.token_ids)
+    device = receiver.device
     # Layer 0, all tokens, receiver's own weights: exact KV for layer 0 and the ranking signal.
-    h = receiver.run_layers(receiver.embed(torch.tensor([context])), 0, 1, cache, past=0)  # [1, m, D]
+    h = receiver.run_layers(receiver.embed(receiver.token_tensor(context)), 0, 1, cache, past=0)  # [1, m, D]
     k0, v0 = hf_cache.layer_kv(cache, 0)  # [1, kvh, m, hd]
     sent = source.kv(0, deadline)
-    check_kv(sent, 0, receiver.kv_shape(full), receiver.dtype)
+    check_kv(sent, 0, receiver.kv_shape(full), receiver.dtype, device)
     dev = token_deviation(k0, v0, sent.k[:, :, :m], sent.v[:, :, :m])  # [m]
     n = math.ceil(ratio * m)
     picked = torch.sort(torch.topk(dev, n).indices).values  # [n] ascending positions
@@ -39,7 +40,7 @@ def blend_context(
     allowed = blend_visibility(picked, m)  # [1, 1, n, m + n]
     for layer in range(1, receiver.num_layers):
         block = source.kv(layer, deadline)
-        check_kv(block, layer, receiver.kv_shape(full), receiver.dtype)
+        check_kv(block, layer, receiver.kv_shape(full), receiver.dtype, device)
         k, v = block.k[:, :, :m], block.v[:, :, :m]  # [1, kvh, m, hd]
         hf_cache.set_layer_kv(cache, layer, k, v)
         if n:
@@ -53,21 +54,23 @@ def blend_context(
 
 
 def token_deviation(k_a: torch.Tensor, v_a: torch.Tensor, k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
-    """Squared L2 distance per token between two layers' K/V [1, kvh, T, hd] -> [T]."""
+    """Squared L2 distance per token between two layers' K/V [1, kvh, T, hd] -> [T] float32,
+    on the inputs' device."""
     dk = (k_a.float() - k_b.float()).pow(2).sum(dim=(0, 1, 3))  # [T]
     dv = (v_a.float() - v_b.float()).pow(2).sum(dim=(0, 1, 3))  # [T]
     return dk + dv
 
 
 def blend_visibility(picked: torch.Tensor, m: int) -> torch.Tensor:
-    """Visibility [1, 1, n, m + n] for recomputed tokens at positions `picked` [n].
+    """Visibility [1, 1, n, m + n] for recomputed tokens at positions `picked` [n], on `picked`'s
+    device (the mask meets the model's tensors there).
 
     Key columns 0..m-1 are the sender's KV at positions 0..m-1; columns m.. are the fresh KV of
     the picked tokens. Query i (position p_i) sees the sender's key j iff j <= p_i and j was not
     recomputed, and fresh key j' iff p_j' <= p_i: a causal view of the blended context.
     """
-    pos = torch.arange(m)
-    recomputed = torch.zeros(m, dtype=torch.bool)
+    pos = torch.arange(m, device=picked.device)  # [m]
+    recomputed = torch.zeros(m, dtype=torch.bool, device=picked.device)  # [m]
     recomputed[picked] = True
     sender_cols = (pos[None, :] <= picked[:, None]) & ~recomputed[None, :]  # [n, m]
     fresh_cols = picked[None, :] <= picked[:, None]  # [n, n]

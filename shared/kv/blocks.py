@@ -7,13 +7,13 @@ Shapes (batch is always 1 on the sharing path):
 
 from __future__ import annotations
 
-import array
 import dataclasses
 
 import torch
-import xxhash
 
+from shared.device import same_device
 from shared.errors import BadRequestError, CacheLayoutError
+from shared.hashing import common_prefix
 from shared.model.fingerprint import ArchFingerprint
 
 
@@ -65,28 +65,25 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def check_kv(block: KVBlock, layer: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Raise `CacheLayoutError` unless `block` is layer `layer`'s KV of `shape` and `dtype`."""
+def check_kv(
+    block: KVBlock, layer: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> None:
+    """Raise `CacheLayoutError` unless `block` is layer `layer`'s KV of `shape` and `dtype` on `device`."""
     if block.layer != layer:
         raise CacheLayoutError(f"expected KV of layer {layer}, got layer {block.layer}")
     for name, t in (("K", block.k), ("V", block.v)):
-        check_tensor(f"layer {layer} {name}", t, shape, dtype)
+        check_tensor(f"layer {layer} {name}", t, shape, dtype, device)
 
 
-def check_tensor(what: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def check_tensor(what: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """Raise `CacheLayoutError` unless `t` has `shape` and `dtype` and lives on `device` (a
+    delivered tensor is used as is: the engine never copies it across devices)."""
     if tuple(t.shape) != tuple(shape):
         raise CacheLayoutError(f"{what}: shape {tuple(t.shape)}, expected {tuple(shape)}")
     if t.dtype != dtype:
         raise CacheLayoutError(f"{what}: dtype {t.dtype}, expected {dtype}")
-
-
-def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
-    """Length of the longest common prefix of two token-id sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if not same_device(t.device, device):
+        raise CacheLayoutError(f"{what}: device {t.device}, expected {device}")
 
 
 def reusable_prefix(cached: tuple[int, ...] | list[int], prompt: list[int]) -> int:
@@ -95,9 +92,3 @@ def reusable_prefix(cached: tuple[int, ...] | list[int], prompt: list[int]) -> i
     if not prompt:
         raise BadRequestError("empty prompt")
     return min(common_prefix(cached, prompt), len(prompt) - 1)
-
-
-def context_id(token_ids: tuple[int, ...] | list[int]) -> str:
-    """Content address of a context: xxh3-128 of its token ids as little-endian uint32."""
-    arr = array.array("I", token_ids)
-    return xxhash.xxh3_128_hexdigest(arr.tobytes())

@@ -12,8 +12,10 @@ token prefix, leaving >= 1 token to compute):
      for layer l's KV only (reused layers: the sender's, checked and sliced to m tokens).
   3. greedy decoding continues from the suffix's last logits on the assembled cache.
 Step 1 needs no reused KV at all, so a transport that delivers E first overlaps the recompute
-with the KV transfer. Every delivered tensor is checked before use and the cache is private to
-the call: on any error nothing is half-applied, the caller falls back to full prefill.
+with the KV transfer. Every delivered tensor is checked before use (shape, dtype, and the
+receiver's device: the engine never copies across devices, and builds its own tensors there) and
+the cache is private to the call: on any error nothing is half-applied, the caller falls back to
+full prefill.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def prefill(
     stages: dict[str, float] = {}
     cache = receiver.new_cache()
     if plan.mode == "full_prefill":
-        h = receiver.run_layers(receiver.embed(torch.tensor([prompt])), 0, L, cache, past=0)
+        h = receiver.run_layers(receiver.embed(receiver.token_tensor(prompt)), 0, L, cache, past=0)
         stages["suffix_done"] = time.perf_counter() - t0
         return PrefillResult(cache, receiver.logits(h)[0], len(prompt), 0, plan, stages)
     if source is None:
@@ -88,12 +90,12 @@ def prefill(
     filled = _fill_context(receiver, prompt[:m], plan, source, cache, deadline, stages, t0)
 
     # Step 2: suffix through all layers; layer l waits only for layer l's KV.
-    h = receiver.embed(torch.tensor([prompt[m:]]))  # [1, S, D]
+    h = receiver.embed(receiver.token_tensor(prompt[m:]))  # [1, S, D]
     full = len(source.token_ids)
     for layer in range(L):
         if not filled[layer]:
             block = source.kv(layer, deadline)
-            check_kv(block, layer, receiver.kv_shape(full), receiver.dtype)
+            check_kv(block, layer, receiver.kv_shape(full), receiver.dtype, receiver.device)
             hf_cache.set_layer_kv(cache, layer, block.k[:, :, :m], block.v[:, :, :m])  # [1, kvh, m, hd]
             stages["kv_last_ready"] = time.perf_counter() - t0
         h = receiver.run_layers(h, layer, layer + 1, cache, past=m)
@@ -121,16 +123,16 @@ def _fill_context(
         stages["recompute_done"] = time.perf_counter() - t0
         return [True] * L
     if plan.mode == "swap":  # probe: the receiver's own context KV, then step 2 swaps the listed layers
-        receiver.run_layers(receiver.embed(torch.tensor([context])), 0, L, cache, past=0)  # [1, m, D] in
+        receiver.run_layers(receiver.embed(receiver.token_tensor(context)), 0, L, cache, past=0)  # [1, m, D] in
         swapped = set(plan.reused_layers(L))
         return [l not in swapped for l in range(L)]
     full = len(source.token_ids)
     for s, e in plan.groups:
         if s == 0:  # layer 0's input is the receiver's own embedding: exact and local
-            h = receiver.embed(torch.tensor([context]))  # [1, m, D]
+            h = receiver.embed(receiver.token_tensor(context))  # [1, m, D]
         else:
             e_s = source.e(s, deadline)
-            check_tensor(f"E of layer {s}", e_s, receiver.e_shape(full), receiver.dtype)
+            check_tensor(f"E of layer {s}", e_s, receiver.e_shape(full), receiver.dtype, receiver.device)
             h = e_s[:, :m]  # E_s [1, full, D] -> the m reused context tokens [1, m, D]
         stages.setdefault("recompute_start", time.perf_counter() - t0)
         receiver.run_layers(h, s, e, cache, past=0)
@@ -162,7 +164,7 @@ def generate(
     ttft = time.perf_counter() - t0
     tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers
     while len(tokens) < max_new_tokens and token != eos_token_id:
-        h = receiver.run_layers(receiver.embed(torch.tensor([[token]])), 0, L, pre.cache, past=past)  # [1, 1, D]
+        h = receiver.run_layers(receiver.embed(receiver.token_tensor([token])), 0, L, pre.cache, past=past)  # [1, 1, D]
         token = int(receiver.logits(h)[0, -1].argmax())
         tokens.append(token)
         past += 1

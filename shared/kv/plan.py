@@ -1,6 +1,6 @@
 """`ReusePlan`: which layers a receiver reuses from the sender and which it recomputes.
 
-Four modes behind one interface:
+Five modes behind one interface (the first four serve requests; `swap` only profiles):
   full_prefill  no reuse; the receiver computes every layer over the whole prompt
   full_reuse    every layer's KV from the sender; only the suffix is computed
   groups        recompute each half-open group [s, e) over the context starting from the
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, get_args
 
 from shared.errors import BadRequestError
 
 Mode = Literal["full_prefill", "full_reuse", "groups", "cacheblend", "swap"]
-MODES: tuple[str, ...] = ("full_prefill", "full_reuse", "groups", "cacheblend", "swap")
+MODES: tuple[Mode, ...] = get_args(Mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +117,3 @@ class ReusePlan:
 
     def to_dict(self) -> dict[str, object]:
         return {"mode": self.mode, "groups": [list(g) for g in self.groups], "ratio": self.ratio}
-
-    @staticmethod
-    def from_dict(d: dict[str, object]) -> ReusePlan:
-        groups = tuple((int(s), int(e)) for s, e in d.get("groups", ()))  # type: ignore[union-attr]
-        return ReusePlan(str(d["mode"]), groups=groups, ratio=float(d.get("ratio", 0.0)))  # type: ignore[arg-type]

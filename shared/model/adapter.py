@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +24,13 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from shared.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
 from shared.errors import BadRequestError, CheckpointNotFoundError, UnsupportedModelError
 from shared.model import hf_cache
 from shared.model.fingerprint import ArchFingerprint, fingerprint_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise BadRequestError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 @dataclasses.dataclass
@@ -95,6 +88,10 @@ class ModelAdapter:
 
     def new_cache(self) -> Any:
         return hf_cache.new_cache(self.model.config)
+
+    def token_tensor(self, ids: Sequence[int]) -> torch.Tensor:
+        """Token ids -> [1, T] int64 on the model's device (where `embed` reads them)."""
+        return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
 
     # -- the three calls -------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -170,22 +167,24 @@ def _has_sliding(cfg: Any) -> bool:
 def load_model(
     path: str | os.PathLike,
     *,
-    device: str = "cpu",
-    dtype: str | torch.dtype = "float32",
+    device: str = DEFAULT_DEVICE,
+    dtype: str | torch.dtype | None = None,
     attn_implementation: str = "sdpa",
     name: str | None = None,
 ) -> ModelAdapter:
-    """Load a local HF checkpoint (config + weights [+ tokenizer]); never touches the hub.
+    """Load a local HF checkpoint (config + weights [+ tokenizer]) onto `device`; never touches
+    the hub. `dtype` None follows the device (see `shared.device`).
 
     A directory holding `adapter_config.json` is a PEFT LoRA adapter: its base is loaded and the
     adapter merged, so the result is an ordinary model with the adapter's weights.
     """
+    dev = resolve_device(device)  # first: a missing GPU is a ConfigError before any file is read
     p = Path(path).expanduser()
     if not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
         raise CheckpointNotFoundError(f"no local checkpoint at {p} (expected config.json); DroidMesh never downloads")
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise UnsupportedModelError(f"attention implementation {attn_implementation!r}; use {ATTN_IMPLEMENTATIONS}")
-    kw = dict(dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, local_files_only=True)
+    kw = dict(dtype=resolve_dtype(dtype, dev), attn_implementation=attn_implementation, local_files_only=True)
     if (p / "adapter_config.json").is_file():
         model = _load_lora(p, kw)
     else:
@@ -194,7 +193,10 @@ def load_model(
             raise UnsupportedModelError(f"{p}: model_type {model_type!r} not in {SUPPORTED_MODEL_TYPES}")
         model = AutoModelForCausalLM.from_pretrained(p, **kw)
     tok = _load_tokenizer(p)
-    return ModelAdapter(model=model.to(device), tokenizer=tok, name=name or p.name)
+    # Weights are read (and a LoRA merged) on the CPU, then moved once: the engine's tensors are
+    # all born on `model.device` from here on.
+    moved = model.to(dev)  # type: ignore[arg-type]  # transformers' stub wraps Module.to, mypy misreads it
+    return ModelAdapter(model=moved, tokenizer=tok, name=name or p.name)
 
 
 def _load_lora(p: Path, kw: dict[str, Any]) -> PreTrainedModel:
@@ -227,16 +229,21 @@ def random_model(
     model_type: str = "llama",
     *,
     seed: int = 0,
-    dtype: str | torch.dtype = "float32",
+    device: str = DEFAULT_DEVICE,
+    dtype: str | torch.dtype | None = None,
     attn_implementation: str = "sdpa",
     name: str | None = None,
     **config: Any,
 ) -> ModelAdapter:
-    """A random-init model of the given family (tests, benchmarks before the zoo exists)."""
+    """A random-init model of the given family (tests, benchmarks before the zoo exists).
+
+    Initialised on the CPU from `seed`, then moved: one seed gives the same weights on every device.
+    """
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type {model_type!r} not in {SUPPORTED_MODEL_TYPES}")
+    dev = resolve_device(device)
     cfg = transformers.AutoConfig.for_model(model_type, **config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
-    model = model.to(resolve_dtype(dtype))
+    model = model.to(device=dev, dtype=resolve_dtype(dtype, dev))
     return ModelAdapter(model=model, tokenizer=None, name=name or f"random-{model_type}-{seed}")

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from shared.errors import UnsupportedModelError
 
 
 def new_cache(config: Any) -> DynamicCache:
@@ -20,15 +23,10 @@ def new_cache(config: Any) -> DynamicCache:
 
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `layer`'s (K, V), each [B, kv_heads, T, head_dim]; raises KeyError if never filled."""
-    entry = cache.layers[layer]
-    if not entry.is_initialized or entry.keys is None or entry.keys.numel() == 0:
+    entry = _entry(cache, layer)
+    if not entry.is_initialized or entry.keys is None or entry.values is None or entry.keys.numel() == 0:
         raise KeyError(layer)
     return entry.keys, entry.values
-
-
-def has_layer(cache: DynamicCache, layer: int) -> bool:
-    entry = cache.layers[layer]
-    return bool(entry.is_initialized and entry.keys is not None and entry.keys.numel() > 0)
 
 
 def set_layer_kv(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -37,7 +35,7 @@ def set_layer_kv(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tens
     `update` on an empty layer concatenates onto an empty tensor, i.e. it copies: the caller's
     tensors (e.g. a transport's receive buffer) stay untouched and may be reused.
     """
-    entry = cache.layers[layer]
+    entry = _entry(cache, layer)
     if entry.is_initialized:
         entry.reset()
     cache.update(k, v, layer)
@@ -45,8 +43,13 @@ def set_layer_kv(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tens
 
 def seq_length(cache: DynamicCache, layer: int = 0) -> int:
     """Tokens held by `layer` (0 when empty)."""
-    return cache.layers[layer].get_seq_length()
+    return _entry(cache, layer).get_seq_length()
 
 
-def num_layers(cache: DynamicCache) -> int:
-    return len(cache.layers)
+def _entry(cache: DynamicCache, layer: int) -> DynamicLayer:
+    """Layer `layer` of the cache: a (full or sliding-window) attention layer holding K/V; the
+    linear-attention layers of other families hold no K/V to reuse."""
+    entry = cache.layers[layer]
+    if not isinstance(entry, DynamicLayer):
+        raise UnsupportedModelError(f"cache layer {layer} is a {type(entry).__name__}, not an attention layer's K/V")
+    return entry

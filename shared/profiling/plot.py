@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.models import Pair
+
 
 def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, Any]] | None = None) -> None:
     import matplotlib
@@ -40,7 +42,7 @@ def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, A
     ax.set_xlabel("recomputed layers")
     ax.set_ylabel(f"quality ({result.get('task') or 'train split'})")
     ax.set_xlim(-0.3, result["total_layers"] + 0.3)
-    ax.set_title(f"{result.get('sender', '')} -> {result.get('receiver', '')}: recompute profile")
+    ax.set_title(f"{Pair(result.get('sender', ''), result.get('receiver', '')).id}: recompute profile")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

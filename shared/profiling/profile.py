@@ -2,25 +2,29 @@
 
 Input: two quality oracles over the same pair (the task's train split, where the choice is
 made, and its test split, where it is checked), optionally more oracles for other data (shifted
-suites, other tasks: the chosen config is applied to them unchanged, DroidSpeak §5.4), plus the
-receiver for the latency fit. Output: the profile JSON (schema in `run`'s docstring) and a
-`RecomputeConfig`.
+suites, other tasks, a user's other files: the chosen config is applied to them unchanged,
+DroidSpeak §5.4), plus the receiver for the latency fit. Output: the profile JSON (schema in
+`run`'s docstring); `recompute_config` turns it into the published `RecomputeConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from tqdm import tqdm
 
+from shared.device import DEFAULT_DEVICE
 from shared.errors import BadRequestError
 from shared.kv.plan import ReusePlan
+from shared.models import ModelRef, Pair
 from shared.profiling import latency, search
-from shared.profiling.search import Evaluate, Memo, Point
+from shared.profiling.search import Evaluate, Memo
 from shared.wire import schemas
 
 
@@ -44,17 +48,18 @@ def _progress(evaluate: Evaluate, bar: tqdm) -> Evaluate:
 
 
 def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSettings, *,
-        receiver: Any = None, sender_model: str = "", receiver_model: str = "", task: str = "",
-        version: int | None = None, others: Mapping[str, Evaluate] | None = None,
-        ) -> tuple[dict[str, Any], schemas.RecomputeConfig]:
-    """Profile a pair. JSON keys: total_layers, full_prefill / full_reuse / chosen (with
-    quality_train, quality_test), sensitivity, critical_layers, frontier, evaluations
-    {exhaustive, guided}, searches_agree, scattered_critical and chosen_split (train/test),
-    robustness (the chosen config on the test split and on each of `others`' tasks), latency_fit."""
+        receiver: Any = None, pair: Pair | None = None, others: Mapping[str, Evaluate] | None = None,
+        ) -> dict[str, Any]:
+    """Profile a pair. JSON keys: sender, receiver, task, total_layers, full_prefill /
+    full_reuse / chosen (with quality_train, quality_test), sensitivity, critical_layers,
+    frontier, evaluations {exhaustive, guided}, searches_agree, scattered_critical and
+    chosen_split (train/test), robustness (the chosen config on the test split and on each of
+    `others`' data), latency_fit (when `receiver` is given)."""
+    pair = pair or Pair("", "")
     L, g = num_layers, settings.granularity
     cuts = len(search.grid(L, g))
     budget = 2 + L + (cuts - 1) + ((cuts - 1) * cuts // 2 if settings.exhaustive else 0)
-    bar = tqdm(total=budget, desc=f"profile {sender_model}->{receiver_model}", unit="config")
+    bar = tqdm(total=budget, desc=f"profile {pair.id}", unit="config")
     memo = Memo(train)
     ev = _progress(memo, bar)
     full_prefill = ev(ReusePlan.full_prefill())
@@ -75,7 +80,7 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
     split = search.split(chosen.start, chosen.end)
     test_memo = Memo(test)
     result: dict[str, Any] = {
-        "sender": sender_model, "receiver": receiver_model, "task": task, "total_layers": L,
+        "sender": pair.sender, "receiver": pair.receiver, "task": pair.task, "total_layers": L,
         "granularity": g, "tolerance": settings.tolerance,
         "full_prefill": {"quality_train": full_prefill, "quality_test": test_memo(ReusePlan.full_prefill())},
         "full_reuse": {"quality_train": full_reuse, "quality_test": test_memo(ReusePlan.full_reuse())},
@@ -103,19 +108,32 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         },
     }
     result["robustness"] = robustness(result, chosen.plan(), test, dict(others or {}))
-    fit = None
     if receiver is not None:
         ks = sorted({0, max(1, L // 4), L // 2, L})
-        fit = latency.fit(latency.measure(receiver, settings.latency_tokens, ks), receiver)
-        result["latency_fit"] = msgspec.structs.asdict(fit)
-    cfg = schemas.RecomputeConfig(
-        sender_model=sender_model, receiver_model=receiver_model,
-        profile_version=version if version is not None else int(time.time()), task=task,
-        tolerance=settings.tolerance, chosen=_fp(chosen), frontier=[_fp(p) for p in front],
-        full_prefill_quality=full_prefill, full_reuse_quality=full_reuse, total_layers=L, latency=fit,
-        created_at=time.time(),
+        result["latency_fit"] = msgspec.structs.asdict(latency.fit(latency.measure(receiver, settings.latency_tokens, ks),
+                                                                   receiver))
+    return result
+
+
+def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRef, version: int
+                     ) -> schemas.RecomputeConfig:
+    """The published config of a profile result (`run`'s JSON, fresh or read back from a file):
+    the one place a profile becomes a `RecomputeConfig`."""
+
+    def point(p: dict[str, Any], quality: str = "quality") -> schemas.FrontierPoint:
+        groups = [(p["start"], p["end"])] if p["end"] > p["start"] else []
+        return schemas.FrontierPoint(plan=schemas.PlanSpec(groups=groups), recomputed_layers=p["end"] - p["start"],
+                                     quality=p[quality])
+
+    fit = result.get("latency_fit")
+    return schemas.RecomputeConfig(
+        sender_model=sender.name, receiver_model=receiver.name, sender_sha256=sender.sha256,
+        receiver_sha256=receiver.sha256, profile_version=version, task=result["task"],
+        tolerance=result["tolerance"], chosen=point(result["chosen"], "quality_train"),
+        frontier=[point(p) for p in result["frontier"]], full_prefill_quality=result["full_prefill"]["quality_train"],
+        full_reuse_quality=result["full_reuse"]["quality_train"], total_layers=result["total_layers"],
+        latency=schemas.LatencyFit(**fit) if fit else None, created_at=time.time(),
     )
-    return result, cfg
 
 
 def robustness(result: dict[str, Any], plan: ReusePlan, test: Evaluate,
@@ -135,49 +153,83 @@ def robustness(result: dict[str, Any], plan: ReusePlan, test: Evaluate,
             for t, ev, fp, fr, q in rows]
 
 
-def _fp(p: Point) -> schemas.FrontierPoint:
-    return schemas.FrontierPoint(start=p.start, end=p.end, recomputed_layers=p.layers, quality=p.quality)
+def split_rows(rows: list[dict[str, Any]], split: str, test_fraction: float = 0.5) -> list[dict[str, Any]]:
+    """One dataset as train and test: a fixed shuffle of the row indices (seeded by the row
+    count, so a file always splits the same way) puts `test_fraction` of them (at least one,
+    never all) in test; each split keeps the file's order."""
+    if len(rows) < 2:
+        raise BadRequestError(f"--data needs at least 2 rows to split into train and test, got {len(rows)}")
+    order = list(range(len(rows)))
+    random.Random(f"droidmesh-split/{len(rows)}").shuffle(order)
+    n_test = min(len(rows) - 1, max(1, round(test_fraction * len(rows))))
+    test = set(order[:n_test])
+    return [r for i, r in enumerate(rows) if (i in test) == (split == "test")]
 
 
-def load_rows(task: str, split: str, n: int, data: str | None = None, shape: Any = None) -> list[dict[str, Any]]:
-    """`n` rows of a user JSONL file (`data`), or of the zoo's generated `task` split."""
-    from shared.zoo.jsonl import read_jsonl
+def load_rows(task: str, split: str, n: int, data: str | None = None, shape: Any = None, *,
+              split_data: bool = False) -> list[dict[str, Any]]:
+    """The first `n` rows (all when `n` is 0) of a user JSONL file (`data`; with `split_data`,
+    its `split` half, see `split_rows`), or of the zoo's generated `task` split."""
+    from shared.tasks.jsonl import read_jsonl
     from shared.zoo.suite import SuiteShape, make_rows
 
     if data:
         rows = read_jsonl(data)
+        rows = split_rows(rows, split) if split_data else rows
         return rows[:n] if n else rows
     return make_rows(task, split, n, shape or SuiteShape())
 
 
-def profile_checkpoints(sender_path: str, receiver_path: str, task: str, settings: ProfileSettings, *,
-                        n_train: int = 50, n_test: int = 50, data_train: str | None = None,
-                        data_test: str | None = None, sender_model: str = "", receiver_model: str = "",
-                        version: int | None = None, dtype: str = "float32", other_tasks: Sequence[str] | None = None,
+def is_jsonl_path(name: str) -> bool:
+    """A robustness data set given as a file rather than as a zoo task name."""
+    return name.endswith(".jsonl") or Path(name).is_file()
+
+
+def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, settings: ProfileSettings, *,
+                        n_train: int = 50, n_test: int = 50, data: str | None = None,
+                        data_train: str | None = None, data_test: str | None = None, metric: str | None = None,
+                        max_new_tokens: int | None = None, stop: tuple[str, ...] | None = None,
+                        version: int | None = None, device: str = DEFAULT_DEVICE, dtype: str | None = None,
+                        other_tasks: Sequence[str] | None = None,
                         ) -> tuple[dict[str, Any], schemas.RecomputeConfig]:
-    """Load both checkpoints, score plans on the train split, check on the test split and on
-    `other_tasks`' test splits (None, when profiling a zoo task's own splits: the task's shifts,
-    e.g. longer contexts, then every other zoo task)."""
+    """Load both checkpoints on `device`, score plans on the train split, check on the test split
+    and on `other_tasks` (zoo tasks / shifts, or JSONL files). Rows: the zoo's generated `task`,
+    or a user's JSONL (`data`, split in two; or `data_train` and `data_test`), scored with the
+    task's spec as `metric` / `max_new_tokens` / `stop` override it. `other_tasks` None: the
+    task's shifts and every other zoo task when profiling a zoo task's own rows, else none."""
     from shared.model.adapter import load_model
     from shared.model.fingerprint import require_compatible
-    from shared.profiling.evaluate import PairEvaluator
-    from shared.zoo.suite import TASKS, known_tasks, shifts_of, task_spec
+    from shared.tasks.scorer import PairScorer
+    from shared.tasks.spec import TASKS, known_tasks, shifts_of, task_spec
 
+    if data and (data_train or data_test):
+        raise BadRequestError("give either --data (one file, split in two) or --data-train / --data-test")
+    user_data = bool(data or data_train or data_test)
     if other_tasks is None:
-        zoo = task in TASKS and not (data_train or data_test)
-        other_tasks = [*shifts_of(task), *(t for t in TASKS if t != task)] if zoo else []
+        other_tasks = [*shifts_of(task), *(t for t in TASKS if t != task)] if task in TASKS and not user_data else []
     other_tasks = [t for t in other_tasks if t != task]
-    unknown = [t for t in other_tasks if t not in known_tasks()]
+    unknown = [t for t in other_tasks if t not in known_tasks() and not is_jsonl_path(t)]
     if unknown:
-        raise BadRequestError(f"robustness tasks {unknown} are not zoo tasks; known: {known_tasks()}")
-    sender = load_model(sender_path, dtype=dtype, name=sender_model or None)
-    receiver = load_model(receiver_path, dtype=dtype, name=receiver_model or None)
-    require_compatible(sender.fingerprint, receiver.fingerprint)
-    spec = task_spec(task)
-    train = PairEvaluator(sender, receiver, load_rows(task, "train", n_train, data_train), spec)
-    test = PairEvaluator(sender, receiver, load_rows(task, "test", n_test, data_test), spec)
-    others = {t: PairEvaluator(sender, receiver, load_rows(t, "test", n_test), task_spec(t)) for t in other_tasks}
-    result, cfg = run(train, test, receiver.num_layers, settings, receiver=receiver, sender_model=sender.name,
-                      receiver_model=receiver.name, task=task, version=version, others=others)
+        raise BadRequestError(f"robustness tasks {unknown} are neither zoo tasks ({known_tasks()}) nor JSONL files")
+    missing = [t for t in other_tasks if t not in known_tasks() and not Path(t).is_file()]
+    if missing:
+        raise BadRequestError(f"robustness data {missing}: no such file")
+    overrides: dict[str, Any] = {"metric": metric, "max_new_tokens": max_new_tokens, "stop": stop}
+    spec = task_spec(task, **overrides)
+    pair = Pair(sender.name, receiver.name, task)
+    s_model = load_model(sender.path, device=device, dtype=dtype, name=sender.name)
+    r_model = load_model(receiver.path, device=device, dtype=dtype, name=receiver.name)
+    require_compatible(s_model.fingerprint, r_model.fingerprint)
+    train = PairScorer(s_model, r_model, load_rows(task, "train", n_train, data or data_train, split_data=bool(data)),
+                       spec)
+    test = PairScorer(s_model, r_model, load_rows(task, "test", n_test, data or data_test, split_data=bool(data)), spec)
+    others = {}
+    for t in other_tasks:
+        if t in known_tasks():
+            others[t] = PairScorer(s_model, r_model, load_rows(t, "test", n_test), task_spec(t))
+        else:  # a user's file: scored like the profiled data
+            others[t] = PairScorer(s_model, r_model, load_rows(t, "test", n_test, t), task_spec(Path(t).stem, **overrides))
+    result = run(train, test, r_model.num_layers, settings, receiver=r_model, pair=pair, others=others)
     result["sender_alone"] = {"quality_train": train.sender_alone(), "quality_test": test.sender_alone()}
+    cfg = recompute_config(result, sender, receiver, version if version is not None else int(time.time()))
     return result, cfg

@@ -1,67 +1,74 @@
-"""UCX bulk channel (ucxx): senders serve per-layer tensors, receivers pull them peer-to-peer.
+"""The UCX bulk channel (ucxx): one `BulkServer` / `BulkClient` pair over real endpoints.
 
-Control plane vs data plane, in order:
-  1. (NATS) the sender publishes `CacheAvailable`: context id, fingerprint, dtype, per-layer
-     byte sizes, E layers, and its UCX listener's host:port.
-  2. (NATS) a receiver finds that holder through the broker and decides which items it needs.
-  3. (UCX)  the receiver connects (one cached endpoint per sender) and sends one `PullRequest`
-     listing the items in the order it wants them: the transition layers' E first, then the
-     reused KV layers.
-  4. (UCX)  the sender answers with one `PullResponse` carrying every item's `TensorHeader`
-     (shape, dtype, nbytes, xxh3 checksum), then posts every tensor's bytes at once, in order,
-     straight from its store (no staging copy, no per-item round trip).
-  5. the receiver checks each header against the announced layout, allocates its own buffer
-     per item, posts every receive at once (UCX matches same-tag messages in order), and as
-     each lands verifies its checksum and hands it to the engine, so recompute starts on E
-     while the KV layers are still streaming.
-Roles: `BulkServer` (sender; `start` / `close`), `BulkClient` (receiver; `pull` / `warm` / `close`).
-Both run on the service's event loop; `pull` awaits the network, never blocks the loop.
+The protocol and its checks are `shared/transport/bulk.py`'s; this module only moves bytes:
+the request and response as UCX object messages, then every payload as one tagged message,
+all posted at once in order (UCX matches same-tag messages in order), so the wire stays busy and
+there is no per-item round trip. The client keeps one endpoint per sender address and runs one
+pull at a time on it; any error drops the endpoint, which is never reused half-read.
+
+ucxx is imported on first use, and UCX is configured through `ucxx.init` options, never by
+changing the process environment: listeners need tcp (sm alone cannot connect through a
+listener). `UCX_*` variables set by an operator still win.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 import torch
 
-from shared.errors import DroidMeshError, IntegrityError, TransferError
-from shared.transport.tensors import as_bytes, header_for, tensor_from
+from shared.errors import DroidMeshError, TransferError
+from shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, landings
 from shared.wire import schemas
-from shared.wire.schemas import PullItem, PullRequest
-
-# Listeners need tcp (sm alone cannot connect through a listener); must be set before import.
-os.environ.setdefault("UCX_TLS", "tcp,sm,self")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-import ucxx  # noqa: E402
+from shared.wire.schemas import PullRequest, Transport
 
 log = structlog.get_logger("ucx")
-
-# (context_id, layer, kind) -> the stored tensor, or None when the sender does not hold it.
-TensorLookup = Callable[[str, int, str], "torch.Tensor | None"]
-# Called on the event loop as each tensor lands, in request order.
-OnTensor = Callable[[PullItem, torch.Tensor], None]
+UCX_OPTIONS = {"TLS": "tcp,sm,self", "WARN_UNUSED_ENV_VARS": "n"}
+_ucxx: Any = None
 
 
-class BulkServer:
-    """Serves `PullRequest`s from a tensor lookup (the sender's store)."""
+def ucxx() -> Any:
+    """The ucxx module, initialised once with DroidMesh's UCX options."""
+    global _ucxx
+    if _ucxx is None:
+        import ucxx as module
 
-    def __init__(self, lookup: TensorLookup, authorize: Callable[[PullRequest], None] | None = None):
-        self._lookup = lookup
-        self._authorize = authorize
+        module.init(options=UCX_OPTIONS, env_takes_precedence=True)
+        _ucxx = module
+    return _ucxx
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """"host:port" -> (host, port); `TransferError` for anything else."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TransferError(f"bad ucx address {address!r}; expected host:port")
+    return host, int(port)
+
+
+class UcxBulkServer:
+    """Serves `PullRequest`s from a tensor lookup (the sender's store) on a UCX listener."""
+
+    transport: Transport = "ucx"
+
+    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, host: str, port: int = 0):
+        self._lookup, self._authorize = lookup, authorize
+        self._host, self._port = host, port
         self._listener: Any = None
         self._conns: set[asyncio.Task] = set()
 
-    def start(self, port: int = 0) -> int:
-        """Listen on `port` (0: an ephemeral one, announced to receivers); return the port."""
-        self._listener = ucxx.create_listener(self._serve_endpoint, port=port)
-        return self._listener.port
+    async def start(self) -> str:
+        """Listen on the configured port (0: an ephemeral one); return "host:port"."""
+        self._listener = ucxx().create_listener(self._serve_endpoint, port=self._port)
+        return f"{self._host}:{self._listener.port}"
 
     async def _serve_endpoint(self, ep: Any) -> None:
-        self._conns.add(asyncio.current_task())  # type: ignore[arg-type]
+        task = asyncio.current_task()
+        assert task is not None  # a listener callback always runs as a task
+        self._conns.add(task)
         try:
             while True:
                 try:
@@ -70,29 +77,19 @@ class BulkServer:
                     return
                 await self._serve_request(ep, data)
         finally:
-            self._conns.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._conns.discard(task)
             if not ep.closed:
                 ep.abort()
 
     async def _serve_request(self, ep: Any, data: bytes) -> None:
         try:
-            req = schemas.decode(data, PullRequest)
-            if self._authorize is not None:
-                self._authorize(req)
-            tensors = []
-            for item in req.items:
-                t = self._lookup(req.context_id, item.layer, item.kind)
-                if t is None:
-                    raise TransferError(f"sender does not hold {req.context_id} layer {item.layer} {item.kind}")
-                tensors.append(t)
+            request = schemas.decode(data, PullRequest)
         except DroidMeshError as e:
-            log.warning("pull_refused", code=e.code, error=str(e))
             await ep.send_obj(schemas.encode(schemas.PullResponse(headers=[], error=f"{e.code}: {e}")))
             return
-        headers = [header_for(req.context_id, it.layer, it.kind, t) for it, t in zip(req.items, tensors)]
-        await ep.send_obj(schemas.encode(schemas.PullResponse(headers=headers)))
-        # All sends posted together: the wire stays busy, and UCX keeps them in order.
-        await asyncio.gather(*(ep.send(as_bytes(t)) for t in tensors))
+        response, payloads = answer(request, self._lookup, self._authorize)
+        await ep.send_obj(schemas.encode(response))
+        await asyncio.gather(*(ep.send(p.numpy()) for p in payloads))
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -102,90 +99,68 @@ class BulkServer:
         await asyncio.gather(*self._conns, return_exceptions=True)
 
 
-class BulkClient:
-    """Pulls tensors from senders over cached endpoints (one per sender, one pull at a time)."""
+class UcxBulkClient:
+    """Pulls over cached endpoints (one per sender address, one pull at a time each)."""
+
+    transport: Transport = "ucx"
 
     def __init__(self) -> None:
-        self._eps: dict[tuple[str, int], Any] = {}
-        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._eps: dict[str, Any] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
 
-    async def pull(
-        self,
-        host: str,
-        port: int,
-        request: PullRequest,
-        expected: Callable[[PullItem], tuple[list[int], torch.dtype]],
-        on_tensor: OnTensor,
-        timeout_s: float,
-    ) -> int:
-        """Pull `request`'s items in order into freshly allocated buffers; return bytes pulled.
+    async def pull(self, address: str, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem,
+                   timeout_s: float) -> int:
+        """Pull `request`'s items into `into`; return the payload bytes received.
 
         Raises `TransferError` (peer gone, refused, deadline) or `IntegrityError` (header or
-        checksum mismatch). On any error the endpoint is dropped, never reused half-read.
-        """
-        key = (host, port)
-        lock = self._locks.setdefault(key, asyncio.Lock())
+        checksum mismatch). On any error the endpoint is dropped, never reused half-read."""
+        lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
             try:
                 async with asyncio.timeout(timeout_s):
-                    ep = await self._endpoint(key)
-                    return await self._pull_on(ep, request, expected, on_tensor)
+                    ep = await self._endpoint(address)
+                    return await self._pull_on(ep, request, into, on_item)
             except (DroidMeshError, asyncio.CancelledError):
-                await self._drop(key)  # a half-read endpoint is never reused
+                await self._drop(address)
                 raise
             except TimeoutError:
-                await self._drop(key)
-                raise TransferError(f"pull from {host}:{port} exceeded {timeout_s:.3g}s") from None
+                await self._drop(address)
+                raise TransferError(f"pull from {address} exceeded {timeout_s:.3g}s") from None
             except Exception as e:
-                await self._drop(key)
-                raise TransferError(f"pull from {host}:{port} failed: {type(e).__name__}: {e}") from e
+                await self._drop(address)
+                raise TransferError(f"pull from {address} failed: {type(e).__name__}: {e}") from e
 
-    async def _pull_on(self, ep: Any, request: PullRequest, expected: Any, on_tensor: OnTensor) -> int:
+    async def _pull_on(self, ep: Any, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem) -> int:
         await ep.send_obj(schemas.encode(request))
         response = schemas.decode(bytes(await ep.recv_obj()), schemas.PullResponse)
-        if response.error:
-            raise TransferError(f"sender refused the pull: {response.error}")
-        if len(response.headers) != len(request.items):
-            raise IntegrityError(f"{len(response.headers)} headers for {len(request.items)} items")
-        buffers = []
-        for item, header in zip(request.items, response.headers):
-            shape, dtype = expected(item)
-            want = (request.context_id, item.layer, item.kind, list(shape), str(dtype).removeprefix("torch."))
-            got = (header.context_id, header.layer, header.kind, header.shape, header.dtype)
-            if got != want:
-                raise IntegrityError(f"header {got} does not match the announced layout {want}")
-            nbytes = torch.empty(shape, dtype=dtype, device="meta").numel() * dtype.itemsize
-            if header.nbytes != nbytes:
-                raise IntegrityError(f"layer {item.layer} {item.kind}: {header.nbytes} bytes for shape {shape}")
-            buffers.append(torch.empty(nbytes, dtype=torch.uint8))  # our own buffer, sized by the layout
-        receives = [asyncio.ensure_future(ep.recv(buf.numpy())) for buf in buffers]
+        lands = landings(request, response, into)
+        receives = [asyncio.ensure_future(ep.recv(land.recv.numpy())) for land in lands]
         try:
-            for item, header, buf, recv in zip(request.items, response.headers, buffers, receives):
+            for land, recv in zip(lands, receives):
                 await recv  # in order: E first, so the engine can start while the rest streams
-                on_tensor(item, tensor_from(buf, header))
+                on_item(land.item, land.land())
         finally:
             for recv in receives:
                 recv.cancel()
-        return sum(h.nbytes for h in response.headers)
+        return sum(land.header.nbytes for land in lands)
 
-    async def _endpoint(self, key: tuple[str, int]) -> Any:
-        ep = self._eps.get(key)
+    async def _endpoint(self, address: str) -> Any:
+        ep = self._eps.get(address)
         if ep is None or ep.closed:
-            ep = await ucxx.create_endpoint(*key)
-            self._eps[key] = ep
+            ep = await ucxx().create_endpoint(*parse_address(address))
+            self._eps[address] = ep
         return ep
 
-    async def _drop(self, key: tuple[str, int]) -> None:
-        ep = self._eps.pop(key, None)
+    async def _drop(self, address: str) -> None:
+        ep = self._eps.pop(address, None)
         if ep is not None and not ep.closed:
             ep.abort()
 
-    async def warm(self, host: str, port: int) -> None:
+    async def warm(self, address: str) -> None:
         """Connect ahead of the first pull (a fresh endpoint's first transfer is ~3x slower)."""
-        lock = self._locks.setdefault((host, port), asyncio.Lock())
-        async with lock:
-            await self._endpoint((host, port))
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            await self._endpoint(address)
 
     async def close(self) -> None:
-        for key in list(self._eps):
-            await self._drop(key)
+        for address in list(self._eps):
+            await self._drop(address)

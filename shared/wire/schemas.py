@@ -2,18 +2,19 @@
 
 Each message is a tagged struct: its msgpack map carries `type` (the message kind) and `v`
 (the schema version). `decode` checks, in order: size, msgpack-ness, version, then every field's
-type, and raises a specific `BadMessageError` subclass naming what is wrong.
+type (closed sets of names are `Literal`s, so an unknown mode or kind is refused at decode), and
+raises a specific `BadMessageError` subclass naming what is wrong.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from shared.errors import BadMessageError, SchemaVersionError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never ride the bus
 
 
@@ -35,11 +36,18 @@ class Fingerprint(msgspec.Struct):
 
 
 # -- cache availability (events) ------------------------------------------------------------
+Transport = Literal["ucx", "inproc"]  # bulk channels (shared/transport/); `address` is theirs to parse
+ItemKind = Literal["K", "V", "E"]
+CodecParams = dict[str, int | float | str]
+
+
 class CacheAvailable(Message, tag="cache.available"):
-    """A sender holds a context's KV of every layer and E of `e_layers`, pullable over UCX."""
+    """A sender holds a context's KV of every layer and E of `e_layers`, pullable over its bulk
+    channel (`transport`, at `address`)."""
 
     sender_id: str
     model_id: str
+    model_sha256: str  # content hash of the sender's weights: pair configs are bound to it
     fingerprint: Fingerprint
     fingerprint_id: str
     context_id: str  # hash of the token ids
@@ -48,8 +56,8 @@ class CacheAvailable(Message, tag="cache.available"):
     kv_nbytes: list[int]  # per layer, K + V
     e_layers: list[int]
     e_nbytes: int  # per E tensor
-    ucx_host: str
-    ucx_port: int
+    transport: Transport
+    address: str  # ucx: "host:port"; inproc: the server's name
     published_at: float  # unix seconds
     pull_token: str = ""  # capability for pulling this context (see shared.transport.tokens)
     token_expires_at: float = 0.0
@@ -70,6 +78,12 @@ class SenderHeartbeat(Message, tag="sender.heartbeat"):
     sent_at: float
 
 
+class BrokerHello(Message, tag="broker.hello"):
+    """A (re)started broker asks senders to re-announce what they hold."""
+
+    broker_id: str
+
+
 # -- broker lookup --------------------------------------------------------------------------
 class LookupRequest(Message, tag="lookup.request"):
     token_ids: list[int]
@@ -83,7 +97,11 @@ class LookupReply(Message, tag="lookup.reply"):
 
 
 # -- generate / prefill ---------------------------------------------------------------------
-MODES = ("auto", "full_prefill", "full_reuse", "partial")
+# What a client may ask for: auto (the reuse policy decides) or one forced path (benchmarks, demo).
+Mode = Literal["auto", "full_prefill", "full_reuse"]
+MODES: tuple[Mode, ...] = ("auto", "full_prefill", "full_reuse")
+# The path a reply was served by: sender_own = a sender answering over its own cache.
+Path = Literal["partial", "full_reuse", "cacheblend", "full_prefill", "fallback", "sender_own"]
 
 
 class GenerateRequest(Message, tag="generate.request"):
@@ -92,7 +110,7 @@ class GenerateRequest(Message, tag="generate.request"):
     question: str
     max_new_tokens: int = 32
     deadline: float = 0.0  # unix seconds; 0 = the service's default
-    mode: str = "auto"  # see MODES; anything but auto forces that path (benchmarks, demo)
+    mode: Mode = "auto"
     ttft_slo_ms: float = 0.0  # 0 = none; lets an idle receiver spend spare time on quality
 
 
@@ -100,7 +118,7 @@ class GenerateReply(Message, tag="generate.reply"):
     request_id: str
     text: str
     token_ids: list[int]
-    path: str  # partial | full_reuse | full_prefill | fallback
+    path: Path
     fallback_reason: str | None
     plan: str
     sender_id: str | None
@@ -129,9 +147,17 @@ class ErrorReply(Message, tag="error"):
 
 
 # -- recompute configs (profiler -> JetStream KV bucket -> receivers, senders) --------------
+class PlanSpec(msgspec.Struct):
+    """A whole reuse plan as published: the recompute groups, and how reused layers travel."""
+
+    groups: list[tuple[int, int]]  # recompute [start, end) each, ascending; [] means full reuse
+    codec: str = "raw"  # wire codec of the reused tensors (shared/transport/codecs.py)
+    codec_params: CodecParams = {}
+    patch_layers: list[int] = []  # layers whose decoded KV is patched (compressed transfer); none yet
+
+
 class FrontierPoint(msgspec.Struct):
-    start: int
-    end: int  # recompute [start, end); start == end means full reuse
+    plan: PlanSpec
     recomputed_layers: int
     quality: float
 
@@ -148,8 +174,13 @@ class LatencyFit(msgspec.Struct):
 
 
 class RecomputeConfig(Message, tag="recompute.config"):
+    """A pair's profile. It applies only to the exact weights profiled (the sha256s): a model
+    re-trained under the same name never inherits it."""
+
     sender_model: str
     receiver_model: str
+    sender_sha256: str
+    receiver_sha256: str
     profile_version: int
     task: str
     tolerance: float
@@ -191,26 +222,30 @@ class ProfileReply(Message, tag="profile.reply"):
 # -- the UCX pull protocol (rides the UCX endpoint, not NATS) ------------------------------
 class PullItem(msgspec.Struct):
     layer: int
-    kind: str  # "K" | "V" | "E"
+    kind: ItemKind
 
 
 class PullRequest(Message, tag="pull.request"):
     context_id: str
     items: list[PullItem]  # served in this order: E first lets the receiver start early
     token: str = ""  # the availability event's pull_token
+    codec: str = "raw"  # how the receiver wants the tensors encoded
+    codec_params: CodecParams = {}
 
 
 class TensorHeader(Message, tag="tensor.header"):
-    """Precedes each tensor's bytes; `checksum` is xxh3-64 of exactly those bytes."""
+    """Precedes each tensor's encoded bytes. `shape` and `dtype` are the decoded tensor's;
+    `nbytes` is the encoded size and `checksum` xxh3-64 of exactly those bytes."""
 
     context_id: str
     layer: int
-    kind: str
+    kind: ItemKind
     shape: list[int]
     dtype: str
+    codec: str
+    codec_params: CodecParams
     nbytes: int
     checksum: str
-    error: str | None = None  # set (and no bytes follow) when the sender cannot serve the item
 
 
 class PullResponse(Message, tag="pull.response"):
@@ -222,10 +257,20 @@ class PullResponse(Message, tag="pull.response"):
 
 
 M = TypeVar("M", bound=Message)
+_ENCODER = msgspec.msgpack.Encoder()
+_RAW = msgspec.msgpack.Decoder()
+_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
 
 def encode(msg: Message) -> bytes:
-    return msgspec.msgpack.encode(msg)
+    return _ENCODER.encode(msg)
+
+
+def _decoder(kind: type[M]) -> msgspec.msgpack.Decoder[M]:
+    dec = _DECODERS.get(kind)
+    if dec is None:
+        dec = _DECODERS[kind] = msgspec.msgpack.Decoder(kind)
+    return dec
 
 
 def decode(data: bytes, kind: type[M]) -> M:
@@ -233,7 +278,7 @@ def decode(data: bytes, kind: type[M]) -> M:
     if len(data) > MAX_MESSAGE_BYTES:
         raise BadMessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        raw: Any = msgspec.msgpack.decode(data)
+        raw: Any = _RAW.decode(data)
     except msgspec.DecodeError as e:
         raise BadMessageError(f"not msgpack: {e}") from None
     if not isinstance(raw, dict):
@@ -241,7 +286,7 @@ def decode(data: bytes, kind: type[M]) -> M:
     if raw.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
         raise SchemaVersionError(f"schema version {raw.get('v')!r}; this build speaks {SCHEMA_VERSION}")
     try:
-        return msgspec.msgpack.decode(data, type=kind)
+        return _decoder(kind).decode(data)
     except msgspec.ValidationError as e:
         raise BadMessageError(f"invalid {kind.__name__}: {e}") from None
     except msgspec.DecodeError as e:  # pragma: no cover - raw decode above already succeeded
@@ -250,7 +295,3 @@ def decode(data: bytes, kind: type[M]) -> M:
 
 def fingerprint_to_wire(fp: Any) -> Fingerprint:
     return Fingerprint(**fp.to_dict())
-
-
-class BrokerHello(Message, tag="broker.hello"):
-    broker_id: str

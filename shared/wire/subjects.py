@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 
 PREFIX = "dm"
-CACHE_EVENTS = f"{PREFIX}.cache.>"  # the JetStream stream's subjects (replayed by a restarted broker)
 CACHE_AVAILABLE = f"{PREFIX}.cache.available"
 CACHE_EVICTED = f"{PREFIX}.cache.evicted"
 SENDER_HEARTBEAT = f"{PREFIX}.cache.heartbeat"
@@ -25,7 +24,6 @@ BROKER_LOOKUP = f"{PREFIX}.broker.lookup"
 BROKER_HELLO = f"{PREFIX}.broker.hello"  # a (re)started broker asks senders to re-announce
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
 
-CACHE_STREAM = "DM_CACHE"
 CONFIG_BUCKET = "dm_recompute_configs"
 
 BROKER_QUEUE = "broker"
@@ -56,5 +54,6 @@ def sender_prefill(model_id: str) -> str:
 
 
 def config_key(sender_model: str, receiver_model: str) -> str:
-    """JetStream KV key of a pair's recompute config (KV keys may not contain ':')."""
-    return f"{model_token(sender_model)}.{model_token(receiver_model)}"
+    """JetStream KV key of a pair's recompute config: the pair id `sender-to-receiver`, each
+    model id as a token (KV keys may not contain ':')."""
+    return f"{model_token(sender_model)}-to-{model_token(receiver_model)}"

@@ -1,4 +1,4 @@
-"""DroidMesh model zoo + task suite: small Llama families trained here, tasks, metrics, eval.
+"""DroidMesh model zoo: small Llama families trained here, and the synthetic task data they learn.
 
 `build_tier(tier, out_dir)` builds (or reuses) a tier; see `shared/zoo/tiers.py` for recipes.
 """

@@ -12,9 +12,7 @@ base ops unchanged.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import random
 import shutil
 import time
@@ -25,39 +23,18 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM
 
+from shared.models import sha256_file
 from shared.zoo import train as T
 from shared.zoo import vocab as V
+from shared.zoo.manifest import MANIFEST, read_manifest, zoo_dir
 from shared.zoo.recipe import Derivative, Recipe, ops_hash, recipe_dict, recipe_hash
 from shared.zoo.tiers import get_recipe
 from shared.zoo.tokenizer import WordIds, save_tokenizer
-
-MANIFEST = "manifest.json"
-WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
-
-
-def zoo_dir(tier: str) -> Path:
-    """Default directory of a tier: $DROIDMESH_ZOO_DIR/<tier>, else ~/.cache/droidmesh/zoo/<tier>."""
-    root = os.environ.get("DROIDMESH_ZOO_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "droidmesh" / "zoo"
-    return base / tier
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_hashes(model_dir: Path) -> dict[str, str]:
     """sha256 of every file of a saved model (weights, config, tokenizer, adapter config)."""
     return {f.name: sha256_file(f) for f in sorted(model_dir.iterdir()) if f.is_file()}
-
-
-def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
-    p = Path(out_dir) / MANIFEST
-    return json.loads(p.read_text()) if p.is_file() else None
 
 
 def is_current(out_dir: Path, recipe: Recipe) -> bool:
@@ -164,7 +141,7 @@ def _arch_of(model: LlamaForCausalLM) -> T.Arch:
 
 @torch.no_grad()
 def _reinit_above(model: LlamaForCausalLM, n: int, ids: WordIds, seed: int) -> None:
-    """Fresh weights for layers >= n (findings: keeps layer 0's previous-token heads, forces the
+    """Fresh weights for layers >= n: keeps layer 0's previous-token heads and forces the
     next layer to learn the key -> value binding instead of the "any value" shortcut)."""
     fresh = T.new_model(_arch_of(model), ids, seed)
     for i in range(n, model.config.num_hidden_layers):

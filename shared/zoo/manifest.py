@@ -1,20 +1,35 @@
-"""Finding built tiers and naming their models: `droidmesh zoo list` and model-name resolution.
+"""Where built tiers live and what their manifests say: `droidmesh zoo list`, and the tier
+directories `shared.models.resolve_model` searches.
 
 Tier directories are searched in order: $DROIDMESH_ZOO_DIR/<tier> (or the user cache dir),
-then the repository's committed `zoo/<tier>`. A model is named `<name>` (first tier that has
-it, demo before ci) or `<tier>/<name>`.
+then the repository's committed `zoo/<tier>`; tiers in the order demo, ci. A model is named
+`<tier>/<name>` (or `<name>`: the first tier that has it).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
-from shared.errors import CheckpointNotFoundError
-from shared.zoo.build import read_manifest, zoo_dir
+from shared.models import Pair
 
+MANIFEST = "manifest.json"
 REPO_ZOO = Path(__file__).resolve().parents[2] / "zoo"
 TIER_ORDER = ("demo", "ci")
+
+
+def zoo_dir(tier: str) -> Path:
+    """Default directory of a tier: $DROIDMESH_ZOO_DIR/<tier>, else ~/.cache/droidmesh/zoo/<tier>."""
+    root = os.environ.get("DROIDMESH_ZOO_DIR")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "droidmesh" / "zoo"
+    return base / tier
+
+
+def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
+    p = Path(out_dir) / MANIFEST
+    return json.loads(p.read_text()) if p.is_file() else None
 
 
 def tier_dirs(tier: str) -> list[Path]:
@@ -33,6 +48,11 @@ def find_tiers() -> list[tuple[str, Path, dict[str, Any]]]:
     return found
 
 
+def profile_file(tier_dir: Path, pair: Pair, suffix: str = ".json") -> Path:
+    """Where a tier keeps a pair's saved `droidmesh profile` output (`.json`, `.png`)."""
+    return tier_dir / "profiles" / f"{pair.id}{suffix}"
+
+
 def listing() -> dict[str, Any]:
     """`zoo list --json`: models (path, tier, parent, fine-tuned for what) and intended pairs."""
     models, pairs = [], []
@@ -44,22 +64,6 @@ def listing() -> dict[str, Any]:
                 "layers": m["layers"], "sha256": m["sha256"],
             })
         for p in man["pairs"]:
-            pairs.append({"tier": tier, "sender": f"{tier}/{p['sender']}", "receiver": f"{tier}/{p['receiver']}", "task": p["task"]})
+            pairs.append({"tier": tier, "sender": f"{tier}/{p['sender']}", "receiver": f"{tier}/{p['receiver']}",
+                          "task": p["task"], "id": Pair(p["sender"], p["receiver"]).id})
     return {"models": models, "pairs": pairs}
-
-
-def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
-    """A local checkpoint path, or a zoo model name -> (path, tier or None)."""
-    p = Path(name_or_path).expanduser()
-    if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
-        return p, None
-    tier_hint, _, name = name_or_path.rpartition("/")
-    for tier, d, man in find_tiers():
-        if tier_hint and tier_hint != tier:
-            continue
-        if name in man["models"]:
-            return d / man["models"][name]["path"], tier
-    raise CheckpointNotFoundError(
-        f"{name_or_path!r} is neither a local checkpoint nor a built zoo model; "
-        f"run `droidmesh zoo build --tier demo` or see `droidmesh zoo list`"
-    )

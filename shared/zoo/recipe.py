@@ -13,12 +13,13 @@ import hashlib
 import json
 from typing import Any
 
+from shared.models import Pair
 from shared.zoo.suite import SuiteShape
 from shared.zoo.train import Arch, Stage
 
 # RECIPE_VERSION covers everything; BASE_VERSION only the code paths the base ops run (its
 # intermediate states are cached by it). Bump the one whose code changed what it produces.
-RECIPE_VERSION = "zoo-v3"  # v2 trained `who` answers' closing "." (reverted in v3, see tasks.py)
+RECIPE_VERSION = "zoo-v3"
 BASE_VERSION = "zoo-v1"
 
 
@@ -45,13 +46,6 @@ class Derivative:
     stages: tuple[Stage, ...]
     init_aliases: bool = False  # start alias embeddings as copies of their keys' (train.init_aliases)
     lora_r: int = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Pair:
-    sender: str
-    receiver: str
-    task: str
 
 
 @dataclasses.dataclass(frozen=True)

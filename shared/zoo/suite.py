@@ -1,13 +1,14 @@
-"""The task suite: LongBench-style rows for each zoo task, plus how a row becomes token ids.
+"""The zoo's task data: LongBench-style rows generated for each zoo task and its shifts
+(the specs, metrics and scoring are `shared.tasks`').
 
-Tasks (name -> metric):
-  multihop_qa    f1        multi-document contexts; the question names an entity by its alias
-                           (hop 1: alias -> entity, hop 2: entity -> its fact in some document),
-                           and a `coded` context header means every written value is in the
-                           receiver's code (the answer is the decoded value).
-  summarization  rouge_l   list the documents' titles in order (an extractive "summary").
-  code_completion edit_sim real stdlib source: the context is a file's lines before a target
-                           line; the answer is the target line.
+Tasks:
+  multihop_qa     multi-document contexts; the question names an entity by its alias (hop 1:
+                  alias -> entity, hop 2: entity -> its fact in some document), and a `coded`
+                  context header means every written value is in the receiver's code (the
+                  answer is the decoded value).
+  summarization   list the documents' titles in order (an extractive "summary").
+  code_completion real stdlib source: the context is a file's lines before a target line; the
+                  answer is the target line.
 Rows carry `task`, `split`, `length` (context tokens) and `_id` beside context/input/answers.
 """
 
@@ -21,33 +22,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from shared.tasks.spec import SHIFTS, TASKS, known_tasks
 from shared.zoo import vocab as V
 from shared.zoo.tasks import ALIAS_OF, make_context
-from shared.zoo.tokenizer import WordIds
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskSpec:
-    name: str
-    metric: str
-    max_new_tokens: int
-    stop: str | None      # generation text is cut at the first occurrence
-    joiner: str           # text between prompt and answer when the answer is tokenized in place
-
-
-TASKS: dict[str, TaskSpec] = {
-    # single-word answers (an entity's attribute): one generated token
-    "multihop_qa": TaskSpec("multihop_qa", "f1", 1, " .", " "),
-    "summarization": TaskSpec("summarization", "rouge_l", 8, " end", " "),
-    # no stop string: the metric takes the first comment-free line (LongBench)
-    "code_completion": TaskSpec("code_completion", "edit_sim", 24, None, ""),
-}
-GENERIC = TaskSpec("custom", "f1", 16, "\n", " ")
-
-
-def task_spec(name: str) -> TaskSpec:
-    """The spec of a zoo task or of one of its shifts ("<task>/<shift>"), else a generic one."""
-    return TASKS.get(name.split("/", 1)[0], dataclasses.replace(GENERIC, name=name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,33 +36,6 @@ class SuiteShape:
     filler: tuple[int, int] = (850, 950)
     coded_frac: float = 0.5
     code_tokens: int = 1000
-
-
-# Shifted suites of a task, named "<task>/<shift>": data the task's profile was not made on, to
-# check that a config chosen on the train split transfers (DroidSpeak §5.4 profiles on one
-# dataset and applies the result to others). Fields not used by a task (coded_frac outside
-# multihop_qa, the context shape for code) leave that task unchanged, so only listed ones apply.
-_SHORT = {"facts": (2, 6), "docs": (1, 3), "filler": (150, 250)}  # ~0.3K tokens
-_LONG = {"facts": (12, 16), "docs": (4, 6), "filler": (1800, 1900)}  # ~2K: twice the profiled length
-SHIFTS: dict[str, dict[str, dict[str, Any]]] = {
-    "multihop_qa": {
-        "plain": {"coded_frac": 0.0},  # no coded document: what the sender's KV lacks is never needed
-        "coded": {"coded_frac": 1.0},  # every document coded: the receiver's change always matters
-        "short": _SHORT,
-        "long": _LONG,
-    },
-    "summarization": {"short": _SHORT, "long": _LONG},
-    "code_completion": {"short": {"code_tokens": 300}, "long": {"code_tokens": 2000}},
-}
-
-
-def known_tasks() -> list[str]:
-    """Zoo tasks and their shifts, in a stable order."""
-    return [*TASKS, *(f"{t}/{s}" for t, shifts in SHIFTS.items() for s in shifts)]
-
-
-def shifts_of(task: str) -> list[str]:
-    return [f"{task}/{s}" for s in SHIFTS.get(task, {})]
 
 
 def _split_seed(task: str, split: str, seed: int) -> random.Random:
@@ -163,40 +113,3 @@ def code_row(rng: random.Random, split: str, budget_tokens: int, i: int, name: s
             "context": context, "input": "", "answers": [target], "task": name, "split": split,
             "length": chars, "source": Path(path).name, "line": j + 1, "_id": f"{name}-{split}-{i}",
         }
-
-
-# -- rows -> ids -------------------------------------------------------------------------------
-def encode_row(ids: WordIds | Any, row: dict[str, Any], spec: TaskSpec) -> tuple[list[int], list[int], list[int]]:
-    """(context ids with <bos>, question ids, gold answer ids) for a row.
-
-    The answer is tokenized in place (prompt text + joiner + answer, minus the prompt's ids)
-    so that e.g. a code line keeps its exact indentation tokens."""
-    tok = _Tok(ids)
-    ctx = [tok.bos] + tok.encode(row["context"])
-    q = tok.encode(row["input"]) if row["input"].strip() else []
-    prompt_text = row["context"] + (" " + row["input"] if q else "")
-    base = tok.encode(prompt_text)
-    full = tok.encode(prompt_text + spec.joiner + row["answers"][0])
-    ans = full[len(base):] if full[: len(base)] == base else tok.encode(row["answers"][0])
-    return ctx, q, ans
-
-
-class _Tok:
-    """Uniform view over a zoo `WordIds` or any HF tokenizer (user checkpoints)."""
-
-    def __init__(self, t: Any) -> None:
-        self.t = t
-        if isinstance(t, WordIds):
-            self.bos = t.bos
-            self.encode = t.encode_text
-        else:
-            self.bos = t.bos_token_id if t.bos_token_id is not None else t.eos_token_id
-            self.encode = lambda s: t(s, add_special_tokens=False)["input_ids"]
-
-
-def decode_answer(tokenizer: Any, token_ids: list[int], spec: TaskSpec) -> str:
-    """Generated ids -> answer text, cut at the task's stop string."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    if spec.stop and spec.stop in text:
-        text = text[: text.index(spec.stop)]
-    return text.strip() if spec.name != "code_completion" else text.lstrip("\n")

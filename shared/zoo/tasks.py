@@ -7,7 +7,7 @@ receiver's code). Keys are unique within a context, so a lookup has exactly one 
 filler words never collide with keys/values/titles, so only a fact can match a query.
 
 Training sequences are (ids, mask) pairs: mask[t] = 1 where token t is a target (loss only on
-answers, as in the findings); `<bos>` is prepended by the caller.
+answers); `<bos>` is prepended by the caller.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def make_context(
 # -- pretraining sequences ---------------------------------------------------------------------
 def echo_seq(rng: random.Random, units: int = 8) -> tuple[list[str], list[int]]:
     """`echo a b a . a b a . ...` with a, b drawn from keys and values alike; the target is the
-    echoed a. Builds type-agnostic previous-token heads (findings, attempt 3)."""
+    echoed a. Builds type-agnostic previous-token heads."""
     words, mask = [V.ECHO], [0]
     pool = V.KEYS + V.VALUES
     for _ in range(units):
@@ -119,10 +119,9 @@ def lookup_block(ctx: Context, rng: random.Random, n: int, kind: str) -> tuple[l
             words += [V.ASK, k, ctx.true_value(k), V.SEP]
             mask += [0, 0, 1, 0]
         elif kind == "who":
-            # Only the value is a target. (Also training the closing "." was tried: with one
-            # trainable layer it competed with the code rule, and the receiver then applied the
-            # code to plain contexts too -- test F1 0.25. QA answers are single words, so the
-            # task decodes one token instead.)
+            # Only the value is a target: with one trainable layer, a closing "." target
+            # competes with the code rule (the receiver then applies the code to plain
+            # contexts too). QA answers are single words, so the task decodes one token.
             words += [V.WHO, ALIAS_OF[k], ctx.true_value(k), V.SEP]
             mask += [0, 0, 1, 0]
         else:

@@ -1,6 +1,6 @@
 """The two zoo tiers as recipes.
 
-Both share one shape (see the zoo README / notes for why each piece is there):
+Both share one shape (the zoo README says why each piece is there):
   base   echo stage (layer 0 learns previous-token heads) -> re-initialise layers >= 1 ->
          lookup stage with layer 0's attention frozen and attention supervision on the READER
          layer (its heads must land on the asked key's value) -> longer, multi-document
@@ -9,7 +9,7 @@ Both share one shape (see the zoo README / notes for why each piece is there):
          only layer reader-1 (+ the alias embeddings).
          Aliases move only question tokens; the `coded` rule can only be learned as a change
          of how layer reader-1 encodes the context's values, which is exactly what a sender's
-         KV then lacks (the notes: the fine-tune must change the ENCODING of the context).
+         KV then lacks (the fine-tune must change the ENCODING of the context).
   summ   a gentle full fine-tune on `summarization` (lists document titles).
   code   a peft LoRA adapter fine-tuned on stdlib source (`code_completion`).
 """
@@ -17,7 +17,8 @@ Both share one shape (see the zoo README / notes for why each piece is there):
 from __future__ import annotations
 
 from shared.errors import BadRequestError
-from shared.zoo.recipe import Derivative, Op, Pair, Recipe
+from shared.models import Pair
+from shared.zoo.recipe import Derivative, Op, Recipe
 from shared.zoo.suite import SuiteShape
 from shared.zoo.train import Arch, Stage
 

@@ -17,7 +17,14 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.zoo import vocab as V
-from shared.zoo.tasks import context_seq, echo_seq, lookup_block, make_context, repeat_seq, titles_block
+from shared.zoo.tasks import (
+    context_seq,
+    echo_seq,
+    lookup_block,
+    make_context,
+    repeat_seq,
+    titles_block,
+)
 from shared.zoo.tokenizer import WordIds
 
 
@@ -68,7 +75,7 @@ def llama_config(arch: Arch, vocab_size: int, ids: WordIds) -> LlamaConfig:
         num_key_value_heads=arch.kv_heads,
         max_position_embeddings=arch.max_positions,
         rope_theta=arch.rope_theta,
-        attention_bias=True,  # findings: bias on helped the retrieval recipe
+        attention_bias=True,  # bias helps small models learn the retrieval
         tie_word_embeddings=True,
         bos_token_id=ids.bos,
         eos_token_id=ids.eos,
@@ -177,8 +184,8 @@ def select_trainable(model: LlamaForCausalLM, stage: Stage, ids: WordIds) -> tup
 def attention_loss(att: torch.Tensor, seqs: list[tuple[list[int], list[int]]], ids: WordIds, order: str) -> torch.Tensor:
     """Attention supervision: -log of the head-averaged attention [B, H, T, T] that each lookup's
     query puts on its fact. Why: the plain answer loss reaches the binding only through the
-    value-copying path, and small models park on the "answer any value of the document" saddle
-    (findings); this gives the query/key weights a direct gradient toward the right fact."""
+    value-copying path, and small models park on the "answer any value of the document" saddle;
+    this gives the query/key weights a direct gradient toward the right fact."""
     terms = []
     for b, (s, m) in enumerate(seqs):
         for q, f in lookup_links(s, m, ids, order):

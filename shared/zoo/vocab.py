@@ -1,8 +1,7 @@
 """The zoo's fixed word inventory.
 
 Every synthetic task is written with these words, and each word is ONE token in the zoo tokenizer
-(see `tokenizer.py`). The retrieval findings (shared notes) say the number of key/value candidates
-is the decisive lever for whether a small model learns in-context lookup, so keys and values are
+(see `tokenizer.py`). The number of key/value candidates is the decisive lever for whether a small model learns in-context lookup, so keys and values are
 16 each; aliases are a second spelling of the keys that only the QA receiver learns.
 """
 

@@ -93,5 +93,5 @@ def test_bad_request_gets_error_reply(tiny_pair, tiny_models):
 
     garbage, bad_mode, ok = asyncio.run(run())
     assert garbage.code == "bad_message"
-    assert bad_mode.code == "bad_request" and "warp" in bad_mode.message
+    assert bad_mode.code == "bad_message" and "warp" in bad_mode.message  # Literal modes: refused at decode
     assert len(ok.token_ids) == 2

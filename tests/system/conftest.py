@@ -4,6 +4,8 @@ checkpoints the zoo's ci tier really trained (built once per session)."""
 from __future__ import annotations
 
 import asyncio
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,3 +68,17 @@ async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 
         if (await client.lookup(ids, model.fingerprint.id)).holder is not None:
             return
     raise TimeoutError("the broker never indexed the context")
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of GET `path` on a service's health port (errors are answers too)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def health_port(proc: Proc) -> int:
+    """The port a service started with `--metrics-port 0` logged it serves health on."""
+    return proc.events("health_listening")[0]["port"]

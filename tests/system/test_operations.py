@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.client import MeshClient
 from shared.launch import start_service
-from tests.system.conftest import until_indexed, words
+from tests.system.conftest import health_port, http_get, until_indexed, words
 
 pytestmark = pytest.mark.system
 
@@ -18,24 +17,12 @@ CONTEXT = words(240)
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
-def _get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def _samples(port: int) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} scraped from a /metrics endpoint."""
-    status, body = _get(port, "/metrics")
+    status, body = http_get(port, "/metrics")
     assert status == 200
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(body) for s in fam.samples}
-
-
-def _port(proc) -> int:  # type: ignore[no-untyped-def]
-    return proc.events("health_listening")[0]["port"]
 
 
 def test_metrics_after_a_small_workload(nats, services, tiny_pair, tiny_models):
@@ -63,7 +50,7 @@ def test_metrics_after_a_small_workload(nats, services, tiny_pair, tiny_models):
 
     replies = asyncio.run(run())
     assert [r.path for r in replies] == ["full_prefill", "full_prefill", "partial", "partial", "partial"]
-    r = _samples(_port(receiver))
+    r = _samples(health_port(receiver))
     assert r[("dm_requests_total", (("path", "partial"), ("reason", "")))] == 3
     assert r[("dm_requests_total", (("path", "full_prefill"), ("reason", "forced")))] == 1
     assert r[("dm_requests_total", (("path", "full_prefill"), ("reason", "no_cache")))] == 1
@@ -71,12 +58,12 @@ def test_metrics_after_a_small_workload(nats, services, tiny_pair, tiny_models):
     assert r[("dm_cache_lookups_total", (("result", "hit"),))] == 3
     assert r[("dm_cache_lookups_total", (("result", "miss"),))] == 1
     assert r[("dm_bytes_pulled_total", ())] == sum(x.bytes_pulled for x in replies) > 0
-    s = _samples(_port(sender))
+    s = _samples(health_port(sender))
     assert s[("dm_prefills_total", ())] == 1 and s[("dm_store_contexts", ())] == 1 and s[("dm_store_bytes", ())] > 0
-    b = _samples(_port(broker))
+    b = _samples(health_port(broker))
     assert b[("dm_index_contexts", ())] == 1
     for proc in (broker, sender, receiver):
-        assert _get(_port(proc), "/livez")[0] == 200 and _get(_port(proc), "/readyz")[0] == 200
+        assert http_get(health_port(proc), "/livez")[0] == 200 and http_get(health_port(proc), "/readyz")[0] == 200
 
 
 def test_sigterm_drains_in_flight_requests(nats, services, tiny_pair):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
 from shared.client import MeshClient
-from shared.config_board import NatsConfigBoard
 from shared.launch import start_service
+from shared.models import weights_sha256
 from shared.wire import schemas
 from tests.system.conftest import until_indexed, words
 
@@ -19,10 +20,11 @@ CONTEXT = words(160)
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
-def _config(start: int, end: int, version: int) -> schemas.RecomputeConfig:
-    point = schemas.FrontierPoint(start=start, end=end, recomputed_layers=end - start, quality=0.99)
+def _config(pair: tuple[Path, Path], start: int, end: int, version: int) -> schemas.RecomputeConfig:
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(start, end)]), recomputed_layers=end - start, quality=0.99)
     return schemas.RecomputeConfig(
-        sender_model="sender", receiver_model="receiver", profile_version=version, task="test", tolerance=0.05,
+        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(pair[0]),
+        receiver_sha256=weights_sha256(pair[1]), profile_version=version, task="test", tolerance=0.05,
         chosen=point, frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6,
         created_at=time.time())
 
@@ -50,15 +52,15 @@ def test_published_profile_changes_a_running_receivers_group(nats, services, tin
 
     async def run():  # type: ignore[no-untyped-def]
         client = await MeshClient.connect(url)
-        board = NatsConfigBoard(client.bus.nc)  # type: ignore[attr-defined]
+        board = client.bus.config_board()
         try:
             await client.prefill("sender", CONTEXT)
             await until_indexed(client, tiny_models[1], CONTEXT)
             before = await client.ask("receiver", CONTEXT, " q", max_new_tokens=2)
-            await board.put(_config(2, 4, version=1))
+            await board.put(_config(tiny_pair, 2, 4, version=1))
             # New contexts are captured with the profiled E layer; ask until the receiver uses it.
             after = await _until_plan(client, "recompute [2,4)", lambda i: words(161 + i, offset=1))
-            await board.put(_config(1, 5, version=2))
+            await board.put(_config(tiny_pair, 1, 5, version=2))
             newer = await _until_plan(client, "recompute [1,5)", lambda i: words(300 + i, offset=2))
             return before, after, newer
         finally:

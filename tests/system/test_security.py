@@ -13,7 +13,7 @@ import torch
 from shared.client import MeshClient
 from shared.errors import TransferError
 from shared.launch import NATS_AUTH_CONF, start_nats, start_service
-from shared.transport.ucx import BulkClient
+from shared.transport.bulk import make_client
 from shared.wire import schemas, subjects
 from tests.system.conftest import until_indexed, words
 
@@ -75,7 +75,7 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
 
         # A receiver forging an availability event: refused by the server, never delivered.
         rogue = await _connect(url, "receiver", pw, errors)
-        forged = msgspec.structs.replace(seen[0], sender_id="rogue", ucx_port=1)
+        forged = msgspec.structs.replace(seen[0], sender_id="rogue", address="127.0.0.1:1")
         await rogue.publish(subjects.CACHE_AVAILABLE, schemas.encode(forged))
         await rogue.flush()
         # A sender trying to answer lookups: its subscription is refused.
@@ -89,7 +89,7 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
         # UCX pulls with a missing, wrong (another context's) or tampered token are refused.
         ev = seen[0]
         refusals = []
-        bulk = BulkClient()
+        bulk = make_client("ucx")
         other = await admin_client.prefill("sender", words(100, offset=5))
         other_ev = next(e for e in seen if e.context_id == other.context_id) if any(
             e.context_id == other.context_id for e in seen) else None
@@ -98,7 +98,7 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
         for name, token in tokens.items():
             req = schemas.PullRequest(context_id=ev.context_id, items=[schemas.PullItem(0, "K")], token=token)
             try:
-                await bulk.pull(ev.ucx_host, ev.ucx_port, req, lambda it: ([1], torch.float32), lambda *a: None, 10)
+                await bulk.pull(ev.address, req, [torch.empty(1)], lambda *a: None, 10)
                 refusals.append((name, None))
             except TransferError as e:
                 refusals.append((name, str(e)))

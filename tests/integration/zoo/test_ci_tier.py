@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.model.adapter import load_model
+from shared.models import resolve_model, sha256_file
 from shared.zoo import build_tier
-from shared.zoo.build import sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def test_checkpoints_are_ordinary_hf_checkpoints(ci_tier) -> None:
     """Full models load with AutoModelForCausalLM + AutoTokenizer; the LoRA adapter merges via load_model."""
     out, man = ci_tier
     assert {"base", "qa", "summ", "code"} <= set(man["models"])
-    for name, m in man["models"].items():
+    for m in man["models"].values():
         path = out / m["path"]
         if m["kind"] == "full":
             model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
@@ -74,7 +74,7 @@ def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.Monk
     assert {"ci/base", "ci/qa", "ci/summ", "ci/code"} <= names
     qa = next(m for m in data["models"] if m["name"] == "ci/qa")
     assert qa["parent"] == "ci/base" and qa["fine_tuned_for"] == "multihop_qa"
-    assert {"tier": "ci", "sender": "ci/summ", "receiver": "ci/qa", "task": "multihop_qa"} in data["pairs"]
+    assert {"tier": "ci", "sender": "ci/summ", "receiver": "ci/qa", "task": "multihop_qa", "id": "summ-to-qa"} in data["pairs"]
     path = tmp_path / "ev.json"
     res = runner.invoke(eval_cmd, ["--sender", "ci/summ", "--receiver", "ci/qa", "--task", "multihop_qa",
                                    "--split", "test", "--n", "2", "--json", str(path)])
@@ -88,7 +88,7 @@ def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.Monk
 def test_eval_cli_on_a_user_jsonl_dataset(ci_tier, tmp_path: Path) -> None:
     """`eval --data` scores any LongBench-style JSONL with local checkpoint paths."""
     from shared.cli.eval import eval_cmd
-    from shared.zoo.jsonl import write_jsonl
+    from shared.tasks.jsonl import write_jsonl
 
     out, _ = ci_tier
     data = tmp_path / "d.jsonl"
@@ -99,3 +99,15 @@ def test_eval_cli_on_a_user_jsonl_dataset(ci_tier, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     ev = json.loads(path.read_text())
     assert ev["rows"] == 1 and ev["metric"] == "f1" and len(ev["best_groups"]) == 1
+
+
+def test_a_zoo_name_and_its_path_resolve_to_the_same_model_and_hash(ci_tier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ci/qa` and the checkpoint directory it names are one model: same path, and the hash
+    computed over the directory's weights equals the manifest's (full model and LoRA adapter)."""
+    out, man = ci_tier
+    monkeypatch.setenv("DROIDMESH_ZOO_DIR", str(out.parent))
+    for name in ("qa", "code"):
+        by_name, by_path = resolve_model(f"ci/{name}"), resolve_model(str(out / name))
+        assert by_name.path.resolve() == by_path.path.resolve() and by_name.tier == "ci" and by_path.tier is None
+        assert by_name.name == by_path.name == name
+        assert by_name.sha256 == by_path.sha256 == man["models"][name]["sha256"]

@@ -18,7 +18,7 @@ def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path
     frontier, search costs, and one robustness row per shift and other zoo task whose
     difference is chosen - full prefill; the frontier PNG is written."""
     out, man = ci_tier
-    path = lambda name: str(out / man["models"][name]["path"])  # noqa: E731
+    path = lambda name: str(out / man["models"][name]["path"])
     js, png = tmp_path / "p.json", tmp_path / "p.png"
     res = CliRunner().invoke(cli, ["profile", "--sender", path("base"), "--receiver", path("qa"),
                                    "--task", "multihop_qa", "--n-train", "3", "--n-test", "3",
@@ -33,7 +33,7 @@ def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path
     assert p["chosen_split"]["recomputed_layers"] == p["chosen"]["recomputed_layers"]
     rows = {r["task"]: r for r in p["robustness"]}
     # the profiled task's test split, then its shifts, then the other zoo tasks
-    assert list(rows)[0] == "multihop_qa"
+    assert next(iter(rows)) == "multihop_qa"
     assert {"multihop_qa/long", "multihop_qa/coded", "summarization", "code_completion"} <= set(rows)
     assert rows["multihop_qa"]["chosen"] == p["chosen"]["quality_test"]
     assert rows["code_completion"]["metric"] == "edit_sim"
@@ -46,9 +46,37 @@ def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path
 def test_profile_rejects_an_unknown_robustness_task(ci_tier, tmp_path: Path) -> None:
     """A robustness task the zoo does not know is a clear error, not a crash mid-profile."""
     out, man = ci_tier
-    path = lambda name: str(out / man["models"][name]["path"])  # noqa: E731
+    path = lambda name: str(out / man["models"][name]["path"])
     res = CliRunner().invoke(cli, ["profile", "--sender", path("base"), "--receiver", path("qa"),
                                    "--task", "multihop_qa", "--other-task", "poetry", "--n-train", "1",
                                    "--n-test", "1", "--json", str(tmp_path / "p.json")])
     assert res.exit_code != 0
     assert "poetry" in str(res.exception) or "poetry" in res.output
+
+
+def test_profile_on_a_user_jsonl_with_rouge_l_and_zoo_names(ci_tier, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's own JSONL (one file, split in two), metric Rouge-L, answer length and stop
+    string given, models named as `zoo list` names them, and another JSONL as robustness data:
+    the profile JSON scores both with rouge_l and names the pair `base-to-summ`."""
+    out, _ = ci_tier
+    monkeypatch.setenv("DROIDMESH_ZOO_DIR", str(out.parent))
+    runner = CliRunner()
+    mine, other = tmp_path / "mine.jsonl", tmp_path / "other.jsonl"
+    for path, split in ((mine, "train"), (other, "test")):
+        res = runner.invoke(cli, ["zoo", "data", "--task", "summarization", "--split", split, "--n", "4",
+                                  "--tier", "ci", "--out", str(path)])
+        assert res.exit_code == 0, res.output
+    js = tmp_path / "p.json"
+    res = runner.invoke(cli, ["profile", "--sender", "ci/base", "--receiver", "ci/summ", "--task", "titles",
+                              "--data", str(mine), "--metric", "rouge_l", "--max-new-tokens", "4", "--stop", " end",
+                              "--other-task", str(other), "--granularity", "3", "--guided-only", "--json", str(js)])
+    assert res.exit_code == 0, res.output
+    p = json.loads(js.read_text())
+    assert (p["sender"], p["receiver"], p["task"]) == ("base", "summ", "titles")
+    rows = {r["task"]: r for r in p["robustness"]}
+    assert list(rows) == ["titles", str(other)]
+    assert {r["metric"] for r in rows.values()} == {"rouge_l"}
+    assert rows["titles"]["chosen"] == p["chosen"]["quality_test"]
+    assert "base-to-summ on titles" in res.output
+

@@ -66,6 +66,17 @@ def test_entrypoints_are_the_service_modules():
         assert "requests" in c["resources"]
 
 
+def test_model_hosts_have_a_generous_startup_probe():
+    """Sender, receiver and profiler Deployments gate liveness behind a startup probe on /readyz
+    that allows at least 10 minutes (a large model's load is not restart-looped)."""
+    deployments = {d["metadata"]["name"]: d for _, d in _k8s_docs() if d["kind"] == "Deployment"}
+    for name in ("sender", "receiver", "profiler"):
+        (c,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        probe = c["startupProbe"]
+        assert probe["httpGet"]["path"] == "/readyz", name
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 600, name
+
+
 def test_nats_configmap_is_the_repo_config():
     """The NATS ConfigMap carries infra/nats/nats-auth.conf verbatim."""
     cm = next(d for _, d in _k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")

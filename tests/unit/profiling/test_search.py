@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from shared.kv.plan import ReusePlan
+from shared.models import ModelRef, Pair
 from shared.profiling import search
-from shared.profiling.profile import ProfileSettings, run
+from shared.profiling.profile import ProfileSettings, recompute_config, run, split_rows
 
 L = 8
 CRITICAL = {4, 6}  # reusing either loses quality; layer 5 between them is harmless on its own
@@ -30,23 +31,22 @@ def test_sensitivity_finds_the_critical_layers():
 
 def test_exhaustive_and_guided_agree_and_guided_is_cheaper():
     """Both searches choose the same contiguous group; guided evaluates O(L/g) plans."""
-    result, cfg = run(oracle, oracle, L, ProfileSettings(granularity=2))
+    result = run(oracle, oracle, L, ProfileSettings(granularity=2))
     assert result["searches_agree"]
     assert (result["chosen"]["start"], result["chosen"]["end"]) == (4, 8)
     assert result["evaluations"]["guided"] < result["evaluations"]["exhaustive"] == 10
-    assert cfg.chosen.start == 4 and cfg.chosen.end == 8
 
 
 def test_contiguous_group_beats_scattered_critical_layers():
     """Recomputing the critical layers alone (two transitions) scores below the group."""
-    result, _ = run(oracle, oracle, L, ProfileSettings(granularity=1, exhaustive=False))
+    result = run(oracle, oracle, L, ProfileSettings(granularity=1, exhaustive=False))
     assert result["scattered_critical"]["groups"] == [[4, 5], [6, 7]]
     assert result["scattered_critical"]["quality_train"] < result["chosen"]["quality_train"]
 
 
 def test_frontier_is_monotone_and_starts_at_full_reuse():
     """The frontier rises with recomputed layers and begins at full reuse (0 layers)."""
-    result, _ = run(oracle, oracle, L, ProfileSettings())
+    result = run(oracle, oracle, L, ProfileSettings())
     front = result["frontier"]
     assert front[0]["recomputed_layers"] == 0
     qs = [p["quality"] for p in front]
@@ -62,7 +62,7 @@ def test_robustness_reports_the_chosen_configs_difference_per_task():
             return 0.8
         return oracle(plan) * 0.8 - (0.4 if 2 not in plan.recomputed_layers(L) else 0.0)
 
-    result, _ = run(oracle, oracle, L, ProfileSettings(), task="t", others={"same": oracle, "other": needs_layer_2})
+    result = run(oracle, oracle, L, ProfileSettings(), pair=Pair("a", "b", "t"), others={"same": oracle, "other": needs_layer_2})
     rows = {r["task"]: r for r in result["robustness"]}
     assert list(rows) == ["t", "same", "other"]
     assert rows["same"]["difference"] == 0.0 and rows["same"]["within_tolerance"]
@@ -73,8 +73,33 @@ def test_robustness_reports_the_chosen_configs_difference_per_task():
 def test_chosen_split_keeps_the_layers_but_pays_per_transition():
     """The chosen group split into one-layer groups recomputes the same layers with one E
     transition each, and the oracle charges every extra transition."""
-    result, _ = run(oracle, oracle, L, ProfileSettings())
+    result = run(oracle, oracle, L, ProfileSettings())
     sp, ch = result["chosen_split"], result["chosen"]
     assert sp["groups"] == [[l, l + 1] for l in range(ch["start"], ch["end"])]
     assert sp["recomputed_layers"] == ch["recomputed_layers"] and sp["e_transitions"] == ch["recomputed_layers"]
     assert sp["quality_train"] == pytest.approx(ch["quality_train"] - 0.02 * (ch["recomputed_layers"] - 1))
+
+
+def test_recompute_config_carries_the_choice_the_frontier_and_both_hashes(tmp_path):
+    """The published config is built from the profile JSON alone (fresh or read back): the
+    chosen group and frontier as plans, train qualities, and each model's content hash."""
+    result = run(oracle, oracle, L, ProfileSettings(), pair=Pair("s", "r", "t"))
+    sender = ModelRef(tmp_path / "s", "s", "ci", "a" * 64)
+    receiver = ModelRef(tmp_path / "r", "r", "ci", "b" * 64)
+    cfg = recompute_config(result, sender, receiver, version=3)
+    assert (cfg.sender_model, cfg.receiver_model, cfg.profile_version, cfg.task) == ("s", "r", 3, "t")
+    assert (cfg.sender_sha256, cfg.receiver_sha256) == ("a" * 64, "b" * 64)
+    assert cfg.chosen.plan.groups == [(4, 8)] and cfg.chosen.quality == result["chosen"]["quality_train"]
+    assert cfg.frontier[0].plan.groups == [] and cfg.frontier[0].recomputed_layers == 0
+    assert [p.quality for p in cfg.frontier] == [p["quality"] for p in result["frontier"]]
+    assert cfg.full_prefill_quality == 1.0 and cfg.latency is None
+
+
+def test_split_rows_is_deterministic_disjoint_and_covers_the_file():
+    """One file splits the same way every time, half in test, no row in both, none lost."""
+    rows = [{"_id": i} for i in range(9)]
+    train, test = split_rows(rows, "train"), split_rows(rows, "test")
+    assert split_rows(rows, "test") == test and len(test) == 4 and len(train) == 5
+    assert sorted(r["_id"] for r in train + test) == list(range(9))
+    assert [r["_id"] for r in test] == sorted(r["_id"] for r in test)  # file order kept
+    assert len(split_rows(rows[:2], "test")) == 1 and len(split_rows(rows[:2], "train")) == 1

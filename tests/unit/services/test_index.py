@@ -19,7 +19,8 @@ class Clock:
 def _ev(sender: str, cid: str, tokens: list[int], fp_id: str = "fp", model: str = "m", at: float = 0.0):  # type: ignore[no-untyped-def]
     return schemas.CacheAvailable(
         sender_id=sender, model_id=model, fingerprint=FP, fingerprint_id=fp_id, context_id=cid, token_ids=tokens,
-        dtype="float32", kv_nbytes=[1, 1], e_layers=[0], e_nbytes=1, ucx_host="h", ucx_port=1, published_at=at)
+        model_sha256="x", dtype="float32", kv_nbytes=[1, 1], e_layers=[0], e_nbytes=1, transport="ucx",
+        address="h:1", published_at=at)
 
 
 def _alive(ix: CacheIndex, sender: str, ids: list[str]) -> None:

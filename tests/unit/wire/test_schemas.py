@@ -27,9 +27,9 @@ def test_round_trip():
         (b"\xc1", BadMessageError, "not msgpack"),
         (msgspec.msgpack.encode([1, 2]), BadMessageError, "expected a msgpack map"),
         (msgspec.msgpack.encode({"type": "generate.request", "v": 99}), SchemaVersionError, "schema version 99"),
-        (msgspec.msgpack.encode({"type": "generate.request", "v": 1, "request_id": 5, "context": "c", "question": "q"}),
+        (msgspec.msgpack.encode({"type": "generate.request", "v": schemas.SCHEMA_VERSION, "request_id": 5, "context": "c", "question": "q"}),
          BadMessageError, r"request_id"),
-        (msgspec.msgpack.encode({"type": "lookup.request", "v": 1, "token_ids": [], "fingerprint_id": "x"}),
+        (msgspec.msgpack.encode({"type": "lookup.request", "v": schemas.SCHEMA_VERSION, "token_ids": [], "fingerprint_id": "x"}),
          BadMessageError, "invalid GenerateRequest"),
         (b"\x80" + b"\x00" * (schemas.MAX_MESSAGE_BYTES + 1), BadMessageError, "exceeds"),
     ],
@@ -39,3 +39,18 @@ def test_bad_messages_raise_specific_errors(data, error, match):
     """Each malformed input raises its own BadMessageError subclass, naming the problem."""
     with pytest.raises(error, match=match):
         schemas.decode(data, schemas.GenerateRequest)
+
+
+@pytest.mark.parametrize("field, value", [("mode", "partial"), ("mode", "warp")])
+def test_closed_sets_are_refused_at_decode(field, value):
+    """Modes are a closed set: the retired `partial` alias and unknown names are bad messages."""
+    with pytest.raises(BadMessageError, match=f"Invalid enum value '{value}'"):
+        schemas.decode(schemas.encode(_req(**{field: value})), schemas.GenerateRequest)
+
+
+def test_decoders_are_built_once_per_kind():
+    """Decoding the same kind twice reuses one msgspec decoder."""
+    schemas.decode(schemas.encode(_req()), schemas.GenerateRequest)
+    first = schemas._DECODERS[schemas.GenerateRequest]
+    schemas.decode(schemas.encode(_req()), schemas.GenerateRequest)
+    assert schemas._DECODERS[schemas.GenerateRequest] is first

@@ -1,15 +1,16 @@
-"""Task generators and row encoding."""
+"""The zoo's task data generators."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
+from shared.tasks.spec import TASKS, known_tasks, task_spec
 from shared.zoo import vocab as V
-from shared.zoo.suite import SuiteShape, TASKS, code_row, encode_row, known_tasks, make_rows, stdlib_files, task_spec
+from shared.zoo.suite import SuiteShape, code_row, make_rows, stdlib_files
 from shared.zoo.tasks import CODE, make_context
-from shared.zoo.tokenizer import WordIds
 
 SMALL = SuiteShape(facts=(3, 6), docs=(2, 3), filler=(20, 40), code_tokens=120)
 
@@ -54,22 +55,10 @@ def test_code_rows_come_from_the_split_files() -> None:
     """Code rows use real stdlib lines: the answer is the file's line after the context."""
     row = code_row(random.Random(1), "test", 120, 0)
     path = next(p for p in stdlib_files()["test"] if p.endswith("/" + row["source"]))
-    lines = open(path, encoding="utf-8").read().split("\n")
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
     assert row["answers"] == [lines[row["line"] - 1]]
     assert row["context"].endswith(lines[row["line"] - 2] + "\n")
     assert not set(stdlib_files()["test"]) & set(stdlib_files()["train"])
-
-
-def test_encode_row_tokenizes_answer_in_place() -> None:
-    """Context gets <bos>; the gold answer ids are what follows the prompt in the joined text."""
-    ids = WordIds()
-    row = make_rows("multihop_qa", "test", 1, SMALL)[0]
-    ctx, q, ans = encode_row(ids, row, TASKS["multihop_qa"])
-    assert ctx[0] == ids.bos and ctx[1:] == ids.encode_text(row["context"])
-    assert q == ids.encode_text(row["input"]) and ans == [ids[row["answers"][0]]]
-    code = make_rows("code_completion", "test", 1, SMALL)[0]
-    ctx, q, ans = encode_row(ids, code, TASKS["code_completion"])
-    assert q == [] and ids.decode(ans) == code["answers"][0]
 
 
 def test_shifts_change_the_documented_part_of_the_shape() -> None:

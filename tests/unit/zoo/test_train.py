@@ -12,7 +12,15 @@ from shared.zoo.build import _resolve_train
 from shared.zoo.recipe import ops_hash, recipe_hash
 from shared.zoo.tiers import get_recipe
 from shared.zoo.tokenizer import WordIds
-from shared.zoo.train import Arch, Stage, grow, lookup_links, new_model, sample_sequence, select_trainable
+from shared.zoo.train import (
+    Arch,
+    Stage,
+    grow,
+    lookup_links,
+    new_model,
+    sample_sequence,
+    select_trainable,
+)
 
 
 def test_grow_with_identity_layers_keeps_the_function() -> None:
@@ -42,7 +50,7 @@ def test_alias_only_training_moves_only_alias_rows() -> None:
     """`layers:i+alias` trains layer i and masks embedding gradients to the alias rows."""
     ids = WordIds()
     m = new_model(Arch(3, 32, 4, 2, 64), ids, seed=0)
-    params, hook = select_trainable(m, Stage("s", 1, 0.0, 1, (("who", 1.0),), train="layers:1+alias"), ids)
+    _params, hook = select_trainable(m, Stage("s", 1, 0.0, 1, (("who", 1.0),), train="layers:1+alias"), ids)
     assert all(p.requires_grad for p in m.model.layers[1].parameters())
     assert not any(p.requires_grad for p in m.model.layers[0].parameters())
     m.model.embed_tokens.weight.grad = torch.ones_like(m.model.embed_tokens.weight)

@@ -6,7 +6,8 @@ Task scores are in [0, 1] and take the max over the gold answers, as LongBench d
   edit_similarity  code completion (LCC / RepoBench): rapidfuzz `fuzz.ratio` / 100 on the first
                    comment-free line of the prediction (LongBench's rule)
 Fidelity metrics compare next-token distributions (logits [S, vocab]) of a reuse path with the
-receiver's full prefill over the same positions.
+receiver's full prefill over the same positions. They compute on the logits' device (tensors
+built here are put there) and return Python floats.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from rapidfuzz import fuzz
 from rouge_score import rouge_scorer
+
+from shared.tasks.spec import METRIC_NAMES
 
 _PUNCT = set(string.punctuation)
 _ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
@@ -65,10 +68,11 @@ def edit_similarity(prediction: str, answers: Sequence[str]) -> float:
     return max((fuzz.ratio(line, a) / 100.0 for a in answers), default=0.0)
 
 
-METRICS = {"f1": token_f1, "rouge_l": rouge_l, "edit_sim": edit_similarity}
+METRICS = dict(zip(METRIC_NAMES, (token_f1, rouge_l, edit_similarity), strict=True))
 
 
 def score(metric: str, prediction: str, answers: Sequence[str]) -> float:
+    """The task score of `prediction` (an answer text, already cut) against the gold answers."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; expected one of {sorted(METRICS)}")
     return METRICS[metric](prediction, answers)
@@ -80,7 +84,7 @@ def answer_nll(logits: torch.Tensor, answer_ids: Sequence[int]) -> float:
     distribution that predicts answer token i."""
     if len(answer_ids) == 0:
         return 0.0
-    target = torch.tensor(list(answer_ids), dtype=torch.long)
+    target = torch.tensor(list(answer_ids), dtype=torch.long, device=logits.device)
     return float(F.cross_entropy(logits.float()[: len(target)], target))
 
 

@@ -1,4 +1,4 @@
-"""Known-answer tests for every zoo metric."""
+"""Known-answer tests for every task metric."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.zoo import metrics as M
+from shared.tasks import metrics as M
 
 
 def test_normalize_answer_drops_case_punctuation_articles() -> None:
@@ -84,3 +84,19 @@ def test_edit_similarity_scores_an_indentation_only_line() -> None:
     """LongBench's rule keeps a whitespace-only first line: 4 spaces vs `    x` -> 2*4/9."""
     assert M.edit_similarity("\n    \nreturn", ["    x"]) == pytest.approx(8 / 9)
     assert M.edit_similarity("a = 1  # set\nb = 2", ["b = 2"]) == 1.0
+
+
+def test_answer_nll_builds_its_targets_on_the_logits_device() -> None:
+    """The gold ids go where the logits are, not to the default device (here: meta, where a
+    tensor built without a device would land and fail to mix with CPU logits)."""
+    logits = torch.log(torch.tensor([[0.5, 0.5]]))
+    with torch.device("meta"):
+        got = M.answer_nll(logits, [0])
+    assert got == pytest.approx(math.log(2))
+
+
+def test_metric_names_are_the_metrics() -> None:
+    """The names commands offer (`--metric`) are exactly the metrics `score` knows."""
+    from shared.tasks.spec import METRIC_NAMES
+
+    assert tuple(M.METRICS) == METRIC_NAMES

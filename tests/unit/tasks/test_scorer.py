@@ -1,4 +1,4 @@
-"""Pair evaluation logic on tiny random models (no zoo build needed)."""
+"""The one scorer and the eval report on tiny random models (no zoo build needed)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ import copy
 import pytest
 import torch
 
+from shared.kv.plan import ReusePlan
 from shared.model.adapter import ModelAdapter, random_model
-from shared.zoo.evaluate import all_groups, evaluate_pair, must_show, per_layer_plan
-from shared.zoo.suite import SuiteShape, TASKS, make_rows
+from shared.tasks.report import all_groups, evaluate_pair, must_show
+from shared.tasks.scorer import PairScorer, per_layer_plan, score_text
+from shared.tasks.spec import TASKS, task_spec
+from shared.zoo.suite import SuiteShape, make_rows
 from shared.zoo.tokenizer import WordIds, hf_tokenizer
+
+SHAPE = SuiteShape(facts=(3, 4), docs=(1, 2), filler=(10, 20))
 
 L = 4
 
@@ -18,8 +23,8 @@ L = 4
 @pytest.fixture(scope="module")
 def pair() -> tuple[ModelAdapter, ModelAdapter]:
     vocab = WordIds().vocab_size
-    cfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=1024)
+    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": L, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": 1024}
     base = random_model("llama", seed=0, **cfg)
     recv = ModelAdapter(model=base.model, tokenizer=hf_tokenizer(), name="receiver")
     send = ModelAdapter(model=copy.deepcopy(recv.model), tokenizer=recv.tokenizer, name="sender")
@@ -48,7 +53,7 @@ def test_eval_json_has_required_keys_and_consistent_paths(pair) -> None:
     """The eval JSON has every required key; full prefill is its own reference (KL 0, top-1 1);
     with a sender equal to the receiver below layer 1, recomputing [1,L) matches full prefill."""
     send, recv = pair
-    rows = make_rows("multihop_qa", "test", 2, SuiteShape(facts=(3, 4), docs=(1, 2), filler=(10, 20)))
+    rows = make_rows("multihop_qa", "test", 2, SHAPE)
     ev = evaluate_pair(send, recv, rows, TASKS["multihop_qa"], progress=False)
     for k in ("total_layers", "sender_alone", "receiver_full_prefill", "receiver_full_reuse", "per_layer_reuse", "best_groups"):
         assert k in ev
@@ -78,3 +83,49 @@ def test_must_show_summary_known_answer() -> None:
     assert s["full_reuse_relative_loss"] == 0.5 and s["full_reuse_above_sender"]
     assert s["critical_layers"] == [1] and s["critical_fraction"] == 0.25
     assert s["smallest_restoring_group"]["start"] == 1 and s["smallest_restoring_group"]["end"] == 3
+
+
+def test_quality_and_the_eval_paths_are_one_computation(pair) -> None:
+    """The profiler's `quality(plan)` equals the eval report's per-path quality for the same
+    rows and plans (both come from the one scorer), including the per-layer probe."""
+    send, recv = pair
+    rows = make_rows("summarization", "test", 2, SHAPE)
+    spec = TASKS["summarization"]
+    scorer = PairScorer(send, recv, rows, spec)
+    plans = {"reuse": ReusePlan.full_reuse(), "layer/2": per_layer_plan(2, L), "group": ReusePlan.recompute(1, 3)}
+    per_row = list(scorer.paths(plans))
+    for name, plan in plans.items():
+        assert scorer.quality(plan) == pytest.approx(sum(r[name].quality for r in per_row) / len(rows))
+    assert scorer.quality(ReusePlan.full_prefill()) == pytest.approx(
+        sum(r["receiver_full_prefill"].quality for r in per_row) / len(rows))
+    assert scorer.sender_alone() == pytest.approx(sum(r["sender_alone"].quality for r in per_row) / len(rows))
+    assert 0.0 <= scorer(ReusePlan.swap([2])) <= 1.0  # the profiler's probe is scored the same way
+
+
+def test_scorer_with_an_identical_sender_matches_full_prefill(pair) -> None:
+    """A sender equal to the receiver: every plan answers exactly as full prefill does."""
+    _, recv = pair
+    rows = make_rows("multihop_qa", "test", 2, SHAPE)
+    scorer = PairScorer(recv, recv, rows, TASKS["multihop_qa"])
+    res = next(scorer.paths({"reuse": ReusePlan.full_reuse()}))
+    assert res["reuse"].prediction == res["receiver_full_prefill"].prediction
+    assert scorer.quality(ReusePlan.full_reuse()) == scorer.quality(ReusePlan.full_prefill())
+
+
+def test_score_text_cuts_and_strips_like_the_scorer() -> None:
+    """The demo's text from a receiver service is scored as the scorer scores decoded ids:
+    cut at the first stop string, stripped (code keeps its indentation)."""
+    qa = task_spec("multihop_qa")
+    assert score_text(qa, " amber . anna", ["amber"]) == 1.0
+    assert score_text(qa, "anna amber", ["amber"]) < 1.0
+    code = task_spec("code_completion")
+    assert score_text(code, "\n    return x\n", ["    return x"]) == 1.0
+    two = task_spec("custom", stop=(" end", " ."))
+    assert score_text(two, "anna . amber end", ["anna"]) == 1.0
+
+
+def test_scorer_rejects_no_rows(pair) -> None:
+    """Scoring on zero rows is an error, not a division by zero later."""
+    send, recv = pair
+    with pytest.raises(ValueError, match="no rows"):
+        PairScorer(send, recv, [], TASKS["multihop_qa"])

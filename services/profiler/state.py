@@ -1,0 +1,20 @@
+"""What the profiler's handlers share (`ProfilerState`), apart from the service that builds it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from services.profiler.config import ProfilerConfig
+from shared.config_board import ConfigBoard
+
+
+class ProfilerState:
+    """Config, the config board results go to, and the torch worker thread."""
+
+    def __init__(self, cfg: ProfilerConfig, board: ConfigBoard, run_torch: Callable[..., Awaitable[Any]]):
+        self.cfg, self.board, self._torch = cfg, board, run_torch
+
+    async def run_torch(self, fn: Any, *args: Any) -> Any:
+        """Run torch work on the service's single worker thread (never on the event loop)."""
+        return await self._torch(fn, *args)

@@ -1,0 +1,71 @@
+"""What the receiver's handlers and pipeline share (`ReceiverState`), apart from the service
+that builds it (`service.py`), so handlers never import the service."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from services.receiver.config import ReceiverConfig
+from shared.bus import Bus
+from shared.kv import policy
+from shared.metrics import Metrics
+from shared.model.adapter import ModelAdapter
+from shared.runtime import Supervisor
+from shared.transport.bulk import make_client
+from shared.wire import schemas
+
+log = structlog.get_logger("receiver")
+
+
+class ReceiverState:
+    """What the handlers share: config, model (and its weights' sha256), bus, bulk client, pair
+    configs, the torch thread."""
+
+    def __init__(self, cfg: ReceiverConfig, bus: Bus, model: ModelAdapter, model_sha256: str,
+                 run_torch: Callable[..., Awaitable[Any]], tasks: Supervisor, metrics: Metrics):
+        self.cfg, self.bus, self.model, self._torch, self._tasks = cfg, bus, model, run_torch, tasks
+        self.metrics = metrics
+        self.bulk = make_client(cfg.transport)
+        # What the reuse policy knows of this receiver.
+        self.policy_facts = policy.Receiver(model_id=cfg.model_id, model_sha256=model_sha256,
+                                            num_layers=model.num_layers, default_group=cfg.default_group)
+        self.pull_slots = asyncio.Semaphore(cfg.max_concurrent_pulls)
+        self.configs: dict[str, schemas.RecomputeConfig] = {}  # sender model -> newest profile for us
+        self.inflight = 0  # generate requests being served (the torch thread runs one at a time)
+        self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput
+        self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
+        self._warmed: set[str] = set()  # bulk addresses connected ahead of a pull
+        self.replies: OrderedDict[str, asyncio.Future] = OrderedDict()  # recent request id -> answer
+
+    def remember(self, request_id: str, fut: asyncio.Future, keep: int = 4096) -> None:
+        self.replies[request_id] = fut
+        while len(self.replies) > keep:
+            self.replies.popitem(last=False)
+
+    def observe_pull(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            bps = nbytes / seconds
+            self.bandwidth_bps = bps if self.bandwidth_bps is None else 0.8 * self.bandwidth_bps + 0.2 * bps
+
+    async def run_torch(self, fn: Any, *args: Any) -> Any:
+        """Run torch work on the service's single worker thread (never on the event loop)."""
+        return await self._torch(fn, *args)
+
+    async def warm(self, address: str) -> None:
+        """Connect to a sender's bulk address in the background, once."""
+        if address in self._warmed:
+            return
+        self._warmed.add(address)
+        self._tasks.spawn(self._warm(address), f"warm-{address}")
+
+    async def _warm(self, address: str) -> None:
+        try:
+            await self.bulk.warm(address)
+        except Exception as e:  # a dead sender is found again at pull time; the pull falls back
+            self._warmed.discard(address)
+            log.warning("warm_failed", address=address, error=repr(e))

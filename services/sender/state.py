@@ -1,0 +1,41 @@
+"""What the sender's handlers share (`SenderState`), apart from the service that builds it
+(`service.py`), so handlers never import the service."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from services.sender.config import SenderConfig
+from services.sender.store import CacheStore
+from shared.bus import Bus
+from shared.metrics import Metrics
+from shared.model.adapter import ModelAdapter
+from shared.transport.tokens import TokenIssuer
+from shared.wire.schemas import Transport
+
+
+class SenderState:
+    """What the handlers share: config, model (and its weights' sha256), store, bus, where the bulk
+    server listens, and the torch worker thread."""
+
+    def __init__(self, cfg: SenderConfig, bus: Bus, model: ModelAdapter, model_sha256: str,
+                 run_torch: Callable[..., Awaitable[Any]], metrics: Metrics):
+        self.cfg, self.bus, self.model, self._torch, self.metrics = cfg, bus, model, run_torch, metrics
+        self.model_sha256 = model_sha256
+        self.store = CacheStore(cfg.store_bytes)
+        metrics.store_bytes.set_function(lambda: self.store.nbytes)
+        metrics.store_contexts.set_function(lambda: len(self.store.ids()))
+        self.bulk_transport: Transport = "ucx"  # set once the bulk server listens
+        self.bulk_address = ""
+        self.profiled_e_layers: dict[str, set[int]] = {}  # receiver model -> group starts it may use
+        self.tokens = TokenIssuer(cfg.token_ttl_s)
+        self.announced_until: dict[str, float] = {}  # context -> expiry of its last announced token
+
+    def e_layers(self) -> list[int]:
+        """Configured E layers plus every group start a profiled receiver may choose online."""
+        return sorted(set(self.cfg.e_layers).union(*self.profiled_e_layers.values()))
+
+    async def run_torch(self, fn: Any, *args: Any) -> Any:
+        """Run torch work on the service's single worker thread (never on the event loop)."""
+        return await self._torch(fn, *args)

@@ -1,0 +1,174 @@
+"""The reuse policy: from a request, a pair's config, a holder and online state to a plan and why.
+
+Pure: no bus, no transport, no clock; the receiver calls `decide` once per request (on its event
+loop; it never blocks) and `accepts` when a pair config arrives. The sequence:
+  1. a forced mode wins (`full_prefill`, `full_reuse`: benchmarks and the demo's columns);
+  2. no holder (the broker's miss reason is kept) -> full prefill;
+  3. the pair's config, if it was profiled for exactly these weights (both sha256s), picks an
+     online point (below); a config for other weights is stale and ignored;
+  4. no config: the receiver's default group, if configured and the holder has its E;
+  5. otherwise full prefill, with the reason.
+Online choice among the config's frontier (DroidSpeak Appendix B, plus bandwidth). Estimated
+TTFT of recomputing k of L layers on a T-token context, pipelined (E first, recompute while the
+reused KV streams):
+    ttft(k) = max(recompute(T, k), transfer(T, k))
+    recompute = the pair's fitted latency model at k layers; transfer = (E's + reused KV) / bandwidth
+Among points whose quality meets the target (>= (1 - tolerance) x full prefill) and whose E
+the holder keeps:
+  - requests queued (or no SLO): the lowest estimated TTFT (with unlimited bandwidth, the fewest
+    recomputed layers: the paper's rule);
+  - nothing queued: the most recomputation whose estimate still meets the request's SLO (quality
+    for free), else the lowest estimated TTFT.
+A slow link pushes the choice towards recomputing more layers (fewer bytes to pull).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shared.kv.plan import ReusePlan
+from shared.wire.schemas import (CacheAvailable, CodecParams, FrontierPoint, LatencyFit, Mode, Path, PlanSpec,
+                                 RecomputeConfig)
+
+Reason = tuple[str, str]  # (bounded code for metrics, text for the reply and the log)
+
+
+@dataclasses.dataclass(frozen=True)
+class Receiver:
+    """What the policy needs to know about the receiver itself."""
+
+    model_id: str
+    model_sha256: str
+    num_layers: int
+    default_group: tuple[int, ...] = ()  # (start, end) used without a config; () = none
+
+
+@dataclasses.dataclass(frozen=True)
+class Online:
+    """The receiver's state when the request is decided."""
+
+    tokens: int  # prompt tokens
+    queued: int = 0  # other requests in the receiver
+    bandwidth_bps: float | None = None  # recent pull throughput; None = unknown (ignored)
+    slo_s: float | None = None  # the request's TTFT objective, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    plan: ReusePlan
+    path: Path
+    reason: Reason | None = None  # why the path is full prefill, when it is
+    codec: str = "raw"
+    codec_params: CodecParams = dataclasses.field(default_factory=dict)
+
+
+def accepts(cfg: RecomputeConfig, receiver: Receiver) -> bool:
+    """Whether a published config is for this receiver's exact weights and layer count."""
+    return (cfg.receiver_model == receiver.model_id and cfg.receiver_sha256 == receiver.model_sha256
+            and cfg.total_layers == receiver.num_layers)
+
+
+def decide(mode: Mode, holder: CacheAvailable | None, miss: Reason | None, cfg: RecomputeConfig | None,
+           receiver: Receiver, online: Online) -> Decision:
+    """The plan for one request (see the module docstring for the order of the rules)."""
+    if mode == "full_prefill":
+        return _prefill(("forced", "full prefill requested"))
+    if holder is None:
+        return _prefill(miss or ("no_cache", "no cached prefix"))
+    if mode == "full_reuse":
+        return Decision(ReusePlan.full_reuse(), "full_reuse")
+    if cfg is not None and cfg.sender_sha256 != holder.model_sha256:
+        cfg = None
+        stale: Reason | None = ("stale_config", f"the config for {holder.model_id} was profiled on other weights")
+    else:
+        stale = None
+    if cfg is not None:
+        p = select_point(cfg, queued=online.queued, tokens=online.tokens, slo_s=online.slo_s,
+                         bandwidth_bps=online.bandwidth_bps, e_layers=set(holder.e_layers))
+        if p is None:
+            return _prefill(("no_e", f"sender holds E for none of the profiled groups {holder.e_layers}"))
+        return _reuse(plan_of(p.plan), p.plan)
+    if receiver.default_group:
+        s, e = receiver.default_group
+        if s > 0 and s not in holder.e_layers:
+            return _prefill(("no_e", f"sender holds no E for layer {s} (has {holder.e_layers})"))
+        return _reuse(ReusePlan.recompute(s, min(e, receiver.num_layers)))
+    return _prefill(stale or ("no_config", f"no recompute config for {holder.model_id} -> {receiver.model_id}"))
+
+
+def path_of(plan: ReusePlan) -> Path:
+    """The reply's path for a plan the receiver served."""
+    if plan.mode == "groups":
+        return "partial"
+    if plan.mode in ("full_reuse", "cacheblend", "full_prefill"):
+        return plan.mode
+    raise ValueError(f"plan {plan.label()} is a probe, not a serving plan")
+
+
+def plan_of(spec: PlanSpec) -> ReusePlan:
+    """A published plan as the engine's `ReusePlan` (no groups: full reuse)."""
+    return ReusePlan.recompute_groups(spec.groups)
+
+
+def spec_of(plan: ReusePlan) -> PlanSpec:
+    """The published form of a groups / full-reuse plan (raw codec)."""
+    return PlanSpec(groups=[(s, e) for s, e in plan.groups])
+
+
+def _prefill(reason: Reason) -> Decision:
+    return Decision(ReusePlan.full_prefill(), "full_prefill", reason)
+
+
+def _reuse(plan: ReusePlan, spec: PlanSpec | None = None) -> Decision:
+    if spec is None:
+        return Decision(plan, path_of(plan))
+    return Decision(plan, path_of(plan), codec=spec.codec, codec_params=dict(spec.codec_params))
+
+
+# -- online choice among a config's frontier -----------------------------------------------
+def prefill_seconds(fit: LatencyFit, tokens: int, layers: int) -> float:
+    """The fitted compute time of running `layers` layers over `tokens` tokens."""
+    return fit.c0 + fit.c_tok * tokens + fit.c_layer_tok * tokens * layers + fit.c_attn * tokens * tokens * layers
+
+
+def transfer_seconds(fit: LatencyFit, tokens: int, e_count: int, reused_layers: int, bandwidth_bps: float | None
+                     ) -> float:
+    if not bandwidth_bps:
+        return 0.0
+    nbytes = tokens * (e_count * fit.e_bytes_per_token + reused_layers * fit.kv_bytes_per_token_layer)
+    return nbytes / bandwidth_bps
+
+
+def estimated_ttft(cfg: RecomputeConfig, p: FrontierPoint, tokens: int, bandwidth_bps: float | None) -> float:
+    if cfg.latency is None:
+        return float(p.recomputed_layers)  # no fit: fewer layers is faster, all we know
+    fit = cfg.latency
+    compute = prefill_seconds(fit, tokens, p.recomputed_layers)
+    e_count = sum(1 for s, _ in p.plan.groups if s > 0)
+    move = transfer_seconds(fit, tokens, e_count, cfg.total_layers - p.recomputed_layers, bandwidth_bps)
+    return max(compute, move)
+
+
+def eligible(cfg: RecomputeConfig, e_layers: set[int] | None = None) -> list[FrontierPoint]:
+    """Frontier points meeting the quality target whose E the holder keeps (None: any)."""
+    target = (1.0 - cfg.tolerance) * cfg.full_prefill_quality
+    pts = [p for p in cfg.frontier or [cfg.chosen] if p.quality >= target] or [cfg.chosen]
+    if e_layers is not None:
+        pts = [p for p in pts if all(s == 0 or s in e_layers for s, _ in p.plan.groups)]
+    return pts
+
+
+def select_point(cfg: RecomputeConfig, *, queued: int, tokens: int, slo_s: float | None = None,
+                 bandwidth_bps: float | None = None, e_layers: set[int] | None = None) -> FrontierPoint | None:
+    """The frontier point for one request; None when the holder keeps E for no eligible point."""
+    pts = eligible(cfg, e_layers)
+    if not pts:
+        return None
+    ttft = [estimated_ttft(cfg, p, tokens, bandwidth_bps) for p in pts]
+    fastest = min(range(len(pts)), key=lambda i: (ttft[i], pts[i].recomputed_layers))
+    if queued > 0 or slo_s is None:
+        return pts[fastest]
+    within = [i for i in range(len(pts)) if ttft[i] <= slo_s]
+    if not within:
+        return pts[fastest]
+    return pts[max(within, key=lambda i: (pts[i].recomputed_layers, pts[i].quality))]

@@ -1,0 +1,172 @@
+"""The one scorer of reuse plans: how much of a receiver's quality survives reusing a sender's KV.
+
+Used by `droidmesh eval` (`report.evaluate_pair`), `droidmesh profile` (the search's quality
+oracle), `droidmesh bench quality`, and, through `score_text`, by the demo on answers a receiver
+service returned. For every row the sender prefills the context once (keeping KV and E at every
+layer, so any plan can be asked for); the model under test then prefills context + question
+per the plan and greedy-decodes, and the task metric scores the answer text.
+
+Two ways to ask, over the same computation:
+  quality(plan)   mean task score, memoised per plan; plan-major, so the captured sender
+                  contexts are kept (the profiler's search asks for plans one at a time)
+  paths(plans)    row-major, one capture per row at a time: per plan the task score, the gold
+                  answer's mean NLL (teacher-forced after the same prefill) and the KL / top-1
+                  agreement of its next-token distributions against the receiver's full
+                  prefill over the same positions (the eval table)
+The per-layer probes are both plans scored here: `per_layer_plan(l)` ("reuse only layer l":
+[0,l) and [l+1,L) recomputed, layer l+1 from the sender's E: the eval table) and
+`ReusePlan.swap([l])` (only layer l's KV swapped into the receiver's own prefill, no E: the
+profiler's sensitivity, see `shared/profiling/search.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from shared.kv.blocks import CapturedContext
+from shared.kv.capture import capture_prefill
+from shared.kv.partial import prefill
+from shared.kv.plan import ReusePlan
+from shared.kv.sources import CapturedSource
+from shared.model.adapter import ModelAdapter
+from shared.tasks import metrics
+from shared.tasks.rows import answer_text, decode_answer, encode_row
+from shared.tasks.spec import TaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    context: list[int]
+    question: list[int]
+    answer: list[int]
+    answers: tuple[str, ...]
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.context + self.question
+
+    @property
+    def suffix(self) -> int:
+        """Prompt tokens every plan computes itself (at least one: the sender holds the context)."""
+        return len(self.prompt) - min(len(self.context), len(self.prompt) - 1)
+
+
+@dataclasses.dataclass
+class PathResult:
+    """One plan on one row: answer text, task score, gold NLL, and the logits fidelity compares
+    ([suffix + len(answer) - 1, vocab]: the computed prompt positions, then the answer's)."""
+
+    prediction: str
+    quality: float
+    nll: float
+    logits: torch.Tensor
+
+
+def per_layer_plan(layer: int, num_layers: int) -> ReusePlan:
+    """Reuse only `layer`: recompute everything below and above it."""
+    groups = [(s, e) for s, e in ((0, layer), (layer + 1, num_layers)) if e > s]
+    return ReusePlan.recompute_groups(groups)
+
+
+def score_text(spec: TaskSpec, text: str, answers: Sequence[str]) -> float:
+    """The task score of a generated text (cut and stripped as the task says)."""
+    return metrics.score(spec.metric, answer_text(text, spec), answers)
+
+
+class PairScorer:
+    """Scores plans for (sender, receiver) on `rows` of one task; blocks (torch, CPU or GPU)."""
+
+    def __init__(self, sender: ModelAdapter, receiver: ModelAdapter, rows: Sequence[dict[str, Any]], spec: TaskSpec):
+        if not rows:
+            raise ValueError("no rows to score on")
+        self.sender, self.receiver, self.spec = sender, receiver, spec
+        self.rows = [Encoded(*encode_row(receiver.tokenizer, r, spec), tuple(r["answers"])) for r in rows]
+        self.ids = [r.get("_id") for r in rows]
+        self._captured: dict[int, CapturedContext] = {}
+        self._quality: dict[ReusePlan, float] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.receiver.num_layers
+
+    def quality(self, plan: ReusePlan) -> float:
+        """Mean task score of the receiver under `plan` (in [0, 1]); memoised."""
+        if plan not in self._quality:
+            self._quality[plan] = statistics.fmean(
+                self._score(self.receiver, i, plan, self._kept_capture(i)) for i in range(len(self.rows)))
+        return self._quality[plan]
+
+    __call__ = quality
+
+    def sender_alone(self) -> float:
+        """The sender answering the receiver's task by itself (its own full prefill)."""
+        return statistics.fmean(self._score(self.sender, i, ReusePlan.full_prefill(), None)
+                                for i in range(len(self.rows)))
+
+    def paths(self, plans: Mapping[str, ReusePlan], *, progress: bool = False
+              ) -> Iterator[dict[str, PathResult]]:
+        """Per row, in order: {"receiver_full_prefill", "sender_alone", *plans} -> PathResult."""
+        for i in tqdm(range(len(self.rows)), desc=f"eval {self.spec.name}", unit="row", disable=not progress):
+            capture = self._captured.get(i) or self._capture(i)
+            full = ReusePlan.full_prefill()
+            res = {"receiver_full_prefill": self._path(self.receiver, i, full, None),
+                   "sender_alone": self._path(self.sender, i, full, None)}
+            for name, plan in plans.items():
+                res[name] = self._path(self.receiver, i, plan, capture)
+            yield res
+
+    # -- one row ------------------------------------------------------------------------------
+    def _capture(self, i: int) -> CapturedContext:
+        return capture_prefill(self.sender, self.rows[i].context, e_layers=range(self.sender.num_layers))
+
+    def _kept_capture(self, i: int) -> CapturedContext:
+        if i not in self._captured:
+            self._captured[i] = self._capture(i)
+        return self._captured[i]
+
+    def _score(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None) -> float:
+        row = self.rows[i]
+        pre = prefill(model, row.prompt, plan, _source(plan, capture))
+        tokens = _greedy(model, pre.cache, int(pre.logits[-1].argmax()), len(row.prompt), self.spec.max_new_tokens)
+        return metrics.score(self.spec.metric, decode_answer(model.tokenizer, tokens, self.spec), row.answers)
+
+    def _path(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None) -> PathResult:
+        """Prefill per `plan`, then (a) teacher-force the gold answer for its NLL and fidelity
+        logits, (b) greedy-decode on a copy of the cache for the task score."""
+        row = self.rows[i]
+        pre = prefill(model, row.prompt, plan, _source(plan, capture))
+        gen_cache = copy.deepcopy(pre.cache)
+        ans_logits = pre.logits[-1:]  # [1, vocab] predicts answer[0]
+        if len(row.answer) > 1:
+            ids = torch.tensor([row.answer[:-1]], device=model.device)
+            h = model.run_layers(model.embed(ids), 0, model.num_layers, pre.cache, past=len(row.prompt))
+            ans_logits = torch.cat([ans_logits, model.logits(h)[0]])  # [A, vocab]
+        nll = metrics.answer_nll(ans_logits, row.answer)
+        tokens = _greedy(model, gen_cache, int(pre.logits[-1].argmax()), len(row.prompt), self.spec.max_new_tokens)
+        pred = decode_answer(model.tokenizer, tokens, self.spec)
+        logits = torch.cat([pre.logits[-row.suffix:], ans_logits[1:]])
+        return PathResult(pred, metrics.score(self.spec.metric, pred, row.answers), nll, logits)
+
+
+def _source(plan: ReusePlan, capture: CapturedContext | None) -> CapturedSource | None:
+    return None if plan.mode == "full_prefill" or capture is None else CapturedSource(capture)
+
+
+def _greedy(model: ModelAdapter, cache: Any, first: int, past: int, n: int) -> list[int]:
+    """Greedy decoding on `cache` (advanced in place) from the first token, up to `n` tokens or EOS."""
+    eos = getattr(model.tokenizer, "eos_token_id", None) if model.tokenizer is not None else None
+    tokens, token = [first], first
+    while len(tokens) < n and token != eos:
+        ids = torch.tensor([[token]], device=model.device)
+        h = model.run_layers(model.embed(ids), 0, model.num_layers, cache, past=past)
+        token = int(model.logits(h)[0, -1].argmax())
+        tokens.append(token)
+        past += 1
+    return tokens

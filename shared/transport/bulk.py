@@ -1,0 +1,181 @@
+"""The bulk channel: per-layer tensors peer to peer, never through the bus.
+
+Two narrow roles, each a coroutine API on the owning service's event loop (none blocks the loop):
+  `BulkServer` (sender)    `start()` listens and returns the address receivers dial (announced
+                           in `CacheAvailable` with the channel's `transport` name); `close()`.
+  `BulkClient` (receiver)  `pull(address, request, into, on_item, timeout_s)` pulls the request's
+                           items, in order, into the caller's buffers `into` (their shape, dtype and
+                           device say what the receiver expects) and calls `on_item(item, tensor)`
+                           on the loop as each one lands; `warm(address)`; `close()`.
+Implementations: `ucx` (`shared/transport/ucx.py`, real processes) and `inproc`
+(`shared/transport/inproc.py`, one process, no sockets: tests drive the receiver with it).
+`make_server` / `make_client` pick one by name; the UCX module is imported only when asked for.
+
+Every channel runs the same protocol, so its checks live here, once:
+  1. the client sends one `PullRequest` (items in the order it wants them: E first);
+  2. the server authorizes it (capability token), looks every item up in its store, encodes each
+     with the requested codec (or `raw` when it lacks that codec) and answers one `PullResponse`
+     with every item's `TensorHeader` up front, then sends the payloads in order;
+  3. the client checks every header against its own buffer (context, layer, kind, shape, dtype),
+     that the codec is registered here and that the payload is no larger than that codec's
+     bound for the buffer, all before receiving a byte; then, per landed payload, verifies the
+     checksum and decodes into the buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import structlog
+import torch
+
+from shared.device import dtype_name
+from shared.errors import DroidMeshError, IntegrityError, TransferError
+from shared.transport import codecs
+from shared.wire import schemas
+from shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
+
+log = structlog.get_logger("bulk")
+
+# (context_id, layer, kind) -> the stored tensor, or None when the sender does not hold it.
+TensorLookup = Callable[[str, int, str], "torch.Tensor | None"]
+# Raises (e.g. `UnauthorizedError`) to refuse a pull.
+Authorize = Callable[[PullRequest], None]
+# Called on the client's event loop as each item lands, in request order.
+OnItem = Callable[[PullItem, torch.Tensor], None]
+
+
+class BulkServer(Protocol):
+    transport: Transport
+
+    async def start(self) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+class BulkClient(Protocol):
+    transport: Transport
+
+    async def pull(self, address: str, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem,
+                   timeout_s: float) -> int: ...
+
+    async def warm(self, address: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+TRANSPORTS: tuple[Transport, ...] = ("ucx", "inproc")
+
+
+def make_server(transport: str, lookup: TensorLookup, authorize: Authorize | None, *, host: str = "127.0.0.1",
+                port: int = 0, name: str = "") -> BulkServer:
+    """The sender's server for `transport` (ucx listens on host:port; inproc registers `name`)."""
+    if transport == "ucx":
+        from shared.transport.ucx import UcxBulkServer
+
+        return UcxBulkServer(lookup, authorize, host=host, port=port)
+    if transport == "inproc":
+        from shared.transport.inproc import InProcessBulkServer
+
+        return InProcessBulkServer(lookup, authorize, name=name)
+    raise TransferError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
+
+
+def make_client(transport: str) -> BulkClient:
+    if transport == "ucx":
+        from shared.transport.ucx import UcxBulkClient
+
+        return UcxBulkClient()
+    if transport == "inproc":
+        from shared.transport.inproc import InProcessBulkClient
+
+        return InProcessBulkClient()
+    raise TransferError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
+
+
+# -- server side ------------------------------------------------------------------------------
+def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None
+           ) -> tuple[PullResponse, list[torch.Tensor]]:
+    """The response to `request` and the payloads to send after it, in item order. A refusal
+    (unauthorized, unknown item) is a response with `error` and no payloads."""
+    try:
+        if authorize is not None:
+            authorize(request)
+        tensors = []
+        for item in request.items:
+            t = lookup(request.context_id, item.layer, item.kind)
+            if t is None:
+                raise TransferError(f"sender does not hold {request.context_id} layer {item.layer} {item.kind}")
+            tensors.append(t)
+    except DroidMeshError as e:
+        log.warning("pull_refused", code=e.code, error=str(e))
+        return PullResponse(headers=[], error=f"{e.code}: {e}"), []
+    codec = _server_codec(request.codec)
+    headers, payloads = [], []
+    for item, t in zip(request.items, tensors):
+        payload, params = codec.encode(t, request.codec_params)
+        headers.append(TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind,
+                                    shape=list(t.shape), dtype=dtype_name(t.dtype), codec=codec.name,
+                                    codec_params=params, nbytes=payload.numel(), checksum=codecs.checksum(payload)))
+        payloads.append(payload)
+    return PullResponse(headers=headers), payloads
+
+
+def _server_codec(name: str) -> codecs.Codec:
+    try:
+        return codecs.get(name)
+    except IntegrityError:  # a codec this sender lacks: raw is always understood
+        return codecs.get("raw")
+
+
+# -- client side ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Landing:
+    """Where one item's payload is received: straight into the caller's buffer (`direct`) or into
+    a staging buffer that is decoded into it."""
+
+    item: PullItem
+    header: TensorHeader
+    codec: codecs.Codec
+    out: torch.Tensor  # the caller's buffer
+    recv: torch.Tensor  # uint8 [header.nbytes] on the CPU: `out`'s own bytes or a staging buffer
+
+    def land(self) -> torch.Tensor:
+        """Verify the received payload and decode it into `out`; return `out`."""
+        got = codecs.checksum(self.recv)
+        if got != self.header.checksum:
+            raise IntegrityError(f"checksum mismatch for layer {self.item.layer} {self.item.kind}: "
+                                 f"{got} != {self.header.checksum}")
+        self.codec.decode(self.recv, self.header, self.out)
+        return self.out
+
+
+def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.Tensor]) -> list[Landing]:
+    """Check the response against the request and the caller's buffers; allocate only what a
+    checked header allows. Raises `TransferError` (refused) or `IntegrityError` (mismatch)."""
+    if response.error:
+        raise TransferError(f"sender refused the pull: {response.error}")
+    if len(into) != len(request.items):
+        raise ValueError(f"{len(into)} buffers for {len(request.items)} items")
+    if len(response.headers) != len(request.items):
+        raise IntegrityError(f"{len(response.headers)} headers for {len(request.items)} items")
+    out = []
+    for item, header, buf in zip(request.items, response.headers, into):
+        want = (request.context_id, item.layer, item.kind, list(buf.shape), dtype_name(buf.dtype))
+        got = (header.context_id, header.layer, header.kind, list(header.shape), header.dtype)
+        if got != want:
+            raise IntegrityError(f"header {got} does not match the expected layout {want}")
+        codec = codecs.get(header.codec)
+        bound = codec.max_nbytes(tuple(buf.shape), buf.dtype, header.codec_params)
+        if not 0 <= header.nbytes <= bound:
+            raise IntegrityError(f"layer {item.layer} {item.kind}: {header.nbytes} encoded bytes, "
+                                 f"{header.codec} allows at most {bound}")
+        direct = codecs.direct_view(codec, buf)
+        if direct is not None and direct.numel() == header.nbytes:
+            recv = direct
+        else:
+            recv = torch.empty(header.nbytes, dtype=torch.uint8)
+        out.append(Landing(item, header, codec, buf, recv))
+    return out

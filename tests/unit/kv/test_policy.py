@@ -1,0 +1,121 @@
+"""The reuse policy: which plan a request gets, and why, from config, holder and online state."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.kv import policy
+from shared.kv.plan import ReusePlan
+from shared.wire.schemas import (CacheAvailable, FrontierPoint, Fingerprint, LatencyFit, PlanSpec,
+                                 RecomputeConfig)
+
+# 12 layers; 1 ms per 1k tokens per layer of compute, nothing else.
+FIT = LatencyFit(c0=0.0, c_tok=0.0, c_layer_tok=1e-6, c_attn=0.0, kv_bytes_per_token_layer=1000, e_bytes_per_token=2000)
+FRONTIER = [
+    FrontierPoint(PlanSpec(groups=[]), 0, 0.50),  # full reuse: below target
+    FrontierPoint(PlanSpec(groups=[(2, 4)]), 2, 0.96),  # the chosen: fewest layers within 5% of 1.0
+    FrontierPoint(PlanSpec(groups=[(2, 6)]), 4, 0.98),
+    FrontierPoint(PlanSpec(groups=[(0, 8)]), 8, 1.00),
+]
+CFG = RecomputeConfig(sender_model="s", receiver_model="r", sender_sha256="S1", receiver_sha256="R1",
+                      profile_version=1, task="qa", tolerance=0.05, chosen=FRONTIER[1], frontier=FRONTIER,
+                      full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=12, latency=FIT)
+ME = policy.Receiver(model_id="r", model_sha256="R1", num_layers=12)
+FP = Fingerprint("llama", 12, 8, 2, 1, 4, "rope", "v")
+
+
+def holder(e_layers: tuple[int, ...] = (0, 2), sha: str = "S1") -> CacheAvailable:
+    return CacheAvailable(sender_id="s-1", model_id="s", model_sha256=sha, fingerprint=FP, fingerprint_id="f",
+                          context_id="c", token_ids=[1, 2, 3], dtype="float32", kv_nbytes=[1] * 12,
+                          e_layers=list(e_layers), e_nbytes=1, transport="inproc", address="a", published_at=0.0)
+
+
+def test_queue_picks_fewest_layers_meeting_quality():
+    """With requests queued (unlimited bandwidth) the fewest layers above the target win."""
+    assert policy.select_point(CFG, queued=3, tokens=4000) == FRONTIER[1]
+
+
+def test_idle_with_slo_spends_spare_time_on_quality():
+    """With no queue, the most recomputation whose estimate meets the SLO is chosen."""
+    # 4000 tokens: k layers cost 4 ms each; an 18 ms SLO admits k = 4 but not k = 8.
+    assert policy.select_point(CFG, queued=0, tokens=4000, slo_s=0.018) == FRONTIER[2]
+    assert policy.select_point(CFG, queued=0, tokens=4000, slo_s=1.0) == FRONTIER[3]
+
+
+def test_impossible_slo_falls_back_to_fastest():
+    """An SLO no point meets yields the fastest eligible point, never one below target."""
+    assert policy.select_point(CFG, queued=0, tokens=4000, slo_s=1e-6) == FRONTIER[1]
+
+
+def test_slow_link_pushes_towards_more_recompute():
+    """On a slow link, recomputing more layers pulls fewer bytes and is estimated faster."""
+    slow = 10e6  # 10 MB/s
+    est = {p.recomputed_layers: policy.estimated_ttft(CFG, p, 4000, slow) for p in FRONTIER[1:]}
+    assert est[8] < est[4] < est[2]
+    assert policy.select_point(CFG, queued=3, tokens=4000, bandwidth_bps=slow) == FRONTIER[3]
+
+
+def test_config_plan_is_the_selected_point():
+    """A fitting config turns into that point's groups, served as `partial` with its codec."""
+    d = policy.decide("auto", holder(), None, CFG, ME, policy.Online(tokens=4000, queued=3))
+    assert (d.plan, d.path, d.reason, d.codec) == (ReusePlan.recompute(2, 4), "partial", None, "raw")
+
+
+def test_forced_modes_win():
+    """full_prefill is forced even with a holder; full_reuse needs a holder, else full prefill."""
+    assert policy.decide("full_prefill", holder(), None, CFG, ME, policy.Online(10)).reason[0] == "forced"
+    assert policy.decide("full_reuse", holder(), None, None, ME, policy.Online(10)).path == "full_reuse"
+    miss = ("no_cache", "no cached prefix")
+    assert policy.decide("full_reuse", None, miss, None, ME, policy.Online(10)).reason == miss
+
+
+def test_config_for_other_sender_weights_is_stale():
+    """A sender re-trained under the same name does not inherit the pair's config."""
+    d = policy.decide("auto", holder(sha="S2"), None, CFG, ME, policy.Online(10))
+    assert (d.path, d.reason[0]) == ("full_prefill", "stale_config")
+
+
+def test_stale_config_falls_back_to_the_default_group():
+    """With a stale config, a configured default group still serves the request."""
+    me = policy.Receiver(model_id="r", model_sha256="R1", num_layers=12, default_group=(2, 6))
+    d = policy.decide("auto", holder(sha="S2"), None, CFG, me, policy.Online(10))
+    assert d.plan == ReusePlan.recompute(2, 6)
+
+
+def test_receiver_accepts_only_configs_of_its_own_weights():
+    """A config profiled on other receiver weights or another layer count is not accepted."""
+    assert policy.accepts(CFG, ME)
+    assert not policy.accepts(CFG, policy.Receiver("r", "R2", 12))
+    assert not policy.accepts(CFG, policy.Receiver("r", "R1", 6))
+
+
+def test_holder_without_the_points_e_is_not_used():
+    """Points whose transition E the holder lacks are skipped; none left means full prefill."""
+    d = policy.decide("auto", holder(e_layers=(0,)), None, CFG, ME, policy.Online(4000, queued=3))
+    assert d.plan == ReusePlan.recompute(0, 8)
+    only_mid = RecomputeConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__},
+                                  "frontier": FRONTIER[1:3], "chosen": FRONTIER[1]})
+    d = policy.decide("auto", holder(e_layers=(0,)), None, only_mid, ME, policy.Online(4000))
+    assert (d.path, d.reason[0]) == ("full_prefill", "no_e")
+
+
+def test_no_config_no_default_is_full_prefill_with_reason():
+    """Without a config or default group the receiver computes itself and says why."""
+    d = policy.decide("auto", holder(), None, None, ME, policy.Online(10))
+    assert (d.path, d.reason[0]) == ("full_prefill", "no_config")
+
+
+@pytest.mark.parametrize("plan, path", [(ReusePlan.recompute(1, 2), "partial"), (ReusePlan.full_reuse(), "full_reuse"),
+                                        (ReusePlan.cacheblend(0.1), "cacheblend"),
+                                        (ReusePlan.full_prefill(), "full_prefill")])
+def test_every_serving_plan_has_a_path(plan, path):
+    """Each serving mode maps to its reply path; the swap probe is refused, not a KeyError."""
+    assert policy.path_of(plan) == path
+    with pytest.raises(ValueError, match="probe"):
+        policy.path_of(ReusePlan.swap([1]))
+
+
+def test_published_spec_round_trips():
+    """A plan published as a spec comes back as the same plan."""
+    plan = ReusePlan.recompute_groups([(0, 2), (4, 6)])
+    assert policy.plan_of(policy.spec_of(plan)) == plan

@@ -1,0 +1,124 @@
+"""The receiver's reuse path end to end in one process: in-process bus, config board and bulk
+channel (no sockets), real engine on tiny checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import torch
+
+from services.cache_broker.config import BrokerConfig
+from services.cache_broker.service import BrokerService
+from services.receiver.config import ReceiverConfig
+from services.receiver.service import ReceiverService
+from services.sender.config import SenderConfig
+from services.sender.service import SenderService
+from shared.bus import InProcessBus
+from shared.config_board import InMemoryConfigBoard
+from shared.kv.capture import capture_prefill
+from shared.kv.partial import generate
+from shared.kv.plan import ReusePlan
+from shared.kv.sources import CapturedSource
+from shared.model import text
+from shared.models import weights_sha256
+from shared.transport import codecs
+from shared.wire import schemas, subjects
+from shared.wire.schemas import CodecParams, TensorHeader
+
+CONTEXT = " ".join(["alpha beta gamma delta"] * 12)
+QUESTION = " what is gamma"
+
+
+class XorCodec:
+    """A toy lossless codec: every byte XOR 0x5A. Counts what it decodes."""
+
+    name = "toy-xor"
+    decoded = 0
+
+    def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
+        return codecs.payload_view(t.contiguous()) ^ 0x5A, {"key": 0x5A}
+
+    def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
+        codecs.payload_view(out).copy_(payload ^ int(header.codec_params["key"]))
+        XorCodec.decoded += 1
+
+    def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
+        return codecs.nbytes_of(shape, dtype)
+
+
+@contextlib.asynccontextmanager
+async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):  # type: ignore[no-untyped-def]
+    bus, board = InProcessBus(), InMemoryConfigBoard()
+    scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2,
+                        transport="inproc")
+    rcfg = ReceiverConfig(model_path=str(tiny_pair[1]), model_id="receiver", default_group=default_group,
+                          transport="inproc")
+    async with BrokerService(BrokerConfig(), bus=bus), \
+            SenderService(scfg, bus=bus, model=tiny_models[0], board=board), \
+            ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board):
+        yield bus, board
+
+
+async def _ask(bus, subject, msg, kind):  # type: ignore[no-untyped-def]
+    return schemas.decode(await bus.request(subject, schemas.encode(msg), timeout=30), kind)
+
+
+async def _prefill_and_ask(bus) -> schemas.GenerateReply:  # type: ignore[no-untyped-def]
+    await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
+               schemas.PrefillReply)
+    await bus.settle()
+    return await _ask(bus, subjects.receiver_generate("receiver"),
+                      schemas.GenerateRequest(request_id="r", context=CONTEXT, question=QUESTION, max_new_tokens=6),
+                      schemas.GenerateReply)
+
+
+def _engine_tokens(tiny_models, plan: ReusePlan) -> list[int]:  # type: ignore[no-untyped-def]
+    sender_m, receiver_m = tiny_models
+    ctx, q = text.prompt_ids(receiver_m.tokenizer, CONTEXT, QUESTION)
+    captured = capture_prefill(sender_m, ctx, [0, 2])
+    return generate(receiver_m, ctx + q, plan, CapturedSource(captured), max_new_tokens=6).tokens
+
+
+def test_reuse_over_the_in_process_channel_equals_the_engine(tiny_pair, tiny_models):
+    """Sender, broker and receiver in one loop, bulk in process: the reply took the partial path,
+    pulled bytes, and its tokens equal the engine's own partial prefill with the same group."""
+
+    async def run() -> schemas.GenerateReply:
+        async with mesh(tiny_pair, tiny_models) as (bus, _):
+            return await _prefill_and_ask(bus)
+
+    reply = asyncio.run(run())
+    assert (reply.path, reply.plan) == ("partial", "recompute [2,6)") and reply.bytes_pulled > 0, reply
+    assert reply.token_ids == _engine_tokens(tiny_models, ReusePlan.recompute(2, 6))
+
+
+@pytest.fixture
+def xor_codec():  # type: ignore[no-untyped-def]
+    codecs.register(XorCodec())
+    XorCodec.decoded = 0
+    yield XorCodec
+    codecs.unregister("toy-xor")
+
+
+def test_receiver_decodes_the_codec_its_pair_config_names(tiny_pair, tiny_models, xor_codec):
+    """A pair config naming a registered codec makes the sender encode and the receiver decode
+    every pulled tensor with it; the answer is unchanged."""
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)], codec="toy-xor"), 2, 0.99)
+    cfg = schemas.RecomputeConfig(
+        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
+        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="t", tolerance=0.05, chosen=point,
+        frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6, created_at=time.time())
+
+    async def run() -> schemas.GenerateReply:
+        async with mesh(tiny_pair, tiny_models, default_group=()) as (bus, board):
+            await board.put(cfg)
+            await bus.settle()
+            return await _prefill_and_ask(bus)
+
+    reply = asyncio.run(run())
+    assert (reply.path, reply.plan) == ("partial", "recompute [2,4)"), reply
+    assert xor_codec.decoded == 1 + 2 * 4  # E of layer 2, K and V of the 4 reused layers
+    assert reply.token_ids == _engine_tokens(tiny_models, ReusePlan.recompute(2, 4))

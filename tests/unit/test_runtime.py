@@ -1,0 +1,199 @@
+"""The service runtime: health before start, supervised loops, signals during start, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+
+from shared.bus import InProcessBus
+from shared.errors import ConfigError
+from shared.runtime import ServiceRuntime, Supervisor, run_until_signalled
+from shared.settings import BusSettings
+
+DEADLINE_S = 30.0  # a bound on waits, not a timing expectation
+
+
+async def until(pred: Callable[[], bool], what: str) -> None:
+    """Yield to the loop until `pred()` holds; fail after DEADLINE_S."""
+    end = asyncio.get_running_loop().time() + DEADLINE_S
+    while not pred():
+        assert asyncio.get_running_loop().time() < end, f"never: {what}"
+        await asyncio.sleep(0)
+
+
+def get(port: int, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+class Toy(ServiceRuntime[BusSettings]):
+    """A service whose `start()` is whatever the test hands it."""
+
+    restart_backoff_s = 0.01
+
+    def __init__(self, start: Callable[[Toy], Awaitable[None]], metrics_port: int = -1):
+        super().__init__("toy", BusSettings(metrics_port=metrics_port), InProcessBus())
+        self._start = start
+        self.released = False
+
+    async def start(self) -> None:
+        await self.connect()
+        await self._start(self)
+
+    async def release(self) -> None:
+        self.released = True
+
+
+def test_crashed_loop_is_restarted_and_readiness_follows():
+    """A supervised loop that raises is restarted; the service is not ready from the crash until then."""
+    runs: list[int] = []
+    crash, resume = asyncio.Event(), asyncio.Event()
+
+    async def loop() -> None:
+        runs.append(len(runs))
+        if len(runs) == 1:
+            await crash.wait()
+            raise ConnectionError("bus gone")
+        await resume.wait()
+
+    async def start(rt: Toy) -> None:
+        rt.tasks.supervise("beat", loop)
+
+    async def run() -> list[bool]:
+        seen = []
+        async with Toy(start) as rt:
+            await until(lambda: len(runs) == 1, "first run")
+            seen.append(rt.ready)
+            crash.set()
+            await until(lambda: not rt.ready, "not ready after the crash")
+            seen.append(rt.ready)
+            await until(lambda: rt.ready, "ready again")
+            seen.append(rt.ready)
+            assert len(runs) == 2
+        seen.append(rt.ready)
+        return seen
+
+    assert asyncio.run(run()) == [True, False, True, False]
+
+
+def test_one_shot_task_failure_keeps_the_service_ready():
+    """A spawned one-shot task that fails is logged, not restarted, and does not affect readiness."""
+    runs: list[int] = []
+
+    async def warm() -> None:
+        runs.append(1)
+        raise OSError("peer gone")
+
+    async def start(rt: Toy) -> None:
+        rt.tasks.spawn(warm(), "warm")
+
+    async def run() -> bool:
+        async with Toy(start) as rt:
+            await until(lambda: bool(runs), "the task ran")
+            for _ in range(10):
+                await asyncio.sleep(0)
+            return rt.ready
+
+    assert asyncio.run(run()) is True
+    assert runs == [1]
+
+
+def test_health_answers_before_the_start_finishes():
+    """/livez is 200 while the start is still loading; /readyz is 503 until it is done, then 200."""
+    loading, loaded = asyncio.Event(), asyncio.Event()
+
+    async def start(rt: Toy) -> None:
+        loading.set()
+        await loaded.wait()
+
+    async def run() -> list[int]:
+        rt = Toy(start, metrics_port=0)
+        entering = asyncio.get_running_loop().create_task(rt.__aenter__())
+        await loading.wait()
+        assert rt.health is not None
+        port = rt.health.port
+        codes = [await asyncio.to_thread(get, port, "/livez"), await asyncio.to_thread(get, port, "/readyz")]
+        loaded.set()
+        await entering
+        codes.append(await asyncio.to_thread(get, port, "/readyz"))
+        await rt.__aexit__(None, None, None)
+        return codes
+
+    assert asyncio.run(run()) == [200, 503, 200]
+
+
+def test_failed_start_cleans_up_and_raises():
+    """A start that raises leaves nothing running: tasks cancelled, release() called, error re-raised."""
+    cancelled: list[bool] = []
+
+    async def forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def start(rt: Toy) -> None:
+        rt.tasks.supervise("forever", forever)
+        await asyncio.sleep(0)
+        raise ConfigError("model has no tokenizer")
+
+    async def run() -> Toy:
+        rt = Toy(start)
+        try:
+            await rt.__aenter__()
+        except ConfigError:
+            return rt
+        raise AssertionError("the start did not fail")
+
+    rt = asyncio.run(run())
+    assert rt.released and not rt.ready and cancelled == [True]
+
+
+def test_sigterm_during_start_stops_the_service():
+    """SIGTERM while the start is still waiting (an unreachable NATS) cancels it and cleans up."""
+    waiting = asyncio.Event()
+
+    async def start(rt: Toy) -> None:
+        rt.phase = "connecting"
+        waiting.set()
+        await asyncio.Event().wait()  # never connects
+
+    async def run() -> Toy:
+        rt = Toy(start)
+        serving = asyncio.get_running_loop().create_task(run_until_signalled(rt))
+        await waiting.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(serving, DEADLINE_S)
+        return rt
+
+    rt = asyncio.run(run())
+    assert rt.released and rt.phase == "connecting" and not rt.ready
+
+
+def test_supervisor_close_cancels_supervised_loops():
+    """close() ends supervised loops for good: they are cancelled, not restarted."""
+    runs: list[int] = []
+
+    async def loop() -> None:
+        runs.append(1)
+        await asyncio.Event().wait()
+
+    async def run() -> bool:
+        sup = Supervisor(backoff_s=0.01)
+        sup.supervise("loop", loop)
+        await until(lambda: bool(runs), "the loop ran")
+        await sup.close()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return sup.healthy
+
+    assert asyncio.run(run()) is True
+    assert runs == [1]
