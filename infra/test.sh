@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Install (if needed) and run the whole test suite: unit, integration, system.
+# Install (if needed), lint and type-check, then run the whole test suite: unit, integration, system.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash infra/bootstrap.sh
+.venv/bin/ruff check shared services tests
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q "$@"

@@ -17,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
 
 from shared.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
 
-RequestHandler = Callable[[bytes], Awaitable[bytes]]
-EventHandler = Callable[[bytes], Awaitable[None]]
+RequestHandler = Callable[[bytes], Coroutine[Any, Any, bytes]]
+EventHandler = Callable[[bytes], Coroutine[Any, Any, None]]
 
 log = structlog.get_logger("bus")
 

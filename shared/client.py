@@ -50,7 +50,7 @@ class MeshClient:
             raise MeshError(schemas.decode(data, schemas.ErrorReply)) from None
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
-                  mode: str = "auto", timeout: float = 60.0, request_id: str | None = None,
+                  mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,
                   attempt_s: float | None = None, ttft_slo_ms: float = 0.0) -> schemas.GenerateReply:
         req = schemas.GenerateRequest(request_id=request_id or uuid.uuid4().hex[:12], context=context,
                                       question=question, max_new_tokens=max_new_tokens, mode=mode,

@@ -27,7 +27,7 @@ from shared.tasks.spec import task_spec
 from shared.wire import schemas
 from shared.zoo.suite import SuiteShape, make_rows
 
-PATHS = ("full_prefill", "full_reuse", "auto")
+PATHS: tuple[schemas.Mode, ...] = ("full_prefill", "full_reuse", "auto")
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 

@@ -28,7 +28,8 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, Self, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 from urllib.parse import urlsplit
 
 import structlog
@@ -38,6 +39,9 @@ from shared.bus import Bus, NatsBus
 from shared.errors import ConfigError, DroidMeshError
 from shared.log import configure_logging
 from shared.metrics import HealthServer, Metrics
+
+if TYPE_CHECKING:
+    from shared.model.adapter import ModelAdapter
 
 log = structlog.get_logger("runtime")
 VERSION = "0.1.0"
@@ -139,6 +143,19 @@ class ServiceRuntime(Generic[C]):
     async def run_torch(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking torch work on the service's single worker thread, never on the loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def host_model(self, given: ModelAdapter | None, path: str, *, device: str, dtype: str, name: str
+                         ) -> tuple[ModelAdapter, str]:
+        """The model this copy serves text with (`given`, or loaded from `path` on the torch thread)
+        and the sha256 of its weights, which pair configs are bound to."""
+        from shared.model.adapter import load_model  # here, not at import: the broker never loads torch
+        from shared.models import weights_sha256
+
+        self.phase = "loading_model"
+        model = given or await self.run_torch(functools.partial(load_model, path, device=device, dtype=dtype, name=name))
+        if model.tokenizer is None:
+            raise ConfigError(f"{path} has no tokenizer; the {self.service} serves text")
+        return model, await self.run_torch(weights_sha256, Path(path))
 
     async def connect(self) -> Bus:
         """The service's bus: the one passed in, or its own NATS connection (retried forever

@@ -39,13 +39,13 @@ def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: dic
     env = dict(os.environ) if env is None else env
     hints = typing.get_type_hints(cls)
     parser = argparse.ArgumentParser(prog=f"python -m services.{service}", description=cls.__doc__)
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # C is a config dataclass; a TypeVar cannot say so
         envs = [f"DM_{service.upper()}_{f.name.upper()}", f"DM_{f.name.upper()}"]
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                             help=f"{f.metadata.get('help', '')} (env {envs[0]} or {envs[1]})")
     args = vars(parser.parse_args(list(argv) if argv is not None else None))
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # as above
         raw = args[f.name]
         if raw is None:
             raw = env.get(f"DM_{service.upper()}_{f.name.upper()}", env.get(f"DM_{f.name.upper()}"))

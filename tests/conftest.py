@@ -103,12 +103,12 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tiny_pair):  # type: ignore[no-untyped-def]
+def tiny_models(tiny_pair):
     return load_model(tiny_pair[0], name="sender"), load_model(tiny_pair[1], name="receiver")
 
 
 @pytest.fixture(scope="session")
-def ci_tier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:  # type: ignore[type-arg]
+def ci_tier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """(directory, manifest) of the zoo's ci tier, built once per session (~25 s, deterministic)."""
     from shared.zoo import build_tier
 

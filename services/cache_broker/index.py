@@ -37,7 +37,7 @@ class SenderLiveness:
 
 
 class CacheIndex:
-    def __init__(self, ttl_factor: float = 3.0, clock=time.monotonic):  # type: ignore[no-untyped-def]
+    def __init__(self, ttl_factor: float = 3.0, clock=time.monotonic):
         self.ttl_factor = ttl_factor
         self._clock = clock
         self._holders: dict[tuple[str, str], CacheAvailable] = {}  # (sender, context) -> event

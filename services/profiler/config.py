@@ -14,7 +14,7 @@ class ProfilerConfig(BusSettings):
     """Profiles pairs on request (off the event loop) and publishes configs to the bucket."""
 
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
-    dtype: str = dataclasses.field(default="", metadata={"help": "dtype models are profiled in (default: bfloat16 on cuda, float32 on cpu)"})
+    dtype: str = dataclasses.field(default="", metadata={"help": "profiling dtype (default: bfloat16 on cuda, float32 on cpu)"})
     max_rows: int = dataclasses.field(default=500, metadata={"help": "cap on n_train / n_test per request"})
 
     def __post_init__(self) -> None:

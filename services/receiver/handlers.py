@@ -111,8 +111,9 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
     stages_ms = {k: round((v - t0) * 1e3, 3) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])}
     stages_ms["done"] = round((done - t0) * 1e3, 3)
     ttft_ms = (stamps["first_token"] - t0) * 1e3
-    why = reason[1] if reason is not None and path in ("fallback", "full_prefill") else None
-    _record(s, path, reason[0] if why else "", ttft_ms, stages_ms, bytes_pulled, stamps)
+    shown = reason if path in ("fallback", "full_prefill") else None
+    why = shown[1] if shown is not None else None
+    _record(s, path, shown[0] if shown is not None else "", ttft_ms, stages_ms, bytes_pulled, stamps)
     log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=why,
              prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=bytes_pulled,
              ttft_ms=round(ttft_ms, 3), stages_ms=stages_ms)

@@ -9,7 +9,6 @@ taken are answered, siblings get new ones), then close the bulk client those req
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import structlog
 
@@ -18,9 +17,7 @@ from services.receiver.config import ReceiverConfig
 from services.receiver.state import ReceiverState
 from shared.bus import Bus
 from shared.config_board import ConfigBoard
-from shared.errors import ConfigError
-from shared.model.adapter import ModelAdapter, load_model
-from shared.models import weights_sha256
+from shared.model.adapter import ModelAdapter
 from shared.runtime import ServiceRuntime
 from shared.service_kit import event, rpc
 from shared.wire import schemas, subjects
@@ -39,12 +36,8 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
 
     async def start(self) -> None:
         cfg = self.cfg
-        self.phase = "loading_model"
-        model = self._model or await self.run_torch(
-            functools.partial(load_model, cfg.model_path, device=cfg.device, dtype=cfg.dtype, name=cfg.model_id))
-        if model.tokenizer is None:
-            raise ConfigError(f"{cfg.model_path} has no tokenizer; the receiver serves text")
-        sha256 = await self.run_torch(weights_sha256, Path(cfg.model_path))  # pair configs are bound to it
+        model, sha256 = await self.host_model(self._model, cfg.model_path, device=cfg.device, dtype=cfg.dtype,
+                                              name=cfg.model_id)
         bus = await self.connect()
         s = self.state = ReceiverState(cfg, bus, model, sha256, self.run_torch, self.tasks, self.metrics)
         board = self._board or bus.config_board()

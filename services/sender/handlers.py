@@ -75,7 +75,7 @@ async def generate(s: SenderState, req: schemas.GenerateRequest) -> schemas.Gene
     # The sender's own KV is exact for itself: full reuse of it == full prefill, minus the work.
     gen = await s.run_torch(
         lambda: engine_generate(s.model, ctx_ids + q_ids, ReusePlan.full_reuse(), CapturedSource(captured),
-                                max_new_tokens=req.max_new_tokens, eos_token_id=s.model.tokenizer.eos_token_id))
+                                max_new_tokens=req.max_new_tokens, eos_token_id=s.eos_token_id))
     total_ms = (time.perf_counter() - t0) * 1e3
     log.info("request", request_id=req.request_id, context_id=cid, tokens=len(ctx_ids) + len(q_ids),
              capture_ms=round(captured_ms, 2), total_ms=round(total_ms, 2))

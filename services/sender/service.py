@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from pathlib import Path
 
 import structlog
 
@@ -20,8 +19,7 @@ from services.sender.config import SenderConfig
 from services.sender.state import SenderState
 from shared.bus import Bus
 from shared.config_board import ConfigBoard
-from shared.model.adapter import ModelAdapter, load_model
-from shared.models import weights_sha256
+from shared.model.adapter import ModelAdapter
 from shared.runtime import ServiceRuntime
 from shared.service_kit import event, rpc
 from shared.transport.bulk import BulkServer, make_server
@@ -42,10 +40,8 @@ class SenderService(ServiceRuntime[SenderConfig]):
 
     async def start(self) -> None:
         cfg = self.cfg
-        self.phase = "loading_model"
-        model = self._model or await self.run_torch(
-            functools.partial(load_model, cfg.model_path, device=cfg.device, dtype=cfg.dtype, name=cfg.model_id))
-        sha256 = await self.run_torch(weights_sha256, Path(cfg.model_path))  # pair configs are bound to it
+        model, sha256 = await self.host_model(self._model, cfg.model_path, device=cfg.device, dtype=cfg.dtype,
+                                              name=cfg.model_id)
         bus = await self.connect()
         s = self.state = SenderState(cfg, bus, model, sha256, self.run_torch, self.metrics)
         self._server = make_server(cfg.transport, s.store.tensor, functools.partial(handlers.authorize, s),

@@ -23,6 +23,7 @@ class SenderState:
                  run_torch: Callable[..., Awaitable[Any]], metrics: Metrics):
         self.cfg, self.bus, self.model, self._torch, self.metrics = cfg, bus, model, run_torch, metrics
         self.model_sha256 = model_sha256
+        self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
         self.store = CacheStore(cfg.store_bytes)
         metrics.store_bytes.set_function(lambda: self.store.nbytes)
         metrics.store_contexts.set_function(lambda: len(self.store.ids()))

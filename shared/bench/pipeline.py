@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from shared.device import DEVICE_ENV
+from shared.errors import ConfigError
 from shared.kv.partial import generate
 from shared.kv.plan import ReusePlan
 from shared.kv.sources import ArrivingSource
@@ -57,6 +58,8 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
         schemas.PrefillRequest(request_id="probe", context=context)), timeout=300)
     ev: schemas.CacheAvailable = await asyncio.wait_for(events.get(), 60)
     await nc.close()
+    if model.tokenizer is None:
+        raise ConfigError(f"{model_path} has no tokenizer")
     prompt = list(ev.token_ids) + model.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     L = model.num_layers
     plan = ReusePlan.recompute(*group)

@@ -39,7 +39,7 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A plain fixed-width table (also pasted into the README as is)."""
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
     return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in cells)])
 
 

@@ -8,9 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,7 @@ from tqdm import tqdm
 from shared.bench import netns
 from shared.device import DEFAULT_DEVICE, DEVICE_ENV
 from shared.launch import Proc, start_nats, start_service
+from shared.wire.schemas import Mode
 
 THREADS = {"OMP_NUM_THREADS": "1"}
 
@@ -173,12 +172,8 @@ def control(n: int) -> dict[str, Any]:
             p.stop()
 
 
-def tmpdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="dm-bench-"))
-
-
 # -- load ---------------------------------------------------------------------------------------
-async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, seconds: float, mode: str,
+async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, seconds: float, mode: Mode,
                      slo_s: float, seed: int) -> dict[str, Any]:
     from shared.client import MeshClient
 
@@ -237,7 +232,7 @@ def load(sender_path: str, receiver_path: str, group: tuple[int, int], tokens: i
                                                         "dtype": "bfloat16", "default_group": list(group)}, url,
                                            name=f"receiver{k}", env=_on(device)))
 
-            async def prefill_all() -> None:
+            async def prefill_all(url: str = url) -> None:
                 client = await MeshClient.connect(url)
                 for c in contexts:
                     await client.prefill("load-sender", c, timeout=300)

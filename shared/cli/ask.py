@@ -19,7 +19,7 @@ from shared.wire import schemas
 @click.option("--mode", type=click.Choice(schemas.MODES), default="auto", show_default=True)
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600))
-def ask(context_file: str, question: str, receiver: str, nats_url: str, mode: str, max_new_tokens: int,
+def ask(context_file: str, question: str, receiver: str, nats_url: str, mode: schemas.Mode, max_new_tokens: int,
         timeout: float) -> None:
     """Ask RECEIVER a question over a context; print the answer, the path taken and its timings."""
     from shared.client import MeshClient, MeshError

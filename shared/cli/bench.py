@@ -36,7 +36,7 @@ def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:
         raise click.BadParameter(str(e), param=param) from None
 
 
-def _device_option(f):  # type: ignore[no-untyped-def]  # a click decorator
+def _device_option(f):  # a click decorator
     """`--device` alone, for suites whose services and probe run bfloat16 on any device."""
     return click.option("--device", envvar=DEVICE_ENV, default=DEFAULT_DEVICE, show_default=True, callback=_device,
                         help=f"cpu, cuda or cuda:N for the launched processes (env {DEVICE_ENV}).")(f)
@@ -57,7 +57,7 @@ def bench() -> None:
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100))
 @device_options
 @click.option("--threads", default=None, type=click.IntRange(1, 256), help="torch threads (default: torch's).")
-def ttft(json_path, plot_path, model_path, contexts, repeats, device, dtype,  # type: ignore[no-untyped-def]
+def ttft(json_path, plot_path, model_path, contexts, repeats, device, dtype,
          threads) -> None:
     """Receiver TTFT: full prefill vs full reuse vs partial prefill with k layers recomputed."""
     from shared.bench import ttft as suite
@@ -99,7 +99,7 @@ def _group(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[in
     return s, e
 
 
-def _save(json_path: str | None, suite: str, payload: dict) -> None:  # type: ignore[type-arg]
+def _save(json_path: str | None, suite: str, payload: dict) -> None:
     report.write_json(json_path, {"suite": suite, "machine": report.machine(), **payload})
 
 
@@ -109,7 +109,7 @@ def _save(json_path: str | None, suite: str, payload: dict) -> None:  # type: ig
 @click.option("--group", default="0,6", callback=_group, show_default=True, help="Recompute group 'start,end'.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
 @_device_option
-def pipeline(json_path, tokens, group, repeats, device) -> None:  # type: ignore[no-untyped-def]
+def pipeline(json_path, tokens, group, repeats, device) -> None:
     """Fig. 13: load-all vs load-reused vs pipelined, over UCX between processes."""
     from shared.bench import runs
 
@@ -129,7 +129,7 @@ def pipeline(json_path, tokens, group, repeats, device) -> None:  # type: ignore
 @click.option("--rates", default="500,1000,2000,5000,0", show_default=True, help="Mbit/s; 0 = unlimited.")
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 50))
 @_device_option
-def bandwidth(json_path, plot_path, tokens, group, rates, repeats, device) -> None:  # type: ignore[no-untyped-def]
+def bandwidth(json_path, plot_path, tokens, group, rates, repeats, device) -> None:
     """Fig. 20: sender and receiver in their own namespaces over a tc-limited veth link."""
     from shared.bench import runs
 
@@ -151,7 +151,7 @@ def bandwidth(json_path, plot_path, tokens, group, rates, repeats, device) -> No
         _plot_bandwidth(table, plot_path)
 
 
-def _plot_bandwidth(table: list[dict], path: str) -> None:  # type: ignore[type-arg]
+def _plot_bandwidth(table: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,7 +174,7 @@ def _plot_bandwidth(table: list[dict], path: str) -> None:  # type: ignore[type-
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--sizes", default="262144,1048576,4194304,16777216", show_default=True, help="Bytes per tensor.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
-def transfer(json_path, sizes, repeats) -> None:  # type: ignore[no-untyped-def]
+def transfer(json_path, sizes, repeats) -> None:
     """Data plane: UCX between two processes vs a memcpy of the same bytes."""
     from shared.bench import runs
 
@@ -186,7 +186,7 @@ def transfer(json_path, sizes, repeats) -> None:  # type: ignore[no-untyped-def]
 @bench.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--events", default=1000, show_default=True, type=click.IntRange(10, 100000))
-def control(json_path, events) -> None:  # type: ignore[no-untyped-def]
+def control(json_path, events) -> None:
     """Control plane: availability event -> visible in the broker index; lookup round trip."""
     from shared.bench import runs
 
@@ -205,7 +205,7 @@ def control(json_path, events) -> None:  # type: ignore[no-untyped-def]
 @click.option("--slo", default=1.0, show_default=True, type=click.FloatRange(0.001, 600), help="TTFT SLO (s).")
 @click.option("--copies", default="1,2", show_default=True, help="Receiver copies to try.")
 @_device_option
-def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, device) -> None:  # type: ignore[no-untyped-def]
+def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, device) -> None:
     """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill."""
     from shared.bench import runs
 
@@ -222,7 +222,7 @@ def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, devic
         _plot_load(rows, plot_path, slo)
 
 
-def _plot_load(rows: list[dict], path: str, slo: float) -> None:  # type: ignore[type-arg]
+def _plot_load(rows: list[dict], path: str, slo: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -256,7 +256,7 @@ def _plot_load(rows: list[dict], path: str, slo: float) -> None:  # type: ignore
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
               help="A `droidmesh profile` JSON whose frontier to sweep (default: the zoo's, if saved).")
 @device_options
-def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype) -> None:  # type: ignore[no-untyped-def]
+def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype) -> None:
     """Fig. 14: TTFT vs quality for full prefill, full reuse, CacheBlend and DroidMesh groups."""
     import json
     from pathlib import Path

@@ -25,7 +25,7 @@ from shared.tasks.spec import METRIC_NAMES
 @device_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the eval JSON here.")
 @click.option("--predictions", is_flag=True, help="Include per-row predictions in the JSON.")
-def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, metric: str | None,  # type: ignore[no-untyped-def]
+def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, metric: str | None,
              n_rows: int | None, group_sizes: str | None, device: str, dtype: str | None, json_path: str,
              predictions: bool) -> None:
     """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups."""
@@ -63,7 +63,8 @@ def format_table(ev: dict) -> str:
     fp = ev["receiver_full_prefill"]["quality"]
     lines = [f"{ev['task']} ({ev['metric']}, {ev['rows']} rows, {ev['total_layers']} layers)",
              f"{'path':28s} {'quality':>8s} {'nll':>8s} {'kl':>8s} {'top1':>6s}"]
-    row = lambda name, r: f"{name:28s} {r['quality']:8.4f} {r['answer_nll']:8.4f} {r['kl']:8.4f} {r['top1_agreement']:6.3f}"
+    def row(name, r):
+        return f"{name:28s} {r['quality']:8.4f} {r['answer_nll']:8.4f} {r['kl']:8.4f} {r['top1_agreement']:6.3f}"
     lines += [row("sender alone", ev["sender_alone"]), row("receiver full prefill", ev["receiver_full_prefill"]),
               row("receiver full reuse", ev["receiver_full_reuse"])]
     lines += [row(f"reuse only layer {p['layer']}", p) for p in ev["per_layer_reuse"]]

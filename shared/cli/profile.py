@@ -43,7 +43,7 @@ from shared.tasks.spec import METRIC_NAMES
                    "(repeatable; default: for a zoo task, its shifts and every other zoo task).")
 @device_options
 @click.option("--publish", "nats_url", default=None, help="Also publish the config to this NATS server's bucket.")
-def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data, data_train, data_test, metric,  # type: ignore[no-untyped-def]
+def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data, data_train, data_test, metric,
             max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, device, dtype,
             nats_url) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config."""
@@ -89,7 +89,7 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
         click.echo(f"  published {pair.versioned(cfg.profile_version)}")
 
 
-async def _publish(url: str, cfg) -> None:  # type: ignore[no-untyped-def]
+async def _publish(url: str, cfg) -> None:
     from shared.client import MeshClient
 
     client = await MeshClient.connect(url)

@@ -27,8 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from shared.kv.plan import ReusePlan
-from shared.wire.schemas import (CacheAvailable, CodecParams, FrontierPoint, LatencyFit, Mode, Path, PlanSpec,
-                                 RecomputeConfig)
+from shared.wire.schemas import CacheAvailable, CodecParams, FrontierPoint, LatencyFit, Mode, Path, PlanSpec, RecomputeConfig
 
 Reason = tuple[str, str]  # (bounded code for metrics, text for the reply and the log)
 

@@ -106,7 +106,7 @@ class ArrivingSource:
     def e(self, layer: int, deadline: float) -> torch.Tensor:
         return self._wait(self._e, layer, deadline, "E")
 
-    def _wait(self, table: dict, layer: int, deadline: float, kind: str):  # type: ignore[no-untyped-def]
+    def _wait(self, table: dict, layer: int, deadline: float, kind: str):
         with self._cond:
             while layer not in table:
                 if self._failure is not None:

@@ -1,8 +1,10 @@
-"""A per-pair latency model fitted from measured receiver prefills (used online by `select`).
+"""A per-pair latency model fitted from measured receiver prefills (used online by the reuse policy,
+`shared/kv/policy.py`).
 
 seconds(T, k) = c0 + c_tok*T + c_layer_tok*T*k + c_attn*T^2*k, fitted by non-negative least
-squares (numpy lstsq with an active set; four terms need no solver library) over a small grid of context lengths T and recomputed layers k: the linear terms are
-the projections/MLP per recomputed layer, the quadratic one causal attention, and c_tok the
+squares (numpy lstsq with an active set; four terms need no solver library) over a small grid
+of context lengths T and recomputed layers k: the linear terms are the projections/MLP per
+recomputed layer, the quadratic one causal attention, and c_tok the
 suffix + everything per token that does not depend on k.
 """
 

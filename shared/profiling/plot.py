@@ -49,7 +49,7 @@ def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, A
     plt.close(fig)
 
 
-def _robustness_bars(ax, rows: list[dict[str, Any]], chosen: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+def _robustness_bars(ax, rows: list[dict[str, Any]], chosen: dict[str, Any]) -> None:
     """Per task or shift (test split): full prefill, the chosen config, full reuse (DroidSpeak §5.4)."""
     import numpy as np
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from shared.device import DEFAULT_DEVICE
 from shared.errors import BadRequestError
+from shared.kv import policy
 from shared.kv.plan import ReusePlan
 from shared.models import ModelRef, Pair
 from shared.profiling import latency, search
@@ -121,8 +122,8 @@ def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRe
     the one place a profile becomes a `RecomputeConfig`."""
 
     def point(p: dict[str, Any], quality: str = "quality") -> schemas.FrontierPoint:
-        groups = [(p["start"], p["end"])] if p["end"] > p["start"] else []
-        return schemas.FrontierPoint(plan=schemas.PlanSpec(groups=groups), recomputed_layers=p["end"] - p["start"],
+        plan = ReusePlan.recompute(p["start"], p["end"]) if p["end"] > p["start"] else ReusePlan.full_reuse()
+        return schemas.FrontierPoint(plan=policy.spec_of(plan), recomputed_layers=p["end"] - p["start"],
                                      quality=p[quality])
 
     fit = result.get("latency_fit")

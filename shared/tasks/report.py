@@ -46,7 +46,8 @@ class _Acc:
         self.top1.append(metrics.top1_agreement(ref.logits, r.logits))
 
     def summary(self) -> dict[str, float]:
-        mean = lambda xs: round(sum(xs) / max(1, len(xs)), 4)
+        def mean(xs):
+            return round(sum(xs) / max(1, len(xs)), 4)
         return {"quality": mean(self.q), "answer_nll": mean(self.nll), "kl": mean(self.kl), "top1_agreement": mean(self.top1)}
 
 
@@ -109,7 +110,8 @@ def must_show(ev: dict[str, Any], drop: float = CRITICAL_DROP) -> dict[str, Any]
     restoring quality to within 5% of full prefill."""
     fp = ev["receiver_full_prefill"]["quality"]
     L = ev["total_layers"]
-    rel = lambda q: (fp - q) / fp if fp > 0 else 0.0
+    def rel(q):
+        return (fp - q) / fp if fp > 0 else 0.0
     critical = [p["layer"] for p in ev["per_layer_reuse"] if rel(p["quality"]) > drop]
     restoring = [g for g in ev["best_groups"] if rel(g["quality"]) <= 0.05]
     smallest = min(restoring, key=lambda g: g["recomputed_layers"]) if restoring else None

@@ -34,7 +34,6 @@ import torch
 from shared.device import dtype_name
 from shared.errors import DroidMeshError, IntegrityError, TransferError
 from shared.transport import codecs
-from shared.wire import schemas
 from shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
 
 log = structlog.get_logger("bulk")
@@ -114,7 +113,7 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
         return PullResponse(headers=[], error=f"{e.code}: {e}"), []
     codec = _server_codec(request.codec)
     headers, payloads = [], []
-    for item, t in zip(request.items, tensors):
+    for item, t in zip(request.items, tensors, strict=True):
         payload, params = codec.encode(t, request.codec_params)
         headers.append(TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind,
                                     shape=list(t.shape), dtype=dtype_name(t.dtype), codec=codec.name,
@@ -162,7 +161,7 @@ def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.
     if len(response.headers) != len(request.items):
         raise IntegrityError(f"{len(response.headers)} headers for {len(request.items)} items")
     out = []
-    for item, header, buf in zip(request.items, response.headers, into):
+    for item, header, buf in zip(request.items, response.headers, into, strict=True):
         want = (request.context_id, item.layer, item.kind, list(buf.shape), dtype_name(buf.dtype))
         got = (header.context_id, header.layer, header.kind, list(header.shape), header.dtype)
         if got != want:

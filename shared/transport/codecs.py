@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import xxhash
 
-from shared.device import DTYPES
 from shared.errors import IntegrityError
 from shared.wire.schemas import CodecParams, TensorHeader
 
@@ -69,7 +68,7 @@ def payload_view(t: torch.Tensor) -> torch.Tensor:
 def checksum(payload: torch.Tensor) -> str:
     """xxh3-64 of a CPU uint8 payload's bytes."""
     buf: Any = payload.numpy() if payload.device.type == "cpu" else payload.cpu().numpy()
-    return xxhash.xxh3_64_hexdigest(memoryview(np.ascontiguousarray(buf)))
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(buf).data)
 
 
 def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
@@ -77,12 +76,6 @@ def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
     for d in shape:
         numel *= int(d)
     return numel * dtype.itemsize
-
-
-def header_dtype(header: TensorHeader) -> torch.dtype:
-    if header.dtype not in DTYPES:
-        raise IntegrityError(f"unknown dtype {header.dtype!r} in header")
-    return DTYPES[header.dtype]
 
 
 class RawCodec:

@@ -66,7 +66,7 @@ class InProcessBulkClient:
             raise TransferError(f"no in-process bulk server at {address!r}")
         response_bytes, payloads = server.serve(schemas.encode(request))
         lands = landings(request, schemas.decode(response_bytes, schemas.PullResponse), into)
-        for land, payload in zip(lands, payloads):
+        for land, payload in zip(lands, payloads, strict=True):
             await asyncio.sleep(0)  # one item at a time, as from a network
             if payload.numel() != land.recv.numel():
                 raise TransferError(f"layer {land.item.layer} {land.item.kind}: sent {payload.numel()} bytes, "

@@ -14,13 +14,13 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from shared.device import dtype_name
 from shared.errors import CacheLayoutError, TransferError
 from shared.kv.plan import ReusePlan
 from shared.kv.sources import ArrivingSource
 from shared.model.adapter import ModelAdapter
 from shared.model.fingerprint import ArchFingerprint
 from shared.transport.bulk import BulkClient
-from shared.device import dtype_name
 from shared.wire.schemas import CacheAvailable, CodecParams, PullItem, PullRequest
 
 

@@ -16,7 +16,7 @@ from shared.errors import UnauthorizedError
 
 
 class TokenIssuer:
-    def __init__(self, ttl_s: float, key: bytes | None = None, clock=time.time):  # type: ignore[no-untyped-def]
+    def __init__(self, ttl_s: float, key: bytes | None = None, clock=time.time):
         self.ttl_s = ttl_s
         self._key = key or secrets.token_bytes(32)
         self._clock = clock

@@ -136,7 +136,7 @@ class UcxBulkClient:
         lands = landings(request, response, into)
         receives = [asyncio.ensure_future(ep.recv(land.recv.numpy())) for land in lands]
         try:
-            for land, recv in zip(lands, receives):
+            for land, recv in zip(lands, receives, strict=True):
                 await recv  # in order: E first, so the engine can start while the rest streams
                 on_item(land.item, land.land())
         finally:

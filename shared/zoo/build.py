@@ -55,8 +55,9 @@ def build_tier(
     """Build (or reuse) `tier` in `out_dir` (default `zoo_dir(tier)`); return its manifest."""
     recipe = get_recipe(tier)
     out = Path(out_dir) if out_dir is not None else zoo_dir(tier)
-    if not force and is_current(out, recipe):
-        return read_manifest(out)  # type: ignore[return-value]
+    current = None if force or not is_current(out, recipe) else read_manifest(out)
+    if current is not None:
+        return current
     out.mkdir(parents=True, exist_ok=True)
     say = log or (lambda s: None)
     threads = torch.get_num_threads()
@@ -111,6 +112,7 @@ def build_base(recipe: Recipe, ids: WordIds, work: Path, history: dict[str, Any]
     for i in range(start, len(ops)):
         op = ops[i]
         if op.kind == "new":
+            assert op.arch is not None, "a `new` op carries its arch"
             model = T.new_model(op.arch, ids, recipe.seed)
         elif op.kind == "reinit_above":
             assert model is not None
@@ -135,7 +137,7 @@ def build_base(recipe: Recipe, ids: WordIds, work: Path, history: dict[str, Any]
 
 def _arch_of(model: LlamaForCausalLM) -> T.Arch:
     c = model.config
-    return T.Arch(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+    return T.Arch(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads,
                   c.intermediate_size, c.max_position_embeddings, T._rope_theta(c))
 
 

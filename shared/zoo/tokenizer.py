@@ -65,6 +65,13 @@ def save_tokenizer(out_dir: str | Path) -> None:
     hf_tokenizer().save_pretrained(str(out_dir))
 
 
+def _special(tok: Tokenizer, token: str) -> int:
+    tid = tok.token_to_id(token)
+    if tid is None:
+        raise ValueError(f"the zoo tokenizer lacks {token!r}")
+    return tid
+
+
 class WordIds:
     """word -> token id for the zoo words (each a single space-prefixed token)."""
 
@@ -76,9 +83,9 @@ class WordIds:
             enc = tok.encode(" " + w, add_special_tokens=False).ids
             assert len(enc) == 1, f"zoo word {w!r} is not a single token: {enc}"
             self.ids[w] = enc[0]
-        self.bos = tok.token_to_id(BOS)
-        self.eos = tok.token_to_id(EOS)
-        self.pad = tok.token_to_id(PAD)
+        self.bos = _special(tok, BOS)
+        self.eos = _special(tok, EOS)
+        self.pad = _special(tok, PAD)
         self.vocab_size = tok.get_vocab_size()
 
     def __getitem__(self, word: str) -> int:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -66,7 +67,9 @@ class Stage:
 
 
 def llama_config(arch: Arch, vocab_size: int, ids: WordIds) -> LlamaConfig:
-    return LlamaConfig(
+    # Keyword arguments through a dict: transformers' typed __init__ omits kwargs it accepts
+    # (rope_theta, attn_implementation), which mypy would reject.
+    kw: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=arch.hidden,
         intermediate_size=arch.intermediate,
@@ -82,6 +85,7 @@ def llama_config(arch: Arch, vocab_size: int, ids: WordIds) -> LlamaConfig:
         pad_token_id=ids.pad,
         attn_implementation="sdpa",
     )
+    return LlamaConfig(**kw)
 
 
 def new_model(arch: Arch, ids: WordIds, seed: int) -> LlamaForCausalLM:
@@ -215,16 +219,17 @@ def train_stage(
 ) -> list[float]:
     """Run `stage.steps` AdamW steps; return the loss curve."""
     if params is None:
-        params, hook = select_trainable(model, stage, ids)  # type: ignore[arg-type]
+        params, hook = select_trainable(model, stage, ids)  # type: ignore[arg-type]  # only LoRA (PEFT-wrapped) models pass `params`; the rest are Llama
     opt = torch.optim.AdamW(params, lr=stage.lr, betas=(0.9, 0.98), weight_decay=stage.weight_decay)
     model.train()
-    impl = model.config._attn_implementation
+    cfg: Any = model.config  # torch's Module.__getattr__ hides the config's type from mypy
+    impl = cfg._attn_implementation
     if stage.attn_sup > 0:
-        model.config._attn_implementation = "eager"  # sdpa does not return attention weights
+        cfg._attn_implementation = "eager"  # sdpa does not return attention weights
     try:
         return _train_loop(model, stage, ids, seed, code_sampler, params, opt, hook, log, probe, probe_every)
     finally:
-        model.config._attn_implementation = impl
+        cfg._attn_implementation = impl
         model.eval()
 
 
@@ -286,7 +291,7 @@ def grow(model: LlamaForCausalLM, placement: list[int | None], ids: WordIds, see
     o_proj and down_proj are zero, so it starts as the identity on the residual stream and the
     grown model computes exactly what the shallow one did."""
     old = model.config
-    arch = Arch(len(placement), old.hidden_size, old.num_attention_heads, old.num_key_value_heads,
+    arch = Arch(len(placement), old.hidden_size, old.num_attention_heads, old.num_key_value_heads or old.num_attention_heads,
                 old.intermediate_size, old.max_position_embeddings, _rope_theta(old))
     new = new_model(arch, ids, seed)
     new.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)

@@ -30,7 +30,7 @@ def _buffers(items: list[PullItem]) -> list[torch.Tensor]:
     return [torch.empty((1, 33, 16) if it.kind == "E" else (1, 2, 33, 8)) for it in items]
 
 
-async def _session(transport, issuer, body, lookup=None):  # type: ignore[no-untyped-def]
+async def _session(transport, issuer, body, lookup=None):
     server = make_server(transport, lookup or (lambda c, l, k: TENSORS.get((l, k)) if c == "ctx" else None),
                          lambda req: issuer.verify(req.context_id, req.token))
     address = await server.start()
@@ -42,10 +42,10 @@ async def _session(transport, issuer, body, lookup=None):  # type: ignore[no-unt
         await server.close()
 
 
-def _pull_one(token: str, context: str = "ctx"):  # type: ignore[no-untyped-def]
+def _pull_one(token: str, context: str = "ctx"):
     items = [PullItem(0, "K")]
 
-    async def body(client, address):  # type: ignore[no-untyped-def]
+    async def body(client, address):
         await client.pull(address, PullRequest(context_id=context, items=items, token=token), _buffers(items),
                           lambda *a: None, 10)
 
@@ -61,13 +61,13 @@ def test_items_arrive_in_request_order_and_intact(transport):
     into = _buffers(items)
     got: list[tuple[PullItem, torch.Tensor]] = []
 
-    async def body(client, address):  # type: ignore[no-untyped-def]
+    async def body(client, address):
         return await client.pull(address, PullRequest(context_id="ctx", items=items, token=token), into,
                                  lambda it, t: got.append((it, t)), 10)
 
     nbytes = asyncio.run(_session(transport, issuer, body))
     assert [it for it, _ in got] == items
-    assert all(t is buf for (_, t), buf in zip(got, into))
+    assert all(t is buf for (_, t), buf in zip(got, into, strict=True))
     assert all(torch.equal(t, TENSORS[(it.layer, it.kind)]) for it, t in got)
     assert nbytes == sum(t.numel() * 4 for _, t in got)
 
@@ -95,7 +95,7 @@ def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypa
     module = importlib.import_module(f"shared.transport.{transport}")
     real = module.answer
 
-    def corrupt(*a):  # type: ignore[no-untyped-def]
+    def corrupt(*a):
         response, payloads = real(*a)
         headers = [msgspec.structs.replace(h, checksum="0" * 16) for h in response.headers]
         return msgspec.structs.replace(response, headers=headers), payloads

@@ -57,7 +57,7 @@ def test_decoders_raise_only_bad_message(kind, data):
 
 
 @pytest.fixture(scope="module")
-def wired(tiny_pair, tiny_models):  # type: ignore[no-untyped-def]
+def wired(tiny_pair, tiny_models):
     """Every service wired on one in-process bus, on a loop the fuzz examples reuse."""
     loop = asyncio.new_event_loop()
     bus, board = InProcessBus(), InMemoryConfigBoard()

@@ -25,7 +25,7 @@ QUESTION = " what is gamma"
 
 
 @contextlib.asynccontextmanager
-async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):  # type: ignore[no-untyped-def]
+async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):
     bus, board = InProcessBus(), InMemoryConfigBoard()
     sender_m, receiver_m = tiny_models
     scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2)
@@ -36,7 +36,7 @@ async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):  # type: ignore[no
         yield bus, broker, sender, receiver
 
 
-async def _ask(bus, subject, msg, kind):  # type: ignore[no-untyped-def]
+async def _ask(bus, subject, msg, kind):
     data = await bus.request(subject, schemas.encode(msg), timeout=30)
     return schemas.decode(data, kind)
 
@@ -45,7 +45,7 @@ def test_partial_answer_equals_engine(tiny_pair, tiny_models):
     """Through the wired mesh the receiver's tokens equal the engine's in-process partial prefill."""
     sender_m, receiver_m = tiny_models
 
-    async def run():  # type: ignore[no-untyped-def]
+    async def run():
         async with mesh(tiny_pair, tiny_models) as (bus, broker, sender, receiver):
             pre = await _ask(bus, subjects.sender_prefill("sender"),
                              schemas.PrefillRequest(request_id="p1", context=CONTEXT), schemas.PrefillReply)
@@ -68,7 +68,7 @@ def test_partial_answer_equals_engine(tiny_pair, tiny_models):
 def test_no_cache_means_full_prefill(tiny_pair, tiny_models):
     """Without any announced cache the receiver answers by full prefill and says why."""
 
-    async def run():  # type: ignore[no-untyped-def]
+    async def run():
         async with mesh(tiny_pair, tiny_models) as (bus, *_):
             return await _ask(bus, subjects.receiver_generate("receiver"),
                               schemas.GenerateRequest(request_id="r2", context=CONTEXT, question=QUESTION,
@@ -81,7 +81,7 @@ def test_no_cache_means_full_prefill(tiny_pair, tiny_models):
 def test_bad_request_gets_error_reply(tiny_pair, tiny_models):
     """Malformed bytes and bad fields get specific error replies; the receiver keeps serving."""
 
-    async def run():  # type: ignore[no-untyped-def]
+    async def run():
         async with mesh(tiny_pair, tiny_models) as (bus, *_):
             subject = subjects.receiver_generate("receiver")
             garbage = schemas.decode(await bus.request(subject, b"\xc1\x00", 5), schemas.ErrorReply)

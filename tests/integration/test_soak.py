@@ -25,7 +25,7 @@ def test_store_never_exceeds_budget_under_churn(tiny_pair, tiny_models):
     a few: after every request the store is within budget, and every eviction was announced."""
     budget = 600_000  # bytes: a handful of the tiny model's contexts
 
-    async def run():  # type: ignore[no-untyped-def]
+    async def run():
         bus = InProcessBus()
         evicted: list[str] = []
 
@@ -37,7 +37,7 @@ def test_store_never_exceeds_budget_under_churn(tiny_pair, tiny_models):
         rng = random.Random(0)
         peak, n = 0, 0
         async with SenderService(cfg, bus=bus, model=tiny_models[0], board=InMemoryConfigBoard()) as svc:
-            store = svc.state.store  # type: ignore[union-attr]
+            store = svc.state.store  # type: ignore[union-attr]  # state exists once the service is entered
             end = time.monotonic() + SECONDS
             recent: list[str] = []
             while time.monotonic() < end and n < MAX_CONTEXTS:

@@ -22,7 +22,7 @@ def words(n: int, offset: int = 0) -> str:
 
 
 @pytest.fixture(scope="session")
-def zoo_ci(ci_tier: tuple[Path, dict]) -> Path:  # type: ignore[type-arg]
+def zoo_ci(ci_tier: tuple[Path, dict]) -> Path:
     """The ci tier's directory (built once per session by the top-level fixture)."""
     return ci_tier[0]
 
@@ -39,7 +39,7 @@ def tiny_models(tiny_pair: tuple[Path, Path]) -> tuple[ModelAdapter, ModelAdapte
 
 
 @pytest.fixture
-def nats(tmp_path) -> Iterator[tuple[Proc, str]]:  # type: ignore[no-untyped-def]
+def nats(tmp_path) -> Iterator[tuple[Proc, str]]:
     proc, url = start_nats(store_dir=str(tmp_path / "js"))
     yield proc, url
     proc.stop()
@@ -54,11 +54,11 @@ def services() -> Iterator[list[Proc]]:
         p.stop()
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro):
     return asyncio.run(coro)
 
 
-async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 2000) -> None:  # type: ignore[no-untyped-def]
+async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 2000) -> None:
     """Return once the broker's index answers `context` for `model` (events are asynchronous:
     a sender's prefill reply can beat its availability event to the broker)."""
     from shared.model import text

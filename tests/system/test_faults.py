@@ -40,7 +40,7 @@ def test_sender_killed_mid_transfer_loses_nothing(nats, services, tiny_pair, tin
         refs[q] = generate(receiver_m, ctx + qi, ReusePlan.full_prefill(), max_new_tokens=4,
                            eos_token_id=receiver_m.tokenizer.eos_token_id).tokens
 
-    async def run():  # type: ignore[no-untyped-def]
+    async def run():
         client = await MeshClient.connect(url)
         try:
             await client.prefill("sender", CONTEXT)
@@ -58,7 +58,7 @@ def test_sender_killed_mid_transfer_loses_nothing(nats, services, tiny_pair, tin
     replies, deadline, finished = asyncio.run(run())
     assert len(replies) == N
     assert finished <= deadline
-    for q, r in zip(questions, replies):
+    for q, r in zip(questions, replies, strict=True):
         assert r.token_ids == refs[q], (q, r.path, r.fallback_reason)
     paths = {r.path for r in replies}
     assert "fallback" in paths or "full_prefill" in paths, paths  # some requests really lost the sender
@@ -78,7 +78,7 @@ def test_broker_and_nats_restarts_under_load_lose_nothing(tmp_path, services, ti
     ctx = words(160)
     holder = {"nats": nats_proc}
 
-    async def run():  # type: ignore[no-untyped-def]
+    async def run():
         client = await MeshClient.connect(url)
         await client.prefill("sender", ctx)
         results: list = []  # (sent_at, answered_at, reply)

@@ -23,7 +23,7 @@ QUESTION = " what is gamma"
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
-def _start(services, nats_url, tiny_pair, group=(1, 2), receivers=1):  # type: ignore[no-untyped-def]
+def _start(services, nats_url, tiny_pair, group=(1, 2), receivers=1):
     services.append(start_service("cache_broker", {}, nats_url, env=THREADS))
     services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 1, 2],
                                              "heartbeat_s": 0.5}, nats_url, env=THREADS))
@@ -33,7 +33,7 @@ def _start(services, nats_url, tiny_pair, group=(1, 2), receivers=1):  # type: i
                                       env=THREADS))
 
 
-async def _prefill_and_ask(url: str, model, n: int = 1, max_new_tokens: int = 6):  # type: ignore[no-untyped-def]
+async def _prefill_and_ask(url: str, model, n: int = 1, max_new_tokens: int = 6):
     client = await MeshClient.connect(url)
     try:
         await client.prefill("sender", CONTEXT)

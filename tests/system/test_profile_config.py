@@ -29,7 +29,7 @@ def _config(pair: tuple[Path, Path], start: int, end: int, version: int) -> sche
         created_at=time.time())
 
 
-async def _until_plan(client, plan: str, context, tries: int = 50):  # type: ignore[no-untyped-def]
+async def _until_plan(client, plan: str, context, tries: int = 50):
     """Prefill fresh contexts and ask over each until a reply used `plan` (configs propagate
     asynchronously); return the last reply."""
     reply = None
@@ -50,7 +50,7 @@ def test_published_profile_changes_a_running_receivers_group(nats, services, tin
                                   url, env=THREADS))
     services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver"}, url, env=THREADS))
 
-    async def run():  # type: ignore[no-untyped-def]
+    async def run():
         client = await MeshClient.connect(url)
         board = client.bus.config_board()
         try:

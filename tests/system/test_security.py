@@ -25,7 +25,7 @@ THREADS = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture
-def auth_nats(tmp_path):  # type: ignore[no-untyped-def]
+def auth_nats(tmp_path):
     passwords = {r: secrets.token_hex(12) for r in ROLES}
     env = {f"DM_NATS_PASSWORD_{r.upper()}": p for r, p in passwords.items()}
     proc, url = start_nats(store_dir=str(tmp_path / "js"), conf=NATS_AUTH_CONF, env=env)
@@ -37,7 +37,7 @@ def _role_env(role: str, passwords: dict[str, str]) -> dict[str, str]:
     return {**THREADS, "DM_NATS_USER": role, "DM_NATS_PASSWORD": passwords[role]}
 
 
-async def _connect(url: str, role: str, passwords: dict[str, str], errors: list[str]):  # type: ignore[no-untyped-def]
+async def _connect(url: str, role: str, passwords: dict[str, str], errors: list[str]):
     async def on_error(e: Exception) -> None:
         errors.append(str(e))
 
@@ -57,12 +57,12 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
     services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
                                                "default_group": [2, 4]}, url, env=_role_env("receiver", pw)))
 
-    async def run():  # type: ignore[no-untyped-def]
+    async def run():
         errors: list[str] = []
         admin = await _connect(url, "admin", pw, errors)
         seen: list[schemas.CacheAvailable] = []
 
-        async def on_available(msg):  # type: ignore[no-untyped-def]
+        async def on_available(msg):
             seen.append(schemas.decode(msg.data, schemas.CacheAvailable))
 
         await admin.subscribe(subjects.CACHE_AVAILABLE, cb=on_available)
@@ -83,7 +83,7 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
         await impostor.subscribe(subjects.BROKER_LOOKUP, queue=subjects.BROKER_QUEUE)
         await impostor.flush()
         # A client trying to run a prefill job: refused.
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - nats-py reports the refused publish as a timeout or an error reply
             await client.prefill("sender", words(100, offset=3), timeout=2)
 
         # UCX pulls with a missing, wrong (another context's) or tampered token are refused.
@@ -122,7 +122,7 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
 class _Bus:
     """A `Bus` over an existing nats connection (the admin's), for the client helper."""
 
-    def __init__(self, nc):  # type: ignore[no-untyped-def]
+    def __init__(self, nc):
         self.nc = nc
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:

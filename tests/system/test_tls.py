@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.system, pytest.mark.security]
 
 
 @pytest.fixture
-def tls_nats(tmp_path: Path):  # type: ignore[no-untyped-def]
+def tls_nats(tmp_path: Path):
     """A nats-server that requires TLS and a client certificate signed by its CA."""
     ca = trustme.CA()
     server = ca.issue_cert("127.0.0.1", "localhost")
@@ -40,7 +40,7 @@ def _context(ca: Path | None, cert: Path | None) -> ssl.SSLContext:
     return ctx
 
 
-async def _refused(url: str, **options) -> bool:  # type: ignore[no-untyped-def]
+async def _refused(url: str, **options) -> bool:
     """True when the connection attempt fails (no retries)."""
     try:
         nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3, **options)

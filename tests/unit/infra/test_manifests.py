@@ -6,12 +6,12 @@ import json
 import re
 from pathlib import Path
 
+import check_jsonschema
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-import check_jsonschema
 from shared.metrics import Metrics
 
 INFRA = Path(__file__).resolve().parents[3] / "infra"

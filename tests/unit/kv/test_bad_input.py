@@ -17,7 +17,7 @@ from shared.model.adapter import random_model
 from tests.conftest import FAMILIES
 
 
-def _with_kv(captured, layer: int, block: KVBlock):  # type: ignore[no-untyped-def]
+def _with_kv(captured, layer: int, block: KVBlock):
     kv = list(captured.kv)
     kv[layer] = block
     return dataclasses.replace(captured, kv=tuple(kv))
@@ -84,7 +84,7 @@ def test_error_leaves_no_partial_state(receiver, prompt):
         (ReusePlan.recompute(4, 9), "outside"),
         (ReusePlan("groups", groups=((0, 3), (2, 4))), "overlap"),
         (ReusePlan.cacheblend(1.5), "ratio"),
-        (ReusePlan("bogus"), "unknown plan mode"),  # type: ignore[arg-type]
+        (ReusePlan("bogus"), "unknown plan mode"),  # type: ignore[arg-type]  # invalid on purpose
     ],
 )
 def test_bad_plans_are_refused(receiver, prompt, plan, match):

@@ -73,7 +73,7 @@ def test_capture_on_cuda_matches_cpu_capture(receiver, prompt):
     want = capture_prefill(receiver, ctx, e_layers=[0, 2])
     tensors = [t for b in got.kv for t in (b.k, b.v)] + list(got.e.values())
     assert all(t.device == on_cuda.device for t in tensors)
-    for g, w in zip(got.kv, want.kv):
+    for g, w in zip(got.kv, want.kv, strict=True):
         assert float((g.k.cpu() - w.k).abs().max()) <= CUDA_ATOL[torch.float32]
         assert float((g.v.cpu() - w.v).abs().max()) <= CUDA_ATOL[torch.float32]
     assert float((got.e[2].cpu() - want.e[2]).abs().max()) <= CUDA_ATOL[torch.float32]

@@ -14,7 +14,7 @@ L = 6
 EVERY_GROUP = [(s, e) for s in range(L) for e in range(s + 1, L + 1)]
 
 
-def _suffix_diff(result, ref, question) -> float:  # type: ignore[no-untyped-def]
+def _suffix_diff(result, ref, question) -> float:
     return float((result.logits[-len(question):] - ref[-len(question):]).abs().max())
 
 

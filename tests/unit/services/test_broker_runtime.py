@@ -30,7 +30,7 @@ def test_expiry_loop_that_crashes_is_restarted():
                 raise RuntimeError("index corrupted")
             return expire()
 
-        broker.index.expire = flaky_expire  # type: ignore[method-assign]
+        broker.index.expire = flaky_expire  # type: ignore[method-assign]  # swap in a failing sweep
         async with broker:
             await until(lambda: not broker.ready, "not ready after the crash")
             seen = [broker.ready]

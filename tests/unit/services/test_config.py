@@ -10,7 +10,7 @@ from shared.errors import ConfigError
 
 
 @pytest.fixture
-def ckpt(tmp_path):  # type: ignore[no-untyped-def]
+def ckpt(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     return str(tmp_path)
 

@@ -50,7 +50,7 @@ class XorCodec:
 
 
 @contextlib.asynccontextmanager
-async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):  # type: ignore[no-untyped-def]
+async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):
     bus, board = InProcessBus(), InMemoryConfigBoard()
     scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2,
                         transport="inproc")
@@ -62,11 +62,11 @@ async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):  # type: ignore[no
         yield bus, board
 
 
-async def _ask(bus, subject, msg, kind):  # type: ignore[no-untyped-def]
+async def _ask(bus, subject, msg, kind):
     return schemas.decode(await bus.request(subject, schemas.encode(msg), timeout=30), kind)
 
 
-async def _prefill_and_ask(bus) -> schemas.GenerateReply:  # type: ignore[no-untyped-def]
+async def _prefill_and_ask(bus) -> schemas.GenerateReply:
     await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
                schemas.PrefillReply)
     await bus.settle()
@@ -75,7 +75,7 @@ async def _prefill_and_ask(bus) -> schemas.GenerateReply:  # type: ignore[no-unt
                       schemas.GenerateReply)
 
 
-def _engine_tokens(tiny_models, plan: ReusePlan) -> list[int]:  # type: ignore[no-untyped-def]
+def _engine_tokens(tiny_models, plan: ReusePlan) -> list[int]:
     sender_m, receiver_m = tiny_models
     ctx, q = text.prompt_ids(receiver_m.tokenizer, CONTEXT, QUESTION)
     captured = capture_prefill(sender_m, ctx, [0, 2])
@@ -96,7 +96,7 @@ def test_reuse_over_the_in_process_channel_equals_the_engine(tiny_pair, tiny_mod
 
 
 @pytest.fixture
-def xor_codec():  # type: ignore[no-untyped-def]
+def xor_codec():
     codecs.register(XorCodec())
     XorCodec.decoded = 0
     yield XorCodec

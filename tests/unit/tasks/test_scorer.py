@@ -72,7 +72,8 @@ def test_eval_json_has_required_keys_and_consistent_paths(pair) -> None:
 
 def test_must_show_summary_known_answer() -> None:
     """must_show: relative loss, critical layers (>5% drop) and the smallest restoring group."""
-    q = lambda v: {"quality": v, "answer_nll": 0.0}
+    def q(v):
+        return {"quality": v, "answer_nll": 0.0}
     ev = {
         "total_layers": 4, "receiver_full_prefill": q(1.0), "receiver_full_reuse": q(0.5), "sender_alone": q(0.1),
         "per_layer_reuse": [{"layer": 0, **q(1.0)}, {"layer": 1, **q(0.6)}, {"layer": 2, **q(0.97)}, {"layer": 3, **q(1.0)}],

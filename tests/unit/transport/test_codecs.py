@@ -33,13 +33,13 @@ class HalfCodec:
 
 
 @pytest.fixture
-def toy_codec():  # type: ignore[no-untyped-def]
+def toy_codec():
     codecs.register(HalfCodec())
     yield
     codecs.unregister("toy-half")
 
 
-def _pull(codec: str = "raw", lookup=None) -> tuple[list[torch.Tensor], int]:  # type: ignore[no-untyped-def]
+def _pull(codec: str = "raw", lookup=None) -> tuple[list[torch.Tensor], int]:
     async def run() -> tuple[list[torch.Tensor], int]:
         server = make_server("inproc", lookup or (lambda c, l, k: KV if (l, k) == (0, "K") else None), None)
         address = await server.start()
@@ -76,7 +76,7 @@ def test_unknown_codec_in_a_header_is_refused(monkeypatch):
     """A header naming a codec this receiver lacks is an IntegrityError before any byte lands."""
     real = inproc.answer
 
-    def relabel(*a):  # type: ignore[no-untyped-def]
+    def relabel(*a):
         response, payloads = real(*a)
         return msgspec.structs.replace(response, headers=[
             msgspec.structs.replace(h, codec="zstd-9000") for h in response.headers]), payloads
@@ -93,12 +93,12 @@ def test_oversize_payload_claim_is_refused_before_allocation(monkeypatch):
     allocated: list[int] = []
     empty = torch.empty
 
-    def inflate(*a):  # type: ignore[no-untyped-def]
+    def inflate(*a):
         response, payloads = real(*a)
         return msgspec.structs.replace(response, headers=[
             msgspec.structs.replace(h, nbytes=1 << 40) for h in response.headers]), payloads
 
-    def spy(*shape, **kw):  # type: ignore[no-untyped-def]
+    def spy(*shape, **kw):
         allocated.append(shape[0] if shape and isinstance(shape[0], int) else 0)
         return empty(*shape, **kw)
 

@@ -9,7 +9,7 @@ from shared.errors import BadMessageError, SchemaVersionError
 from shared.wire import schemas
 
 
-def _req(**kw):  # type: ignore[no-untyped-def]
+def _req(**kw):
     return schemas.GenerateRequest(**{"request_id": "r", "context": "c", "question": "q", **kw})
 
 
@@ -27,7 +27,8 @@ def test_round_trip():
         (b"\xc1", BadMessageError, "not msgpack"),
         (msgspec.msgpack.encode([1, 2]), BadMessageError, "expected a msgpack map"),
         (msgspec.msgpack.encode({"type": "generate.request", "v": 99}), SchemaVersionError, "schema version 99"),
-        (msgspec.msgpack.encode({"type": "generate.request", "v": schemas.SCHEMA_VERSION, "request_id": 5, "context": "c", "question": "q"}),
+        (msgspec.msgpack.encode({"type": "generate.request", "v": schemas.SCHEMA_VERSION, "request_id": 5,
+                                 "context": "c", "question": "q"}),
          BadMessageError, r"request_id"),
         (msgspec.msgpack.encode({"type": "lookup.request", "v": schemas.SCHEMA_VERSION, "token_ids": [], "fingerprint_id": "x"}),
          BadMessageError, "invalid GenerateRequest"),
