@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -83,45 +86,275 @@ def bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tuple[in
 
 
 # -- data plane ---------------------------------------------------------------------------------
-async def _transfer(address: str, sizes: list[int], repeats: int) -> list[dict[str, Any]]:
+KIB, MIB = 1 << 10, 1 << 20
+TRANSFER_SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+RATIO_FROM_BYTES = 16 * MIB  # `over_memcpy` / `ucx_over_memcpy`: the smallest ratio from this size up
+_SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
+# UCX prints the tables of the protocols it selected (one per endpoint configuration and
+# operation) on stdout when UCX_PROTO_INFO=y; the sender's tag-send table says, per message-size
+# range, which protocol and which transport (`sysv/memory`, `tcp/lo`, ...) carry a payload.
+_UCX_SEND_TABLE = "tagged message by ucp_tag_send* from host memory"
+_UCX_RANGE = re.compile(r"(\d+[KMG]?)(?:\.\.(\d+[KMG]?|inf))?")
+
+
+def bench_transports() -> list[str]:
+    """`bench transfer`'s default: every bulk channel that runs between processes (all of
+    `bulk.TRANSPORTS` but inproc), so a channel added there is measured without a change here."""
+    from shared.transport.bulk import TRANSPORTS
+
+    return [t for t in TRANSPORTS if t != "inproc"]
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size (sysfs, then sysconf; 64 MiB if neither says)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        for index in sorted(os.listdir(base)):
+            with open(f"{base}/{index}/size") as f:
+                text = f.read().strip().upper()
+            mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    if not best:
+        try:
+            best = int(os.sysconf("SC_LEVEL3_CACHE_SIZE"))
+        except (OSError, ValueError):
+            best = 0
+    return best if best > 0 else 64 * MIB
+
+
+def memcpy_reference(nbytes: int, repeats: int, llc: int | None = None) -> dict[str, Any]:
+    """A copy of `nbytes` with `torch.Tensor.copy_` into a preallocated destination, on one
+    thread (a bulk channel moves a payload on one thread too), median of `repeats` samples.
+
+    warm: one source/destination pair, both written before timing and copied once untimed, then
+    copied over and over (each sample times a batch of copies of at least 16 MiB in all, so
+    small sizes are not timer noise); they stay cached when they fit.
+    cold: a set of pairs whose footprint between two uses of a pair, (pairs - 1) x 2 x nbytes,
+    is at least twice the last-level cache; all written beforehand, then copied in turn,
+    cycling, so each copy reads a source (and writes a destination) evicted since its last use.
+    """
+    llc = llc or llc_bytes()
+    pairs = max(2, -(-2 * llc // nbytes) + 1)
+    batch = max(1, 16 * MIB // nbytes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bufs = [(torch.empty(nbytes, dtype=torch.uint8).fill_(i % 251), torch.empty(nbytes, dtype=torch.uint8).fill_(0))
+                for i in range(pairs)]
+        src, dst = bufs[0]
+        dst.copy_(src)
+        warm = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                dst.copy_(src)
+            warm.append((time.perf_counter() - t0) / batch)
+        cold_batch, i = min(batch, pairs - 1), 1
+        for _ in range(pairs):  # one untimed pass: every pair faulted in and written
+            s, d = bufs[i % pairs]
+            d.copy_(s)
+            i += 1
+        cold = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(cold_batch):
+                s, d = bufs[i % pairs]
+                d.copy_(s)
+                i += 1
+            cold.append((time.perf_counter() - t0) / cold_batch)
+    finally:
+        torch.set_num_threads(threads)
+    return {"bytes": nbytes, "memcpy_gb_s": nbytes / statistics.median(warm) / 1e9,
+            "memcpy_cold_gb_s": nbytes / statistics.median(cold) / 1e9, "cold_pairs": pairs, "threads": 1}
+
+
+def _ucx_size(text: str) -> float:
+    if text == "inf":
+        return float("inf")
+    mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1], 1)
+    return int(text.rstrip("KMG")) * mult
+
+
+def ucx_send_protocols(lines: list[str]) -> list[tuple[float, float, str]]:
+    """(low, high, "transport: protocol") per size range of the last tag-send table UCX printed
+    (UCX_PROTO_INFO=y) in `lines`: the endpoint configuration wireup settled on last."""
+    tables: list[list[tuple[float, float, str]]] = []
+    current: list[tuple[float, float, str]] | None = None
+    for line in lines:
+        if "|" not in line:
+            continue
+        cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
+        if len(cells) == 2 and "cfg#" in cells[0]:  # a table's title: "<context> <cfg> | <operation>"
+            current = [] if cells[1] == _UCX_SEND_TABLE else None
+            if current is not None:
+                tables.append(current)
+        elif current is not None and len(cells) == 3 and (m := _UCX_RANGE.fullmatch(cells[0])):
+            low = _ucx_size(m.group(1))
+            high = _ucx_size(m.group(2)) if m.group(2) else low
+            current.append((low, high, f"{cells[2]}: {cells[1].removeprefix('(?) ')}"))
+    return tables[-1] if tables else []
+
+
+def _ucx_transport_for(nbytes: int, protocols: list[tuple[float, float, str]]) -> str:
+    return next((p for low, high, p in protocols if low <= nbytes <= high), "unknown")
+
+
+class _TensorServer:
+    """`shared.bench.tensor_server` in a child process: its address, or why it did not start;
+    every stdout/stderr line it printed (UCX's protocol tables among them)."""
+
+    def __init__(self, transport: str, sizes: list[int]):
+        env = {**os.environ, **THREADS}
+        if transport == "ucx":
+            env.setdefault("UCX_PROTO_INFO", "y")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shared.bench.tensor_server", transport, ",".join(map(str, sizes))],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.address: str | None = None
+        self.error: str | None = None
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        from shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX
+
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith(ADDRESS_PREFIX):
+                self.address = line[len(ADDRESS_PREFIX):].strip()
+                self._ready.set()
+            elif line.startswith(ERROR_PREFIX):
+                self.error = line[len(ERROR_PREFIX):].strip()
+                self._ready.set()
+        if self.address is None and self.error is None:
+            last = next((x for x in reversed(self.lines) if x.strip()), "no output")
+            self.error = f"tensor server exited ({self.proc.poll()}): {last.strip()}"
+        self._ready.set()
+
+    def wait_ready(self) -> None:
+        if not self._ready.wait(_SERVER_START_S):
+            self.error = f"tensor server did not listen within {_SERVER_START_S:.0f}s"
+
+    def stop(self) -> list[str]:
+        """Terminate it; return everything it printed (complete once it has exited)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(5)
+        return self.lines
+
+
+async def _pull_rates(transport: str, address: str, sizes: list[int], repeats: int) -> dict[int, float]:
+    """Pull throughput (GB/s) per size: one warm-up pull, then the median of `repeats` pulls,
+    each into the same preallocated, already written bf16 buffer."""
     from shared.transport.bulk import make_client
     from shared.wire.schemas import PullItem, PullRequest
 
-    client = make_client("ucx")
-    await client.warm(address)
-    rows = []
-    for nbytes in sizes:
-        n = nbytes // 2
-        req = PullRequest(context_id=str(nbytes), items=[PullItem(0, "K")], token="")
-        into = [torch.empty(n, dtype=torch.bfloat16)]  # the server's one bf16 tensor of nbytes
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            await client.pull(address, req, into, lambda *a: None, 60)
-            times.append(time.perf_counter() - t0)
-        src = torch.empty(n, dtype=torch.bfloat16)
-        copies = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            src.clone()
-            copies.append(time.perf_counter() - t0)
-        ucx_s, copy_s = statistics.median(times[1:]), statistics.median(copies[1:])
-        rows.append({"bytes": nbytes, "ucx_gb_s": nbytes / ucx_s / 1e9, "memcpy_gb_s": nbytes / copy_s / 1e9,
-                     "ucx_over_memcpy": copy_s / ucx_s})
-    await client.close()
-    return rows
-
-
-def transfer(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
-    """UCX between two processes (a tensor server and this one) vs a memcpy of the same bytes."""
-    server = subprocess.Popen([sys.executable, "-m", "shared.bench.tensor_server", ",".join(map(str, sizes))],
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, **THREADS})
+    client = make_client(transport)
+    rates = {}
     try:
-        address = server.stdout.readline().strip()  # type: ignore[union-attr]  # printed once listening
-        return asyncio.run(_transfer(address, sizes, repeats))
+        await client.warm(address)
+        for nbytes in sizes:
+            req = PullRequest(context_id=str(nbytes), items=[PullItem(0, "K")], token="")
+            into = [torch.empty(nbytes // 2, dtype=torch.bfloat16).fill_(0)]  # written: its pages exist before timing
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                await client.pull(address, req, into, lambda *a: None, 120)
+                times.append(time.perf_counter() - t0)
+            rates[nbytes] = nbytes / statistics.median(times[1:]) / 1e9
     finally:
-        server.terminate()
-        server.wait(10)
+        await client.close()
+    return rates
+
+
+async def _pull_inproc(sizes: list[int], repeats: int) -> dict[int, float]:
+    """The in-process channel (no second process: the protocol's own cost, checksums included)."""
+    from shared.bench.tensor_server import start_server, tensors_for
+
+    server = start_server("inproc", tensors_for(sizes), name="bench-transfer")
+    address = await server.start()
+    try:
+        return await _pull_rates("inproc", address, sizes, repeats)
+    finally:
+        await server.close()
+
+
+def _measure(transport: str, sizes: list[int], repeats: int) -> tuple[dict[int, float], dict[int, str | None], str | None]:
+    """(GB/s per size, UCX transport per size (None where not UCX), None) or ({}, {}, reason)."""
+    from shared.bench.tensor_server import one_line
+
+    if transport == "inproc":
+        try:
+            return asyncio.run(_pull_inproc(sizes, repeats)), dict.fromkeys(sizes), None
+        except Exception as e:
+            return {}, {}, one_line(e)
+    server = _TensorServer(transport, sizes)
+    rates: dict[int, float] = {}
+    reason = None
+    try:
+        server.wait_ready()
+        if server.address is None:
+            reason = server.error or "tensor server gave no address"
+        else:
+            rates = asyncio.run(_pull_rates(transport, server.address, sizes, repeats))
+    except Exception as e:
+        reason = one_line(e)
+    finally:
+        lines = server.stop()
+    if reason is not None:
+        return {}, {}, reason
+    if transport != "ucx":
+        return rates, dict.fromkeys(sizes), None
+    protocols = ucx_send_protocols(lines)
+    return rates, {n: _ucx_transport_for(n, protocols) for n in sizes}, None
+
+
+def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None) -> dict[str, Any]:
+    """Pulls over each bulk channel between two processes (a tensor server and this one) against
+    a memcpy of the same bytes (warm and out of cache). Returns `rows` (one per transport and
+    size; a transport that cannot start is one row with `unavailable` and the reason),
+    `over_memcpy` (per transport, the smallest ratio from 16 MiB up), `ucx_over_memcpy` and
+    `memcpy` (how the reference was taken)."""
+    transports = transports or bench_transports()
+    llc = llc_bytes()
+    refs = {}
+    for n in sizes:  # before any server runs, so no other process competes for the cores
+        refs[n] = memcpy_reference(n, repeats, llc)
+        gc.collect()
+    rows: list[dict[str, Any]] = []
+    for transport in transports:
+        rates, chosen, reason = _measure(transport, sizes, repeats)
+        if reason is not None:
+            rows.append({"bytes": None, "transport": transport, "throughput_gb_s": None, "memcpy_gb_s": None,
+                         "memcpy_cold_gb_s": None, "ratio": None, "ucx_transports": None, "unavailable": reason})
+            continue
+        for n in sizes:
+            ref = refs[n]
+            rows.append({"bytes": n, "transport": transport, "throughput_gb_s": rates[n], "memcpy_gb_s": ref["memcpy_gb_s"],
+                         "memcpy_cold_gb_s": ref["memcpy_cold_gb_s"], "ratio": rates[n] / ref["memcpy_gb_s"],
+                         "ucx_transports": chosen.get(n)})
+    over: dict[str, float | None] = {}
+    for transport in transports:
+        ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
+                  and r["bytes"] >= RATIO_FROM_BYTES]
+        over[transport] = min(ratios) if ratios else None
+    from shared.transport.ucx import UCX_OPTIONS
+
+    return {"rows": rows, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over,
+            "memcpy": {"method": "torch.Tensor.copy_ into a preallocated destination, 1 thread, median of repeats",
+                       "llc_bytes": llc, "cold_pairs": {str(n): refs[n]["cold_pairs"] for n in sizes}},
+            "ucx_options": {**{f"UCX_{k}": v for k, v in UCX_OPTIONS.items()},
+                            **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}}
 
 
 # -- control plane ------------------------------------------------------------------------------

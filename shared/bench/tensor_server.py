@@ -1,6 +1,11 @@
-"""A bare UCX tensor server for `droidmesh bench transfer`: `python -m shared.bench.tensor_server
-SIZE[,SIZE...]` serves one bf16 tensor of each byte size (context id = the size, layer 0, K),
-prints its UCX address once listening, and runs until terminated."""
+"""A bare tensor server for `droidmesh bench transfer`:
+`python -m shared.bench.tensor_server TRANSPORT SIZE[,SIZE...]` serves, over the bulk channel
+`TRANSPORT` (any name `make_server` knows: ucx, nixl, ...), one bf16 tensor of each byte size
+(context id = the size, layer 0, K). Once listening it prints one line `BULK_ADDRESS=<address>`;
+if the channel cannot start (its module fails to import, no such transport...) it prints
+`BULK_ERROR=<one-line reason>` and exits 1. It runs until SIGTERM. Other lines on stdout (UCX
+writes its logs and `UCX_PROTO_INFO` tables there) are for the caller to skip or parse.
+The old form `python -m shared.bench.tensor_server SIZE[,SIZE...]` still serves over ucx."""
 
 from __future__ import annotations
 
@@ -10,18 +15,49 @@ import sys
 
 import torch
 
-from shared.transport.bulk import make_server
+from shared.transport.bulk import BulkServer, make_server
+
+ADDRESS_PREFIX = "BULK_ADDRESS="
+ERROR_PREFIX = "BULK_ERROR="
 
 
-async def serve(sizes: list[int]) -> None:
-    tensors = {str(n): torch.randn(n // 2).to(torch.bfloat16) for n in sizes}
-    server = make_server("ucx", lambda cid, layer, kind: tensors.get(cid) if (layer, kind) == (0, "K") else None, None)
-    print(await server.start(), flush=True)
+def tensors_for(sizes: list[int]) -> dict[str, torch.Tensor]:
+    """One bf16 tensor of each byte size, keyed by the size as a context id."""
+    return {str(n): torch.randn(n // 2).to(torch.bfloat16) for n in sizes}
+
+
+def start_server(transport: str, tensors: dict[str, torch.Tensor], name: str = "") -> BulkServer:
+    return make_server(transport, lambda cid, layer, kind: tensors.get(cid) if (layer, kind) == (0, "K") else None,
+                       None, name=name)
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+async def serve(transport: str, sizes: list[int]) -> int:
+    tensors = tensors_for(sizes)
+    try:
+        server = start_server(transport, tensors)
+        address = await server.start()
+    except Exception as e:  # any failure to start is reported as one line
+        print(ERROR_PREFIX + one_line(e), flush=True)
+        return 1
+    print(ADDRESS_PREFIX + address, flush=True)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
     await server.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 1:  # the old form: sizes only
+        argv = ["ucx", *argv]
+    transport, sizes = argv[0], [int(s) for s in argv[1].split(",")]
+    return asyncio.run(serve(transport, sizes))
 
 
 if __name__ == "__main__":
-    asyncio.run(serve([int(s) for s in sys.argv[1].split(",")]))
+    sys.exit(main(sys.argv[1:]))

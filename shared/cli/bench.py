@@ -170,17 +170,33 @@ def _plot_bandwidth(table: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _transport_list(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> list[str] | None:
+    out = [t.strip() for v in value for t in v.split(",") if t.strip()]
+    return list(dict.fromkeys(out)) or None
+
+
 @bench.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
-@click.option("--sizes", default="262144,1048576,4194304,16777216", show_default=True, help="Bytes per tensor.")
+@click.option("--sizes", default="262144,1048576,4194304,16777216,67108864,268435456", show_default=True,
+              callback=_int_list, help="Bytes per tensor.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
-def transfer(json_path, sizes, repeats) -> None:
-    """Data plane: UCX between two processes vs a memcpy of the same bytes."""
+@click.option("--transport", "transports", multiple=True, callback=_transport_list,
+              help="Bulk channel(s) to measure; repeat or give a comma list (default: every channel between "
+                   "processes, e.g. ucx,nixl; one that cannot start is reported as unavailable).")
+def transfer(json_path, sizes, repeats, transports) -> None:
+    """Data plane: pulls over each bulk channel between two processes vs a memcpy of the same bytes
+    (warm and out of cache); ratio = throughput / warm memcpy."""
     from shared.bench import runs
 
-    rows = runs.transfer([int(s) for s in sizes.split(",")], repeats)
-    click.echo(report.format_table(rows, ["bytes", "ucx_gb_s", "memcpy_gb_s", "ucx_over_memcpy"]))
-    _save(json_path, "transfer", {"rows": rows, "ucx_over_memcpy": rows[-1]["ucx_over_memcpy"]})
+    r = runs.transfer(sizes, repeats, transports)
+    columns = ["bytes", "transport", "throughput_gb_s", "memcpy_gb_s", "memcpy_cold_gb_s", "ratio", "ucx_transports"]
+    if any("unavailable" in row for row in r["rows"]):
+        columns.append("unavailable")
+    click.echo(report.format_table(r["rows"], columns))
+    for transport, ratio in r["over_memcpy"].items():
+        if ratio is not None:
+            click.echo(f"{transport}: smallest throughput / memcpy from {runs.RATIO_FROM_BYTES >> 20} MiB up = {ratio:.3f}")
+    _save(json_path, "transfer", r)
 
 
 @bench.command()

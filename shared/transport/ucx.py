@@ -26,7 +26,19 @@ from shared.wire import schemas
 from shared.wire.schemas import PullRequest, Transport
 
 log = structlog.get_logger("ucx")
-UCX_OPTIONS = {"TLS": "tcp,sm,self", "WARN_UNUSED_ENV_VARS": "n"}
+# Listener endpoints always run with peer-failure error handling (ucxx cannot accept a connection
+# without it), and under it UCX only takes a transport for zero-copy rendezvous if its memory
+# domain can invalidate memory (ucp_wireup.c; "for data integrity in case of error"). CMA's
+# domain never claims that, so same-host bulk went through TCP on loopback (and posix/sysv are
+# dropped too unless MM_ERROR_HANDLING=y). CMA_MEMORY_INVALIDATE=y only declares the capability,
+# which makes rendezvous "zero-copy read from remote" over CMA eligible: the receiver's own thread
+# copies the sender's payload into its buffer with process_vm_readv (one copy, no bounce buffer).
+# What the missing invalidation could cost after a peer failure is a read of a sender buffer the
+# sender already reused; those bytes fail the payload checksum. Measured here between two
+# processes: 16-256 MiB 1.1-1.5 GB/s against 0.55-0.62 over tcp/lo (README, bench transfer).
+# MM_ERROR_HANDLING=y (sysv fragments for the bulk) is left off: it swung from 0.2 to 3.5 GB/s
+# run to run on two busy cores, as each 512 KiB fragment needs both processes scheduled at once.
+UCX_OPTIONS = {"TLS": "tcp,sm,self", "CMA_MEMORY_INVALIDATE": "y", "WARN_UNUSED_ENV_VARS": "n"}
 _ucxx: Any = None
 
 

@@ -36,7 +36,7 @@ class Fingerprint(msgspec.Struct):
 
 
 # -- cache availability (events) ------------------------------------------------------------
-Transport = Literal["ucx", "inproc"]  # bulk channels (shared/transport/); `address` is theirs to parse
+Transport = Literal["ucx", "inproc", "nixl"]  # bulk channels (shared/transport/); `address` is theirs to parse
 ItemKind = Literal["K", "V", "E"]
 CodecParams = dict[str, int | float | str]
 
@@ -254,6 +254,38 @@ class PullResponse(Message, tag="pull.response"):
 
     headers: list[TensorHeader]
     error: str | None = None
+
+
+# -- the NIXL pull's control exchange (a TCP stream beside NIXL's one-sided reads) ---------
+class NixlConnect(Message, tag="nixl.connect"):
+    """Receiver -> sender, once per connection: ask for the sender agent's connection info."""
+
+
+class NixlAgentInfo(Message, tag="nixl.agent"):
+    """The sender agent's NIXL metadata: connection info only, no memory (nothing readable)."""
+
+    metadata: bytes
+
+
+class NixlRegion(msgspec.Struct):
+    """One granted payload's bytes in the sender's registered memory."""
+
+    addr: int
+    nbytes: int
+
+
+class NixlGrant(Message, tag="nixl.grant"):
+    """The sender's answer to a PullRequest. Granted: the headers, NIXL metadata for exactly the
+    requested payloads' registrations and one region per item, in order. Refused: an error in
+    `response` and no metadata or regions at all."""
+
+    response: PullResponse
+    metadata: bytes = b""
+    regions: list[NixlRegion] = []
+
+
+class NixlDone(Message, tag="nixl.done"):
+    """Receiver -> sender: the granted reads are over; the sender may release what it held."""
 
 
 M = TypeVar("M", bound=Message)

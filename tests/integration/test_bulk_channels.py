@@ -1,4 +1,4 @@
-"""Both bulk channels (real UCX in one process, and in-process) keep one contract: order,
+"""Every bulk channel (real UCX and NIXL in one process, and in-process) keeps one contract: order,
 integrity checks, refusals."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shared.transport.tokens import TokenIssuer
 from shared.wire.schemas import PullItem, PullRequest
 
 TENSORS = {(l, k): torch.randn(1, 2, 33, 8) for l in range(3) for k in "KV"} | {(1, "E"): torch.randn(1, 33, 16)}
-CHANNELS = ["inproc", "ucx"]
+CHANNELS = ["inproc", "ucx", "nixl"]
 
 
 class Clock:

@@ -50,12 +50,12 @@ class XorCodec:
 
 
 @contextlib.asynccontextmanager
-async def mesh(tiny_pair, tiny_models, default_group=(2, 6)):
+async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc"):
     bus, board = InProcessBus(), InMemoryConfigBoard()
     scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2,
-                        transport="inproc")
+                        transport=transport)
     rcfg = ReceiverConfig(model_path=str(tiny_pair[1]), model_id="receiver", default_group=default_group,
-                          transport="inproc")
+                          transport=transport)
     async with BrokerService(BrokerConfig(), bus=bus), \
             SenderService(scfg, bus=bus, model=tiny_models[0], board=board), \
             ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board):
@@ -82,12 +82,13 @@ def _engine_tokens(tiny_models, plan: ReusePlan) -> list[int]:
     return generate(receiver_m, ctx + q, plan, CapturedSource(captured), max_new_tokens=6).tokens
 
 
-def test_reuse_over_the_in_process_channel_equals_the_engine(tiny_pair, tiny_models):
-    """Sender, broker and receiver in one loop, bulk in process: the reply took the partial path,
-    pulled bytes, and its tokens equal the engine's own partial prefill with the same group."""
+@pytest.mark.parametrize("transport", ["inproc", "nixl"])
+def test_reuse_over_the_in_process_channel_equals_the_engine(tiny_pair, tiny_models, transport):
+    """Sender, broker and receiver in one loop, bulk in process or over NIXL: the reply took the
+    partial path, pulled bytes, and its tokens equal the engine's own partial prefill with the same group."""
 
     async def run() -> schemas.GenerateReply:
-        async with mesh(tiny_pair, tiny_models) as (bus, _):
+        async with mesh(tiny_pair, tiny_models, transport=transport) as (bus, _):
             return await _prefill_and_ask(bus)
 
     reply = asyncio.run(run())

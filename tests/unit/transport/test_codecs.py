@@ -115,3 +115,20 @@ def test_checksum_covers_the_payload():
     before = codecs.checksum(payload)
     payload[3] ^= 1
     assert codecs.checksum(payload) != before
+
+
+def test_a_stored_tensors_checksum_is_computed_once_and_dropped_with_it(monkeypatch):
+    """Raw pulls of the same stored tensor checksum it once; a freed tensor leaves no entry."""
+    from shared.transport import bulk
+
+    calls = []
+    real = codecs.checksum
+    monkeypatch.setattr(codecs, "checksum", lambda p: calls.append(1) or real(p))
+    store = {"ctx": KV.clone()}
+    for _ in range(3):
+        _pull(lookup=lambda c, l, k: store.get("ctx") if (l, k) == (0, "K") else None)
+    assert len(calls) == 1 + 3  # once on the sender, once per landing on the receiver
+    key = id(store["ctx"])
+    assert key in bulk._STORED_SUMS
+    del store["ctx"]  # evicted: the tensor is freed, its entry goes with it
+    assert key not in bulk._STORED_SUMS

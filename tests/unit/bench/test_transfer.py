@@ -1,0 +1,61 @@
+"""`bench transfer`'s pieces: the memcpy reference, UCX protocol-table parsing, the tensor
+server's one-line refusal, and a whole run over the in-process channel (structure only; no
+timing assertions)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from shared.bench import runs, tensor_server
+
+# Two tag-send tables as UCX_PROTO_INFO=y prints them (log prefix kept); the last one counts.
+PROTO_LINES = """\
+[1.0] [vm:1:0]   | ucp_context_0 intra-node cfg#1 | tagged message by ucp_tag_send* from host memory    |
+[1.0] [vm:1:0]   +--------------------------------+--------------------------------------------+--------+
+[1.0] [vm:1:0]   |                              0 | eager short                                | tcp/lo |
+[1.0] [vm:1:0]   |                     16353..inf | (?) rendezvous fragmented copy-in copy-out | tcp/lo |
+[1.0] [vm:1:0]   | ucp_context_0 intra-node cfg#3 | tagged message by ucp_tag_send* from host memory         |
+[1.0] [vm:1:0]   |                          0..92 | eager short                                | sysv/memory |
+[1.0] [vm:1:0]   |                       93..8191 | eager copy-in copy-out                     | sysv/memory |
+[1.0] [vm:1:0]   |                        8K..inf | (?) rendezvous fragmented copy-in copy-out | sysv/memory |
+[1.0] [vm:1:0]   | ucp_context_0 intra-node cfg#3 | active message by ucp_am_send* from host memory     |
+[1.0] [vm:1:0]   |                        8K..inf | rendezvous zero-copy                       | tcp/lo |
+""".splitlines()
+
+
+def test_memcpy_reference_reports_warm_and_cold():
+    ref = runs.memcpy_reference(64 << 10, repeats=2, llc=1 << 20)
+    assert ref["bytes"] == 64 << 10
+    assert ref["cold_pairs"] == 2 * (1 << 20) // (64 << 10) + 1  # (pairs - 1) x 2 x 64 KiB >= 2 x LLC
+    for key in ("memcpy_gb_s", "memcpy_cold_gb_s"):
+        assert math.isfinite(ref[key]) and ref[key] > 0
+
+
+def test_ucx_send_protocols_takes_the_last_tag_send_table():
+    protocols = runs.ucx_send_protocols(PROTO_LINES)
+    assert protocols[0] == (0, 92, "sysv/memory: eager short")
+    assert protocols[-1] == (8192, math.inf, "sysv/memory: rendezvous fragmented copy-in copy-out")
+    assert runs._ucx_transport_for(16 << 20, protocols) == "sysv/memory: rendezvous fragmented copy-in copy-out"
+    assert runs._ucx_transport_for(1, []) == "unknown"
+
+
+def test_default_transports_are_the_ones_between_processes():
+    assert "ucx" in runs.bench_transports() and "inproc" not in runs.bench_transports()
+
+
+def test_tensor_server_refuses_an_unknown_transport_in_one_line(capsys):
+    assert asyncio.run(tensor_server.serve("no-such-channel", [1024])) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(tensor_server.ERROR_PREFIX) and "no-such-channel" in out[0]
+
+
+def test_transfer_rows_over_the_inproc_channel():
+    r = runs.transfer([4096, 8192], repeats=1, transports=["inproc"])
+    assert [row["bytes"] for row in r["rows"]] == [4096, 8192]
+    for row in r["rows"]:
+        assert row["transport"] == "inproc" and row["ucx_transports"] is None
+        assert row["ratio"] == row["throughput_gb_s"] / row["memcpy_gb_s"]
+        assert row["memcpy_cold_gb_s"] > 0
+    assert r["over_memcpy"] == {"inproc": None}  # no row of 16 MiB or more
+    assert r["ucx_over_memcpy"] is None
