@@ -1,9 +1,11 @@
 """The receiver's reuse pipeline: pull a holder's tensors while the engine already computes.
 
 `reuse_generate` starts one pull (`shared/transport/pull.py`: transition-layer E first, then the
-reused KV layers in layer order) and, concurrently, the engine in the torch worker thread. The
-engine blocks per layer on the `ArrivingSource` the pull fills, so recompute begins the moment E
-lands. A pull failure is reported into the source, which ends the engine's wait with
+reused KV layers in layer order) and, concurrently, drives the engine's steps: each step runs on
+the torch worker thread, and where the engine needs a layer that has not landed yet the driver
+waits for it on the event loop, not on the torch thread. So recompute begins the moment E lands,
+and while this request waits for a slow sender other requests' compute uses the thread. A pull
+failure is reported into the source, which makes the engine's next read raise
 `MissingLayerError`; an engine failure cancels the pull. Either way the caller gets a
 `ReuseError` and falls back.
 """
@@ -13,16 +15,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
-from shared.kv.partial import Generation, generate
+import torch
+
+from shared.kv.partial import Generation, generate_steps
 from shared.kv.policy import Decision
+from shared.kv.sources import ArrivingSource, Need, Steps
 from shared.model.fingerprint import require_compatible
 from shared.transport.pull import pull_into, pull_items, source_for
 from shared.wire import schemas
 
 if TYPE_CHECKING:
     from services.receiver.state import ReceiverState
+
+RunTorch = Callable[..., Awaitable[Any]]
 
 
 @dataclasses.dataclass
@@ -54,14 +62,11 @@ async def reuse_generate(
             finally:
                 stamps["pull_done"] = time.perf_counter()
 
-    def run_engine() -> Generation:
-        stamps["engine_start"] = time.perf_counter()
-        return generate(model, prompt, plan, source, max_new_tokens=max_new_tokens,
-                        eos_token_id=s.eos_token_id, timeout_s=timeout_s)
-
+    steps = generate_steps(model, prompt, plan, source, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
+                           timeout_s=timeout_s)
     pull_task = asyncio.get_running_loop().create_task(pull())
     try:
-        gen = await s.run_torch(run_engine)
+        gen = await drive(steps, source, s.run_torch, stamps)
     except BaseException:
         pull_task.cancel()
         await asyncio.gather(pull_task, return_exceptions=True)
@@ -73,3 +78,41 @@ async def reuse_generate(
         stamps[stage] = stamps["engine_start"] + rel
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     return ReuseOutcome(gen, pulled, stamps)
+
+
+async def drive(steps: Steps[Generation], source: ArrivingSource, run_torch: RunTorch, stamps: dict[str, float]
+                ) -> Generation:
+    """Run the engine's steps on the torch thread, waiting for each `Need` here, on the loop."""
+    loop = asyncio.get_running_loop()
+    landed = asyncio.Event()
+
+    def on_landed() -> None:  # from the producer's thread
+        loop.call_soon_threadsafe(landed.set)
+
+    source.watch(on_landed)
+    while True:
+        finished, value = await run_torch(_step, steps, stamps)
+        if finished:
+            return value  # the final step's value is the Generation
+        need: Need = value
+        while not source.has(need):
+            left = need.deadline - time.monotonic()
+            if left <= 0:
+                break  # the engine's read raises MissingLayerError
+            landed.clear()
+            if source.has(need):
+                break
+            try:
+                await asyncio.wait_for(landed.wait(), left)
+            except TimeoutError:
+                break
+
+
+def _step(steps: Steps[Generation], stamps: dict[str, float]) -> tuple[bool, object]:
+    """One engine step, on the torch thread: (True, result) at the end, else (False, Need)."""
+    stamps.setdefault("engine_start", time.perf_counter())  # in the worker: queueing is not compute
+    with torch.inference_mode():
+        try:
+            return False, next(steps)
+        except StopIteration as done:  # a Future cannot carry StopIteration
+            return True, done.value

@@ -15,21 +15,22 @@ from typing import Any
 import torch
 
 from shared.kv.blocks import check_kv
-from shared.kv.sources import LayerSource
+from shared.kv.sources import LayerSource, Need, Steps
 from shared.model import hf_cache
 from shared.model.adapter import ModelAdapter
 
 
-def blend_context(
+def blend_steps(
     receiver: ModelAdapter, context: list[int], source: LayerSource, ratio: float, cache: Any, deadline: float
-) -> torch.Tensor:
+) -> Steps[torch.Tensor]:
     """Fill every layer of `cache` with the blended KV of `context`; return the recomputed
-    token positions [n]."""
+    token positions [n]. Yields a `Need` before each read from `source`."""
     m, full = len(context), len(source.token_ids)
     device = receiver.device
     # Layer 0, all tokens, receiver's own weights: exact KV for layer 0 and the ranking signal.
     h = receiver.run_layers(receiver.embed(receiver.token_tensor(context)), 0, 1, cache, past=0)  # [1, m, D]
     k0, v0 = hf_cache.layer_kv(cache, 0)  # [1, kvh, m, hd]
+    yield Need("kv", 0, deadline)
     sent = source.kv(0, deadline)
     check_kv(sent, 0, receiver.kv_shape(full), receiver.dtype, device)
     dev = token_deviation(k0, v0, sent.k[:, :, :m], sent.v[:, :, :m])  # [m]
@@ -39,6 +40,7 @@ def blend_context(
     positions = picked[None]  # [1, n]
     allowed = blend_visibility(picked, m)  # [1, 1, n, m + n]
     for layer in range(1, receiver.num_layers):
+        yield Need("kv", layer, deadline)
         block = source.kv(layer, deadline)
         check_kv(block, layer, receiver.kv_shape(full), receiver.dtype, device)
         k, v = block.k[:, :, :m], block.v[:, :, :m]  # [1, kvh, m, hd]

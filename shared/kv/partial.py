@@ -12,10 +12,12 @@ token prefix, leaving >= 1 token to compute):
      for layer l's KV only (reused layers: the sender's, checked and sliced to m tokens).
   3. greedy decoding continues from the suffix's last logits on the assembled cache.
 Step 1 needs no reused KV at all, so a transport that delivers E first overlaps the recompute
-with the KV transfer. Every delivered tensor is checked before use (shape, dtype, and the
-receiver's device: the engine never copies across devices, and builds its own tensors there) and
-the cache is private to the call: on any error nothing is half-applied, the caller falls back to
-full prefill.
+with the KV transfer. Each function has a steps form (`prefill_steps`, `generate_steps`) that
+yields a `Need` before every source read, so a service can wait for arriving layers off its
+compute thread (see `shared/kv/sources.py`); `prefill` / `generate` drive it in place.
+Every delivered tensor is checked before use (shape, dtype, and the receiver's device: the engine
+never copies across devices, and builds its own tensors there) and the cache is private to the
+call: on any error nothing is half-applied, the caller falls back to full prefill.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from typing import Any
 import torch
 
 from shared.errors import BadRequestError, ReuseError
-from shared.kv.blend import blend_context
+from shared.kv.blend import blend_steps
 from shared.kv.blocks import check_kv, check_tensor, reusable_prefix
 from shared.kv.plan import ReusePlan
-from shared.kv.sources import LayerSource
+from shared.kv.sources import LayerSource, Need, Steps, run_steps
 from shared.model import hf_cache
 from shared.model.adapter import ModelAdapter
 from shared.model.fingerprint import require_compatible
@@ -67,6 +69,19 @@ def prefill(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> PrefillResult:
     """Prefill `prompt_ids` on `receiver` following `plan`, reusing `source`'s cached prefix."""
+    return run_steps(prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s))
+
+
+def prefill_steps(
+    receiver: ModelAdapter,
+    prompt_ids: Sequence[int],
+    plan: ReusePlan,
+    source: LayerSource | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Steps[PrefillResult]:
+    """`prefill` as steps: yields a `Need` before each read from `source` (run under
+    `torch.inference_mode` by the driver)."""
     t0 = time.perf_counter()
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -87,13 +102,14 @@ def prefill(
     if m == 0:
         raise ReuseError("the sender's context shares no token prefix with the prompt")
     deadline = time.monotonic() + timeout_s
-    filled = _fill_context(receiver, prompt[:m], plan, source, cache, deadline, stages, t0)
+    filled = yield from _fill_context(receiver, prompt[:m], plan, source, cache, deadline, stages, t0)
 
     # Step 2: suffix through all layers; layer l waits only for layer l's KV.
     h = receiver.embed(receiver.token_tensor(prompt[m:]))  # [1, S, D]
     full = len(source.token_ids)
     for layer in range(L):
         if not filled[layer]:
+            yield Need("kv", layer, deadline)
             block = source.kv(layer, deadline)
             check_kv(block, layer, receiver.kv_shape(full), receiver.dtype, receiver.device)
             hf_cache.set_layer_kv(cache, layer, block.k[:, :, :m], block.v[:, :, :m])  # [1, kvh, m, hd]
@@ -112,14 +128,14 @@ def _fill_context(
     deadline: float,
     stages: dict[str, float],
     t0: float,
-) -> list[bool]:
+) -> Steps[list[bool]]:
     """Step 1: compute the receiver's own context KV where the plan says so; return which
     layers of `cache` now hold the context."""
     L, m = receiver.num_layers, len(context)
     filled = [False] * L
     if plan.mode == "cacheblend":
         stages["recompute_start"] = time.perf_counter() - t0
-        blend_context(receiver, context, source, plan.ratio, cache, deadline)
+        yield from blend_steps(receiver, context, source, plan.ratio, cache, deadline)
         stages["recompute_done"] = time.perf_counter() - t0
         return [True] * L
     if plan.mode == "swap":  # probe: the receiver's own context KV, then step 2 swaps the listed layers
@@ -131,6 +147,7 @@ def _fill_context(
         if s == 0:  # layer 0's input is the receiver's own embedding: exact and local
             h = receiver.embed(receiver.token_tensor(context))  # [1, m, D]
         else:
+            yield Need("e", s, deadline)
             e_s = source.e(s, deadline)
             check_tensor(f"E of layer {s}", e_s, receiver.e_shape(full), receiver.dtype, receiver.device)
             h = e_s[:, :m]  # E_s [1, full, D] -> the m reused context tokens [1, m, D]
@@ -156,10 +173,25 @@ def generate(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Generation:
     """Prefill per `plan`, then greedy-decode up to `max_new_tokens` (stopping at EOS)."""
+    return run_steps(generate_steps(receiver, prompt_ids, plan, source, max_new_tokens=max_new_tokens,
+                                    eos_token_id=eos_token_id, timeout_s=timeout_s))
+
+
+def generate_steps(
+    receiver: ModelAdapter,
+    prompt_ids: Sequence[int],
+    plan: ReusePlan,
+    source: LayerSource | None = None,
+    *,
+    max_new_tokens: int = 32,
+    eos_token_id: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Steps[Generation]:
+    """`generate` as steps (only the prefill reads the source; decoding is one step)."""
     if max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
     t0 = time.perf_counter()
-    pre = prefill(receiver, prompt_ids, plan, source, timeout_s=timeout_s)
+    pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s)
     token = int(pre.logits[-1].argmax())
     ttft = time.perf_counter() - t0
     tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers

@@ -9,19 +9,51 @@ plus the cached context's `token_ids` and `fingerprint`.
 `CapturedSource` has everything up front. `ArrivingSource` is filled later, in any order, by a
 transport (`put_kv` / `put_e` from any thread) and lets the engine start recomputing as soon as
 E lands while the reused KV layers are still arriving: a wait is per layer, never global.
+
+The engine is written as steps (generators) that yield a `Need` just before each source read.
+`run_steps` drives them on the calling thread, leaving every wait to the source's blocking
+calls (offline tools, tests). A service instead drives them so that the compute thread never
+waits on the network: it runs each step on its torch thread and waits for the `Need` elsewhere
+(`ArrivingSource.has` / `watch`), so another request's compute runs meanwhile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable, Generator
+from typing import Literal, Protocol, TypeVar
 
 import torch
 
 from shared.errors import MissingLayerError
 from shared.kv.blocks import CapturedContext, KVBlock
 from shared.model.fingerprint import ArchFingerprint
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """The engine is about to read `kind` of `layer` from its source; a driver may wait for it
+    first, until `deadline` (time.monotonic()). Past the deadline the read itself raises."""
+
+    kind: Literal["kv", "e"]
+    layer: int
+    deadline: float
+
+
+Steps = Generator[Need, None, T]
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Drive `steps` to the end on this thread; each read then waits in the source itself."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
 
 
 class LayerSource(Protocol):
@@ -63,6 +95,7 @@ class ArrivingSource:
         self._e: dict[int, torch.Tensor] = {}
         self._failure: BaseException | None = None
         self._halves: dict[int, tuple[str, torch.Tensor]] = {}  # layer -> the half that came first
+        self._watchers: list[Callable[[], None]] = []
         # Arrival stamps (time.perf_counter()) so callers can show what overlapped what.
         self.arrived_at: dict[str, float] = {}
 
@@ -72,12 +105,14 @@ class ArrivingSource:
             self._kv[block.layer] = block
             self.arrived_at[f"kv{block.layer}"] = time.perf_counter()
             self._cond.notify_all()
+        self._notify()
 
     def put_e(self, layer: int, e: torch.Tensor) -> None:
         with self._cond:
             self._e[layer] = e
             self.arrived_at[f"e{layer}"] = time.perf_counter()
             self._cond.notify_all()
+        self._notify()
 
     def put(self, kind: str, layer: int, t: torch.Tensor) -> None:
         """Deliver one transferred tensor: "E", or one half ("K" / "V") of a layer's KV (the
@@ -98,6 +133,23 @@ class ArrivingSource:
         with self._cond:
             self._failure = exc
             self._cond.notify_all()
+        self._notify()
+
+    # -- for drivers that wait outside the engine -----------------------------------------
+    def watch(self, fn: Callable[[], None]) -> None:
+        """Call `fn` (from the producer's thread; it must not block) after every delivery and
+        on failure."""
+        self._watchers.append(fn)
+
+    def has(self, need: Need) -> bool:
+        """Whether the engine's read for `need` would return (or fail) without waiting."""
+        with self._cond:
+            table: dict = self._kv if need.kind == "kv" else self._e
+            return need.layer in table or self._failure is not None
+
+    def _notify(self) -> None:
+        for fn in self._watchers:
+            fn()
 
     # -- consumer side (engine thread) ---------------------------------------------------
     def kv(self, layer: int, deadline: float) -> KVBlock:

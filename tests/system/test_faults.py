@@ -22,9 +22,10 @@ N = 20
 
 
 def test_sender_killed_mid_transfer_loses_nothing(nats, services, tiny_pair, tiny_models):
-    """N requests in flight when the sender dies: every one is answered before its deadline,
-    each equal to the receiver's full-prefill answer (the sender holds the receiver's own
-    weights here, so reuse and fallback must both reproduce it exactly)."""
+    """N requests in flight when the sender dies (killed as they are dispatched, while the broker
+    still lists it: pulls are cut mid-stream or refused): every one is answered before its
+    deadline, each equal to the receiver's full-prefill answer (the sender holds the receiver's
+    own weights here, so reuse and fallback must both reproduce it exactly)."""
     url = nats[1]
     same = tiny_pair[1]  # sender == receiver weights: every correct path gives the same tokens
     services.append(start_service("cache_broker", {}, url, env=THREADS))
@@ -48,7 +49,7 @@ def test_sender_killed_mid_transfer_loses_nothing(nats, services, tiny_pair, tin
             deadline = time.time() + 90
             tasks = [asyncio.create_task(client.ask("receiver", CONTEXT, q, max_new_tokens=4, timeout=90))
                      for q in questions]
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0)  # each task publishes its request before the kill
             sender.kill()  # SIGKILL: no goodbye, no eviction events, pulls cut mid-stream
             replies = await asyncio.gather(*tasks)
             return replies, deadline, time.time()

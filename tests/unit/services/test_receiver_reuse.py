@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 
 import pytest
@@ -25,6 +26,7 @@ from shared.kv.sources import CapturedSource
 from shared.model import text
 from shared.models import weights_sha256
 from shared.transport import codecs
+from shared.transport.bulk import BulkClient
 from shared.wire import schemas, subjects
 from shared.wire.schemas import CodecParams, TensorHeader
 
@@ -58,8 +60,8 @@ async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc")
                           transport=transport)
     async with BrokerService(BrokerConfig(), bus=bus), \
             SenderService(scfg, bus=bus, model=tiny_models[0], board=board), \
-            ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board):
-        yield bus, board
+            ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board) as receiver:
+        yield bus, board, receiver
 
 
 async def _ask(bus, subject, msg, kind):
@@ -88,7 +90,7 @@ def test_reuse_over_the_in_process_channel_equals_the_engine(tiny_pair, tiny_mod
     partial path, pulled bytes, and its tokens equal the engine's own partial prefill with the same group."""
 
     async def run() -> schemas.GenerateReply:
-        async with mesh(tiny_pair, tiny_models, transport=transport) as (bus, _):
+        async with mesh(tiny_pair, tiny_models, transport=transport) as (bus, *_):
             return await _prefill_and_ask(bus)
 
     reply = asyncio.run(run())
@@ -114,7 +116,7 @@ def test_receiver_decodes_the_codec_its_pair_config_names(tiny_pair, tiny_models
         frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6, created_at=time.time())
 
     async def run() -> schemas.GenerateReply:
-        async with mesh(tiny_pair, tiny_models, default_group=()) as (bus, board):
+        async with mesh(tiny_pair, tiny_models, default_group=()) as (bus, board, _):
             await board.put(cfg)
             await bus.settle()
             return await _prefill_and_ask(bus)
@@ -123,3 +125,55 @@ def test_receiver_decodes_the_codec_its_pair_config_names(tiny_pair, tiny_models
     assert (reply.path, reply.plan) == ("partial", "recompute [2,4)"), reply
     assert xor_codec.decoded == 1 + 2 * 4  # E of layer 2, K and V of the 4 reused layers
     assert reply.token_ids == _engine_tokens(tiny_models, ReusePlan.recompute(2, 4))
+
+
+class FrozenClient:
+    """A bulk client whose pulls hang until released (a sender frozen mid-pull), then go on
+    through the real channel. Records whether a pull was abandoned meanwhile."""
+
+    def __init__(self, inner: BulkClient) -> None:
+        self.inner, self.transport = inner, inner.transport
+        self.release, self.entered, self.abandoned = asyncio.Event(), asyncio.Event(), False
+
+    async def pull(self, address, request, into, on_item, timeout_s):  # the BulkClient.pull contract
+        self.entered.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.abandoned = True
+            raise
+        return await self.inner.pull(address, request, into, on_item, timeout_s)
+
+    async def warm(self, address: str) -> None:
+        """Nothing to connect."""
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def test_a_frozen_sender_does_not_hold_the_compute_thread(tiny_pair, tiny_models):
+    """While one request waits on a frozen sender's pull, a concurrent full-prefill request on the
+    same receiver is answered, and the frozen request is still waiting (not timed out), then
+    completes on the partial path once the sender resumes."""
+
+    async def run():
+        async with mesh(tiny_pair, tiny_models) as (bus, _, receiver):
+            frozen = receiver.state.bulk = FrozenClient(receiver.state.bulk)
+            await _ask(bus, subjects.sender_prefill("sender"),
+                       schemas.PrefillRequest(request_id="p", context=CONTEXT), schemas.PrefillReply)
+            await bus.settle()
+            ask = functools.partial(_ask, bus, subjects.receiver_generate("receiver"), kind=schemas.GenerateReply)
+            stalled = asyncio.create_task(ask(schemas.GenerateRequest(
+                request_id="r1", context=CONTEXT, question=QUESTION, max_new_tokens=6)))
+            await asyncio.wait_for(frozen.entered.wait(), 30)
+            other = await asyncio.wait_for(ask(schemas.GenerateRequest(
+                request_id="r2", context="other words entirely", question=QUESTION, max_new_tokens=6,
+                mode="full_prefill")), 30)
+            state_then = (stalled.done(), frozen.abandoned)
+            frozen.release.set()
+            return other, state_then, await stalled
+
+    other, (stalled_done, abandoned), stalled = asyncio.run(run())
+    assert other.path == "full_prefill"
+    assert (stalled_done, abandoned) == (False, False)
+    assert stalled.path == "partial" and stalled.token_ids == _engine_tokens(tiny_models, ReusePlan.recompute(2, 6))
