@@ -15,22 +15,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.kv.partial import Generation, generate_steps
 from shared.kv.policy import Decision
-from shared.kv.sources import ArrivingSource, Need, Steps
 from shared.model.fingerprint import require_compatible
-from shared.transport.pull import pull_into, pull_items, source_for
+from shared.transport.pull import drive_engine, pull_into, pull_items, source_for
 from shared.wire import schemas
 
 if TYPE_CHECKING:
     from services.receiver.state import ReceiverState
 
-RunTorch = Callable[..., Awaitable[Any]]
 
 
 @dataclasses.dataclass
@@ -66,7 +61,7 @@ async def reuse_generate(
                            timeout_s=timeout_s)
     pull_task = asyncio.get_running_loop().create_task(pull())
     try:
-        gen = await drive(steps, source, s.run_torch, stamps)
+        gen = await drive_engine(steps, source, s.run_torch, stamps)
     except BaseException:
         pull_task.cancel()
         await asyncio.gather(pull_task, return_exceptions=True)
@@ -79,40 +74,3 @@ async def reuse_generate(
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     return ReuseOutcome(gen, pulled, stamps)
 
-
-async def drive(steps: Steps[Generation], source: ArrivingSource, run_torch: RunTorch, stamps: dict[str, float]
-                ) -> Generation:
-    """Run the engine's steps on the torch thread, waiting for each `Need` here, on the loop."""
-    loop = asyncio.get_running_loop()
-    landed = asyncio.Event()
-
-    def on_landed() -> None:  # from the producer's thread
-        loop.call_soon_threadsafe(landed.set)
-
-    source.watch(on_landed)
-    while True:
-        finished, value = await run_torch(_step, steps, stamps)
-        if finished:
-            return value  # the final step's value is the Generation
-        need: Need = value
-        while not source.has(need):
-            left = need.deadline - time.monotonic()
-            if left <= 0:
-                break  # the engine's read raises MissingLayerError
-            landed.clear()
-            if source.has(need):
-                break
-            try:
-                await asyncio.wait_for(landed.wait(), left)
-            except TimeoutError:
-                break
-
-
-def _step(steps: Steps[Generation], stamps: dict[str, float]) -> tuple[bool, object]:
-    """One engine step, on the torch thread: (True, result) at the end, else (False, Need)."""
-    stamps.setdefault("engine_start", time.perf_counter())  # in the worker: queueing is not compute
-    with torch.inference_mode():
-        try:
-            return False, next(steps)
-        except StopIteration as done:  # a Future cannot carry StopIteration
-            return True, done.value

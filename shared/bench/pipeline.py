@@ -7,7 +7,8 @@ availability event, then times, for a recompute group [s, e):
   recompute   the engine with every tensor already local
   (a) all     pull E_s + every layer's KV, then compute
   (b) reused  pull E_s + the reused KV, then compute
-  (c) piped   compute starts when E_s lands, reused KV streams meanwhile
+  (c) piped   compute starts when E_s lands, reused KV streams meanwhile (the receiver's own
+              path: `shared/transport/pull.py`'s pull and engine driver, one torch thread)
   prefill     the receiver's own full prefill (no transfer)
 Every time is from the start of the pull (or compute) to the first token, median of repeats.
 """
@@ -16,21 +17,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.device import DEVICE_ENV
 from shared.errors import ConfigError
-from shared.kv.partial import generate
+from shared.kv.partial import generate, generate_steps
 from shared.kv.plan import ReusePlan
 from shared.kv.sources import ArrivingSource
 from shared.model.adapter import load_model
 from shared.transport.bulk import make_client
-from shared.transport.pull import pull_into, pull_items, source_for
+from shared.transport.pull import drive_engine, pull_into, pull_items, source_for
 from shared.wire import schemas, subjects
 from shared.wire.schemas import PullItem
 
@@ -73,6 +76,10 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
         return await pull_into(bulk, ev, items, model, src, timeout_s=300)
 
     loop = asyncio.get_running_loop()
+    torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+
+    async def run_torch(fn: Any, *args: Any) -> Any:
+        return await loop.run_in_executor(torch_thread, functools.partial(fn, *args))
 
     def engine(src: ArrivingSource, p: ReusePlan = plan) -> float:
         t0 = time.perf_counter()
@@ -92,7 +99,8 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
             await loop.run_in_executor(None, engine, src)
         elif mode == "piped":
             pulling = loop.create_task(pull(needed, src))
-            await loop.run_in_executor(None, engine, src)
+            steps = generate_steps(model, prompt, plan, src, max_new_tokens=1, timeout_s=300)
+            await drive_engine(steps, src, run_torch, {})
             await pulling
         else:  # prefill
             await loop.run_in_executor(None, lambda: generate(model, prompt, ReusePlan.full_prefill(), max_new_tokens=1))
@@ -104,6 +112,7 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
         for m in modes:
             times[m].append(await run_mode(m))
     await bulk.close()
+    torch_thread.shutdown()
     med = {m: statistics.median(v[1:]) for m, v in times.items()}
     reused_bytes = sum(ev.kv_nbytes[l] for l in plan.reused_layers(L)) + ev.e_nbytes
     return {"context_tokens": len(ev.token_ids), "group": list(group), "total_layers": L, "seconds": med,

@@ -6,10 +6,18 @@ items in the same order into the same buffers:
      reused K/V layer by layer (the suffix needs them in that order);
   2. `pull_into(...)`: one buffer per item, allocated by the receiver from its own model's layout
      on its own device (never from what the peer declares), pulled over the bulk channel; each
-     landed item is handed to the source, which wakes the engine waiting for that layer.
+     landed item is handed to the source, which wakes the engine waiting for that layer;
+  3. `drive_engine(...)`, concurrently: the engine's steps run on the torch thread, and where a
+     step needs a layer that has not landed the wait happens here, on the event loop, so the
+     compute thread serves other work meanwhile.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -17,11 +25,14 @@ import torch
 from shared.device import dtype_name
 from shared.errors import CacheLayoutError, TransferError
 from shared.kv.plan import ReusePlan
-from shared.kv.sources import ArrivingSource
+from shared.kv.sources import ArrivingSource, Need, Steps
 from shared.model.adapter import ModelAdapter
 from shared.model.fingerprint import ArchFingerprint
 from shared.transport.bulk import BulkClient
 from shared.wire.schemas import CacheAvailable, CodecParams, PullItem, PullRequest
+
+T = TypeVar("T")
+RunTorch = Callable[..., Awaitable[Any]]  # runs a blocking callable on the torch thread
 
 
 def pull_items(plan: ReusePlan, num_layers: int) -> list[PullItem]:
@@ -61,3 +72,46 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
             source.put(item.kind, item.layer, t)
 
     return await bulk.pull(holder.address, request, buffers(model, len(holder.token_ids), items), on_item, timeout_s)
+
+
+async def drive_engine(steps: Steps[T], source: ArrivingSource, run_torch: RunTorch, stamps: dict[str, float]
+                       ) -> T:
+    """Run the engine's steps on the torch thread (`run_torch`), waiting for each `Need` here, on
+    the loop; `stamps["engine_start"]` is when the first step began on that thread."""
+    loop = asyncio.get_running_loop()
+    landed = asyncio.Event()
+
+    def on_landed() -> None:  # from the producer's thread
+        loop.call_soon_threadsafe(landed.set)
+
+    source.watch(on_landed)
+    while True:
+        finished, value = await run_torch(_advance, steps, source, stamps)
+        if finished:
+            return value  # the final step's value is the steps' result
+        need: Need = value
+        while not source.has(need):
+            left = need.deadline - time.monotonic()
+            if left <= 0:
+                break  # the engine's read raises MissingLayerError
+            landed.clear()
+            if source.has(need):
+                break
+            try:
+                await asyncio.wait_for(landed.wait(), left)
+            except TimeoutError:
+                break
+
+
+def _advance(steps: Steps[T], source: ArrivingSource, stamps: dict[str, float]) -> tuple[bool, object]:
+    """On the torch thread: run steps until one needs a layer that has not landed, (False, Need),
+    or to the end, (True, result). Landed layers cost no round trip to the loop."""
+    stamps.setdefault("engine_start", time.perf_counter())  # in the worker: queueing is not compute
+    with torch.inference_mode():
+        try:
+            need = next(steps)
+            while source.has(need):
+                need = next(steps)
+            return False, need
+        except StopIteration as done:  # a Future cannot carry StopIteration
+            return True, done.value
