@@ -33,10 +33,15 @@ def _on(device: str) -> dict[str, str]:
 
 
 def _probe(url: str, model: str, sender: str, tokens: int, group: tuple[int, int], repeats: int, device: str,
-           wrap: list[str] | None = None) -> dict[str, Any]:
+           wrap: list[str] | None = None, env: dict[str, str] | None = None,
+           lines: list[str] | None = None) -> dict[str, Any]:
+    """Run `shared.bench.pipeline` (under `wrap`, with `env` added); append its stdout to `lines`."""
     argv = [*(wrap or []), sys.executable, "-m", "shared.bench.pipeline", "--nats", url, "--model", model,
             "--sender", sender, "--tokens", str(tokens), "--group", f"{group[0]},{group[1]}", "--repeats", str(repeats)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env={**os.environ, DEVICE_ENV: device})
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, **(env or {}), DEVICE_ENV: device})
+    if lines is not None:
+        lines.extend(out.stdout.splitlines())
     for line in out.stdout.splitlines():
         if line.startswith("PROBE "):
             return json.loads(line[6:])
@@ -58,26 +63,71 @@ def pipeline(sender_path: str, receiver_path: str, tokens: int, group: tuple[int
             p.stop()
 
 
+# Two hosts share no memory: unless told otherwise, the bandwidth sweep's processes run UCX
+# without its shared-memory transports. In two network namespaces of one kernel UCX still finds
+# the peer on "this host" and, with CMA allowed (`shared/transport/ucx.py`), reads the sender's
+# memory with process_vm_readv: the bytes never cross the veth and the tc limit measures nothing
+# (15 Gbit/s "achieved" on a 0.5 Gbit/s link). An operator's UCX_TLS still wins.
+CROSS_HOST_UCX_TLS = "tcp,self"
+# The tables UCX_PROTO_INFO=y prints that say which transport carries a pull's payload: the
+# ucx channel's sender tag-sends each payload; the nixl channel's receiver reads it (ucp_get*).
+_UCX_GET_TABLE = "remote memory read by ucp_get*"  # a prefix: "... from <memory type> memory"
+BANDWIDTH_PAYLOAD_BYTES = 1 << 20  # the size whose protocol row a bandwidth row reports (~ one layer's K or V)
+
+
+def bandwidth_env(transport: str, ucx_tls: str | None) -> dict[str, str]:
+    """Environment of the sweep's sender and probe: the bulk channel on both ends, UCX's protocol
+    tables on stdout, and `ucx_tls` as UCX_TLS (None or "": the channel's own choice; an
+    operator's UCX_TLS wins either way)."""
+    env = {"DM_SENDER_TRANSPORT": transport, "DM_RECEIVER_TRANSPORT": transport, "UCX_PROTO_INFO": "y"}
+    if ucx_tls:
+        env["UCX_TLS"] = os.environ.get("UCX_TLS", ucx_tls)
+    return env
+
+
+def _row_ucx_transport(transport: str, sender_lines: list[str], probe_lines: list[str],
+                       previous: str | None) -> str | None:
+    """The UCX transport and protocol that carried this row's payloads (at 1 MiB, about one
+    layer's K or V). ucx: the sender's last tag-send table printed during the row; UCX prints a
+    table once per endpoint configuration, so a row whose endpoint matched an earlier one's
+    keeps that row's answer. nixl: the probe's (a fresh process per row) get table."""
+    if transport == "ucx":
+        protocols = ucx_send_protocols(sender_lines)
+        return _ucx_transport_for(BANDWIDTH_PAYLOAD_BYTES, protocols) if protocols else previous
+    protocols = ucx_send_protocols(probe_lines, _UCX_GET_TABLE)
+    return _ucx_transport_for(BANDWIDTH_PAYLOAD_BYTES, protocols) if protocols else None
+
+
 def bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int,
-              rates_mbit: list[float | None], device: str = DEFAULT_DEVICE) -> list[dict[str, Any]]:
-    """The probe in its own namespace, the sender (and NATS) in another, per link rate."""
+              rates_mbit: list[float | None], device: str = DEFAULT_DEVICE, transport: str = "ucx",
+              ucx_tls: str | None = CROSS_HOST_UCX_TLS) -> list[dict[str, Any]]:
+    """The probe in its own namespace, the sender (and NATS) in another, per link rate, over
+    `transport` (both ends). Each row adds `transport`, `ucx_transports` (what UCX carried the
+    payloads with) and `ucx_tls` to the probe's figures."""
     why = netns.available()
     if why:
         raise RuntimeError(f"bandwidth sweep skipped: {why}")
+    env = bandwidth_env(transport, ucx_tls)
     rows = []
     with netns.link() as (snd, rcv):
         procs: list[Proc] = []
         try:
             nats, url = start_nats(host=netns.SND_IP, wrap=snd)
             procs.append(nats)
-            procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender",
-                                                  "dtype": "bfloat16", "e_layers": [group[0]],
-                                                  "ucx_host": netns.SND_IP}, url, env=_on(device), wrap=snd))
+            sender = start_service("sender", {"model_path": sender_path, "model_id": "bench-sender",
+                                              "dtype": "bfloat16", "e_layers": [group[0]],
+                                              "ucx_host": netns.SND_IP}, url, env={**_on(device), **env}, wrap=snd)
+            procs.append(sender)
+            chosen: str | None = None
             for rate in tqdm(rates_mbit, desc="bandwidth", unit="rate"):
                 netns.set_rate(rate)
-                r = _probe(url, receiver_path, "bench-sender", tokens, group, repeats, device, wrap=rcv)
+                seen, probe_lines = len(sender.lines), list[str]()
+                r = _probe(url, receiver_path, "bench-sender", tokens, group, repeats, device, wrap=rcv, env=env,
+                           lines=probe_lines)
+                chosen = _row_ucx_transport(transport, sender.lines[seen:], probe_lines, chosen)
                 r["configured_gbit_s"] = rate / 1000 if rate else None
                 r["link_efficiency"] = r["achieved_gbit_s"] / (rate / 1000) if rate else None
+                r.update(transport=transport, ucx_transports=chosen, ucx_tls=env.get("UCX_TLS"))
                 rows.append(r)
         finally:
             for p in reversed(procs):
@@ -178,9 +228,10 @@ def _ucx_size(text: str) -> float:
     return int(text.rstrip("KMG")) * mult
 
 
-def ucx_send_protocols(lines: list[str]) -> list[tuple[float, float, str]]:
-    """(low, high, "transport: protocol") per size range of the last tag-send table UCX printed
-    (UCX_PROTO_INFO=y) in `lines`: the endpoint configuration wireup settled on last."""
+def ucx_send_protocols(lines: list[str], operation: str = _UCX_SEND_TABLE) -> list[tuple[float, float, str]]:
+    """(low, high, "transport: protocol") per size range of the last table whose operation starts
+    with `operation` (by default host-memory tag-send) UCX printed (UCX_PROTO_INFO=y) in `lines`: the endpoint configuration
+    wireup settled on last."""
     tables: list[list[tuple[float, float, str]]] = []
     current: list[tuple[float, float, str]] | None = None
     for line in lines:
@@ -188,7 +239,7 @@ def ucx_send_protocols(lines: list[str]) -> list[tuple[float, float, str]]:
             continue
         cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
         if len(cells) == 2 and "cfg#" in cells[0]:  # a table's title: "<context> <cfg> | <operation>"
-            current = [] if cells[1] == _UCX_SEND_TABLE else None
+            current = [] if cells[1].startswith(operation) else None
             if current is not None:
                 tables.append(current)
         elif current is not None and len(cells) == 3 and (m := _UCX_RANGE.fullmatch(cells[0])):
@@ -348,12 +399,12 @@ def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None
         ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
                   and r["bytes"] >= RATIO_FROM_BYTES]
         over[transport] = min(ratios) if ratios else None
-    from shared.transport.ucx import UCX_OPTIONS
+    from shared.transport.ucx import ucx_options
 
     return {"rows": rows, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over,
             "memcpy": {"method": "torch.Tensor.copy_ into a preallocated destination, 1 thread, median of repeats",
                        "llc_bytes": llc, "cold_pairs": {str(n): refs[n]["cold_pairs"] for n in sizes}},
-            "ucx_options": {**{f"UCX_{k}": v for k, v in UCX_OPTIONS.items()},
+            "ucx_options": {**{f"UCX_{k}": v for k, v in ucx_options().items()},
                             **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}}
 
 

@@ -127,26 +127,36 @@ def pipeline(json_path, tokens, group, repeats, device) -> None:
 @click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
 @click.option("--group", default="0,6", callback=_group, show_default=True)
 @click.option("--rates", default="500,1000,2000,5000,0", show_default=True, help="Mbit/s; 0 = unlimited.")
-@click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 50))
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50),
+              help="Rounds per rate (median; odd, as the median of two is their mean and one stalled pull halves it).")
+@click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl"]),
+              help="Bulk channel of the sender and the probe (DM_SENDER_TRANSPORT / DM_RECEIVER_TRANSPORT).")
+@click.option("--ucx-tls", default="tcp,self", show_default=True,
+              help="UCX_TLS of both processes: two hosts share no memory, so shared memory and CMA (which "
+                   "would bypass the veth in two namespaces of one kernel) are off; '' keeps the channel's "
+                   "own. An UCX_TLS in the environment wins.")
 @_device_option
-def bandwidth(json_path, plot_path, tokens, group, rates, repeats, device) -> None:
+def bandwidth(json_path, plot_path, tokens, group, rates, repeats, transport, ucx_tls, device) -> None:
     """Fig. 20: sender and receiver in their own namespaces over a tc-limited veth link."""
     from shared.bench import runs
 
     sender, receiver = _demo_pair()
     rate_list = [float(r) or None for r in rates.split(",")]
     try:
-        rows = runs.bandwidth(sender, receiver, tokens, group, repeats, rate_list, device)
+        rows = runs.bandwidth(sender, receiver, tokens, group, repeats, rate_list, device, transport, ucx_tls or None)
     except RuntimeError as e:
         click.echo(str(e), err=True)
         _save(json_path, "bandwidth", {"skipped": str(e)})
         return
-    table = [{"configured_gbit_s": r["configured_gbit_s"], "achieved_gbit_s": r["achieved_gbit_s"],
+    table = [{"configured_gbit_s": r["configured_gbit_s"], "transport": r["transport"],
+              "ucx_transports": r["ucx_transports"], "achieved_gbit_s": r["achieved_gbit_s"],
               "link_efficiency": r["link_efficiency"], **{k: r["seconds"][k] for k in ("piped", "reused", "all", "prefill")}}
              for r in rows]
     click.echo(report.format_table(table, list(table[0])))
     effs = [r["link_efficiency"] for r in rows if r["link_efficiency"]]
-    _save(json_path, "bandwidth", {"rows": rows, "link_efficiency": min(effs) if effs else None})
+    _save(json_path, "bandwidth", {"rows": rows, "link_efficiency": min(effs) if effs else None,
+                                   "transport": transport, "ucx_tls": rows[0]["ucx_tls"] if rows else None,
+                                   "tokens": tokens, "group": list(group)})
     if plot_path:
         _plot_bandwidth(table, plot_path)
 

@@ -165,7 +165,7 @@ class Landing:
     header: TensorHeader
     codec: codecs.Codec
     out: torch.Tensor  # the caller's buffer
-    recv: torch.Tensor  # uint8 [header.nbytes] on the CPU: `out`'s own bytes or a staging buffer
+    recv: torch.Tensor  # uint8 [header.nbytes]: `out`'s own bytes or a staging buffer (host, pinned or device)
 
     def land(self) -> torch.Tensor:
         """Verify the received payload and decode it into `out`; return `out`."""

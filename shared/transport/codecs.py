@@ -1,7 +1,7 @@
 """Wire codecs: how one tensor travels as bytes, and the registry a receiver decodes from.
 
 A `Codec` (stateless; both methods block while they compute, on whatever thread calls them):
-  - `encode(t, params)`        sender, serving a pull: tensor -> (uint8 CPU payload, params as sent)
+  - `encode(t, params)`        sender, serving a pull: tensor -> (uint8 payload, params as sent)
   - `decode(payload, header, out)`  receiver, as the item lands: write the decoded tensor into
                                `out`, the caller's buffer (its shape, dtype and device)
   - `max_nbytes(shape, dtype, params)`  receiver, before receiving: the largest payload a
@@ -9,12 +9,34 @@ A `Codec` (stateless; both methods block while they compute, on whatever thread 
                                is refused before any buffer is allocated for it.
 Only `raw` (the tensor's own bytes, no copy on either side when the buffer is on the CPU) ships
 with this module; `register` adds more (compressed codecs plug in here, nothing else changes).
-Both ends share `checksum` (xxh3-64 of the payload) and `payload_view`.
+Both ends share `checksum` and `payload_view`.
+
+Raw and CUDA tensors. A payload is host memory unless a channel that can move device memory
+asks for device payloads (`DEVICE_PARAM` in the request's codec params; only the UCX channel
+does, and only when UCX here has its CUDA transports, see `capabilities.py`):
+  1. the receiver asks (every buffer on CUDA); the sender's encode answers a CUDA tensor with its
+     own device bytes and echoes `DEVICE_PARAM` in the header, or, not asked, with a copy in
+     pinned host memory (a CPU tensor is always its own host bytes, the param not echoed);
+  2. the receiver lands a header carrying `DEVICE_PARAM` in its CUDA buffer itself
+     (`receive_buffer`), any other payload for a CUDA buffer in pinned host memory;
+  3. `decode` copies a staged payload into `out` (host to device for pinned staging).
+Integrity: `checksum` is a function of where the payload's bytes are, and both ends hold them in
+the same kind of memory (device payloads only travel when both ends agreed, per step 1):
+  - host bytes: xxh3-64, as always;
+  - device bytes: `device_checksum`, two 64-bit sums over the bytes as int64 words, plain and
+    position-weighted (Fletcher-style), with torch integer ops on the GPU. Copying each payload
+    to the host to hash it would cost more than the device-to-device pull it checks. Integer sums
+    wrap the same way in any order, so the result does not depend on the reduction order. It
+    catches truncated, zero-filled, shifted or stale payloads and isolated corruption; like
+    xxh3 it is no defence against a sender that lies. The sender computes it once per stored
+    tensor (`bulk.answer` caches it), and reading it waits for the kernels queued before it on
+    the current stream: the capture's writes are complete before UCX reads the tensor (DroidMesh
+    runs its engine on the default stream).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -66,9 +88,29 @@ def payload_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(payload: torch.Tensor) -> str:
-    """xxh3-64 of a CPU uint8 payload's bytes."""
-    buf: Any = payload.numpy() if payload.device.type == "cpu" else payload.cpu().numpy()
+    """Of a uint8 payload: `device_checksum` for device bytes, else xxh3-64 of the host bytes."""
+    if payload.device.type == "cuda":
+        return device_checksum(payload)
+    buf: Any = payload.numpy()
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(buf).data)
+
+
+_MASK64 = (1 << 64) - 1
+_WEIGHTED_WORDS = 1 << 24  # int64 words per step of the weighted sum: bounds its temporaries to 256 MiB
+
+
+def device_checksum(payload: torch.Tensor) -> str:
+    """(sum of w, sum of (i + 1) * w) mod 2**64 over the uint8 payload read as int64 words w
+    (the last one zero-padded), on the payload's own device; "d" + 32 hex digits."""
+    if payload.numel() % 8 or payload.storage_offset() % 8:  # an int64 view needs whole, aligned words
+        payload = torch.cat([payload, payload.new_zeros(-payload.numel() % 8)])
+    words = payload.view(torch.int64)
+    weighted = words.new_zeros(())
+    for start in range(0, words.numel(), _WEIGHTED_WORDS):
+        chunk = words[start:start + _WEIGHTED_WORDS]
+        weighted += (chunk * torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device)).sum()
+    plain, weighted_sum = torch.stack([words.sum(), weighted]).tolist()  # one device-to-host read
+    return f"d{plain & _MASK64:016x}{weighted_sum & _MASK64:016x}"
 
 
 def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
@@ -78,21 +120,37 @@ def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
+# Raw codec param: "cuda" in a request = the receiver takes device payloads; in a header = this
+# payload is device memory. Set by the UCX channel only (see the module docstring).
+DEVICE_PARAM = "payload_memory"
+
+
+def asks_device(params: CodecParams) -> bool:
+    return params.get(DEVICE_PARAM) == "cuda"
+
+
 class RawCodec:
     """The tensor's own bytes. Decoding into a CPU buffer needs no copy at all: channels receive
-    straight into `out` (see `direct_view`)."""
+    straight into `out` (see `direct_view`); nor into a CUDA buffer when the payload travels as
+    device memory (see `receive_buffer`)."""
 
     name = "raw"
 
     def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
-        return payload_view(t if t.device.type == "cpu" else t.cpu()), {}
+        if t.device.type != "cuda":
+            return payload_view(t), {}
+        if asks_device(params):
+            return payload_view(t), {DEVICE_PARAM: "cuda"}
+        source = payload_view(t)
+        staged = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)  # device-to-host at full speed
+        staged.copy_(source)
+        return staged, {}
 
     def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
         if payload.numel() != nbytes_of(out.shape, out.dtype):
             raise IntegrityError(f"layer {header.layer} {header.kind}: {payload.numel()} bytes for {list(out.shape)}")
-        target = payload_view(out)
-        if target.data_ptr() != payload.data_ptr():  # not received in place (e.g. a GPU buffer)
-            target.copy_(payload, non_blocking=False)
+        if payload.data_ptr() != out.data_ptr() or not out.is_contiguous():  # staged, not received in place
+            out.copy_(payload.view(out.dtype).reshape(out.shape), non_blocking=False)
 
     def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
         return nbytes_of(shape, dtype)
@@ -104,6 +162,32 @@ def direct_view(codec: Codec, out: torch.Tensor) -> torch.Tensor | None:
     if isinstance(codec, RawCodec) and out.device.type == "cpu" and out.is_contiguous():
         return payload_view(out)
     return None
+
+
+Place = Literal["out", "device", "pinned", "host"]
+
+
+def receive_place(codec: Codec, header: TensorHeader, out: torch.Tensor) -> Place:
+    """Where a channel that can receive device memory lands `header`'s payload for `out`:
+    "out" (its own bytes: raw into a contiguous buffer, sent as device memory when `out` is on
+    CUDA), "device" (a staging buffer on `out`'s device), "pinned" (pinned host staging, for a
+    host payload bound for a CUDA buffer) or "host" (pageable host staging, for a CPU buffer)."""
+    fits = isinstance(codec, RawCodec) and out.is_contiguous() and header.nbytes == nbytes_of(out.shape, out.dtype)
+    if asks_device(header.codec_params):
+        return "out" if fits else "device"
+    if out.device.type == "cuda":
+        return "pinned"
+    return "out" if fits else "host"
+
+
+def receive_buffer(codec: Codec, header: TensorHeader, out: torch.Tensor) -> torch.Tensor:
+    """The uint8 [header.nbytes] buffer `receive_place` names."""
+    place = receive_place(codec, header, out)
+    if place == "out":
+        return payload_view(out)
+    if place == "device":
+        return torch.empty(header.nbytes, dtype=torch.uint8, device=out.device)
+    return torch.empty(header.nbytes, dtype=torch.uint8, pin_memory=place == "pinned")
 
 
 register(RawCodec())

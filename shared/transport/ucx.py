@@ -9,6 +9,18 @@ pull at a time on it; any error drops the endpoint, which is never reused half-r
 ucxx is imported on first use, and UCX is configured through `ucxx.init` options, never by
 changing the process environment: listeners need tcp (sm alone cannot connect through a
 listener). `UCX_*` variables set by an operator still win.
+
+CUDA tensors (raw codec; the byte-level rules are `codecs.py`'s):
+  1. a client whose buffers are all on CUDA asks for device payloads when UCX here can take
+     device memory (`capabilities.ucx_cuda_support`); a server that cannot send it drops the ask;
+  2. the server hands UCX the stored tensor's own device memory (ucxx takes any object with
+     `__cuda_array_interface__`, a torch CUDA tensor among them): with cuda_ipc, the pull is one
+     device-to-device copy between the two processes;
+  3. the client receives into `codecs.receive_buffer`: its CUDA buffer itself for a device
+     payload, else pinned host staging (logged once per process and side, with the reason).
+     Before UCX writes into device buffers the client waits, off the loop, for the work queued on
+     their device's current stream: the caching allocator may hand out memory that kernels
+     queued before the pull still use, and UCX's copies are not ordered with that stream.
 """
 
 from __future__ import annotations
@@ -17,10 +29,12 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 
 from shared.errors import DroidMeshError, TransferError
+from shared.transport import capabilities, codecs
 from shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, landings
 from shared.wire import schemas
 from shared.wire.schemas import PullRequest, Transport
@@ -39,7 +53,17 @@ log = structlog.get_logger("ucx")
 # MM_ERROR_HANDLING=y (sysv fragments for the bulk) is left off: it swung from 0.2 to 3.5 GB/s
 # run to run on two busy cores, as each 512 KiB fragment needs both processes scheduled at once.
 UCX_OPTIONS = {"TLS": "tcp,sm,self", "CMA_MEMORY_INVALIDATE": "y", "WARN_UNUSED_ENV_VARS": "n"}
+# With a GPU, UCX may move device memory itself (cuda_copy; cuda_ipc between processes on one
+# node, see capabilities.py). Named only where CUDA exists: UCX warns about absent transports.
+CUDA_TLS = "cuda_copy,cuda_ipc"
 _ucxx: Any = None
+
+
+def ucx_options() -> dict[str, str]:
+    """`UCX_OPTIONS`, plus the CUDA transports on a machine that has a GPU."""
+    if not torch.cuda.is_available():
+        return dict(UCX_OPTIONS)
+    return {**UCX_OPTIONS, "TLS": f"{UCX_OPTIONS['TLS']},{CUDA_TLS}"}
 
 
 def ucxx() -> Any:
@@ -48,9 +72,49 @@ def ucxx() -> Any:
     if _ucxx is None:
         import ucxx as module
 
-        module.init(options=UCX_OPTIONS, env_takes_precedence=True)
+        module.init(options=ucx_options(), env_takes_precedence=True)
         _ucxx = module
     return _ucxx
+
+
+def ask_device(request: PullRequest, into: Sequence[torch.Tensor]) -> PullRequest:
+    """The request as a client sends it: asking for device payloads when every buffer is on CUDA
+    and UCX here takes device memory (else, with CUDA buffers, noting once that it stages)."""
+    if request.codec != "raw" or not into or not all(b.device.type == "cuda" for b in into):
+        return request
+    support = capabilities.ucx_cuda_support()
+    if not support.device_memory:
+        capabilities.note_staging("receiver", support)
+        return request
+    return msgspec.structs.replace(request, codec_params={**request.codec_params, codecs.DEVICE_PARAM: "cuda"})
+
+
+def honour_device(request: PullRequest) -> PullRequest:
+    """The request as a server answers it: without the ask for device payloads where UCX here
+    cannot send device memory (its CUDA tensors then go as pinned host copies)."""
+    if not codecs.asks_device(request.codec_params):
+        return request
+    support = capabilities.ucx_cuda_support()
+    if support.device_memory:
+        return request
+    if torch.cuda.is_available():  # without CUDA this sender holds no CUDA tensors: nothing is staged
+        capabilities.note_staging("sender", support)
+    params = {k: v for k, v in request.codec_params.items() if k != codecs.DEVICE_PARAM}
+    return msgspec.structs.replace(request, codec_params=params)
+
+
+def _ucx_buffer(t: torch.Tensor) -> Any:
+    """What ucxx sends from or receives into: a CUDA tensor as itself (`__cuda_array_interface__`),
+    host memory as a numpy view."""
+    return t if t.device.type == "cuda" else t.numpy()
+
+
+async def _settle(buffers: Sequence[torch.Tensor]) -> None:
+    """Wait, on a worker thread, for the work queued so far on each CUDA buffer's current stream."""
+    for device in {b.device for b in buffers if b.device.type == "cuda"}:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        await asyncio.to_thread(done.synchronize)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -99,9 +163,9 @@ class UcxBulkServer:
         except DroidMeshError as e:
             await ep.send_obj(schemas.encode(schemas.PullResponse(headers=[], error=f"{e.code}: {e}")))
             return
-        response, payloads = answer(request, self._lookup, self._authorize)
+        response, payloads = answer(honour_device(request), self._lookup, self._authorize)
         await ep.send_obj(schemas.encode(response))
-        await asyncio.gather(*(ep.send(p.numpy()) for p in payloads))
+        await asyncio.gather(*(ep.send(_ucx_buffer(p)) for p in payloads))
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -143,10 +207,15 @@ class UcxBulkClient:
                 raise TransferError(f"pull from {address} failed: {type(e).__name__}: {e}") from e
 
     async def _pull_on(self, ep: Any, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem) -> int:
+        request = ask_device(request, into)
         await ep.send_obj(schemas.encode(request))
         response = schemas.decode(bytes(await ep.recv_obj()), schemas.PullResponse)
         lands = landings(request, response, into)
-        receives = [asyncio.ensure_future(ep.recv(land.recv.numpy())) for land in lands]
+        for land in lands:
+            if land.out.device.type == "cuda":
+                land.recv = codecs.receive_buffer(land.codec, land.header, land.out)
+        await _settle([land.recv for land in lands])
+        receives = [asyncio.ensure_future(ep.recv(_ucx_buffer(land.recv))) for land in lands]
         try:
             for land, recv in zip(lands, receives, strict=True):
                 await recv  # in order: E first, so the engine can start while the rest streams

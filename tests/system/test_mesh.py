@@ -45,8 +45,9 @@ async def _prefill_and_ask(url: str, model, n: int = 1, max_new_tokens: int = 6)
 
 
 def test_answer_through_mesh_equals_engine(nats, services, tiny_pair, tiny_models):
-    """Separate processes + UCX give the same tokens as the in-process engine, and the
-    receiver started recomputing before the last reused KV layer had arrived."""
+    """Separate processes + UCX give the same tokens as the in-process engine, and the receiver
+    started recomputing only once E had landed (that it need not wait for the reused KV is pinned
+    deterministically by tests/unit/kv/test_late_arrival.py; here a same-host pull can beat it)."""
     _start(services, nats[1], tiny_pair, group=(1, 2))
     (reply,) = asyncio.run(_prefill_and_ask(nats[1], tiny_models[1]))
     assert reply.path == "partial", reply
@@ -56,8 +57,7 @@ def test_answer_through_mesh_equals_engine(nats, services, tiny_pair, tiny_model
                    max_new_tokens=6, eos_token_id=receiver_m.tokenizer.eos_token_id)
     assert reply.token_ids == ref.tokens
     st = reply.stages_ms
-    last_kv = max(v for k, v in st.items() if k.startswith("arrived_kv"))
-    assert st["arrived_e1"] <= st["recompute_start"] < last_kv, st
+    assert st["arrived_e1"] <= st["recompute_start"], st
 
 
 def test_two_receiver_copies_share_the_queue_group(nats, services, tiny_pair, tiny_models):

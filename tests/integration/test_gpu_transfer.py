@@ -1,0 +1,59 @@
+"""The GPU transfer check (`infra/gpu/transfer-check.sh`): its dry run end to end on this CPU
+(two processes, the UCX channel, the copy reference, the JSON), and its report when ucxx is
+missing. No timing is asserted. On a GPU, the device-to-device path itself is
+`test_ucx_cuda.py`'s."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from shared.bench import gpu_transfer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_dry_run_end_to_end(tmp_path):
+    proc = subprocess.run(["bash", "infra/gpu/transfer-check.sh", "--dry-run", "--sizes", "4096,65536", "--repeats", "1"],
+                          cwd=ROOT, env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "DRY RUN on CPU" in proc.stdout and "pull/copy" in proc.stdout
+    report = json.loads((tmp_path / "gpu-transfer.json").read_text())
+    assert report["dry_run"] and report["missing"] == [] and report["path"] == "host (dry run)"
+    assert [r["bytes"] for r in report["rows"]] == [4096, 65536]
+    assert all(r["pull_gb_s"] > 0 and r["copy_gb_s"] > 0 and r["unavailable"] is None for r in report["rows"])
+
+
+def test_missing_ucxx_is_named_and_the_copy_reference_still_measured(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ucxx", None)  # import ucxx raises ImportError
+    report = gpu_transfer.measure([4096], torch.device("cpu"), 1)
+    assert len(report["missing"]) == 1 and report["missing"][0].startswith("ucxx (") and "ucxx-cu13" in report["missing"][0]
+    assert report["rows"][0]["copy_gb_s"] > 0 and report["rows"][0]["pull_gb_s"] is None
+    assert "ucxx" in report["rows"][0]["unavailable"]
+
+
+def test_missing_modules_stop_the_script_with_their_names(tmp_path):
+    """A Python without DroidMesh's dependencies: the script names them, exit 2, no traceback."""
+    bare = tmp_path / "python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # no site-packages
+    bare.chmod(0o755)
+    proc = subprocess.run(["bash", "infra/gpu/transfer-check.sh", "--dry-run"], cwd=ROOT,
+                          env={**os.environ, "PYTHON": str(bare)}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "MISSING Python modules: torch" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ucx_send_protocol_per_memory_type():
+    lines = ["[1] [vm:1:0]   | ucp_context_0 intra-node cfg#1 | tagged message by ucp_tag_send* from host memory |",
+             "[1] [vm:1:0]   |                          0..8K | eager short | cma/memory |",
+             "[1] [vm:1:0]   |                        8K..inf | rendezvous zero-copy read from remote | cma/memory |",
+             "[1] [vm:1:0]   | ucp_context_0 intra-node cfg#2 | tagged message by ucp_tag_send* from cuda/GPU0 |",
+             "[1] [vm:1:0]   |                         0..inf | (?) rendezvous zero-copy read from remote | cuda_ipc/cuda |"]
+    tables = gpu_transfer.send_protocols(lines)
+    assert gpu_transfer.protocol_for(1 << 20, tables["host memory"]) == "cma/memory: rendezvous zero-copy read from remote"
+    assert gpu_transfer.protocol_for(64, tables["cuda/GPU0"]) == "cuda_ipc/cuda: rendezvous zero-copy read from remote"
