@@ -84,6 +84,27 @@ def test_expired_token_is_refused(transport):
 
 
 @pytest.mark.parametrize("transport", CHANNELS)
+@pytest.mark.parametrize("forge", ["missing", "tampered", "other-context", "other-sender"])
+def test_forged_grants_are_refused(transport, forge):
+    """On every channel a pull with no token, a tampered MAC, another context's token or another
+    sender's token is refused as unauthorized, and no byte is delivered."""
+    issuer = TokenIssuer(ttl_s=60)
+    good, _ = issuer.issue("ctx")
+    token = {"missing": "", "tampered": good[:-4] + "0000", "other-context": issuer.issue("other")[0],
+             "other-sender": TokenIssuer(ttl_s=60).issue("ctx")[0]}[forge]
+    delivered: list[PullItem] = []
+
+    async def body(client, address):
+        items = [PullItem(0, "K")]
+        await client.pull(address, PullRequest(context_id="ctx", items=items, token=token), _buffers(items),
+                          lambda it, t: delivered.append(it), 10)
+
+    with pytest.raises(TransferError, match="unauthorized"):
+        asyncio.run(_session(transport, issuer, body))
+    assert delivered == []
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
 def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypatch):
     """A tensor whose shape differs from the receiver's buffer, or whose bytes do not match the
     header checksum, raises IntegrityError."""

@@ -102,11 +102,11 @@ def test_stored_tensor_registrations_are_reused_and_released_with_the_tensor():
             await pull(ITEMS)
             first = set(server._regs)  # type: ignore[attr-defined]  # the registration cache under test
             await pull(ITEMS)
-            again = set(server._regs)  # type: ignore[attr-defined]
+            again = set(server._regs)  # type: ignore[attr-defined]  # the nixl server's registration cache
             del store[(0, "V")]
             gc.collect()
             await pull(ITEMS[:1])
-            return len(first), len(first & again), len(server._regs)  # type: ignore[attr-defined]
+            return len(first), len(first & again), len(server._regs)  # type: ignore[attr-defined]  # the nixl server's registration cache
         finally:
             await client.close()
             await server.close()
