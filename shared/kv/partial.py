@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -39,6 +39,8 @@ from shared.model.adapter import ModelAdapter
 from shared.model.fingerprint import require_compatible
 
 DEFAULT_TIMEOUT_S = 30.0
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -57,19 +59,6 @@ class Generation:
     prefill: PrefillResult
     ttft_s: float  # call start -> first token chosen
     total_s: float
-
-
-@torch.inference_mode()
-def prefill(
-    receiver: ModelAdapter,
-    prompt_ids: Sequence[int],
-    plan: ReusePlan,
-    source: LayerSource | None = None,
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> PrefillResult:
-    """Prefill `prompt_ids` on `receiver` following `plan`, reusing `source`'s cached prefix."""
-    return run_steps(prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s))
 
 
 def prefill_steps(
@@ -161,22 +150,6 @@ def _fill_context(
     return filled
 
 
-@torch.inference_mode()
-def generate(
-    receiver: ModelAdapter,
-    prompt_ids: Sequence[int],
-    plan: ReusePlan,
-    source: LayerSource | None = None,
-    *,
-    max_new_tokens: int = 32,
-    eos_token_id: int | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> Generation:
-    """Prefill per `plan`, then greedy-decode up to `max_new_tokens` (stopping at EOS)."""
-    return run_steps(generate_steps(receiver, prompt_ids, plan, source, max_new_tokens=max_new_tokens,
-                                    eos_token_id=eos_token_id, timeout_s=timeout_s))
-
-
 def generate_steps(
     receiver: ModelAdapter,
     prompt_ids: Sequence[int],
@@ -201,3 +174,20 @@ def generate_steps(
         tokens.append(token)
         past += 1
     return Generation(tokens=tokens, prefill=pre, ttft_s=ttft, total_s=time.perf_counter() - t0)
+
+
+def _in_place(steps_fn: Callable[P, Steps[T]]) -> Callable[P, T]:
+    """The blocking form of a steps function: driven to the end on the calling thread, under
+    `torch.inference_mode`, every source read waiting in the source itself."""
+
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        with torch.inference_mode():
+            return run_steps(steps_fn(*args, **kwargs))
+
+    return run
+
+
+prefill = _in_place(prefill_steps)
+"""Prefill `prompt_ids` on `receiver` following `plan`, reusing `source`'s cached prefix."""
+generate = _in_place(generate_steps)
+"""Prefill per `plan`, then greedy-decode up to `max_new_tokens` (stopping at EOS)."""

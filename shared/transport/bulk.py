@@ -24,9 +24,10 @@ Every channel runs the same protocol, so its checks live here, once:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import structlog
@@ -204,3 +205,24 @@ def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.
             recv = torch.empty(header.nbytes, dtype=torch.uint8)
         out.append(Landing(item, header, codec, buf, recv))
     return out
+
+
+async def guarded_pull(address: str, timeout_s: float, lock: asyncio.Lock, pull: Callable[[], Awaitable[int]],
+                       drop: Callable[[], Awaitable[None]]) -> int:
+    """The error contract of every networked `BulkClient.pull`: one pull at a time per address
+    (`lock`), `timeout_s` over all of it, and on any error `drop` the connection (never reused
+    half-read). DroidMesh errors pass as they are; the deadline and anything else become a
+    `TransferError` naming the address."""
+    async with lock:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await pull()
+        except (DroidMeshError, asyncio.CancelledError):
+            await drop()
+            raise
+        except TimeoutError:
+            await drop()
+            raise TransferError(f"pull from {address} exceeded {timeout_s:.3g}s") from None
+        except Exception as e:
+            await drop()
+            raise TransferError(f"pull from {address} failed: {type(e).__name__}: {e}") from e

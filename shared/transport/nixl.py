@@ -54,8 +54,8 @@ import numpy as np
 import structlog
 import torch
 
-from shared.errors import BadMessageError, DroidMeshError, ReuseError, TransferError
-from shared.transport.bulk import Authorize, Landing, OnItem, TensorLookup, answer, landings
+from shared.errors import BadMessageError, DroidMeshError, TransferError
+from shared.transport.bulk import Authorize, Landing, OnItem, TensorLookup, answer, guarded_pull, landings
 from shared.transport.ucx import parse_address
 from shared.wire import schemas
 from shared.wire.schemas import (
@@ -408,21 +408,11 @@ class NixlBulkClient:
         Raises `TransferError` (peer gone, refused, deadline, protocol violation) or
         `IntegrityError` (header or checksum mismatch). On any error the connection is dropped,
         which releases the sender's grant; it is never reused half-read."""
-        lock = self._locks.setdefault(address, asyncio.Lock())
-        async with lock:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    conn = await self._connection(address)
-                    return await self._pull_on(conn, request, into, on_item)
-            except (ReuseError, asyncio.CancelledError):
-                await self._drop(address)
-                raise
-            except TimeoutError:
-                await self._drop(address)
-                raise TransferError(f"pull from {address} exceeded {timeout_s:.3g}s") from None
-            except Exception as e:
-                await self._drop(address)
-                raise TransferError(f"pull from {address} failed: {type(e).__name__}: {e}") from e
+        async def pull() -> int:
+            return await self._pull_on(await self._connection(address), request, into, on_item)
+
+        return await guarded_pull(address, timeout_s, self._locks.setdefault(address, asyncio.Lock()), pull,
+                                  lambda: self._drop(address))
 
     async def _pull_on(self, conn: _Connection, request: PullRequest, into: Sequence[torch.Tensor],
                        on_item: OnItem) -> int:

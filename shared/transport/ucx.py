@@ -35,7 +35,7 @@ import torch
 
 from shared.errors import DroidMeshError, TransferError
 from shared.transport import capabilities, codecs
-from shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, landings
+from shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, guarded_pull, landings
 from shared.wire import schemas
 from shared.wire.schemas import PullRequest, Transport
 
@@ -190,21 +190,11 @@ class UcxBulkClient:
 
         Raises `TransferError` (peer gone, refused, deadline) or `IntegrityError` (header or
         checksum mismatch). On any error the endpoint is dropped, never reused half-read."""
-        lock = self._locks.setdefault(address, asyncio.Lock())
-        async with lock:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    ep = await self._endpoint(address)
-                    return await self._pull_on(ep, request, into, on_item)
-            except (DroidMeshError, asyncio.CancelledError):
-                await self._drop(address)
-                raise
-            except TimeoutError:
-                await self._drop(address)
-                raise TransferError(f"pull from {address} exceeded {timeout_s:.3g}s") from None
-            except Exception as e:
-                await self._drop(address)
-                raise TransferError(f"pull from {address} failed: {type(e).__name__}: {e}") from e
+        async def pull() -> int:
+            return await self._pull_on(await self._endpoint(address), request, into, on_item)
+
+        return await guarded_pull(address, timeout_s, self._locks.setdefault(address, asyncio.Lock()), pull,
+                                  lambda: self._drop(address))
 
     async def _pull_on(self, ep: Any, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem) -> int:
         request = ask_device(request, into)
