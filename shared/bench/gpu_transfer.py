@@ -2,19 +2,19 @@
 bandwidth: `python -m shared.bench.gpu_transfer` (run by `infra/gpu/transfer-check.sh`).
 
 Sequence:
-  1. facts: torch and its CUDA device, and whether UCX here can move device memory
-     (`capabilities.ucx_cuda_support`). DroidMesh's UCX options leave the CUDA transports out of
-     `UCX_TLS`, so on a GPU this run adds cuda_copy and cuda_ipc (unless `UCX_TLS` is already
-     set) before UCX starts, in this process and the server's. Without CUDA, or with
+  1. facts: torch and its CUDA device, whether UCX here can move device memory
+     (`capabilities.ucx_cuda_support`), and the transports UCX runs with: DroidMesh's options
+     (`shared.transport.ucx.ucx_options`) name cuda_copy and cuda_ipc wherever CUDA is available,
+     in this process and the server's alike; an operator's `UCX_TLS` wins. Without CUDA, or with
      `--dry-run`, every later step runs the same way on CPU tensors of tiny sizes;
   2. the reference per size: `dst.copy_(src)` on the device, timed with CUDA events
      (`perf_counter` on the CPU), one warm-up, then the median of `--repeats`;
-  3. a tensor server in a child process (`shared.bench.tensor_server ucx SIZES --device D`, with
-     `UCX_PROTO_INFO=y`) holding one bf16 tensor per size on the device;
-  4. per size, pulls from it over the UCX channel into one preallocated buffer on the same device:
-     one warm-up, then the median wall time of `--repeats` (a pull ends when its payload has
-     landed and passed its checksum); the path the capability check gives and the protocol UCX
-     printed for sending that memory;
+  3. a tensor server in a child process (`transfer.TensorServer`: `shared.bench.tensor_server
+     ucx SIZES --device D`, with `UCX_PROTO_INFO=y`) holding one bf16 tensor per size on the device;
+  4. per size, pulls from it over the UCX channel into one preallocated buffer on the same device
+     (`transfer.pull_rates`): one warm-up, then the median wall time of `--repeats` (a pull ends
+     when its payload has landed and passed its checksum); the path the capability check gives
+     and the protocol UCX printed for sending that memory (`transfer.ucx_tables`);
   5. a table on stdout; JSON to `--json`, else `$OUT/gpu-transfer.json` when `OUT` is set.
 What is missing (ucxx, a server that cannot start) becomes the rows' `unavailable` reason and a
 `missing` entry with exit status 2, never a traceback; the copy reference is measured regardless.
@@ -26,25 +26,22 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX, one_line
+from shared.bench.tensor_server import one_line
+from shared.bench.transfer import MIB, TensorServer, pull_rates, ucx_protocol_for, ucx_tables
 from shared.transport import capabilities
+from shared.transport.ucx import ucx_options
 
-MIB = 1 << 20
 GPU_SIZES = [1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 DRY_SIZES = [64 << 10, 1 * MIB]
-CUDA_TLS = "tcp,sm,self,cuda_copy,cuda_ipc"
-SERVER_START_S = 60.0
+SERVER_START_S = 60.0  # within the 170 s transfer-check.sh gives the whole run
 UCX_WHEELS = "ucxx-cu13, libucxx-cu13, libucx-cu13, rmm-cu13, librmm-cu13, rapids-logger (CUDA 13)"
 
 
@@ -70,39 +67,6 @@ def copy_gb_s(nbytes: int, device: torch.device, repeats: int) -> float:
     return nbytes / statistics.median(copy_seconds(src, dst) for _ in range(repeats)) / 1e9
 
 
-def send_protocols(lines: list[str]) -> dict[str, list[tuple[str, str]]]:
-    """UCX_PROTO_INFO's last tag-send table per memory type ("host memory", "cuda/GPU0", ...):
-    its rows as (size range, "transport: protocol")."""
-    tables: dict[str, list[tuple[str, str]]] = {}
-    current: list[tuple[str, str]] | None = None
-    for line in lines:
-        if "|" not in line:
-            continue
-        cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
-        if len(cells) == 2 and "cfg#" in cells[0]:
-            memory = re.fullmatch(r"tagged message by ucp_tag_send\* from (.+)", cells[1])
-            current = None
-            if memory:
-                current = tables[memory.group(1)] = []
-        elif current is not None and len(cells) == 3:
-            current.append((cells[0], f"{cells[2]}: {cells[1].removeprefix('(?) ')}"))
-    return tables
-
-
-def _size(text: str) -> float:
-    if text == "inf":
-        return float("inf")
-    return int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0)
-
-
-def protocol_for(nbytes: int, rows: list[tuple[str, str]]) -> str | None:
-    for span, protocol in rows:
-        low, _, high = span.partition("..")
-        if re.fullmatch(r"\d+[KMG]?", low) and _size(low) <= nbytes <= _size(high or low):
-            return protocol
-    return None
-
-
 def path_name(device: torch.device, support: capabilities.CudaSupport) -> str:
     if device.type != "cuda":
         return "host (dry run)"
@@ -113,80 +77,12 @@ def path_name(device: torch.device, support: capabilities.CudaSupport) -> str:
     return "staged through pinned host memory"
 
 
-class Server:
-    """The tensor server child: its address or why it did not start, and every line it printed."""
-
-    def __init__(self, sizes: list[int], device: torch.device, env: dict[str, str]):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.bench.tensor_server", "ucx", ",".join(map(str, sizes)), "--device", str(device)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        self.address: str | None = None
-        self.error: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith(ADDRESS_PREFIX):
-                self.address = line[len(ADDRESS_PREFIX):].strip()
-            elif line.startswith(ERROR_PREFIX):
-                self.error = line[len(ERROR_PREFIX):].strip()
-            if self.address or self.error:
-                self._ready.set()
-        if self.address is None and self.error is None:
-            last = next((x.strip() for x in reversed(self.lines) if x.strip()), "no output")
-            self.error = f"tensor server exited ({self.proc.poll()}): {last}"
-        self._ready.set()
-
-    def wait_ready(self) -> None:
-        if not self._ready.wait(SERVER_START_S):
-            self.error = f"tensor server did not listen within {SERVER_START_S:.0f}s"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-async def pull_gb_s(address: str, sizes: list[int], device: torch.device, repeats: int) -> dict[int, float]:
-    """Pull throughput per size: one warm-up pull, then the median of `repeats` pulls, each into
-    the same preallocated, already written bf16 buffer on `device`."""
-    from shared.transport.bulk import make_client
-    from shared.wire.schemas import PullItem, PullRequest
-
-    client = make_client("ucx")
-    rates = {}
-    try:
-        await client.warm(address)
-        for nbytes in sizes:
-            request = PullRequest(context_id=str(nbytes), items=[PullItem(0, "K")])
-            into = [torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device)]
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                await client.pull(address, request, into, lambda *a: None, 120)
-                times.append(time.perf_counter() - t0)
-            rates[nbytes] = nbytes / statistics.median(times[1:]) / 1e9
-    finally:
-        await client.close()
-    return rates
-
-
 def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, Any]:
     """Steps 1-4: the report (rows, facts, what is missing)."""
-    if device.type == "cuda":
-        os.environ.setdefault("UCX_TLS", CUDA_TLS)  # before UCX starts here; the server inherits it
     support = capabilities.ucx_cuda_support()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dry_run": device.type != "cuda", "torch": torch.__version__, "ucx_tls": os.environ.get("UCX_TLS"),
+        "dry_run": device.type != "cuda", "torch": torch.__version__, "ucx_tls": os.environ.get("UCX_TLS", ucx_options()["TLS"]),
         "ucx_cuda": {"device_memory": support.device_memory, "ipc": support.ipc, "reason": support.reason},
         "path": path_name(device, support), "missing": [],
     }
@@ -198,24 +94,23 @@ def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, A
     except Exception as e:
         report["missing"].append(f"ucxx ({one_line(e)}); wheels: {UCX_WHEELS}")
     else:
-        server = Server(sizes, device, {**os.environ, "UCX_PROTO_INFO": "y"})
+        server = TensorServer("ucx", sizes, device=device)
         try:
-            server.wait_ready()
+            server.wait_ready(SERVER_START_S)
             if server.address is None:
                 report["missing"].append(f"tensor server: {server.error}")
             else:
-                rates = asyncio.run(pull_gb_s(server.address, sizes, device, repeats))
+                rates = asyncio.run(pull_rates("ucx", server.address, sizes, repeats, device))
         except Exception as e:
             report["missing"].append(f"pull: {one_line(e)}")
         finally:
-            server.stop()
-            lines = server.lines
-    tables = send_protocols(lines)
+            lines = server.stop()
+    tables = ucx_tables(lines)  # tag-send tables by memory type
     memory = next((m for m in tables if m.startswith("cuda")), "host memory") if device.type == "cuda" else "host memory"
     report["rows"] = [{
         "bytes": n, "pull_gb_s": rates.get(n), "copy_gb_s": refs[n],
         "ratio": rates[n] / refs[n] if n in rates else None,
-        "ucx_send": protocol_for(n, tables.get(memory, [])), "ucx_memory": memory if tables else None,
+        "ucx_send": ucx_protocol_for(n, tables.get(memory, [])), "ucx_memory": memory if tables else None,
         "unavailable": None if n in rates else "; ".join(report["missing"]) or "not measured",
     } for n in sizes]
     return report

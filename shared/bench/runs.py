@@ -6,19 +6,16 @@ import asyncio
 import gc
 import json
 import os
-import re
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from shared.bench import netns
+from shared.bench.transfer import KIB, MIB, UCX_GET, TensorServer, llc_bytes, memcpy_reference, pull_rates, ucx_protocol_for, ucx_tables
 from shared.device import DEFAULT_DEVICE, DEVICE_ENV
 from shared.launch import Proc, start_nats, start_service
 from shared.wire.schemas import Mode
@@ -69,9 +66,6 @@ def pipeline(sender_path: str, receiver_path: str, tokens: int, group: tuple[int
 # memory with process_vm_readv: the bytes never cross the veth and the tc limit measures nothing
 # (15 Gbit/s "achieved" on a 0.5 Gbit/s link). An operator's UCX_TLS still wins.
 CROSS_HOST_UCX_TLS = "tcp,self"
-# The tables UCX_PROTO_INFO=y prints that say which transport carries a pull's payload: the
-# ucx channel's sender tag-sends each payload; the nixl channel's receiver reads it (ucp_get*).
-_UCX_GET_TABLE = "remote memory read by ucp_get*"  # a prefix: "... from <memory type> memory"
 BANDWIDTH_PAYLOAD_BYTES = 1 << 20  # the size whose protocol row a bandwidth row reports (~ one layer's K or V)
 
 
@@ -92,10 +86,14 @@ def _row_ucx_transport(transport: str, sender_lines: list[str], probe_lines: lis
     table once per endpoint configuration, so a row whose endpoint matched an earlier one's
     keeps that row's answer. nixl: the probe's (a fresh process per row) get table."""
     if transport == "ucx":
-        protocols = ucx_send_protocols(sender_lines)
-        return _ucx_transport_for(BANDWIDTH_PAYLOAD_BYTES, protocols) if protocols else previous
-    protocols = ucx_send_protocols(probe_lines, _UCX_GET_TABLE)
-    return _ucx_transport_for(BANDWIDTH_PAYLOAD_BYTES, protocols) if protocols else None
+        protocols = ucx_tables(sender_lines).get("host memory")
+        if not protocols:
+            return previous
+    else:
+        protocols = next(reversed(ucx_tables(probe_lines, UCX_GET).values()), None)  # the last, any memory type
+        if not protocols:
+            return None
+    return ucx_protocol_for(BANDWIDTH_PAYLOAD_BYTES, protocols) or "unknown"
 
 
 def bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int,
@@ -136,15 +134,8 @@ def bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tuple[in
 
 
 # -- data plane ---------------------------------------------------------------------------------
-KIB, MIB = 1 << 10, 1 << 20
 TRANSFER_SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 RATIO_FROM_BYTES = 16 * MIB  # `over_memcpy` / `ucx_over_memcpy`: the smallest ratio from this size up
-_SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
-# UCX prints the tables of the protocols it selected (one per endpoint configuration and
-# operation) on stdout when UCX_PROTO_INFO=y; the sender's tag-send table says, per message-size
-# range, which protocol and which transport (`sysv/memory`, `tcp/lo`, ...) carry a payload.
-_UCX_SEND_TABLE = "tagged message by ucp_tag_send* from host memory"
-_UCX_RANGE = re.compile(r"(\d+[KMG]?)(?:\.\.(\d+[KMG]?|inf))?")
 
 
 def bench_transports() -> list[str]:
@@ -155,179 +146,6 @@ def bench_transports() -> list[str]:
     return [t for t in TRANSPORTS if t != "inproc"]
 
 
-def llc_bytes() -> int:
-    """The last-level cache's size (sysfs, then sysconf; 64 MiB if neither says)."""
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    best = 0
-    try:
-        for index in sorted(os.listdir(base)):
-            with open(f"{base}/{index}/size") as f:
-                text = f.read().strip().upper()
-            mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1:], 1)
-            best = max(best, int(text.rstrip("KMG")) * mult)
-    except (OSError, ValueError):
-        pass
-    if not best:
-        try:
-            best = int(os.sysconf("SC_LEVEL3_CACHE_SIZE"))
-        except (OSError, ValueError):
-            best = 0
-    return best if best > 0 else 64 * MIB
-
-
-def memcpy_reference(nbytes: int, repeats: int, llc: int | None = None) -> dict[str, Any]:
-    """A copy of `nbytes` with `torch.Tensor.copy_` into a preallocated destination, on one
-    thread (a bulk channel moves a payload on one thread too), median of `repeats` samples.
-
-    warm: one source/destination pair, both written before timing and copied once untimed, then
-    copied over and over (each sample times a batch of copies of at least 16 MiB in all, so
-    small sizes are not timer noise); they stay cached when they fit.
-    cold: a set of pairs whose footprint between two uses of a pair, (pairs - 1) x 2 x nbytes,
-    is at least twice the last-level cache; all written beforehand, then copied in turn,
-    cycling, so each copy reads a source (and writes a destination) evicted since its last use.
-    """
-    llc = llc or llc_bytes()
-    pairs = max(2, -(-2 * llc // nbytes) + 1)
-    batch = max(1, 16 * MIB // nbytes)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        bufs = [(torch.empty(nbytes, dtype=torch.uint8).fill_(i % 251), torch.empty(nbytes, dtype=torch.uint8).fill_(0))
-                for i in range(pairs)]
-        src, dst = bufs[0]
-        dst.copy_(src)
-        warm = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                dst.copy_(src)
-            warm.append((time.perf_counter() - t0) / batch)
-        cold_batch, i = min(batch, pairs - 1), 1
-        for _ in range(pairs):  # one untimed pass: every pair faulted in and written
-            s, d = bufs[i % pairs]
-            d.copy_(s)
-            i += 1
-        cold = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(cold_batch):
-                s, d = bufs[i % pairs]
-                d.copy_(s)
-                i += 1
-            cold.append((time.perf_counter() - t0) / cold_batch)
-    finally:
-        torch.set_num_threads(threads)
-    return {"bytes": nbytes, "memcpy_gb_s": nbytes / statistics.median(warm) / 1e9,
-            "memcpy_cold_gb_s": nbytes / statistics.median(cold) / 1e9, "cold_pairs": pairs, "threads": 1}
-
-
-def _ucx_size(text: str) -> float:
-    if text == "inf":
-        return float("inf")
-    mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1], 1)
-    return int(text.rstrip("KMG")) * mult
-
-
-def ucx_send_protocols(lines: list[str], operation: str = _UCX_SEND_TABLE) -> list[tuple[float, float, str]]:
-    """(low, high, "transport: protocol") per size range of the last table whose operation starts
-    with `operation` (by default host-memory tag-send) UCX printed (UCX_PROTO_INFO=y) in `lines`: the endpoint configuration
-    wireup settled on last."""
-    tables: list[list[tuple[float, float, str]]] = []
-    current: list[tuple[float, float, str]] | None = None
-    for line in lines:
-        if "|" not in line:
-            continue
-        cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
-        if len(cells) == 2 and "cfg#" in cells[0]:  # a table's title: "<context> <cfg> | <operation>"
-            current = [] if cells[1].startswith(operation) else None
-            if current is not None:
-                tables.append(current)
-        elif current is not None and len(cells) == 3 and (m := _UCX_RANGE.fullmatch(cells[0])):
-            low = _ucx_size(m.group(1))
-            high = _ucx_size(m.group(2)) if m.group(2) else low
-            current.append((low, high, f"{cells[2]}: {cells[1].removeprefix('(?) ')}"))
-    return tables[-1] if tables else []
-
-
-def _ucx_transport_for(nbytes: int, protocols: list[tuple[float, float, str]]) -> str:
-    return next((p for low, high, p in protocols if low <= nbytes <= high), "unknown")
-
-
-class _TensorServer:
-    """`shared.bench.tensor_server` in a child process: its address, or why it did not start;
-    every stdout/stderr line it printed (UCX's protocol tables among them)."""
-
-    def __init__(self, transport: str, sizes: list[int]):
-        env = {**os.environ, **THREADS}
-        if transport == "ucx":
-            env.setdefault("UCX_PROTO_INFO", "y")
-        self.proc = subprocess.Popen([sys.executable, "-m", "shared.bench.tensor_server", transport, ",".join(map(str, sizes))],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        self.address: str | None = None
-        self.error: str | None = None
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        from shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX
-
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith(ADDRESS_PREFIX):
-                self.address = line[len(ADDRESS_PREFIX):].strip()
-                self._ready.set()
-            elif line.startswith(ERROR_PREFIX):
-                self.error = line[len(ERROR_PREFIX):].strip()
-                self._ready.set()
-        if self.address is None and self.error is None:
-            last = next((x for x in reversed(self.lines) if x.strip()), "no output")
-            self.error = f"tensor server exited ({self.proc.poll()}): {last.strip()}"
-        self._ready.set()
-
-    def wait_ready(self) -> None:
-        if not self._ready.wait(_SERVER_START_S):
-            self.error = f"tensor server did not listen within {_SERVER_START_S:.0f}s"
-
-    def stop(self) -> list[str]:
-        """Terminate it; return everything it printed (complete once it has exited)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._reader.join(5)
-        return self.lines
-
-
-async def _pull_rates(transport: str, address: str, sizes: list[int], repeats: int) -> dict[int, float]:
-    """Pull throughput (GB/s) per size: one warm-up pull, then the median of `repeats` pulls,
-    each into the same preallocated, already written bf16 buffer."""
-    from shared.transport.bulk import make_client
-    from shared.wire.schemas import PullItem, PullRequest
-
-    client = make_client(transport)
-    rates = {}
-    try:
-        await client.warm(address)
-        for nbytes in sizes:
-            req = PullRequest(context_id=str(nbytes), items=[PullItem(0, "K")], token="")
-            into = [torch.empty(nbytes // 2, dtype=torch.bfloat16).fill_(0)]  # written: its pages exist before timing
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                await client.pull(address, req, into, lambda *a: None, 120)
-                times.append(time.perf_counter() - t0)
-            rates[nbytes] = nbytes / statistics.median(times[1:]) / 1e9
-    finally:
-        await client.close()
-    return rates
-
-
 async def _pull_inproc(sizes: list[int], repeats: int) -> dict[int, float]:
     """The in-process channel (no second process: the protocol's own cost, checksums included)."""
     from shared.bench.tensor_server import start_server, tensors_for
@@ -335,7 +153,7 @@ async def _pull_inproc(sizes: list[int], repeats: int) -> dict[int, float]:
     server = start_server("inproc", tensors_for(sizes), name="bench-transfer")
     address = await server.start()
     try:
-        return await _pull_rates("inproc", address, sizes, repeats)
+        return await pull_rates("inproc", address, sizes, repeats)
     finally:
         await server.close()
 
@@ -349,7 +167,7 @@ def _measure(transport: str, sizes: list[int], repeats: int) -> tuple[dict[int, 
             return asyncio.run(_pull_inproc(sizes, repeats)), dict.fromkeys(sizes), None
         except Exception as e:
             return {}, {}, one_line(e)
-    server = _TensorServer(transport, sizes)
+    server = TensorServer(transport, sizes, env=THREADS)
     rates: dict[int, float] = {}
     reason = None
     try:
@@ -357,7 +175,7 @@ def _measure(transport: str, sizes: list[int], repeats: int) -> tuple[dict[int, 
         if server.address is None:
             reason = server.error or "tensor server gave no address"
         else:
-            rates = asyncio.run(_pull_rates(transport, server.address, sizes, repeats))
+            rates = asyncio.run(pull_rates(transport, server.address, sizes, repeats))
     except Exception as e:
         reason = one_line(e)
     finally:
@@ -366,8 +184,8 @@ def _measure(transport: str, sizes: list[int], repeats: int) -> tuple[dict[int, 
         return {}, {}, reason
     if transport != "ucx":
         return rates, dict.fromkeys(sizes), None
-    protocols = ucx_send_protocols(lines)
-    return rates, {n: _ucx_transport_for(n, protocols) for n in sizes}, None
+    protocols = ucx_tables(lines).get("host memory", [])
+    return rates, {n: ucx_protocol_for(n, protocols) or "unknown" for n in sizes}, None
 
 
 def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None) -> dict[str, Any]:

@@ -47,13 +47,3 @@ def test_missing_modules_stop_the_script_with_their_names(tmp_path):
                           env={**os.environ, "PYTHON": str(bare)}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "MISSING Python modules: torch" in proc.stderr and "Traceback" not in proc.stderr
 
-
-def test_ucx_send_protocol_per_memory_type():
-    lines = ["[1] [vm:1:0]   | ucp_context_0 intra-node cfg#1 | tagged message by ucp_tag_send* from host memory |",
-             "[1] [vm:1:0]   |                          0..8K | eager short | cma/memory |",
-             "[1] [vm:1:0]   |                        8K..inf | rendezvous zero-copy read from remote | cma/memory |",
-             "[1] [vm:1:0]   | ucp_context_0 intra-node cfg#2 | tagged message by ucp_tag_send* from cuda/GPU0 |",
-             "[1] [vm:1:0]   |                         0..inf | (?) rendezvous zero-copy read from remote | cuda_ipc/cuda |"]
-    tables = gpu_transfer.send_protocols(lines)
-    assert gpu_transfer.protocol_for(1 << 20, tables["host memory"]) == "cma/memory: rendezvous zero-copy read from remote"
-    assert gpu_transfer.protocol_for(64, tables["cuda/GPU0"]) == "cuda_ipc/cuda: rendezvous zero-copy read from remote"

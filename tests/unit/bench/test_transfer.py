@@ -1,13 +1,13 @@
-"""`bench transfer`'s pieces: the memcpy reference, UCX protocol-table parsing, the tensor
-server's one-line refusal, and a whole run over the in-process channel (structure only; no
-timing assertions)."""
+"""`shared/bench/transfer.py` (the memcpy reference, UCX protocol-table parsing) and `bench
+transfer` built on it: the tensor server's one-line refusal, and a whole run over the
+in-process channel (structure only; no timing assertions)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 
-from shared.bench import runs, tensor_server
+from shared.bench import runs, tensor_server, transfer
 
 # Two tag-send tables as UCX_PROTO_INFO=y prints them (log prefix kept); the last one counts.
 PROTO_LINES = """\
@@ -25,19 +25,42 @@ PROTO_LINES = """\
 
 
 def test_memcpy_reference_reports_warm_and_cold():
-    ref = runs.memcpy_reference(64 << 10, repeats=2, llc=1 << 20)
+    ref = transfer.memcpy_reference(64 << 10, repeats=2, llc=1 << 20)
     assert ref["bytes"] == 64 << 10
     assert ref["cold_pairs"] == 2 * (1 << 20) // (64 << 10) + 1  # (pairs - 1) x 2 x 64 KiB >= 2 x LLC
     for key in ("memcpy_gb_s", "memcpy_cold_gb_s"):
         assert math.isfinite(ref[key]) and ref[key] > 0
 
 
-def test_ucx_send_protocols_takes_the_last_tag_send_table():
-    protocols = runs.ucx_send_protocols(PROTO_LINES)
+def test_ucx_tables_take_the_last_tag_send_table():
+    tables = transfer.ucx_tables(PROTO_LINES)
+    assert list(tables) == ["host memory"]  # the active-message table is another operation's
+    protocols = tables["host memory"]
     assert protocols[0] == (0, 92, "sysv/memory: eager short")
     assert protocols[-1] == (8192, math.inf, "sysv/memory: rendezvous fragmented copy-in copy-out")
-    assert runs._ucx_transport_for(16 << 20, protocols) == "sysv/memory: rendezvous fragmented copy-in copy-out"
-    assert runs._ucx_transport_for(1, []) == "unknown"
+    assert transfer.ucx_protocol_for(16 << 20, protocols) == "sysv/memory: rendezvous fragmented copy-in copy-out"
+    assert transfer.ucx_protocol_for(1, []) is None
+
+
+def test_ucx_tables_per_memory_type():
+    lines = ["[1] [vm:1:0]   | ucp_context_0 intra-node cfg#1 | tagged message by ucp_tag_send* from host memory |",
+             "[1] [vm:1:0]   |                          0..8K | eager short | cma/memory |",
+             "[1] [vm:1:0]   |                        8K..inf | rendezvous zero-copy read from remote | cma/memory |",
+             "[1] [vm:1:0]   | ucp_context_0 intra-node cfg#2 | tagged message by ucp_tag_send* from cuda/GPU0 |",
+             "[1] [vm:1:0]   |                         0..inf | (?) rendezvous zero-copy read from remote | cuda_ipc/cuda |"]
+    tables = transfer.ucx_tables(lines)
+    assert transfer.ucx_protocol_for(1 << 20, tables["host memory"]) == "cma/memory: rendezvous zero-copy read from remote"
+    assert transfer.ucx_protocol_for(64, tables["cuda/GPU0"]) == "cuda_ipc/cuda: rendezvous zero-copy read from remote"
+
+
+def test_ucx_tables_order_keys_by_their_last_table():
+    get = "remote memory read by ucp_get* from "
+    lines = [f"| ctx cfg#1 | {get}host memory |", "| 0..inf | zero-copy | tcp/lo |",
+             f"| ctx cfg#2 | {get}cuda/GPU0 |", "| 0..inf | zero-copy | cuda_ipc/cuda |",
+             f"| ctx cfg#3 | {get}host memory |", "| 0..inf | zero-copy | sysv/memory |"]
+    tables = transfer.ucx_tables(lines, transfer.UCX_GET)
+    assert list(tables) == ["cuda/GPU0", "host memory"]
+    assert tables["host memory"] == [(0, math.inf, "sysv/memory: zero-copy")]
 
 
 def test_default_transports_are_the_ones_between_processes():

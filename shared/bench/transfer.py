@@ -1,0 +1,223 @@
+"""Pulls between two processes over a bulk channel, and the references they are held against:
+the pieces `droidmesh bench transfer` (`runs.transfer`) and the GPU transfer check
+(`gpu_transfer`) share.
+
+Sequence of a measurement:
+  1. the reference first, while no other process competes for the cores: `memcpy_reference`
+     (one CPU thread, warm and out of cache; the GPU check times its device copies itself);
+  2. `TensorServer`: `shared.bench.tensor_server TRANSPORT SIZES --device D` in a child process,
+     with `UCX_PROTO_INFO=y` for ucx (unless set), holding one bf16 tensor per size; its address
+     or why it did not start, and every line it printed;
+  3. `pull_rates`: per size, one warm-up pull, then the median wall time of `repeats` pulls into
+     one preallocated buffer on `device` (a pull ends when its payload has landed and passed its
+     checksum);
+  4. `ucx_tables` / `ucx_protocol_for`: which UCX transport and protocol carried a payload of a
+     given size, from the tables the server (or a reading client) printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX
+
+KIB, MIB = 1 << 10, 1 << 20
+SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
+# UCX prints the tables of the protocols it selected (one per endpoint configuration and
+# operation) on stdout when UCX_PROTO_INFO=y: each titled "<context> <cfg#N> | <operation>", then
+# one row per message-size range with the protocol and the transport (`sysv/memory`, `tcp/lo`,
+# `cuda_ipc/cuda`, ...) that carry it. The operation names the memory type last.
+UCX_TAG_SEND = "tagged message by ucp_tag_send* from "  # the ucx channel's sender: each payload
+UCX_GET = "remote memory read by ucp_get* from "  # the nixl channel's receiver reads each payload
+_UCX_RANGE = re.compile(r"(\d+[KMG]?)(?:\.\.(\d+[KMG]?|inf))?")
+
+Protocols = list[tuple[float, float, str]]  # (low, high, "transport: protocol") per size range
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size (sysfs, then sysconf; 64 MiB if neither says)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        for index in sorted(os.listdir(base)):
+            with open(f"{base}/{index}/size") as f:
+                text = f.read().strip().upper()
+            mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    if not best:
+        try:
+            best = int(os.sysconf("SC_LEVEL3_CACHE_SIZE"))
+        except (OSError, ValueError):
+            best = 0
+    return best if best > 0 else 64 * MIB
+
+
+def memcpy_reference(nbytes: int, repeats: int, llc: int | None = None) -> dict[str, Any]:
+    """A copy of `nbytes` with `torch.Tensor.copy_` into a preallocated destination, on one
+    thread (a bulk channel moves a payload on one thread too), median of `repeats` samples.
+
+    warm: one source/destination pair, both written before timing and copied once untimed, then
+    copied over and over (each sample times a batch of copies of at least 16 MiB in all, so
+    small sizes are not timer noise); they stay cached when they fit.
+    cold: a set of pairs whose footprint between two uses of a pair, (pairs - 1) x 2 x nbytes,
+    is at least twice the last-level cache; all written beforehand, then copied in turn,
+    cycling, so each copy reads a source (and writes a destination) evicted since its last use.
+    """
+    llc = llc or llc_bytes()
+    pairs = max(2, -(-2 * llc // nbytes) + 1)
+    batch = max(1, 16 * MIB // nbytes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bufs = [(torch.empty(nbytes, dtype=torch.uint8).fill_(i % 251), torch.empty(nbytes, dtype=torch.uint8).fill_(0))
+                for i in range(pairs)]
+        src, dst = bufs[0]
+        dst.copy_(src)
+        warm = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                dst.copy_(src)
+            warm.append((time.perf_counter() - t0) / batch)
+        cold_batch, i = min(batch, pairs - 1), 1
+        for _ in range(pairs):  # one untimed pass: every pair faulted in and written
+            s, d = bufs[i % pairs]
+            d.copy_(s)
+            i += 1
+        cold = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(cold_batch):
+                s, d = bufs[i % pairs]
+                d.copy_(s)
+                i += 1
+            cold.append((time.perf_counter() - t0) / cold_batch)
+    finally:
+        torch.set_num_threads(threads)
+    return {"bytes": nbytes, "memcpy_gb_s": nbytes / statistics.median(warm) / 1e9,
+            "memcpy_cold_gb_s": nbytes / statistics.median(cold) / 1e9, "cold_pairs": pairs, "threads": 1}
+
+
+class TensorServer:
+    """`shared.bench.tensor_server` in a child process, its tensors on `device`, with `env` added
+    to this process's environment: its address, or why it did not start; every stdout/stderr
+    line it printed (UCX's protocol tables among them)."""
+
+    def __init__(self, transport: str, sizes: list[int], *, device: str | torch.device = "cpu",
+                 env: dict[str, str] | None = None):
+        env = {**os.environ, **(env or {})}
+        if transport == "ucx":
+            env.setdefault("UCX_PROTO_INFO", "y")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.bench.tensor_server", transport, ",".join(map(str, sizes)), "--device", str(device)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.address: str | None = None
+        self.error: str | None = None
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith(ADDRESS_PREFIX):
+                self.address = line[len(ADDRESS_PREFIX):].strip()
+                self._ready.set()
+            elif line.startswith(ERROR_PREFIX):
+                self.error = line[len(ERROR_PREFIX):].strip()
+                self._ready.set()
+        if self.address is None and self.error is None:
+            last = next((x for x in reversed(self.lines) if x.strip()), "no output")
+            self.error = f"tensor server exited ({self.proc.poll()}): {last.strip()}"
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float = SERVER_START_S) -> None:
+        if not self._ready.wait(timeout_s):
+            self.error = f"tensor server did not listen within {timeout_s:.0f}s"
+
+    def stop(self) -> list[str]:
+        """Terminate it; return everything it printed (complete once it has exited)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(5)
+        return self.lines
+
+
+async def pull_rates(transport: str, address: str, sizes: list[int], repeats: int,
+                     device: str | torch.device = "cpu") -> dict[int, float]:
+    """Pull throughput (GB/s) per size: one warm-up pull, then the median of `repeats` pulls,
+    each into the same preallocated, already written bf16 buffer on `device`."""
+    from shared.transport.bulk import make_client
+    from shared.wire.schemas import PullItem, PullRequest
+
+    client = make_client(transport)
+    rates = {}
+    try:
+        await client.warm(address)
+        for nbytes in sizes:
+            req = PullRequest(context_id=str(nbytes), items=[PullItem(0, "K")], token="")
+            into = [torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device)]  # written: its pages exist before timing
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                await client.pull(address, req, into, lambda *a: None, 120)
+                times.append(time.perf_counter() - t0)
+            rates[nbytes] = nbytes / statistics.median(times[1:]) / 1e9
+    finally:
+        await client.close()
+    return rates
+
+
+def _ucx_size(text: str) -> float:
+    if text == "inf":
+        return float("inf")
+    mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1], 1)
+    return int(text.rstrip("KMG")) * mult
+
+
+def ucx_tables(lines: list[str], operation: str = UCX_TAG_SEND) -> dict[str, Protocols]:
+    """The tables UCX printed (UCX_PROTO_INFO=y) in `lines` for operations starting with
+    `operation`, keyed by the rest of the title (for `UCX_TAG_SEND` and `UCX_GET`, the memory
+    type: "host memory", "cuda/GPU0", ...). Per key the last table, the endpoint configuration
+    wireup settled on last; the keys ordered by when that table was printed, so the last key is
+    the last table of the operation."""
+    tables: dict[str, Protocols] = {}
+    current: Protocols | None = None
+    for line in lines:
+        if "|" not in line:
+            continue
+        cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
+        if len(cells) == 2 and "cfg#" in cells[0]:  # a table's title: "<context> <cfg> | <operation>"
+            current = None
+            if cells[1].startswith(operation):
+                key = cells[1][len(operation):]
+                tables.pop(key, None)  # re-inserted: a key's place is its last table's
+                current = tables[key] = []
+        elif current is not None and len(cells) == 3 and (m := _UCX_RANGE.fullmatch(cells[0])):
+            low = _ucx_size(m.group(1))
+            high = _ucx_size(m.group(2)) if m.group(2) else low
+            current.append((low, high, f"{cells[2]}: {cells[1].removeprefix('(?) ')}"))
+    return tables
+
+
+def ucx_protocol_for(nbytes: int, protocols: Protocols) -> str | None:
+    """"transport: protocol" of the range holding `nbytes`; None if no range does."""
+    return next((p for low, high, p in protocols if low <= nbytes <= high), None)
