@@ -159,8 +159,8 @@ def _server_codec(name: str) -> codecs.Codec:
 # -- client side ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Landing:
-    """Where one item's payload is received: straight into the caller's buffer (`direct`) or into
-    a staging buffer that is decoded into it."""
+    """Where one item's payload is received (`codecs.receive_buffer`): straight into the caller's
+    buffer, or into a staging buffer that is decoded into it."""
 
     item: PullItem
     header: TensorHeader
@@ -198,12 +198,9 @@ def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.
         if not 0 <= header.nbytes <= bound:
             raise IntegrityError(f"layer {item.layer} {item.kind}: {header.nbytes} encoded bytes, "
                                  f"{header.codec} allows at most {bound}")
-        direct = codecs.direct_view(codec, buf)
-        if direct is not None and direct.numel() == header.nbytes:
-            recv = direct
-        else:
-            recv = torch.empty(header.nbytes, dtype=torch.uint8)
-        out.append(Landing(item, header, codec, buf, recv))
+        if codecs.asks_device(header.codec_params) and not codecs.asks_device(request.codec_params):
+            raise IntegrityError(f"layer {item.layer} {item.kind}: a device payload this receiver did not ask for")
+        out.append(Landing(item, header, codec, buf, codecs.receive_buffer(codec, header, buf)))
     return out
 
 

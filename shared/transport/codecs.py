@@ -131,8 +131,8 @@ def asks_device(params: CodecParams) -> bool:
 
 class RawCodec:
     """The tensor's own bytes. Decoding into a CPU buffer needs no copy at all: channels receive
-    straight into `out` (see `direct_view`); nor into a CUDA buffer when the payload travels as
-    device memory (see `receive_buffer`)."""
+    straight into `out`, nor into a CUDA buffer when the payload travels as device memory (see
+    `receive_buffer`)."""
 
     name = "raw"
 
@@ -156,19 +156,11 @@ class RawCodec:
         return nbytes_of(shape, dtype)
 
 
-def direct_view(codec: Codec, out: torch.Tensor) -> torch.Tensor | None:
-    """Where a channel may receive `codec`'s payload for `out` straight into `out` (raw into a
-    contiguous CPU buffer), the uint8 view to receive into; else None (stage, then decode)."""
-    if isinstance(codec, RawCodec) and out.device.type == "cpu" and out.is_contiguous():
-        return payload_view(out)
-    return None
-
-
 Place = Literal["out", "device", "pinned", "host"]
 
 
 def receive_place(codec: Codec, header: TensorHeader, out: torch.Tensor) -> Place:
-    """Where a channel that can receive device memory lands `header`'s payload for `out`:
+    """Where every channel lands `header`'s (checked) payload for `out`:
     "out" (its own bytes: raw into a contiguous buffer, sent as device memory when `out` is on
     CUDA), "device" (a staging buffer on `out`'s device), "pinned" (pinned host staging, for a
     host payload bound for a CUDA buffer) or "host" (pageable host staging, for a CPU buffer)."""

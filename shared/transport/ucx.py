@@ -201,9 +201,6 @@ class UcxBulkClient:
         await ep.send_obj(schemas.encode(request))
         response = schemas.decode(bytes(await ep.recv_obj()), schemas.PullResponse)
         lands = landings(request, response, into)
-        for land in lands:
-            if land.out.device.type == "cuda":
-                land.recv = codecs.receive_buffer(land.codec, land.header, land.out)
         await _settle([land.recv for land in lands])
         receives = [asyncio.ensure_future(ep.recv(_ucx_buffer(land.recv))) for land in lands]
         try:

@@ -132,3 +132,17 @@ def test_a_stored_tensors_checksum_is_computed_once_and_dropped_with_it(monkeypa
     assert key in bulk._STORED_SUMS
     del store["ctx"]  # evicted: the tensor is freed, its entry goes with it
     assert key not in bulk._STORED_SUMS
+
+
+def test_a_device_payload_the_receiver_did_not_ask_for_is_refused(monkeypatch):
+    """A header claiming device memory on a pull that asked for host bytes is an IntegrityError."""
+    real = inproc.answer
+
+    def claim_device(*a):
+        response, payloads = real(*a)
+        return msgspec.structs.replace(response, headers=[
+            msgspec.structs.replace(h, codec_params={codecs.DEVICE_PARAM: "cuda"}) for h in response.headers]), payloads
+
+    monkeypatch.setattr(inproc, "answer", claim_device)
+    with pytest.raises(IntegrityError, match="did not ask for"):
+        _pull()
