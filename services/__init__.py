@@ -1,1 +1,1 @@
-"""DroidMesh services: each a process (`python -m services.<name>`), scaled by running copies."""
+"""DroidMesh services: each a process (`python -m droidmesh.services.<name>`), scaled by running copies."""

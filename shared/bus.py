@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from shared.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
+from droidmesh.shared.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
 
 RequestHandler = Callable[[bytes], Coroutine[Any, Any, bytes]]
 EventHandler = Callable[[bytes], Coroutine[Any, Any, None]]
@@ -37,7 +37,8 @@ class Bus(Protocol):
 
     async def subscribe(self, subject: str, handler: EventHandler, queue: str | None = None) -> None: ...
 
-    async def serve(self, subject: str, handler: RequestHandler, queue: str) -> None: ...
+    async def serve(self, subject: str, handler: RequestHandler, queue: str,
+                    metadata: dict[str, str] | None = None) -> None: ...
 
     def config_board(self) -> ConfigBoard: ...
 
@@ -89,7 +90,10 @@ class NatsBus:
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue or "", cb=cb))
 
-    async def serve(self, subject: str, handler: RequestHandler, queue: str) -> None:
+    async def serve(self, subject: str, handler: RequestHandler, queue: str,
+                    metadata: dict[str, str] | None = None) -> None:
+        """Answer `subject` in queue group `queue`; `metadata` is published with the endpoint's
+        `$SRV.INFO` (see `shared/discovery.py`)."""
         from nats import micro
 
         if self._micro is None:
@@ -110,7 +114,8 @@ class NatsBus:
             task.add_done_callback(self._inflight.discard)
 
         name = subject.replace(".", "-").replace("*", "any").replace(">", "all")
-        await self._micro.add_endpoint(name=name, subject=subject, handler=endpoint, queue_group=queue)
+        await self._micro.add_endpoint(name=name, subject=subject, handler=endpoint, queue_group=queue,
+                                      metadata=metadata or {})
 
     def config_board(self) -> ConfigBoard:
         """The JetStream key-value board on this connection (a new handle per call)."""
@@ -163,7 +168,8 @@ class InProcessBus:
     async def subscribe(self, subject: str, handler: EventHandler, queue: str | None = None) -> None:
         self._events[subject].append((queue, handler))
 
-    async def serve(self, subject: str, handler: RequestHandler, queue: str) -> None:
+    async def serve(self, subject: str, handler: RequestHandler, queue: str,
+                    metadata: dict[str, str] | None = None) -> None:
         self._servers[subject].append(handler)
 
     def config_board(self) -> ConfigBoard:

@@ -8,9 +8,9 @@ import time
 import uuid
 from typing import Any
 
-from shared.bus import Bus, NatsBus
-from shared.errors import DroidMeshError
-from shared.wire import schemas, subjects
+from droidmesh.shared.bus import Bus, NatsBus
+from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.wire import schemas, subjects
 
 
 class MeshError(DroidMeshError):

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from shared.errors import DroidMeshError
-from shared.wire import schemas, subjects
+from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("configs")
 OnConfig = Callable[[schemas.RecomputeConfig], Awaitable[None]]

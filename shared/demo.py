@@ -16,16 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shared.bench.report import format_table
-from shared.client import MeshClient
-from shared.device import DEFAULT_DEVICE, DEVICE_ENV
-from shared.launch import Proc, start_nats, start_service
-from shared.models import ModelRef, Pair
-from shared.profiling.profile import recompute_config
-from shared.tasks.scorer import score_text
-from shared.tasks.spec import task_spec
-from shared.wire import schemas
-from shared.zoo.suite import SuiteShape, make_rows
+from droidmesh.shared.bench.report import format_table
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV
+from droidmesh.shared.launch import Proc, start_nats, start_service
+from droidmesh.shared.models import ModelRef, Pair
+from droidmesh.shared.profiling.profile import recompute_config
+from droidmesh.shared.tasks.scorer import score_text
+from droidmesh.shared.tasks.spec import task_spec
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.zoo.suite import SuiteShape, make_rows
 
 PATHS: tuple[schemas.Mode, ...] = ("full_prefill", "full_reuse", "auto")
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

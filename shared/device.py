@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from shared.errors import ConfigError
+from droidmesh.shared.errors import ConfigError
 
 DEVICE_ENV = "DM_DEVICE"
 DEFAULT_DEVICE = "cpu"

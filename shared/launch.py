@@ -1,4 +1,4 @@
-"""Start and stop real processes for a local mesh: nats-server and `python -m services.<name>`.
+"""Start and stop real processes for a local mesh: nats-server and `python -m droidmesh.services.<name>`.
 
 Used by `droidmesh demo`, the benchmarks and the system tests. Readiness is read from each
 process's own log (nats-server's "Server is ready", a service's `"event": "ready"` line), never
@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-INFRA = Path(__file__).resolve().parent.parent / "infra"
-NATS_CONF = INFRA / "nats" / "nats.conf"
-NATS_AUTH_CONF = INFRA / "nats" / "nats-auth.conf"
+from droidmesh import NATS_CONFIG_DIR
+
+NATS_CONF = NATS_CONFIG_DIR / "nats.conf"
+NATS_AUTH_CONF = NATS_CONFIG_DIR / "nats-auth.conf"
 
 
 def free_port() -> int:
@@ -138,8 +139,8 @@ def start_nats(port: int | None = None, store_dir: str | None = None, extra: lis
 def start_service(service: str, args: dict[str, object], nats_url: str, name: str | None = None,
                   env: dict[str, str] | None = None, log_dir: Path | None = None, timeout: float = 120,
                   wrap: list[str] | None = None) -> Proc:
-    """`python -m services.<service> --k v ...`, ready once it logs its `ready` event."""
-    argv = [*(wrap or []), sys.executable, "-m", f"services.{service}", "--nats-url", nats_url]
+    """`python -m droidmesh.services.<service> --k v ...`, ready once it logs its `ready` event."""
+    argv = [*(wrap or []), sys.executable, "-m", f"droidmesh.services.{service}", "--nats-url", nats_url]
     for k, v in args.items():
         argv += [f"--{k.replace('_', '-')}", ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)]
     name = name or service

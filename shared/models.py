@@ -14,7 +14,7 @@ import functools
 import hashlib
 from pathlib import Path
 
-from shared.errors import CheckpointNotFoundError
+from droidmesh.shared.errors import CheckpointNotFoundError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -65,7 +65,7 @@ def is_checkpoint(path: Path) -> bool:
 def resolve_model(arg: str, name: str | None = None) -> ModelRef:
     """A local checkpoint path or a zoo model name -> ModelRef; `name` overrides the model id.
     Raises CheckpointNotFoundError (commands turn it into a one-line usage error)."""
-    from shared.zoo.manifest import find_tiers
+    from droidmesh.shared.zoo.manifest import find_tiers
 
     p = Path(arg).expanduser()
     if is_checkpoint(p):

@@ -16,7 +16,7 @@ backoff, and the service reports not-ready from the crash until the loop runs ag
 
 `run_until_signalled` installs the SIGTERM / SIGINT handlers before anything connects or loads,
 so a service stuck connecting to an unreachable NATS stops at once. `main` is the body of every
-`python -m services.<name>`. This module imports neither torch nor the models: the broker uses it.
+`python -m droidmesh.services.<name>`. This module imports neither torch nor the models: the broker uses it.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from shared import settings
-from shared.bus import Bus, NatsBus
-from shared.errors import ConfigError, DroidMeshError
-from shared.log import configure_logging
-from shared.metrics import HealthServer, Metrics
+from droidmesh.shared import settings
+from droidmesh.shared.bus import Bus, NatsBus
+from droidmesh.shared.errors import ConfigError, DroidMeshError
+from droidmesh.shared.log import configure_logging
+from droidmesh.shared.metrics import HealthServer, Metrics
 
 if TYPE_CHECKING:
-    from shared.model.adapter import ModelAdapter
+    from droidmesh.shared.model.adapter import ModelAdapter
 
 log = structlog.get_logger("runtime")
 VERSION = "0.1.0"
@@ -148,8 +148,8 @@ class ServiceRuntime(Generic[C]):
                          ) -> tuple[ModelAdapter, str]:
         """The model this copy serves text with (`given`, or loaded from `path` on the torch thread)
         and the sha256 of its weights, which pair configs are bound to."""
-        from shared.model.adapter import load_model  # here, not at import: the broker never loads torch
-        from shared.models import weights_sha256
+        from droidmesh.shared.model.adapter import load_model  # here, not at import: the broker never loads torch
+        from droidmesh.shared.models import weights_sha256
 
         self.phase = "loading_model"
         model = given or await self.run_torch(functools.partial(load_model, path, device=device, dtype=dtype, name=name))

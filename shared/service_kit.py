@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import structlog
 
-from shared.bus import EventHandler, RequestHandler
-from shared.errors import DroidMeshError
-from shared.wire import schemas
+from droidmesh.shared.bus import EventHandler, RequestHandler
+from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.wire import schemas
 
 log = structlog.get_logger("service")
 Req = TypeVar("Req", bound=schemas.Message)

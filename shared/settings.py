@@ -14,7 +14,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from shared.errors import ConfigError
+from droidmesh.shared.errors import ConfigError
 
 C = TypeVar("C")
 
@@ -38,7 +38,7 @@ def _parse(kind: Any, raw: str, name: str) -> Any:
 def load(cls: type[C], service: str, argv: Sequence[str] | None = None, env: dict[str, str] | None = None) -> C:
     env = dict(os.environ) if env is None else env
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(prog=f"python -m services.{service}", description=cls.__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m droidmesh.services.{service}", description=cls.__doc__)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # C is a config dataclass; a TypeVar cannot say so
         envs = [f"DM_{service.upper()}_{f.name.upper()}", f"DM_{f.name.upper()}"]
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,

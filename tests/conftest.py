@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.model.adapter import ModelAdapter, load_model, random_model
-from shared.zoo.tokenizer import hf_tokenizer
+from droidmesh.shared.model.adapter import ModelAdapter, load_model, random_model
+from droidmesh.shared.zoo.tokenizer import hf_tokenizer
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, vocab_size=97)
 FAMILIES = {
@@ -110,7 +110,7 @@ def tiny_models(tiny_pair):
 @pytest.fixture(scope="session")
 def ci_tier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """(directory, manifest) of the zoo's ci tier, built once per session (~25 s, deterministic)."""
-    from shared.zoo import build_tier
+    from droidmesh.shared.zoo import build_tier
 
     out = tmp_path_factory.mktemp("zoo") / "ci"
     return out, build_tier("ci", out)

@@ -1,12 +1,12 @@
-"""`python -m services.cache_broker`: config -> logging -> run until SIGTERM / SIGINT (`shared.runtime`)."""
+"""`python -m droidmesh.services.cache_broker`: config -> logging -> run until SIGTERM / SIGINT (`shared.runtime`)."""
 
 from __future__ import annotations
 
 import sys
 
-from services.cache_broker.config import BrokerConfig
-from services.cache_broker.service import BrokerService
-from shared.runtime import main
+from droidmesh.services.cache_broker.config import BrokerConfig
+from droidmesh.services.cache_broker.service import BrokerService
+from droidmesh.shared.runtime import main
 
 if __name__ == "__main__":
     main(BrokerConfig, "cache_broker", BrokerService, sys.argv[1:])

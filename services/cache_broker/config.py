@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from shared.errors import ConfigError
-from shared.settings import BusSettings
+from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.settings import BusSettings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import structlog
 
-from services.cache_broker.index import CacheIndex
-from shared.wire import schemas
+from droidmesh.services.cache_broker.index import CacheIndex
+from droidmesh.shared.wire import schemas
 
 log = structlog.get_logger("broker")
 

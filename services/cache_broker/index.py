@@ -15,8 +15,8 @@ from collections import defaultdict
 
 import xxhash
 
-from shared.hashing import common_prefix
-from shared.wire.schemas import CacheAvailable, SenderHeartbeat
+from droidmesh.shared.hashing import common_prefix
+from droidmesh.shared.wire.schemas import CacheAvailable, SenderHeartbeat
 
 BLOCK = 16
 

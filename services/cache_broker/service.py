@@ -14,13 +14,13 @@ import functools
 
 import structlog
 
-from services.cache_broker import handlers
-from services.cache_broker.config import BrokerConfig
-from services.cache_broker.index import CacheIndex
-from shared.bus import Bus
-from shared.runtime import ServiceRuntime
-from shared.service_kit import event, rpc
-from shared.wire import schemas, subjects
+from droidmesh.services.cache_broker import handlers
+from droidmesh.services.cache_broker.config import BrokerConfig
+from droidmesh.services.cache_broker.index import CacheIndex
+from droidmesh.shared.bus import Bus
+from droidmesh.shared.runtime import ServiceRuntime
+from droidmesh.shared.service_kit import event, rpc
+from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("broker")
 

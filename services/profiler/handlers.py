@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from shared.errors import BadRequestError
-from shared.models import Pair, resolve_model
-from shared.profiling.profile import ProfileSettings, profile_checkpoints
-from shared.wire import schemas
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.models import Pair, resolve_model
+from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
+from droidmesh.shared.wire import schemas
 
 if TYPE_CHECKING:
-    from services.profiler.state import ProfilerState
+    from droidmesh.services.profiler.state import ProfilerState
 
 log = structlog.get_logger("profiler")
 

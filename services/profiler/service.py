@@ -8,14 +8,14 @@ import functools
 
 import structlog
 
-from services.profiler import handlers
-from services.profiler.config import ProfilerConfig
-from services.profiler.state import ProfilerState
-from shared.bus import Bus
-from shared.config_board import ConfigBoard
-from shared.runtime import ServiceRuntime
-from shared.service_kit import rpc
-from shared.wire import schemas, subjects
+from droidmesh.services.profiler import handlers
+from droidmesh.services.profiler.config import ProfilerConfig
+from droidmesh.services.profiler.state import ProfilerState
+from droidmesh.shared.bus import Bus
+from droidmesh.shared.config_board import ConfigBoard
+from droidmesh.shared.runtime import ServiceRuntime
+from droidmesh.shared.service_kit import rpc
+from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("profiler")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.profiler.config import ProfilerConfig
-from shared.config_board import ConfigBoard
+from droidmesh.services.profiler.config import ProfilerConfig
+from droidmesh.shared.config_board import ConfigBoard
 
 
 class ProfilerState:

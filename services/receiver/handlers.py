@@ -8,18 +8,18 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from services.receiver.pipeline import reuse_generate
-from shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, ReuseError
-from shared.kv import policy
-from shared.kv.partial import Generation
-from shared.kv.partial import generate as engine_generate
-from shared.kv.plan import ReusePlan
-from shared.kv.policy import Reason
-from shared.model import text
-from shared.wire import schemas, subjects
+from droidmesh.services.receiver.pipeline import reuse_generate
+from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, ReuseError
+from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.partial import Generation
+from droidmesh.shared.kv.partial import generate as engine_generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.policy import Reason
+from droidmesh.shared.model import text
+from droidmesh.shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
-    from services.receiver.state import ReceiverState
+    from droidmesh.services.receiver.state import ReceiverState
 
 log = structlog.get_logger("receiver")
 

@@ -17,14 +17,14 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from shared.kv.partial import Generation, generate_steps
-from shared.kv.policy import Decision
-from shared.model.fingerprint import require_compatible
-from shared.transport.pull import drive_engine, pull_into, pull_items, source_for
-from shared.wire import schemas
+from droidmesh.shared.kv.partial import Generation, generate_steps
+from droidmesh.shared.kv.policy import Decision
+from droidmesh.shared.model.fingerprint import require_compatible
+from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, source_for
+from droidmesh.shared.wire import schemas
 
 if TYPE_CHECKING:
-    from services.receiver.state import ReceiverState
+    from droidmesh.services.receiver.state import ReceiverState
 
 
 

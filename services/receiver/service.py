@@ -12,21 +12,22 @@ import functools
 
 import structlog
 
-from services.receiver import handlers
-from services.receiver.config import ReceiverConfig
-from services.receiver.state import ReceiverState
-from shared.bus import Bus
-from shared.config_board import ConfigBoard
-from shared.model.adapter import ModelAdapter
-from shared.runtime import ServiceRuntime
-from shared.service_kit import event, rpc
-from shared.wire import schemas, subjects
+from droidmesh.services.receiver import handlers
+from droidmesh.services.receiver.config import ReceiverConfig
+from droidmesh.services.receiver.state import ReceiverState
+from droidmesh.shared import discovery
+from droidmesh.shared.bus import Bus
+from droidmesh.shared.config_board import ConfigBoard
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.runtime import ServiceRuntime
+from droidmesh.shared.service_kit import event, rpc
+from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("receiver")
 
 
 class ReceiverService(ServiceRuntime[ReceiverConfig]):
-    nats_name = "droidmesh-receiver"
+    nats_name = discovery.RECEIVER_SERVICE
 
     def __init__(self, cfg: ReceiverConfig, bus: Bus | None = None, model: ModelAdapter | None = None,
                  board: ConfigBoard | None = None):
@@ -45,7 +46,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
         await bus.subscribe(subjects.CACHE_AVAILABLE, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))
         await bus.serve(subjects.receiver_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)),
-                        queue=subjects.receiver_queue(cfg.model_id))
+                        queue=subjects.receiver_queue(cfg.model_id), metadata={discovery.MODEL_KEY: cfg.model_id})
         log.info("receiver_started", model_id=cfg.model_id, receiver_id=cfg.receiver_id, transport=cfg.transport,
                  fingerprint=model.fingerprint.id, layers=model.num_layers)
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import structlog
 
-from services.receiver.config import ReceiverConfig
-from shared.bus import Bus
-from shared.kv import policy
-from shared.metrics import Metrics
-from shared.model.adapter import ModelAdapter
-from shared.runtime import Supervisor
-from shared.transport.bulk import make_client
-from shared.wire import schemas
+from droidmesh.services.receiver.config import ReceiverConfig
+from droidmesh.shared.bus import Bus
+from droidmesh.shared.kv import policy
+from droidmesh.shared.metrics import Metrics
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.runtime import Supervisor
+from droidmesh.shared.transport.bulk import make_client
+from droidmesh.shared.wire import schemas
 
 log = structlog.get_logger("receiver")
 

@@ -1,12 +1,12 @@
-"""`python -m services.sender`: config -> logging -> run until SIGTERM / SIGINT (`shared.runtime`)."""
+"""`python -m droidmesh.services.sender`: config -> logging -> run until SIGTERM / SIGINT (`shared.runtime`)."""
 
 from __future__ import annotations
 
 import sys
 
-from services.sender.config import SenderConfig
-from services.sender.service import SenderService
-from shared.runtime import main
+from droidmesh.services.sender.config import SenderConfig
+from droidmesh.services.sender.service import SenderService
+from droidmesh.shared.runtime import main
 
 if __name__ == "__main__":
     main(SenderConfig, "sender", SenderService, sys.argv[1:])

@@ -6,10 +6,10 @@ import dataclasses
 import os
 from pathlib import Path
 
-from shared.device import DTYPES, check_device_name, default_dtype_name
-from shared.errors import ConfigError
-from shared.settings import BusSettings
-from shared.transport.bulk import TRANSPORTS
+from droidmesh.shared.device import DTYPES, check_device_name, default_dtype_name
+from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.transport.bulk import TRANSPORTS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

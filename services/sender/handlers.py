@@ -7,19 +7,19 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from shared.device import dtype_name
-from shared.errors import BadRequestError, DeadlineExceededError
-from shared.hashing import context_id
-from shared.kv.blocks import CapturedContext, tensor_nbytes
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import generate as engine_generate
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.model import text
-from shared.wire import schemas, subjects
+from droidmesh.shared.device import dtype_name
+from droidmesh.shared.errors import BadRequestError, DeadlineExceededError
+from droidmesh.shared.hashing import context_id
+from droidmesh.shared.kv.blocks import CapturedContext, tensor_nbytes
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate as engine_generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model import text
+from droidmesh.shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
-    from services.sender.state import SenderState
+    from droidmesh.services.sender.state import SenderState
 
 log = structlog.get_logger("sender")
 

@@ -14,16 +14,16 @@ import time
 
 import structlog
 
-from services.sender import handlers
-from services.sender.config import SenderConfig
-from services.sender.state import SenderState
-from shared.bus import Bus
-from shared.config_board import ConfigBoard
-from shared.model.adapter import ModelAdapter
-from shared.runtime import ServiceRuntime
-from shared.service_kit import event, rpc
-from shared.transport.bulk import BulkServer, make_server
-from shared.wire import schemas, subjects
+from droidmesh.services.sender import handlers
+from droidmesh.services.sender.config import SenderConfig
+from droidmesh.services.sender.state import SenderState
+from droidmesh.shared.bus import Bus
+from droidmesh.shared.config_board import ConfigBoard
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.runtime import ServiceRuntime
+from droidmesh.shared.service_kit import event, rpc
+from droidmesh.shared.transport.bulk import BulkServer, make_server
+from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("sender")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.sender.config import SenderConfig
-from services.sender.store import CacheStore
-from shared.bus import Bus
-from shared.metrics import Metrics
-from shared.model.adapter import ModelAdapter
-from shared.transport.tokens import TokenIssuer
-from shared.wire.schemas import Transport
+from droidmesh.services.sender.config import SenderConfig
+from droidmesh.services.sender.store import CacheStore
+from droidmesh.shared.bus import Bus
+from droidmesh.shared.metrics import Metrics
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.transport.tokens import TokenIssuer
+from droidmesh.shared.wire.schemas import Transport
 
 
 class SenderState:

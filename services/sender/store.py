@@ -10,8 +10,8 @@ from collections import OrderedDict
 
 import torch
 
-from shared.errors import BadRequestError
-from shared.kv.blocks import CapturedContext
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.kv.blocks import CapturedContext
 
 
 class CacheStore:

@@ -1,5 +1,5 @@
 """Pulls between two processes on one GPU over the UCX channel, against the device's own copy
-bandwidth: `python -m shared.bench.gpu_transfer` (run by `infra/gpu/transfer-check.sh`).
+bandwidth: `python -m droidmesh.shared.bench.gpu_transfer` (run by `infra/gpu/transfer-check.sh`).
 
 Sequence:
   1. facts: torch and its CUDA device, whether UCX here can move device memory
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from shared.bench.tensor_server import one_line
-from shared.bench.transfer import MIB, TensorServer, pull_rates, ucx_protocol_for, ucx_tables
-from shared.transport import capabilities
-from shared.transport.ucx import ucx_options
+from droidmesh.shared.bench.tensor_server import one_line
+from droidmesh.shared.bench.transfer import MIB, TensorServer, pull_rates, ucx_protocol_for, ucx_tables
+from droidmesh.shared.transport import capabilities
+from droidmesh.shared.transport.ucx import ucx_options
 
 GPU_SIZES = [1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 DRY_SIZES = [64 << 10, 1 * MIB]
@@ -129,7 +129,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.bench.gpu_transfer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m droidmesh.shared.bench.gpu_transfer", description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU tensors, tiny sizes (automatic without CUDA)")
     parser.add_argument("--device", default="cuda", help="the GPU (ucxx's progress thread uses device 0)")
     parser.add_argument("--sizes", help="bytes per pull, comma-separated (default: 1,16,64,256 MiB; dry run 64 KiB,1 MiB)")

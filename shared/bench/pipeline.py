@@ -1,6 +1,6 @@
 """Receiver-side probe for the pipelining ablation (DroidSpeak Fig. 13) and the bandwidth sweep.
 
-Runs as its own process (`python -m shared.bench.pipeline ...`, possibly inside a network
+Runs as its own process (`python -m droidmesh.shared.bench.pipeline ...`, possibly inside a network
 namespace): asks a running sender to prefill a context of about `tokens` tokens, takes the
 availability event, then times, for a recompute group [s, e):
   transfer    pull E_s + the reused KV only, no compute
@@ -26,16 +26,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from shared.device import DEVICE_ENV
-from shared.errors import ConfigError
-from shared.kv.partial import generate, generate_steps
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import ArrivingSource
-from shared.model.adapter import load_model
-from shared.transport.bulk import make_client
-from shared.transport.pull import drive_engine, pull_into, pull_items, source_for
-from shared.wire import schemas, subjects
-from shared.wire.schemas import PullItem
+from droidmesh.shared.device import DEVICE_ENV
+from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.kv.partial import generate, generate_steps
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import ArrivingSource
+from droidmesh.shared.model.adapter import load_model
+from droidmesh.shared.transport.bulk import make_client
+from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, source_for
+from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.schemas import PullItem
 
 QUESTION = " who"
 
@@ -44,7 +44,7 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
                 device: str = "cpu") -> dict[str, Any]:
     import nats
 
-    from shared.zoo import vocab
+    from droidmesh.shared.zoo import vocab
 
     model = load_model(model_path, dtype="bfloat16", device=device)
     nc = await nats.connect(url)

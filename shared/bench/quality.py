@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import generate
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.model.adapter import ModelAdapter
-from shared.tasks.scorer import PairScorer
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.tasks.scorer import PairScorer
 
 BLEND_RATIOS = (0.1, 0.2, 0.4, 0.6)
 

@@ -14,11 +14,21 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from shared.bench import netns
-from shared.bench.transfer import KIB, MIB, UCX_GET, TensorServer, llc_bytes, memcpy_reference, pull_rates, ucx_protocol_for, ucx_tables
-from shared.device import DEFAULT_DEVICE, DEVICE_ENV
-from shared.launch import Proc, start_nats, start_service
-from shared.wire.schemas import Mode
+from droidmesh.shared.bench import netns
+from droidmesh.shared.bench.transfer import (
+    KIB,
+    MIB,
+    UCX_GET,
+    TensorServer,
+    llc_bytes,
+    memcpy_reference,
+    pull_rates,
+    ucx_protocol_for,
+    ucx_tables,
+)
+from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV
+from droidmesh.shared.launch import Proc, start_nats, start_service
+from droidmesh.shared.wire.schemas import Mode
 
 THREADS = {"OMP_NUM_THREADS": "1"}
 
@@ -33,7 +43,7 @@ def _probe(url: str, model: str, sender: str, tokens: int, group: tuple[int, int
            wrap: list[str] | None = None, env: dict[str, str] | None = None,
            lines: list[str] | None = None) -> dict[str, Any]:
     """Run `shared.bench.pipeline` (under `wrap`, with `env` added); append its stdout to `lines`."""
-    argv = [*(wrap or []), sys.executable, "-m", "shared.bench.pipeline", "--nats", url, "--model", model,
+    argv = [*(wrap or []), sys.executable, "-m", "droidmesh.shared.bench.pipeline", "--nats", url, "--model", model,
             "--sender", sender, "--tokens", str(tokens), "--group", f"{group[0]},{group[1]}", "--repeats", str(repeats)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=1800,
                          env={**os.environ, **(env or {}), DEVICE_ENV: device})
@@ -141,14 +151,14 @@ RATIO_FROM_BYTES = 16 * MIB  # `over_memcpy` / `ucx_over_memcpy`: the smallest r
 def bench_transports() -> list[str]:
     """`bench transfer`'s default: every bulk channel that runs between processes (all of
     `bulk.TRANSPORTS` but inproc), so a channel added there is measured without a change here."""
-    from shared.transport.bulk import TRANSPORTS
+    from droidmesh.shared.transport.bulk import TRANSPORTS
 
     return [t for t in TRANSPORTS if t != "inproc"]
 
 
 async def _pull_inproc(sizes: list[int], repeats: int) -> dict[int, float]:
     """The in-process channel (no second process: the protocol's own cost, checksums included)."""
-    from shared.bench.tensor_server import start_server, tensors_for
+    from droidmesh.shared.bench.tensor_server import start_server, tensors_for
 
     server = start_server("inproc", tensors_for(sizes), name="bench-transfer")
     address = await server.start()
@@ -160,7 +170,7 @@ async def _pull_inproc(sizes: list[int], repeats: int) -> dict[int, float]:
 
 def _measure(transport: str, sizes: list[int], repeats: int) -> tuple[dict[int, float], dict[int, str | None], str | None]:
     """(GB/s per size, UCX transport per size (None where not UCX), None) or ({}, {}, reason)."""
-    from shared.bench.tensor_server import one_line
+    from droidmesh.shared.bench.tensor_server import one_line
 
     if transport == "inproc":
         try:
@@ -217,7 +227,7 @@ def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None
         ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
                   and r["bytes"] >= RATIO_FROM_BYTES]
         over[transport] = min(ratios) if ratios else None
-    from shared.transport.ucx import ucx_options
+    from droidmesh.shared.transport.ucx import ucx_options
 
     return {"rows": rows, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over,
             "memcpy": {"method": "torch.Tensor.copy_ into a preallocated destination, 1 thread, median of repeats",
@@ -230,7 +240,7 @@ def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None
 async def _control(url: str, n: int) -> dict[str, Any]:
     import nats
 
-    from shared.wire import schemas, subjects
+    from droidmesh.shared.wire import schemas, subjects
 
     nc = await nats.connect(url)
     fp = schemas.Fingerprint("llama", 12, 128, 4, 4, 32, "{}", "bench")
@@ -277,7 +287,7 @@ def control(n: int) -> dict[str, Any]:
 # -- load ---------------------------------------------------------------------------------------
 async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, seconds: float, mode: Mode,
                      slo_s: float, seed: int) -> dict[str, Any]:
-    from shared.client import MeshClient
+    from droidmesh.shared.client import MeshClient
 
     client = await MeshClient.connect(url)
     rng = np.random.default_rng(seed)
@@ -314,8 +324,8 @@ async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, 
 def load(sender_path: str, receiver_path: str, group: tuple[int, int], tokens: int, rates: list[float],
          seconds: float, slo_s: float, copies: list[int], device: str = DEFAULT_DEVICE) -> list[dict[str, Any]]:
     """Poisson load against 1..N receiver copies, DroidMesh (auto) vs full prefill."""
-    from shared.client import MeshClient
-    from shared.zoo import vocab
+    from droidmesh.shared.client import MeshClient
+    from droidmesh.shared.zoo import vocab
 
     rng = np.random.default_rng(0)
     contexts = [" ".join(rng.choice(vocab.FILLER, tokens).tolist()) for _ in range(4)]

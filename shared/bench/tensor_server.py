@@ -1,11 +1,11 @@
 """A bare tensor server for `droidmesh bench transfer`:
-`python -m shared.bench.tensor_server TRANSPORT SIZE[,SIZE...]` serves, over the bulk channel
+`python -m droidmesh.shared.bench.tensor_server TRANSPORT SIZE[,SIZE...]` serves, over the bulk channel
 `TRANSPORT` (any name `make_server` knows: ucx, nixl, ...), one bf16 tensor of each byte size
 (context id = the size, layer 0, K). Once listening it prints one line `BULK_ADDRESS=<address>`;
 if the channel cannot start (its module fails to import, no such transport...) it prints
 `BULK_ERROR=<one-line reason>` and exits 1. It runs until SIGTERM. Other lines on stdout (UCX
 writes its logs and `UCX_PROTO_INFO` tables there) are for the caller to skip or parse.
-The old form `python -m shared.bench.tensor_server SIZE[,SIZE...]` still serves over ucx.
+The old form `python -m droidmesh.shared.bench.tensor_server SIZE[,SIZE...]` still serves over ucx.
 `--device cuda[:N]` (default cpu) keeps the tensors on that device (`gpu_transfer.py`); a device
 this machine lacks is a `BULK_ERROR` line."""
 
@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from shared.device import resolve_device
-from shared.transport.bulk import BulkServer, make_server
+from droidmesh.shared.device import resolve_device
+from droidmesh.shared.transport.bulk import BulkServer, make_server
 
 ADDRESS_PREFIX = "BULK_ADDRESS="
 ERROR_PREFIX = "BULK_ERROR="
@@ -57,7 +57,7 @@ async def serve(transport: str, sizes: list[int], device: str = "cpu") -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shared.bench.tensor_server")
+    parser = argparse.ArgumentParser(prog="python -m droidmesh.shared.bench.tensor_server")
     parser.add_argument("what", nargs="+", metavar="[TRANSPORT] SIZES")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX
+from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX
 
 KIB, MIB = 1 << 10, 1 << 20
 SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
@@ -120,7 +120,7 @@ class TensorServer:
         if transport == "ucx":
             env.setdefault("UCX_PROTO_INFO", "y")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shared.bench.tensor_server", transport, ",".join(map(str, sizes)), "--device", str(device)],
+            [sys.executable, "-m", "droidmesh.shared.bench.tensor_server", transport, ",".join(map(str, sizes)), "--device", str(device)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
         self.address: str | None = None
@@ -165,8 +165,8 @@ async def pull_rates(transport: str, address: str, sizes: list[int], repeats: in
                      device: str | torch.device = "cpu") -> dict[int, float]:
     """Pull throughput (GB/s) per size: one warm-up pull, then the median of `repeats` pulls,
     each into the same preallocated, already written bf16 buffer on `device`."""
-    from shared.transport.bulk import make_client
-    from shared.wire.schemas import PullItem, PullRequest
+    from droidmesh.shared.transport.bulk import make_client
+    from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
     client = make_client(transport)
     rates = {}

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import generate
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.model.adapter import ModelAdapter
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model.adapter import ModelAdapter
 
 QUESTION_TOKENS = 32
 

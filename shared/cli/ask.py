@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from shared.wire import schemas
+from droidmesh.shared.wire import schemas
 
 
 @click.command()
@@ -22,7 +22,7 @@ from shared.wire import schemas
 def ask(context_file: str, question: str, receiver: str, nats_url: str, mode: schemas.Mode, max_new_tokens: int,
         timeout: float) -> None:
     """Ask RECEIVER a question over a context; print the answer, the path taken and its timings."""
-    from shared.client import MeshClient, MeshError
+    from droidmesh.shared.client import MeshClient, MeshError
 
     async def run() -> schemas.GenerateReply:
         client = await MeshClient.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)

@@ -7,10 +7,10 @@ from typing import Any
 import click
 import torch
 
-from shared.bench import report
-from shared.cli.models import device_options
-from shared.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
-from shared.errors import ConfigError, DroidMeshError
+from droidmesh.shared.bench import report
+from droidmesh.shared.cli.models import device_options
+from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
+from droidmesh.shared.errors import ConfigError, DroidMeshError
 
 # Before the zoo's demo tier exists, latency runs on a random-init 12-layer model of this shape.
 RANDOM_BENCH_MODEL: dict[str, Any] = dict(
@@ -60,8 +60,8 @@ def bench() -> None:
 def ttft(json_path, plot_path, model_path, contexts, repeats, device, dtype,
          threads) -> None:
     """Receiver TTFT: full prefill vs full reuse vs partial prefill with k layers recomputed."""
-    from shared.bench import ttft as suite
-    from shared.model.adapter import load_model, random_model
+    from droidmesh.shared.bench import ttft as suite
+    from droidmesh.shared.model.adapter import load_model, random_model
 
     if threads:
         torch.set_num_threads(threads)
@@ -84,8 +84,8 @@ def ttft(json_path, plot_path, model_path, contexts, repeats, device, dtype,
 
 def _demo_pair() -> tuple[str, str]:
     """(sender, receiver) checkpoint paths of the zoo's first demo pair (ci tier if absent)."""
-    from shared.models import resolve_model
-    from shared.zoo.manifest import find_tiers
+    from droidmesh.shared.models import resolve_model
+    from droidmesh.shared.zoo.manifest import find_tiers
 
     for tier, _dir, man in find_tiers():
         pair = man["pairs"][0]
@@ -111,7 +111,7 @@ def _save(json_path: str | None, suite: str, payload: dict) -> None:
 @_device_option
 def pipeline(json_path, tokens, group, repeats, device) -> None:
     """Fig. 13: load-all vs load-reused vs pipelined, over UCX between processes."""
-    from shared.bench import runs
+    from droidmesh.shared.bench import runs
 
     sender, receiver = _demo_pair()
     r = runs.pipeline(sender, receiver, tokens, group, repeats, device)
@@ -138,7 +138,7 @@ def pipeline(json_path, tokens, group, repeats, device) -> None:
 @_device_option
 def bandwidth(json_path, plot_path, tokens, group, rates, repeats, transport, ucx_tls, device) -> None:
     """Fig. 20: sender and receiver in their own namespaces over a tc-limited veth link."""
-    from shared.bench import runs
+    from droidmesh.shared.bench import runs
 
     sender, receiver = _demo_pair()
     rate_list = [float(r) or None for r in rates.split(",")]
@@ -196,7 +196,7 @@ def _transport_list(_ctx: click.Context, _param: click.Parameter, value: tuple[s
 def transfer(json_path, sizes, repeats, transports) -> None:
     """Data plane: pulls over each bulk channel between two processes vs a memcpy of the same bytes
     (warm and out of cache); ratio = throughput / warm memcpy."""
-    from shared.bench import runs
+    from droidmesh.shared.bench import runs
 
     r = runs.transfer(sizes, repeats, transports)
     columns = ["bytes", "transport", "throughput_gb_s", "memcpy_gb_s", "memcpy_cold_gb_s", "ratio", "ucx_transports"]
@@ -214,7 +214,7 @@ def transfer(json_path, sizes, repeats, transports) -> None:
 @click.option("--events", default=1000, show_default=True, type=click.IntRange(10, 100000))
 def control(json_path, events) -> None:
     """Control plane: availability event -> visible in the broker index; lookup round trip."""
-    from shared.bench import runs
+    from droidmesh.shared.bench import runs
 
     r = runs.control(events)
     click.echo(report.format_table([r], list(r)))
@@ -233,7 +233,7 @@ def control(json_path, events) -> None:
 @_device_option
 def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, device) -> None:
     """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill."""
-    from shared.bench import runs
+    from droidmesh.shared.bench import runs
 
     sender, receiver = _demo_pair()
     rows = runs.load(sender, receiver, group, tokens, [float(r) for r in rates.split(",")], seconds, slo,
@@ -287,14 +287,14 @@ def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype)
     import json
     from pathlib import Path
 
-    from shared.bench import quality as suite
-    from shared.model.adapter import load_model
-    from shared.models import Pair, resolve_model
-    from shared.profiling.profile import load_rows
-    from shared.tasks.scorer import PairScorer
-    from shared.tasks.spec import task_spec
-    from shared.zoo.manifest import find_tiers, profile_file
-    from shared.zoo.tiers import get_recipe
+    from droidmesh.shared.bench import quality as suite
+    from droidmesh.shared.model.adapter import load_model
+    from droidmesh.shared.models import Pair, resolve_model
+    from droidmesh.shared.profiling.profile import load_rows
+    from droidmesh.shared.tasks.scorer import PairScorer
+    from droidmesh.shared.tasks.spec import task_spec
+    from droidmesh.shared.zoo.manifest import find_tiers, profile_file
+    from droidmesh.shared.zoo.tiers import get_recipe
 
     tiers = find_tiers()
     if not tiers:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from shared.cli.models import device_options
+from droidmesh.shared.cli.models import device_options
 
 
 @click.command()
@@ -21,11 +21,11 @@ def demo(rows: int, tier: str, json_path: str | None, log_dir: str | None, devic
     """Start nats-server, a broker, senders and receivers; ask; print TTFT and quality per path.
 
     Every service loads its model on --device (passed to them as DM_DEVICE; with --dtype, DM_DTYPE)."""
-    from shared.demo import run_demo, table
-    from shared.models import ModelRef, Pair
-    from shared.zoo.build import build_tier
-    from shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest, zoo_dir
-    from shared.zoo.tiers import get_recipe
+    from droidmesh.shared.demo import run_demo, table
+    from droidmesh.shared.models import ModelRef, Pair
+    from droidmesh.shared.zoo.build import build_tier
+    from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest, zoo_dir
+    from droidmesh.shared.zoo.tiers import get_recipe
 
     root = REPO_ZOO / "demo"
     manifest = read_manifest(root) if tier in ("auto", "demo") else None

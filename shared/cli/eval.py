@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from shared.cli.models import MODEL_HELP, device_options, model_arg
-from shared.tasks.spec import METRIC_NAMES
+from droidmesh.shared.cli.models import MODEL_HELP, device_options, model_arg
+from droidmesh.shared.tasks.spec import METRIC_NAMES
 
 
 @click.command("eval")
@@ -29,13 +29,13 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
              n_rows: int | None, group_sizes: str | None, device: str, dtype: str | None, json_path: str,
              predictions: bool) -> None:
     """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups."""
-    from shared.errors import DroidMeshError
-    from shared.model.adapter import load_model
-    from shared.tasks.jsonl import read_jsonl
-    from shared.tasks.report import evaluate_pair
-    from shared.tasks.spec import task_spec
-    from shared.zoo.suite import SuiteShape, make_rows
-    from shared.zoo.tiers import get_recipe
+    from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.model.adapter import load_model
+    from droidmesh.shared.tasks.jsonl import read_jsonl
+    from droidmesh.shared.tasks.report import evaluate_pair
+    from droidmesh.shared.tasks.spec import task_spec
+    from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+    from droidmesh.shared.zoo.tiers import get_recipe
 
     spec = task_spec(task, metric=metric)
     try:

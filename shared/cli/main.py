@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from shared.cli.ask import ask
-from shared.cli.bench import bench
-from shared.cli.demo import demo
-from shared.cli.eval import eval_cmd
-from shared.cli.profile import profile
-from shared.cli.zoo import zoo
+from droidmesh.shared.cli.ask import ask
+from droidmesh.shared.cli.bench import bench
+from droidmesh.shared.cli.demo import demo
+from droidmesh.shared.cli.eval import eval_cmd
+from droidmesh.shared.cli.profile import profile
+from droidmesh.shared.cli.zoo import zoo
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,9 +8,9 @@ from typing import Any
 
 import click
 
-from shared.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES, check_device_name
-from shared.errors import ConfigError, DroidMeshError
-from shared.models import ModelRef, resolve_model
+from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES, check_device_name
+from droidmesh.shared.errors import ConfigError, DroidMeshError
+from droidmesh.shared.models import ModelRef, resolve_model
 
 MODEL_HELP = "a zoo model as `droidmesh zoo list` names it (demo/base), or a local checkpoint directory"
 

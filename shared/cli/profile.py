@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from shared.cli.models import MODEL_HELP, device_options, model_arg
-from shared.tasks.spec import METRIC_NAMES
+from droidmesh.shared.cli.models import MODEL_HELP, device_options, model_arg
+from droidmesh.shared.tasks.spec import METRIC_NAMES
 
 
 @click.command()
@@ -47,10 +47,10 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
             max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, device, dtype,
             nats_url) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config."""
-    from shared.errors import DroidMeshError
-    from shared.models import Pair
-    from shared.profiling.plot import frontier_png
-    from shared.profiling.profile import ProfileSettings, profile_checkpoints
+    from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.models import Pair
+    from droidmesh.shared.profiling.plot import frontier_png
+    from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
 
     settings = ProfileSettings(granularity=granularity, tolerance=tolerance, exhaustive=exhaustive)
     try:
@@ -90,7 +90,7 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
 
 
 async def _publish(url: str, cfg) -> None:
-    from shared.client import MeshClient
+    from droidmesh.shared.client import MeshClient
 
     client = await MeshClient.connect(url)
     try:

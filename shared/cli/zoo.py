@@ -8,7 +8,7 @@ import time
 
 import click
 
-from shared.tasks.spec import known_tasks
+from droidmesh.shared.tasks.spec import known_tasks
 
 TIERS = ("ci", "demo")
 
@@ -25,8 +25,8 @@ def zoo() -> None:
 @click.option("--force", is_flag=True, help="Rebuild even when the cached build matches the recipe.")
 def build(tier: str, out_dir: str | None, force: bool) -> None:
     """Train (or reuse) a tier: deterministic base + fine-tuned derivatives + a LoRA adapter."""
-    from shared.zoo.build import build_tier
-    from shared.zoo.manifest import zoo_dir
+    from droidmesh.shared.zoo.build import build_tier
+    from droidmesh.shared.zoo.manifest import zoo_dir
 
     t0 = time.time()
     man = build_tier(tier, out_dir, force=force, log=lambda s: click.echo(s, err=True))
@@ -40,7 +40,7 @@ def build(tier: str, out_dir: str | None, force: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def list_cmd(as_json: bool) -> None:
     """List built models (path, tier, parent, what each was fine-tuned for) and intended pairs."""
-    from shared.zoo.manifest import listing
+    from droidmesh.shared.zoo.manifest import listing
 
     data = listing()
     if as_json:
@@ -63,9 +63,9 @@ def list_cmd(as_json: bool) -> None:
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True)
 def data(task: str, split: str, n_rows: int, tier: str, out_path: str) -> None:
     """Write a task split as LongBench-style JSONL ({context, input, answers, ...})."""
-    from shared.tasks.jsonl import write_jsonl
-    from shared.zoo.suite import make_rows
-    from shared.zoo.tiers import get_recipe
+    from droidmesh.shared.tasks.jsonl import write_jsonl
+    from droidmesh.shared.zoo.suite import make_rows
+    from droidmesh.shared.zoo.tiers import get_recipe
 
     n = write_jsonl(out_path, make_rows(task, split, n_rows, get_recipe(tier).suite))
     click.echo(f"wrote {n} rows to {out_path}")

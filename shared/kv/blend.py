@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from shared.kv.blocks import check_kv
-from shared.kv.sources import LayerSource, Need, Steps
-from shared.model import hf_cache
-from shared.model.adapter import ModelAdapter
+from droidmesh.shared.kv.blocks import check_kv
+from droidmesh.shared.kv.sources import LayerSource, Need, Steps
+from droidmesh.shared.model import hf_cache
+from droidmesh.shared.model.adapter import ModelAdapter
 
 
 def blend_steps(

@@ -11,10 +11,10 @@ import dataclasses
 
 import torch
 
-from shared.device import same_device
-from shared.errors import BadRequestError, CacheLayoutError
-from shared.hashing import common_prefix
-from shared.model.fingerprint import ArchFingerprint
+from droidmesh.shared.device import same_device
+from droidmesh.shared.errors import BadRequestError, CacheLayoutError
+from droidmesh.shared.hashing import common_prefix
+from droidmesh.shared.model.fingerprint import ArchFingerprint
 
 
 @dataclasses.dataclass(frozen=True)

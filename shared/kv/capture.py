@@ -10,10 +10,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from shared.errors import BadRequestError
-from shared.kv.blocks import CapturedContext, KVBlock
-from shared.model import hf_cache
-from shared.model.adapter import ModelAdapter
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
+from droidmesh.shared.model import hf_cache
+from droidmesh.shared.model.adapter import ModelAdapter
 
 
 @torch.inference_mode()

@@ -29,14 +29,14 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from shared.errors import BadRequestError, ReuseError
-from shared.kv.blend import blend_steps
-from shared.kv.blocks import check_kv, check_tensor, reusable_prefix
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import LayerSource, Need, Steps, run_steps
-from shared.model import hf_cache
-from shared.model.adapter import ModelAdapter
-from shared.model.fingerprint import require_compatible
+from droidmesh.shared.errors import BadRequestError, ReuseError
+from droidmesh.shared.kv.blend import blend_steps
+from droidmesh.shared.kv.blocks import check_kv, check_tensor, reusable_prefix
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import LayerSource, Need, Steps, run_steps
+from droidmesh.shared.model import hf_cache
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.model.fingerprint import require_compatible
 
 DEFAULT_TIMEOUT_S = 30.0
 P = ParamSpec("P")

@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Literal, get_args
 
-from shared.errors import BadRequestError
+from droidmesh.shared.errors import BadRequestError
 
 Mode = Literal["full_prefill", "full_reuse", "groups", "cacheblend", "swap"]
 MODES: tuple[Mode, ...] = get_args(Mode)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shared.kv.plan import ReusePlan
-from shared.wire.schemas import CacheAvailable, CodecParams, FrontierPoint, LatencyFit, Mode, Path, PlanSpec, RecomputeConfig
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, FrontierPoint, LatencyFit, Mode, Path, PlanSpec, RecomputeConfig
 
 Reason = tuple[str, str]  # (bounded code for metrics, text for the reply and the log)
 

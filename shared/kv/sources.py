@@ -27,9 +27,9 @@ from typing import Literal, Protocol, TypeVar
 
 import torch
 
-from shared.errors import MissingLayerError
-from shared.kv.blocks import CapturedContext, KVBlock
-from shared.model.fingerprint import ArchFingerprint
+from droidmesh.shared.errors import MissingLayerError
+from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
+from droidmesh.shared.model.fingerprint import ArchFingerprint
 
 T = TypeVar("T")
 

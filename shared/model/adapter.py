@@ -24,10 +24,10 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from shared.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
-from shared.errors import BadRequestError, CheckpointNotFoundError, UnsupportedModelError
-from shared.model import hf_cache
-from shared.model.fingerprint import ArchFingerprint, fingerprint_of
+from droidmesh.shared.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
+from droidmesh.shared.errors import BadRequestError, CheckpointNotFoundError, UnsupportedModelError
+from droidmesh.shared.model import hf_cache
+from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")

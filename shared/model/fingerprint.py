@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from shared.errors import IncompatibleModelsError
+from droidmesh.shared.errors import IncompatibleModelsError
 
 
 @dataclasses.dataclass(frozen=True)

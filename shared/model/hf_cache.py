@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from shared.errors import UnsupportedModelError
+from droidmesh.shared.errors import UnsupportedModelError
 
 
 def new_cache(config: Any) -> DynamicCache:

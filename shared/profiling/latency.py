@@ -17,12 +17,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import prefill
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.model.adapter import ModelAdapter
-from shared.wire.schemas import LatencyFit
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import prefill
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.wire.schemas import LatencyFit
 
 
 def measure(model: ModelAdapter, tokens: Sequence[int], ks: Sequence[int], repeats: int = 2,

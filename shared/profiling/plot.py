@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.models import Pair
+from droidmesh.shared.models import Pair
 
 
 def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, Any]] | None = None) -> None:

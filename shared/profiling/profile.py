@@ -19,14 +19,14 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
-from shared.device import DEFAULT_DEVICE
-from shared.errors import BadRequestError
-from shared.kv import policy
-from shared.kv.plan import ReusePlan
-from shared.models import ModelRef, Pair
-from shared.profiling import latency, search
-from shared.profiling.search import Evaluate, Memo
-from shared.wire import schemas
+from droidmesh.shared.device import DEFAULT_DEVICE
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.models import ModelRef, Pair
+from droidmesh.shared.profiling import latency, search
+from droidmesh.shared.profiling.search import Evaluate, Memo
+from droidmesh.shared.wire import schemas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +171,8 @@ def load_rows(task: str, split: str, n: int, data: str | None = None, shape: Any
               split_data: bool = False) -> list[dict[str, Any]]:
     """The first `n` rows (all when `n` is 0) of a user JSONL file (`data`; with `split_data`,
     its `split` half, see `split_rows`), or of the zoo's generated `task` split."""
-    from shared.tasks.jsonl import read_jsonl
-    from shared.zoo.suite import SuiteShape, make_rows
+    from droidmesh.shared.tasks.jsonl import read_jsonl
+    from droidmesh.shared.zoo.suite import SuiteShape, make_rows
 
     if data:
         rows = read_jsonl(data)
@@ -198,10 +198,10 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     or a user's JSONL (`data`, split in two; or `data_train` and `data_test`), scored with the
     task's spec as `metric` / `max_new_tokens` / `stop` override it. `other_tasks` None: the
     task's shifts and every other zoo task when profiling a zoo task's own rows, else none."""
-    from shared.model.adapter import load_model
-    from shared.model.fingerprint import require_compatible
-    from shared.tasks.scorer import PairScorer
-    from shared.tasks.spec import TASKS, known_tasks, shifts_of, task_spec
+    from droidmesh.shared.model.adapter import load_model
+    from droidmesh.shared.model.fingerprint import require_compatible
+    from droidmesh.shared.tasks.scorer import PairScorer
+    from droidmesh.shared.tasks.spec import TASKS, known_tasks, shifts_of, task_spec
 
     if data and (data_train or data_test):
         raise BadRequestError("give either --data (one file, split in two) or --data-train / --data-test")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.plan import ReusePlan
 
 Evaluate = Callable[[ReusePlan], float]
 

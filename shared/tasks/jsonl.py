@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from shared.errors import BadRequestError
+from droidmesh.shared.errors import BadRequestError
 
 REQUIRED = ("context", "input", "answers")
 

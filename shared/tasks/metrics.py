@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from rapidfuzz import fuzz
 from rouge_score import rouge_scorer
 
-from shared.tasks.spec import METRIC_NAMES
+from droidmesh.shared.tasks.spec import METRIC_NAMES
 
 _PUNCT = set(string.punctuation)
 _ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)

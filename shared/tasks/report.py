@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shared.kv.plan import ReusePlan
-from shared.model.adapter import ModelAdapter
-from shared.tasks import metrics
-from shared.tasks.scorer import PairScorer, PathResult, per_layer_plan
-from shared.tasks.spec import TaskSpec
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.tasks import metrics
+from droidmesh.shared.tasks.scorer import PairScorer, PathResult, per_layer_plan
+from droidmesh.shared.tasks.spec import TaskSpec
 
 CRITICAL_DROP = 0.05  # a layer is critical when reusing only it costs > 5% of full-prefill quality
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.tasks.spec import TaskSpec
+from droidmesh.shared.tasks.spec import TaskSpec
 
 
 def encode_row(tokenizer: Any, row: dict[str, Any], spec: TaskSpec) -> tuple[list[int], list[int], list[int]]:

@@ -30,15 +30,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from shared.kv.blocks import CapturedContext
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import prefill
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.model.adapter import ModelAdapter
-from shared.tasks import metrics
-from shared.tasks.rows import answer_text, decode_answer, encode_row
-from shared.tasks.spec import TaskSpec
+from droidmesh.shared.kv.blocks import CapturedContext
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import prefill
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.tasks import metrics
+from droidmesh.shared.tasks.rows import answer_text, decode_answer, encode_row
+from droidmesh.shared.tasks.spec import TaskSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,10 +33,10 @@ from typing import Protocol
 import structlog
 import torch
 
-from shared.device import dtype_name
-from shared.errors import DroidMeshError, IntegrityError, TransferError
-from shared.transport import codecs
-from shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
+from droidmesh.shared.device import dtype_name
+from droidmesh.shared.errors import DroidMeshError, IntegrityError, TransferError
+from droidmesh.shared.transport import codecs
+from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
 
 log = structlog.get_logger("bulk")
 
@@ -74,15 +74,15 @@ def make_server(transport: str, lookup: TensorLookup, authorize: Authorize | Non
                 port: int = 0, name: str = "") -> BulkServer:
     """The sender's server for `transport` (ucx listens on host:port; inproc registers `name`)."""
     if transport == "ucx":
-        from shared.transport.ucx import UcxBulkServer
+        from droidmesh.shared.transport.ucx import UcxBulkServer
 
         return UcxBulkServer(lookup, authorize, host=host, port=port)
     if transport == "nixl":
-        from shared.transport.nixl import NixlBulkServer
+        from droidmesh.shared.transport.nixl import NixlBulkServer
 
         return NixlBulkServer(lookup, authorize, host=host, port=port)
     if transport == "inproc":
-        from shared.transport.inproc import InProcessBulkServer
+        from droidmesh.shared.transport.inproc import InProcessBulkServer
 
         return InProcessBulkServer(lookup, authorize, name=name)
     raise TransferError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
@@ -90,15 +90,15 @@ def make_server(transport: str, lookup: TensorLookup, authorize: Authorize | Non
 
 def make_client(transport: str) -> BulkClient:
     if transport == "ucx":
-        from shared.transport.ucx import UcxBulkClient
+        from droidmesh.shared.transport.ucx import UcxBulkClient
 
         return UcxBulkClient()
     if transport == "nixl":
-        from shared.transport.nixl import NixlBulkClient
+        from droidmesh.shared.transport.nixl import NixlBulkClient
 
         return NixlBulkClient()
     if transport == "inproc":
-        from shared.transport.inproc import InProcessBulkClient
+        from droidmesh.shared.transport.inproc import InProcessBulkClient
 
         return InProcessBulkClient()
     raise TransferError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")

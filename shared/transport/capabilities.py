@@ -57,7 +57,7 @@ def decide(facts: CudaFacts) -> CudaSupport:
 def cuda_facts() -> CudaFacts:
     if not torch.cuda.is_available():  # UCX's transports do not matter then: skip initialising it
         return CudaFacts(False, None, "not checked")
-    from shared.transport.ucx import ucxx
+    from droidmesh.shared.transport.ucx import ucxx
 
     try:
         return CudaFacts(True, frozenset(ucxx().get_active_transports()))

@@ -42,8 +42,8 @@ import numpy as np
 import torch
 import xxhash
 
-from shared.errors import IntegrityError
-from shared.wire.schemas import CodecParams, TensorHeader
+from droidmesh.shared.errors import IntegrityError
+from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
 
 class Codec(Protocol):

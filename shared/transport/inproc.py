@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-from shared.errors import TransferError
-from shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, landings
-from shared.wire import schemas
-from shared.wire.schemas import PullRequest, Transport
+from droidmesh.shared.errors import TransferError
+from droidmesh.shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, landings
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 _SERVERS: dict[str, InProcessBulkServer] = {}
 _names = itertools.count()

@@ -54,11 +54,11 @@ import numpy as np
 import structlog
 import torch
 
-from shared.errors import BadMessageError, DroidMeshError, TransferError
-from shared.transport.bulk import Authorize, Landing, OnItem, TensorLookup, answer, guarded_pull, landings
-from shared.transport.ucx import parse_address
-from shared.wire import schemas
-from shared.wire.schemas import (
+from droidmesh.shared.errors import BadMessageError, DroidMeshError, TransferError
+from droidmesh.shared.transport.bulk import Authorize, Landing, OnItem, TensorLookup, answer, guarded_pull, landings
+from droidmesh.shared.transport.ucx import parse_address
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import (
     NixlAgentInfo,
     NixlConnect,
     NixlDone,

@@ -22,14 +22,14 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
-from shared.device import dtype_name
-from shared.errors import CacheLayoutError, TransferError
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import ArrivingSource, Need, Steps
-from shared.model.adapter import ModelAdapter
-from shared.model.fingerprint import ArchFingerprint
-from shared.transport.bulk import BulkClient
-from shared.wire.schemas import CacheAvailable, CodecParams, PullItem, PullRequest
+from droidmesh.shared.device import dtype_name
+from droidmesh.shared.errors import CacheLayoutError, TransferError
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps
+from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.model.fingerprint import ArchFingerprint
+from droidmesh.shared.transport.bulk import BulkClient
+from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, PullItem, PullRequest
 
 T = TypeVar("T")
 RunTorch = Callable[..., Awaitable[Any]]  # runs a blocking callable on the torch thread

@@ -12,7 +12,7 @@ import hmac
 import secrets
 import time
 
-from shared.errors import UnauthorizedError
+from droidmesh.shared.errors import UnauthorizedError
 
 
 class TokenIssuer:

@@ -33,11 +33,11 @@ import msgspec
 import structlog
 import torch
 
-from shared.errors import DroidMeshError, TransferError
-from shared.transport import capabilities, codecs
-from shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, guarded_pull, landings
-from shared.wire import schemas
-from shared.wire.schemas import PullRequest, Transport
+from droidmesh.shared.errors import DroidMeshError, TransferError
+from droidmesh.shared.transport import capabilities, codecs
+from droidmesh.shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, guarded_pull, landings
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 log = structlog.get_logger("ucx")
 # Listener endpoints always run with peer-failure error handling (ucxx cannot accept a connection

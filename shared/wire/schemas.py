@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from shared.errors import BadMessageError, SchemaVersionError
+from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 
 SCHEMA_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never ride the bus
@@ -104,7 +104,31 @@ MODES: tuple[Mode, ...] = ("auto", "full_prefill", "full_reuse")
 Path = Literal["partial", "full_reuse", "cacheblend", "full_prefill", "fallback", "sender_own"]
 
 
+Role = Literal["system", "user", "assistant"]
+FinishReason = Literal["stop", "length"]  # a stop sequence or EOS; max_new_tokens reached
+STREAM_PREFIX = "_INBOX."  # a stream subject must be an inbox: a receiver never publishes elsewhere
+
+
+class Sampling(msgspec.Struct, kw_only=True):
+    """How the next token is chosen. temperature 0 is greedy (and ignores top_p and seed)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None  # same seed, prompt and plan: same tokens
+    stop: list[str] = []  # the answer ends before the first occurrence of any of these
+
+
+class ChatMessage(msgspec.Struct):
+    role: Role
+    content: str
+
+
 class GenerateRequest(Message, tag="generate.request"):
+    """The prompt is `context` followed by `question` (each tokenized on its own, see
+    `shared/model/text.py`), or, with `chat`, the conversation rendered by the receiver's chat
+    template (then `context` and `question` are empty). Either way the receiver reuses the longest
+    cached prefix of the prompt's tokens it finds."""
+
     request_id: str
     context: str  # the shared document (the sender's prefix)
     question: str
@@ -112,6 +136,19 @@ class GenerateRequest(Message, tag="generate.request"):
     deadline: float = 0.0  # unix seconds; 0 = the service's default
     mode: Mode = "auto"
     ttft_slo_ms: float = 0.0  # 0 = none; lets an idle receiver spend spare time on quality
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    chat: list[ChatMessage] | None = None
+    stream_subject: str = ""  # "" = no streaming; else GenerateChunks go there (must start with STREAM_PREFIX)
+
+
+class GenerateChunk(Message, tag="generate.chunk"):
+    """One streamed piece of an answer, published while decoding; the final GenerateReply still
+    carries the whole text (a client that missed a chunk completes from it)."""
+
+    request_id: str
+    index: int  # 0, 1, 2, ... per request
+    text: str  # new text since the previous chunk (held back while it could start a stop sequence)
+    token_ids: list[int]
 
 
 class GenerateReply(Message, tag="generate.reply"):
@@ -126,6 +163,9 @@ class GenerateReply(Message, tag="generate.reply"):
     ttft_ms: float
     stages_ms: dict[str, float]
     served_by: str
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose KV came from the sender
+    finish_reason: FinishReason = "length"
 
 
 class PrefillRequest(Message, tag="prefill.request"):

@@ -10,7 +10,7 @@ from typing import Any
 
 def build_tier(tier: str, out_dir: Any = None, **kw: Any) -> dict[str, Any]:
     """Build (or reuse a cached) zoo tier; return its manifest. Imported lazily (torch)."""
-    from shared.zoo.build import build_tier as _build
+    from droidmesh.shared.zoo.build import build_tier as _build
 
     return _build(tier, out_dir, **kw)
 

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM
 
-from shared.models import sha256_file
-from shared.zoo import train as T
-from shared.zoo import vocab as V
-from shared.zoo.manifest import MANIFEST, read_manifest, zoo_dir
-from shared.zoo.recipe import Derivative, Recipe, ops_hash, recipe_dict, recipe_hash
-from shared.zoo.tiers import get_recipe
-from shared.zoo.tokenizer import WordIds, save_tokenizer
+from droidmesh.shared.models import sha256_file
+from droidmesh.shared.zoo import train as T
+from droidmesh.shared.zoo import vocab as V
+from droidmesh.shared.zoo.manifest import MANIFEST, read_manifest, zoo_dir
+from droidmesh.shared.zoo.recipe import Derivative, Recipe, ops_hash, recipe_dict, recipe_hash
+from droidmesh.shared.zoo.tiers import get_recipe
+from droidmesh.shared.zoo.tokenizer import WordIds, save_tokenizer
 
 
 def file_hashes(model_dir: Path) -> dict[str, str]:
@@ -292,6 +292,6 @@ def _entry(out: Path, name: str, kind: str, parent: str | None, task: str, model
 def _code_sampler(stage: T.Stage):
     if not any(k == "code" for k, _ in stage.mix):
         return None
-    from shared.zoo.codedata import code_sampler
+    from droidmesh.shared.zoo.codedata import code_sampler
 
     return code_sampler(stage.seq_len)

@@ -6,8 +6,8 @@ import random
 from functools import lru_cache
 from pathlib import Path
 
-from shared.zoo.suite import stdlib_files
-from shared.zoo.tokenizer import WordIds
+from droidmesh.shared.zoo.suite import stdlib_files
+from droidmesh.shared.zoo.tokenizer import WordIds
 
 
 @lru_cache(maxsize=1)

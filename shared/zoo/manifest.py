@@ -13,10 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shared.models import Pair
+from droidmesh import ZOO_DIR
+from droidmesh.shared.models import Pair
 
 MANIFEST = "manifest.json"
-REPO_ZOO = Path(__file__).resolve().parents[2] / "zoo"
+REPO_ZOO = ZOO_DIR  # the demo tier ships in the package (in a checkout: the repository's zoo/)
 TIER_ORDER = ("demo", "ci")
 
 

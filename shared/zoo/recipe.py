@@ -13,9 +13,9 @@ import hashlib
 import json
 from typing import Any
 
-from shared.models import Pair
-from shared.zoo.suite import SuiteShape
-from shared.zoo.train import Arch, Stage
+from droidmesh.shared.models import Pair
+from droidmesh.shared.zoo.suite import SuiteShape
+from droidmesh.shared.zoo.train import Arch, Stage
 
 # RECIPE_VERSION covers everything; BASE_VERSION only the code paths the base ops run (its
 # intermediate states are cached by it). Bump the one whose code changed what it produces.

@@ -22,9 +22,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from shared.tasks.spec import SHIFTS, TASKS, known_tasks
-from shared.zoo import vocab as V
-from shared.zoo.tasks import ALIAS_OF, make_context
+from droidmesh.shared.tasks.spec import SHIFTS, TASKS, known_tasks
+from droidmesh.shared.zoo import vocab as V
+from droidmesh.shared.zoo.tasks import ALIAS_OF, make_context
 
 
 @dataclasses.dataclass(frozen=True)

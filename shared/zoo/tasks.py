@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from shared.zoo import vocab as V
+from droidmesh.shared.zoo import vocab as V
 
 NV = len(V.VALUES)
 # The receiver's code: written value i means value (5 i + 3) mod 16, a fixed derangement

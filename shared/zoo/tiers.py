@@ -16,11 +16,11 @@ Both share one shape (the zoo README says why each piece is there):
 
 from __future__ import annotations
 
-from shared.errors import BadRequestError
-from shared.models import Pair
-from shared.zoo.recipe import Derivative, Op, Recipe
-from shared.zoo.suite import SuiteShape
-from shared.zoo.train import Arch, Stage
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.models import Pair
+from droidmesh.shared.zoo.recipe import Derivative, Op, Recipe
+from droidmesh.shared.zoo.suite import SuiteShape
+from droidmesh.shared.zoo.train import Arch, Stage
 
 LOOKUP = (("recall", 0.5), ("ask", 0.3), ("echo", 0.2))
 PAIRS = (

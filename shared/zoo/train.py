@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from shared.zoo import vocab as V
-from shared.zoo.tasks import (
+from droidmesh.shared.zoo import vocab as V
+from droidmesh.shared.zoo.tasks import (
     context_seq,
     echo_seq,
     lookup_block,
@@ -26,7 +26,7 @@ from shared.zoo.tasks import (
     repeat_seq,
     titles_block,
 )
-from shared.zoo.tokenizer import WordIds
+from droidmesh.shared.zoo.tokenizer import WordIds
 
 
 @dataclasses.dataclass(frozen=True)

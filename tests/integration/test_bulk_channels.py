@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import torch
 
-from shared.errors import IntegrityError, TransferError
-from shared.transport.bulk import make_client, make_server
-from shared.transport.tokens import TokenIssuer
-from shared.wire.schemas import PullItem, PullRequest
+from droidmesh.shared.errors import IntegrityError, TransferError
+from droidmesh.shared.transport.bulk import make_client, make_server
+from droidmesh.shared.transport.tokens import TokenIssuer
+from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
 TENSORS = {(l, k): torch.randn(1, 2, 33, 8) for l in range(3) for k in "KV"} | {(1, "E"): torch.randn(1, 33, 16)}
 CHANNELS = ["inproc", "ucx", "nixl"]
@@ -113,7 +113,7 @@ def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypa
     wrong = {(0, "K"): torch.randn(1, 2, 32, 8)}
     with pytest.raises(IntegrityError, match="does not match the expected layout"):
         asyncio.run(_session(transport, issuer, _pull_one(token), lookup=lambda c, l, k: wrong.get((l, k))))
-    module = importlib.import_module(f"shared.transport.{transport}")
+    module = importlib.import_module(f"droidmesh.shared.transport.{transport}")
     real = module.answer
 
     def corrupt(*a):

@@ -9,18 +9,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.cache_broker.config import BrokerConfig
-from services.cache_broker.service import BrokerService
-from services.profiler.config import ProfilerConfig
-from services.profiler.service import ProfilerService
-from services.receiver.config import ReceiverConfig
-from services.receiver.service import ReceiverService
-from services.sender.config import SenderConfig
-from services.sender.service import SenderService
-from shared.bus import InProcessBus
-from shared.config_board import InMemoryConfigBoard
-from shared.errors import BadMessageError
-from shared.wire import schemas, subjects
+from droidmesh.services.cache_broker.config import BrokerConfig
+from droidmesh.services.cache_broker.service import BrokerService
+from droidmesh.services.profiler.config import ProfilerConfig
+from droidmesh.services.profiler.service import ProfilerService
+from droidmesh.services.receiver.config import ReceiverConfig
+from droidmesh.services.receiver.service import ReceiverService
+from droidmesh.services.sender.config import SenderConfig
+from droidmesh.services.sender.service import SenderService
+from droidmesh.shared.bus import InProcessBus
+from droidmesh.shared.config_board import InMemoryConfigBoard
+from droidmesh.shared.errors import BadMessageError
+from droidmesh.shared.wire import schemas, subjects
 
 pytestmark = pytest.mark.fuzz
 

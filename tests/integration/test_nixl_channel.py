@@ -9,11 +9,11 @@ import gc
 import pytest
 import torch
 
-from shared.transport import codecs
-from shared.transport.bulk import make_client, make_server
-from shared.transport.tokens import TokenIssuer
-from shared.wire import schemas
-from shared.wire.schemas import CodecParams, NixlAgentInfo, NixlConnect, NixlGrant, PullItem, PullRequest, TensorHeader
+from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport.bulk import make_client, make_server
+from droidmesh.shared.transport.tokens import TokenIssuer
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import CodecParams, NixlAgentInfo, NixlConnect, NixlGrant, PullItem, PullRequest, TensorHeader
 
 pytest.importorskip("nixl_cu12")
 

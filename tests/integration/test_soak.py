@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from services.sender.config import SenderConfig
-from services.sender.service import SenderService
-from shared.bus import InProcessBus
-from shared.config_board import InMemoryConfigBoard
-from shared.wire import schemas, subjects
+from droidmesh.services.sender.config import SenderConfig
+from droidmesh.services.sender.service import SenderService
+from droidmesh.shared.bus import InProcessBus
+from droidmesh.shared.config_board import InMemoryConfigBoard
+from droidmesh.shared.wire import schemas, subjects
 
 pytestmark = pytest.mark.soak
 

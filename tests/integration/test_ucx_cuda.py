@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.transport import codecs
-from shared.transport.bulk import make_client, make_server
-from shared.wire.schemas import PullItem, PullRequest, TensorHeader
+from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport.bulk import make_client, make_server
+from droidmesh.shared.wire.schemas import PullItem, PullRequest, TensorHeader
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def test_inproc_channel_stages_cuda_tensors_through_host_memory():
 
 def _transfer(tmp_path: Path, tls: str) -> dict:
     out = tmp_path / f"{tls}.json"
-    proc = subprocess.run([sys.executable, "-m", "shared.bench.gpu_transfer", "--sizes", "4096,8388608", "--repeats", "1",
+    proc = subprocess.run([sys.executable, "-m", "droidmesh.shared.bench.gpu_transfer", "--sizes", "4096,8388608", "--repeats", "1",
                            "--json", str(out)], cwd=ROOT, env={**os.environ, "UCX_TLS": tls},
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode in (0, 2), proc.stdout + proc.stderr

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.launch import Proc, start_nats
-from shared.model.adapter import ModelAdapter, load_model
-from shared.zoo import vocab
+from droidmesh.shared.launch import Proc, start_nats
+from droidmesh.shared.model.adapter import ModelAdapter, load_model
+from droidmesh.shared.zoo import vocab
 
 
 def words(n: int, offset: int = 0) -> str:
@@ -61,7 +61,7 @@ def run(coro):
 async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 2000) -> None:
     """Return once the broker's index answers `context` for `model` (events are asynchronous:
     a sender's prefill reply can beat its availability event to the broker)."""
-    from shared.model import text
+    from droidmesh.shared.model import text
 
     ids = text.context_ids(model.tokenizer, context)
     for _ in range(tries):

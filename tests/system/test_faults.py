@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from shared.client import MeshClient
-from shared.kv.partial import generate
-from shared.kv.plan import ReusePlan
-from shared.launch import start_nats, start_service
-from shared.model import text
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.launch import start_nats, start_service
+from droidmesh.shared.model import text
 from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.fault]

@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from shared.client import MeshClient
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import generate
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.launch import start_service
-from shared.model import text
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.launch import start_service
+from droidmesh.shared.model import text
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.client import MeshClient
-from shared.launch import start_service
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.launch import start_service
 from tests.system.conftest import health_port, http_get, until_indexed, words
 
 pytestmark = pytest.mark.system

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.client import MeshClient
-from shared.launch import start_service
-from shared.models import weights_sha256
-from shared.wire import schemas
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.launch import start_service
+from droidmesh.shared.models import weights_sha256
+from droidmesh.shared.wire import schemas
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system

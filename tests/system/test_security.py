@@ -10,11 +10,11 @@ import nats
 import pytest
 import torch
 
-from shared.client import MeshClient
-from shared.errors import TransferError
-from shared.launch import NATS_AUTH_CONF, start_nats, start_service
-from shared.transport.bulk import make_client
-from shared.wire import schemas, subjects
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.errors import TransferError
+from droidmesh.shared.launch import NATS_AUTH_CONF, start_nats, start_service
+from droidmesh.shared.transport.bulk import make_client
+from droidmesh.shared.wire import schemas, subjects
 from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shared.launch import Proc, free_port
+from droidmesh.shared.launch import Proc, free_port
 from tests.system.conftest import health_port, http_get
 
 pytestmark = pytest.mark.system
@@ -17,7 +17,7 @@ def test_sigterm_while_connecting_to_an_unreachable_nats(services):
     """A broker pointed at a port nobody listens on serves /livez 200 and /readyz 503 while it
     retries, and on SIGTERM logs where it was and exits 0 (the wait is a deadline)."""
     url = f"nats://127.0.0.1:{free_port()}"  # free: nothing listens there
-    proc = Proc("broker", [sys.executable, "-m", "services.cache_broker", "--nats-url", url, "--metrics-port", "0"],
+    proc = Proc("broker", [sys.executable, "-m", "droidmesh.services.cache_broker", "--nats-url", url, "--metrics-port", "0"],
                 env={"PYTHONUNBUFFERED": "1"})
     services.append(proc)
     proc.wait_for(lambda l: '"event": "nats_connecting"' in l, 60, "connecting")

@@ -10,8 +10,8 @@ import nats
 import pytest
 import trustme
 
-from shared.client import MeshClient
-from shared.launch import start_nats, start_service
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.launch import start_nats, start_service
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
 

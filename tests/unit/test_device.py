@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.device import (
+from droidmesh.shared.device import (
     DTYPES,
     check_device_name,
     default_dtype_name,
@@ -14,7 +14,7 @@ from shared.device import (
     resolve_dtype,
     same_device,
 )
-from shared.errors import ConfigError
+from droidmesh.shared.errors import ConfigError
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "cuda:0", "cuda:12"])

@@ -9,10 +9,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 
-from shared.bus import InProcessBus
-from shared.errors import ConfigError
-from shared.runtime import ServiceRuntime, Supervisor, run_until_signalled
-from shared.settings import BusSettings
+from droidmesh.shared.bus import InProcessBus
+from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.runtime import ServiceRuntime, Supervisor, run_until_signalled
+from droidmesh.shared.settings import BusSettings
 
 DEADLINE_S = 30.0  # a bound on waits, not a timing expectation
 

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.model.adapter import load_model
-from shared.models import resolve_model, sha256_file
-from shared.zoo import build_tier
+from droidmesh.shared.model.adapter import load_model
+from droidmesh.shared.models import resolve_model, sha256_file
+from droidmesh.shared.zoo import build_tier
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +61,8 @@ def test_cached_build_is_reused_and_a_damaged_one_rebuilt(ci_tier, tmp_path: Pat
 
 def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`zoo list --json` shows the tier's models and pairs; `eval` writes the required JSON keys."""
-    from shared.cli.eval import eval_cmd
-    from shared.cli.zoo import zoo
+    from droidmesh.shared.cli.eval import eval_cmd
+    from droidmesh.shared.cli.zoo import zoo
 
     out, _ = ci_tier
     monkeypatch.setenv("DROIDMESH_ZOO_DIR", str(out.parent))
@@ -87,8 +87,8 @@ def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_eval_cli_on_a_user_jsonl_dataset(ci_tier, tmp_path: Path) -> None:
     """`eval --data` scores any LongBench-style JSONL with local checkpoint paths."""
-    from shared.cli.eval import eval_cmd
-    from shared.tasks.jsonl import write_jsonl
+    from droidmesh.shared.cli.eval import eval_cmd
+    from droidmesh.shared.tasks.jsonl import write_jsonl
 
     out, _ = ci_tier
     data = tmp_path / "d.jsonl"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from shared.cli.main import main as cli
+from droidmesh.shared.cli.main import main as cli
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from shared.bench import runs
+from droidmesh.shared.bench import runs
 
 SEND = """\
 [1.0] [vm:1:0]   | ucp_context_0 inter-node cfg#2 | tagged message by ucp_tag_send* from host memory       |

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from shared.bench import runs, tensor_server, transfer
+from droidmesh.shared.bench import runs, tensor_server, transfer
 
 # Two tag-send tables as UCX_PROTO_INFO=y prints them (log prefix kept); the last one counts.
 PROTO_LINES = """\

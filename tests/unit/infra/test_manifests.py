@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared.metrics import Metrics
+from droidmesh.shared.metrics import Metrics
 
 INFRA = Path(__file__).resolve().parents[3] / "infra"
 SERVICES = ("sender", "receiver", "cache_broker", "profiler")
@@ -49,19 +49,19 @@ def test_compose_file_matches_the_compose_spec():
 
 
 def test_entrypoints_are_the_service_modules():
-    """Each image's ENTRYPOINT and each Deployment's command is `python -m services.<name>`,
+    """Each image's ENTRYPOINT and each Deployment's command is `python -m droidmesh.services.<name>`,
     the same command the system tests run."""
     dockerfile = (INFRA / "docker" / "Dockerfile").read_text()
     targets = dict(re.findall(r"FROM base AS (\w+)\s*\n(?:#.*\n|EXPOSE.*\n)*ENTRYPOINT (\[.*\])", dockerfile))
     assert set(targets) == set(SERVICES)
     for name, entry in targets.items():
-        assert json.loads(entry) == ["python", "-m", f"services.{name}"]
+        assert json.loads(entry) == ["python", "-m", f"droidmesh.services.{name}"]
         assert (Path(__file__).resolve().parents[3] / "services" / name / "__main__.py").is_file()
     deployments = [d for _, d in _k8s_docs() if d["kind"] == "Deployment"]
     assert len(deployments) == len(SERVICES)
     for d in deployments:
         (c,) = d["spec"]["template"]["spec"]["containers"]
-        assert c["command"][:2] == ["python", "-m"] and c["command"][2].removeprefix("services.") in SERVICES
+        assert c["command"][:2] == ["python", "-m"] and c["command"][2].removeprefix("droidmesh.services.") in SERVICES
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/livez"
         assert "requests" in c["resources"]
 

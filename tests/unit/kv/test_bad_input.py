@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from shared.errors import BadRequestError, CacheLayoutError, IncompatibleModelsError, MissingLayerError, ReuseError
-from shared.kv.blocks import KVBlock
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import prefill
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.model.adapter import random_model
+from droidmesh.shared.errors import BadRequestError, CacheLayoutError, IncompatibleModelsError, MissingLayerError, ReuseError
+from droidmesh.shared.kv.blocks import KVBlock
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import prefill
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model.adapter import random_model
 from tests.conftest import FAMILIES
 
 

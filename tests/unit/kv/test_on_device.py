@@ -13,14 +13,14 @@ import dataclasses
 import pytest
 import torch
 
-from shared.errors import CacheLayoutError
-from shared.kv.blend import blend_visibility, token_deviation
-from shared.kv.blocks import KVBlock, check_kv, check_tensor
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import prefill
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.model.adapter import ModelAdapter
+from droidmesh.shared.errors import CacheLayoutError
+from droidmesh.shared.kv.blend import blend_visibility, token_deviation
+from droidmesh.shared.kv.blocks import KVBlock, check_kv, check_tensor
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import prefill
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model.adapter import ModelAdapter
 
 META = torch.device("meta")
 CPU = torch.device("cpu")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import prefill
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import prefill
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
 from tests.conftest import ATOL, perturbed_copy, reference_logits
 
 L = 6
@@ -36,7 +36,7 @@ def test_group_from_layer_zero_uses_the_receivers_own_embeddings(receiver, promp
 
     import torch
 
-    from shared.model.adapter import ModelAdapter
+    from droidmesh.shared.model.adapter import ModelAdapter
 
     ctx, q = prompt
     sender = ModelAdapter(model=copy.deepcopy(receiver.model), tokenizer=None, name="sender")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv import policy
-from shared.kv.plan import ReusePlan
-from shared.wire.schemas import CacheAvailable, Fingerprint, FrontierPoint, LatencyFit, PlanSpec, RecomputeConfig
+from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.wire.schemas import CacheAvailable, Fingerprint, FrontierPoint, LatencyFit, PlanSpec, RecomputeConfig
 
 # 12 layers; 1 ms per 1k tokens per layer of compute, nothing else.
 FIT = LatencyFit(c0=0.0, c_tok=0.0, c_layer_tok=1e-6, c_attn=0.0, kv_bytes_per_token_layer=1000, e_bytes_per_token=2000)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from shared.errors import CheckpointNotFoundError, ConfigError, UnsupportedModelError
-from shared.model.adapter import load_model, random_model
+from droidmesh.shared.errors import CheckpointNotFoundError, ConfigError, UnsupportedModelError
+from droidmesh.shared.model.adapter import load_model, random_model
 from tests.conftest import FAMILIES
 
 

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from shared.errors import IncompatibleModelsError
-from shared.model.adapter import random_model
-from shared.model.fingerprint import ArchFingerprint, fingerprint_of, require_compatible
+from droidmesh.shared.errors import IncompatibleModelsError
+from droidmesh.shared.model.adapter import random_model
+from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of, require_compatible
 from tests.conftest import FAMILIES
 
 

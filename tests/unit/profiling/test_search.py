@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv.plan import ReusePlan
-from shared.models import ModelRef, Pair
-from shared.profiling import search
-from shared.profiling.profile import ProfileSettings, recompute_config, run, split_rows
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.models import ModelRef, Pair
+from droidmesh.shared.profiling import search
+from droidmesh.shared.profiling.profile import ProfileSettings, recompute_config, run, split_rows
 
 L = 8
 CRITICAL = {4, 6}  # reusing either loses quality; layer 5 between them is harmless on its own

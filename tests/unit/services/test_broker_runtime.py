@@ -6,9 +6,9 @@ import asyncio
 import subprocess
 import sys
 
-from services.cache_broker.config import BrokerConfig
-from services.cache_broker.service import BrokerService
-from shared.bus import InProcessBus
+from droidmesh.services.cache_broker.config import BrokerConfig
+from droidmesh.services.cache_broker.service import BrokerService
+from droidmesh.shared.bus import InProcessBus
 from tests.unit.test_runtime import until
 
 
@@ -45,8 +45,8 @@ def test_expiry_loop_that_crashes_is_restarted():
 def test_broker_process_imports_no_torch():
     """Starting the broker's entrypoint (to --help) imports neither torch nor transformers."""
     code = ("import runpy, sys\n"
-            "sys.argv = ['services.cache_broker', '--help']\n"
-            "try:\n    runpy.run_module('services.cache_broker', run_name='__main__')\n"
+            "sys.argv = ['droidmesh.services.cache_broker', '--help']\n"
+            "try:\n    runpy.run_module('droidmesh.services.cache_broker', run_name='__main__')\n"
             "except SystemExit:\n    pass\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.receiver.config import ReceiverConfig
-from shared import settings
-from shared.errors import ConfigError
+from droidmesh.services.receiver.config import ReceiverConfig
+from droidmesh.shared import settings
+from droidmesh.shared.errors import ConfigError
 
 
 @pytest.fixture

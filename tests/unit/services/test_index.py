@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.cache_broker.index import BLOCK, CacheIndex
-from shared.wire import schemas
+from droidmesh.services.cache_broker.index import BLOCK, CacheIndex
+from droidmesh.shared.wire import schemas
 
 FP = schemas.Fingerprint("llama", 2, 8, 2, 2, 4, "{}", "v")
 

@@ -11,24 +11,24 @@ import time
 import pytest
 import torch
 
-from services.cache_broker.config import BrokerConfig
-from services.cache_broker.service import BrokerService
-from services.receiver.config import ReceiverConfig
-from services.receiver.service import ReceiverService
-from services.sender.config import SenderConfig
-from services.sender.service import SenderService
-from shared.bus import InProcessBus
-from shared.config_board import InMemoryConfigBoard
-from shared.kv.capture import capture_prefill
-from shared.kv.partial import generate
-from shared.kv.plan import ReusePlan
-from shared.kv.sources import CapturedSource
-from shared.model import text
-from shared.models import weights_sha256
-from shared.transport import codecs
-from shared.transport.bulk import BulkClient
-from shared.wire import schemas, subjects
-from shared.wire.schemas import CodecParams, TensorHeader
+from droidmesh.services.cache_broker.config import BrokerConfig
+from droidmesh.services.cache_broker.service import BrokerService
+from droidmesh.services.receiver.config import ReceiverConfig
+from droidmesh.services.receiver.service import ReceiverService
+from droidmesh.services.sender.config import SenderConfig
+from droidmesh.services.sender.service import SenderService
+from droidmesh.shared.bus import InProcessBus
+from droidmesh.shared.config_board import InMemoryConfigBoard
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model import text
+from droidmesh.shared.models import weights_sha256
+from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport.bulk import BulkClient
+from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
 CONTEXT = " ".join(["alpha beta gamma delta"] * 12)
 QUESTION = " what is gamma"

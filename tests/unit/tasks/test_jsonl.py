@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.tasks.jsonl import JsonlError, read_jsonl, write_jsonl
+from droidmesh.shared.tasks.jsonl import JsonlError, read_jsonl, write_jsonl
 
 GOOD = {"context": "anna amber .", "input": "ask anna", "answers": ["amber"]}
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.tasks import metrics as M
+from droidmesh.shared.tasks import metrics as M
 
 
 def test_normalize_answer_drops_case_punctuation_articles() -> None:
@@ -97,6 +97,6 @@ def test_answer_nll_builds_its_targets_on_the_logits_device() -> None:
 
 def test_metric_names_are_the_metrics() -> None:
     """The names commands offer (`--metric`) are exactly the metrics `score` knows."""
-    from shared.tasks.spec import METRIC_NAMES
+    from droidmesh.shared.tasks.spec import METRIC_NAMES
 
     assert tuple(M.METRICS) == METRIC_NAMES

@@ -7,13 +7,13 @@ import copy
 import pytest
 import torch
 
-from shared.kv.plan import ReusePlan
-from shared.model.adapter import ModelAdapter, random_model
-from shared.tasks.report import all_groups, evaluate_pair, must_show
-from shared.tasks.scorer import PairScorer, per_layer_plan, score_text
-from shared.tasks.spec import TASKS, task_spec
-from shared.zoo.suite import SuiteShape, make_rows
-from shared.zoo.tokenizer import WordIds, hf_tokenizer
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.model.adapter import ModelAdapter, random_model
+from droidmesh.shared.tasks.report import all_groups, evaluate_pair, must_show
+from droidmesh.shared.tasks.scorer import PairScorer, per_layer_plan, score_text
+from droidmesh.shared.tasks.spec import TASKS, task_spec
+from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+from droidmesh.shared.zoo.tokenizer import WordIds, hf_tokenizer
 
 SHAPE = SuiteShape(facts=(3, 4), docs=(1, 2), filler=(10, 20))
 

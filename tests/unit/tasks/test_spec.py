@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.tasks.rows import answer_text, encode_row
-from shared.tasks.spec import GENERIC, TASKS, known_tasks, shifts_of, task_spec
-from shared.zoo.suite import SuiteShape, make_rows
-from shared.zoo.tokenizer import WordIds
+from droidmesh.shared.tasks.rows import answer_text, encode_row
+from droidmesh.shared.tasks.spec import GENERIC, TASKS, known_tasks, shifts_of, task_spec
+from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+from droidmesh.shared.zoo.tokenizer import WordIds
 
 SMALL = SuiteShape(facts=(3, 6), docs=(2, 3), filler=(20, 40), code_tokens=120)
 

@@ -11,10 +11,10 @@ import structlog
 import torch
 import xxhash
 
-from shared.errors import IntegrityError
-from shared.transport import capabilities, codecs, ucx
-from shared.transport.capabilities import CudaFacts, CudaSupport, decide
-from shared.wire.schemas import PullItem, PullRequest, TensorHeader
+from droidmesh.shared.errors import IntegrityError
+from droidmesh.shared.transport import capabilities, codecs, ucx
+from droidmesh.shared.transport.capabilities import CudaFacts, CudaSupport, decide
+from droidmesh.shared.wire.schemas import PullItem, PullRequest, TensorHeader
 
 SUPPORTED = CudaSupport(True, True, "cuda_copy and cuda_ipc active")
 UNSUPPORTED = CudaSupport(False, False, "UCX has no cuda_copy transport")

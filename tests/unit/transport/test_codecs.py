@@ -8,10 +8,10 @@ import msgspec
 import pytest
 import torch
 
-from shared.errors import IntegrityError
-from shared.transport import codecs, inproc
-from shared.transport.bulk import make_client, make_server
-from shared.wire.schemas import CodecParams, PullItem, PullRequest, TensorHeader
+from droidmesh.shared.errors import IntegrityError
+from droidmesh.shared.transport import codecs, inproc
+from droidmesh.shared.transport.bulk import make_client, make_server
+from droidmesh.shared.wire.schemas import CodecParams, PullItem, PullRequest, TensorHeader
 
 KV = torch.arange(2 * 5 * 4, dtype=torch.float32).reshape(1, 2, 5, 4)  # [1, kvh, T, hd]
 
@@ -119,7 +119,7 @@ def test_checksum_covers_the_payload():
 
 def test_a_stored_tensors_checksum_is_computed_once_and_dropped_with_it(monkeypatch):
     """Raw pulls of the same stored tensor checksum it once; a freed tensor leaves no entry."""
-    from shared.transport import bulk
+    from droidmesh.shared.transport import bulk
 
     calls = []
     real = codecs.checksum

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.errors import UnauthorizedError
-from shared.transport.tokens import TokenIssuer
+from droidmesh.shared.errors import UnauthorizedError
+from droidmesh.shared.transport.tokens import TokenIssuer
 
 
 class Clock:

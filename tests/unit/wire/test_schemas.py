@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.errors import BadMessageError, SchemaVersionError
-from shared.wire import schemas
+from droidmesh.shared.errors import BadMessageError, SchemaVersionError
+from droidmesh.shared.wire import schemas
 
 
 def _req(**kw):

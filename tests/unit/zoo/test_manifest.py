@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from shared.cli.main import main as cli
-from shared.errors import CheckpointNotFoundError
-from shared.models import Pair, resolve_model
-from shared.zoo.manifest import listing, profile_file
+from droidmesh.shared.cli.main import main as cli
+from droidmesh.shared.errors import CheckpointNotFoundError
+from droidmesh.shared.models import Pair, resolve_model
+from droidmesh.shared.zoo.manifest import listing, profile_file
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from shared.zoo import vocab as V
-from shared.zoo.suite import stdlib_files
-from shared.zoo.tokenizer import WordIds, save_tokenizer
+from droidmesh.shared.zoo import vocab as V
+from droidmesh.shared.zoo.suite import stdlib_files
+from droidmesh.shared.zoo.tokenizer import WordIds, save_tokenizer
 
 
 def test_every_zoo_word_is_one_token_and_text_matches_word_ids() -> None:

@@ -7,12 +7,12 @@ import random
 
 import torch
 
-from shared.zoo import vocab as V
-from shared.zoo.build import _resolve_train
-from shared.zoo.recipe import ops_hash, recipe_hash
-from shared.zoo.tiers import get_recipe
-from shared.zoo.tokenizer import WordIds
-from shared.zoo.train import (
+from droidmesh.shared.zoo import vocab as V
+from droidmesh.shared.zoo.build import _resolve_train
+from droidmesh.shared.zoo.recipe import ops_hash, recipe_hash
+from droidmesh.shared.zoo.tiers import get_recipe
+from droidmesh.shared.zoo.tokenizer import WordIds
+from droidmesh.shared.zoo.train import (
     Arch,
     Stage,
     grow,
