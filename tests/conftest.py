@@ -71,14 +71,13 @@ def reference_logits(model: ModelAdapter, ids: list[int]) -> torch.Tensor:
 
 
 def reference_greedy(model: ModelAdapter, ids: list[int], n: int) -> list[int]:
-    """Greedy tokens from the model's own HF forward with its own cache."""
+    """Greedy tokens from the model's own HF forward over the whole sequence each step (no cache:
+    the reference must not share the engine's cache handling)."""
     out: list[int] = []
     with torch.inference_mode():
-        res = model.model(input_ids=torch.tensor([ids], device=model.device), use_cache=True)
         for _ in range(n):
-            tok = int(res.logits[0, -1].argmax())
-            out.append(tok)
-            res = model.model(input_ids=torch.tensor([[tok]], device=model.device), cache=res.cache, use_cache=True)
+            logits = model.model(input_ids=torch.tensor([ids + out], device=model.device), use_cache=False).logits
+            out.append(int(logits[0, -1].argmax()))
     return out
 
 

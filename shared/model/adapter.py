@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -109,14 +110,8 @@ class ModelAdapter:
         cos, sin = self.model.model.rotary_emb(h, positions)  # each [1, T, head_dim]
         mask = self._mask(past, t, h.dtype, h.device)
         for layer in self.model.model.layers[start:end]:
-            h = layer(
-                h,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                position_embeddings=(cos, sin),
-            )
+            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
+                      **hf_cache.layer_kwargs(layer, cache))
         return h
 
     def run_sparse_layer(
@@ -128,9 +123,9 @@ class ModelAdapter:
         cos, sin = self.model.model.rotary_emb(h, positions)  # each [1, n, head_dim]
         impl = self.config._attn_implementation
         mask = allowed if impl == "sdpa" else _additive(allowed, h.dtype)
-        return self.model.model.layers[layer](
-            h, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, position_embeddings=(cos, sin)
-        )
+        block = self.model.model.layers[layer]
+        return block(h, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
+                     **hf_cache.layer_kwargs(block, cache))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """E_L [1, T, D] -> logits [1, T, vocab] (final norm, LM head), in float32."""
@@ -175,8 +170,10 @@ def load_model(
     """Load a local HF checkpoint (config + weights [+ tokenizer]) onto `device`; never touches
     the hub. `dtype` None follows the device (see `shared.device`).
 
-    A directory holding `adapter_config.json` is a PEFT LoRA adapter: its base is loaded and the
-    adapter merged, so the result is an ordinary model with the adapter's weights.
+    A directory holding `adapter_config.json` is a PEFT adapter (LoRA and the other adapter types
+    peft can merge into their base, e.g. DoRA, IA3, LoHa): its base is loaded and the adapter
+    merged, so the result is an ordinary model with the adapter's weights. Prompt-learning
+    adapters (prefix / prompt tuning) add virtual tokens and are refused.
     """
     dev = resolve_device(device)  # first: a missing GPU is a ConfigError before any file is read
     p = Path(path).expanduser()
@@ -200,13 +197,26 @@ def load_model(
 
 
 def _load_lora(p: Path, kw: dict[str, Any]) -> PreTrainedModel:
-    from peft import PeftModel  # imported lazily: only adapter checkpoints need it
+    from peft import PeftConfig, PeftModel  # imported lazily: only adapter checkpoints need it
 
+    peft_cfg = PeftConfig.from_pretrained(str(p), local_files_only=True)
+    kind = getattr(peft_cfg.peft_type, "value", peft_cfg.peft_type)  # PeftType is a str enum
+    if peft_cfg.is_prompt_learning:
+        raise UnsupportedModelError(
+            f"adapter {p}: peft type {kind} adds virtual tokens and cannot be merged into its base; "
+            "use an adapter peft merges (LoRA, DoRA, IA3, LoHa, LoKr, ...)")
     base_path = _lora_base(p)
-    if base_path is None or not (base_path / "config.json").is_file():
-        raise CheckpointNotFoundError(f"LoRA adapter {p}: its base model is not found locally at {base_path}")
+    assert base_path is not None  # adapter_config.json exists
+    model_type = AutoConfig.from_pretrained(base_path, local_files_only=True).model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"{p}: its base {base_path} has model_type {model_type!r}, not one of {SUPPORTED_MODEL_TYPES}")
     model = AutoModelForCausalLM.from_pretrained(base_path, **kw)
-    return PeftModel.from_pretrained(model, p, local_files_only=True).merge_and_unload()
+    with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5; nothing for a user to do
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = PeftModel.from_pretrained(model, p, local_files_only=True)
+        if not hasattr(peft_model, "merge_and_unload"):
+            raise UnsupportedModelError(f"adapter {p}: peft type {kind} cannot be merged into its base")
+        return peft_model.merge_and_unload()
 
 
 def _load_tokenizer(p: Path) -> Any | None:
@@ -217,12 +227,31 @@ def _load_tokenizer(p: Path) -> Any | None:
 
 
 def _lora_base(p: Path) -> Path | None:
-    """The adapter's base checkpoint; a relative path is taken relative to the adapter dir."""
+    """The base checkpoint of the adapter in `p` (None: `p` is no adapter).
+
+    `base_model_name_or_path` is what peft's `save_pretrained` wrote: a local directory,
+    absolute or relative. A relative one is looked up relative to the adapter directory (the
+    zoo writes `../base`), then relative to the working directory (what peft writes when the
+    base was loaded by a relative path). Raises CheckpointNotFoundError (one line) when neither
+    holds a checkpoint: DroidMesh never downloads a hub id."""
     cfg = p / "adapter_config.json"
     if not cfg.is_file():
         return None
-    base = Path(json.loads(cfg.read_text())["base_model_name_or_path"])
-    return base if base.is_absolute() else (p / base).resolve()
+    try:
+        raw = json.loads(cfg.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointNotFoundError(f"adapter {p}: {cfg.name} is not a JSON object ({e})") from None
+    if not raw or not isinstance(raw, str):
+        raise CheckpointNotFoundError(f"adapter {p}: {cfg.name} names no base_model_name_or_path")
+    base = Path(raw).expanduser()
+    candidates = [base] if base.is_absolute() else [(p / base).resolve(), base.resolve()]
+    for c in candidates:
+        if (c / "config.json").is_file():
+            return c
+    looked = " or ".join(str(c) for c in dict.fromkeys(candidates))
+    raise CheckpointNotFoundError(
+        f"adapter {p}: its base {raw!r} is not a local checkpoint (looked in {looked}); DroidMesh never downloads: "
+        f"set base_model_name_or_path in {cfg} to the base model's directory (absolute, or relative to the adapter)")
 
 
 def random_model(

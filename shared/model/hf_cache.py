@@ -7,6 +7,8 @@ context must occupy the same positions in the receiver as it did in the sender.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -44,6 +46,22 @@ def set_layer_kv(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tens
 def seq_length(cache: DynamicCache, layer: int = 0) -> int:
     """Tokens held by `layer` (0 when empty)."""
     return _entry(cache, layer).get_seq_length()
+
+
+def layer_kwargs(layer: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
+    """The keyword that hands `cache` to a decoder layer: `cache` in transformers >= 5.21,
+    `past_key_values` before (5.16-5.20 are what vLLM and SGLang pin). A layer that takes neither
+    would silently run without the cache, so that is refused."""
+    return {_cache_param(type(layer)): cache, "use_cache": True}
+
+
+@functools.cache
+def _cache_param(layer_cls: type) -> str:
+    params = inspect.signature(layer_cls.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise UnsupportedModelError(f"{layer_cls.__name__}.forward takes no cache argument")
 
 
 def _entry(cache: DynamicCache, layer: int) -> DynamicLayer:
