@@ -1,16 +1,21 @@
-"""A client of the mesh: ask a receiver, or have a sender prefill a context (used by the CLI,
-the demo, the benchmarks and the system tests)."""
+"""A client of the mesh: ask a receiver (whole, or streamed chunk by chunk), list the receivers,
+or have a sender prefill a context (used by the CLI, the gateway, the demo, the benchmarks and the
+system tests)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+from droidmesh.shared import discovery
 from droidmesh.shared.bus import Bus, NatsBus
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.wire import schemas, subjects
+
+MAX_BUFFERED_CHUNKS = 4096  # chunks held while an earlier index is missing (bounds a flooded inbox)
 
 
 class MeshError(DroidMeshError):
@@ -49,13 +54,78 @@ class MeshClient:
         except DroidMeshError:
             raise MeshError(schemas.decode(data, schemas.ErrorReply)) from None
 
+    @staticmethod
+    def _generate_request(context: str, question: str, *, max_new_tokens: int, mode: schemas.Mode, timeout: float,
+                          request_id: str | None, ttft_slo_ms: float, sampling: schemas.Sampling | None,
+                          chat: list[schemas.ChatMessage] | None, stream_subject: str = "") -> schemas.GenerateRequest:
+        return schemas.GenerateRequest(
+            request_id=request_id or uuid.uuid4().hex[:12], context=context, question=question,
+            max_new_tokens=max_new_tokens, mode=mode, deadline=time.time() + timeout, ttft_slo_ms=ttft_slo_ms,
+            sampling=sampling if sampling is not None else schemas.Sampling(), chat=chat,
+            stream_subject=stream_subject)
+
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
                   mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,
-                  attempt_s: float | None = None, ttft_slo_ms: float = 0.0) -> schemas.GenerateReply:
-        req = schemas.GenerateRequest(request_id=request_id or uuid.uuid4().hex[:12], context=context,
-                                      question=question, max_new_tokens=max_new_tokens, mode=mode,
-                                      deadline=time.time() + timeout, ttft_slo_ms=ttft_slo_ms)
+                  attempt_s: float | None = None, ttft_slo_ms: float = 0.0, sampling: schemas.Sampling | None = None,
+                  chat: list[schemas.ChatMessage] | None = None) -> schemas.GenerateReply:
+        """One answer. A completions-style prompt is `context=prompt, question=""`; a chat passes
+        `chat` (then context and question are "")."""
+        req = self._generate_request(context, question, max_new_tokens=max_new_tokens, mode=mode, timeout=timeout,
+                                     request_id=request_id, ttft_slo_ms=ttft_slo_ms, sampling=sampling, chat=chat)
         return await self._call(subjects.receiver_generate(receiver), req, schemas.GenerateReply, timeout, attempt_s)
+
+    async def stream(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
+                     mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,
+                     ttft_slo_ms: float = 0.0, sampling: schemas.Sampling | None = None,
+                     chat: list[schemas.ChatMessage] | None = None
+                     ) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]:
+        """`ask`, streamed: the answer's chunks in index order as they arrive, then exactly one
+        GenerateReply (its text is the whole answer: indices skip only where a chunk was lost).
+        An ErrorReply raises MeshError, no reply within `timeout` raises TimeoutError; the inbox is
+        always unsubscribed (close the iterator, e.g. `contextlib.aclosing`, when leaving early).
+
+        Chunks ride a fresh inbox; the reply rides the request's own inbox. The receiver publishes
+        every chunk before its reply over one connection, and NATS keeps one publisher's order, so
+        when the reply is in, every chunk has been delivered into this inbox: draining what is
+        pending then loses none, without waiting."""
+        inbox = await _Inbox.open(self.bus)
+        try:
+            req = self._generate_request(context, question, max_new_tokens=max_new_tokens, mode=mode,
+                                         timeout=timeout, request_id=request_id, ttft_slo_ms=ttft_slo_ms,
+                                         sampling=sampling, chat=chat, stream_subject=inbox.subject)
+            order = _InOrder(req.request_id)
+            call = asyncio.ensure_future(self._call(subjects.receiver_generate(receiver), req, schemas.GenerateReply,
+                                                    timeout))
+            try:
+                while not call.done():
+                    got = asyncio.ensure_future(inbox.get())
+                    await asyncio.wait({got, call}, return_when=asyncio.FIRST_COMPLETED)
+                    if got.done():
+                        for chunk in order.add(got.result()):
+                            yield chunk
+                    else:
+                        got.cancel()
+                        await asyncio.gather(got, return_exceptions=True)
+                reply = call.result()  # raises MeshError / TimeoutError
+                for data in await inbox.drain():
+                    for chunk in order.add(data):
+                        yield chunk
+                for chunk in order.rest():
+                    yield chunk
+                yield reply
+            finally:
+                if not call.done():
+                    call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+        finally:
+            await inbox.close()
+
+    async def receivers(self, window_s: float = 0.5) -> list[discovery.ReceiverModel]:
+        """The receiver models answering discovery within `window_s` (blocks that long)."""
+        nc = getattr(self.bus, "nc", None)
+        if nc is None:
+            raise DroidMeshError("receiver discovery needs a NATS bus")
+        return await discovery.receivers(nc, window_s)
 
     async def sender_generate(self, sender: str, context: str, question: str, *, max_new_tokens: int = 32,
                               timeout: float = 60.0) -> schemas.GenerateReply:
@@ -73,3 +143,82 @@ class MeshClient:
 
     async def close(self) -> None:
         await self.bus.close()
+
+
+class _InOrder:
+    """Chunks of one request in index order: anything that is not a GenerateChunk of this request
+    (peer data on an inbox), or repeats an index, is dropped; later indices wait for the gap."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.next, self.held = request_id, 0, dict[int, schemas.GenerateChunk]()
+
+    def add(self, data: bytes) -> list[schemas.GenerateChunk]:
+        try:
+            chunk = schemas.decode(data, schemas.GenerateChunk)
+        except DroidMeshError:
+            return []
+        if chunk.request_id != self.request_id or chunk.index < self.next or chunk.index in self.held \
+                or len(self.held) >= MAX_BUFFERED_CHUNKS:
+            return []
+        self.held[chunk.index] = chunk
+        ready = []
+        while self.next in self.held:
+            ready.append(self.held.pop(self.next))
+            self.next += 1
+        return ready
+
+    def rest(self) -> list[schemas.GenerateChunk]:
+        """What is still held once the reply is in (a chunk before them was lost), in order."""
+        ready = [self.held[i] for i in sorted(self.held)]
+        self.held.clear()
+        return ready
+
+
+class _Inbox:
+    """A fresh subject to receive one stream on. Over NATS: `nc.new_inbox()` and a subscription
+    without a callback (messages queue in the reader's order, see `MeshClient.stream`). On any
+    other bus (the in-process one, tests): a unique `_INBOX.` subject and the bus's subscribe;
+    draining first lets the bus deliver what it has in flight (`settle`), and the handler, which
+    that bus cannot remove, is left on a subject nobody publishes to again."""
+
+    def __init__(self, subject: str, get: Callable[[], Coroutine[Any, Any, bytes]],
+                 drain: Callable[[], Coroutine[Any, Any, list[bytes]]],
+                 close: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self.subject, self.get, self.drain, self.close = subject, get, drain, close
+
+    @classmethod
+    async def open(cls, bus: Bus) -> _Inbox:
+        nc = getattr(bus, "nc", None)
+        if nc is not None:
+            sub = await nc.subscribe(nc.new_inbox())
+
+            async def get() -> bytes:
+                return (await sub.next_msg(timeout=None)).data
+
+            async def drain() -> list[bytes]:
+                return [(await sub.next_msg(timeout=None)).data for _ in range(sub.pending_msgs)]
+
+            async def close() -> None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # connection closed meanwhile: nothing left to unsubscribe from
+                    pass
+
+            return cls(sub.subject, get, drain, close)
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def deliver(data: bytes) -> None:
+            queue.put_nowait(data)
+
+        async def settle_and_drain() -> list[bytes]:
+            settle = getattr(bus, "settle", None)
+            if settle is not None:
+                await settle()
+            return [queue.get_nowait() for _ in range(queue.qsize())]
+
+        async def nothing() -> None:
+            return None
+
+        subject = schemas.STREAM_PREFIX + uuid.uuid4().hex
+        await bus.subscribe(subject, deliver)
+        return cls(subject, queue.get, settle_and_drain, nothing)

@@ -48,6 +48,14 @@ class Metrics:
         # broker
         self.index_contexts = Gauge("dm_index_contexts", "(sender, context) holders in the broker index", registry=r)
         self.expired_senders = Counter("dm_expired_senders", "Senders dropped for missing heartbeats", registry=r)
+        # gateway
+        self.gateway_requests = Counter("dm_gateway_requests", "Gateway HTTP requests by route and status",
+                                        ["route", "status"], registry=r)
+        self.gateway_seconds = Histogram("dm_gateway_request_seconds", "Gateway request duration (streams: to the last event)",
+                                         ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.gateway_inflight = Gauge("dm_gateway_inflight", "Gateway HTTP requests in flight", registry=r)
+        self.gateway_tokens = Counter("dm_gateway_tokens", "Tokens through the gateway by kind (prompt, completion, reused)",
+                                      ["kind"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -28,6 +28,10 @@ class ReceiverConfig(BusSettings):
     request_timeout_s: float = dataclasses.field(default=60.0, metadata={"help": "default request deadline"})
     max_concurrent_pulls: int = dataclasses.field(default=4, metadata={"help": "bound on pulls in flight"})
     receiver_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: model_id-pid)"})
+    max_new_tokens_limit: int = dataclasses.field(
+        default=1024, metadata={"help": "largest max_new_tokens a request may ask for"})
+    max_prompt_chars: int = dataclasses.field(
+        default=500_000, metadata={"help": "largest prompt a request may send (context + question, or all chat contents), in characters"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,8 +50,9 @@ class ReceiverConfig(BusSettings):
         for name in ("lookup_timeout_s", "reuse_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        if self.max_concurrent_pulls < 1:
-            raise ConfigError("max_concurrent_pulls must be >= 1")
+        for name in ("max_concurrent_pulls", "max_new_tokens_limit", "max_prompt_chars"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
         if not self.model_id:
             object.__setattr__(self, "model_id", p.name)
         if not self.receiver_id:

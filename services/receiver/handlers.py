@@ -9,16 +9,19 @@ from typing import TYPE_CHECKING
 import structlog
 
 from droidmesh.services.receiver.pipeline import reuse_generate
+from droidmesh.shared.answer_stream import AnswerStream
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, ReuseError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.partial import Generation
 from droidmesh.shared.kv.partial import generate as engine_generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Reason
-from droidmesh.shared.model import text
+from droidmesh.shared.model import sampling, text
+from droidmesh.shared.model.sampling import Sampler, make_sampler
 from droidmesh.shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
+    from droidmesh.services.receiver.config import ReceiverConfig
     from droidmesh.services.receiver.state import ReceiverState
 
 log = structlog.get_logger("receiver")
@@ -45,8 +48,11 @@ async def _lookup(s: ReceiverState, prompt: list[int]) -> tuple[schemas.CacheAva
 async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
     """Answer over a shared context: reuse a sender's cache per the pair's plan, else full prefill.
 
+    The request is checked first (`check`); tokens are chosen by its sampling and the
+    answer ends before its first stop string; with a `stream_subject` the answer is also
+    published there as it is decoded (`shared/answer_stream.py`), every chunk before the reply.
     Duplicates (a client's retry, or NATS redelivering after a reconnect) share one answer:
-    the first copy computes it, later copies await the same result."""
+    the first copy computes it (and streams it), later copies await the same result."""
     known = s.replies.get(req.request_id)
     if known is not None:
         log.info("duplicate_request", request_id=req.request_id)
@@ -72,10 +78,23 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
     deadline = req.deadline or time.time() + s.cfg.request_timeout_s
     if time.time() > deadline:
         raise DeadlineExceededError(f"deadline passed {time.time() - deadline:.3f}s before start; dropped")
-    if req.max_new_tokens < 1:
-        raise BadRequestError("max_new_tokens must be >= 1")
-    ctx_ids, q_ids = text.prompt_ids(s.model.tokenizer, req.context, req.question)
-    prompt = ctx_ids + q_ids
+    check(req, s.cfg)
+    prompt = prompt_ids(s.model.tokenizer, req)
+    stream = AnswerStream(s.bus, s.model.tokenizer, req)
+    try:
+        return await _answer(s, req, prompt, stream, deadline, t0)
+    finally:
+        stream.abort()  # a no-op once closed; on a failure it stops publishing
+
+
+def _sampler(s: ReceiverState, req: schemas.GenerateRequest) -> Sampler:
+    """A fresh sampler per attempt: a fallback after a failed reuse replays the same draws."""
+    sp = req.sampling
+    return make_sampler(sp.temperature, sp.top_p, sp.seed, device=s.model.device)
+
+
+async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,
+                  deadline: float, t0: float) -> schemas.GenerateReply:
     stamps: dict[str, float] = {"start": t0}
     holder, miss = None, None
     if req.mode != "full_prefill":
@@ -90,23 +109,30 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
     if plan.mode != "full_prefill" and holder is not None:
         try:
             out = await reuse_generate(s, holder, decision, prompt, req.max_new_tokens,
-                                       timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.time())))
+                                       timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.time())),
+                                       sampler=_sampler(s, req), on_token=stream.on_token)
             gen, bytes_pulled = out.generation, out.bytes_pulled
             stamps.update(out.stamps)
             s.observe_pull(bytes_pulled, out.stamps["pull_done"] - out.stamps["pull_start"])
         except ReuseError as e:
+            if stream.tokens:  # decoding had begun (chunks may be out): a second answer would garble it
+                raise
             path, reason = "fallback", (e.code, f"{e.code}: {e}")
             log.warning("reuse_fallback", request_id=req.request_id, reason=reason[1])
     if gen is None:  # no cache, no config, forced, or a fault: the receiver's own full prefill
+        sampler = _sampler(s, req)
+
         def full_prefill() -> Generation:
             stamps["engine_start"] = time.perf_counter()  # in the worker: queueing is not compute
             return engine_generate(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=req.max_new_tokens,
-                                   eos_token_id=s.eos_token_id)
+                                   eos_token_id=s.eos_token_id, sampler=sampler, on_token=stream.on_token)
 
         stamps["queued"] = time.perf_counter()
         gen = await s.run_torch(full_prefill)
         stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
         plan = ReusePlan.full_prefill()
+    answer = await stream.close()  # every chunk is published before the reply goes out
+    finish: schemas.FinishReason = "stop" if stream.text.stopped else gen.finish_reason
     done = time.perf_counter()
     stages_ms = {k: round((v - t0) * 1e3, 3) for k, v in sorted(stamps.items(), key=lambda kv: kv[1])}
     stages_ms["done"] = round((done - t0) * 1e3, 3)
@@ -116,12 +142,14 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.G
     _record(s, path, shown[0] if shown is not None else "", ttft_ms, stages_ms, bytes_pulled, stamps)
     log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=why,
              prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=bytes_pulled,
-             ttft_ms=round(ttft_ms, 3), stages_ms=stages_ms)
+             new_tokens=len(gen.tokens), finish_reason=finish, chunks=stream.published,
+             chunk_failures=stream.failed, ttft_ms=round(ttft_ms, 3), stages_ms=stages_ms)
     return schemas.GenerateReply(
-        request_id=req.request_id, text=text.decode(s.model.tokenizer, gen.tokens), token_ids=gen.tokens, path=path,
+        request_id=req.request_id, text=answer, token_ids=gen.tokens, path=path,
         fallback_reason=why, plan=plan.label(),
         sender_id=holder.sender_id if holder is not None and path != "full_prefill" else None,
         bytes_pulled=bytes_pulled, ttft_ms=ttft_ms, stages_ms=stages_ms, served_by=s.cfg.receiver_id,
+        prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, finish_reason=finish,
     )
 
 
@@ -158,3 +186,56 @@ async def on_available(s: ReceiverState, ev: schemas.CacheAvailable) -> None:
     """A compatible sender announced a cache: connect ahead so the first pull is warm."""
     if ev.fingerprint_id == s.model.fingerprint.id and ev.transport == s.bulk.transport:
         await s.warm(ev.address)
+
+
+# -- what a request may ask ------------------------------------------------------------------
+# What a generate request may ask of a receiver, checked before any work, and its prompt.
+#
+# `check` raises `BadRequestError` with a one-line message naming the first bad field (the client
+# gets it as an ErrorReply). The limits bound what one request can cost: decode steps
+# (`max_new_tokens_limit`), tokenization (`max_prompt_chars`), stop matching (4 strings of 64
+# characters) and where chunks may go (an inbox subject only: a request can never make a receiver
+# publish onto a mesh subject such as `dm.cache.available`).
+MAX_CHAT_MESSAGES = 64
+MAX_STREAM_SUBJECT = 128
+
+
+def check(req: schemas.GenerateRequest, cfg: ReceiverConfig) -> None:
+    limit = cfg.max_new_tokens_limit
+    if not 1 <= req.max_new_tokens <= limit:
+        raise BadRequestError(f"max_new_tokens must be in [1, {limit}] (max_new_tokens_limit), got {req.max_new_tokens}")
+    sampling.check_sampling(req.sampling.temperature, req.sampling.top_p, req.sampling.seed)
+    text.check_stop(req.sampling.stop)
+    check_stream_subject(req.stream_subject)
+    chars = len(req.context) + len(req.question)
+    if req.chat is not None:
+        if not 1 <= len(req.chat) <= MAX_CHAT_MESSAGES:
+            raise BadRequestError(f"chat must hold 1..{MAX_CHAT_MESSAGES} messages, got {len(req.chat)}")
+        if req.context or req.question:
+            raise BadRequestError("a chat request carries its text in chat; context and question must be empty")
+        chars = sum(len(m.content) for m in req.chat)
+    if chars > cfg.max_prompt_chars:
+        raise BadRequestError(f"prompt of {chars} characters exceeds max_prompt_chars={cfg.max_prompt_chars}")
+
+
+def check_stream_subject(subject: str) -> None:
+    """"" (no streaming) or a concrete inbox subject: `_INBOX.` + tokens, no wildcards or spaces."""
+    if not subject:
+        return
+    if len(subject) > MAX_STREAM_SUBJECT:
+        raise BadRequestError(f"stream_subject longer than {MAX_STREAM_SUBJECT} characters")
+    tokens = subject.split(".")
+    if not subject.startswith(schemas.STREAM_PREFIX) or len(tokens) < 2 or not all(tokens) \
+            or any(c in subject for c in "*> \t\r\n"):
+        raise BadRequestError(f"stream_subject must be an inbox subject starting with {schemas.STREAM_PREFIX!r}, "
+                              f"got {subject[:64]!r}")
+
+
+def prompt_ids(tokenizer: object, req: schemas.GenerateRequest) -> list[int]:
+    """The request's prompt tokens: the chat rendered (`text.chat_prompt_ids`), or context +
+    question (a completions-style prompt is `context=prompt, question=""`: its ids are exactly
+    `context_ids(prompt)`, so a sender's cache of any token prefix of it is found)."""
+    if req.chat is not None:
+        return text.chat_prompt_ids(tokenizer, req.chat)
+    ctx_ids, q_ids = text.prompt_ids(tokenizer, req.context, req.question)
+    return ctx_ids + q_ids

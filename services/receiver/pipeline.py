@@ -15,17 +15,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.policy import Decision
 from droidmesh.shared.model.fingerprint import require_compatible
+from droidmesh.shared.model.sampling import Sampler
 from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, source_for
 from droidmesh.shared.wire import schemas
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.state import ReceiverState
-
 
 
 @dataclasses.dataclass
@@ -37,10 +38,11 @@ class ReuseOutcome:
 
 async def reuse_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
-    timeout_s: float,
+    timeout_s: float, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None,
 ) -> ReuseOutcome:
+    """`sampler` and `on_token` go to the engine's decoding as they are (see `generate_steps`)."""
     model, plan = s.model, decision.plan
-    source = source_for(holder)
+    source = source_for(holder, prompt)  # only the prefix this prompt reuses is pulled
     require_compatible(source.fingerprint, model.fingerprint)
     items = pull_items(plan, model.num_layers)
     stamps: dict[str, float] = {}
@@ -58,7 +60,7 @@ async def reuse_generate(
                 stamps["pull_done"] = time.perf_counter()
 
     steps = generate_steps(model, prompt, plan, source, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, sampler=sampler, on_token=on_token)
     pull_task = asyncio.get_running_loop().create_task(pull())
     try:
         gen = await drive_engine(steps, source, s.run_torch, stamps)

@@ -21,7 +21,9 @@ class SenderConfig(BusSettings):
     transport: str = dataclasses.field(default="ucx", metadata={"help": "bulk channel serving pulls (ucx; inproc: same process, tests)"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
     dtype: str = dataclasses.field(default="", metadata={"help": "weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)"})
-    store_bytes: int = dataclasses.field(default=2 << 30, metadata={"help": "byte budget of the KV/E store"})
+    store_bytes: int = dataclasses.field(default=2 << 30, metadata={"help": "byte budget of the KV/E store (pinned by pulls too)"})
+    pull_bytes: int = dataclasses.field(default=1 << 30, metadata={
+        "help": "byte budget of copies made for pulls in flight (prefix slices, CUDA staging); past it a pull is refused"})
     e_layers: tuple[int, ...] = dataclasses.field(default=(0,), metadata={"help": "layers whose E is kept"})
     heartbeat_s: float = dataclasses.field(default=1.0, metadata={"help": "heartbeat interval"})
     token_ttl_s: float = dataclasses.field(default=300.0, metadata={"help": "lifetime of pull capability tokens"})
@@ -44,6 +46,8 @@ class SenderConfig(BusSettings):
             raise ConfigError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.store_bytes <= 0:
             raise ConfigError("store_bytes must be positive")
+        if self.pull_bytes < 0:
+            raise ConfigError("pull_bytes must be >= 0")
         if self.heartbeat_s <= 0:
             raise ConfigError("heartbeat_s must be positive")
         if self.token_ttl_s < 2 * self.heartbeat_s:

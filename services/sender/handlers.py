@@ -16,6 +16,7 @@ from droidmesh.shared.kv.partial import generate as engine_generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model import text
+from droidmesh.shared.model.sampling import make_sampler
 from droidmesh.shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
@@ -62,28 +63,40 @@ def _check_deadline(deadline: float) -> None:
 
 
 async def generate(s: SenderState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
-    """Answer the sender's own question over a context; the context is captured and announced."""
+    """Answer the sender's own question over a context; the context is captured and announced.
+    Sampling and stop strings apply as on a receiver; chat and streaming are a receiver's."""
     _check_deadline(req.deadline)
     if req.max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
+    if req.chat is not None or req.stream_subject:
+        raise BadRequestError("a sender answers context + question only (chat and streaming go to a receiver)")
+    sp = req.sampling
+    sampler = make_sampler(sp.temperature, sp.top_p, sp.seed, device=s.model.device)  # checks the ranges
+    text.check_stop(sp.stop)
     t0 = time.perf_counter()
     ctx_ids, q_ids = text.prompt_ids(s.model.tokenizer, req.context, req.question)
     if not ctx_ids:
         raise BadRequestError("empty context")
     cid, captured = await _ensure_captured(s, ctx_ids)
     captured_ms = (time.perf_counter() - t0) * 1e3
+    answer = text.TextStream(s.model.tokenizer, sp.stop)
     # The sender's own KV is exact for itself: full reuse of it == full prefill, minus the work.
     gen = await s.run_torch(
         lambda: engine_generate(s.model, ctx_ids + q_ids, ReusePlan.full_reuse(), CapturedSource(captured),
-                                max_new_tokens=req.max_new_tokens, eos_token_id=s.eos_token_id))
+                                max_new_tokens=req.max_new_tokens, eos_token_id=s.eos_token_id, sampler=sampler,
+                                on_token=lambda t: not answer.push(t)[1]))
+    answer.finish()
+    finish: schemas.FinishReason = "stop" if answer.stopped else gen.finish_reason
     total_ms = (time.perf_counter() - t0) * 1e3
     log.info("request", request_id=req.request_id, context_id=cid, tokens=len(ctx_ids) + len(q_ids),
-             capture_ms=round(captured_ms, 2), total_ms=round(total_ms, 2))
+             new_tokens=len(gen.tokens), finish_reason=finish, capture_ms=round(captured_ms, 2),
+             total_ms=round(total_ms, 2))
     return schemas.GenerateReply(
-        request_id=req.request_id, text=text.decode(s.model.tokenizer, gen.tokens), token_ids=gen.tokens,
+        request_id=req.request_id, text=answer.text, token_ids=gen.tokens,
         path="sender_own", fallback_reason=None, plan="own cache", sender_id=s.cfg.sender_id, bytes_pulled=0,
         ttft_ms=captured_ms + gen.ttft_s * 1e3, stages_ms={"capture": captured_ms, "total": total_ms},
-        served_by=s.cfg.sender_id,
+        served_by=s.cfg.sender_id, prompt_tokens=len(ctx_ids) + len(q_ids),
+        reused_tokens=gen.prefill.reused_tokens, finish_reason=finish,
     )
 
 

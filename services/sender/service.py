@@ -45,7 +45,7 @@ class SenderService(ServiceRuntime[SenderConfig]):
         bus = await self.connect()
         s = self.state = SenderState(cfg, bus, model, sha256, self.run_torch, self.metrics)
         self._server = make_server(cfg.transport, s.store.tensor, functools.partial(handlers.authorize, s),
-                                   host=cfg.ucx_host, port=cfg.ucx_port, name=cfg.sender_id)
+                                   host=cfg.ucx_host, port=cfg.ucx_port, name=cfg.sender_id, pin=s.store.hold)
         s.bulk_transport, s.bulk_address = self._server.transport, await self._server.start()
         await bus.serve(subjects.sender_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")

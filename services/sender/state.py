@@ -24,8 +24,8 @@ class SenderState:
         self.cfg, self.bus, self.model, self._torch, self.metrics = cfg, bus, model, run_torch, metrics
         self.model_sha256 = model_sha256
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
-        self.store = CacheStore(cfg.store_bytes)
-        metrics.store_bytes.set_function(lambda: self.store.nbytes)
+        self.store = CacheStore(cfg.store_bytes, cfg.pull_bytes)
+        metrics.store_bytes.set_function(lambda: self.store.resident_bytes)  # pulls' pinned tensors and copies too
         metrics.store_contexts.set_function(lambda: len(self.store.ids()))
         self.bulk_transport: Transport = "ucx"  # set once the bulk server listens
         self.bulk_address = ""

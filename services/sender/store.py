@@ -1,7 +1,16 @@
-"""The sender's byte-bounded LRU store of captured contexts.
+"""The sender's byte-bounded LRU store of captured contexts, and the holds pulls take on it.
 
-Invariant: `nbytes <= budget` after every `put` (a context larger than the budget is refused).
-Touched by the event loop only, so it needs no lock.
+Invariants (touched by the event loop only, so no lock):
+  - `nbytes + orphaned_bytes <= budget` after every `put`: a context a pull holds is never
+    evicted for room (that would free nothing), and one replaced or evicted while held is gone
+    from the index but not from memory, so its bytes keep counting (`orphaned_bytes`) until the
+    last hold on it is released; a put that cannot fit beside them is refused, never exceeding
+    the budget;
+  - `pull_bytes <= pull_budget`: copies made for pulls (a K / V slice, CUDA staging) are charged
+    by the pull before they exist and refunded when it releases; a charge past the budget
+    refuses that pull (the receiver falls back), never grows memory.
+Channels release a hold when the pull's sends complete, fail or time out, so a pull that never
+drains holds memory only until its send deadline.
 """
 
 from __future__ import annotations
@@ -10,33 +19,74 @@ from collections import OrderedDict
 
 import torch
 
-from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.errors import BadRequestError, TransferError
 from droidmesh.shared.kv.blocks import CapturedContext
 
 
 class CacheStore:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, pull_budget_bytes: int | None = None):
         self.budget = budget_bytes
+        self.pull_budget = budget_bytes if pull_budget_bytes is None else pull_budget_bytes
         self._items: OrderedDict[str, CapturedContext] = OrderedDict()
         self.nbytes = 0
         self.evictions = 0
+        self.orphaned_bytes = 0  # evicted contexts still pinned by pulls
+        self.pull_bytes = 0  # per-pull copies in flight
+        self._pins: dict[int, list] = {}  # id(captured) -> [captured, holds, orphaned?]
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the store and its pulls keep in memory."""
+        return self.nbytes + self.orphaned_bytes + self.pull_bytes
 
     def put(self, context_id: str, captured: CapturedContext) -> list[str]:
         """Store `captured` as most recent; return the ids evicted to stay within budget."""
         size = captured.nbytes
         if size > self.budget:
             raise BadRequestError(f"context of {size} bytes exceeds the store budget of {self.budget}")
-        if context_id in self._items:
-            self.nbytes -= self._items.pop(context_id).nbytes
+        # Evicting a context a pull pins frees nothing, so those (and earlier evictions still
+        # pinned) must leave room on their own; only unpinned contexts are evicted, LRU first.
+        pinned = sum(c.nbytes for c in self._items.values() if id(c) in self._pins)
+        if self.orphaned_bytes + pinned + size > self.budget:
+            raise BadRequestError(f"store budget of {self.budget} bytes is held by pulls still in flight "
+                                  f"({self.orphaned_bytes + pinned} bytes); try again")
+        replaced = self._items.pop(context_id, None)
+        if replaced is not None:
+            self._drop(replaced)
         evicted = []
-        while self.nbytes + size > self.budget:
-            old_id, old = self._items.popitem(last=False)
-            self.nbytes -= old.nbytes
-            evicted.append(old_id)
+        for old_id, old in list(self._items.items()):
+            if self.nbytes + self.orphaned_bytes + size <= self.budget:
+                break
+            if id(old) not in self._pins:
+                self._drop(self._items.pop(old_id))
+                evicted.append(old_id)
         self._items[context_id] = captured
         self.nbytes += size
         self.evictions += len(evicted)
         return evicted
+
+    def _drop(self, old: CapturedContext) -> None:
+        self.nbytes -= old.nbytes
+        pin = self._pins.get(id(old))
+        if pin is not None and not pin[2]:
+            pin[2] = True
+            self.orphaned_bytes += old.nbytes
+
+    def hold(self, context_id: str) -> PullHold:
+        """A hold for one pull of `context_id` (pins it if stored); `release` it when the pull ends."""
+        captured = self._items.get(context_id)
+        if captured is not None:
+            pin = self._pins.setdefault(id(captured), [captured, 0, False])
+            pin[1] += 1
+        return PullHold(self, captured)
+
+    def _unpin(self, captured: CapturedContext) -> None:
+        pin = self._pins[id(captured)]
+        pin[1] -= 1
+        if pin[1] == 0:
+            del self._pins[id(captured)]
+            if pin[2]:
+                self.orphaned_bytes -= captured.nbytes
 
     def get(self, context_id: str) -> CapturedContext | None:
         item = self._items.get(context_id)
@@ -61,3 +111,35 @@ class CacheStore:
 
     def items(self) -> list[tuple[str, CapturedContext]]:
         return list(self._items.items())
+
+
+class PullHold:
+    """One pull's hold (`bulk.PullHold`): pins the context it pulls and counts its copies."""
+
+    def __init__(self, store: CacheStore, captured: CapturedContext | None):
+        self._store, self._captured = store, captured
+        self._charged = 0
+        self._released = False
+
+    def charge(self, nbytes: int) -> None:
+        store = self._store
+        if self._released:
+            raise TransferError("pull already released")
+        if store.pull_bytes + nbytes > store.pull_budget:
+            raise TransferError(f"sender busy: {store.pull_bytes} bytes of pull copies in flight, "
+                                f"{nbytes} more would pass the pull budget of {store.pull_budget}")
+        store.pull_bytes += nbytes
+        self._charged += nbytes
+
+    def refund(self, nbytes: int) -> None:
+        nbytes = min(nbytes, self._charged)
+        self._charged -= nbytes
+        self._store.pull_bytes -= nbytes
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.refund(self._charged)
+        if self._captured is not None:
+            self._store._unpin(self._captured)

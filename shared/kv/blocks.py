@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from droidmesh.shared.device import same_device
-from droidmesh.shared.errors import BadRequestError, CacheLayoutError
+from droidmesh.shared.errors import BadRequestError, CacheLayoutError, IntegrityError
 from droidmesh.shared.hashing import common_prefix
 from droidmesh.shared.model.fingerprint import ArchFingerprint
 
@@ -77,13 +77,37 @@ def check_kv(
 
 def check_tensor(what: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     """Raise `CacheLayoutError` unless `t` has `shape` and `dtype` and lives on `device` (a
-    delivered tensor is used as is: the engine never copies it across devices)."""
+    delivered tensor is used as is: the engine never copies it across devices), and
+    `IntegrityError` unless its values are in range (`check_values`)."""
     if tuple(t.shape) != tuple(shape):
         raise CacheLayoutError(f"{what}: shape {tuple(t.shape)}, expected {tuple(shape)}")
     if t.dtype != dtype:
         raise CacheLayoutError(f"{what}: dtype {t.dtype}, expected {dtype}")
     if not same_device(t.device, device):
         raise CacheLayoutError(f"{what}: device {t.device}, expected {device}")
+    check_values(what, t)
+
+
+# Largest |value| accepted in a K, V or E tensor of a float dtype: min(MAX_ABS, finfo(dtype).max).
+# Real models' keys, values and hidden states stay orders of magnitude below 2**20 (even the
+# "massive activations" of large LLMs are ~1e4), so anything beyond it is garbage that a valid
+# checksum cannot vouch for; for float16 the dtype's own maximum (65504) is the tighter bound, so
+# there the rule is "finite". A NaN or an inf fails it too: the comparison below is False for NaN.
+MAX_ABS = float(2**20)
+
+
+def value_bound(dtype: torch.dtype) -> float:
+    return min(MAX_ABS, torch.finfo(dtype).max) if dtype.is_floating_point else float("inf")
+
+
+def check_values(what: str, t: torch.Tensor) -> None:
+    """Raise `IntegrityError` if `t` holds a NaN, an inf or a value beyond `value_bound`. One fused
+    reduction (the inf-norm: max |x|, NaN-propagating) and one device-to-host read per tensor."""
+    if not t.dtype.is_floating_point or t.numel() == 0 or t.device.type == "meta":  # meta: shapes only, no values
+        return
+    peak = float(torch.linalg.vector_norm(t, ord=float("inf")))  # NaN if any NaN, inf if any inf
+    if not peak <= value_bound(t.dtype):
+        raise IntegrityError(f"{what}: values out of range (max |x| = {peak}, bound {value_bound(t.dtype):g})")
 
 
 def reusable_prefix(cached: tuple[int, ...] | list[int], prompt: list[int]) -> int:

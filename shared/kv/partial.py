@@ -10,7 +10,10 @@ token prefix, leaving >= 1 token to compute):
      the listed layers with the sender's KV.)
   2. the suffix P[m:] runs through all receiver layers at positions m.. ; before layer l it waits
      for layer l's KV only (reused layers: the sender's, checked and sliced to m tokens).
-  3. greedy decoding continues from the suffix's last logits on the assembled cache.
+  3. decoding continues from the suffix's last logits on the assembled cache: each token is
+     chosen by the request's sampler (`shared/model/sampling.py`; greedy argmax by default) and
+     handed to `on_token` (streaming, stop sequences) on the compute thread; decoding ends at
+     EOS or when `on_token` says stop (finish_reason "stop"), or at max_new_tokens ("length").
 Step 1 needs no reused KV at all, so a transport that delivers E first overlaps the recompute
 with the KV transfer. Each function has a steps form (`prefill_steps`, `generate_steps`) that
 yields a `Need` before every source read, so a service can wait for arriving layers off its
@@ -37,6 +40,8 @@ from droidmesh.shared.kv.sources import LayerSource, Need, Steps, run_steps
 from droidmesh.shared.model import hf_cache
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.fingerprint import require_compatible
+from droidmesh.shared.model.sampling import Sampler, greedy
+from droidmesh.shared.wire.schemas import FinishReason
 
 DEFAULT_TIMEOUT_S = 30.0
 P = ParamSpec("P")
@@ -55,10 +60,11 @@ class PrefillResult:
 
 @dataclasses.dataclass
 class Generation:
-    tokens: list[int]
+    tokens: list[int]  # every chosen token, the one that stopped decoding (EOS, a stop) included
     prefill: PrefillResult
     ttft_s: float  # call start -> first token chosen
     total_s: float
+    finish_reason: FinishReason = "length"  # "stop": EOS or on_token stopped; "length": max_new_tokens
 
 
 def prefill_steps(
@@ -159,21 +165,31 @@ def generate_steps(
     max_new_tokens: int = 32,
     eos_token_id: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    sampler: Sampler | None = None,
+    on_token: Callable[[int], bool] | None = None,
 ) -> Steps[Generation]:
-    """`generate` as steps (only the prefill reads the source; decoding is one step)."""
+    """`generate` as steps (only the prefill reads the source; decoding is one step).
+
+    `sampler` picks each token from its logits [vocab] (None: greedy argmax); `on_token` is
+    called with every chosen token, in order, on this (the compute) thread, and returning False
+    ends decoding after that token. Both run before the next decode step starts."""
     if max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
+    choose = sampler or greedy
     t0 = time.perf_counter()
     pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s)
-    token = int(pre.logits[-1].argmax())
+    token = choose(pre.logits[-1])  # [vocab] float32 -> id
     ttft = time.perf_counter() - t0
     tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers
-    while len(tokens) < max_new_tokens and token != eos_token_id:
+    go = on_token is None or on_token(token)
+    while go and len(tokens) < max_new_tokens and token != eos_token_id:
         h = receiver.run_layers(receiver.embed(receiver.token_tensor([token])), 0, L, pre.cache, past=past)  # [1, 1, D]
-        token = int(receiver.logits(h)[0, -1].argmax())
+        token = choose(receiver.logits(h)[0, -1])  # [1, 1, vocab] -> [vocab]
         tokens.append(token)
         past += 1
-    return Generation(tokens=tokens, prefill=pre, ttft_s=ttft, total_s=time.perf_counter() - t0)
+        go = on_token is None or on_token(token)
+    finish: FinishReason = "stop" if not go or token == eos_token_id else "length"
+    return Generation(tokens=tokens, prefill=pre, ttft_s=ttft, total_s=time.perf_counter() - t0, finish_reason=finish)
 
 
 def _in_place(steps_fn: Callable[P, Steps[T]]) -> Callable[P, T]:
@@ -190,4 +206,5 @@ def _in_place(steps_fn: Callable[P, Steps[T]]) -> Callable[P, T]:
 prefill = _in_place(prefill_steps)
 """Prefill `prompt_ids` on `receiver` following `plan`, reusing `source`'s cached prefix."""
 generate = _in_place(generate_steps)
-"""Prefill per `plan`, then greedy-decode up to `max_new_tokens` (stopping at EOS)."""
+"""Prefill per `plan`, then decode up to `max_new_tokens` (greedy unless a `sampler` is given;
+stopping at EOS or when `on_token` returns False)."""

@@ -14,7 +14,10 @@ reused KV streams):
     ttft(k) = max(recompute(T, k), transfer(T, k))
     recompute = the pair's fitted latency model at k layers; transfer = (E's + reused KV) / bandwidth
 Among points whose quality meets the target (>= (1 - tolerance) x full prefill) and whose E
-the holder keeps:
+the holder keeps (a context prefilled before its pair's config arrived may keep none of them:
+then each group of those points is extended down to the nearest layer whose E the holder keeps,
+layer 0 needing none; recomputing more of the receiver's own layers below a group only brings
+its KV closer to the receiver's own prefill, so quality holds and the cost is the extra layers):
   - requests queued (or no SLO): the lowest estimated TTFT (with unlimited bandwidth, the fewest
     recomputed layers: the paper's rule);
   - nothing queued: the most recomputation whose estimate still meets the request's SLO (quality
@@ -84,8 +87,6 @@ def decide(mode: Mode, holder: CacheAvailable | None, miss: Reason | None, cfg: 
     if cfg is not None:
         p = select_point(cfg, queued=online.queued, tokens=online.tokens, slo_s=online.slo_s,
                          bandwidth_bps=online.bandwidth_bps, e_layers=set(holder.e_layers))
-        if p is None:
-            return _prefill(("no_e", f"sender holds E for none of the profiled groups {holder.e_layers}"))
         return _reuse(plan_of(p.plan), p.plan)
     if receiver.default_group:
         s, e = receiver.default_group
@@ -149,20 +150,36 @@ def estimated_ttft(cfg: RecomputeConfig, p: FrontierPoint, tokens: int, bandwidt
 
 
 def eligible(cfg: RecomputeConfig, e_layers: set[int] | None = None) -> list[FrontierPoint]:
-    """Frontier points meeting the quality target whose E the holder keeps (None: any)."""
+    """Frontier points meeting the quality target whose E the holder keeps (None: any); when it
+    keeps none of them, those points with their groups extended down to E it keeps (never empty)."""
     target = (1.0 - cfg.tolerance) * cfg.full_prefill_quality
     pts = [p for p in cfg.frontier or [cfg.chosen] if p.quality >= target] or [cfg.chosen]
-    if e_layers is not None:
-        pts = [p for p in pts if all(s == 0 or s in e_layers for s, _ in p.plan.groups)]
-    return pts
+    if e_layers is None:
+        return pts
+    kept = [p for p in pts if all(s == 0 or s in e_layers for s, _ in p.plan.groups)]
+    return kept or [extended(p, e_layers) for p in pts]
+
+
+def extended(p: FrontierPoint, e_layers: set[int]) -> FrontierPoint:
+    """`p` with each group [s, e) starting at s' = the nearest layer <= s that is 0 or in
+    `e_layers`; groups that come to overlap merge. Quality is the profiled point's (a lower bound,
+    see the module docstring)."""
+    groups: list[tuple[int, int]] = []
+    for s, e in p.plan.groups:  # ascending, disjoint
+        start = max([l for l in e_layers if 0 <= l <= s], default=0)
+        if groups and start <= groups[-1][1]:
+            groups[-1] = (groups[-1][0], max(e, groups[-1][1]))
+        else:
+            groups.append((start, e))
+    plan = PlanSpec(groups=groups, codec=p.plan.codec, codec_params=dict(p.plan.codec_params),
+                    patch_layers=list(p.plan.patch_layers))
+    return FrontierPoint(plan=plan, recomputed_layers=sum(e - s for s, e in groups), quality=p.quality)
 
 
 def select_point(cfg: RecomputeConfig, *, queued: int, tokens: int, slo_s: float | None = None,
-                 bandwidth_bps: float | None = None, e_layers: set[int] | None = None) -> FrontierPoint | None:
-    """The frontier point for one request; None when the holder keeps E for no eligible point."""
+                 bandwidth_bps: float | None = None, e_layers: set[int] | None = None) -> FrontierPoint:
+    """The frontier point for one request (see the module docstring)."""
     pts = eligible(cfg, e_layers)
-    if not pts:
-        return None
     ttft = [estimated_ttft(cfg, p, tokens, bandwidth_bps) for p in pts]
     fastest = min(range(len(pts)), key=lambda i: (ttft[i], pts[i].recomputed_layers))
     if queued > 0 or slo_s is None:

@@ -7,7 +7,6 @@ context must occupy the same positions in the receiver as it did in the sender.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
@@ -52,16 +51,18 @@ def layer_kwargs(layer: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
     """The keyword that hands `cache` to a decoder layer: `cache` in transformers >= 5.21,
     `past_key_values` before (5.16-5.20 are what vLLM and SGLang pin). A layer that takes neither
     would silently run without the cache, so that is refused."""
-    return {_cache_param(type(layer)): cache, "use_cache": True}
+    cls = type(layer)
+    name = _CACHE_PARAM.get(cls)
+    if name is None:
+        params = inspect.signature(cls.forward).parameters
+        name = next((n for n in ("cache", "past_key_values") if n in params), None)
+        if name is None:
+            raise UnsupportedModelError(f"{cls.__name__}.forward takes no cache argument")
+        _CACHE_PARAM[cls] = name
+    return {name: cache, "use_cache": True}
 
 
-@functools.cache
-def _cache_param(layer_cls: type) -> str:
-    params = inspect.signature(layer_cls.forward).parameters
-    for name in ("cache", "past_key_values"):
-        if name in params:
-            return name
-    raise UnsupportedModelError(f"{layer_cls.__name__}.forward takes no cache argument")
+_CACHE_PARAM: dict[type, str] = {}  # decoder layer class -> its cache keyword
 
 
 def _entry(cache: DynamicCache, layer: int) -> DynamicLayer:

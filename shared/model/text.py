@@ -4,11 +4,18 @@ The shared context is tokenized on its own, after the start token (BOS, or EOS f
 without one), and the question on its own without special tokens, then concatenated: so the
 context's ids are a prefix of every prompt over it, whatever the question, which is what makes
 a sender's cache reusable. The zoo's task suite encodes rows by the same rule.
+
+A chat is rendered by the tokenizer's chat template, or, without one, by a plain rendering that
+keeps the same prefix property for its first message (`chat_prompt_ids`). Answers are decoded
+incrementally, ending before any stop sequence (`TextStream`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from droidmesh.shared.errors import BadRequestError
 
 
 def start_token(tokenizer: Any) -> list[int]:
@@ -33,3 +40,126 @@ def prompt_ids(tokenizer: Any, context: str, question: str) -> tuple[list[int], 
 
 def decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# -- chat ------------------------------------------------------------------------------------
+class ChatTurn(Protocol):
+    """One chat message (`schemas.ChatMessage` is one); read-only here."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def content(self) -> str: ...
+
+
+ASSISTANT_CUE = "\nassistant:"  # the plain rendering's generation prompt
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatTurn]) -> list[int]:
+    """A conversation -> the prompt's token ids, ending where the assistant's answer starts.
+
+    With a chat template (the tokenizer's `chat_template`, as saved in `tokenizer_config.json`):
+    the template renders it with `add_generation_prompt=True` (transformers 5's
+    `apply_chat_template`, tokenized, `return_dict=False` -> list[int]). Reuse then finds whatever
+    prefix a sender cached of that rendering.
+
+    Without one (the zoo's tokenizer has none), the plain rendering: the FIRST message's content
+    is the shared document, tokenized exactly as `context_ids` does (its role is not rendered),
+    and the rest is one question-style text (`question_ids`) of lines `\\n{role}: {content}`
+    followed by `\\nassistant:`. So `context_ids(doc)` is an exact token prefix of every chat
+    whose first message is `doc`: a document prefilled on a sender is reused by the chat."""
+    if not messages:
+        raise BadRequestError("chat needs at least one message")
+    if has_chat_template(tokenizer):
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return [int(t) for t in ids]
+    rest = "".join(f"\n{m.role}: {m.content}" for m in messages[1:]) + ASSISTANT_CUE
+    return context_ids(tokenizer, messages[0].content) + question_ids(tokenizer, rest)
+
+
+# -- streaming detokenization with stop sequences ---------------------------------------------
+REPLACEMENT = "\ufffd"  # what a decoder writes for a UTF-8 sequence cut short by a token boundary
+MAX_STOPS = 4
+MAX_STOP_CHARS = 64
+
+
+def check_stop(stop: Sequence[str]) -> None:
+    """Stop strings a request may ask for: at most MAX_STOPS, each 1..MAX_STOP_CHARS characters."""
+    if len(stop) > MAX_STOPS:
+        raise BadRequestError(f"at most {MAX_STOPS} stop strings, got {len(stop)}")
+    for s in stop:
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise BadRequestError(f"a stop string must be 1..{MAX_STOP_CHARS} characters, got {len(s)}")
+
+
+class TextStream:
+    """Token ids in, text deltas out, ending before the first stop sequence.
+
+    Each `push` decodes the whole id list and emits what is new since the last delta, except a
+    tail that is held back: trailing U+FFFD (half of a multi-byte character; the next token may
+    complete it) and the longest tail that is the start of some stop string (it may yet become
+    one). Invariant: everything emitted is a prefix of the final text, and the final text (`text`)
+    ends right before the first occurrence of any stop string (or is the whole decoding). After a
+    stop `push` emits nothing more; `finish` flushes the held-back tail when decoding ended
+    otherwise (EOS, max_new_tokens)."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]  # an empty stop string would match at once: ignored
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text emitted so far
+        self.stopped = False
+        self.text = ""  # the final text once stopped or finished; the emitted part until then
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """(new text to emit, whether a stop sequence has now occurred)."""
+        if self.stopped:
+            return "", True
+        self.ids.append(int(token_id))
+        full = decode(self.tokenizer, self.ids)
+        if self._cut(full):
+            return self._emit(self.text), True
+        stable = full.rstrip(REPLACEMENT)
+        return self._emit(stable[: len(stable) - self._held(stable)]), False
+
+    def finish(self) -> str:
+        """The rest of the text once decoding is over (nothing after a stop)."""
+        if self.stopped:
+            return ""
+        full = decode(self.tokenizer, self.ids)
+        if not self._cut(full):
+            self.text = full
+        return self._emit(self.text)
+
+    def _cut(self, full: str) -> bool:
+        """If a stop string occurs in `full`: stop, keep the text before the first one."""
+        hits = [i for i in (full.find(s) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.stopped, self.text = True, full[: min(hits)]
+        return True
+
+    def _held(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def _emit(self, upto: str) -> str:
+        """The part of `upto` past what was already emitted (a decoder that rewrote earlier text,
+        which byte-level decoders never do, only loses the rewritten part of the stream)."""
+        delta = upto[self.sent :] if len(upto) > self.sent else ""
+        self.sent = max(self.sent, len(upto))
+        if not self.stopped:
+            self.text = upto if len(upto) >= len(self.text) else self.text
+        return delta

@@ -131,12 +131,14 @@ class PairScorer:
             self._captured[i] = self._capture(i)
         return self._captured[i]
 
+    @torch.inference_mode()  # decoding and teacher forcing too, not only the engine's prefill
     def _score(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None) -> float:
         row = self.rows[i]
         pre = prefill(model, row.prompt, plan, _source(plan, capture))
         tokens = _greedy(model, pre.cache, int(pre.logits[-1].argmax()), len(row.prompt), self.spec.max_new_tokens)
         return metrics.score(self.spec.metric, decode_answer(model.tokenizer, tokens, self.spec), row.answers)
 
+    @torch.inference_mode()
     def _path(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None) -> PathResult:
         """Prefill per `plan`, then (a) teacher-force the gold answer for its NLL and fidelity
         logits, (b) greedy-decode on a copy of the cache for the task score."""

@@ -20,6 +20,20 @@ Every channel runs the same protocol, so its checks live here, once:
      that the codec is registered here and that the payload is no larger than that codec's
      bound for the buffer, all before receiving a byte; then, per landed payload, verifies the
      checksum and decodes into the buffer.
+
+Peers are not trusted, so neither side allocates from what the other declares:
+  - server: a request frame is at most `MAX_REQUEST_BYTES` (checked on the declared length,
+    before a buffer exists); `check_request` bounds every count and string before anything is
+    looked up; the token is checked before the store is touched; `tokens` (how many leading
+    tokens the receiver wants) must fit the stored tensors, which are sliced to it
+    ([.., :tokens, ..]: token axis 1 of E, 2 of K / V) so only what the receiver uses travels.
+    The payloads a pull pins are held against the store (`Pin`): tensors evicted while a pull
+    still sends them keep counting against its byte budget, and copies an encoding makes
+    (a slice of K / V, pinned staging of CUDA tensors) against its pull budget, until the
+    channel releases the hold (sent, failed, or timed out: every send has a deadline);
+  - client: buffers are the caller's, sized from its own prompt and model (`pull.py`); a
+    header must match them exactly, and staging is allocated only within the codec's bound
+    for that buffer (`landings`).
 """
 
 from __future__ import annotations
@@ -28,13 +42,13 @@ import asyncio
 import dataclasses
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import structlog
 import torch
 
 from droidmesh.shared.device import dtype_name
-from droidmesh.shared.errors import DroidMeshError, IntegrityError, TransferError
+from droidmesh.shared.errors import BadMessageError, DroidMeshError, IntegrityError, TransferError
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
 
@@ -46,6 +60,32 @@ TensorLookup = Callable[[str, int, str], "torch.Tensor | None"]
 Authorize = Callable[[PullRequest], None]
 # Called on the client's event loop as each item lands, in request order.
 OnItem = Callable[[PullItem, torch.Tensor], None]
+
+
+class PullHold(Protocol):
+    """One pull's hold on a context's stored tensors (the sender's store implements it)."""
+
+    def charge(self, nbytes: int) -> None:
+        """Count `nbytes` of per-pull copies; raise `TransferError` past the pull budget."""
+
+    def refund(self, nbytes: int) -> None: ...
+
+    def release(self) -> None:
+        """The pull is over (idempotent): its copies and pinned tensors stop counting."""
+
+
+# context_id -> a hold for one pull, taken only after the pull is authorized.
+Pin = Callable[[str], PullHold]
+
+# Limits checked before a request is acted on. A frame's declared length is checked before it is
+# read; the counts bound what one request can make the server do (items are distinct, so a real
+# request has at most 3 per layer: K, V and E).
+MAX_REQUEST_BYTES = 64 << 10  # a 1,024-layer model's full request is ~40 KiB
+MAX_LAYERS = 1024
+MAX_ITEMS = 3 * MAX_LAYERS
+MAX_TOKENS = 1 << 22  # context tokens: above any model's positions
+MAX_STR = 256  # context id, token, codec name, codec param keys and string values
+MAX_CODEC_PARAMS = 16
 
 
 class BulkServer(Protocol):
@@ -71,20 +111,21 @@ TRANSPORTS: tuple[Transport, ...] = ("ucx", "inproc", "nixl")
 
 
 def make_server(transport: str, lookup: TensorLookup, authorize: Authorize | None, *, host: str = "127.0.0.1",
-                port: int = 0, name: str = "") -> BulkServer:
-    """The sender's server for `transport` (ucx listens on host:port; inproc registers `name`)."""
+                port: int = 0, name: str = "", pin: Pin | None = None) -> BulkServer:
+    """The sender's server for `transport` (ucx listens on host:port; inproc registers `name`);
+    `pin` holds what each pull sends against the store's budgets (None: nothing is counted)."""
     if transport == "ucx":
         from droidmesh.shared.transport.ucx import UcxBulkServer
 
-        return UcxBulkServer(lookup, authorize, host=host, port=port)
+        return UcxBulkServer(lookup, authorize, host=host, port=port, pin=pin)
     if transport == "nixl":
         from droidmesh.shared.transport.nixl import NixlBulkServer
 
-        return NixlBulkServer(lookup, authorize, host=host, port=port)
+        return NixlBulkServer(lookup, authorize, host=host, port=port, pin=pin)
     if transport == "inproc":
         from droidmesh.shared.transport.inproc import InProcessBulkServer
 
-        return InProcessBulkServer(lookup, authorize, name=name)
+        return InProcessBulkServer(lookup, authorize, name=name, pin=pin)
     raise TransferError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
 
 
@@ -105,32 +146,96 @@ def make_client(transport: str) -> BulkClient:
 
 
 # -- server side ------------------------------------------------------------------------------
-def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None
-           ) -> tuple[PullResponse, list[torch.Tensor]]:
+def check_request(request: PullRequest) -> None:
+    """Raise `BadMessageError` for a request no well-behaved receiver sends: too many or repeated
+    items, a layer or token count out of range, oversize strings or codec params."""
+    if len(request.items) > MAX_ITEMS:
+        raise BadMessageError(f"{len(request.items)} items; at most {MAX_ITEMS}")
+    if len({(it.layer, it.kind) for it in request.items}) != len(request.items):
+        raise BadMessageError("repeated items")
+    if any(not 0 <= it.layer < MAX_LAYERS for it in request.items):
+        raise BadMessageError(f"a layer outside [0, {MAX_LAYERS})")
+    if not 0 <= request.tokens <= MAX_TOKENS:
+        raise BadMessageError(f"tokens {request.tokens} outside [0, {MAX_TOKENS}]")
+    params = request.codec_params
+    strings = [request.context_id, request.token, request.codec, *params, *(v for v in params.values() if isinstance(v, str))]
+    if len(params) > MAX_CODEC_PARAMS or any(len(x) > MAX_STR for x in strings):
+        raise BadMessageError(f"oversize request strings or codec params (at most {MAX_STR} chars, {MAX_CODEC_PARAMS} params)")
+
+
+class Served(NamedTuple):
+    """What a server sends for one request, and the hold it releases once the sends are over
+    (completed, failed or timed out)."""
+
+    response: PullResponse
+    payloads: list[torch.Tensor]
+    release: Callable[[], None]
+
+
+class _NoHold:
+    def charge(self, nbytes: int) -> None: ...
+
+    def refund(self, nbytes: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
+def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None = None) -> Served:
     """The response to `request` and the payloads to send after it, in item order. A refusal
-    (unauthorized, unknown item) is a response with `error` and no payloads."""
+    (malformed, unauthorized, unknown item, more tokens than stored, over the pull budget) is a
+    response with `error` and no payloads. Order: bounds, token, lookups, hold, encode."""
+    hold: PullHold = _NoHold()
     try:
+        check_request(request)
         if authorize is not None:
             authorize(request)
-        tensors = []
+        stored, tensors = [], []
         for item in request.items:
             t = lookup(request.context_id, item.layer, item.kind)
             if t is None:
                 raise TransferError(f"sender does not hold {request.context_id} layer {item.layer} {item.kind}")
-            tensors.append(t)
+            stored.append(t)
+            tensors.append(_prefix(t, item, request.tokens))
+        hold = pin(request.context_id) if pin is not None else hold
+        codec = _server_codec(request.codec)
+        headers, payloads = [], []
+        for item, t, whole in zip(request.items, tensors, stored, strict=True):
+            bound = codec.max_nbytes(tuple(t.shape), t.dtype, request.codec_params)
+            hold.charge(bound)  # before encoding: a copy is counted before it exists
+            payload, params = codec.encode(t, request.codec_params)
+            if _shares_memory(payload, t):
+                hold.refund(bound)  # the stored tensor's own bytes: pinned, not copied
+            headers.append(TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind,
+                                        shape=list(t.shape), dtype=dtype_name(t.dtype), codec=codec.name,
+                                        codec_params=params, nbytes=payload.numel(),
+                                        checksum=_payload_checksum(t, payload, cache=t is whole)))
+            payloads.append(payload)
     except DroidMeshError as e:
-        log.warning("pull_refused", code=e.code, error=str(e))
-        return PullResponse(headers=[], error=f"{e.code}: {e}"), []
-    codec = _server_codec(request.codec)
-    headers, payloads = [], []
-    for item, t in zip(request.items, tensors, strict=True):
-        payload, params = codec.encode(t, request.codec_params)
-        headers.append(TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind,
-                                    shape=list(t.shape), dtype=dtype_name(t.dtype), codec=codec.name,
-                                    codec_params=params, nbytes=payload.numel(),
-                                    checksum=_payload_checksum(t, payload)))
-        payloads.append(payload)
-    return PullResponse(headers=headers), payloads
+        hold.release()
+        log.warning("pull_refused", code=e.code, error=str(e)[:200])
+        return Served(PullResponse(headers=[], error=f"{e.code}: {str(e)[:500]}"), [], _NoHold().release)
+    except BaseException:
+        hold.release()
+        raise
+    return Served(PullResponse(headers=headers), payloads, hold.release)
+
+
+def _prefix(t: torch.Tensor, item: PullItem, tokens: int) -> torch.Tensor:
+    """`t` cut to its first `tokens` tokens (0: all of them): a view, never a copy."""
+    if tokens == 0:
+        return t
+    axis = 1 if item.kind == "E" else 2  # E [1, T, D], K / V [1, kvh, T, hd]
+    if t.dim() <= axis:
+        raise TransferError(f"stored layer {item.layer} {item.kind} has no token axis")
+    if tokens == t.shape[axis]:
+        return t
+    if tokens > t.shape[axis]:
+        raise TransferError(f"asks {tokens} tokens of layer {item.layer} {item.kind}, the context has {t.shape[axis]}")
+    return t.narrow(axis, 0, tokens)
+
+
+def _shares_memory(payload: torch.Tensor, t: torch.Tensor) -> bool:
+    return payload.device == t.device and payload.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
 # A stored tensor is never written after capture, so the checksum of its own bytes (the raw
@@ -138,8 +243,9 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
 _STORED_SUMS: dict[int, str] = {}
 
 
-def _payload_checksum(t: torch.Tensor, payload: torch.Tensor) -> str:
-    if payload.data_ptr() != t.data_ptr() or payload.numel() != t.numel() * t.element_size():
+def _payload_checksum(t: torch.Tensor, payload: torch.Tensor, cache: bool) -> str:
+    """`cache`: `t` is the stored tensor itself (a per-pull slice is a new object every time)."""
+    if not cache or payload.data_ptr() != t.data_ptr() or payload.numel() != t.numel() * t.element_size():
         return codecs.checksum(payload)  # encoded afresh for this pull
     key = id(t)
     known = _STORED_SUMS.get(key)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from droidmesh.shared.errors import TransferError
-from droidmesh.shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, landings
+from droidmesh.shared.transport.bulk import Authorize, OnItem, Pin, TensorLookup, answer, landings
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import PullRequest, Transport
 
@@ -27,8 +27,8 @@ _names = itertools.count()
 class InProcessBulkServer:
     transport: Transport = "inproc"
 
-    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, name: str = ""):
-        self._lookup, self._authorize = lookup, authorize
+    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, name: str = "", pin: Pin | None = None):
+        self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self.name = name or f"inproc-{next(_names)}"
 
     async def start(self) -> str:
@@ -37,11 +37,12 @@ class InProcessBulkServer:
         _SERVERS[self.name] = self
         return self.name
 
-    def serve(self, request_bytes: bytes) -> tuple[bytes, list[torch.Tensor]]:
-        """The encoded response and the payloads, exactly as a network server would send them."""
+    def serve(self, request_bytes: bytes) -> tuple[bytes, list[torch.Tensor], Callable[[], None]]:
+        """The encoded response, the payloads (exactly as a network server would send them) and
+        the hold's release, called once the client has copied them."""
         request = schemas.decode(request_bytes, PullRequest)
-        response, payloads = answer(request, self._lookup, self._authorize)
-        return schemas.encode(response), payloads
+        response, payloads, release = answer(request, self._lookup, self._authorize, self._pin)
+        return schemas.encode(response), payloads, release
 
     async def close(self) -> None:
         _SERVERS.pop(self.name, None)
@@ -64,15 +65,18 @@ class InProcessBulkClient:
         server = _SERVERS.get(address)
         if server is None:
             raise TransferError(f"no in-process bulk server at {address!r}")
-        response_bytes, payloads = server.serve(schemas.encode(request))
-        lands = landings(request, schemas.decode(response_bytes, schemas.PullResponse), into)
-        for land, payload in zip(lands, payloads, strict=True):
-            await asyncio.sleep(0)  # one item at a time, as from a network
-            if payload.numel() != land.recv.numel():
-                raise TransferError(f"layer {land.item.layer} {land.item.kind}: sent {payload.numel()} bytes, "
-                                    f"header said {land.recv.numel()}")
-            land.recv.copy_(payload)
-            on_item(land.item, land.land())
+        response_bytes, payloads, release = server.serve(schemas.encode(request))
+        try:
+            lands = landings(request, schemas.decode(response_bytes, schemas.PullResponse), into)
+            for land, payload in zip(lands, payloads, strict=True):
+                await asyncio.sleep(0)  # one item at a time, as from a network
+                if payload.numel() != land.recv.numel():
+                    raise TransferError(f"layer {land.item.layer} {land.item.kind}: sent {payload.numel()} bytes, "
+                                        f"header said {land.recv.numel()}")
+                land.recv.copy_(payload)
+                on_item(land.item, land.land())
+        finally:
+            release()
         return sum(land.header.nbytes for land in lands)
 
     async def warm(self, address: str) -> None:

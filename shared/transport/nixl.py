@@ -55,7 +55,17 @@ import structlog
 import torch
 
 from droidmesh.shared.errors import BadMessageError, DroidMeshError, TransferError
-from droidmesh.shared.transport.bulk import Authorize, Landing, OnItem, TensorLookup, answer, guarded_pull, landings
+from droidmesh.shared.transport.bulk import (
+    MAX_REQUEST_BYTES,
+    Authorize,
+    Landing,
+    OnItem,
+    Pin,
+    TensorLookup,
+    answer,
+    guarded_pull,
+    landings,
+)
 from droidmesh.shared.transport.ucx import parse_address
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import (
@@ -77,6 +87,8 @@ NIXL_MODULES = ("nixl_cu12._bindings", "nixl_cu13._bindings", "nixl._bindings") 
 HANDSHAKE_S = 10.0  # sender: a new connection's NixlConnect
 IDLE_S = 600.0  # sender: an idle connection's next PullRequest
 HOLD_S = 120.0  # sender: the longest a grant is held before its NixlDone
+SEND_S = 30.0  # either side: a control frame must be taken by the peer within this
+MAX_CONNECTIONS = 256  # sender: control connections served at once (more are closed on arrival)
 # NIXL's progress thread waits this long (µs) for UCX events when idle. It wakes on events, so
 # this is no latency; nixl_agent hard-codes 0, which spins a whole core per agent even when idle.
 PROGRESS_IDLE_US = 100_000
@@ -183,24 +195,26 @@ def _rows(regions: Sequence[tuple[int, int]]) -> np.ndarray:
 
 # -- frames -----------------------------------------------------------------------------------
 async def _send(writer: asyncio.StreamWriter, msg: schemas.Message) -> None:
+    """Send one frame; a peer that does not take it within SEND_S fails the send."""
     data = schemas.encode(msg)
     if len(data) > schemas.MAX_MESSAGE_BYTES:
         raise TransferError(f"{type(msg).__name__} of {len(data)} bytes exceeds {schemas.MAX_MESSAGE_BYTES}")
     writer.write(len(data).to_bytes(_HEADER, "big") + data)
-    await writer.drain()
+    async with asyncio.timeout(SEND_S):
+        await writer.drain()
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
-    """One frame's bytes; its declared length is checked against the bound before reading it."""
+async def _read_frame(reader: asyncio.StreamReader, cap: int = schemas.MAX_MESSAGE_BYTES) -> bytes:
+    """One frame's bytes; its declared length is checked against `cap` before reading it."""
     n = int.from_bytes(await reader.readexactly(_HEADER), "big")
-    if n > schemas.MAX_MESSAGE_BYTES:
-        raise BadMessageError(f"frame of {n} bytes exceeds {schemas.MAX_MESSAGE_BYTES}")
+    if n > cap:
+        raise BadMessageError(f"frame of {n} bytes exceeds {cap}")
     return await reader.readexactly(n)
 
 
 async def _recv(reader: asyncio.StreamReader, kind: type[M], deadline_s: float) -> M:
     async with asyncio.timeout(deadline_s):
-        return schemas.decode(await _read_frame(reader), kind)
+        return schemas.decode(await _read_frame(reader, MAX_REQUEST_BYTES), kind)
 
 
 # -- server -----------------------------------------------------------------------------------
@@ -221,8 +235,9 @@ class NixlBulkServer:
 
     transport: Transport = "nixl"
 
-    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, host: str, port: int = 0):
-        self._lookup, self._authorize = lookup, authorize
+    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, host: str, port: int = 0,
+                 pin: Pin | None = None):
+        self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self._host, self._port = host, port
         self._agent: _Agent | None = None
         self._server: asyncio.Server | None = None
@@ -231,21 +246,23 @@ class NixlBulkServer:
         self._regs_lock = asyncio.Lock()
 
     async def start(self) -> str:
-        """Listen on the configured port (0: an ephemeral one) on every interface of the
-        configured host's address family, as UCX's listener does (one socket, so one port);
-        return "host:port" with the configured host."""
+        """Listen on the configured host's first address only (one socket, so one port even when
+        the port is 0: ephemeral); return "host:port" with the configured host."""
         self._agent = _Agent("nixl-sender")
         await self._agent.start()
-        family = (await asyncio.get_running_loop().getaddrinfo(self._host, None, type=socket.SOCK_STREAM))[0][0]
-        self._server = await asyncio.start_server(self._serve_connection, "::" if family == socket.AF_INET6
-                                                  else "0.0.0.0", self._port)
-        port = self._server.sockets[0].getsockname()[1]
-        log.info("nixl_server_started", agent=self._agent.name, port=port)
-        return f"{self._host}:{port}"
+        infos = await asyncio.get_running_loop().getaddrinfo(self._host, None, type=socket.SOCK_STREAM)
+        self._server = await asyncio.start_server(self._serve_connection, str(infos[0][4][0]), self._port)
+        bound = self._server.sockets[0].getsockname()
+        log.info("nixl_server_started", agent=self._agent.name, bound=bound[0], port=bound[1])
+        return f"{self._host}:{bound[1]}"
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None  # a stream server callback always runs as a task
+        if len(self._conns) >= MAX_CONNECTIONS:
+            log.warning("nixl_connection_refused", reason=f"{MAX_CONNECTIONS} connections already served")
+            writer.close()
+            return
         self._conns.add(task)
         agent = self._agent
         assert agent is not None  # connections are accepted only after start()
@@ -255,14 +272,17 @@ class NixlBulkServer:
             await _send(writer, NixlAgentInfo(metadata=info))
             while True:
                 async with asyncio.timeout(IDLE_S):
-                    data = await _read_frame(reader)
-                grant, held, payloads = await self._grant(data)
+                    data = await _read_frame(reader, MAX_REQUEST_BYTES)
+                grant, held, payloads, release = await self._grant(data)
                 try:
                     await _send(writer, grant)
                     if not grant.response.error:
                         await _recv(reader, NixlDone, HOLD_S)
                 finally:
-                    await self._release(held)  # while `payloads` (per-pull copies) still live
+                    try:
+                        await self._release(held)  # while `payloads` (per-pull copies) still live
+                    finally:
+                        release()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the receiver closed or dropped the connection: what it held is released above
         except Exception as e:  # a bad peer or a NIXL failure ends this connection, never the server
@@ -271,26 +291,32 @@ class NixlBulkServer:
             self._conns.discard(task)
             writer.close()
 
-    async def _grant(self, data: bytes) -> tuple[NixlGrant, list[_Registration], list[torch.Tensor]]:
-        """The grant for one request, the registrations it pins and the payloads they cover."""
+    async def _grant(self, data: bytes
+                     ) -> tuple[NixlGrant, list[_Registration], list[torch.Tensor], Callable[[], None]]:
+        """The grant for one request, the registrations it pins, the payloads they cover and the
+        release of the pull's hold on the store."""
         try:
             request = schemas.decode(data, PullRequest)
         except DroidMeshError as e:
-            return NixlGrant(response=PullResponse(headers=[], error=f"{e.code}: {e}")), [], []
+            return NixlGrant(response=PullResponse(headers=[], error=f"{e.code}: {str(e)[:500]}")), [], [], _nothing
         stored: list[torch.Tensor | None] = []
 
         def lookup(context_id: str, layer: int, kind: str) -> torch.Tensor | None:
             stored.append(self._lookup(context_id, layer, kind))  # answer looks each item up once, in order
             return stored[-1]
 
-        response, payloads = answer(request, lookup, self._authorize)
+        response, payloads, release = answer(request, lookup, self._authorize, self._pin)
         if response.error:
-            return NixlGrant(response=response), [], []
-        payloads = [p.contiguous() for p in payloads]
-        held, metadata = await self._register(stored, payloads)
+            return NixlGrant(response=response), [], [], release
+        try:
+            payloads = [p.contiguous() for p in payloads]
+            held, metadata = await self._register(stored, payloads)
+        except BaseException:
+            release()
+            raise
         return (NixlGrant(response=response, metadata=metadata,
                           regions=[NixlRegion(addr=p.data_ptr(), nbytes=p.numel()) for p in payloads]),
-                held, payloads)
+                held, payloads, release)
 
     async def _register(self, stored: list[torch.Tensor | None], payloads: list[torch.Tensor]
                         ) -> tuple[list[_Registration], bytes]:
@@ -356,6 +382,10 @@ class NixlBulkServer:
             self._regs.clear()
             self._agent.close()
             self._agent = None
+
+
+def _nothing() -> None:
+    """The release of a pull that holds nothing."""
 
 
 def _deregister(agent: _Agent, regs: list[_Registration]) -> None:

@@ -5,8 +5,11 @@ items in the same order into the same buffers:
   1. `pull_items(plan)`: each group's transition E first (recompute waits on it), then the
      reused K/V layer by layer (the suffix needs them in that order);
   2. `pull_into(...)`: one buffer per item, allocated by the receiver from its own model's layout
-     on its own device (never from what the peer declares), pulled over the bulk channel; each
-     landed item is handed to the source, which wakes the engine waiting for that layer;
+     on its own device for the m tokens it will reuse (never from what the peer declares), pulled
+     over the bulk channel (`PullRequest.tokens = m`: the sender sends only that prefix); each
+     landed item is handed to the source, which wakes the engine waiting for that layer. m is
+     the reusable prefix of the receiver's own prompt (`source_for(holder, prompt)`), so a
+     31-token match pulls 31 tokens, not the holder's whole context;
   3. `drive_engine(...)`, concurrently: the engine's steps run on the torch thread, and where a
      step needs a layer that has not landed the wait happens here, on the event loop, so the
      compute thread serves other work meanwhile.
@@ -23,7 +26,8 @@ import msgspec
 import torch
 
 from droidmesh.shared.device import dtype_name
-from droidmesh.shared.errors import CacheLayoutError, TransferError
+from droidmesh.shared.errors import CacheLayoutError, ReuseError, TransferError
+from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps
 from droidmesh.shared.model.adapter import ModelAdapter
@@ -43,10 +47,17 @@ def pull_items(plan: ReusePlan, num_layers: int) -> list[PullItem]:
     ]
 
 
-def source_for(holder: CacheAvailable) -> ArrivingSource:
-    """An empty source for `holder`'s context, filled as its items land."""
+def source_for(holder: CacheAvailable, prompt: list[int] | None = None) -> ArrivingSource:
+    """An empty source for `holder`'s context, filled as its items land: with `prompt`, only the
+    context's reusable prefix for it (what the engine will use, and all `pull_into` pulls);
+    without, the whole context (transfer benchmarks)."""
     fingerprint = ArchFingerprint.from_dict(msgspec.structs.asdict(holder.fingerprint))
-    return ArrivingSource(tuple(holder.token_ids), fingerprint)
+    if prompt is None:
+        return ArrivingSource(tuple(holder.token_ids), fingerprint)
+    m = reusable_prefix(holder.token_ids, prompt)
+    if m == 0:
+        raise ReuseError("the sender's context shares no token prefix with the prompt")
+    return ArrivingSource(tuple(holder.token_ids[:m]), fingerprint)
 
 
 def buffers(model: ModelAdapter, tokens: int, items: list[PullItem]) -> list[torch.Tensor]:
@@ -57,21 +68,27 @@ def buffers(model: ModelAdapter, tokens: int, items: list[PullItem]) -> list[tor
 
 async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullItem], model: ModelAdapter,
                     source: ArrivingSource | None, timeout_s: float, *, codec: str = "raw",
-                    codec_params: CodecParams | None = None) -> int:
-    """Pull `items` of `holder`'s context into fresh buffers, delivering each to `source` (None:
-    transfer only) as it lands; return the payload bytes pulled. Raises `ReuseError`s."""
+                    codec_params: CodecParams | None = None, tokens: int | None = None) -> int:
+    """Pull the first `tokens` tokens (default: as many as `source` holds, else the whole
+    context) of `items` of `holder`'s context into fresh buffers, delivering each to `source`
+    (None: transfer only) as it lands; return the payload bytes pulled. Raises `ReuseError`s."""
     if holder.transport != bulk.transport:
         raise TransferError(f"holder serves over {holder.transport}, this receiver pulls over {bulk.transport}")
     if holder.dtype != dtype_name(model.dtype):
         raise CacheLayoutError(f"sender cache dtype {holder.dtype}, receiver runs {dtype_name(model.dtype)}")
+    if tokens is None:
+        tokens = len(source.token_ids) if source is not None else len(holder.token_ids)
+    if not 0 < tokens <= len(holder.token_ids) or (source is not None and tokens != len(source.token_ids)):
+        raise TransferError(f"pull of {tokens} tokens: the context has {len(holder.token_ids)}"
+                            + (f", the source expects {len(source.token_ids)}" if source is not None else ""))
     request = PullRequest(context_id=holder.context_id, items=items, token=holder.pull_token, codec=codec,
-                          codec_params=codec_params or {})
+                          codec_params=codec_params or {}, tokens=tokens)
 
     def on_item(item: PullItem, t: torch.Tensor) -> None:
         if source is not None:
             source.put(item.kind, item.layer, t)
 
-    return await bulk.pull(holder.address, request, buffers(model, len(holder.token_ids), items), on_item, timeout_s)
+    return await bulk.pull(holder.address, request, buffers(model, tokens, items), on_item, timeout_s)
 
 
 async def drive_engine(steps: Steps[T], source: ArrivingSource, run_torch: RunTorch, stamps: dict[str, float]

@@ -25,6 +25,7 @@ CUDA tensors (raw codec; the byte-level rules are `codecs.py`'s):
 
 from __future__ import annotations
 
+import array
 import asyncio
 from collections.abc import Sequence
 from typing import Any
@@ -33,9 +34,19 @@ import msgspec
 import structlog
 import torch
 
-from droidmesh.shared.errors import DroidMeshError, TransferError
+from droidmesh.shared.errors import BadMessageError, DroidMeshError, TransferError
 from droidmesh.shared.transport import capabilities, codecs
-from droidmesh.shared.transport.bulk import Authorize, OnItem, TensorLookup, answer, guarded_pull, landings
+from droidmesh.shared.transport.bulk import (
+    MAX_REQUEST_BYTES,
+    Authorize,
+    OnItem,
+    Pin,
+    Served,
+    TensorLookup,
+    answer,
+    guarded_pull,
+    landings,
+)
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import PullRequest, Transport
 
@@ -57,6 +68,14 @@ UCX_OPTIONS = {"TLS": "tcp,sm,self", "CMA_MEMORY_INVALIDATE": "y", "WARN_UNUSED_
 # node, see capabilities.py). Named only where CUDA exists: UCX warns about absent transports.
 CUDA_TLS = "cuda_copy,cuda_ipc"
 _ucxx: Any = None
+# Server limits: a connection waits at most IDLE_S for its next request, a pull's response and
+# payloads must be taken within SEND_S (else the endpoint is aborted and the pull's hold on the
+# store released), and at most MAX_CONNECTIONS endpoints are served at once (more are aborted on
+# arrival). Per connection the server holds one request frame (<= MAX_REQUEST_BYTES) and one
+# pull's payloads (stored tensors, or copies charged to the store's pull budget).
+IDLE_S = 600.0
+SEND_S = 120.0
+MAX_CONNECTIONS = 256
 
 
 def ucx_options() -> dict[str, str]:
@@ -117,6 +136,20 @@ async def _settle(buffers: Sequence[torch.Tensor]) -> None:
         await asyncio.to_thread(done.synchronize)
 
 
+async def recv_frame(ep: Any, cap: int) -> bytes:
+    """One `send_obj` message (an 8-byte length, then the bytes), its length checked against
+    `cap` before a buffer is allocated for it (ucxx's `recv_obj` allocates whatever the peer
+    declares). A message longer than a posted buffer fails in UCX, which allocates nothing."""
+    size = array.array("Q", [0])
+    await ep.recv(size)
+    n = size[0]
+    if not 0 < n <= cap:
+        raise BadMessageError(f"peer declared a {n}-byte message; at most {cap}")
+    data = bytearray(n)
+    await ep.recv(data)
+    return bytes(data)
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """"host:port" -> (host, port); `TransferError` for anything else."""
     host, _, port = address.rpartition(":")
@@ -126,12 +159,17 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class UcxBulkServer:
-    """Serves `PullRequest`s from a tensor lookup (the sender's store) on a UCX listener."""
+    """Serves `PullRequest`s from a tensor lookup (the sender's store) on a UCX listener.
+
+    Binding: ucxx (0.52) creates listeners on every interface and exposes no host to bind to
+    (`Listener.ip` is the wildcard); `start` logs that at warning level when the configured host
+    is narrower. What reaches the port meets the limits above before anything is allocated."""
 
     transport: Transport = "ucx"
 
-    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, host: str, port: int = 0):
-        self._lookup, self._authorize = lookup, authorize
+    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, host: str, port: int = 0,
+                 pin: Pin | None = None):
+        self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self._host, self._port = host, port
         self._listener: Any = None
         self._conns: set[asyncio.Task] = set()
@@ -139,33 +177,65 @@ class UcxBulkServer:
     async def start(self) -> str:
         """Listen on the configured port (0: an ephemeral one); return "host:port"."""
         self._listener = ucxx().create_listener(self._serve_endpoint, port=self._port)
+        bound = getattr(getattr(self._listener, "_listener", None), "ip", "")
+        if bound != self._host:
+            log.warning("ucx_listener_wildcard", configured=self._host, bound=bound or "unknown",
+                        effect="ucxx binds its listener to every interface; firewall the port or use a private network")
         return f"{self._host}:{self._listener.port}"
 
     async def _serve_endpoint(self, ep: Any) -> None:
         task = asyncio.current_task()
         assert task is not None  # a listener callback always runs as a task
+        if len(self._conns) >= MAX_CONNECTIONS:
+            log.warning("ucx_connection_refused", reason=f"{MAX_CONNECTIONS} connections already served")
+            ep.abort()
+            return
         self._conns.add(task)
         try:
             while True:
                 try:
-                    data = bytes(await ep.recv_obj())
+                    async with asyncio.timeout(IDLE_S):
+                        data = await recv_frame(ep, MAX_REQUEST_BYTES)
+                except TimeoutError:
+                    log.info("ucx_connection_idle", idle_s=IDLE_S)
+                    return
+                except BadMessageError as e:
+                    log.warning("ucx_connection_dropped", error=str(e))
+                    return
                 except Exception:  # peer closed or died: this endpoint's loop ends, others go on
                     return
-                await self._serve_request(ep, data)
+                if not await self._serve_request(ep, data):
+                    return
         finally:
             self._conns.discard(task)
             if not ep.closed:
                 ep.abort()
 
-    async def _serve_request(self, ep: Any, data: bytes) -> None:
+    async def _serve_request(self, ep: Any, data: bytes) -> bool:
+        """Answer one request; False when the connection must end (a send failed or timed out:
+        the endpoint is aborted before the pull's payloads are let go)."""
         try:
             request = schemas.decode(data, PullRequest)
         except DroidMeshError as e:
-            await ep.send_obj(schemas.encode(schemas.PullResponse(headers=[], error=f"{e.code}: {e}")))
-            return
-        response, payloads = answer(honour_device(request), self._lookup, self._authorize)
-        await ep.send_obj(schemas.encode(response))
-        await asyncio.gather(*(ep.send(_ucx_buffer(p)) for p in payloads))
+            served = Served(schemas.PullResponse(headers=[], error=f"{e.code}: {str(e)[:500]}"), [], lambda: None)
+        else:
+            served = answer(honour_device(request), self._lookup, self._authorize, self._pin)
+        response, payloads, release = served
+        try:
+            async with asyncio.timeout(SEND_S):
+                await ep.send_obj(schemas.encode(response))
+                await asyncio.gather(*(ep.send(_ucx_buffer(p)) for p in payloads))
+            return True
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):
+                log.warning("ucx_send_failed", error=f"{type(e).__name__}: {e}", send_s=SEND_S)
+            if not ep.closed:
+                ep.abort()  # UCX lets go of the payloads before the hold on them is released
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return False
+        finally:
+            release()
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -199,7 +269,7 @@ class UcxBulkClient:
     async def _pull_on(self, ep: Any, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem) -> int:
         request = ask_device(request, into)
         await ep.send_obj(schemas.encode(request))
-        response = schemas.decode(bytes(await ep.recv_obj()), schemas.PullResponse)
+        response = schemas.decode(await recv_frame(ep, schemas.MAX_MESSAGE_BYTES), schemas.PullResponse)
         lands = landings(request, response, into)
         await _settle([land.recv for land in lands])
         receives = [asyncio.ensure_future(ep.recv(_ucx_buffer(land.recv))) for land in lands]

@@ -271,6 +271,7 @@ class PullRequest(Message, tag="pull.request"):
     token: str = ""  # the availability event's pull_token
     codec: str = "raw"  # how the receiver wants the tensors encoded
     codec_params: CodecParams = {}
+    tokens: int = 0  # leading context tokens wanted (0: all); the sender slices [.., :tokens, ..]
 
 
 class TensorHeader(Message, tag="tensor.header"):

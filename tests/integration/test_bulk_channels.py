@@ -4,6 +4,7 @@ integrity checks, refusals."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 
 import msgspec
@@ -117,9 +118,9 @@ def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypa
     real = module.answer
 
     def corrupt(*a):
-        response, payloads = real(*a)
+        response, payloads, release = real(*a)
         headers = [msgspec.structs.replace(h, checksum="0" * 16) for h in response.headers]
-        return msgspec.structs.replace(response, headers=headers), payloads
+        return msgspec.structs.replace(response, headers=headers), payloads, release
 
     monkeypatch.setattr(module, "answer", corrupt)
     with pytest.raises(IntegrityError, match="checksum mismatch"):
@@ -133,3 +134,187 @@ def test_unknown_context_is_refused(transport):
     token, _ = issuer.issue("gone")
     with pytest.raises(TransferError, match="does not hold gone"):
         asyncio.run(_session(transport, issuer, _pull_one(token, "gone")))
+
+
+# -- hostile peers: nothing allocates from a peer's word, limits hold ---------------------------
+def _stored_context(tokens: int = 33, layers: int = 3):
+    """A CacheStore holding one context "ctx" of `layers` layers and E of layer 1."""
+    from droidmesh.services.sender.store import CacheStore
+    from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
+    from droidmesh.shared.model.adapter import random_model
+    from tests.conftest import FAMILIES
+
+    fp = random_model("llama", **FAMILIES["llama"]).fingerprint
+    kv = tuple(KVBlock(l, torch.randn(1, 2, tokens, 8), torch.randn(1, 2, tokens, 8)) for l in range(layers))
+    store = CacheStore(budget_bytes=1 << 24)
+    store.put("ctx", CapturedContext(tuple(range(tokens)), fp, "m", kv, {1: torch.randn(1, tokens, 16)}))
+    return store
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
+def test_a_prefix_pull_sends_only_the_tokens_asked_for(transport):
+    """tokens=m: every header and payload is the first m tokens ([.., :m, ..]), the store's holds all released."""
+    issuer = TokenIssuer(ttl_s=60)
+    token, _ = issuer.issue("ctx")
+    store = _stored_context()
+    items = [PullItem(1, "E"), PullItem(0, "K"), PullItem(0, "V"), PullItem(2, "K")]
+    into = [torch.empty((1, 7, 16) if it.kind == "E" else (1, 2, 7, 8)) for it in items]
+
+    async def body(client, address):
+        return await client.pull(address, PullRequest(context_id="ctx", items=items, token=token, tokens=7), into,
+                                 lambda *a: None, 10)
+
+    async def session():
+        server = make_server(transport, store.tensor, lambda req: issuer.verify(req.context_id, req.token),
+                             pin=store.hold)
+        address = await server.start()
+        client = make_client(transport)
+        try:
+            return await body(client, address)
+        finally:
+            await client.close()
+            await server.close()
+
+    nbytes = asyncio.run(session())
+    assert nbytes == sum(b.numel() * 4 for b in into)
+    for it, got in zip(items, into, strict=True):
+        want = store.tensor("ctx", it.layer, it.kind)
+        assert torch.equal(got, want[:, :7] if it.kind == "E" else want[:, :, :7])
+    assert store.pull_bytes == 0 and store.orphaned_bytes == 0
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
+@pytest.mark.parametrize("bad", ["too-many-tokens", "repeated", "too-many-items", "huge-layer", "long-codec"])
+def test_hostile_requests_are_refused_before_any_lookup(transport, bad):
+    """Repeated or too many items, layers or tokens out of range, oversize strings: refused as bad_message / transfer."""
+    issuer = TokenIssuer(ttl_s=60)
+    token, _ = issuer.issue("ctx")
+    k = PullItem(0, "K")
+    req = {"too-many-tokens": lambda: PullRequest(context_id="ctx", items=[k], token=token, tokens=34),
+           "repeated": lambda: PullRequest(context_id="ctx", items=[k] * 50, token=token),
+           "too-many-items": lambda: PullRequest(context_id="ctx", items=[PullItem(l, "K") for l in range(4000)], token=token),
+           "huge-layer": lambda: PullRequest(context_id="ctx", items=[PullItem(2**62, "K")], token=token),
+           "long-codec": lambda: PullRequest(context_id="ctx", items=[k], token=token, codec="x" * 5000)}[bad]()
+
+    async def body(client, address):
+        await client.pull(address, req, _buffers(req.items)[:len(req.items)], lambda *a: None, 10)
+
+    with pytest.raises(TransferError, match="bad_message|34 tokens|failed"):  # an error answer, or the connection closed
+        asyncio.run(_session(transport, issuer, body))
+
+
+def test_a_pull_that_never_drains_keeps_counting_against_the_store():
+    """Tensors a pull holds stay in the store's budget after eviction, until the pull releases them."""
+    from droidmesh.shared.errors import BadRequestError
+
+    store = _stored_context()
+    one = store.budget = store.nbytes
+    ctx = store.get("ctx")
+    hold = store.hold("ctx")
+    with pytest.raises(BadRequestError, match="held by pulls still in flight"):
+        store.put("other", _stored_context().get("ctx"))  # evicting ctx would free nothing: refused
+    store.budget = 2 * one
+    store.put("ctx", _stored_context().get("ctx"))  # replaced while held: the old tensors still count
+    assert store.orphaned_bytes == one and store.nbytes + store.orphaned_bytes <= store.budget
+    assert store.put("other", ctx) == ["ctx"]  # room comes from unpinned contexts only
+    assert store.nbytes + store.orphaned_bytes == store.budget
+    hold.release()
+    assert store.orphaned_bytes == 0 and store.resident_bytes == one
+
+
+def test_ucx_server_allocates_nothing_from_a_declared_size():
+    """16 bytes declaring a 256 MiB request: the server closes the connection without allocating it, and keeps serving."""
+    import array
+    import tracemalloc
+
+    from droidmesh.shared.transport.ucx import ucxx
+
+    issuer = TokenIssuer(ttl_s=60)
+    token, _ = issuer.issue("ctx")
+
+    async def body(client, address):
+        host, port = address.rsplit(":", 1)
+        tracemalloc.start()
+        ep = await ucxx().create_endpoint(host, int(port))
+        await ep.send(array.array("Q", [256 << 20]))
+        await ep.send(array.array("Q", [0]))
+        try:  # the server aborts the endpoint, so this receive fails (an old one answered after allocating)
+            async with asyncio.timeout(20):  # a bound on a hang, not a timing claim
+                await ep.recv(array.array("Q", [0]))
+        except Exception:
+            pass
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        ep.abort()
+        await _pull_one(token)(client, address)  # the server still serves
+        return peak
+
+    peak = asyncio.run(_session("ucx", issuer, body))
+    assert peak < 16 << 20
+
+
+def test_nixl_control_listener_binds_only_the_configured_host():
+    """The NIXL control socket listens on the configured host's address, not on every interface."""
+    async def session():
+        server = make_server("nixl", lambda c, l, k: None, None, host="127.0.0.1")
+        await server.start()
+        try:
+            return {s.getsockname()[0] for s in server._server.sockets}
+        finally:
+            await server.close()
+
+    assert asyncio.run(session()) == {"127.0.0.1"}
+
+
+def test_poisoned_kv_pulled_over_a_channel_is_an_integrity_error(receiver, prompt):
+    """NaN KV with a valid checksum, pulled over inproc into the receiver's prefix buffers, fails the engine's read (fallback)."""
+    from droidmesh.services.sender.store import CacheStore
+    from droidmesh.shared.device import dtype_name
+    from droidmesh.shared.errors import IntegrityError
+    from droidmesh.shared.kv.capture import capture_prefill
+    from droidmesh.shared.kv.partial import prefill
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.transport.pull import pull_into, pull_items, source_for
+    from droidmesh.shared.wire import schemas
+
+    ctx, q = prompt
+    cap = capture_prefill(receiver, ctx + [7, 7, 7])  # the holder's context is longer than the reusable prefix
+    v = cap.kv[3].v.clone()
+    v[0, 0, 1, 2] = float("nan")
+    kv = list(cap.kv)
+    kv[3] = dataclasses.replace(kv[3], v=v)
+    cap = dataclasses.replace(cap, kv=tuple(kv))
+    store = CacheStore(budget_bytes=1 << 28)
+    store.put("ctx", cap)
+    issuer = TokenIssuer(ttl_s=60)
+    token, _ = issuer.issue("ctx")
+    holder = schemas.CacheAvailable(
+        sender_id="s", model_id="m", model_sha256="", fingerprint=schemas.fingerprint_to_wire(cap.fingerprint),
+        fingerprint_id=cap.fingerprint.id, context_id="ctx", token_ids=list(cap.token_ids), dtype=dtype_name(receiver.dtype),
+        kv_nbytes=cap.kv_nbytes(), e_layers=[], e_nbytes=0, transport="inproc", address="", published_at=0.0,
+        pull_token=token, token_expires_at=0.0)
+    plan = ReusePlan.full_reuse()
+
+    async def pull():
+        server = make_server("inproc", store.tensor, lambda req: issuer.verify(req.context_id, req.token), pin=store.hold)
+        address = await server.start()
+        source = source_for(msgspec.structs.replace(holder, address=address), ctx + q)
+        try:
+            n = await pull_into(make_client("inproc"), msgspec.structs.replace(holder, address=address),
+                                pull_items(plan, receiver.num_layers), receiver, source, 10)
+        finally:
+            await server.close()
+        return source, n
+
+    source, n = asyncio.run(pull())
+    m = len(ctx)
+    assert len(source.token_ids) == m and n == 2 * receiver.num_layers * tuple_numel(receiver.kv_shape(m)) * 4
+    with pytest.raises(IntegrityError, match="layer 3 V: values out of range"):
+        prefill(receiver, ctx + q, plan, source)
+
+
+def tuple_numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out

@@ -6,6 +6,7 @@ import asyncio
 
 import msgspec
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -111,3 +112,114 @@ def test_handlers_always_reply_well_formed(wired, subject, data):
     except BadMessageError:
         err = schemas.decode(reply, schemas.ErrorReply)
         assert err.code and err.code != "internal", err
+
+
+# -- the bulk protocol: hostile values to a real server, hostile headers to a receiver -----------
+huge_ints = st.one_of(st.integers(-2**63, 2**64 - 1), st.sampled_from([-1, 0, 2**31, 2**62, 2**64 - 1]))
+hostile = st.one_of(huge_ints, st.floats(allow_nan=True), st.text(min_size=1000, max_size=5000),
+                    st.lists(huge_ints, min_size=500, max_size=3000), st.none())
+pull_maps = st.fixed_dictionaries(
+    {"type": st.just("pull.request"), "v": st.just(schemas.SCHEMA_VERSION)},
+    optional={"context_id": st.one_of(st.just("ctx"), hostile), "token": hostile, "tokens": hostile, "codec": hostile,
+              "codec_params": st.dictionaries(st.text(max_size=300), hostile, max_size=40),
+              "items": st.one_of(hostile, st.lists(st.fixed_dictionaries({"layer": huge_ints, "kind": st.sampled_from("KVEX")}),
+                                                   max_size=4000))})
+nixl_maps = st.sampled_from(["nixl.connect", "nixl.done", "nixl.agent", "nixl.grant"]).flatmap(
+    lambda tag: st.fixed_dictionaries({"type": st.just(tag), "v": st.sampled_from([schemas.SCHEMA_VERSION, 2**40])},
+                                      optional={"metadata": hostile, "response": hostile, "regions": hostile}))
+
+
+@pytest.fixture(scope="module")
+def bulk_servers():
+    """A real UCX and NIXL server over one stored tensor, on a loop the examples reuse."""
+    from droidmesh.shared.transport.bulk import make_server
+
+    loop = asyncio.new_event_loop()
+    stored = torch.randn(1, 2, 9, 8)
+    servers = {t: make_server(t, lambda c, l, k: stored if (c, l, k) == ("ctx", 0, "K") else None, None)
+               for t in ("ucx", "nixl")}
+    addresses = {t: loop.run_until_complete(s.start()) for t, s in servers.items()}
+    yield loop, addresses
+    for s in servers.values():
+        loop.run_until_complete(s.close())
+    loop.close()
+
+
+async def _send_raw_ucx(address: str, frame: bytes) -> None:
+    import array
+
+    from droidmesh.shared.transport.ucx import recv_frame, ucxx
+
+    host, port = address.rsplit(":", 1)
+    ep = await ucxx().create_endpoint(host, int(port))
+    try:
+        await ep.send(array.array("Q", [len(frame)]))
+        await ep.send(bytearray(frame))
+        async with asyncio.timeout(30):  # bounds a hang only
+            schemas.decode(await recv_frame(ep, schemas.MAX_MESSAGE_BYTES), schemas.PullResponse)
+    except Exception:
+        pass  # an error answer or a closed connection are both fine; a crash is not
+    finally:
+        ep.abort()
+
+
+async def _send_raw_nixl(address: str, frames: list[bytes]) -> None:
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for frame in frames:
+            writer.write(len(frame).to_bytes(4, "big") + frame)
+        await writer.drain()
+        async with asyncio.timeout(30):
+            await reader.read(1 << 16)
+    except Exception:
+        pass
+    finally:
+        writer.close()
+
+
+def _still_serves(loop, transport: str, address: str) -> None:
+    from droidmesh.shared.transport.bulk import make_client
+    from droidmesh.shared.wire.schemas import PullItem, PullRequest
+
+    async def pull():
+        client = make_client(transport)
+        try:
+            into = [torch.empty(1, 2, 9, 8)]
+            await client.pull(address, PullRequest(context_id="ctx", items=[PullItem(0, "K")]), into, lambda *a: None, 30)
+        finally:
+            await client.close()
+
+    loop.run_until_complete(pull())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(frame=st.one_of(pull_maps.map(msgspec.msgpack.encode), any_bytes), nixl=st.lists(nixl_maps.map(msgspec.msgpack.encode), max_size=3))
+def test_bulk_servers_survive_hostile_requests(bulk_servers, frame, nixl):
+    """Hostile PullRequest and Nixl* values to real servers get an error answer or a closed connection; both keep serving."""
+    loop, addresses = bulk_servers
+    loop.run_until_complete(_send_raw_ucx(addresses["ucx"], frame))
+    loop.run_until_complete(_send_raw_nixl(addresses["nixl"], [*nixl, frame]))
+    _still_serves(loop, "ucx", addresses["ucx"])
+    _still_serves(loop, "nixl", addresses["nixl"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(huge_ints, max_size=6), nbytes=huge_ints, dtype=st.text(max_size=20),
+       codec=st.sampled_from(["raw", "zstd", ""]), layer=huge_ints, kind=st.sampled_from("KVE"))
+def test_receiver_allocates_only_what_its_own_buffer_allows(shape, nbytes, dtype, codec, layer, kind):
+    """A hostile TensorHeader is refused, or lands in at most the receiver's own buffer's bytes."""
+    from droidmesh.shared.errors import ReuseError
+    from droidmesh.shared.transport.bulk import landings
+    from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader
+
+    buf = torch.empty(1, 2, 9, 8)
+    request = PullRequest(context_id="ctx", items=[PullItem(0, "K")])
+    header = TensorHeader(context_id="ctx", layer=layer, kind=kind, shape=shape, dtype=dtype, codec=codec,
+                          codec_params={}, nbytes=nbytes, checksum="0")
+    try:
+        lands = landings(request, PullResponse(headers=[header]), [buf])
+    except ReuseError:
+        return
+    assert all(land.recv.numel() <= buf.numel() * buf.element_size() for land in lands)

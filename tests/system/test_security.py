@@ -19,7 +19,7 @@ from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
 
-ROLES = ("sender", "broker", "receiver", "profiler", "client", "admin")
+ROLES = ("sender", "broker", "receiver", "profiler", "client", "admin", "gateway")
 CONTEXT = words(120)
 THREADS = {"OMP_NUM_THREADS": "1"}
 

@@ -15,7 +15,7 @@ import yaml
 from droidmesh.shared.metrics import Metrics
 
 INFRA = Path(__file__).resolve().parents[3] / "infra"
-SERVICES = ("sender", "receiver", "cache_broker", "profiler")
+SERVICES = ("sender", "receiver", "cache_broker", "profiler", "gateway")
 K8S_VERSION = "1.37.0"
 
 
@@ -52,7 +52,7 @@ def test_entrypoints_are_the_service_modules():
     """Each image's ENTRYPOINT and each Deployment's command is `python -m droidmesh.services.<name>`,
     the same command the system tests run."""
     dockerfile = (INFRA / "docker" / "Dockerfile").read_text()
-    targets = dict(re.findall(r"FROM base AS (\w+)\s*\n(?:#.*\n|EXPOSE.*\n)*ENTRYPOINT (\[.*\])", dockerfile))
+    targets = dict(re.findall(r"FROM base AS (\w+)\s*\n(?:#.*\n|EXPOSE.*\n|ENV.*\n)*ENTRYPOINT (\[.*\])", dockerfile))
     assert set(targets) == set(SERVICES)
     for name, entry in targets.items():
         assert json.loads(entry) == ["python", "-m", f"droidmesh.services.{name}"]
@@ -90,3 +90,27 @@ def test_grafana_dashboard_queries_exported_metrics():
     used = {name for p in dash["panels"] for t in p["targets"] for name in re.findall(r"\bdm_\w+", t["expr"])}
     base = {re.sub(r"_(total|bucket|count|sum)$", "", n) for n in used}
     assert base and base <= exported, base - exported
+
+
+def test_every_nats_role_has_a_password_everywhere():
+    """Each role nats-auth.conf reads a password for is generated, in the example Secret, and passed to Compose's nats."""
+    roles = set(re.findall(r"\$DM_NATS_PASSWORD_(\w+)", (INFRA / "nats" / "nats-auth.conf").read_text()))
+    generated = set(re.search(r"for role in ([\w ]+); do", (INFRA / "secrets" / "generate.sh").read_text()).group(1).split())
+    secret = next(d for _, d in _k8s_docs() if d["kind"] == "Secret")
+    compose_env = yaml.safe_load((INFRA / "compose.yaml").read_text())["services"]["nats"]["environment"]
+    assert "GATEWAY" in roles
+    assert roles == generated == {k.removeprefix("DM_NATS_PASSWORD_") for k in secret["stringData"]} \
+        == {k.removeprefix("DM_NATS_PASSWORD_") for k in compose_env}
+
+
+def test_gateway_is_reachable_only_where_meant():
+    """Compose publishes the gateway's API on loopback only; the k8s Service and HPA point at its Deployment."""
+    gw = yaml.safe_load((INFRA / "compose.yaml").read_text())["services"]["gateway"]
+    assert gw["ports"] and all(p.startswith("127.0.0.1:") for p in gw["ports"])
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _k8s_docs()}
+    (c,) = docs[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"]
+    (port,) = docs[("Service", "gateway")]["spec"]["ports"]
+    assert port["targetPort"] in {p["name"] for p in c["ports"]}
+    for (kind, _), d in docs.items():
+        if kind == "HorizontalPodAutoscaler":
+            assert ("Deployment", d["spec"]["scaleTargetRef"]["name"]) in docs

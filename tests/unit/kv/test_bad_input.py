@@ -7,7 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from droidmesh.shared.errors import BadRequestError, CacheLayoutError, IncompatibleModelsError, MissingLayerError, ReuseError
+from droidmesh.shared.errors import (
+    BadRequestError,
+    CacheLayoutError,
+    IncompatibleModelsError,
+    IntegrityError,
+    MissingLayerError,
+    ReuseError,
+)
 from droidmesh.shared.kv.blocks import KVBlock
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import prefill
@@ -107,3 +114,31 @@ def test_reuse_plan_without_source_is_a_bad_request(receiver, prompt):
     ctx, q = prompt
     with pytest.raises(BadRequestError, match="needs a sender cache"):
         prefill(receiver, ctx + q, ReusePlan.full_reuse())
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf"), 1e30, -3e9])
+@pytest.mark.parametrize("mode", ["kv", "e", "blend"])
+def test_poisoned_values_are_integrity_errors(receiver, prompt, poison, mode):
+    """A NaN, inf or absurdly large value in a sender's K/V or E is an IntegrityError (a ReuseError: fallback)."""
+    ctx, q = prompt
+    cap = capture_prefill(receiver, ctx, e_layers=[2])
+    if mode == "e":
+        e = cap.e[2].clone()
+        e[0, 1, 3] = poison
+        cap, plan = dataclasses.replace(cap, e={2: e}), ReusePlan.recompute(2, 4)
+    else:
+        v = cap.kv[4].v.clone()
+        v[0, 0, 2, 1] = poison
+        cap = _with_kv(cap, 4, KVBlock(4, cap.kv[4].k, v))
+        plan = ReusePlan.cacheblend(0.2) if mode == "blend" else ReusePlan.full_reuse()
+    with pytest.raises(IntegrityError, match="values out of range"):
+        prefill(receiver, ctx + q, plan, CapturedSource(cap))
+
+
+def test_values_within_the_bound_are_accepted(receiver, prompt):
+    """Large but plausible activations (1e4) pass the range check."""
+    ctx, q = prompt
+    cap = capture_prefill(receiver, ctx)
+    v = cap.kv[1].v.clone()
+    v[0, 0, 0, 0] = 1e4
+    prefill(receiver, ctx + q, ReusePlan.full_reuse(), CapturedSource(_with_kv(cap, 1, KVBlock(1, cap.kv[1].k, v))))

@@ -89,13 +89,23 @@ def test_receiver_accepts_only_configs_of_its_own_weights():
 
 
 def test_holder_without_the_points_e_is_not_used():
-    """Points whose transition E the holder lacks are skipped; none left means full prefill."""
+    """Points whose transition E the holder lacks are skipped while another point's E is kept."""
     d = policy.decide("auto", holder(e_layers=(0,)), None, CFG, ME, policy.Online(4000, queued=3))
     assert d.plan == ReusePlan.recompute(0, 8)
+
+
+def test_groups_extend_down_to_e_the_holder_keeps():
+    """A context prefilled before its config keeps no group's E: groups start lower instead of full prefill."""
     only_mid = RecomputeConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__},
                                   "frontier": FRONTIER[1:3], "chosen": FRONTIER[1]})
-    d = policy.decide("auto", holder(e_layers=(0,)), None, only_mid, ME, policy.Online(4000))
-    assert (d.path, d.reason[0]) == ("full_prefill", "no_e")
+    d = policy.decide("auto", holder(e_layers=(0,)), None, only_mid, ME, policy.Online(4000, queued=3))
+    (s, e), = only_mid.chosen.plan.groups
+    assert s > 0 and d.path == "partial" and d.plan == ReusePlan.recompute(0, e)
+    two = FrontierPoint(plan=PlanSpec(groups=[(2, 3), (5, 7)]), recomputed_layers=3, quality=0.9)
+    assert policy.extended(two, {0, 4}).plan.groups == [(0, 3), (4, 7)]
+    assert policy.extended(two, {0}).plan.groups == [(0, 7)]
+    merged = policy.extended(FrontierPoint(plan=PlanSpec(groups=[(2, 3), (3, 5)]), recomputed_layers=3, quality=0.9), {0})
+    assert merged.plan.groups == [(0, 5)] and merged.recomputed_layers == 5
 
 
 def test_no_config_no_default_is_full_prefill_with_reason():

@@ -1,0 +1,12 @@
+"""`python -m droidmesh.services.gateway`: config -> logging -> run until SIGTERM / SIGINT (`shared.runtime`)."""
+
+from __future__ import annotations
+
+import sys
+
+from droidmesh.services.gateway.config import GatewayConfig
+from droidmesh.services.gateway.service import GatewayService
+from droidmesh.shared.runtime import main
+
+if __name__ == "__main__":
+    main(GatewayConfig, "gateway", GatewayService, sys.argv[1:])

@@ -1,0 +1,49 @@
+"""Gateway configuration (flags / DM_GATEWAY_* / DM_* env)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.wire.schemas import MAX_MESSAGE_BYTES
+
+# A request body becomes one GenerateRequest on the bus: keep room for the envelope under
+# NATS' max payload, so an accepted body never fails later as an oversize message.
+MAX_BODY_CEILING = MAX_MESSAGE_BYTES - (64 << 10)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatewayConfig(BusSettings):
+    """OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions) over the mesh."""
+
+    http_host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address the API listens on"})
+    http_port: int = dataclasses.field(default=8000, metadata={"help": "API port (0: any free port, logged)"})
+    request_timeout_s: float = dataclasses.field(
+        default=60.0, metadata={"help": "per-request deadline (a client may lower it: header x-request-timeout)"})
+    max_body_bytes: int = dataclasses.field(default=512 << 10, metadata={"help": "largest request body accepted (413 above)"})
+    default_max_tokens: int = dataclasses.field(default=16, metadata={"help": "max_tokens when a request names none"})
+    max_tokens_limit: int = dataclasses.field(default=1024, metadata={"help": "largest max_tokens accepted (400 above)"})
+    models_ttl_s: float = dataclasses.field(default=5.0, metadata={"help": "how long a receiver discovery is reused"})
+    discovery_window_s: float = dataclasses.field(default=0.25, metadata={"help": "how long a discovery collects answers"})
+    shutdown_grace_s: float = dataclasses.field(default=30.0, metadata={"help": "how long a stop waits for requests in flight"})
+    gateway_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: gateway-pid)"})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.http_port < 65536:
+            raise ConfigError(f"http_port {self.http_port} out of range")
+        if not self.http_host:
+            raise ConfigError("http_host must not be empty")
+        for name in ("request_timeout_s", "models_ttl_s", "discovery_window_s", "shutdown_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if not 1 <= self.max_body_bytes <= MAX_BODY_CEILING:
+            raise ConfigError(f"max_body_bytes must be in [1, {MAX_BODY_CEILING}] (one bus message)")
+        if self.max_tokens_limit < 1:
+            raise ConfigError("max_tokens_limit must be >= 1")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ConfigError("default_max_tokens must be in [1, max_tokens_limit]")
+        if not self.gateway_id:
+            object.__setattr__(self, "gateway_id", f"gateway-{os.getpid()}")

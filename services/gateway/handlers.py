@@ -1,0 +1,215 @@
+"""The gateway's HTTP handlers (aiohttp) and the middleware every request passes through.
+
+The middleware gives each request its ids, runs it, turns whatever it raised into an OpenAI
+error response (through `openai.to_http`, the one mapping), counts it and writes the one
+canonical `request` log line. Handlers only parse, call the mesh and shape the answer.
+
+Ids: `request_id` is the client's `x-request-id` when it looks sane (else generated) and is
+echoed in the response header and every log line; the mesh is always called with a fresh
+`mesh_request_id`, because receivers answer a repeated request id from their reply cache and a
+client-chosen id must never return another request's answer. The response's `id` uses it too.
+
+Deadline: `request_timeout_s` from the config; a client may lower it (never raise it) with the
+header `x-request-timeout: <seconds>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from droidmesh.services.gateway import openai
+from droidmesh.services.gateway.state import GatewayState
+from droidmesh.shared.wire import schemas
+
+log = structlog.get_logger("gateway")
+STATE: web.AppKey[GatewayState] = web.AppKey("state", GatewayState)
+SANE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclasses.dataclass
+class RequestContext:
+    request_id: str
+    mesh_request_id: str
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the canonical log line adds
+
+
+# aiohttp runs each request in its own task, so a context variable set by the middleware is this
+# request's alone (and needs no per-version aiohttp request-storage keys).
+CURRENT: contextvars.ContextVar[RequestContext] = contextvars.ContextVar("gateway_request")
+
+
+def make_app(state: GatewayState) -> web.Application:
+    # client_max_size makes aiohttp refuse a larger body (chunked or not) while reading it.
+    app = web.Application(middlewares=[_middleware], client_max_size=state.cfg.max_body_bytes)
+    app[STATE] = state
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    return app
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    given = request.headers.get("x-request-id", "")
+    mesh_id = uuid.uuid4().hex[:16]
+    rid = given if SANE_ID.fullmatch(given) else mesh_id
+    ctx = RequestContext(rid, mesh_id)
+    reset = CURRENT.set(ctx)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "other"  # bounded label values
+    began = time.monotonic()
+    state.metrics.gateway_inflight.inc()
+    failure: BaseException | None = None
+    with structlog.contextvars.bound_contextvars(request_id=rid):
+        try:
+            resp = await handler(request)
+        except Exception as e:
+            failure = e
+            status, body = openai.to_http(e, rid)
+            ctx.facts["error"] = body["error"]["code"]
+            resp = web.json_response(body, status=status)
+        finally:
+            state.metrics.gateway_inflight.dec()
+            CURRENT.reset(reset)
+        if not resp.prepared:  # a stream set it before its first byte
+            resp.headers["x-request-id"] = rid
+        seconds = time.monotonic() - began
+        state.metrics.gateway_requests.labels(route, str(resp.status)).inc()
+        state.metrics.gateway_seconds.labels(route).observe(seconds)
+        internal = failure is not None and resp.status == 500
+        log.info("request", method=request.method, route=route, status=resp.status, mesh_request_id=mesh_id,
+                 duration_ms=round(seconds * 1e3, 2), **ctx.facts,
+                 **({"error_detail": repr(failure), "exc_info": failure} if internal else {}))
+    return resp
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(openai.models_body(state.model_rows(await state.models())))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model = request.match_info["model"]
+    await state.check_model(model)
+    (row,) = [r for r in state.model_rows(await state.models()) if r[0] == model]
+    return web.json_response(openai.model_entry(*row))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, openai.parse_completion)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, openai.parse_chat)
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    declared = request.content_length
+    if declared is not None and declared > limit:  # refuse before reading a byte of it
+        raise openai.BodyTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit}")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise openai.BodyTooLargeError(f"request body exceeds the limit of {limit} bytes") from None
+
+
+def _timeout(request: web.Request, default: float) -> float:
+    raw = request.headers.get("x-request-timeout")
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise openai.InvalidRequestError(f"x-request-timeout must be positive seconds, got {raw[:32]!r}",
+                                         param="x-request-timeout")
+    return min(value, default)
+
+
+async def _generate(request: web.Request, parse: Callable[[bytes, openai.Limits], openai.MeshCall]) -> web.StreamResponse:
+    state, ctx = request.app[STATE], CURRENT.get()
+    facts = ctx.facts
+    call = parse(await _read_body(request, state.cfg.max_body_bytes), state.limits)
+    facts.update(model=call.model, kind=call.kind, stream=call.stream, max_new_tokens=call.max_new_tokens)
+    timeout = _timeout(request, state.cfg.request_timeout_s)
+    async with asyncio.timeout(timeout):  # discovery counts against the deadline too
+        await state.check_model(call.model)
+    mesh_id = ctx.mesh_request_id
+    kwargs: dict[str, Any] = dict(max_new_tokens=call.max_new_tokens, timeout=timeout, request_id=mesh_id,
+                                  sampling=call.sampling, chat=call.chat)
+    created = int(time.time())
+    if call.stream:
+        return await _stream(request, state, call, kwargs, created)
+    async with asyncio.timeout(timeout):  # the client has its own; this also bounds one that overruns it
+        reply = await state.client.ask(call.model, call.context, call.question, **kwargs)
+    _account(state, facts, reply)
+    return web.json_response(openai.completion_body(call, mesh_id, created, reply))
+
+
+async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCall, kwargs: dict[str, Any],
+                  created: int) -> web.StreamResponse:
+    """Server-sent events. Until the mesh's first item arrives nothing is sent, so a request the
+    mesh refuses at once is an ordinary HTTP error; after that an error is one `error` event. A
+    client that goes away ends only its own stream (the async iterator is closed)."""
+    ctx = CURRENT.get()
+    facts = ctx.facts
+    enc = openai.SseEncoder(call, ctx.mesh_request_id, created)
+    items = state.client.stream(call.model, call.context, call.question, **kwargs)
+    resp: web.StreamResponse | None = None
+    try:
+        async with asyncio.timeout(kwargs["timeout"]):
+            async for item in items:
+                frame = enc.final(item) if isinstance(item, schemas.GenerateReply) else enc.chunk(item)
+                if resp is None:
+                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                       "x-request-id": ctx.request_id})
+                    await resp.prepare(request)
+                if frame:
+                    await resp.write(frame)
+                if enc.reply is not None:
+                    break
+        if enc.reply is None:
+            raise openai.ApiError("the mesh ended the stream without a final reply")
+        _account(state, facts, enc.reply)
+    except ConnectionResetError:  # the client went away: stop writing, close only this stream
+        if resp is None:
+            raise
+        facts["client_gone"] = True
+    except Exception as e:
+        if resp is None:
+            raise  # nothing sent yet: the middleware answers with a plain HTTP error
+        _, body = openai.to_http(e, ctx.request_id)
+        facts["error"] = body["error"]["code"]
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(openai.sse(body))
+    finally:
+        aclose = getattr(items, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    assert resp is not None  # every path that leaves it None raised above
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+    return resp
+
+
+def _account(state: GatewayState, facts: dict[str, Any], reply: schemas.GenerateReply) -> None:
+    facts.update(openai.log_facts(reply))
+    state.metrics.gateway_tokens.labels("prompt").inc(reply.prompt_tokens)
+    state.metrics.gateway_tokens.labels("completion").inc(len(reply.token_ids))
+    state.metrics.gateway_tokens.labels("reused").inc(reply.reused_tokens)

@@ -1,0 +1,333 @@
+"""OpenAI's API shapes and their conversion to and from the mesh: pure functions, no I/O.
+
+Requests decode into msgspec Structs that refuse unknown fields and bound every size and range,
+so nothing reaches the mesh with a field of the wrong type or an unbounded list. Parameters
+OpenAI defines that the mesh cannot honour (`n`, `logprobs`, `tools`, ...) pass only at their
+neutral value (`NEUTRAL`); any other value is a 400 naming the parameter. A completion's prompt
+is the mesh's `context` (so a prompt starting with a context a sender prefilled reuses its cache)
+and a chat is rendered by the receiver's own chat template.
+
+Errors: the `ApiError` classes below extend `shared.errors`, and `to_http` is the one place
+where any exception (these, the mesh's `MeshError`, timeouts, aiohttp's own HTTP errors) becomes
+an HTTP status and OpenAI's `{"error": {message, type, param, code}}` body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from droidmesh.shared.errors import BadRequestError, DroidMeshError
+from droidmesh.shared.wire import schemas
+
+Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+StopList = Annotated[list[Text], msgspec.Meta(min_length=1, max_length=4)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+# -- errors ---------------------------------------------------------------------------------
+class ApiError(DroidMeshError):
+    """An error the gateway raises itself; `param` names the offending request field, if one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidRequestError(ApiError, BadRequestError):
+    code = "invalid_value"
+
+
+class InvalidJSONError(InvalidRequestError):
+    code = "invalid_json"
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    code = "unsupported_parameter"
+
+
+class BodyTooLargeError(InvalidRequestError):
+    code = "request_too_large"
+
+
+class ModelNotFoundError(ApiError):
+    code = "model_not_found"
+
+
+class MeshUnavailableError(ApiError):
+    """NATS is down, discovery failed, or no receiver of a known model answers."""
+
+    code = "service_unavailable"
+
+
+# Error code -> HTTP status; every code not listed (the mesh's `internal`, ...) is a 500.
+STATUS = {
+    "invalid_value": 400, "invalid_json": 400, "unsupported_parameter": 400,
+    "bad_request": 400, "bad_message": 400, "schema_version": 400,  # the mesh refused the request itself
+    "model_not_found": 404, "request_too_large": 413,
+    "service_unavailable": 503, "deadline_exceeded": 504,
+}
+
+
+def to_http(exc: BaseException, request_id: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI error body) for any exception a request ended with."""
+    param: str | None = None
+    if isinstance(exc, web.HTTPException):  # aiohttp's own: unknown route, wrong method
+        status, code, message = exc.status, re.sub(r"\W+", "_", exc.reason.lower()), exc.reason
+    elif isinstance(exc, TimeoutError):
+        # nats-py's "no responders" reaches us as a TimeoutError caused by NoRespondersError:
+        # nobody serves the model right now (503), which is not a deadline passing (504).
+        if type(exc.__cause__).__name__ == "NoRespondersError":
+            status, code, message = 503, "service_unavailable", "no receiver of this model is answering"
+        else:
+            status, code, message = 504, "deadline_exceeded", "the request's deadline passed"
+    elif isinstance(exc, DroidMeshError):
+        code = exc.code
+        status, message, param = STATUS.get(code, 500), str(exc), getattr(exc, "param", None)
+    elif type(exc).__module__.startswith("nats"):  # connection closed / lost mid-request
+        status, code, message = 503, "service_unavailable", "the mesh's control plane is unreachable"
+    else:
+        status, code, message = 500, "internal", ""
+    if status >= 500 and status not in (503, 504):
+        message = f"internal error (request id {request_id})"  # never leak a peer's traceback or repr
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- requests -------------------------------------------------------------------------------
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: Text
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    seed: int | None = None
+    stop: Text | StopList | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # accepted, unused
+    # OpenAI parameters the mesh cannot honour: accepted only at their neutral value (NEUTRAL).
+    n: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+
+class CompletionRequest(_Request, kw_only=True, forbid_unknown_fields=True):
+    prompt: Annotated[str, msgspec.Meta(min_length=1)]  # OpenAI also takes lists and token ids: a string only here
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=64)]
+    name: Annotated[str, msgspec.Meta(max_length=64)] | None = None  # accepted, unused
+
+
+class ChatRequest(_Request, kw_only=True, forbid_unknown_fields=True):
+    messages: Annotated[list[ChatMessageIn], msgspec.Meta(min_length=1, max_length=1024)]
+    max_completion_tokens: PositiveInt | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+R = TypeVar("R", bound=_Request)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    default_max_tokens: int
+    max_tokens_limit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshCall:
+    """One request, as the mesh client is called with it."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    context: str
+    question: str
+    chat: list[schemas.ChatMessage] | None
+    sampling: schemas.Sampling
+    max_new_tokens: int
+    stream: bool
+    include_usage: bool
+
+
+def _decode(body: bytes, kind: type[R]) -> R:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        unknown = re.match(r"Object contains unknown field `([^`]*)`", msg)
+        if unknown:
+            name = unknown.group(1)[:64]
+            raise UnsupportedParameterError(f"unrecognized request argument: {name!r}", param=name) from None
+        at = re.search(r" - at `\$\.?([^`]*)`$", msg)
+        raise InvalidRequestError(msg, param=(at.group(1) or None) if at else None) from None
+    except msgspec.DecodeError as e:
+        raise InvalidJSONError(f"request body is not valid JSON: {e}") from None
+
+
+def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: str) -> dict[str, Any]:
+    for name, neutral in NEUTRAL.items():
+        value = getattr(req, name, None)
+        if not any(value == v and type(value) is type(v) for v in neutral):  # True is not 1 here
+            raise UnsupportedParameterError(f"{name!r} is not supported by DroidMesh (only {neutral[1]!r})", param=name)
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
+    n = limits.default_max_tokens if max_tokens is None else max_tokens
+    if n > limits.max_tokens_limit:
+        raise InvalidRequestError(f"{max_param} {n} exceeds this gateway's limit {limits.max_tokens_limit}", param=max_param)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    # OpenAI's defaults (temperature 1, top_p 1) when a field is absent; temperature 0 is greedy.
+    sampling = schemas.Sampling(temperature=1.0 if req.temperature is None else req.temperature,
+                                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop)
+    return dict(model=req.model, sampling=sampling, max_new_tokens=n, stream=req.stream,
+                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+def parse_completion(body: bytes, limits: Limits) -> MeshCall:
+    """POST /v1/completions: the prompt is sent as the context (question empty)."""
+    req = _decode(body, CompletionRequest)
+    return MeshCall(kind="completion", context=req.prompt, question="", chat=None,
+                    **_common(req, limits, req.max_tokens, "max_tokens"))
+
+
+def parse_chat(body: bytes, limits: Limits) -> MeshCall:
+    """POST /v1/chat/completions: the messages go as `chat` (OpenAI's `developer` role is `system`)."""
+    req = _decode(body, ChatRequest)
+    chat = [schemas.ChatMessage(role="system" if m.role == "developer" else m.role,
+                                content=m.content if isinstance(m.content, str) else "".join(p.text for p in m.content))
+            for m in req.messages]
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return MeshCall(kind="chat", context="", question="", chat=chat, **_common(req, limits, limit, param))
+
+
+# -- responses ------------------------------------------------------------------------------
+def extension(r: schemas.GenerateReply) -> dict[str, Any]:
+    """The `droidmesh` field: how the mesh served this answer."""
+    return {"path": r.path, "plan": r.plan, "ttft_ms": round(r.ttft_ms, 2), "bytes_pulled": r.bytes_pulled,
+            "reused_tokens": r.reused_tokens, "sender_id": r.sender_id, "served_by": r.served_by,
+            "fallback_reason": r.fallback_reason}
+
+
+def usage(r: schemas.GenerateReply) -> dict[str, int]:
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
+            "total_tokens": r.prompt_tokens + len(r.token_ids)}
+
+
+def response_id(call: MeshCall, request_id: str) -> str:
+    return ("chatcmpl-" if call.kind == "chat" else "cmpl-") + request_id
+
+
+def completion_body(call: MeshCall, rid: str, created: int, r: schemas.GenerateReply) -> dict[str, Any]:
+    """The whole (non-streamed) answer."""
+    if call.kind == "chat":
+        obj, choice = "chat.completion", {"index": 0, "message": {"role": "assistant", "content": r.text}}
+    else:
+        obj, choice = "text_completion", {"index": 0, "text": r.text}
+    return {"id": response_id(call, rid), "object": obj, "created": created, "model": call.model,
+            "choices": [{**choice, "logprobs": None, "finish_reason": r.finish_reason}],
+            "usage": usage(r), "droidmesh": extension(r)}
+
+
+def models_body(models: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """GET /v1/models from (model id, first seen unix time, live instances)."""
+    return {"object": "list", "data": [model_entry(*m) for m in models]}
+
+
+def model_entry(model_id: str, created: int, instances: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "droidmesh",
+            "droidmesh": {"instances": instances}}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `obj` as JSON."""
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class SseEncoder:
+    """One streamed request's events: a chunk per mesh chunk, then from the final reply any text
+    the chunks missed, the chunk with `finish_reason` (and the `droidmesh` field), the usage
+    chunk when asked for, and `[DONE]`."""
+
+    def __init__(self, call: MeshCall, rid: str, created: int):
+        self.call, self.created = call, created
+        self.id = response_id(call, rid)
+        self.sent: list[str] = []
+        self.reply: schemas.GenerateReply | None = None
+
+    def _chunk(self, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.call.model, "choices": [choice], **extra}
+        if self.call.include_usage:
+            body.setdefault("usage", None)  # as OpenAI: every chunk but the last has usage null
+        return body
+
+    def _delta(self, text: str, finish: str | None = None) -> bytes:
+        if self.call.kind == "chat":
+            delta: dict[str, str] = {"content": text} if text or finish is None else {}
+            if not self.sent and finish is None:
+                delta = {"role": "assistant", **delta}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if finish is None:
+            self.sent.append(text)
+            return sse(self._chunk(choice))
+        assert self.reply is not None
+        return sse(self._chunk(choice, droidmesh=extension(self.reply)))
+
+    def chunk(self, c: schemas.GenerateChunk) -> bytes:
+        return self._delta(c.text) if c.text else b""
+
+    def final(self, r: schemas.GenerateReply) -> bytes:
+        self.reply = r
+        so_far = "".join(self.sent)
+        # The reply carries the whole text: a chunk the stream lost is completed from it.
+        out = self._delta(r.text[len(so_far):]) if r.text.startswith(so_far) and len(r.text) > len(so_far) else b""
+        out += self._delta("", finish=r.finish_reason)
+        if self.call.include_usage:
+            body = self._chunk({}, usage=usage(r))
+            body["choices"] = []
+            out += sse(body)
+        return out + SSE_DONE
+
+
+def log_facts(r: schemas.GenerateReply) -> dict[str, Any]:
+    """What the canonical request log line records of an answer."""
+    return {**extension(r), "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
+            "finish_reason": r.finish_reason}

@@ -1,0 +1,77 @@
+"""What the gateway's handlers share (`GatewayState`): config, the mesh client, metrics and the
+receiver models discovered, apart from the service that builds it (`service.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from droidmesh.services.gateway import openai
+from droidmesh.services.gateway.config import GatewayConfig
+from droidmesh.shared import discovery
+from droidmesh.shared.metrics import Metrics
+from droidmesh.shared.wire import schemas
+
+MAX_REMEMBERED_MODELS = 4096  # ids ever seen (404 vs 503); bounded against a peer inventing names
+
+
+class Mesh(Protocol):
+    """The part of `shared.client.MeshClient` the gateway uses (tests pass a fake)."""
+
+    async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
+                  mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,
+                  sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...
+                  ) -> schemas.GenerateReply: ...
+
+    def stream(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
+               mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,
+               sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...
+               ) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]: ...
+
+    async def receivers(self, window_s: float = ...) -> list[discovery.ReceiverModel]: ...
+
+
+class GatewayState:
+    def __init__(self, cfg: GatewayConfig, client: Mesh, metrics: Metrics, mesh_up: Callable[[], bool] = lambda: True):
+        self.cfg, self.client, self.metrics, self.mesh_up = cfg, client, metrics, mesh_up
+        self.limits = openai.Limits(cfg.default_max_tokens, cfg.max_tokens_limit)
+        self.first_seen: dict[str, int] = {}  # model id -> unix time first discovered ("created")
+        self._models: list[discovery.ReceiverModel] = []
+        self._fetched: float | None = None  # monotonic time of the last discovery
+        self._lock = asyncio.Lock()  # one discovery at a time; requests arriving meanwhile share it
+
+    async def models(self) -> list[discovery.ReceiverModel]:
+        """Receiver models up now: a discovery at most every `models_ttl_s` (each one blocks for
+        `discovery_window_s`), shared by every request that needs it meanwhile."""
+        if not self.mesh_up():
+            raise openai.MeshUnavailableError("the mesh's control plane (NATS) is unreachable")
+        if self._fresh():
+            return self._models
+        async with self._lock:
+            if not self._fresh():
+                try:
+                    found = await self.client.receivers(self.cfg.discovery_window_s)
+                except Exception as e:  # NATS lost meanwhile, a flush timing out: the mesh is unavailable
+                    raise openai.MeshUnavailableError(f"receiver discovery failed: {type(e).__name__}") from e
+                self._models, self._fetched = found, time.monotonic()
+                now = int(time.time())
+                for m in found:
+                    if len(self.first_seen) < MAX_REMEMBERED_MODELS:
+                        self.first_seen.setdefault(m.model_id, now)
+        return self._models
+
+    def _fresh(self) -> bool:
+        return self._fetched is not None and time.monotonic() - self._fetched < self.cfg.models_ttl_s
+
+    async def check_model(self, model: str) -> None:
+        """404 for a model never discovered; 503 for one seen before that has no receiver up now."""
+        if any(m.model_id == model for m in await self.models()):
+            return
+        if model in self.first_seen:
+            raise openai.MeshUnavailableError(f"no receiver of model {model!r} is up", param="model")
+        raise openai.ModelNotFoundError(f"the model {model!r} does not exist (GET /v1/models lists them)", param="model")
+
+    def model_rows(self, models: list[discovery.ReceiverModel]) -> list[tuple[str, int, int]]:
+        return [(m.model_id, self.first_seen.get(m.model_id, 0), len(m.instances)) for m in models]

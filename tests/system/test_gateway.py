@@ -1,0 +1,145 @@
+"""The gateway as a process in front of a real mesh (nats-server, broker, sender, receiver), driven
+by the official `openai` client and by curl."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.launch import NATS_AUTH_CONF, Proc, start_nats, start_service
+from tests.system.conftest import until_indexed, words
+
+pytestmark = pytest.mark.system
+
+THREADS = {"OMP_NUM_THREADS": "1"}
+CONTEXT = words(400)
+QUESTION = " what is gamma"
+CHAT = [{"role": "user", "content": words(40, offset=3)}]
+
+
+class Mesh:
+    def __init__(self, url: str, gateway: Proc):
+        self.url, self.gateway = url, gateway
+        self.port = gateway.events("gateway_started")[0]["http_port"]
+        self.base = f"http://127.0.0.1:{self.port}/v1"
+        self.client = openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """One mesh for the module: nats, broker, sender `summ`, receiver `qa` (group [1, 2)), gateway on a free port."""
+    nats, url = start_nats(store_dir=str(tmp_path_factory.mktemp("js")))
+    procs: list[Proc] = [nats]
+    try:
+        procs.append(start_service("cache_broker", {}, url, env=THREADS))
+        procs.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "summ", "e_layers": [1]}, url, env=THREADS))
+        procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa", "default_group": [1, 2]}, url,
+                                   env=THREADS))
+        procs.append(start_service("gateway", {"http_port": 0, "max_tokens_limit": 64, "default_max_tokens": 8}, url))
+        yield Mesh(url, procs[-1])
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_models_lists_the_receiver(mesh):
+    """GET /v1/models through the openai client lists the receiver's model id."""
+    assert "qa" in [m.id for m in mesh.client.models.list()]
+
+
+def test_completion_and_chat(mesh):
+    """A non-streamed completion and chat completion answer with usage and the droidmesh extension."""
+    comp = mesh.client.completions.create(model="qa", prompt=words(60), max_tokens=6, temperature=0)
+    assert comp.object == "text_completion" and comp.choices[0].finish_reason in ("stop", "length")
+    assert comp.usage is not None and comp.usage.completion_tokens >= 1 and comp.usage.prompt_tokens > 0
+    ext = (comp.model_extra or {})["droidmesh"]
+    assert set(ext) == {"path", "plan", "ttft_ms", "bytes_pulled", "reused_tokens", "sender_id", "served_by", "fallback_reason"}
+    chat = mesh.client.chat.completions.create(model="qa", messages=CHAT, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
+    assert (chat.model_extra or {})["droidmesh"]["served_by"]
+
+
+def test_streamed_chat_deltas_make_the_text(mesh):
+    """A streamed chat's deltas concatenate to the text the same greedy request gets unstreamed; the
+    finish chunk carries the extension and the last chunk the usage."""
+    whole = mesh.client.chat.completions.create(model="qa", messages=CHAT, max_tokens=8, temperature=0)
+    chunks = list(mesh.client.chat.completions.create(model="qa", messages=CHAT, max_tokens=8, temperature=0, stream=True,
+                                                      stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and "droidmesh" in (finish[0].model_extra or {})
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_prompt_over_a_prefilled_context_reuses_the_senders_cache(mesh, tiny_models):
+    """A completion whose prompt starts with a context the sender prefilled is served from the sender's KV."""
+    async def prefill() -> None:
+        client = await MeshClient.connect(mesh.url)
+        try:
+            await client.prefill("summ", CONTEXT)
+            await until_indexed(client, tiny_models[1], CONTEXT)
+        finally:
+            await client.close()
+
+    asyncio.run(prefill())
+    comp = mesh.client.completions.create(model="qa", prompt=CONTEXT + QUESTION, max_tokens=4, temperature=0)
+    ext = (comp.model_extra or {})["droidmesh"]
+    assert ext["path"] != "full_prefill" and ext["bytes_pulled"] > 0 and ext["reused_tokens"] > 0, ext
+
+
+def test_errors_are_openai_errors(mesh):
+    """An unknown model is NotFoundError, max_tokens above the limit BadRequestError, n=2 BadRequestError."""
+    with pytest.raises(openai.NotFoundError):
+        mesh.client.chat.completions.create(model="nope", messages=CHAT)
+    with pytest.raises(openai.BadRequestError) as e:
+        mesh.client.completions.create(model="qa", prompt="x", max_tokens=65)
+    assert e.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        mesh.client.chat.completions.create(model="qa", messages=CHAT, n=2)
+
+
+def test_curl_and_the_canonical_log_line(mesh):
+    """curl gets a chat completion; the gateway logs one `request` line per request with its id."""
+    body = json.dumps({"model": "qa", "messages": CHAT, "max_tokens": 6, "temperature": 0})
+    out = subprocess.run(["curl", "-sS", f"{mesh.base}/chat/completions", "-H", "Content-Type: application/json",
+                          "-H", "x-request-id: curl-1", "-d", body], capture_output=True, text=True, check=True).stdout
+    print(out)  # the README's example output (pytest -s)
+    assert json.loads(out)["object"] == "chat.completion"
+    mesh.gateway.wait_for(lambda line: '"curl-1"' in line and '"request"' in line, 30, "the request log line")
+    (line,) = [r for r in mesh.gateway.events("request") if r["request_id"] == "curl-1"]
+    assert line["status"] == 200 and line["route"] == "/v1/chat/completions" and "path" in line
+
+
+def test_gateway_under_least_privilege(tiny_pair, services, tmp_path):
+    """With per-role NATS users the gateway role discovers receivers and gets answers, streamed ones
+    included (the receiver role may publish chunks into the gateway's inbox)."""
+    roles = set(re.findall(r"\$DM_NATS_PASSWORD_(\w+)", NATS_AUTH_CONF.read_text()))
+    pw = {r.lower(): secrets.token_hex(12) for r in roles}
+    nats, url = start_nats(store_dir=str(tmp_path / "js"), conf=NATS_AUTH_CONF,
+                           env={f"DM_NATS_PASSWORD_{r.upper()}": p for r, p in pw.items()})
+    services.append(nats)
+
+    def role(name: str) -> dict[str, str]:
+        return {**THREADS, "DM_NATS_USER": name, "DM_NATS_PASSWORD": pw[name]}
+
+    services.append(start_service("profiler", {}, url, env=role("profiler")))  # creates the config bucket readers watch
+    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa"}, url, env=role("receiver")))
+    gateway = start_service("gateway", {"http_port": 0}, url, env=role("gateway"))
+    services.append(gateway)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.events('gateway_started')[0]['http_port']}/v1",
+                           api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list()] == ["qa"]
+    chunks = list(client.chat.completions.create(model="qa", messages=CHAT, max_tokens=4, temperature=0, stream=True))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert not [line for line in nats.lines if "Permissions Violation" in line], nats.tail()

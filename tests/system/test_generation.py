@@ -1,0 +1,85 @@
+"""Server-style generation through the real mesh: nats-server, broker, sender and receiver as
+separate processes on the zoo's ci tier, streamed through `MeshClient.stream`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from droidmesh.shared.client import MeshClient, MeshError
+from droidmesh.shared.launch import start_service
+from droidmesh.shared.model import text
+from droidmesh.shared.wire import schemas, subjects
+from tests.system.conftest import until_indexed, words
+
+pytestmark = pytest.mark.system
+
+CONTEXT = words(400)
+QUESTION = " what is gamma"
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+
+async def _stream(client: MeshClient, **kwargs) -> tuple[list[schemas.GenerateChunk], schemas.GenerateReply]:
+    chunks, replies = [], []
+    async for item in client.stream("receiver", CONTEXT, QUESTION, **kwargs):
+        (chunks if isinstance(item, schemas.GenerateChunk) else replies).append(item)
+    assert len(replies) == 1, replies
+    return chunks, replies[0]
+
+
+async def _session(url: str, model) -> dict:
+    client = await MeshClient.connect(url)
+    out: dict = {}
+    try:
+        await client.prefill("sender", CONTEXT)
+        await until_indexed(client, model, CONTEXT)
+        out["greedy"] = await _stream(client, max_new_tokens=12)
+        full = out["greedy"][1]
+        stop = next(s for s in (text.decode(model.tokenizer, [t]) for t in full.token_ids[3:]) if s.strip())
+        out["stop"] = stop, await _stream(client, max_new_tokens=12, sampling=schemas.Sampling(stop=[stop]))
+        hot = schemas.Sampling(temperature=1.2, top_p=0.9, seed=1234)
+        out["seeded"] = [await _stream(client, max_new_tokens=10, sampling=hot) for _ in range(2)]
+        bad = []
+        for fields in (dict(stream_subject="dm.cache.available"), dict(sampling=schemas.Sampling(temperature=5.0))):
+            req = schemas.GenerateRequest(request_id=f"bad{len(bad)}", context=CONTEXT, question=QUESTION, **fields)
+            data = await client.bus.request(subjects.receiver_generate("receiver"), schemas.encode(req), timeout=30)
+            bad.append(schemas.decode(data, schemas.ErrorReply))
+        out["bad"] = bad
+        try:
+            await _stream(client, sampling=schemas.Sampling(top_p=2.0))
+        except MeshError as e:
+            out["stream_error"] = e
+        out["after"] = await client.ask("receiver", CONTEXT, QUESTION, max_new_tokens=12)
+    finally:
+        await client.close()
+    return out
+
+
+def test_streaming_stops_and_sampling_through_the_mesh(nats, services, tiny_pair, tiny_models):
+    """Chunks concatenate to the reply (reuse path), a stop string cuts the answer before it,
+    one seed gives one answer, and bad requests get error replies while the receiver keeps serving."""
+    url = nats[1]
+    services.append(start_service("cache_broker", {}, url, env=THREADS))
+    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 1, 2],
+                                             "heartbeat_s": 0.5}, url, env=THREADS))
+    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
+                                               "default_group": [1, 2]}, url, env=THREADS))
+    out = asyncio.run(_session(url, tiny_models[1]))
+
+    chunks, reply = out["greedy"]
+    assert reply.path == "partial" and reply.reused_tokens > 0 and reply.prompt_tokens > reply.reused_tokens
+    assert [c.index for c in chunks] == list(range(len(chunks))) and chunks
+    assert "".join(c.text for c in chunks) == reply.text
+
+    stop, (stop_chunks, stopped) = out["stop"]
+    assert stopped.text == reply.text[: reply.text.index(stop)] and stopped.finish_reason == "stop"
+    assert "".join(c.text for c in stop_chunks) == stopped.text
+
+    (_, a), (_, b) = out["seeded"]
+    assert a.token_ids == b.token_ids and a.text == b.text
+
+    assert [(e.code, e.request_id) for e in out["bad"]] == [("bad_request", "bad0"), ("bad_request", "bad1")]
+    assert "stream_subject" in out["bad"][0].message and "temperature" in out["bad"][1].message
+    assert "top_p" in str(out["stream_error"])
+    assert out["after"].token_ids == reply.token_ids  # still serving, and greedy is deterministic

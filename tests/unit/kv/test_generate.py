@@ -1,0 +1,72 @@
+"""Decoding options of the engine: sampler and on_token, on CPU tiny models, exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model.sampling import make_sampler
+from tests.conftest import reference_greedy
+
+CPU = torch.device("cpu")
+
+
+def test_temperature_zero_sampler_is_the_greedy_path(receiver, prompt):
+    """A temperature-0 sampler gives exactly the default greedy tokens (and HF's own greedy)."""
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=[2]))
+    plain = generate(receiver, ctx + q, ReusePlan.recompute(2, 4), src, max_new_tokens=8)
+    sampled = generate(receiver, ctx + q, ReusePlan.recompute(2, 4), src, max_new_tokens=8,
+                       sampler=make_sampler(0.0, seed=1, device=CPU))
+    assert sampled.tokens == plain.tokens == reference_greedy(receiver, ctx + q, 8)
+    assert sampled.finish_reason == "length"
+
+
+def test_seeded_sampling_replays_on_both_paths(receiver, prompt):
+    """One seed gives one token sequence, through full prefill and through exact self-reuse alike."""
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=[0]))
+
+    def run(seed: int, plan: ReusePlan) -> list[int]:
+        return generate(receiver, ctx + q, plan, src if plan.mode != "full_prefill" else None, max_new_tokens=12,
+                        sampler=make_sampler(1.0, top_p=0.95, seed=seed, device=CPU)).tokens
+
+    first = run(11, ReusePlan.full_prefill())
+    assert run(11, ReusePlan.full_prefill()) == first
+    assert run(11, ReusePlan.recompute(0, 6)) == first  # sender == receiver: the same logits, the same draws
+    assert any(run(seed, ReusePlan.full_prefill()) != first for seed in (12, 13, 14))
+
+
+def test_on_token_sees_every_token_and_can_stop(receiver, prompt):
+    """on_token gets each chosen token in order, first included; returning False ends decoding
+    after that token with finish_reason "stop"."""
+    ctx, q = prompt
+    full = generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=8)
+    seen: list[int] = []
+    gen = generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=8,
+                   on_token=lambda t: seen.append(t) or len(seen) < 3)
+    assert gen.tokens == seen == full.tokens[:3]
+    assert gen.finish_reason == "stop"
+    first_only = generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=8, on_token=lambda t: False)
+    assert first_only.tokens == full.tokens[:1] and first_only.finish_reason == "stop"
+
+
+def test_eos_is_a_stop_and_the_limit_is_length(receiver, prompt):
+    """Decoding that reaches EOS finishes with "stop"; one that reaches max_new_tokens with "length"."""
+    ctx, q = prompt
+    full = generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=6)
+    assert full.finish_reason == "length" and len(full.tokens) == 6
+    eos = full.tokens[2]  # pretend the third token is EOS
+    cut = generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=6, eos_token_id=eos)
+    assert cut.tokens == full.tokens[: full.tokens.index(eos) + 1] and cut.finish_reason == "stop"
+
+
+def test_bad_max_new_tokens(receiver, prompt):
+    """max_new_tokens below 1 is refused before any compute."""
+    with pytest.raises(BadRequestError):
+        generate(receiver, prompt[0], ReusePlan.full_prefill(), max_new_tokens=0)
