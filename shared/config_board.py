@@ -4,18 +4,24 @@
   - `put(config)`        profiler: publish a pair's config under (sender, receiver, version)
   - `watch(on_config)`   receivers / senders: every current config, then each new one, until
                          cancelled; `on_config` runs on the loop and must not block
+`NatsConfigBoard.snapshot()` reads what the bucket holds now (`droidmesh config show`), and
+`validate(config)` is what a config must satisfy to be published (`droidmesh config publish`).
 Backed by a JetStream key-value bucket, so configs survive restarts and late joiners see them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
 
-from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.errors import BadRequestError, DroidMeshError
+from droidmesh.shared.metrics import alarm
 from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("configs")
@@ -24,6 +30,75 @@ OnConfig = Callable[[schemas.RecomputeConfig], Awaitable[None]]
 
 def config_key(cfg: schemas.RecomputeConfig) -> str:
     return f"{subjects.config_key(cfg.sender_model, cfg.receiver_model)}.v{cfg.profile_version}"
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def validate(cfg: schemas.RecomputeConfig) -> schemas.RecomputeConfig:
+    """`cfg`, if a receiver could serve it: models named and bound to sha256s, every plan's
+    groups inside the model and its layer count stated right, known codecs, finite qualities.
+    Raises `BadRequestError` naming the first problem (decoding already checked the types)."""
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.transport import codecs
+
+    if not cfg.sender_model or not cfg.receiver_model:
+        raise BadRequestError("sender_model and receiver_model must be non-empty")
+    for name in ("sender_sha256", "receiver_sha256"):
+        if not _SHA256.match(getattr(cfg, name)):
+            raise BadRequestError(f"{name} {getattr(cfg, name)!r} is not a lowercase hex sha256")
+    if cfg.total_layers < 1 or cfg.profile_version < 0:
+        raise BadRequestError(f"total_layers {cfg.total_layers} must be >= 1 and profile_version {cfg.profile_version} >= 0")
+    if not 0 <= cfg.tolerance < 1:
+        raise BadRequestError(f"tolerance {cfg.tolerance} outside [0, 1)")
+    if not cfg.frontier:
+        raise BadRequestError("frontier is empty")
+    for where, p in [("chosen", cfg.chosen), *((f"frontier[{i}]", p) for i, p in enumerate(cfg.frontier))]:
+        try:
+            ReusePlan.recompute_groups(p.plan.groups).validate(cfg.total_layers)
+            codecs.get(p.plan.codec)
+        except DroidMeshError as e:
+            raise BadRequestError(f"{where}: {e}") from None
+        if p.recomputed_layers != sum(e - s for s, e in p.plan.groups):
+            raise BadRequestError(f"{where}: recomputed_layers {p.recomputed_layers} but groups {p.plan.groups}")
+        if not math.isfinite(p.quality):
+            raise BadRequestError(f"{where}: quality {p.quality} is not a number")
+    if not (math.isfinite(cfg.full_prefill_quality) and math.isfinite(cfg.full_reuse_quality)):
+        raise BadRequestError("full_prefill_quality and full_reuse_quality must be numbers")
+    return cfg
+
+
+MAX_VERSION_AHEAD_S = 86400.0  # time-based versions are unix seconds: more than a day ahead is hostile
+
+
+def refusal(cfg: schemas.RecomputeConfig, now: float | None = None) -> str | None:
+    """Why a watcher must ignore `cfg` (None: take it). A config that would not validate, or whose
+    version or creation time is far in the future (it would outrank every honest config forever),
+    is refused; the watcher keeps its last good config and raises an alarm."""
+    now = time.time() if now is None else now
+    try:
+        validate(cfg)
+    except BadRequestError:
+        return "invalid_config"
+    if cfg.profile_version > now + MAX_VERSION_AHEAD_S or not math.isfinite(cfg.created_at) \
+            or cfg.created_at > now + MAX_VERSION_AHEAD_S:
+        return "future_version"
+    return None
+
+
+async def _deliver(on_config: OnConfig, cfg: schemas.RecomputeConfig, key: str) -> None:
+    """Hand a config to the watcher unless it must be refused; a handler that fails on one
+    config neither stops the watch nor keeps later configs from arriving."""
+    reason = refusal(cfg)
+    if reason is not None:
+        alarm("recompute.config", reason)
+        log.warning("config_refused", key=key, reason=reason)
+        return
+    try:
+        await on_config(cfg)
+    except Exception:
+        alarm("recompute.config", "handler_failed")
+        log.exception("config_handler_failed", key=key)
 
 
 class ConfigBoard(Protocol):
@@ -49,6 +124,31 @@ class NatsConfigBoard:
 
     async def put(self, config: schemas.RecomputeConfig) -> None:
         await (await self._bucket(create=True)).put(config_key(config), schemas.encode(config))
+
+    async def snapshot(self) -> dict[str, schemas.RecomputeConfig | str] | None:
+        """What the bucket holds now, by key: each config, or why its entry does not decode;
+        None when no config was ever published (the bucket does not exist)."""
+        from nats.js.errors import BucketNotFoundError
+
+        try:
+            kv = await self._bucket(create=False)
+        except BucketNotFoundError:
+            return None
+        found: dict[str, schemas.RecomputeConfig | str] = {}
+        watcher = await kv.watchall(ignore_deletes=True)
+        try:
+            async for entry in watcher:
+                if entry is None:  # end of the current values
+                    break
+                if not entry.value:
+                    continue
+                try:
+                    found[entry.key] = schemas.decode(entry.value, schemas.RecomputeConfig)
+                except DroidMeshError as e:
+                    found[entry.key] = str(e)
+        finally:
+            await watcher.stop()
+        return found
 
     async def _open_for_watch(self) -> Any:
         """The bucket, once it exists: readers may lack the permission to create it (under
@@ -85,9 +185,10 @@ class NatsConfigBoard:
                 try:
                     cfg = schemas.decode(entry.value, schemas.RecomputeConfig)
                 except DroidMeshError as e:
+                    alarm("recompute.config", e.code)
                     log.warning("bad_config_entry", key=entry.key, error=str(e))
                     continue
-                await on_config(cfg)
+                await _deliver(on_config, cfg, entry.key)
         finally:
             await watcher.stop()
 
@@ -114,4 +215,4 @@ class InMemoryConfigBoard:
                     continue
             for key, cfg in fresh:
                 seen.add(key)
-                await on_config(cfg)
+                await _deliver(on_config, cfg, key)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import signal
 import sys
 import time
@@ -195,6 +196,17 @@ class ServiceRuntime(Generic[C]):
             await self.health.close()
 
 
+def _quiet_transformers() -> None:
+    """Services log JSON lines: transformers' progress bars ("Loading weights") would land in
+    them as raw terminal text, so they are off in every service process. transformers reads
+    the switch when it is imported (later, with the model); one imported already is told
+    directly. Importing it here would cost the broker, which never loads a model, a second."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.disable_progress_bar()
+
+
 def _start_health(metrics: Metrics, port: int, ready: Callable[[], bool]) -> HealthServer | None:
     """Serve /metrics /livez /readyz on `port` (0: any free port, logged; -1: off)."""
     if port < 0:
@@ -246,10 +258,11 @@ def main(config: type[C], service: str, make: Callable[[C], ServiceRuntime[C]], 
     a non-zero exit status (2: configuration, 1: start), never a traceback."""
     try:
         cfg = settings.load(config, service, argv)
-    except ConfigError as e:
+    except ValueError as e:  # ConfigError, or a check a config's __post_init__ delegates to
         print(f"{service}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     configure_logging(service, cfg.log_level)
+    _quiet_transformers()
     try:
         asyncio.run(run_until_signalled(make(cfg)))
     except (DroidMeshError, OSError) as e:

@@ -1,8 +1,12 @@
-"""Common output of every benchmark: machine record, a printed table, JSON, optional plot."""
+"""Common output of every benchmark: machine record, a printed table, JSON, optional plot.
+
+Plots print their values (`label_bars`, `label_points`): a bar or point at zero then reads as
+a measured zero, not as missing data, and a reader can quote a figure without the JSON."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from collections.abc import Sequence
@@ -55,3 +59,15 @@ def write_json(path: str | os.PathLike | None, payload: dict[str, Any]) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def label_bars(ax: Any, bars: Any, fmt: str = "{:.2f}") -> None:
+    """Write each bar's value at its end (horizontal or vertical bars)."""
+    ax.bar_label(bars, labels=[fmt.format(v) for v in bars.datavalues], fontsize=6, padding=2)
+
+
+def label_points(ax: Any, xs: Sequence[float], ys: Sequence[float | None], fmt: str = "{:.3g}") -> None:
+    """Write each point's y value just above it (None: a point that was not measured, left out)."""
+    for x, y in zip(xs, ys, strict=True):
+        if y is not None and math.isfinite(y):
+            ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=6)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from droidmesh.shared.bench import report
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
@@ -82,7 +83,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for n in sorted({r["context_tokens"] for r in rows}):
         part = [r for r in rows if r["context_tokens"] == n and r["mode"] == "partial"]
-        ax.plot([r["recomputed_layers"] for r in part], [r["speedup"] for r in part], "o-", label=f"{n} tokens")
+        xs, ys = [r["recomputed_layers"] for r in part], [r["speedup"] for r in part]
+        ax.plot(xs, ys, "o-", label=f"{n} tokens")
+        report.label_points(ax, xs, ys, "{:.2f}")
     if part:
         ks = [r["recomputed_layers"] for r in part]
         ax.plot(ks, [part[0]["total_layers"] / k for k in ks], "k--", label="ideal L/k")

@@ -1,41 +1,83 @@
-"""`droidmesh ask`: one question to a receiver through the mesh, with the timing breakdown."""
+"""Commands that use a running mesh as a client: `ask`, `prefill`, `receivers`.
+
+Each connects with the shared options (`shared/cli/connect.py`); all NATS work, connecting
+included, ends within `--timeout`. NATS roles (infra/nats/nats-auth.conf): `client` may ask
+receivers and senders; prefill requests (`dm.sender.*.prefill`) and micro discovery
+(`$SRV.INFO`, used by `receivers` and by `ask` without `--receiver`) are for `admin` only.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
+from typing import Any
 
 import click
 
+from droidmesh.shared.cli.connect import Conn, nats_options
+from droidmesh.shared.cli.params import read_text
+from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.wire import schemas
+
+WINDOW_HELP = "Seconds to collect discovery answers (part of --timeout)."
+
+
+async def _receivers(nc: Any, window_s: float) -> list:
+    from droidmesh.shared.discovery import receivers
+
+    return await receivers(nc, window_s)
+
+
+DISCOVERY_ROUNDS = 3  # a receiver whose loop is busy a moment (a cache just announced) can miss one window
+
+
+async def _only_receiver(nc: Any, window_s: float) -> str:
+    """The one receiver model that is up; none or several is a one-line error."""
+    up: list = []
+    for _ in range(DISCOVERY_ROUNDS):
+        up = await _receivers(nc, window_s)
+        if up:
+            break
+    if not up:
+        raise BadRequestError(f"no receiver answered discovery ({DISCOVERY_ROUNDS} x {window_s:g}s); "
+                              "start one, or name it with --receiver")
+    if len(up) > 1:
+        raise BadRequestError(f"{len(up)} receiver models are up ({', '.join(r.model_id for r in up)}); "
+                              "choose one with --receiver")
+    return str(up[0].model_id)
+
+
+def _client(nc: Any) -> Any:
+    from droidmesh.shared.bus import NatsBus
+    from droidmesh.shared.client import MeshClient
+    from droidmesh.shared.runtime import VERSION
+
+    return MeshClient(NatsBus(nc, "droidmesh-client", VERSION))
 
 
 @click.command()
 @click.option("--context", "context_file", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="File holding the shared context (the document).")
+              help="File holding the shared context (UTF-8 text).")
 @click.option("--question", required=True, help="The question to ask over it.")
-@click.option("--receiver", default="receiver", show_default=True, help="Receiver model id.")
-@click.option("--nats", "nats_url", default="nats://127.0.0.1:4222", envvar="DM_NATS_URL", show_default=True)
+@click.option("--receiver", default=None, help="Receiver model id (default: the one receiver model that is up).")
 @click.option("--mode", type=click.Choice(schemas.MODES), default="auto", show_default=True)
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(0.1, 3600))
-def ask(context_file: str, question: str, receiver: str, nats_url: str, mode: schemas.Mode, max_new_tokens: int,
-        timeout: float) -> None:
-    """Ask RECEIVER a question over a context; print the answer, the path taken and its timings."""
-    from droidmesh.shared.client import MeshClient, MeshError
+@click.option("--window", default=0.5, show_default=True, type=click.FloatRange(0.05, 30), help=WINDOW_HELP)
+@nats_options(default_timeout=60.0)
+def ask(context_file: str, question: str, receiver: str | None, mode: schemas.Mode, max_new_tokens: int,
+        window: float, conn: Conn) -> None:
+    """Ask a receiver a question over a context; print the answer, the path taken and its timings.
 
-    async def run() -> schemas.GenerateReply:
-        client = await MeshClient.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)
-        try:
-            return await client.ask(receiver, Path(context_file).read_text(), question,
-                                    max_new_tokens=max_new_tokens, mode=mode, timeout=timeout)
-        finally:
-            await client.close()
+    NATS role: `client` (with --receiver) or `admin` (discovery needs $SRV.INFO)."""
+    context = read_text(context_file)
+    if not question.strip():
+        raise BadRequestError("--question is empty")
 
-    try:
-        reply = asyncio.run(run())
-    except (MeshError, TimeoutError, OSError) as e:
-        raise click.ClickException(str(e)) from e
+    async def body(nc: Any) -> schemas.GenerateReply:
+        model = receiver or await _only_receiver(nc, window)
+        # The request's own deadline is what is left of --timeout once connected (Conn enforces it).
+        return await _client(nc).ask(model, context, question, max_new_tokens=max_new_tokens, mode=mode,
+                                     timeout=conn.timeout)
+
+    reply = conn.run(body, "asking")
     click.echo(reply.text)
     click.echo("")
     reason = f" ({reply.fallback_reason})" if reply.fallback_reason else ""
@@ -44,3 +86,45 @@ def ask(context_file: str, question: str, receiver: str, nats_url: str, mode: sc
                + (f" from {reply.sender_id}" if reply.sender_id else ""))
     for stage, ms in reply.stages_ms.items():
         click.echo(f"  {stage:<22} {ms:9.2f} ms")
+
+
+@click.command()
+@click.option("--sender", required=True, help="Sender model id (the id the sender serves under, e.g. base).")
+@click.option("--context", "context_file", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="File holding the context to prefill (UTF-8 text).")
+@nats_options(default_timeout=60.0)
+def prefill(sender: str, context_file: str, conn: Conn) -> None:
+    """Have SENDER prefill a context and announce its KV cache to the mesh.
+
+    NATS role: `admin` only (infra/nats/nats-auth.conf lets no other user publish to
+    dm.sender.*.prefill; a `client` login times out with a permissions violation)."""
+    context = read_text(context_file)
+
+    async def body(nc: Any) -> schemas.PrefillReply:
+        return await _client(nc).prefill(sender, context, timeout=conn.timeout)
+
+    reply = conn.run(body, "prefilling")
+    click.echo(f"context_id: {reply.context_id}")
+    click.echo(f"tokens: {reply.tokens}")
+    click.echo(f"bytes: {reply.nbytes:,}")
+
+
+@click.command()
+@click.option("--window", default=0.5, show_default=True, type=click.FloatRange(0.05, 30), help=WINDOW_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@nats_options(default_timeout=10.0)
+def receivers(window: float, as_json: bool, conn: Conn) -> None:
+    """List the receiver models that are up (NATS micro discovery), with their instances.
+
+    NATS role: `admin` (discovery publishes to $SRV.INFO)."""
+    import json
+
+    up = conn.run(lambda nc: _receivers(nc, window), "discovering receivers")
+    if as_json:
+        click.echo(json.dumps([{"model_id": r.model_id, "instances": list(r.instances), "version": r.version}
+                               for r in up], indent=2))
+        return
+    if not up:
+        click.echo("no receiver is up")
+    for r in up:
+        click.echo(f"{r.model_id:20s} {len(r.instances)} instance(s)  version {r.version}  {' '.join(r.instances)}")

@@ -9,6 +9,7 @@ import torch
 
 from droidmesh.shared.bench import report
 from droidmesh.shared.cli.models import device_options
+from droidmesh.shared.cli.params import GROUP, check_group, checkpoint_layers, float_list, int_list
 from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
 from droidmesh.shared.errors import ConfigError, DroidMeshError
 
@@ -17,16 +18,6 @@ RANDOM_BENCH_MODEL: dict[str, Any] = dict(
     hidden_size=384, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=6,
     num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192,
 )
-
-
-def _int_list(_ctx: click.Context, _param: click.Parameter, value: str) -> list[int]:
-    try:
-        out = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError as e:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from e
-    if not out or min(out) < 1:
-        raise click.BadParameter("need at least one positive integer")
-    return out
 
 
 def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -52,7 +43,7 @@ def bench() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a speedup-vs-k PNG here.")
 @click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False),
               help="Local HF checkpoint (default: a random-init 12-layer Llama).")
-@click.option("--contexts", default="1024,2048,4096", callback=_int_list, show_default=True,
+@click.option("--contexts", default="1024,2048,4096", callback=int_list, show_default=True,
               help="Context lengths in tokens.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100))
 @device_options
@@ -82,21 +73,22 @@ def ttft(json_path, plot_path, model_path, contexts, repeats, device, dtype,
         suite.plot(rows, plot_path)
 
 
-def _demo_pair() -> tuple[str, str]:
-    """(sender, receiver) checkpoint paths of the zoo's first demo pair (ci tier if absent)."""
+GROUP_HELP = "Recompute group START:END (layers [START, END); START may be 0)."
+
+
+def _demo_pair(group: tuple[int, int] | None = None) -> tuple[str, str]:
+    """(sender, receiver) checkpoint paths of the zoo's first demo pair (ci tier if absent);
+    `group` must fit the receiver."""
     from droidmesh.shared.models import resolve_model
     from droidmesh.shared.zoo.manifest import find_tiers
 
     for tier, _dir, man in find_tiers():
         pair = man["pairs"][0]
         sender, receiver = (resolve_model(f"{tier}/{pair[role]}") for role in ("sender", "receiver"))
+        if group is not None:
+            check_group(group, checkpoint_layers(receiver.path))
         return str(sender.path), str(receiver.path)
     raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
-
-
-def _group(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, int]:
-    s, e = _int_list(_ctx, _param, value)[:2]
-    return s, e
 
 
 def _save(json_path: str | None, suite: str, payload: dict) -> None:
@@ -106,14 +98,14 @@ def _save(json_path: str | None, suite: str, payload: dict) -> None:
 @bench.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
-@click.option("--group", default="0,6", callback=_group, show_default=True, help="Recompute group 'start,end'.")
+@click.option("--group", default="0:6", type=GROUP, show_default=True, help=GROUP_HELP)
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
 @_device_option
 def pipeline(json_path, tokens, group, repeats, device) -> None:
     """Fig. 13: load-all vs load-reused vs pipelined, over UCX between processes."""
     from droidmesh.shared.bench import runs
 
-    sender, receiver = _demo_pair()
+    sender, receiver = _demo_pair(group)
     r = runs.pipeline(sender, receiver, tokens, group, repeats, device)
     rows = [{"mode": m, "seconds": s, "vs_piped": s / r["seconds"]["piped"]} for m, s in r["seconds"].items()]
     click.echo(report.format_table(rows, ["mode", "seconds", "vs_piped"]))
@@ -125,8 +117,9 @@ def pipeline(json_path, tokens, group, repeats, device) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
 @click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
-@click.option("--group", default="0,6", callback=_group, show_default=True)
-@click.option("--rates", default="500,1000,2000,5000,0", show_default=True, help="Mbit/s; 0 = unlimited.")
+@click.option("--group", default="0:6", type=GROUP, show_default=True, help=GROUP_HELP)
+@click.option("--rates", default="500,1000,2000,5000,0", show_default=True, callback=float_list(),
+              help="Mbit/s; 0 = unlimited.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50),
               help="Rounds per rate (median; odd, as the median of two is their mean and one stalled pull halves it).")
 @click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl"]),
@@ -140,8 +133,8 @@ def bandwidth(json_path, plot_path, tokens, group, rates, repeats, transport, uc
     """Fig. 20: sender and receiver in their own namespaces over a tc-limited veth link."""
     from droidmesh.shared.bench import runs
 
-    sender, receiver = _demo_pair()
-    rate_list = [float(r) or None for r in rates.split(",")]
+    sender, receiver = _demo_pair(group)
+    rate_list = [r or None for r in rates]
     try:
         rows = runs.bandwidth(sender, receiver, tokens, group, repeats, rate_list, device, transport, ucx_tls or None)
     except RuntimeError as e:
@@ -172,6 +165,7 @@ def _plot_bandwidth(table: list[dict], path: str) -> None:
     for key, label in (("piped", "pipelined"), ("reused", "load reused, then compute"), ("all", "load all, then compute"),
                        ("prefill", "full prefill")):
         ax.plot(xs, [r[key] for r in table], "o-", label=label)
+        report.label_points(ax, xs, [r[key] for r in table])
     ax.set_xscale("log")
     ax.set_xlabel("link rate (Gbit/s; rightmost = unlimited)")
     ax.set_ylabel("TTFT (s)")
@@ -188,7 +182,7 @@ def _transport_list(_ctx: click.Context, _param: click.Parameter, value: tuple[s
 @bench.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--sizes", default="262144,1048576,4194304,16777216,67108864,268435456", show_default=True,
-              callback=_int_list, help="Bytes per tensor.")
+              callback=int_list, help="Bytes per tensor.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
 @click.option("--transport", "transports", multiple=True, callback=_transport_list,
               help="Bulk channel(s) to measure; repeat or give a comma list (default: every channel between "
@@ -225,19 +219,19 @@ def control(json_path, events) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
 @click.option("--tokens", default=2048, show_default=True, type=click.IntRange(16, 32768))
-@click.option("--group", default="0,2", callback=_group, show_default=True)
-@click.option("--rates", default="0.5,1,2,4", show_default=True, help="Requests per second.")
+@click.option("--group", default="0:2", type=GROUP, show_default=True, help=GROUP_HELP)
+@click.option("--rates", default="0.5,1,2,4", show_default=True, callback=float_list(0, open_min=True),
+              help="Requests per second.")
 @click.option("--seconds", default=20.0, show_default=True, type=click.FloatRange(1, 3600))
 @click.option("--slo", default=1.0, show_default=True, type=click.FloatRange(0.001, 600), help="TTFT SLO (s).")
-@click.option("--copies", default="1,2", show_default=True, help="Receiver copies to try.")
+@click.option("--copies", default="1,2", show_default=True, callback=int_list, help="Receiver copies to try.")
 @_device_option
 def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, device) -> None:
     """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill."""
     from droidmesh.shared.bench import runs
 
-    sender, receiver = _demo_pair()
-    rows = runs.load(sender, receiver, group, tokens, [float(r) for r in rates.split(",")], seconds, slo,
-                     [int(c) for c in copies.split(",")], device)
+    sender, receiver = _demo_pair(group)
+    rows = runs.load(sender, receiver, group, tokens, rates, seconds, slo, copies, device)
     cols = ["receivers", "rate", "mode", "requests", "ttft_p50", "ttft_p99", "tbt_p50", "e2e_p50", "e2e_p99", "goodput"]
     click.echo(report.format_table(rows, cols))
     best = {m: max((r["goodput"] for r in rows if r["mode"] == m), default=0.0) for m in ("auto", "full_prefill")}
@@ -261,6 +255,8 @@ def _plot_load(rows: list[dict], path: str, slo: float) -> None:
             label = f"{'DroidMesh' if mode == 'auto' else 'full prefill'} x{n}"
             a.plot([r["rate"] for r in rs], [r["ttft_p99"] for r in rs], style, label=label)
             b.plot([r["rate"] for r in rs], [r["goodput"] for r in rs], style, label=label)
+            report.label_points(a, [r["rate"] for r in rs], [r["ttft_p99"] for r in rs])
+            report.label_points(b, [r["rate"] for r in rs], [r["goodput"] for r in rs])
     a.axhline(slo, c="k", ls=":", label="SLO")
     a.set_xlabel("arrival rate (req/s)")
     a.set_ylabel("TTFT p99 (s)")
@@ -300,6 +296,9 @@ def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype)
     if not tiers:
         raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
     tier, root, man = tiers[0]
+    if pair_index >= len(man["pairs"]):
+        raise click.BadParameter(f"the {tier} tier has {len(man['pairs'])} pairs (0..{len(man['pairs']) - 1}), "
+                                 f"not {pair_index}", param_hint="'--pair'")
     pair = man["pairs"][pair_index]
     names = Pair(pair["sender"], pair["receiver"])
     try:

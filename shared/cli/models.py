@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES, check_device_name
 from droidmesh.shared.errors import ConfigError, DroidMeshError
-from droidmesh.shared.models import ModelRef, resolve_model
+from droidmesh.shared.models import WEIGHT_SUFFIXES, ModelRef, resolve_model
 
 MODEL_HELP = "a zoo model as `droidmesh zoo list` names it (demo/base), or a local checkpoint directory"
 
@@ -20,9 +21,13 @@ def model_arg(_ctx: click.Context | None, param: click.Parameter | None, value: 
     if value is None:
         return None
     try:
-        return resolve_model(value)
+        ref = resolve_model(value)
     except DroidMeshError as e:
         raise click.BadParameter(str(e), param=param) from None
+    # Checked here, before any model loads: transformers would say it later, less plainly.
+    if not any(f.suffix in WEIGHT_SUFFIXES for f in Path(ref.path).iterdir()):
+        raise click.BadParameter(f"{ref.path} holds no weights (*.safetensors, *.bin)", param=param)
+    return ref
 
 
 def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:

@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
+from droidmesh.shared.cli.connect import Conn, nats_options
 from droidmesh.shared.cli.models import MODEL_HELP, device_options, model_arg
 from droidmesh.shared.tasks.spec import METRIC_NAMES
+
+# When a profile's choice means nothing: fewer test rows than this, or a gap between full prefill
+# and full reuse (test split) below the sampling noise 1/sqrt(n) -- two standard errors of the mean
+# of a metric in [0, 1] at its worst-case variance (0.25). Below it the sample cannot tell full
+# reuse from full prefill, so which group "restores" quality is not supported by the data.
+MIN_TEST_ROWS = 20
+
+
+def sample_warning(result: dict, n_test_rows: int) -> str | None:
+    """Why the profile's choice is not meaningful, or None when the sample supports it."""
+    noise = 1 / max(1, n_test_rows) ** 0.5
+    gap = result["full_prefill"]["quality_test"] - result["full_reuse"]["quality_test"]
+    if n_test_rows < MIN_TEST_ROWS:
+        return f"only {n_test_rows} test rows (< {MIN_TEST_ROWS}): the chosen group is not meaningful; use more rows"
+    if gap < noise:
+        return (f"full reuse loses {gap:.3f} on the test split, below the sampling noise 1/sqrt({n_test_rows}) = "
+                f"{noise:.3f}: the sample cannot tell which layers matter; use more rows")
+    return None
+
+
+def _test_rows(task: str, n_test: int, data: str | None, data_test: str | None) -> int:
+    """How many test rows the profile scored (a user's file may hold fewer than --n-test)."""
+    from droidmesh.shared.profiling.profile import load_rows
+
+    if not (data or data_test):
+        return n_test  # the zoo generates as many as asked
+    return len(load_rows(task, "test", n_test, data or data_test, split_data=bool(data)))
 
 
 @click.command()
@@ -42,24 +70,42 @@ from droidmesh.shared.tasks.spec import METRIC_NAMES
               help="A zoo task or shift (e.g. multihop_qa/long), or a JSONL file, to check robustness on "
                    "(repeatable; default: for a zoo task, its shifts and every other zoo task).")
 @device_options
-@click.option("--publish", "nats_url", default=None, help="Also publish the config to this NATS server's bucket.")
+@click.option("--publish", is_flag=True,
+              help="Also publish the config to the bucket of the NATS server --nats names (role profiler or admin).")
+@nats_options(default_timeout=30.0)
 def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data, data_train, data_test, metric,
             max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, device, dtype,
-            nats_url) -> None:
-    """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config."""
+            publish: bool, conn: Conn) -> None:
+    """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config.
+
+    Warns (stderr, and `sample_warning` in the JSON) when the sample is too small for the
+    choice to mean anything: fewer than 20 test rows, or full reuse losing less than the
+    sampling noise 1/sqrt(test rows) against full prefill on the test split."""
     from droidmesh.shared.errors import DroidMeshError
     from droidmesh.shared.models import Pair
     from droidmesh.shared.profiling.plot import frontier_png
     from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
+    from droidmesh.shared.tasks.jsonl import read_jsonl
 
     settings = ProfileSettings(granularity=granularity, tolerance=tolerance, exhaustive=exhaustive)
     try:
+        for path in (data, data_train, data_test):  # a bad file fails now, not after the models load
+            if path:
+                read_jsonl(path)
         result, cfg = profile_checkpoints(sender, receiver, task, settings, n_train=n_train, n_test=n_test, data=data,
                                           data_train=data_train, data_test=data_test, metric=metric,
                                           max_new_tokens=max_new_tokens, stop=tuple(stop) or None, device=device,
                                           dtype=dtype, other_tasks=(list(other_tasks) or None) if robustness else [])
     except DroidMeshError as e:  # bad arguments (an unknown --other-task, a bad JSONL row, no GPU): one line
         raise click.UsageError(str(e)) from None
+    # Which weights were profiled, so `droidmesh config publish` binds the file to exactly them.
+    # A checkpoint path is recorded absolute: `config publish` may run from another directory.
+    result["models"] = {role: ref.label if ref.tier else str(Path(ref.path).resolve())
+                        for role, ref in (("sender", sender), ("receiver", receiver))}
+    result["models"].update(sender_sha256=sender.sha256, receiver_sha256=receiver.sha256)
+    result["sample_warning"] = sample_warning(result, _test_rows(task, n_test, data, data_test))
+    if result["sample_warning"]:
+        click.echo(f"warning: {result['sample_warning']}", err=True)
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     if plot_path:
@@ -84,16 +130,13 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
         click.echo(f"  robustness {r['task']:<22} full prefill {r['full_prefill']:.3f}  chosen {r['chosen']:.3f}  "
                    f"difference {r['difference']:+.3f}"
                    + (f" ({r['relative']:+.1%})" if r["relative"] is not None else " (receiver scores 0 here)"))
-    if nats_url:
-        asyncio.run(_publish(nats_url, cfg))
+    if publish:
+        from droidmesh.shared.config_board import NatsConfigBoard, validate
+
+        board_cfg = validate(cfg)
+
+        async def put(nc: Any) -> None:
+            await NatsConfigBoard(nc).put(board_cfg)
+
+        conn.run(put, "publishing the config")
         click.echo(f"  published {pair.versioned(cfg.profile_version)}")
-
-
-async def _publish(url: str, cfg) -> None:
-    from droidmesh.shared.client import MeshClient
-
-    client = await MeshClient.connect(url)
-    try:
-        await client.bus.config_board().put(cfg)
-    finally:
-        await client.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from droidmesh.shared.bench.report import label_bars, label_points
 from droidmesh.shared.models import Pair
 
 
@@ -24,6 +25,7 @@ def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, A
                    s=14, c="0.7", label="evaluated groups")
     front = result["frontier"]
     ax.plot([p["recomputed_layers"] for p in front], [p["quality"] for p in front], "o-", c="C0", label="Pareto frontier")
+    label_points(ax, [p["recomputed_layers"] for p in front], [p["quality"] for p in front], "{:.2f}")
     fp, fr = result["full_prefill"]["quality_train"], result["full_reuse"]["quality_train"]
     ax.axhline(fp, c="C2", ls="--", label=f"full prefill ({fp:.2f})")
     ax.axhline((1 - result["tolerance"]) * fp, c="C2", ls=":", label=f"-{result['tolerance']:.0%} target")
@@ -57,8 +59,10 @@ def _robustness_bars(ax, rows: list[dict[str, Any]], chosen: dict[str, Any]) -> 
     for i, (key, colour, label) in enumerate((("full_prefill", "C2", "full prefill"),
                                               ("chosen", "k", f"chosen [{chosen['start']},{chosen['end']})"),
                                               ("full_reuse", "C3", "full reuse"))):
-        ax.barh(y + (1 - i) * 0.27, [r[key] for r in rows], 0.27, color=colour, alpha=0.75, label=label)
+        bars = ax.barh(y + (1 - i) * 0.27, [r[key] for r in rows], 0.27, color=colour, alpha=0.75, label=label)
+        label_bars(ax, bars)
     ax.set_yticks(y, [f"{r['task']} ({r['metric'] or 'quality'})" for r in rows], fontsize=7)
+    ax.set_xlim(0, max([1.0, *(r[k] * 1.15 for r in rows for k in ("full_prefill", "chosen", "full_reuse"))]))
     ax.set_xlabel("quality, test split")
     ax.set_title("the chosen config on shifted data and other tasks", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")

@@ -194,13 +194,20 @@ def _labels(cfg: dict[str, Any]) -> set[str]:
 
 
 def test_mesh_serves_a_profiled_pair(own: dict[str, Any], nats, services) -> None:
-    """Publish the fine-tune's profile, prefill on the base sender, and the fine-tune receiver answers through the published plan."""
+    """Prefill, publish the fine-tune's profile, and the fine-tune receiver answers through the published plan."""
     root, dirs, url = own["root"], own["dirs"], nats[1]
     services.append(start_service("cache_broker", {}, url, env=THREADS))
     sender = start_service("sender", {"model_path": dirs["base"]}, url, env=THREADS)  # serves as "base"
     services.append(sender)
     receiver = start_service("receiver", {"model_path": dirs["tuned"]}, url, env=THREADS)  # serves as "tuned"
     services.append(receiver)
+
+    # A context prefilled before its pair's config exists keeps E of layer 0 only: once the config
+    # is published it is still reused, its group extended down to layer 0 (shared/kv/policy.py).
+    early = _context(200)
+    (root / "early.txt").write_text(early)
+    assert "tokens:" in droidmesh("prefill", "--sender", "base", "--context", "early.txt", "--nats", url, cwd=root)
+    asyncio.run(_until_indexed(url, dirs["tuned"], early))
 
     droidmesh("config", "publish", own["profiles"]["tuned"].name, "--nats", url, cwd=root)
     _config_loaded(sender)  # the sender now keeps E at the group starts (a prefill before this would lack them)
@@ -226,6 +233,12 @@ def test_mesh_serves_a_profiled_pair(own: dict[str, Any], nats, services) -> Non
     assert any(f"plan: {label} " in path_line for label in labels), (path_line, labels)
     pulled = re.search(r"bytes pulled: ([\d,]+) from base-", out)
     assert pulled and int(pulled[1].replace(",", "")) > 0, out
+
+    out = droidmesh("ask", "--receiver", "tuned", "--context", "early.txt", "--question", QUESTION,
+                    "--max-new-tokens", MAX_NEW, "--nats", url, cwd=root)
+    (start, end), = cfg["chosen"]["plan"]["groups"] or [(0, 0)]
+    if start > 0:  # the early context has no E at the group's start: the group starts at layer 0
+        assert "path: partial" in out and f"plan: recompute [0,{end}) " in out, out
 
     # The same question through the OpenAI-compatible gateway.
     gateway = start_service("gateway", {"http_port": 0}, url, env=THREADS)

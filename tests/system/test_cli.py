@@ -1,0 +1,102 @@
+"""Every `droidmesh` command and subcommand runs: with its defaults (only required options given)
+on the ci tier, against a real nats-server and real services where it needs a mesh.
+
+Where a default is inherently long (row counts, context lengths, sizes, seconds), the
+invocation passes the smallest values instead; `SMALL` names each such flag so the table is
+honest about it. Commands run in this process through click's runner (the services they start
+are separate processes); `test_every_command_is_invoked` keeps the table complete.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from droidmesh.shared.cli.main import main
+from droidmesh.shared.launch import Proc, start_nats, start_service
+from tests.system.conftest import words
+
+pytestmark = pytest.mark.system
+
+THREADS = {"OMP_NUM_THREADS": "1"}
+
+# (command path, extra argv): required options, plus the smallest values where a default is long.
+INVOCATIONS: list[tuple[str, list[str]]] = [
+    ("zoo list", []),
+    ("zoo build", ["--tier", "ci"]),  # cached: the session's ci tier is in DROIDMESH_ZOO_DIR
+    ("zoo data", ["--task", "multihop_qa", "--out", "{tmp}/rows.jsonl"]),
+    ("eval", ["--sender", "ci/summ", "--receiver", "ci/qa", "--task", "multihop_qa", "--json", "{tmp}/eval.json",
+              "--n", "2"]),
+    ("profile", ["--sender", "ci/summ", "--receiver", "ci/qa", "--task", "multihop_qa", "--json", "{tmp}/prof.json",
+                 "--n-train", "2", "--n-test", "2", "--guided-only", "--no-robustness", "--publish", "--nats", "{url}"]),
+    ("config publish", ["{tmp}/prof.json", "--nats", "{url}"]),
+    ("config show", ["--nats", "{url}"]),
+    ("receivers", ["--nats", "{url}"]),
+    ("prefill", ["--sender", "summ", "--context", "{tmp}/context.txt", "--nats", "{url}"]),
+    ("ask", ["--context", "{tmp}/context.txt", "--question", "what?", "--nats", "{url}"]),
+    ("bench ttft", ["--contexts", "32", "--repeats", "1"]),
+    ("bench quality", ["--rows", "1"]),
+    ("bench pipeline", ["--tokens", "32", "--repeats", "1"]),
+    ("bench bandwidth", ["--tokens", "32", "--repeats", "1", "--rates", "0"]),  # reports a skip without netns rights
+    ("bench transfer", ["--sizes", "65536", "--repeats", "1"]),
+    ("bench control", ["--events", "10"]),
+    ("bench load", ["--tokens", "32", "--rates", "2", "--seconds", "1", "--copies", "1"]),
+    ("demo", ["--rows", "1"]),
+]
+SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
+         "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies"}
+
+
+def _leaves(group: click.Group, prefix: str = "") -> list[str]:
+    out = []
+    for name, cmd in sorted(group.commands.items()):
+        path = f"{prefix}{name}"
+        out += _leaves(cmd, path + " ") if isinstance(cmd, click.Group) else [path]
+    return out
+
+
+def test_every_command_is_invoked():
+    """The invocation table names every leaf command of the CLI."""
+    assert sorted(c for c, _ in INVOCATIONS) == _leaves(main)
+
+
+@pytest.fixture(scope="module")
+def mesh(zoo_ci: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(NATS url, scratch dir): nats-server, a broker, the ci tier's `summ` sender and `qa` receiver."""
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "context.txt").write_text(words(120))
+    nats, url = start_nats(store_dir=str(tmp / "js"))
+    procs: list[Proc] = [nats]
+    try:
+        procs.append(start_service("cache_broker", {}, url, env=THREADS))
+        procs.append(start_service("sender", {"model_path": zoo_ci / "summ", "model_id": "summ", "e_layers": [0]},
+                                   url, env=THREADS))
+        procs.append(start_service("receiver", {"model_path": zoo_ci / "qa", "model_id": "qa"}, url, env=THREADS))
+        yield url, tmp
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+@pytest.mark.parametrize("command,argv", INVOCATIONS, ids=[c for c, _ in INVOCATIONS])
+def test_command_runs(command, argv, mesh, zoo_ci, monkeypatch):
+    """The command exits 0 with output, and without a traceback."""
+    url, tmp = mesh
+    monkeypatch.setenv("DROIDMESH_ZOO_DIR", str(zoo_ci.parent))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = [*command.split(), *(a.format(tmp=tmp, url=url) for a in argv)]
+    result = CliRunner().invoke(main, args, env={"DM_DEBUG": "1"}, catch_exceptions=True)
+    assert result.exit_code == 0, f"{args}: {result.stderr}\n{result.stdout}\n{result.exception!r}"
+    assert result.stdout.strip() and "Traceback" not in result.stderr
+    if command == "profile":  # 2 test rows: the profile says its choice means nothing
+        saved = json.loads((tmp / "prof.json").read_text())
+        assert "test rows" in saved["sample_warning"] and "warning:" in result.stderr
+    if command == "receivers":
+        assert result.stdout.split()[0] == "qa"
+    if command == "ask":  # no --receiver: the one receiver model up answered
+        assert "path:" in result.stdout

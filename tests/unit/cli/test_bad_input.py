@@ -1,0 +1,117 @@
+"""Every user mistake ends in one `Error:` line on stderr and a non-zero exit, never a traceback.
+
+`BAD_INPUT` is the table the README's note is made from: (case id, argv). Files named in an
+argv as `{name}` are made by the `files` fixture. No NATS runs here: the NATS commands point at
+a closed port and must fail fast in one line instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from droidmesh.shared.cli.main import main
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"nats://127.0.0.1:{s.getsockname()[1]}"  # closed once the socket is
+
+
+NO_NATS = ["--nats", _closed_port(), "--timeout", "5"]
+EVAL = ["eval", "--sender", "demo/base", "--receiver", "demo/qa", "--json", "{out}/e.json", "--n", "1"]
+
+BAD_INPUT = [
+    ("unknown model", ["eval", "--sender", "demo/nosuch", "--receiver", "demo/qa", "--task", "multihop_qa",
+                       "--json", "{out}/e.json"]),
+    ("unknown task", ["zoo", "data", "--task", "nosuch", "--out", "{out}/d.jsonl"]),
+    ("unknown task for eval", [*EVAL, "--task", "nosuch"]),
+    ("unsupported architecture", ["eval", "--sender", "{bert}", "--receiver", "demo/qa", "--task", "multihop_qa",
+                                  "--json", "{out}/e.json"]),
+    ("missing weights", ["eval", "--sender", "{noweights}", "--receiver", "demo/qa", "--task", "multihop_qa",
+                         "--json", "{out}/e.json"]),
+    ("empty context file", ["ask", "--context", "{empty}", "--question", "q", *NO_NATS]),
+    ("binary context file", ["ask", "--context", "{binary}", "--question", "q", *NO_NATS]),
+    ("binary prefill context", ["prefill", "--sender", "base", "--context", "{binary}", *NO_NATS]),
+    ("empty question", ["ask", "--context", "{text}", "--question", " ", *NO_NATS]),
+    ("reversed group", ["bench", "pipeline", "--group", "6:4"]),
+    ("group beyond the model", ["bench", "load", "--group", "0:40"]),
+    ("not a group", ["bench", "bandwidth", "--group", "four"]),
+    ("out-of-range pair index", ["bench", "quality", "--pair", "9"]),
+    ("bad number list", ["bench", "load", "--rates", "1,x"]),
+    ("bad JSONL", [*EVAL, "--task", "mine", "--data", "{badjsonl}"]),
+    ("JSONL row missing fields", [*EVAL, "--task", "mine", "--data", "{rowjsonl}"]),
+    ("bad JSONL for profile", ["profile", "--sender", "demo/base", "--receiver", "demo/qa", "--task", "mine",
+                               "--data", "{badjsonl}", "--json", "{out}/p.json"]),
+    ("config file not JSON", ["config", "publish", "{binary}", "--dry-run"]),
+    ("config file neither kind", ["config", "publish", "{jsonobj}", "--dry-run"]),
+    ("config with a group beyond the model", ["config", "publish", "{badconfig}", "--dry-run"]),
+    ("no NATS for ask", ["ask", "--context", "{text}", "--question", "q", *NO_NATS]),
+    ("no NATS for receivers", ["receivers", *NO_NATS]),
+    ("no NATS for config show", ["config", "show", *NO_NATS]),
+    ("TLS cert without key", ["receivers", "--tls-cert", "{text}", *NO_NATS]),
+    ("unknown option", ["ask", "--bogus"]),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The bad (and the few good) inputs the table names."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "out").mkdir()
+    bert, noweights = d / "bert", d / "noweights"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    (bert / "model.safetensors").write_bytes(b"")  # never read: the architecture is refused first
+    noweights.mkdir()
+    (noweights / "config.json").write_text((_demo_dir() / "base" / "config.json").read_text())
+    (d / "empty.txt").write_text("  \n")
+    (d / "binary.bin").write_bytes(bytes(range(256)))
+    (d / "text.txt").write_text("a context\n")
+    (d / "bad.jsonl").write_text('{"context": "c", "input": "q", "answers": ["a"]}\n{not json\n')
+    (d / "row.jsonl").write_text('{"context": "c", "input": "q"}\n')
+    (d / "obj.json").write_text('{"hello": 1}')
+    profile = json.loads((_demo_dir() / "profiles" / "base-to-qa.json").read_text())
+    profile["chosen"] = {**profile["chosen"], "start": 10, "end": 14}
+    (d / "badconfig.json").write_text(json.dumps(profile))
+    return {"out": str(d / "out"), "bert": str(bert), "noweights": str(noweights), "empty": str(d / "empty.txt"),
+            "binary": str(d / "binary.bin"), "text": str(d / "text.txt"), "badjsonl": str(d / "bad.jsonl"),
+            "rowjsonl": str(d / "row.jsonl"), "jsonobj": str(d / "obj.json"), "badconfig": str(d / "badconfig.json")}
+
+
+def _demo_dir():
+    from droidmesh.shared.zoo.manifest import REPO_ZOO
+
+    return REPO_ZOO / "demo"
+
+
+def invoke(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `droidmesh ARGV` in this process."""
+    result = CliRunner().invoke(main, argv, env={"DM_DEBUG": ""})
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("case,argv", BAD_INPUT, ids=[c for c, _ in BAD_INPUT])
+def test_mistake_is_one_line(case, argv, files):
+    """The mistake exits non-zero with exactly one non-empty stderr line starting `Error:`, no traceback."""
+    code, _out, err = invoke([a.format(**files) for a in argv])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0, err
+    assert len(lines) == 1 and lines[0].startswith("Error: "), err
+    assert "Traceback" not in err
+
+
+def test_unexpected_error_is_one_line_with_debug_hint(monkeypatch):
+    """A bug (not a user mistake) is one line naming DM_DEBUG; DM_DEBUG=1 re-raises it."""
+    import droidmesh.shared.zoo.manifest as manifest
+
+    monkeypatch.setattr(manifest, "listing", lambda: 1 / 0)
+    result = CliRunner().invoke(main, ["zoo", "list"], env={"DM_DEBUG": ""})
+    assert result.exit_code == 1 and result.stderr.strip().count("\n") == 0
+    assert "ZeroDivisionError" in result.stderr and "DM_DEBUG=1" in result.stderr
+    debug = CliRunner().invoke(main, ["zoo", "list"], env={"DM_DEBUG": "1"})
+    assert isinstance(debug.exception, ZeroDivisionError)
