@@ -4,19 +4,23 @@ Every service and command takes a `device` setting (`--device`, `DM_DEVICE`): `c
 default), `cuda` or `cuda:N`. The dtype follows the device unless given: bfloat16 on CUDA (what
 serving engines run), float32 on the CPU (exact reference numerics, and CPU bf16 matmuls are
 slow). Nothing here initialises CUDA at import time; `resolve_device` checks availability.
+torch is imported where a torch object is made, not with the module: commands that only check
+a name (`droidmesh ask`, service configs) start without loading torch.
 """
 
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from droidmesh.shared.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 DEVICE_ENV = "DM_DEVICE"
 DEFAULT_DEVICE = "cpu"
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # the dtype names DroidMesh runs in (torch attribute names)
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -30,6 +34,8 @@ def check_device_name(name: str) -> str:
 
 def resolve_device(name: str) -> torch.device:
     """The torch device for `name`; `ConfigError` when it names a GPU this machine lacks."""
+    import torch
+
     check_device_name(name)
     device = torch.device(name)
     if device.type == "cuda":
@@ -44,19 +50,24 @@ def resolve_device(name: str) -> torch.device:
 def same_device(a: str | torch.device, b: str | torch.device) -> bool:
     """Whether two devices are one: `cuda` (no index) is the current CUDA device, so it equals
     `cuda:N` when N is current (tensors always carry an index, names often do not)."""
+    import torch
+
     a, b = torch.device(a), torch.device(b)
     return a.type == b.type and _index(a) == _index(b)
 
 
 def _index(device: torch.device) -> int | None:
     if device.type == "cuda" and device.index is None:
+        import torch
+
         return torch.cuda.current_device()  # only reached once a CUDA device is in use
     return device.index
 
 
 def default_dtype_name(device: str | torch.device) -> str:
     """bfloat16 on CUDA, float32 elsewhere."""
-    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    kind = device.split(":")[0] if isinstance(device, str) else device.type
+    return "bfloat16" if kind == "cuda" else "float32"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -66,9 +77,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = DEFAULT_DEVICE) -> torch.dtype:
     """The torch dtype for a name (None or "": the device's default)."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     name = dtype or default_dtype_name(device)
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r}: expected one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    return getattr(torch, name)

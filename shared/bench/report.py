@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on (stored with every JSON)."""
+    import torch  # here, not at import: the CLI loads this module for every command
+
     return {
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import click
-import torch
 
 from droidmesh.shared.bench import report
 from droidmesh.shared.cli.models import device_options
@@ -55,6 +54,8 @@ def ttft(json_path, plot_path, model_path, contexts, repeats, device, dtype,
     from droidmesh.shared.model.adapter import load_model, random_model
 
     if threads:
+        import torch
+
         torch.set_num_threads(threads)
     try:
         if model_path:
