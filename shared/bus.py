@@ -4,6 +4,8 @@
   - `publish(subject, data)`                 fire-and-forget event (senders, brokers)
   - `request(subject, data, timeout)`        one request, one reply or TimeoutError (clients)
   - `subscribe(subject, handler, queue)`     events to `handler` (broker, receivers)
+  - `subscribe_from(pattern, handler)`       events to `handler(subject, data)`: for a receiver of
+                                             per-sender subjects that must know who spoke (the broker)
   - `serve(subject, handler, queue)`         request/reply endpoint; one copy of `queue` answers
   - `config_board()`                         the recompute-config board over the same connection
                                              (plain method; callers never reach the client under it)
@@ -26,6 +28,7 @@ from droidmesh.shared.config_board import ConfigBoard, InMemoryConfigBoard, Nats
 
 RequestHandler = Callable[[bytes], Coroutine[Any, Any, bytes]]
 EventHandler = Callable[[bytes], Coroutine[Any, Any, None]]
+SubjectHandler = Callable[[str, bytes], Coroutine[Any, Any, None]]
 
 log = structlog.get_logger("bus")
 
@@ -36,6 +39,8 @@ class Bus(Protocol):
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes: ...
 
     async def subscribe(self, subject: str, handler: EventHandler, queue: str | None = None) -> None: ...
+
+    async def subscribe_from(self, pattern: str, handler: SubjectHandler) -> None: ...
 
     async def serve(self, subject: str, handler: RequestHandler, queue: str,
                     metadata: dict[str, str] | None = None) -> None: ...
@@ -62,14 +67,32 @@ class NatsBus:
         """Connect (reconnecting forever by default); `options` go to `nats.connect` as is."""
         import nats
 
+        at: dict[str, Any] = {}  # the client once connected, and the server it was last connected to
+
+        def server() -> str:
+            now = at["nc"].connected_url if "nc" in at else None
+            if now is not None:
+                at["server"] = f"{now.hostname}:{now.port}"  # never the credentials a URL may carry
+            return at.get("server", "?")
+
         async def on_error(e: Exception) -> None:
             log.warning("nats_error", error=str(e))
 
-        opts: dict[str, Any] = {"name": service_name, "error_cb": on_error, "max_reconnect_attempts": -1,
+        async def on_disconnected() -> None:
+            if "nc" in at and not at["nc"].is_closed:  # lost, not closed by its owner
+                log.warning("nats_disconnected", server=server())
+
+        async def on_reconnected() -> None:
+            log.info("nats_reconnected", server=server())
+
+        opts: dict[str, Any] = {"name": service_name, "error_cb": on_error, "disconnected_cb": on_disconnected,
+                                "reconnected_cb": on_reconnected, "max_reconnect_attempts": -1,
                                 "reconnect_time_wait": 0.5, **options}
-        if url is not None:
-            opts["servers"] = [url]
+        if url is not None:  # one URL, or a comma-separated list (every node of a cluster)
+            opts["servers"] = [u.strip() for u in url.split(",") if u.strip()]
         nc = await nats.connect(**opts)
+        at["nc"] = nc
+        server()
         return cls(nc, service_name, version)
 
     async def publish(self, subject: str, data: bytes) -> None:
@@ -89,6 +112,12 @@ class NatsBus:
             await handler(msg.data)
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue or "", cb=cb))
+
+    async def subscribe_from(self, pattern: str, handler: SubjectHandler) -> None:
+        async def cb(msg: Any) -> None:
+            await handler(msg.subject, msg.data)
+
+        self._subs.append(await self.nc.subscribe(pattern, cb=cb))
 
     async def serve(self, subject: str, handler: RequestHandler, queue: str,
                     metadata: dict[str, str] | None = None) -> None:
@@ -134,11 +163,23 @@ class NatsBus:
             await self.nc.close()
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard matching: `*` is one token, a final `>` one or more."""
+    p, t = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(t) > i
+        if i >= len(t) or (tok != "*" and tok != t[i]):
+            return False
+    return len(p) == len(t)
+
+
 class InProcessBus:
-    """`Bus` inside one event loop, for integration tests: exact subjects, queue groups round-robin."""
+    """`Bus` inside one event loop, for integration tests: NATS wildcards, queue groups round-robin."""
 
     def __init__(self) -> None:
         self._events: dict[str, list[tuple[str | None, EventHandler]]] = defaultdict(list)
+        self._from: dict[str, list[SubjectHandler]] = defaultdict(list)
         self._servers: dict[str, list[RequestHandler]] = defaultdict(list)
         self._rr: dict[str, itertools.count] = defaultdict(itertools.count)
         self._tasks: set[asyncio.Task] = set()
@@ -146,7 +187,8 @@ class InProcessBus:
 
     async def publish(self, subject: str, data: bytes) -> None:
         seen_queues: set[str] = set()
-        handlers = self._events.get(subject, [])
+        handlers = [(q, h) for pattern, subs in list(self._events.items()) if subject_matches(pattern, subject)
+                    for q, h in subs]
         for queue, handler in handlers:
             if queue is not None:
                 if queue in seen_queues:
@@ -154,9 +196,16 @@ class InProcessBus:
                 seen_queues.add(queue)
                 group = [h for q, h in handlers if q == queue]
                 handler = group[next(self._rr[subject + queue]) % len(group)]
-            task = asyncio.get_running_loop().create_task(handler(data))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(handler(data))
+        for pattern, subject_handlers in list(self._from.items()):
+            if subject_matches(pattern, subject):
+                for h in subject_handlers:
+                    self._spawn(h(subject, data))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
         servers = self._servers.get(subject)
@@ -167,6 +216,9 @@ class InProcessBus:
 
     async def subscribe(self, subject: str, handler: EventHandler, queue: str | None = None) -> None:
         self._events[subject].append((queue, handler))
+
+    async def subscribe_from(self, pattern: str, handler: SubjectHandler) -> None:
+        self._from[pattern].append(handler)
 
     async def serve(self, subject: str, handler: RequestHandler, queue: str,
                     metadata: dict[str, str] | None = None) -> None:

@@ -107,20 +107,52 @@ class ConfigBoard(Protocol):
     async def watch(self, on_config: OnConfig) -> None: ...
 
 
+CLUSTER_REPLICAS = 3  # copies of the bucket in a NATS cluster: survives the loss of any one node
+_NO_ROOM_FOR_REPLICAS = (10023, 10074)  # JetStream: insufficient resources; replicas > 1 without a cluster
+
+
 class NatsConfigBoard:
-    def __init__(self, nc: Any, retry_s: float = 2.0):
+    """`replicas`: how many copies JetStream keeps of the bucket if this handle is the one that
+    creates it (whoever touches it first: a profiler's put, or a watcher that finds none). None
+    (the default) means 1 on a lone server and `CLUSTER_REPLICAS` when the server is part of a
+    cluster (its INFO names one), falling back to 1 where the cluster has too few JetStream nodes.
+    An existing bucket keeps its replicas (`nats kv edit --replicas` changes them)."""
+
+    def __init__(self, nc: Any, retry_s: float = 2.0, replicas: int | None = None):
         self._nc = nc
         self._retry_s = retry_s
+        self._replicas = replicas
         self._kv: Any = None
+
+    def replicas(self) -> int:
+        """The replicas a bucket created now gets (see the class docstring)."""
+        if self._replicas is not None:
+            return self._replicas
+        info = getattr(self._nc, "_server_info", None) or {}  # the server's INFO (nats-py keeps it private)
+        return CLUSTER_REPLICAS if info.get("cluster") else 1
 
     async def _bucket(self, create: bool) -> Any:
         if self._kv is None:
             js = self._nc.jetstream()
             if create:
-                self._kv = await js.create_key_value(bucket=subjects.CONFIG_BUCKET, history=5)
+                self._kv = await self._create(js)
             else:
                 self._kv = await js.key_value(subjects.CONFIG_BUCKET)
         return self._kv
+
+    async def _create(self, js: Any) -> Any:
+        from nats.js.errors import APIError
+
+        replicas = self.replicas()
+        if replicas == 1:  # exactly the call a lone server always got
+            return await js.create_key_value(bucket=subjects.CONFIG_BUCKET, history=5)
+        try:
+            return await js.create_key_value(bucket=subjects.CONFIG_BUCKET, history=5, replicas=replicas)
+        except APIError as e:
+            if self._replicas is not None or e.err_code not in _NO_ROOM_FOR_REPLICAS:
+                raise
+            log.warning("config_bucket_unreplicated", wanted=replicas, error=str(e))
+            return await js.create_key_value(bucket=subjects.CONFIG_BUCKET, history=5)
 
     async def put(self, config: schemas.RecomputeConfig) -> None:
         await (await self._bucket(create=True)).put(config_key(config), schemas.encode(config))

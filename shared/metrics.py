@@ -19,6 +19,33 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+# Control-plane alarms: a message refused for what it says (forged sender, over a cap, another
+# schema version, a hostile config). Process-wide so code without a `Metrics` at hand (the config
+# board, message decoding) can raise one; every service's registry exports them.
+_ALARMS: dict[tuple[str, str], int] = {}
+_ALARMS_LOCK = threading.Lock()
+
+
+def alarm(kind: str, reason: str) -> None:
+    """Count one refused control message of `kind` (message type or subject) for `reason`."""
+    with _ALARMS_LOCK:
+        _ALARMS[(kind, reason)] = _ALARMS.get((kind, reason), 0) + 1
+
+
+def alarms() -> dict[tuple[str, str], int]:
+    with _ALARMS_LOCK:
+        return dict(_ALARMS)
+
+
+class _AlarmCollector:
+    def collect(self) -> Any:
+        family = CounterMetricFamily("dm_control_rejected", "Control messages refused, by kind and reason",
+                                     labels=["kind", "reason"])
+        for (kind, reason), n in sorted(alarms().items()):
+            family.add_metric([kind, reason], n)
+        yield family
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -48,6 +75,9 @@ class Metrics:
         # broker
         self.index_contexts = Gauge("dm_index_contexts", "(sender, context) holders in the broker index", registry=r)
         self.expired_senders = Counter("dm_expired_senders", "Senders dropped for missing heartbeats", registry=r)
+        self.index_senders = Gauge("dm_index_senders", "Senders the broker tracks", registry=r)
+        self.swept_holders = Counter("dm_swept_holders", "Holders dropped for a stale announcement", registry=r)
+        r.register(_AlarmCollector())
         # gateway
         self.gateway_requests = Counter("dm_gateway_requests", "Gateway HTTP requests by route and status",
                                         ["route", "status"], registry=r)

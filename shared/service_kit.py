@@ -17,6 +17,7 @@ import structlog
 
 from droidmesh.shared.bus import EventHandler, RequestHandler
 from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.metrics import alarm
 from droidmesh.shared.wire import schemas
 
 log = structlog.get_logger("service")
@@ -49,7 +50,8 @@ def event(kind: type[Req], handler: Callable[[Req], Awaitable[None]]) -> EventHa
     async def on_event(data: bytes) -> None:
         try:
             await handler(schemas.decode(data, kind))
-        except DroidMeshError as e:
+        except DroidMeshError as e:  # malformed, another schema version, refused: an alarm, not a crash
+            alarm(kind.__name__, e.code)
             log.warning("event_rejected", kind=kind.__name__, code=e.code, error=str(e))
         except Exception:
             log.exception("event_crashed", kind=kind.__name__)

@@ -1,6 +1,95 @@
 #!/usr/bin/env bash
-# Print fresh random NATS passwords for every role, as env assignments.
+# Fresh secrets for a DroidMesh deployment: one random NATS password per role and a throwaway CA
+# with a NATS server certificate, written under DIR (default: infra/secrets/local, git-ignored):
+#
+#   DIR/nats.env              DM_NATS_PASSWORD_<ROLE>=... for nats-server (compose env_file;
+#                             kubectl create secret generic droidmesh-nats --from-env-file)
+#   DIR/passwords/<role>      the same password, one file per role (DM_NATS_PASSWORD_FILE)
+#   DIR/tls/ca.pem            the CA clients verify the server with (DM_NATS_TLS_CA)
+#   DIR/tls/ca-key.pem        the CA's key: only needed to issue more certificates
+#   DIR/tls/server.pem        the NATS server certificate, and server-key.pem its key
+#
+# Files that exist are kept (re-running is safe; passwords stay, certificates you brought stay).
+# Delete a file to have it made again: e.g. tls/server.pem and tls/server-key.pem to re-issue the
+# server certificate from the same CA (with DM_TLS_EXTRA_SANS="DNS:nats.example.com,IP:10.0.0.5"
+# for more names). DM_TLS_NAMESPACE (default droidmesh) names the Kubernetes service's namespace,
+# DM_TLS_DAYS (default 365) the certificates' lifetime. Needs openssl (1.1.1 or later).
+#
+# Usage: bash infra/secrets/generate.sh [DIR]
 set -euo pipefail
-for role in SENDER BROKER RECEIVER PROFILER CLIENT GATEWAY ADMIN; do
-  echo "DM_NATS_PASSWORD_${role}=$(head -c 24 /dev/urandom | base64 | tr -d '/+=')"
+
+ROLES="sender broker receiver profiler client gateway admin"
+DIR=${1:-"$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/local"}
+NAMESPACE=${DM_TLS_NAMESPACE:-droidmesh}
+DAYS=${DM_TLS_DAYS:-365}
+
+umask 077
+mkdir -p "$DIR/passwords" "$DIR/tls"
+chmod 700 "$DIR"
+# Containers read the files below through bind mounts as their own (non-root) user: the files are
+# world-readable, the directory holding them is not (0700).
+chmod 755 "$DIR/passwords" "$DIR/tls"
+
+# Passwords: 32 random alphanumerics per role (no characters that need quoting anywhere).
+for role in $ROLES; do
+  file="$DIR/passwords/$role"
+  if [[ ! -s "$file" ]]; then
+    password=$(LC_ALL=C tr -dc 'A-Za-z0-9' </dev/urandom | head -c 32 || true)
+    [[ ${#password} -eq 32 ]] || { echo "generate.sh: could not read /dev/urandom" >&2; exit 1; }
+    printf '%s\n' "$password" >"$file"
+  fi
+  chmod 644 "$file"
 done
+env_tmp="$DIR/nats.env.tmp"
+: >"$env_tmp"
+for role in $ROLES; do
+  echo "DM_NATS_PASSWORD_$(echo "$role" | tr a-z A-Z)=$(head -n 1 "$DIR/passwords/$role")" >>"$env_tmp"
+done
+mv "$env_tmp" "$DIR/nats.env"
+
+# TLS: a throwaway CA and a server certificate for NATS, unless already there.
+tls="$DIR/tls"
+if [[ -s "$tls/server.pem" && -s "$tls/server-key.pem" ]]; then
+  [[ -s "$tls/ca.pem" ]] || { echo "generate.sh: $tls/server.pem is there but not ca.pem (the CA that issued it)" >&2; exit 1; }
+  echo "generate.sh: keeping the certificates in $tls" >&2
+else
+  command -v openssl >/dev/null || { echo "generate.sh: openssl is needed for the TLS certificates" >&2; exit 1; }
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  sans="DNS:nats,DNS:nats.$NAMESPACE,DNS:nats.$NAMESPACE.svc,DNS:nats.$NAMESPACE.svc.cluster.local"
+  sans+=",DNS:localhost,IP:127.0.0.1,IP:::1${DM_TLS_EXTRA_SANS:+,$DM_TLS_EXTRA_SANS}"
+  cat >"$work/openssl.cnf" <<EOF
+[req]
+distinguished_name = dn
+prompt = no
+[dn]
+CN = unused
+[ca]
+basicConstraints = critical,CA:TRUE,pathlen:0
+keyUsage = critical,keyCertSign,cRLSign
+subjectKeyIdentifier = hash
+[server]
+basicConstraints = critical,CA:FALSE
+keyUsage = critical,digitalSignature
+extendedKeyUsage = serverAuth
+subjectAltName = $sans
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+EOF
+  if [[ ! -s "$tls/ca.pem" ]]; then
+    openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$tls/ca-key.pem" 2>/dev/null
+    openssl req -new -x509 -config "$work/openssl.cnf" -extensions ca -key "$tls/ca-key.pem" \
+      -subj "/O=DroidMesh/CN=DroidMesh throwaway CA $(date -u +%Y%m%dT%H%M%SZ)" -days "$DAYS" -out "$tls/ca.pem"
+  fi
+  [[ -s "$tls/ca-key.pem" ]] || { echo "generate.sh: $tls/ca.pem is there but not ca-key.pem: cannot issue a server certificate" >&2; exit 1; }
+  openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$tls/server-key.pem" 2>/dev/null
+  openssl req -new -config "$work/openssl.cnf" -key "$tls/server-key.pem" -subj "/O=DroidMesh/CN=nats" -out "$work/server.csr"
+  openssl x509 -req -in "$work/server.csr" -CA "$tls/ca.pem" -CAkey "$tls/ca-key.pem" -set_serial "0x$(openssl rand -hex 16)" \
+    -days "$DAYS" -extfile "$work/openssl.cnf" -extensions server -out "$tls/server.pem" 2>/dev/null
+  openssl verify -CAfile "$tls/ca.pem" "$tls/server.pem" >/dev/null
+  echo "generate.sh: issued $tls/server.pem for $sans" >&2
+fi
+chmod 644 "$tls/ca.pem" "$tls/server.pem"
+chmod 600 "$tls/server-key.pem"
+[[ ! -e "$tls/ca-key.pem" ]] || chmod 600 "$tls/ca-key.pem"
+echo "generate.sh: secrets in $DIR (passwords for: $ROLES)" >&2

@@ -1,13 +1,53 @@
-"""Broker handlers: one function per subject, all on the event loop (the index is in memory)."""
+"""Broker handlers: one function per subject, all on the event loop (the index is in memory).
+
+Sender events arrive on per-sender subjects (`dm.cache.<kind>.<sender>`); NATS permissions pin a
+sender's user to its own token, and `on_sender_event` refuses an event whose `sender_id` is not
+the subject's, so no principal can announce, refresh or withdraw another sender's contexts. A
+refused event (forged, malformed, another schema version, over a cap) raises an alarm
+(`dm_control_rejected_total`) and a log line; nothing a message says reaches past this module.
+"""
 
 from __future__ import annotations
 
 import structlog
 
-from droidmesh.services.cache_broker.index import CacheIndex
-from droidmesh.shared.wire import schemas
+from droidmesh.services.cache_broker.index import CacheIndex, Refused
+from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.metrics import alarm
+from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("broker")
+
+_KINDS: dict[str, type[schemas.CacheAvailable | schemas.CacheEvicted | schemas.SenderHeartbeat]] = {
+    "available": schemas.CacheAvailable, "evicted": schemas.CacheEvicted, "heartbeat": schemas.SenderHeartbeat}
+
+
+def _refuse(kind: str, reason: str, detail: str) -> None:
+    alarm(kind, reason)
+    log.warning("event_refused", kind=kind, reason=reason, detail=detail[:200])
+
+
+async def on_sender_event(index: CacheIndex, subject: str, data: bytes) -> None:
+    """An event on `dm.cache.<kind>.<sender>`: decode, check the speaker, apply. Never raises."""
+    parts = subject.split(".")
+    kind = parts[2] if len(parts) == 4 else ""
+    if kind not in _KINDS:
+        return _refuse("cache.event", "bad_subject", subject)
+    try:
+        msg = schemas.decode(data, _KINDS[kind])
+    except DroidMeshError as e:
+        return _refuse(f"cache.{kind}", e.code, str(e))
+    if subjects.sender_token(subject) != subjects.model_token(msg.sender_id):
+        return _refuse(f"cache.{kind}", "forged_sender", f"{msg.sender_id!r} on {subject}")
+    try:
+        if isinstance(msg, schemas.CacheAvailable):
+            await on_available(index, msg)
+        elif isinstance(msg, schemas.CacheEvicted):
+            await on_evicted(index, msg)
+        else:
+            await on_heartbeat(index, msg)
+    except Refused as e:
+        _refuse(f"cache.{kind}", e.reason, str(e))
 
 
 async def on_available(index: CacheIndex, ev: schemas.CacheAvailable) -> None:

@@ -5,11 +5,20 @@ chain, as prefix caches do), so one dict probe per prompt block finds every cont
 that many blocks. The exact shared prefix is then measured token by token. Holders are served
 only while their sender is live (a heartbeat within `ttl_factor` intervals): a restarted broker
 serves nobody until it has heard from them, so it never hands out a stale holder.
+
+Everything here comes from the network, so nothing a message says can make the index grow
+without bound or keep anything alive forever (`Limits`): senders and contexts per sender are
+capped (a message over a cap is refused with `Refused`, the caller raises an alarm); the
+heartbeat interval a sender declares is clamped, so liveness always lapses within
+`ttl_factor * max_interval_s` of its last heartbeat; and a holder lapses when its pull grant
+expires (at most `max_holder_age_s` after it was announced) unless the sender re-announces it,
+so a sender that keeps heart-beating but stopped refreshing its grants is swept too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import defaultdict
 
@@ -19,6 +28,7 @@ from droidmesh.shared.hashing import common_prefix
 from droidmesh.shared.wire.schemas import CacheAvailable, SenderHeartbeat
 
 BLOCK = 16
+MAX_TOKEN_ID = (1 << 32) - 1  # block keys hash 4 bytes per token
 
 
 def block_keys(token_ids: list[int]) -> list[int]:
@@ -30,34 +40,103 @@ def block_keys(token_ids: list[int]) -> list[int]:
     return keys
 
 
+def valid_token_ids(token_ids: list[int], max_tokens: int) -> bool:
+    return 0 < len(token_ids) <= max_tokens and all(0 <= t <= MAX_TOKEN_ID for t in token_ids)
+
+
+class Refused(Exception):
+    """A message the index will not take; `reason` is the alarm's label."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_senders: int = 1024
+    max_contexts_per_sender: int = 4096
+    max_context_tokens: int = 1 << 18  # a 1 MiB event holds at most ~200K token ids anyway
+    min_interval_s: float = 0.05
+    max_interval_s: float = 30.0  # a sender declaring more is still dead after ttl_factor * this
+    max_holder_age_s: float = 900.0  # a holder lapses this long after its last announcement at the latest
+    max_id_chars: int = 256
+
+
 @dataclasses.dataclass
 class SenderLiveness:
     last_seen: float
     interval_s: float
 
 
+@dataclasses.dataclass
+class Holder:
+    ev: CacheAvailable
+    stale_at: float  # monotonic: the grant it carries expires (or max_holder_age_s passed)
+
+
 class CacheIndex:
-    def __init__(self, ttl_factor: float = 3.0, clock=time.monotonic):
+    def __init__(self, ttl_factor: float = 3.0, clock=time.monotonic, limits: Limits | None = None, wall=time.time):
         self.ttl_factor = ttl_factor
+        self.limits = limits or Limits()
         self._clock = clock
-        self._holders: dict[tuple[str, str], CacheAvailable] = {}  # (sender, context) -> event
+        self._wall = wall
+        self._holders: dict[str, dict[str, Holder]] = {}  # sender -> context -> holder
         self._by_key: dict[int, set[tuple[str, str]]] = defaultdict(set)
         self._senders: dict[str, SenderLiveness] = {}
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return self._count
+
+    def senders(self) -> int:
+        """Senders tracked: heart-beating or holding contexts."""
+        return len(self._senders.keys() | self._holders.keys())
+
+    def _check_id(self, what: str, value: str) -> None:
+        if not value or len(value) > self.limits.max_id_chars:
+            raise Refused("bad_field", f"{what} must be 1..{self.limits.max_id_chars} characters")
+
+    def _admit_sender(self, sender_id: str) -> None:
+        """A sender may be tracked: known already, or room for one more."""
+        if sender_id not in self._senders and sender_id not in self._holders and self.senders() >= self.limits.max_senders:
+            raise Refused("too_many_senders", f"{self.limits.max_senders} senders tracked already")
 
     def add(self, ev: CacheAvailable) -> None:
+        """Index (or refresh) a holder; `Refused` when the event is malformed or over a cap."""
+        lim = self.limits
+        self._check_id("sender_id", ev.sender_id)
+        self._check_id("context_id", ev.context_id)
+        if len(ev.address) > lim.max_id_chars:
+            raise Refused("bad_field", "address too long")
+        if not valid_token_ids(ev.token_ids, lim.max_context_tokens):
+            raise Refused("bad_field", f"token_ids must be 1..{lim.max_context_tokens} ids in [0, 2^32)")
+        if not (math.isfinite(ev.published_at) and math.isfinite(ev.token_expires_at)):
+            raise Refused("bad_field", "published_at and token_expires_at must be finite")
+        self._admit_sender(ev.sender_id)
+        held = self._holders.get(ev.sender_id, {})
+        if ev.context_id not in held and len(held) >= lim.max_contexts_per_sender:
+            raise Refused("too_many_contexts", f"sender {ev.sender_id} holds {lim.max_contexts_per_sender} already")
+        # Lapses with its grant (a receiver could not pull it after that), and never later than
+        # max_holder_age_s from now whatever expiry the event claims.
+        left = lim.max_holder_age_s if ev.token_expires_at <= 0 else ev.token_expires_at - self._wall()
+        stale_at = self._clock() + min(max(left, 0.0), lim.max_holder_age_s)
+        self.remove(ev.sender_id, ev.context_id)  # a re-announcement may carry other token ids
+        self._holders.setdefault(ev.sender_id, {})[ev.context_id] = Holder(ev, stale_at)
+        self._count += 1
         ref = (ev.sender_id, ev.context_id)
-        self._holders[ref] = ev
         for k in block_keys(ev.token_ids):
             self._by_key[k].add(ref)
 
     def remove(self, sender_id: str, context_id: str) -> None:
-        ev = self._holders.pop((sender_id, context_id), None)
-        if ev is None:
+        held = self._holders.get(sender_id)
+        h = held.pop(context_id, None) if held is not None else None
+        if h is None:
             return
-        for k in block_keys(ev.token_ids):
+        self._count -= 1
+        if not held:
+            del self._holders[sender_id]
+        for k in block_keys(h.ev.token_ids):
             refs = self._by_key.get(k)
             if refs is not None:
                 refs.discard((sender_id, context_id))
@@ -65,29 +144,46 @@ class CacheIndex:
                     del self._by_key[k]
 
     def heartbeat(self, hb: SenderHeartbeat) -> None:
-        """Mark the sender live and forget contexts it no longer lists (missed evictions)."""
-        self._senders[hb.sender_id] = SenderLiveness(self._clock(), hb.interval_s)
+        """Mark the sender live and forget contexts it no longer lists (missed evictions). The
+        declared interval is clamped: no heartbeat buys more than ttl_factor * max_interval_s."""
+        self._check_id("sender_id", hb.sender_id)
+        if not math.isfinite(hb.interval_s) or hb.interval_s <= 0:
+            raise Refused("bad_field", f"interval_s {hb.interval_s} must be a positive number")
+        self._admit_sender(hb.sender_id)
+        interval = min(max(hb.interval_s, self.limits.min_interval_s), self.limits.max_interval_s)
+        self._senders[hb.sender_id] = SenderLiveness(self._clock(), interval)
         listed = set(hb.context_ids)
-        for sender, cid in [r for r in self._holders if r[0] == hb.sender_id]:
-            if cid not in listed:
-                self.remove(sender, cid)
+        for cid in [c for c in self._holders.get(hb.sender_id, {}) if c not in listed]:
+            self.remove(hb.sender_id, cid)
 
     def live(self, sender_id: str) -> bool:
         s = self._senders.get(sender_id)
         return s is not None and self._clock() - s.last_seen <= self.ttl_factor * s.interval_s
 
     def expire(self) -> list[str]:
-        """Drop senders that stopped heart-beating, with all their contexts; return their ids."""
+        """Drop senders that stopped heart-beating, with all their contexts, and holders whose
+        grant lapsed without a re-announcement; return the dead senders' ids."""
         dead = [sid for sid in self._senders if not self.live(sid)]
         for sid in dead:
             del self._senders[sid]
-            for sender, cid in [r for r in self._holders if r[0] == sid]:
-                self.remove(sender, cid)
+            for cid in list(self._holders.get(sid, {})):
+                self.remove(sid, cid)
         return dead
+
+    def sweep(self) -> int:
+        """Drop holders whose announcement went stale (and senders never heard from that hold
+        nothing); return how many holders went."""
+        now = self._clock()
+        stale = [(sid, cid) for sid, held in self._holders.items() for cid, h in held.items() if h.stale_at < now]
+        for sid, cid in stale:
+            self.remove(sid, cid)
+        return len(stale)
 
     def lookup(self, token_ids: list[int], fingerprint_id: str, exclude_model: str | None = None
                ) -> tuple[CacheAvailable | None, int]:
         """The live, compatible holder sharing the longest token prefix, and that length."""
+        if not valid_token_ids(token_ids, self.limits.max_context_tokens):
+            return None, 0
         candidates: set[tuple[str, str]] = set()
         for k in block_keys(token_ids):
             refs = self._by_key.get(k)
@@ -95,9 +191,11 @@ class CacheIndex:
                 break
             candidates = refs
         best, best_len = None, 0
-        for ref in candidates:
-            ev = self._holders[ref]
-            if ev.fingerprint_id != fingerprint_id or ev.model_id == exclude_model or not self.live(ev.sender_id):
+        now = self._clock()
+        for sid, cid in candidates:
+            h = self._holders[sid][cid]
+            ev = h.ev
+            if ev.fingerprint_id != fingerprint_id or ev.model_id == exclude_model or h.stale_at < now or not self.live(sid):
                 continue
             n = common_prefix(ev.token_ids, token_ids)
             if n > best_len or (n == best_len and best is not None and ev.published_at > best.published_at):

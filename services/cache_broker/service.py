@@ -3,7 +3,7 @@
 Every broker copy keeps the whole index (events fan out to all copies, lookups go to one), so
 copies are interchangeable. On start a broker publishes `BrokerHello`: senders re-announce what
 they hold, and the liveness gate keeps it from serving anyone it has not heard from. Dead senders
-are swept by a supervised loop (restarted if it crashes; the broker is not ready meanwhile).
+and stale holders are swept by a supervised loop (restarted if it crashes; the broker is not ready meanwhile).
 The broker imports no torch: its process holds only the index.
 """
 
@@ -16,10 +16,10 @@ import structlog
 
 from droidmesh.services.cache_broker import handlers
 from droidmesh.services.cache_broker.config import BrokerConfig
-from droidmesh.services.cache_broker.index import CacheIndex
+from droidmesh.services.cache_broker.index import CacheIndex, Limits
 from droidmesh.shared.bus import Bus
 from droidmesh.shared.runtime import ServiceRuntime
-from droidmesh.shared.service_kit import event, rpc
+from droidmesh.shared.service_kit import rpc
 from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("broker")
@@ -30,18 +30,20 @@ class BrokerService(ServiceRuntime[BrokerConfig]):
 
     def __init__(self, cfg: BrokerConfig, bus: Bus | None = None):
         super().__init__("cache_broker", cfg, bus)
-        self.index = CacheIndex(ttl_factor=cfg.ttl_factor)
+        self.index = CacheIndex(ttl_factor=cfg.ttl_factor, limits=Limits(
+            max_senders=cfg.max_senders, max_contexts_per_sender=cfg.max_contexts_per_sender,
+            max_interval_s=cfg.max_heartbeat_s, max_holder_age_s=cfg.max_holder_age_s))
 
     async def start(self) -> None:
         bus = await self.connect()
         ix = self.index
-        await bus.subscribe(subjects.CACHE_AVAILABLE, event(schemas.CacheAvailable, functools.partial(handlers.on_available, ix)))
-        await bus.subscribe(subjects.CACHE_EVICTED, event(schemas.CacheEvicted, functools.partial(handlers.on_evicted, ix)))
-        await bus.subscribe(subjects.SENDER_HEARTBEAT, event(schemas.SenderHeartbeat, functools.partial(handlers.on_heartbeat, ix)))
+        # every sender's events on its own subject; the handler checks the speaker against it
+        await bus.subscribe_from(subjects.CACHE_EVENTS, functools.partial(handlers.on_sender_event, ix))
         await bus.serve(subjects.BROKER_LOOKUP, rpc(schemas.LookupRequest, functools.partial(handlers.lookup, ix)),
                         queue=subjects.BROKER_QUEUE)
         await bus.publish(subjects.BROKER_HELLO, schemas.encode(schemas.BrokerHello(broker_id=self.cfg.broker_id)))
         self.metrics.index_contexts.set_function(lambda: len(ix))
+        self.metrics.index_senders.set_function(ix.senders)
         self.tasks.supervise("expire", self._expire_loop)
         log.info("broker_started", broker_id=self.cfg.broker_id)
 
@@ -51,3 +53,7 @@ class BrokerService(ServiceRuntime[BrokerConfig]):
             for sender in self.index.expire():
                 self.metrics.expired_senders.inc()
                 log.info("sender_expired", sender_id=sender)
+            swept = self.index.sweep()
+            if swept:
+                self.metrics.swept_holders.inc(swept)
+                log.info("holders_swept", holders=swept)

@@ -35,7 +35,7 @@ async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, Cap
         s.metrics.prefills.inc()
         for evicted in s.store.put(cid, captured):
             s.metrics.evictions.inc()
-            await s.bus.publish(subjects.CACHE_EVICTED, schemas.encode(
+            await s.bus.publish(subjects.cache_evicted(s.cfg.sender_id), schemas.encode(
                 schemas.CacheEvicted(sender_id=s.cfg.sender_id, context_id=evicted)))
         await announce(s, cid, captured)
     return cid, captured
@@ -54,7 +54,8 @@ async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
         transport=s.bulk_transport, address=s.bulk_address, published_at=time.time(), pull_token=token,
         token_expires_at=expires,
     )
-    await s.bus.publish(subjects.CACHE_AVAILABLE, schemas.encode(msg))
+    # on this sender's own subject: NATS lets a sender user publish only under its own token
+    await s.bus.publish(subjects.cache_available(s.cfg.sender_id), schemas.encode(msg))
 
 
 def _check_deadline(deadline: float) -> None:

@@ -64,7 +64,7 @@ class SenderService(ServiceRuntime[SenderConfig]):
         while True:
             msg = schemas.SenderHeartbeat(sender_id=s.cfg.sender_id, model_id=s.cfg.model_id,
                                           context_ids=s.store.ids(), interval_s=s.cfg.heartbeat_s, sent_at=time.time())
-            await s.bus.publish(subjects.SENDER_HEARTBEAT, schemas.encode(msg))
+            await s.bus.publish(subjects.sender_heartbeat(s.cfg.sender_id), schemas.encode(msg))
             await handlers.refresh_tokens(s)
             await asyncio.sleep(s.cfg.heartbeat_s)
 
@@ -73,7 +73,7 @@ class SenderService(ServiceRuntime[SenderConfig]):
         if s is None:
             return
         for cid in s.store.ids():  # nobody should be sent here any more
-            await s.bus.publish(subjects.CACHE_EVICTED, schemas.encode(
+            await s.bus.publish(subjects.cache_evicted(s.cfg.sender_id), schemas.encode(
                 schemas.CacheEvicted(sender_id=s.cfg.sender_id, context_id=cid)))
 
     async def release(self) -> None:

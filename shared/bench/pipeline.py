@@ -53,7 +53,7 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
     async def on_available(msg: Any) -> None:
         await events.put(schemas.decode(msg.data, schemas.CacheAvailable))
 
-    await nc.subscribe(subjects.CACHE_AVAILABLE, cb=on_available)
+    await nc.subscribe(subjects.CACHE_AVAILABLE_ALL, cb=on_available)
     # A fresh context per probe: a sender announces a context once, when it first captures it.
     rng = __import__("random").Random(time.time_ns())
     context = " ".join(rng.choice(vocab.FILLER) for _ in range(tokens))

@@ -245,7 +245,7 @@ async def _control(url: str, n: int) -> dict[str, Any]:
     nc = await nats.connect(url)
     fp = schemas.Fingerprint("llama", 12, 128, 4, 4, 32, "{}", "bench")
     hb = schemas.SenderHeartbeat(sender_id="bench", model_id="bench", context_ids=[], interval_s=3600, sent_at=time.time())
-    await nc.publish(subjects.SENDER_HEARTBEAT, schemas.encode(hb))
+    await nc.publish(subjects.sender_heartbeat(hb.sender_id), schemas.encode(hb))
     rng = np.random.default_rng(0)
     visible, rtt = [], []
     for i in tqdm(range(n), desc="control", unit="event"):
@@ -256,7 +256,7 @@ async def _control(url: str, n: int) -> dict[str, Any]:
                                     address="127.0.0.1:1", published_at=time.time())
         lookup = schemas.encode(schemas.LookupRequest(token_ids=tokens, fingerprint_id="bench"))
         t0 = time.perf_counter()
-        await nc.publish(subjects.CACHE_AVAILABLE, schemas.encode(ev))
+        await nc.publish(subjects.cache_available(ev.sender_id), schemas.encode(ev))
         while True:  # poll until the broker's index answers with it: an upper bound of event->index
             t1 = time.perf_counter()
             reply = schemas.decode((await nc.request(subjects.BROKER_LOOKUP, lookup, timeout=5)).data,

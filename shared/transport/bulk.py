@@ -200,9 +200,10 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
         codec = _server_codec(request.codec)
         headers, payloads = [], []
         for item, t, whole in zip(request.items, tensors, stored, strict=True):
-            bound = codec.max_nbytes(tuple(t.shape), t.dtype, request.codec_params)
+            asked = {**request.codec_params, codecs.KIND_PARAM: item.kind}  # a codec's layout may depend on the kind
+            bound = codec.max_nbytes(tuple(t.shape), t.dtype, asked)
             hold.charge(bound)  # before encoding: a copy is counted before it exists
-            payload, params = codec.encode(t, request.codec_params)
+            payload, params = codec.encode(t, asked)
             if _shares_memory(payload, t):
                 hold.refund(bound)  # the stored tensor's own bytes: pinned, not copied
             headers.append(TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind,

@@ -7,9 +7,29 @@ A `Codec` (stateless; both methods block while they compute, on whatever thread 
   - `max_nbytes(shape, dtype, params)`  receiver, before receiving: the largest payload a
                                well-behaved sender can send for that tensor. A header claiming more
                                is refused before any buffer is allocated for it.
-Only `raw` (the tensor's own bytes, no copy on either side when the buffer is on the CPU) ships
-with this module; `register` adds more (compressed codecs plug in here, nothing else changes).
-Both ends share `checksum` and `payload_view`.
+Registered here: `raw` (the tensor's own bytes, no copy on either side when the buffer is on the
+CPU), `int8` and `int4` (quantized, `shared/kv/quant.py`; see "Quantized codecs" below);
+`register` adds more (compressed codecs plug in here, nothing else changes). Both ends share
+`checksum` and `payload_view`.
+
+The sender passes the item's kind ("K", "V" or "E") to `encode` and `max_nbytes` as the param
+`KIND_PARAM` (whatever the request said under that name is replaced); a codec whose layout
+depends on the kind echoes it in the header's params, so the receiver's `max_nbytes` is exact.
+
+Quantized codecs (`int8`, `int4`). The scales and zero points travel in the payload, after the
+quantized values, not in the header's `codec_params`: per-token scales grow with the context (a
+32K-token V of 8 heads has 256K of them, 1 MiB, for one item) while control frames are capped
+(the request at 64 KiB, `bulk.MAX_REQUEST_BYTES`; the response carrying every item's header at
+1 MiB, `schemas.MAX_MESSAGE_BYTES`), and in the payload they are covered by the checksum.
+`codec_params` carries only small layout parameters: the kind (int8: K per channel, V and E per
+token) and int4's `group` (`quant.default_group`: 32 for head dims 64 / 128). Encoding happens on each
+pull, on the stored tensor's device (the store keeps raw tensors: receivers may want raw, another
+codec or another group, and a prefix of the tokens, which changes per-channel scales); a payload
+made on a CUDA device is staged in pinned host memory, as raw's is without `DEVICE_PARAM`. The
+receiver stages the host payload (pinned for a CUDA buffer) and dequantizes on `out.device`.
+Bad input is an `IntegrityError` before `out` is written: a kind or group that does not fit the
+buffer, unexpected params, a payload of another size than the layout's, scales that are negative
+or NaN or would decode beyond the buffer dtype's range (so no NaN / inf comes out of a decode).
 
 Raw and CUDA tensors. A payload is host memory unless a channel that can move device memory
 asks for device payloads (`DEVICE_PARAM` in the request's codec params; only the UCX channel
@@ -43,6 +63,7 @@ import torch
 import xxhash
 
 from droidmesh.shared.errors import IntegrityError
+from droidmesh.shared.kv import quant
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
 
@@ -141,10 +162,7 @@ class RawCodec:
             return payload_view(t), {}
         if asks_device(params):
             return payload_view(t), {DEVICE_PARAM: "cuda"}
-        source = payload_view(t)
-        staged = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)  # device-to-host at full speed
-        staged.copy_(source)
-        return staged, {}
+        return pinned_copy(payload_view(t)), {}
 
     def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
         if payload.numel() != nbytes_of(out.shape, out.dtype):
@@ -154,6 +172,91 @@ class RawCodec:
 
     def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
         return nbytes_of(shape, dtype)
+
+
+def pinned_copy(source: torch.Tensor) -> torch.Tensor:
+    """A uint8 device payload copied to pinned host memory (device-to-host at full speed)."""
+    staged = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
+    staged.copy_(source)
+    return staged
+
+
+# Quantized codec params: the item's kind (set by the sender's server, echoed in int8 headers)
+# and int4's group size.
+KIND_PARAM = "kind"
+GROUP_PARAM = "group"
+
+
+def _host(payload: torch.Tensor) -> torch.Tensor:
+    return pinned_copy(payload) if payload.device.type == "cuda" else payload
+
+
+def _kind(params: CodecParams, codec: str) -> str:
+    kind = params.get(KIND_PARAM)
+    if not isinstance(kind, str) or kind not in quant.KINDS:
+        raise IntegrityError(f"{codec}: param {KIND_PARAM!r} = {kind!r}, expected one of {quant.KINDS}")
+    return kind
+
+
+def _only(header: TensorHeader, keys: set[str]) -> None:
+    if set(header.codec_params) != keys:
+        raise IntegrityError(f"layer {header.layer} {header.kind}: {header.codec} params {sorted(header.codec_params)}, "
+                             f"expected {sorted(keys)}")
+
+
+class Int8Codec:
+    """Symmetric int8: K with one scale per (head, dim), V and E one per token (`quant.int8_*`);
+    |x - x_hat| <= scale / 2 (+ rounding, see `quant`). About 1/4 of float32's bytes, 1/2 of bf16's.
+    The layout depends on the kind, so the header echoes it (`KIND_PARAM`) and decoding checks it
+    against the header's own kind."""
+
+    name = "int8"
+
+    def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
+        kind = _kind(params, self.name)
+        return _host(quant.int8_quantize(t, kind)), {KIND_PARAM: kind}
+
+    def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
+        _only(header, {KIND_PARAM})
+        if header.codec_params[KIND_PARAM] != header.kind:
+            raise IntegrityError(f"layer {header.layer} {header.kind}: int8 laid out for kind "
+                                 f"{header.codec_params[KIND_PARAM]!r}")
+        try:
+            quant.int8_dequantize(payload, header.kind, out)
+        except IntegrityError as e:
+            raise IntegrityError(f"layer {header.layer} {header.kind}: {e}") from None
+
+    def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
+        """Exact for the kind in `params`; without one, the largest over the kinds `shape` fits."""
+        if KIND_PARAM in params:
+            return quant.int8_nbytes(shape, _kind(params, self.name))
+        return max((quant.int8_nbytes(shape, k) for k in quant.KINDS if len(shape) >= (2 if k == "K" else 1)), default=0)
+
+
+class Int4Codec:
+    """Asymmetric int4 per group of `GROUP_PARAM` consecutive values along the last dim (default
+    `quant.default_group`: 32 where it divides the last dim; an asked group must divide it), two
+    values per byte (`quant.int4_*`); |x - x_hat| <= scale / 2 (+ rounding). With group 32: 3/16
+    of float32's bytes, 3/8 of bf16's. The layout is the same for every kind: the header carries
+    only the group."""
+
+    name = "int4"
+
+    def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
+        group = quant.check_group(tuple(t.shape), params.get(GROUP_PARAM, quant.default_group(tuple(t.shape))))
+        return _host(quant.int4_quantize(t, group)), {GROUP_PARAM: group}
+
+    def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
+        _only(header, {GROUP_PARAM})
+        try:
+            group = quant.check_group(tuple(out.shape), header.codec_params[GROUP_PARAM])
+            quant.int4_dequantize(payload, group, out)
+        except IntegrityError as e:
+            raise IntegrityError(f"layer {header.layer} {header.kind}: {e}") from None
+
+    def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
+        """Exact; `IntegrityError` for a group that does not fit `shape`."""
+        return quant.int4_nbytes(shape, quant.check_group(shape, params.get(GROUP_PARAM, quant.default_group(shape))))
 
 
 Place = Literal["out", "device", "pinned", "host"]
@@ -183,3 +286,5 @@ def receive_buffer(codec: Codec, header: TensorHeader, out: torch.Tensor) -> tor
 
 
 register(RawCodec())
+register(Int8Codec())
+register(Int4Codec())

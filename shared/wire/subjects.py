@@ -1,9 +1,12 @@
 """Every NATS subject, stream and bucket name DroidMesh uses, in one place.
 
 Events (publish / subscribe, no reply):
-  CACHE_AVAILABLE   sender -> broker, receivers   a context's KV (+E) is ready to pull
-  CACHE_EVICTED     sender -> broker              a context left the sender's store
-  SENDER_HEARTBEAT  sender -> broker              liveness + the ids the sender holds
+  cache_available(sender)   sender -> broker, receivers   a context's KV (+E) is ready to pull
+  cache_evicted(sender)     sender -> broker              a context left the sender's store
+  sender_heartbeat(sender)  sender -> broker              liveness + the ids the sender holds
+    Each sender publishes under its own last token (`dm.cache.<kind>.<sender>`), so NATS
+    permissions can pin a sender user to its own token and the broker refuses an event whose
+    `sender_id` is not the subject's: a sender speaks only for itself.
   BROKER_HELLO      broker -> senders             a (re)started broker: re-announce your caches
 Requests (request / reply):
   BROKER_LOOKUP                broker answers (queue group: any broker copy)
@@ -23,6 +26,8 @@ SENDER_HEARTBEAT = f"{PREFIX}.cache.heartbeat"
 BROKER_LOOKUP = f"{PREFIX}.broker.lookup"
 BROKER_HELLO = f"{PREFIX}.broker.hello"  # a (re)started broker asks senders to re-announce
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
+CACHE_EVENTS = f"{PREFIX}.cache.*.*"  # every sender's events (the broker)
+CACHE_AVAILABLE_ALL = f"{CACHE_AVAILABLE}.*"  # every sender's availability events (receivers' warm-up)
 
 CONFIG_BUCKET = "dm_recompute_configs"
 
@@ -57,3 +62,29 @@ def config_key(sender_model: str, receiver_model: str) -> str:
     """JetStream KV key of a pair's recompute config: the pair id `sender-to-receiver`, each
     model id as a token (KV keys may not contain ':')."""
     return f"{model_token(sender_model)}-to-{model_token(receiver_model)}"
+
+
+def cache_available(sender_id: str) -> str:
+    return f"{CACHE_AVAILABLE}.{model_token(sender_id)}"
+
+
+def cache_evicted(sender_id: str) -> str:
+    return f"{CACHE_EVICTED}.{model_token(sender_id)}"
+
+
+def sender_heartbeat(sender_id: str) -> str:
+    return f"{SENDER_HEARTBEAT}.{model_token(sender_id)}"
+
+
+def sender_token(subject: str) -> str:
+    """The sender a per-sender event subject names (its last token)."""
+    return subject.rsplit(".", 1)[-1]
+
+
+INBOX_PREFIX = "_INBOX"  # nats-py's default; a connection without a user keeps it
+
+
+def inbox_prefix(user: str) -> str:
+    """The reply-inbox prefix of NATS user `user`: `_INBOX_<user>`. The server lets each user
+    subscribe only under its own prefix, so no principal can read another's replies."""
+    return f"{INBOX_PREFIX}_{model_token(user)}" if user else INBOX_PREFIX

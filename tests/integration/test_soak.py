@@ -32,7 +32,7 @@ def test_store_never_exceeds_budget_under_churn(tiny_pair, tiny_models):
         async def on_evicted(data: bytes) -> None:
             evicted.append(schemas.decode(data, schemas.CacheEvicted).context_id)
 
-        await bus.subscribe(subjects.CACHE_EVICTED, on_evicted)
+        await bus.subscribe(f"{subjects.CACHE_EVICTED}.*", on_evicted)
         cfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", store_bytes=budget, e_layers=(0, 2))
         rng = random.Random(0)
         peak, n = 0, 0

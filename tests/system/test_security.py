@@ -1,4 +1,5 @@
-"""Access control: role permissions on a real nats-server, capability tokens on UCX pulls."""
+"""Access control: role permissions on a real nats-server, capability tokens on UCX pulls,
+tenant isolation (nobody reads another's replies, speaks for another sender or fills a store)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from droidmesh.shared.client import MeshClient
 from droidmesh.shared.errors import TransferError
 from droidmesh.shared.launch import NATS_AUTH_CONF, start_nats, start_service
+from droidmesh.shared.model import text
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.wire import schemas, subjects
 from tests.system.conftest import until_indexed, words
@@ -24,38 +26,51 @@ CONTEXT = words(120)
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture
-def auth_nats(tmp_path):
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_pair):
+    """A nats-server with role users and one copy of each service, each under its role."""
     passwords = {r: secrets.token_hex(12) for r in ROLES}
     env = {f"DM_NATS_PASSWORD_{r.upper()}": p for r, p in passwords.items()}
-    proc, url = start_nats(store_dir=str(tmp_path / "js"), conf=NATS_AUTH_CONF, env=env)
-    yield url, passwords
-    proc.stop()
+    proc, url = start_nats(store_dir=str(tmp_path_factory.mktemp("js")), conf=NATS_AUTH_CONF, env=env)
+    procs = []
+    try:
+        # The bucket exists before readers start (readers may not create it).
+        procs.append(start_service("profiler", {}, url, env=_role_env("profiler", passwords)))
+        procs.append(start_service("cache_broker", {}, url, env=_role_env("broker", passwords)))
+        procs.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [2],
+                                              "sender_id": "victim"}, url, env=_role_env("sender", passwords)))
+        procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
+                                                "default_group": [2, 4]}, url, env=_role_env("receiver", passwords)))
+        yield url, passwords
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        proc.stop()
 
 
 def _role_env(role: str, passwords: dict[str, str]) -> dict[str, str]:
     return {**THREADS, "DM_NATS_USER": role, "DM_NATS_PASSWORD": passwords[role]}
 
 
-async def _connect(url: str, role: str, passwords: dict[str, str], errors: list[str]):
+async def _connect(url: str, role: str, passwords: dict[str, str], errors: list[str], own_inbox: bool = True):
     async def on_error(e: Exception) -> None:
         errors.append(str(e))
 
-    return await nats.connect(url, user=role, password=passwords[role], error_cb=on_error, max_reconnect_attempts=0)
+    prefix = subjects.inbox_prefix(role) if own_inbox else subjects.INBOX_PREFIX
+    return await nats.connect(url, user=role, password=passwords[role], error_cb=on_error, max_reconnect_attempts=0,
+                              inbox_prefix=prefix)
 
 
-def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny_pair, tiny_models):
+async def _client(url: str, passwords: dict[str, str]) -> MeshClient:
+    return await MeshClient.connect(url, user="client", password=passwords["client"],
+                                    inbox_prefix=subjects.inbox_prefix("client"))
+
+
+def test_roles_work_and_unauthorized_users_are_refused(mesh, tiny_models):
     """Each role does its job under least privilege; a receiver cannot forge availability
     events, a sender cannot answer lookups, a client cannot prefill, and a pull without a
     valid capability token is refused."""
-    url, pw = auth_nats
-    # The bucket exists before readers start (readers may not create it).
-    services.append(start_service("profiler", {}, url, env=_role_env("profiler", pw)))
-    services.append(start_service("cache_broker", {}, url, env=_role_env("broker", pw)))
-    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [2]}, url,
-                                  env=_role_env("sender", pw)))
-    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
-                                               "default_group": [2, 4]}, url, env=_role_env("receiver", pw)))
+    url, pw = mesh
 
     async def run():
         errors: list[str] = []
@@ -65,18 +80,18 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
         async def on_available(msg):
             seen.append(schemas.decode(msg.data, schemas.CacheAvailable))
 
-        await admin.subscribe(subjects.CACHE_AVAILABLE, cb=on_available)
+        await admin.subscribe(subjects.CACHE_AVAILABLE_ALL, cb=on_available)
         await admin.flush()
         admin_client = MeshClient(_Bus(admin))
         await admin_client.prefill("sender", CONTEXT)
         await until_indexed(admin_client, tiny_models[1], CONTEXT)
-        client = await MeshClient.connect(url, user="client", password=pw["client"])
+        client = await _client(url, pw)
         answer = await client.ask("receiver", CONTEXT, " q", max_new_tokens=2)
 
         # A receiver forging an availability event: refused by the server, never delivered.
         rogue = await _connect(url, "receiver", pw, errors)
         forged = msgspec.structs.replace(seen[0], sender_id="rogue", address="127.0.0.1:1")
-        await rogue.publish(subjects.CACHE_AVAILABLE, schemas.encode(forged))
+        await rogue.publish(subjects.cache_available("rogue"), schemas.encode(forged))
         await rogue.flush()
         # A sender trying to answer lookups: its subscription is refused.
         impostor = await _connect(url, "sender", pw, errors)
@@ -113,10 +128,76 @@ def test_roles_work_and_unauthorized_users_are_refused(auth_nats, services, tiny
     answer, forged_seen, errors, refusals = asyncio.run(run())
     assert answer.path == "partial"
     assert forged_seen == []
-    assert any("permissions violation for publish" in e.lower() and subjects.CACHE_AVAILABLE in e for e in errors), errors
+    assert any("permissions violation for publish" in e.lower() and subjects.cache_available("rogue") in e
+               for e in errors), errors
     assert any("permissions violation for subscription" in e.lower() and subjects.BROKER_LOOKUP in e for e in errors), errors
     for name, err in refusals:
         assert err is not None and "unauthorized" in err, (name, err)
+
+
+def test_tenants_cannot_read_replies_speak_for_senders_or_fill_stores(mesh, tiny_models):
+    """A client cannot read anyone's replies (lookup replies with grants, other clients' answers),
+    a sender cannot withdraw another sender's context, and a client cannot make a sender
+    capture a context through any subject."""
+    url, pw = mesh
+    context = words(120, offset=11)
+
+    async def run():
+        errors: list[str] = []
+        admin = await _connect(url, "admin", pw, errors)
+        admin_client = MeshClient(_Bus(admin))
+        announced: list[str] = []
+
+        async def on_available(msg):
+            announced.append(schemas.decode(msg.data, schemas.CacheAvailable).context_id)
+
+        await admin.subscribe(f"{subjects.CACHE_AVAILABLE}.>", cb=on_available)
+        await admin.subscribe(subjects.CACHE_AVAILABLE, cb=on_available)  # where senders announced before
+        # An eavesdropper with client credentials tries every inbox it can name.
+        spy = await _connect(url, "client", pw, errors, own_inbox=False)
+        overheard: list[bytes] = []
+
+        async def on_any(msg):
+            overheard.append(msg.data)
+
+        for pattern in ("_INBOX.>", "_INBOX_receiver.>", "_INBOX_gateway.>", "_INBOX_admin.>", ">"):
+            await spy.subscribe(pattern, cb=on_any)
+        await spy.flush()
+
+        prefilled = await admin_client.prefill("sender", context)
+        await until_indexed(admin_client, tiny_models[1], context)
+        client = await _client(url, pw)
+        answer = await client.ask("receiver", context, " q", max_new_tokens=2)
+
+        # Another sender (same role, its own id) withdraws the victim's context: on its own
+        # subject, speaking for the victim, and on the subject senders shared before.
+        rogue = await _connect(url, "sender", pw, errors)
+        withdraw = schemas.encode(schemas.CacheEvicted(sender_id="victim", context_id=prefilled.context_id))
+        for subject in (subjects.cache_evicted("rogue"), subjects.CACHE_EVICTED):
+            await rogue.publish(subject, withdraw)
+        await rogue.flush()
+        # A client asks a sender to answer over a new context (which would capture and announce it).
+        sneaky = words(100, offset=21)
+        try:
+            await client.sender_generate("sender", sneaky, " q", max_new_tokens=1, timeout=2)
+            filled = True
+        except Exception:  # refused by the server: no responder reachable for this user
+            filled = False
+        await admin.flush()
+        still = await admin_client.lookup(text.context_ids(tiny_models[1].tokenizer, context), tiny_models[1].fingerprint.id)
+        await spy.flush()
+        for c in (rogue, spy, admin):
+            await c.close()
+        await client.close()
+        return answer, overheard, still, filled, announced, errors, prefilled.context_id
+
+    answer, overheard, still, filled, announced, errors, prefilled_id = asyncio.run(run())
+    assert answer.path == "partial"
+    assert overheard == [], f"a client read {len(overheard)} messages meant for others"
+    assert any("permissions violation for subscription" in e.lower() and "_inbox.>" in e.lower() for e in errors), errors
+    assert still.holder is not None and still.holder.sender_id == "victim", "another sender withdrew the victim's context"
+    assert not filled
+    assert set(announced) == {prefilled_id}, "a client made the sender capture a context"
 
 
 class _Bus:

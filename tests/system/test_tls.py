@@ -1,10 +1,17 @@
-"""TLS on the bus: services and clients reach a mutual-TLS nats-server; anyone else is refused."""
+"""TLS on the bus: services and clients reach a mutual-TLS nats-server; anyone else is refused; the
+deployment's own configuration (infra/nats/nats-tls.conf + infra/secrets/generate.sh) works as shipped."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import shutil
 import ssl
+import subprocess
+import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import nats
 import pytest
@@ -12,8 +19,10 @@ import trustme
 
 from droidmesh.shared.client import MeshClient
 from droidmesh.shared.launch import start_nats, start_service
+from droidmesh.shared.settings import BusSettings
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
+INFRA = Path(__file__).resolve().parents[2] / "infra"
 
 
 @pytest.fixture
@@ -77,3 +86,78 @@ def test_services_and_clients_talk_over_mutual_tls_and_others_are_refused(tls_na
         asyncio.run(run())
     finally:
         broker.stop()
+
+
+async def _plain_text_refused(url: str, user: str, password: str) -> bool:
+    """True when the server asks for TLS and a plain-text CONNECT with a right password gets no PONG."""
+    u = urlsplit(url)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    try:
+        info = json.loads((await asyncio.wait_for(reader.readline(), 3)).decode().removeprefix("INFO "))
+        writer.write(f"CONNECT {json.dumps({'user': user, 'pass': password, 'verbose': False})}\r\nPING\r\n".encode())
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), 3)  # b"" once the server hangs up, or an -ERR
+        return info.get("tls_required") is True and b"PONG" not in answer
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+def deployed_nats(tmp_path: Path):
+    """nats-server run with infra/nats/nats-tls.conf (its certificate paths pointed at generate.sh's output
+    instead of /etc/droidmesh/tls) and the generated role passwords; yields its tls:// URL and the secrets dir."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl not installed")
+    secrets = tmp_path / "secrets"
+    subprocess.run(["bash", str(INFRA / "secrets" / "generate.sh"), str(secrets)], check=True, capture_output=True, timeout=60)
+    conf_dir = tmp_path / "nats"
+    conf_dir.mkdir()
+    shutil.copy(INFRA / "nats" / "nats-auth.conf", conf_dir)
+    conf, n = re.subn(r'"/etc/droidmesh/tls/([\w.-]+)"', lambda m: f'"{secrets / "tls" / m.group(1)}"',
+                      (INFRA / "nats" / "nats-tls.conf").read_text())
+    assert n == 3
+    (conf_dir / "nats-tls.conf").write_text(conf)
+    env = dict(line.split("=", 1) for line in (secrets / "nats.env").read_text().splitlines() if line)
+    proc, url = start_nats(store_dir=str(tmp_path / "js"), conf=conf_dir / "nats-tls.conf", env=env)
+    yield url.replace("nats://", "tls://"), secrets
+    proc.stop()
+
+
+def test_the_deployment_tls_conf_and_generated_secrets_work_as_shipped(deployed_nats, tmp_path):
+    """With nats-tls.conf and generate.sh's secrets, a broker configured as compose configures it (tls:// URL,
+    CA, user, password file) serves an admin's lookup over TLS and `droidmesh ask` logs in as client with
+    --user/--password/--tls-ca; plain text, a wrong password and a client not trusting the CA are refused."""
+    url, secrets = deployed_nats
+    ca = secrets / "tls" / "ca.pem"
+    password = {role: (secrets / "passwords" / role).read_text().strip() for role in ("client", "admin")}
+    broker = start_service("cache_broker", {}, url, env={
+        "OMP_NUM_THREADS": "1", "DM_NATS_USER": "broker", "DM_NATS_PASSWORD_FILE": str(secrets / "passwords" / "broker"),
+        "DM_NATS_TLS_CA": str(ca)})
+    try:
+        async def run() -> None:
+            admin = BusSettings(nats_url=url, nats_user="admin", nats_password_file=str(secrets / "passwords" / "admin"),
+                                nats_tls_ca=str(ca))
+            client = await MeshClient.connect(None, **admin.nats_options())
+            reply = await client.lookup([1, 2, 3], "no-such-model")
+            assert reply.holder is None  # the broker answered, both over TLS with their role passwords
+            await client.bus.close()
+
+            login = {"user": "client", "password": password["client"]}
+            assert not await _refused(url, tls=_context(ca, None), **login)  # the helper can say no
+            assert await _plain_text_refused(url, **login)
+            assert await _refused(url, tls=_context(ca, None), user="client", password=password["admin"])  # wrong password
+            assert await _refused(url, tls=_context(None, None), **login)  # the server's certificate is not trusted
+
+        asyncio.run(run())
+    finally:
+        broker.stop()
+
+    context = tmp_path / "context.txt"
+    context.write_text("a small context")
+    ask = [sys.executable, "-m", "droidmesh.shared.cli.main", "ask", "--nats", url, "--user", "client", "--password",
+           password["client"], "--receiver", "qa", "--context", str(context), "--question", "what?"]
+    out = subprocess.run([*ask, "--tls-ca", str(ca), "--timeout", "2"], capture_output=True, text=True, timeout=60)
+    # connected, logged in and allowed to ask: only the receiver is missing
+    assert out.returncode == 1 and "cannot connect" not in out.stderr and "NoResponders" in out.stderr, out.stderr
+    out = subprocess.run([*ask, "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in out.stderr, out.stderr  # without --tls-ca: not trusted

@@ -1,16 +1,22 @@
-"""Deployment artefacts: Kubernetes and Compose files are schema-valid, entrypoints match."""
+"""Deployment artefacts: Kubernetes and Compose files are schema-valid, entrypoints match, and
+secure by default (TLS, per-role passwords from secrets, nothing published beyond loopback / the cluster)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
-from pathlib import Path
+import shutil
+import subprocess
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
 
 import check_jsonschema
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
 
 from droidmesh.shared.metrics import Metrics
 
@@ -78,9 +84,10 @@ def test_model_hosts_have_a_generous_startup_probe():
 
 
 def test_nats_configmap_is_the_repo_config():
-    """The NATS ConfigMap carries infra/nats/nats-auth.conf verbatim."""
+    """The NATS ConfigMap carries infra/nats/nats-auth.conf and nats-tls.conf verbatim."""
     cm = next(d for _, d in _k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "nats-config")
-    assert cm["data"]["nats-auth.conf"].strip() == (INFRA / "nats" / "nats-auth.conf").read_text().strip()
+    for name in ("nats-auth.conf", "nats-tls.conf"):
+        assert cm["data"][name].strip() == (INFRA / "nats" / name).read_text().strip(), name
 
 
 def test_grafana_dashboard_queries_exported_metrics():
@@ -92,15 +99,18 @@ def test_grafana_dashboard_queries_exported_metrics():
     assert base and base <= exported, base - exported
 
 
-def test_every_nats_role_has_a_password_everywhere():
-    """Each role nats-auth.conf reads a password for is generated, in the example Secret, and passed to Compose's nats."""
-    roles = set(re.findall(r"\$DM_NATS_PASSWORD_(\w+)", (INFRA / "nats" / "nats-auth.conf").read_text()))
-    generated = set(re.search(r"for role in ([\w ]+); do", (INFRA / "secrets" / "generate.sh").read_text()).group(1).split())
-    secret = next(d for _, d in _k8s_docs() if d["kind"] == "Secret")
-    compose_env = yaml.safe_load((INFRA / "compose.yaml").read_text())["services"]["nats"]["environment"]
-    assert "GATEWAY" in roles
-    assert roles == generated == {k.removeprefix("DM_NATS_PASSWORD_") for k in secret["stringData"]} \
-        == {k.removeprefix("DM_NATS_PASSWORD_") for k in compose_env}
+def test_every_nats_role_has_a_password_everywhere(generated):
+    """Each role nats-auth.conf reads a password for is generated (env line and password file), is in the
+    example Secret, and Compose's nats reads the generated env file."""
+    roles = set(_auth_users().values())
+    generated_env = {line.split("=", 1)[0] for line in (generated / "nats.env").read_text().splitlines() if line}
+    secret = _docs_by_name()[("Secret", "droidmesh-nats")]
+    assert "DM_NATS_PASSWORD_GATEWAY" in roles
+    assert roles == generated_env == set(secret["stringData"])
+    for user in _auth_users():
+        assert len((generated / "passwords" / user).read_text().strip()) >= 24, user
+    nats = _compose()["services"]["nats"]
+    assert nats["env_file"] == ["./secrets/local/nats.env"] and not nats.get("environment")
 
 
 def test_gateway_is_reachable_only_where_meant():
@@ -114,3 +124,220 @@ def test_gateway_is_reachable_only_where_meant():
     for (kind, _), d in docs.items():
         if kind == "HorizontalPodAutoscaler":
             assert ("Deployment", d["spec"]["scaleTargetRef"]["name"]) in docs
+
+
+# --- secure by default: TLS, per-role passwords from secrets, nothing published beyond loopback ---
+
+NATS_TLS_CONF = INFRA / "nats" / "nats-tls.conf"
+COMPOSE_SECRETS_DIR = "./secrets/local/"  # generate.sh's default DIR, as compose.yaml (in infra/) names it
+LOOPBACK = ("127.0.0.1", "::1", "[::1]", "localhost")
+
+
+def _compose() -> dict:
+    return yaml.safe_load((INFRA / "compose.yaml").read_text())
+
+
+def _docs_by_name() -> dict[tuple[str, str], dict]:
+    docs = list(_k8s_docs())
+    docs += [(f"secret.example.yaml:{d['kind']}/{d['metadata']['name']}", d)
+             for d in yaml.safe_load_all((INFRA / "k8s" / "secret.example.yaml").read_text()) if d]
+    return {(d["kind"], d["metadata"]["name"]): d for _, d in docs}
+
+
+def _auth_users() -> dict[str, str]:
+    """user -> the env variable nats-auth.conf reads its password from."""
+    pairs = re.findall(r"user:\s*(\w+),\s*password:\s*\$(\w+)", (INFRA / "nats" / "nats-auth.conf").read_text())
+    assert pairs
+    return dict(pairs)
+
+
+def _tls_files() -> dict[str, str]:
+    """cert_file / key_file / ca_file -> the path nats-tls.conf reads it from."""
+    block = re.search(r"^tls\s*\{(.*?)^\}", NATS_TLS_CONF.read_text(), re.S | re.M).group(1)
+    return dict(re.findall(r"^\s*(cert_file|key_file|ca_file):\s*\"([^\"]+)\"", block, re.M))
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> Path:
+    """infra/secrets/generate.sh run into a temporary directory."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl not installed")
+    out = tmp_path_factory.mktemp("secrets") / "local"
+    subprocess.run(["bash", str(INFRA / "secrets" / "generate.sh"), str(out)], check=True, capture_output=True, timeout=60)
+    return out
+
+
+def _sans(cert: Path) -> set[str]:
+    ext = x509.load_pem_x509_certificate(cert.read_bytes()).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    return set(ext.value.get_values_for_type(x509.DNSName)) | {str(ip) for ip in ext.value.get_values_for_type(x509.IPAddress)}
+
+
+def _host_named_by(url: str, sans: set[str]) -> bool:
+    host = urlsplit(url).hostname or ""
+    try:
+        return str(ipaddress.ip_address(host)) in sans
+    except ValueError:
+        return host in sans
+
+
+def test_generate_sh_makes_a_ca_a_server_certificate_and_every_role_password(generated):
+    """generate.sh writes a CA and a NATS server certificate that `openssl verify` accepts, naming the hosts
+    compose, Kubernetes and local clients connect to; a password file per nats-auth.conf user (gateway
+    included); keys private; a second run keeps everything."""
+    tls = generated / "tls"
+    ok = subprocess.run(["openssl", "verify", "-CAfile", str(tls / "ca.pem"), "-purpose", "sslserver", str(tls / "server.pem")],
+                        capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith(": OK"), ok.stdout + ok.stderr
+    other_ca = subprocess.run(["openssl", "verify", "-CAfile", str(tls / "server.pem"), str(tls / "server.pem")],
+                              capture_output=True, timeout=30)
+    assert other_ca.returncode != 0  # the leaf is not its own CA: verify above really checked the chain
+    assert {"nats", "nats.droidmesh.svc", "nats.droidmesh.svc.cluster.local", "localhost", "127.0.0.1"} <= _sans(tls / "server.pem")
+    users = _auth_users()
+    assert "gateway" in users
+    passwords = {u: (generated / "passwords" / u).read_text().strip() for u in users}
+    assert len(set(passwords.values())) == len(users) and all(len(p) >= 24 for p in passwords.values())
+    env = dict(line.split("=", 1) for line in (generated / "nats.env").read_text().splitlines() if line)
+    assert env == {var: passwords[u] for u, var in users.items()}
+    for key in (tls / "server-key.pem", tls / "ca-key.pem", generated / "nats.env"):
+        assert key.stat().st_mode & 0o077 == 0, key
+    assert generated.stat().st_mode & 0o077 == 0
+    before = {f: f.read_bytes() for f in generated.rglob("*") if f.is_file()}
+    subprocess.run(["bash", str(INFRA / "secrets" / "generate.sh"), str(generated)], check=True, capture_output=True, timeout=60)
+    assert {f: f.read_bytes() for f in generated.rglob("*") if f.is_file()} == before
+
+
+def test_nats_runs_the_tls_conf_with_its_certificates_mounted():
+    """Compose and Kubernetes start nats-server with nats-tls.conf (which includes nats-auth.conf), and
+    the certificate, key and CA it names are mounted from secrets at those paths."""
+    text = NATS_TLS_CONF.read_text()
+    assert re.search(r"^include \./nats-auth\.conf$", text, re.M)
+    files = _tls_files()
+    assert set(files) == {"cert_file", "key_file", "ca_file"}
+    assert re.search(r"^\s*verify:\s*(true|false)\s*$", text, re.M)  # TLS on for every client; no allow_non_tls
+    assert "allow_non_tls" not in text
+
+    compose = _compose()
+    nats = compose["services"]["nats"]
+    assert nats["command"][:2] == ["-c", "/etc/nats/nats-tls.conf"]
+    assert "./nats:/etc/nats:ro" in nats["volumes"]
+    mounted = {s["target"]: compose["secrets"][s["source"]]["file"] for s in nats["secrets"]}
+    assert mounted == {files["cert_file"]: COMPOSE_SECRETS_DIR + "tls/server.pem",
+                       files["key_file"]: COMPOSE_SECRETS_DIR + "tls/server-key.pem",
+                       files["ca_file"]: COMPOSE_SECRETS_DIR + "tls/ca.pem"}
+
+    sts = _docs_by_name()[("StatefulSet", "nats")]
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["args"][:2] == ["-c", "/etc/nats/nats-tls.conf"]
+    paths = _k8s_mounted_files(sts["spec"]["template"]["spec"], c)
+    assert paths[files["cert_file"]] == ("droidmesh-nats-tls", "tls.crt")
+    assert paths[files["key_file"]] == ("droidmesh-nats-tls", "tls.key")
+    assert paths[files["ca_file"]] == ("droidmesh-nats-tls", "ca.crt")
+    assert {"tls.crt", "tls.key", "ca.crt"} <= set(_docs_by_name()[("Secret", "droidmesh-nats-tls")]["stringData"])
+
+
+def _k8s_mounted_files(pod: dict, container: dict) -> dict[str, tuple[str, str]]:
+    """Path in the container -> (Secret, key) for every file a Secret volume puts there."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    out = {}
+    for m in container.get("volumeMounts", []):
+        secret = volumes.get(m["name"], {}).get("secret")  # not in volumes: a StatefulSet's volumeClaimTemplates
+        if secret is None:
+            continue
+        assert m.get("readOnly") is True, m
+        assert secret.get("items"), f"{m['name']}: mount named keys only, never a whole Secret"
+        for item in secret["items"]:
+            out[str(PurePosixPath(m["mountPath"]) / item["path"])] = (secret["secretName"], item["key"])
+    return out
+
+
+def _compose_service_env(name: str) -> tuple[dict, dict[str, str]]:
+    """A compose service's environment and its secrets as container path -> file on the host."""
+    compose = _compose()
+    svc = compose["services"][name]
+    files = {}
+    for s in svc.get("secrets", []):
+        s = {"source": s, "target": s} if isinstance(s, str) else s
+        target = s.get("target", s["source"])
+        files[target if target.startswith("/") else f"/run/secrets/{target}"] = compose["secrets"][s["source"]]["file"]
+    return svc["environment"], files
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_compose_services_connect_with_tls_and_their_own_role_password(service, generated):
+    """Each compose service connects to a tls:// URL whose host the generated certificate names, verifies
+    it with the CA (a secret), and logs in as a nats-auth.conf user with that user's password file (a secret)."""
+    env, secret_files = _compose_service_env(service)
+    users = _auth_users()
+    assert env["DM_NATS_URL"].startswith("tls://")
+    assert _host_named_by(env["DM_NATS_URL"], _sans(generated / "tls" / "server.pem"))
+    assert env["DM_NATS_USER"] in users
+    assert "DM_NATS_PASSWORD" not in env and "DM_NATS_CREDS" not in env
+    assert secret_files[env["DM_NATS_TLS_CA"]] == COMPOSE_SECRETS_DIR + "tls/ca.pem"
+    assert secret_files[env["DM_NATS_PASSWORD_FILE"]] == COMPOSE_SECRETS_DIR + f"passwords/{env['DM_NATS_USER']}"
+    for f in secret_files.values():  # every secret compose mounts is one generate.sh makes
+        assert (generated / f.removeprefix(COMPOSE_SECRETS_DIR)).is_file(), f
+
+
+def _k8s_container_env(d: dict) -> dict[str, str]:
+    """A Deployment's effective env: its ConfigMaps (envFrom), then its own literal values."""
+    docs = _docs_by_name()
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        assert "secretRef" not in src, "services read secrets from files, not env"
+        env.update(docs[("ConfigMap", src["configMapRef"]["name"])]["data"])
+    for e in c.get("env", []):
+        assert "secretKeyRef" not in e.get("valueFrom", {}), f"{e['name']}: secrets as files, not env"
+        if "value" in e:
+            env[e["name"]] = e["value"]
+    return env
+
+
+@pytest.mark.parametrize("deployment", ["cache-broker", "sender", "receiver", "profiler", "gateway"])
+def test_k8s_services_connect_with_tls_and_their_own_role_password(deployment, generated):
+    """Each Deployment connects to a tls:// URL whose host the generated certificate names, verifies it with
+    the CA from droidmesh-nats-tls, and logs in as a nats-auth.conf user with a file holding only that
+    user's key of droidmesh-nats."""
+    d = _docs_by_name()[("Deployment", deployment)]
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    env = _k8s_container_env(d)
+    files = _k8s_mounted_files(d["spec"]["template"]["spec"], c)
+    users = _auth_users()
+    assert env["DM_NATS_URL"].startswith("tls://")
+    assert _host_named_by(env["DM_NATS_URL"], _sans(generated / "tls" / "server.pem"))
+    assert env["DM_NATS_USER"] in users
+    assert "DM_NATS_PASSWORD" not in env and "DM_NATS_CREDS" not in env
+    assert files[env["DM_NATS_TLS_CA"]] == ("droidmesh-nats-tls", "ca.crt")
+    assert files[env["DM_NATS_PASSWORD_FILE"]] == ("droidmesh-nats", users[env["DM_NATS_USER"]])
+    assert set(files.values()) == {("droidmesh-nats-tls", "ca.crt"), ("droidmesh-nats", users[env["DM_NATS_USER"]])}
+
+
+def test_no_compose_port_is_published_on_all_interfaces():
+    """Every port compose publishes binds loopback only (short or long syntax); no service uses the host network."""
+    published = 0
+    for name, svc in _compose()["services"].items():
+        assert svc.get("network_mode") != "host", name
+        for p in svc.get("ports", []):
+            published += 1
+            if isinstance(p, dict):
+                assert p.get("host_ip") in LOOPBACK, (name, p)
+            else:
+                host = str(p).rsplit(":", 2)[0] if str(p).count(":") >= 2 else ""
+                assert host in LOOPBACK, (name, p)
+    assert published  # NATS and the gateway are reachable from the host, on loopback
+
+
+def test_no_kubernetes_service_or_pod_is_reachable_from_outside_the_cluster():
+    """Every Service is ClusterIP (no NodePort / LoadBalancer / externalIPs); no pod uses hostPort or the host network."""
+    docs = _docs_by_name()
+    services = [d for (kind, _), d in docs.items() if kind == "Service"]
+    assert {d["metadata"]["name"] for d in services} >= {"nats", "gateway"}
+    for d in services:
+        assert d["spec"].get("type", "ClusterIP") == "ClusterIP", d["metadata"]["name"]
+        assert not d["spec"].get("externalIPs"), d["metadata"]["name"]
+        assert all("nodePort" not in p for p in d["spec"]["ports"]), d["metadata"]["name"]
+    for (kind, name), d in docs.items():
+        if kind in ("Deployment", "StatefulSet"):
+            pod = d["spec"]["template"]["spec"]
+            assert not pod.get("hostNetwork"), name
+            assert all("hostPort" not in p for c in pod["containers"] for p in c.get("ports", [])), name

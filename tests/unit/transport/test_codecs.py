@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import msgspec
 import pytest
 import torch
 
-from droidmesh.shared.errors import IntegrityError
+from droidmesh.shared.errors import IntegrityError, TransferError
+from droidmesh.shared.kv import quant
 from droidmesh.shared.transport import codecs, inproc
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.wire.schemas import CodecParams, PullItem, PullRequest, TensorHeader
@@ -57,7 +59,7 @@ def _pull(codec: str = "raw", lookup=None) -> tuple[list[torch.Tensor], int]:
 def test_raw_is_registered_and_lands_in_place():
     """Raw arrives bit-exact, in the caller's own buffer, with the tensor's own byte count."""
     got, n = _pull()
-    assert codecs.names() == ["raw"] and torch.equal(got[0], KV) and n == KV.numel() * 4
+    assert codecs.names() == ["int4", "int8", "raw"] and torch.equal(got[0], KV) and n == KV.numel() * 4
 
 
 def test_a_registered_codec_is_encoded_by_the_sender_and_decoded_by_the_receiver(toy_codec):
@@ -146,3 +148,179 @@ def test_a_device_payload_the_receiver_did_not_ask_for_is_refused(monkeypatch):
     monkeypatch.setattr(inproc, "answer", claim_device)
     with pytest.raises(IntegrityError, match="did not ask for"):
         _pull()
+
+
+# -- quantized codecs (int8, int4) -----------------------------------------------------------
+STORED = {(0, "K"): torch.randn(1, 2, 9, 8), (0, "V"): torch.randn(1, 2, 9, 8), (1, "E"): torch.randn(1, 9, 16)}
+ITEMS = [PullItem(1, "E"), PullItem(0, "K"), PullItem(0, "V")]
+
+
+def _buffers_for(items: list[PullItem], tokens: int = 9) -> list[torch.Tensor]:
+    return [torch.empty(1, tokens, 16) if it.kind == "E" else torch.empty(1, 2, tokens, 8) for it in items]
+
+
+def _pull_quantized(codec: str, params: CodecParams | None = None, tokens: int = 0, into=None):
+    """(landed tensors, pulled bytes, headers) of a pull of ITEMS with `codec` over inproc."""
+    headers: list[TensorHeader] = []
+    real = inproc.answer
+
+    def spy(*a):
+        served = real(*a)
+        headers.extend(served.response.headers)
+        return served
+
+    async def run():
+        server = make_server("inproc", lambda c, l, k: STORED.get((l, k)), None)
+        address = await server.start()
+        got: list[torch.Tensor] = []
+        try:
+            n = await make_client("inproc").pull(
+                address, PullRequest(context_id="c", items=ITEMS, codec=codec, codec_params=params or {}, tokens=tokens),
+                into if into is not None else _buffers_for(ITEMS, tokens or 9), lambda it, t: got.append(t.clone()), 5)
+            return got, n
+        finally:
+            await server.close()
+
+    inproc.answer = spy  # restored below
+    try:
+        got, n = asyncio.run(run())
+    finally:
+        inproc.answer = real
+    return got, n, headers
+
+
+@pytest.mark.parametrize("codec,params", [("int8", {}), ("int4", {}), ("int4", {"group": 4})])
+def test_quantized_pulls_land_within_the_bound_in_fewer_bytes(codec, params):
+    """int8 / int4 over the channel: each item decodes within its bound; the bytes pulled are
+    the exact layout sizes (K per channel, V / E per token), a fraction of raw's."""
+    got, n, headers = _pull_quantized(codec, params)
+    group = params.get("group", 32)
+    for item, t, h in zip(ITEMS, got, headers, strict=True):
+        x = STORED[(item.layer, item.kind)]
+        if codec == "int8":
+            scale = x.abs().amax(dim=quant.int8_axis(item.kind, x.dim()), keepdim=True) / 127
+            assert h.codec_params == {"kind": item.kind} and h.nbytes == quant.int8_nbytes(tuple(x.shape), item.kind)
+        else:
+            xg = x.reshape(-1, math.gcd(group, x.shape[-1]))
+            scale = ((xg.amax(1, keepdim=True) - xg.amin(1, keepdim=True)) / 15).expand_as(xg).reshape(x.shape)
+            assert h.codec_params == {"group": math.gcd(group, x.shape[-1])}  # the default: 32 where it divides
+            assert h.nbytes == quant.int4_nbytes(tuple(x.shape), math.gcd(group, x.shape[-1]))
+        assert h.codec == codec and bool(((t - x).abs() <= scale / 2 + 1e-6).all())
+    raw = sum(t.numel() * 4 for t in STORED.values())
+    assert n == sum(h.nbytes for h in headers) and n < 0.7 * raw  # tiny dims and groups: scales weigh more than at 128 / 32
+
+
+def test_a_prefix_pull_quantizes_only_the_tokens_asked_for():
+    """tokens=5: per-channel K scales are those of the 5-token prefix, and the payload its size."""
+    got, n, headers = _pull_quantized("int8", tokens=5)
+    k = STORED[(0, "K")][:, :, :5]
+    expected = torch.empty_like(k)
+    quant.int8_dequantize(quant.int8_quantize(k, "K"), "K", expected)
+    assert torch.equal(got[1], expected) and headers[1].nbytes == quant.int8_nbytes((1, 2, 5, 8), "K")
+
+
+def test_max_nbytes_is_exact_for_the_kind_and_a_safe_maximum_without_one():
+    """int8's bound is the exact size for the kind in the params, else the largest over kinds;
+    int4's is exact for the group (default 32) and refuses one that does not fit."""
+    int8, int4 = codecs.get("int8"), codecs.get("int4")
+    shape = (1, 2, 40, 8)  # more tokens than dims: per-token (V) scales outnumber per-channel (K) ones
+    sizes = {kind: int8.max_nbytes(shape, torch.float32, {"kind": kind}) for kind in "KV"}
+    assert sizes == {"K": 640 + 4 * 16, "V": 640 + 4 * 80}
+    assert int8.max_nbytes(shape, torch.float32, {}) == sizes["V"]
+    assert int8.max_nbytes((1, 40, 64), torch.bfloat16, {"kind": "E"}) == 2560 + 4 * 40  # E: per token
+    assert int8.max_nbytes((1, 40, 64), torch.bfloat16, {}) == 2560 + 4 * 64  # no kind: K's layout is larger here
+    assert int4.max_nbytes((1, 2, 40, 64), torch.float32, {}) == 2560 + 8 * 160  # 5,120 values: 160 groups of 32
+    assert int4.max_nbytes((1, 2, 40, 64), torch.float32, {"group": 64}) == 2560 + 8 * 80
+    with pytest.raises(IntegrityError, match="'kind' = 'Q'"):
+        int8.max_nbytes(shape, torch.float32, {"kind": "Q"})
+    with pytest.raises(IntegrityError, match="group 12 does not divide"):
+        int4.max_nbytes(shape, torch.float32, {"group": 12})
+
+
+@pytest.mark.parametrize("group", [0, -8, 3, 1 << 40, "8"])
+def test_a_request_for_a_group_that_does_not_fit_is_refused_by_the_sender(group):
+    """The sender refuses the pull (the receiver falls back, told why), nothing lands."""
+    with pytest.raises(TransferError, match="sender refused the pull: integrity: int4: group"):
+        _pull_quantized("int4", {"group": group})
+
+
+def _tamper(monkeypatch, edit):
+    """Make the in-process sender's answer go through `edit(headers, payloads)` (checksums redone)."""
+    real = inproc.answer
+
+    def tampered(*a):
+        response, payloads, release = real(*a)
+        headers = edit(list(response.headers), payloads)
+        headers = [msgspec.structs.replace(h, nbytes=p.numel(), checksum=codecs.checksum(p))
+                   for h, p in zip(headers, payloads, strict=True)]
+        return msgspec.structs.replace(response, headers=headers), payloads, release
+
+    monkeypatch.setattr(inproc, "answer", tampered)
+
+
+def _pull_nothing_lands(codec: str, match: str) -> None:
+    """The pull raises IntegrityError matching `match` and the tampered item is never delivered."""
+    landed: list[PullItem] = []
+
+    async def run():
+        server = make_server("inproc", lambda c, l, k: STORED.get((l, k)), None)
+        address = await server.start()
+        try:
+            await make_client("inproc").pull(address, PullRequest(context_id="c", items=ITEMS, codec=codec),
+                                             _buffers_for(ITEMS), lambda it, t: landed.append(it), 5)
+        finally:
+            await server.close()
+
+    with pytest.raises(IntegrityError, match=match):
+        asyncio.run(run())
+    assert ITEMS[1] not in landed
+
+
+def _set_params(i: int, params: CodecParams):
+    return lambda hs, ps: [msgspec.structs.replace(h, codec_params=params) if j == i else h for j, h in enumerate(hs)]
+
+
+@pytest.mark.parametrize("codec,params,match", [
+    ("int8", {"kind": "V"}, "layer 0 K: int8 params|laid out for kind 'V'"),
+    ("int8", {}, "int8 params"),
+    ("int8", {"kind": "K", "group": 8}, "int8 params"),
+    ("int4", {"group": 7}, "group 7 does not divide"),
+    ("int4", {"group": 4}, "payload of"),  # fits the layout, but the payload was made with 8
+    ("int4", {"group": 8, "kind": "K"}, "int4 params"),
+])
+def test_header_params_that_do_not_match_the_layout_are_refused(monkeypatch, codec, params, match):
+    """A K header whose params contradict its kind, its payload or its buffer is an IntegrityError."""
+    _tamper(monkeypatch, _set_params(1, params))
+    _pull_nothing_lands(codec, match)
+
+
+def test_a_payload_of_another_size_is_refused(monkeypatch):
+    """A (checksum-valid) payload one byte short of the layout's size is an IntegrityError."""
+    def shorten(hs, ps):
+        ps[1] = ps[1][:-1]
+        return hs
+
+    _tamper(monkeypatch, shorten)
+    _pull_nothing_lands("int8", "layer 0 K: int8: payload of")
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_scale_that_decodes_to_nan_is_refused(monkeypatch, codec):
+    """A NaN scale with a valid checksum: IntegrityError at landing, the item never delivered."""
+    def poison(hs, ps):
+        ps[1] = ps[1].clone()
+        ps[1][-4:].view(torch.float32)[0] = float("nan")  # the last scale (int8) / zero point (int4)
+        return hs
+
+    _tamper(monkeypatch, poison)
+    _pull_nothing_lands(codec, "layer 0 K: int[48]: (negative or NaN scales|decoded values would reach nan)")
+
+
+def test_quantized_decode_into_a_non_contiguous_buffer():
+    """A strided receive buffer (a view) gets the same values as a contiguous one."""
+    base = [torch.empty(2, 9, 16) if it.kind == "E" else torch.empty(1, 2, 9, 16) for it in ITEMS]
+    strided = [b[:1] if it.kind == "E" else b[..., ::2] for b, it in zip(base, ITEMS, strict=True)]  # [1, 9, 16] / [1, 2, 9, 8]
+    for codec in ("int8", "int4"):
+        got, _, _ = _pull_quantized(codec, into=strided)
+        flat, _, _ = _pull_quantized(codec)
+        assert all(torch.equal(a, b) for a, b in zip(got, flat, strict=True))
