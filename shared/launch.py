@@ -16,13 +16,16 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from droidmesh import NATS_CONFIG_DIR
 
 NATS_CONF = NATS_CONFIG_DIR / "nats.conf"
 NATS_AUTH_CONF = NATS_CONFIG_DIR / "nats-auth.conf"
+NATS_CLUSTER_CONF = NATS_CONFIG_DIR / "cluster" / "node.conf"
 
 
 def free_port() -> int:
@@ -134,6 +137,103 @@ def start_nats(port: int | None = None, store_dir: str | None = None, extra: lis
     proc = Proc("nats", argv, env=env, log_path=log_dir / "nats.log" if log_dir else None)
     proc.wait_for(lambda l: "Server is ready" in l, 30, "readiness")
     return proc, f"nats://{host}:{port}"
+
+
+@dataclass
+class NatsCluster:
+    """Nodes of a local NATS cluster: `procs[i]` serves clients on `urls[i]` and its monitoring
+    endpoints (`/healthz`, `/connz`, `/jsz`) on `monitor_ports[i]`; it is named `names[i]`."""
+
+    procs: list[Proc]
+    urls: list[str]
+    monitor_ports: list[int]
+    names: list[str]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated: what a service's `nats_url` takes."""
+        return ",".join(self.urls)
+
+    def monitor(self, i: int, path: str) -> dict:
+        """GET `path` (e.g. "/connz") on node `i`'s monitoring port, parsed."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_ports[i]}{path}", timeout=5) as r:
+            return json.loads(r.read())
+
+    def nodes_of(self, client_name: str) -> list[int]:
+        """The live nodes that hold a client connection named `client_name` (per `/connz`)."""
+        return [i for i, p in enumerate(self.procs) if p.popen.poll() is None
+                and any(c.get("name") == client_name for c in self.monitor(i, "/connz?limit=4096").get("connections") or [])]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.signal_stop()
+        for p in self.procs:
+            p.stop()
+
+
+_META_LEADER = ("JetStream cluster new metadata leader", "Self is new JetStream cluster metadata leader")
+
+
+def start_nats_cluster(n: int = 3, store_dir: str | None = None, log_dir: Path | None = None,
+                       conf: Path = NATS_CLUSTER_CONF, env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                       timeout: float = 60.0) -> NatsCluster:
+    """`n` nats-server nodes (JetStream, one cluster, up to 3 routes in `conf`) on free ports of
+    `host`. Ready when every node logged "Server is ready" and a JetStream metadata leader, and the
+    monitoring endpoints say every node is healthy and the meta group has all `n` peers current
+    (so a bucket with `n` replicas can be placed at once)."""
+    if not 1 <= n <= 3:
+        raise ValueError(f"{conf.name} lists 3 routes: n must be 1..3, got {n}")
+    base = Path(store_dir or tempfile.mkdtemp(prefix="dm-js-cluster-"))
+    ports = [(free_port(), free_port(), free_port()) for _ in range(n)]  # client, route, monitoring
+    routes = [f"nats://{host}:{route}" for _, route, _ in ports]
+    routes += routes[-1:] * (3 - n)  # the file names three routes: repeat the last one
+    procs: list[Proc] = []
+    try:
+        for i, (client, route, monitor) in enumerate(ports):
+            node = f"n{i + 1}"
+            node_env = {**(env or {}), "DM_NATS_NODE": node, "DM_NATS_LISTEN": f"{host}:{client}",
+                        "DM_NATS_HTTP": f"{host}:{monitor}", "DM_NATS_STORE": str(base / node),
+                        "DM_NATS_CLUSTER_LISTEN": f"{host}:{route}",
+                        **{f"DM_NATS_ROUTE_{k + 1}": r for k, r in enumerate(routes)}}
+            procs.append(Proc(f"nats-{node}", [nats_server_binary(), "-c", str(conf)], env=node_env,
+                              log_path=log_dir / f"nats-{node}.log" if log_dir else None))
+        for p in procs:
+            p.wait_for(lambda l: "Server is ready" in l, timeout, "readiness")
+        for p in procs:
+            p.wait_for(lambda l: any(m in l for m in _META_LEADER), timeout, "a JetStream metadata leader")
+        cluster = NatsCluster(procs, [f"nats://{host}:{c}" for c, _, _ in ports], [m for _, _, m in ports],
+                              [f"n{i + 1}" for i in range(n)])
+        _until(lambda: _cluster_healthy(cluster), timeout, "a healthy cluster (/healthz, /jsz)")
+        return cluster
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+
+
+def _cluster_healthy(c: NatsCluster) -> bool:
+    """Every node answers /healthz ok, and the meta leader sees the other n-1 peers current."""
+    try:
+        if any(c.monitor(i, "/healthz").get("status") != "ok" for i in range(len(c.procs))):
+            return False
+        meta = c.monitor(0, "/jsz").get("meta_cluster") or {}
+        if meta.get("leader") not in c.names:
+            return False
+        leader = c.names.index(meta["leader"])
+        peers = (c.monitor(leader, "/jsz").get("meta_cluster") or {}).get("replicas") or []
+        return sum(1 for p in peers if p.get("current") and not p.get("offline")) >= len(c.names) - 1
+    except OSError:  # a monitoring port not answering yet (or an HTTP error status)
+        return False
+
+
+def _until(pred: Callable[[], bool], timeout: float, what: str, poll_s: float = 0.1) -> None:
+    """Poll `pred` (a monitoring endpoint's answer) until true; TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout}s")
+        time.sleep(poll_s)
 
 
 def start_service(service: str, args: dict[str, object], nats_url: str, name: str | None = None,

@@ -9,6 +9,8 @@ refused event (forged, malformed, another schema version, over a cap) raises an 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import structlog
 
 from droidmesh.services.cache_broker.index import CacheIndex, Refused
@@ -27,7 +29,10 @@ def _refuse(kind: str, reason: str, detail: str) -> None:
     log.warning("event_refused", kind=kind, reason=reason, detail=detail[:200])
 
 
-async def on_sender_event(index: CacheIndex, subject: str, data: bytes) -> None:
+Hello = Callable[[str], Awaitable[None]]  # ask one sender to re-announce its contexts
+
+
+async def on_sender_event(index: CacheIndex, hello: Hello, subject: str, data: bytes) -> None:
     """An event on `dm.cache.<kind>.<sender>`: decode, check the speaker, apply. Never raises."""
     parts = subject.split(".")
     kind = parts[2] if len(parts) == 4 else ""
@@ -45,7 +50,7 @@ async def on_sender_event(index: CacheIndex, subject: str, data: bytes) -> None:
         elif isinstance(msg, schemas.CacheEvicted):
             await on_evicted(index, msg)
         else:
-            await on_heartbeat(index, msg)
+            await on_heartbeat(index, hello, msg)
     except Refused as e:
         _refuse(f"cache.{kind}", e.reason, str(e))
 
@@ -58,8 +63,10 @@ async def on_evicted(index: CacheIndex, ev: schemas.CacheEvicted) -> None:
     index.remove(ev.sender_id, ev.context_id)
 
 
-async def on_heartbeat(index: CacheIndex, hb: schemas.SenderHeartbeat) -> None:
-    index.heartbeat(hb)
+async def on_heartbeat(index: CacheIndex, hello: Hello, hb: schemas.SenderHeartbeat) -> None:
+    if index.heartbeat(hb):  # back after being dropped (a freeze, a partition): index it again
+        log.info("sender_returned", sender_id=hb.sender_id, contexts=len(hb.context_ids))
+        await hello(hb.sender_id)
 
 
 async def lookup(index: CacheIndex, req: schemas.LookupRequest) -> schemas.LookupReply:

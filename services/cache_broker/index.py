@@ -143,18 +143,23 @@ class CacheIndex:
                 if not refs:
                     del self._by_key[k]
 
-    def heartbeat(self, hb: SenderHeartbeat) -> None:
+    def heartbeat(self, hb: SenderHeartbeat) -> bool:
         """Mark the sender live and forget contexts it no longer lists (missed evictions). The
-        declared interval is clamped: no heartbeat buys more than ttl_factor * max_interval_s."""
+        declared interval is clamped: no heartbeat buys more than ttl_factor * max_interval_s.
+        True when the sender comes back from the dead (or is new) listing contexts the index does
+        not hold: it should re-announce them (its availability events went by while dropped)."""
         self._check_id("sender_id", hb.sender_id)
         if not math.isfinite(hb.interval_s) or hb.interval_s <= 0:
             raise Refused("bad_field", f"interval_s {hb.interval_s} must be a positive number")
         self._admit_sender(hb.sender_id)
+        returning = not self.live(hb.sender_id)
         interval = min(max(hb.interval_s, self.limits.min_interval_s), self.limits.max_interval_s)
         self._senders[hb.sender_id] = SenderLiveness(self._clock(), interval)
         listed = set(hb.context_ids)
-        for cid in [c for c in self._holders.get(hb.sender_id, {}) if c not in listed]:
+        held = self._holders.get(hb.sender_id, {})
+        for cid in [c for c in held if c not in listed]:
             self.remove(hb.sender_id, cid)
+        return returning and any(cid not in held for cid in listed)
 
     def live(self, sender_id: str) -> bool:
         s = self._senders.get(sender_id)

@@ -30,15 +30,16 @@ class BrokerService(ServiceRuntime[BrokerConfig]):
 
     def __init__(self, cfg: BrokerConfig, bus: Bus | None = None):
         super().__init__("cache_broker", cfg, bus)
+        self._bus: Bus  # set by start(), before any handler runs
         self.index = CacheIndex(ttl_factor=cfg.ttl_factor, limits=Limits(
             max_senders=cfg.max_senders, max_contexts_per_sender=cfg.max_contexts_per_sender,
             max_interval_s=cfg.max_heartbeat_s, max_holder_age_s=cfg.max_holder_age_s))
 
     async def start(self) -> None:
-        bus = await self.connect()
+        bus = self._bus = await self.connect()
         ix = self.index
         # every sender's events on its own subject; the handler checks the speaker against it
-        await bus.subscribe_from(subjects.CACHE_EVENTS, functools.partial(handlers.on_sender_event, ix))
+        await bus.subscribe_from(subjects.CACHE_EVENTS, functools.partial(handlers.on_sender_event, ix, self._hello))
         await bus.serve(subjects.BROKER_LOOKUP, rpc(schemas.LookupRequest, functools.partial(handlers.lookup, ix)),
                         queue=subjects.BROKER_QUEUE)
         await bus.publish(subjects.BROKER_HELLO, schemas.encode(schemas.BrokerHello(broker_id=self.cfg.broker_id)))
@@ -46,6 +47,11 @@ class BrokerService(ServiceRuntime[BrokerConfig]):
         self.metrics.index_senders.set_function(ix.senders)
         self.tasks.supervise("expire", self._expire_loop)
         log.info("broker_started", broker_id=self.cfg.broker_id)
+
+    async def _hello(self, sender_id: str) -> None:
+        """Ask one sender (or, with "", all) to re-announce what it holds."""
+        await self._bus.publish(subjects.BROKER_HELLO, schemas.encode(schemas.BrokerHello(broker_id=self.cfg.broker_id,
+                                                                                          sender_id=sender_id)))
 
     async def _expire_loop(self) -> None:
         while True:

@@ -124,7 +124,10 @@ def authorize(s: SenderState, req: schemas.PullRequest) -> None:
 
 
 async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:
-    """A (re)started broker asks for the current holdings: re-announce every stored context."""
+    """A (re)started broker asks for the current holdings: re-announce every stored context
+    (a hello naming another sender is not for us)."""
+    if msg.sender_id and msg.sender_id != s.cfg.sender_id:
+        return
     for cid, captured in s.store.items():
         await announce(s, cid, captured)
     log.info("reannounced", broker_id=msg.broker_id, contexts=len(s.store.ids()))

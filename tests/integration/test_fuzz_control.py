@@ -93,7 +93,7 @@ def test_broker_survives_hostile_control_messages_and_forgets_them(batch):
 
     async def feed() -> None:
         for msg, where in batch:
-            await broker.on_sender_event(ix, _subject(msg, where), msgspec.msgpack.encode(msg))
+            await broker.on_sender_event(ix, _no_hello, _subject(msg, where), msgspec.msgpack.encode(msg))
             assert ix.senders() <= LIMITS.max_senders
             assert all(len(h) <= LIMITS.max_contexts_per_sender for h in ix._holders.values())
             await broker.lookup(ix, schemas.LookupRequest(token_ids=[1] * 32, fingerprint_id="fp"))
@@ -118,7 +118,7 @@ def test_flood_of_senders_and_contexts_is_capped_with_an_alarm():
         for i in range(50):
             for j in range(40):
                 msg = _available(f"s{i}", f"c{j}", 16, j, 0.0, 0.0, 1)
-                await broker.on_sender_event(ix, subjects.cache_available(f"s{i}"), msgspec.msgpack.encode(msg))
+                await broker.on_sender_event(ix, _no_hello, subjects.cache_available(f"s{i}"), msgspec.msgpack.encode(msg))
 
     asyncio.run(flood())
     after = alarms()
@@ -203,3 +203,7 @@ def test_receivers_and_senders_ignore_hostile_configs_and_keep_the_last_good_one
     assert held.profile_version < 2**40 and all(math.isfinite(p.quality) for p in held.frontier)
     assert held.profile_version >= later.profile_version or held in hostile
     assert all(0 < start < 4 for start in s.profiled_e_layers.get("rcv", set()))
+
+
+async def _no_hello(sender_id: str) -> None:
+    """The broker's re-announce request, not exercised here."""

@@ -82,3 +82,16 @@ def test_eviction_and_heartbeat_reconcile():
     assert len(ix) == 1
     _alive(ix, "s1", [])
     assert len(ix) == 0
+
+
+def test_a_returning_sender_is_asked_to_reannounce():
+    """A sender dropped for silence that heart-beats again, listing contexts, must re-announce them."""
+    now = [0.0]
+    ix = CacheIndex(ttl_factor=3.0, clock=lambda: now[0])
+    hb = schemas.SenderHeartbeat(sender_id="s", model_id="m", context_ids=["c"], interval_s=1.0, sent_at=0)
+    assert ix.heartbeat(hb)  # new, listing a context the index lacks
+    ix.add(_ev("s", "c", list(range(32))))
+    assert not ix.heartbeat(hb)  # live and indexed: nothing to ask
+    now[0] = 10.0
+    assert ix.expire() == ["s"] and len(ix) == 0
+    assert ix.heartbeat(hb)  # back from the dead: its context must be announced again
