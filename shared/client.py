@@ -32,6 +32,10 @@ class MeshClient:
 
     @classmethod
     async def connect(cls, url: str, **options: Any) -> MeshClient:
+        """A client on NATS at `url` (comma-separated servers); a user's replies go to its own
+        inbox prefix, the only one NATS lets it read (see infra/nats/nats-auth.conf)."""
+        if options.get("user"):
+            options.setdefault("inbox_prefix", subjects.inbox_prefix(options["user"]))
         return cls(await NatsBus.connect(url, "droidmesh-client", "0.1.0", **options))
 
     async def _call(self, subject: str, msg: schemas.Message, kind: type, timeout: float,
@@ -62,7 +66,7 @@ class MeshClient:
             request_id=request_id or uuid.uuid4().hex[:12], context=context, question=question,
             max_new_tokens=max_new_tokens, mode=mode, deadline=time.time() + timeout, ttft_slo_ms=ttft_slo_ms,
             sampling=sampling if sampling is not None else schemas.Sampling(), chat=chat,
-            stream_subject=stream_subject)
+            stream_subject=stream_subject, budget_s=timeout)
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
                   mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,

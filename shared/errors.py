@@ -101,3 +101,16 @@ class UnauthorizedError(DroidMeshError):
     """A pull without a valid capability token (missing, wrong, expired, other context)."""
 
     code = "unauthorized"
+
+
+class OverloadedError(DroidMeshError):
+    """The service holds as many requests as it is configured to; this one is refused at once
+    (load shedding) rather than queued until it times out. The client may retry elsewhere or later."""
+
+    code = "overloaded"
+
+
+class PeerUnreachableError(TransferError):
+    """A sender's bulk address could not be connected to (refused, gone, or no answer in time)."""
+
+    code = "peer_unreachable"

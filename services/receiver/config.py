@@ -32,6 +32,12 @@ class ReceiverConfig(BusSettings):
         default=1024, metadata={"help": "largest max_new_tokens a request may ask for"})
     max_prompt_chars: int = dataclasses.field(
         default=500_000, metadata={"help": "largest prompt a request may send (context + question, or all chat contents), in characters"})
+    max_queued_requests: int = dataclasses.field(
+        default=64, metadata={"help": "requests held at once (queued, computing or pulling); more are refused 'overloaded'"})
+    breaker_failures: int = dataclasses.field(
+        default=3, metadata={"help": "consecutive failed pulls from one sender that open its circuit (no pulls from it for a cool-down)"})
+    breaker_cooldown_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "how long an open circuit skips its sender before one request probes it again"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,10 +53,11 @@ class ReceiverConfig(BusSettings):
             raise ConfigError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.default_group and (len(self.default_group) != 2 or not 0 <= self.default_group[0] < self.default_group[1]):
             raise ConfigError(f"default_group must be 'start,end' with start < end, got {self.default_group}")
-        for name in ("lookup_timeout_s", "reuse_timeout_s", "request_timeout_s"):
+        for name in ("lookup_timeout_s", "reuse_timeout_s", "request_timeout_s", "breaker_cooldown_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        for name in ("max_concurrent_pulls", "max_new_tokens_limit", "max_prompt_chars"):
+        for name in ("max_concurrent_pulls", "max_new_tokens_limit", "max_prompt_chars", "max_queued_requests",
+                     "breaker_failures"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if not self.model_id:

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import math
+import re
 import time
 from typing import TYPE_CHECKING
 
 import structlog
 
-from droidmesh.services.receiver.pipeline import reuse_generate
+from droidmesh.services.receiver.pipeline import ReuseOutcome, reuse_generate
 from droidmesh.shared.answer_stream import AnswerStream
-from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, ReuseError
+from droidmesh.shared.errors import (
+    BadRequestError,
+    DeadlineExceededError,
+    DroidMeshError,
+    OverloadedError,
+    PeerUnreachableError,
+    ReuseError,
+)
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.partial import Generation
 from droidmesh.shared.kv.partial import generate as engine_generate
@@ -51,21 +61,29 @@ async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.Ge
     The request is checked first (`check`); tokens are chosen by its sampling and the
     answer ends before its first stop string; with a `stream_subject` the answer is also
     published there as it is decoded (`shared/answer_stream.py`), every chunk before the reply.
-    Duplicates (a client's retry, or NATS redelivering after a reconnect) share one answer:
-    the first copy computes it (and streams it), later copies await the same result."""
-    known = s.replies.get(req.request_id)
+    Duplicates (a client's retry, or NATS redelivering after a reconnect: the same id and the same
+    bytes) share one answer: the first copy computes it (and streams it), later copies await the
+    same result. Another request that reuses a known id is a different key: it gets its own answer.
+    Past `max_queued_requests` held at once, a new request is refused at once ("overloaded")."""
+    arrived = time.monotonic()  # the budget counts from here: no clock is compared with the client's
+    key = (req.request_id, hashlib.blake2b(schemas.encode(req), digest_size=16).digest())
+    known = s.replies.get(key)
     if known is not None:
         log.info("duplicate_request", request_id=req.request_id)
         return await asyncio.shield(known)
+    if s.inflight >= s.cfg.max_queued_requests:
+        s.metrics.requests.labels("refused", "overloaded").inc()
+        raise OverloadedError(f"receiver {s.cfg.receiver_id} holds {s.inflight} requests "
+                              f"(max_queued_requests={s.cfg.max_queued_requests}); retry later or elsewhere")
     fut: asyncio.Future = asyncio.get_running_loop().create_future()
-    s.remember(req.request_id, fut)
+    s.remember(key, fut)
     s.inflight += 1
     try:
-        reply = await _generate(s, req)
+        reply = await _generate(s, req, arrived)
         fut.set_result(reply)
         return reply
     except BaseException as e:
-        s.replies.pop(req.request_id, None)  # a failed attempt may be retried afresh
+        s.replies.pop(key, None)  # a failed attempt may be retried afresh
         fut.set_exception(e)
         fut.exception()  # mark retrieved: duplicates waiting on it re-raise it themselves
         raise
@@ -73,13 +91,33 @@ async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.Ge
         s.inflight -= 1
 
 
-async def _generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
+def deadline_of(req: schemas.GenerateRequest, arrived: float, default_s: float) -> float:
+    """The request's deadline on this host's monotonic clock: `budget_s` after it arrived (immune
+    to clock skew between client and receiver), else its absolute `deadline`, else the default."""
+    if not math.isfinite(req.budget_s) or req.budget_s < 0:
+        raise BadRequestError(f"budget_s must be a finite number of seconds >= 0, got {req.budget_s}")
+    if req.budget_s > 0:
+        return arrived + req.budget_s
+    if req.deadline:
+        if not math.isfinite(req.deadline):
+            raise BadRequestError(f"deadline must be finite unix seconds, got {req.deadline}")
+        return arrived + (req.deadline - time.time())
+    return arrived + default_s
+
+
+def _check_deadline(deadline: float, stage: str) -> None:
+    late = time.monotonic() - deadline
+    if late >= 0:
+        raise DeadlineExceededError(f"deadline passed {late:.3f}s {stage}; dropped")
+
+
+async def _generate(s: ReceiverState, req: schemas.GenerateRequest, arrived: float) -> schemas.GenerateReply:
     t0 = time.perf_counter()
-    deadline = req.deadline or time.time() + s.cfg.request_timeout_s
-    if time.time() > deadline:
-        raise DeadlineExceededError(f"deadline passed {time.time() - deadline:.3f}s before start; dropped")
+    deadline = deadline_of(req, arrived, s.cfg.request_timeout_s)
+    _check_deadline(deadline, "before start")
     check(req, s.cfg)
     prompt = prompt_ids(s.model.tokenizer, req)
+    check_positions(s.model, len(prompt), req.max_new_tokens)
     stream = AnswerStream(s.bus, s.model.tokenizer, req)
     try:
         return await _answer(s, req, prompt, stream, deadline, t0)
@@ -100,17 +138,22 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     if req.mode != "full_prefill":
         holder, miss = await _lookup(s, prompt)
         stamps["lookup_done"] = time.perf_counter()
+        _check_deadline(deadline, "after the lookup")
+        if holder is not None and not s.breaker.allow(holder.sender_id):
+            miss = ("holder_open_circuit", f"holder_open_circuit: sender {holder.sender_id} failed {s.cfg.breaker_failures} pulls in a row "
+                                           f"(or could not be reached); skipped for {s.cfg.breaker_cooldown_s:g}s")
+            holder = None
     online = policy.Online(tokens=len(prompt), queued=s.inflight - 1, bandwidth_bps=s.bandwidth_bps,
                            slo_s=req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None)
     decision = policy.decide(req.mode, holder, miss, s.configs.get(holder.model_id) if holder else None,
                              s.policy_facts, online)
     plan, path, reason = decision.plan, decision.path, decision.reason
+    if miss is not None and miss[0] == "holder_open_circuit":
+        path = "fallback"  # a holder was found and skipped: not a plain miss
     bytes_pulled, gen = 0, None
     if plan.mode != "full_prefill" and holder is not None:
         try:
-            out = await reuse_generate(s, holder, decision, prompt, req.max_new_tokens,
-                                       timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.time())),
-                                       sampler=_sampler(s, req), on_token=stream.on_token)
+            out = await _reuse(s, holder, decision, prompt, req, stream, deadline)
             gen, bytes_pulled = out.generation, out.bytes_pulled
             stamps.update(out.stamps)
             s.observe_pull(bytes_pulled, out.stamps["pull_done"] - out.stamps["pull_start"])
@@ -119,16 +162,20 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
                 raise
             path, reason = "fallback", (e.code, f"{e.code}: {e}")
             log.warning("reuse_fallback", request_id=req.request_id, reason=reason[1])
+    elif holder is not None:
+        s.breaker.release(holder.sender_id)  # allowed a probe the plan did not use: the next request probes
     if gen is None:  # no cache, no config, forced, or a fault: the receiver's own full prefill
+        _check_deadline(deadline, "before computing")
         sampler = _sampler(s, req)
 
         def full_prefill() -> Generation:
             stamps["engine_start"] = time.perf_counter()  # in the worker: queueing is not compute
             return engine_generate(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=req.max_new_tokens,
-                                   eos_token_id=s.eos_token_id, sampler=sampler, on_token=stream.on_token)
+                                   eos_token_id=s.eos_token_id, sampler=sampler, on_token=stream.on_token,
+                                   deadline=deadline)
 
         stamps["queued"] = time.perf_counter()
-        gen = await s.run_torch(full_prefill)
+        gen = await s.run_torch(full_prefill, deadline=deadline)
         stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
         plan = ReusePlan.full_prefill()
     answer = await stream.close()  # every chunk is published before the reply goes out
@@ -151,6 +198,28 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
         bytes_pulled=bytes_pulled, ttft_ms=ttft_ms, stages_ms=stages_ms, served_by=s.cfg.receiver_id,
         prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, finish_reason=finish,
     )
+
+
+async def _reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision, prompt: list[int],
+                 req: schemas.GenerateRequest, stream: AnswerStream, deadline: float) -> ReuseOutcome:
+    """`reuse_generate`, its outcome counted by the holder's circuit breaker: a pull that fails
+    (any `ReuseError`) is a failure, one that cannot even connect opens the circuit at once."""
+    sid = holder.sender_id
+    try:
+        out = await reuse_generate(s, holder, decision, prompt, req.max_new_tokens,
+                                   timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.monotonic())),
+                                   sampler=_sampler(s, req), on_token=stream.on_token, deadline=deadline)
+    except ReuseError as e:
+        if s.breaker.failure(sid, hard=isinstance(e, PeerUnreachableError)):
+            s.metrics.requests.labels("breaker", "holder_open_circuit").inc()
+            log.warning("holder_circuit_open", sender_id=sid, reason="holder_open_circuit", error=f"{e.code}: {e}",
+                        cooldown_s=s.cfg.breaker_cooldown_s)
+        raise
+    except BaseException:
+        s.breaker.release(sid)  # cancelled or dropped: says nothing about the holder
+        raise
+    s.breaker.success(sid)
+    return out
 
 
 def _record(s: ReceiverState, path: str, reason: str, ttft_ms: float, stages_ms: dict[str, float],
@@ -218,17 +287,28 @@ def check(req: schemas.GenerateRequest, cfg: ReceiverConfig) -> None:
         raise BadRequestError(f"prompt of {chars} characters exceeds max_prompt_chars={cfg.max_prompt_chars}")
 
 
+def check_positions(model: object, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse up front a prompt the model has no positions for (`max_position_embeddings`):
+    prompt + new tokens must fit, else the request would only run long and fail late."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt_tokens + max_new_tokens > limit:
+        raise BadRequestError(f"prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                              f"model's {limit} positions (max_position_embeddings); shorten the context")
+
+
+# `_INBOX.` + tokens, or a user's own `_INBOX_<user>.` + tokens (subjects.inbox_prefix); no
+# wildcards or spaces. Which user's inbox a receiver may publish into is NATS permissions' call.
+_STREAM_SUBJECT = re.compile(r"^_INBOX(_[A-Za-z0-9_-]+)?(\.[^.*> \t\r\n]+)+$")
+
+
 def check_stream_subject(subject: str) -> None:
-    """"" (no streaming) or a concrete inbox subject: `_INBOX.` + tokens, no wildcards or spaces."""
+    """"" (no streaming) or a concrete inbox subject (see `_STREAM_SUBJECT`)."""
     if not subject:
         return
     if len(subject) > MAX_STREAM_SUBJECT:
         raise BadRequestError(f"stream_subject longer than {MAX_STREAM_SUBJECT} characters")
-    tokens = subject.split(".")
-    if not subject.startswith(schemas.STREAM_PREFIX) or len(tokens) < 2 or not all(tokens) \
-            or any(c in subject for c in "*> \t\r\n"):
-        raise BadRequestError(f"stream_subject must be an inbox subject starting with {schemas.STREAM_PREFIX!r}, "
-                              f"got {subject[:64]!r}")
+    if not _STREAM_SUBJECT.match(subject):
+        raise BadRequestError(f"stream_subject must be an inbox subject (_INBOX. or _INBOX_<user>.), got {subject[:64]!r}")
 
 
 def prompt_ids(tokenizer: object, req: schemas.GenerateRequest) -> list[int]:

@@ -7,17 +7,22 @@ waits for it on the event loop, not on the torch thread. So recompute begins the
 and while this request waits for a slow sender other requests' compute uses the thread. A pull
 failure is reported into the source, which makes the engine's next read raise
 `MissingLayerError`; an engine failure cancels the pull. Either way the caller gets a
-`ReuseError` and falls back.
+`ReuseError` and falls back. Everything here is bounded by `timeout_s`, waiting for a pull slot
+included (stalled pulls hold slots only until their own timeout, and full-prefill requests take
+none), and by the request's `deadline`: a step still queued for the torch thread when it passes is
+dropped (`DeadlineExceededError`), and decoding stops there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from droidmesh.shared.errors import TransferError
 from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.policy import Decision
 from droidmesh.shared.model.fingerprint import require_compatible
@@ -39,31 +44,42 @@ class ReuseOutcome:
 async def reuse_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
     timeout_s: float, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None,
+    deadline: float | None = None,
 ) -> ReuseOutcome:
-    """`sampler` and `on_token` go to the engine's decoding as they are (see `generate_steps`)."""
+    """`sampler` and `on_token` go to the engine's decoding as they are (see `generate_steps`);
+    `deadline` (time.monotonic()) is the request's."""
     model, plan = s.model, decision.plan
     source = source_for(holder, prompt)  # only the prefix this prompt reuses is pulled
     require_compatible(source.fingerprint, model.fingerprint)
     items = pull_items(plan, model.num_layers)
     stamps: dict[str, float] = {}
 
+    until = time.monotonic() + timeout_s
+
     async def pull() -> int:
-        async with s.pull_slots:
-            stamps["pull_start"] = time.perf_counter()
-            try:
-                return await pull_into(s.bulk, holder, items, model, source, timeout_s, codec=decision.codec,
-                                       codec_params=decision.codec_params)
-            except BaseException as e:
-                source.fail(e)
-                raise
-            finally:
-                stamps["pull_done"] = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await s.pull_slots.acquire()
+        except TimeoutError as e:
+            err = TransferError(f"no pull slot free within {timeout_s:.3g}s ({s.cfg.max_concurrent_pulls} pulls in flight)")
+            source.fail(err)
+            raise err from e
+        stamps["pull_start"] = time.perf_counter()
+        try:
+            return await pull_into(s.bulk, holder, items, model, source, max(0.01, until - time.monotonic()),
+                                   codec=decision.codec, codec_params=decision.codec_params)
+        except BaseException as e:
+            source.fail(e)
+            raise
+        finally:
+            s.pull_slots.release()
+            stamps["pull_done"] = time.perf_counter()
 
     steps = generate_steps(model, prompt, plan, source, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
-                           timeout_s=timeout_s, sampler=sampler, on_token=on_token)
+                           timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline)
     pull_task = asyncio.get_running_loop().create_task(pull())
     try:
-        gen = await drive_engine(steps, source, s.run_torch, stamps)
+        gen = await drive_engine(steps, source, functools.partial(s.run_torch, deadline=deadline), stamps)
     except BaseException:
         pull_task.cancel()
         await asyncio.gather(pull_task, return_exceptions=True)

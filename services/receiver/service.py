@@ -43,7 +43,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
         s = self.state = ReceiverState(cfg, bus, model, sha256, self.run_torch, self.tasks, self.metrics)
         board = self._board or bus.config_board()
         self.tasks.supervise("config-watch", lambda: board.watch(functools.partial(handlers.on_config, s)))
-        await bus.subscribe(subjects.CACHE_AVAILABLE, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))
+        await bus.subscribe(subjects.CACHE_AVAILABLE_ALL, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))
         await bus.serve(subjects.receiver_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)),
                         queue=subjects.receiver_queue(cfg.model_id), metadata={discovery.MODEL_KEY: cfg.model_id})

@@ -4,14 +4,17 @@ that builds it (`service.py`), so handlers never import the service."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
+from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.shared.bus import Bus
+from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.metrics import Metrics
 from droidmesh.shared.model.adapter import ModelAdapter
@@ -24,7 +27,7 @@ log = structlog.get_logger("receiver")
 
 class ReceiverState:
     """What the handlers share: config, model (and its weights' sha256), bus, bulk client, pair
-    configs, the torch thread."""
+    configs, the torch thread, the per-holder circuit breaker and the recent replies."""
 
     def __init__(self, cfg: ReceiverConfig, bus: Bus, model: ModelAdapter, model_sha256: str,
                  run_torch: Callable[..., Awaitable[Any]], tasks: Supervisor, metrics: Metrics):
@@ -40,10 +43,13 @@ class ReceiverState:
         self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
         self._warmed: set[str] = set()  # bulk addresses connected ahead of a pull
-        self.replies: OrderedDict[str, asyncio.Future] = OrderedDict()  # recent request id -> answer
+        # Recent (request id, digest of the request's bytes) -> answer: a retry or a redelivery
+        # shares the first copy's answer; another request reusing a known id gets its own.
+        self.replies: OrderedDict[tuple[str, bytes], asyncio.Future] = OrderedDict()
+        self.breaker = Breaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
 
-    def remember(self, request_id: str, fut: asyncio.Future, keep: int = 4096) -> None:
-        self.replies[request_id] = fut
+    def remember(self, key: tuple[str, bytes], fut: asyncio.Future, keep: int = 4096) -> None:
+        self.replies[key] = fut
         while len(self.replies) > keep:
             self.replies.popitem(last=False)
 
@@ -52,9 +58,16 @@ class ReceiverState:
             bps = nbytes / seconds
             self.bandwidth_bps = bps if self.bandwidth_bps is None else 0.8 * self.bandwidth_bps + 0.2 * bps
 
-    async def run_torch(self, fn: Any, *args: Any) -> Any:
-        """Run torch work on the service's single worker thread (never on the event loop)."""
-        return await self._torch(fn, *args)
+    async def run_torch(self, fn: Any, *args: Any, deadline: float | None = None) -> Any:
+        """Run torch work on the service's single worker thread (never on the event loop). With
+        `deadline` (time.monotonic()), a job still queued when it passes is dropped unrun
+        (`DeadlineExceededError`): the thread never computes an answer nobody waits for."""
+        def job() -> Any:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceededError("deadline passed while queued for the compute thread; dropped")
+            return fn(*args)
+
+        return await self._torch(job)
 
     async def warm(self, address: str) -> None:
         """Connect to a sender's bulk address in the background, once."""

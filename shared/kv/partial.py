@@ -167,12 +167,15 @@ def generate_steps(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     sampler: Sampler | None = None,
     on_token: Callable[[int], bool] | None = None,
+    deadline: float | None = None,
 ) -> Steps[Generation]:
     """`generate` as steps (only the prefill reads the source; decoding is one step).
 
     `sampler` picks each token from its logits [vocab] (None: greedy argmax); `on_token` is
     called with every chosen token, in order, on this (the compute) thread, and returning False
-    ends decoding after that token. Both run before the next decode step starts."""
+    ends decoding after that token. Both run before the next decode step starts. `deadline`
+    (time.monotonic()) is checked before every decode step: once it has passed, decoding ends
+    with what it has (finish_reason "length"), so a request never decodes past its deadline."""
     if max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
     choose = sampler or greedy
@@ -183,6 +186,8 @@ def generate_steps(
     tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers
     go = on_token is None or on_token(token)
     while go and len(tokens) < max_new_tokens and token != eos_token_id:
+        if deadline is not None and time.monotonic() >= deadline:
+            break
         h = receiver.run_layers(receiver.embed(receiver.token_tensor([token])), 0, L, pre.cache, past=past)  # [1, 1, D]
         token = choose(receiver.logits(h)[0, -1])  # [1, 1, vocab] -> [vocab]
         tokens.append(token)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ import msgspec
 import structlog
 import torch
 
-from droidmesh.shared.errors import BadMessageError, DroidMeshError, TransferError
+from droidmesh.shared.errors import BadMessageError, DroidMeshError, PeerUnreachableError, TransferError
 from droidmesh.shared.transport import capabilities, codecs
 from droidmesh.shared.transport.bulk import (
     MAX_REQUEST_BYTES,
@@ -76,6 +77,20 @@ _ucxx: Any = None
 IDLE_S = 600.0
 SEND_S = 120.0
 MAX_CONNECTIONS = 256
+# Client limits: a connect that has not completed in CONNECT_S fails (a SIGKILLed sender's port
+# refuses or never answers), and for RETRY_AFTER_S after a failed connect pulls from that address
+# fail at once instead of each waiting out its own connect. ABORT_NS bounds how long an abort may
+# hold the event loop (ucxx's default is 10 s per attempt).
+CONNECT_S = 0.5
+RETRY_AFTER_S = 1.0
+ABORT_NS = 200_000_000
+# Buffer lifetime. A UCX operation writes into (or reads from) its buffer until UCX completes or
+# cancels it, which cancelling the Python task awaiting it does not do. So every buffer handed to
+# UCX is kept referenced (`_IN_FLIGHT`) by the task running its operation, never cancelled, until
+# that operation ends: on an error or a cancelled pull the endpoint is aborted, which makes UCX
+# cancel what it still has posted, and only when those operations report back are the buffers let
+# go. Freeing a buffer earlier let a resumed sender's bytes land in freed memory (a segfault later).
+_IN_FLIGHT: set[asyncio.Task] = set()
 
 
 def ucx_options() -> dict[str, str]:
@@ -136,17 +151,62 @@ async def _settle(buffers: Sequence[torch.Tensor]) -> None:
         await asyncio.to_thread(done.synchronize)
 
 
+def _op(coro: Any) -> asyncio.Task:
+    """Run one UCX operation (its coroutine holds its buffer) as a task nobody cancels: it ends
+    when UCX completes or cancels the operation (after an abort), and stays referenced till then."""
+    task = asyncio.ensure_future(coro)
+    _IN_FLIGHT.add(task)
+    task.add_done_callback(_op_done)
+    return task
+
+
+def _op_done(task: asyncio.Task) -> None:
+    _IN_FLIGHT.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: an aborted operation's error is expected, not worth a warning
+
+
+def in_flight() -> int:
+    """UCX operations still holding a buffer (tests: 0 once every aborted endpoint has reported back)."""
+    return len(_IN_FLIGHT)
+
+
+async def recv(ep: Any, buffer: Any) -> Any:
+    """`ep.recv(buffer)`; cancelling the caller leaves the receive (and `buffer`) to `_op`."""
+    return await asyncio.shield(_op(ep.recv(buffer)))
+
+
+async def send(ep: Any, buffer: Any) -> Any:
+    return await asyncio.shield(_op(ep.send(buffer)))
+
+
+async def send_obj(ep: Any, data: bytes) -> None:
+    """`ep.send_obj(data)` (length, then bytes), each buffer kept alive as `send` does."""
+    await send(ep, array.array("Q", [len(data)]))
+    await send(ep, bytearray(data))
+
+
+def abort(ep: Any) -> None:
+    """Abort `ep` (UCX cancels what it has posted; those operations then report back and let go of
+    their buffers), waiting at most ABORT_NS on the loop."""
+    if ep is not None and getattr(ep, "_ep", None) is not None:
+        try:
+            ep.abort(period=ABORT_NS)
+        except Exception as e:  # an endpoint already torn down by an error: nothing left to abort
+            log.debug("ucx_abort_failed", error=repr(e))
+
+
 async def recv_frame(ep: Any, cap: int) -> bytes:
     """One `send_obj` message (an 8-byte length, then the bytes), its length checked against
     `cap` before a buffer is allocated for it (ucxx's `recv_obj` allocates whatever the peer
     declares). A message longer than a posted buffer fails in UCX, which allocates nothing."""
     size = array.array("Q", [0])
-    await ep.recv(size)
+    await recv(ep, size)
     n = size[0]
     if not 0 < n <= cap:
         raise BadMessageError(f"peer declared a {n}-byte message; at most {cap}")
     data = bytearray(n)
-    await ep.recv(data)
+    await recv(ep, data)
     return bytes(data)
 
 
@@ -188,7 +248,7 @@ class UcxBulkServer:
         assert task is not None  # a listener callback always runs as a task
         if len(self._conns) >= MAX_CONNECTIONS:
             log.warning("ucx_connection_refused", reason=f"{MAX_CONNECTIONS} connections already served")
-            ep.abort()
+            abort(ep)
             return
         self._conns.add(task)
         try:
@@ -208,8 +268,7 @@ class UcxBulkServer:
                     return
         finally:
             self._conns.discard(task)
-            if not ep.closed:
-                ep.abort()
+            abort(ep)
 
     async def _serve_request(self, ep: Any, data: bytes) -> bool:
         """Answer one request; False when the connection must end (a send failed or timed out:
@@ -223,14 +282,13 @@ class UcxBulkServer:
         response, payloads, release = served
         try:
             async with asyncio.timeout(SEND_S):
-                await ep.send_obj(schemas.encode(response))
-                await asyncio.gather(*(ep.send(_ucx_buffer(p)) for p in payloads))
+                await send_obj(ep, schemas.encode(response))
+                await asyncio.gather(*(send(ep, _ucx_buffer(p)) for p in payloads))
             return True
         except BaseException as e:
             if not isinstance(e, asyncio.CancelledError):
                 log.warning("ucx_send_failed", error=f"{type(e).__name__}: {e}", send_s=SEND_S)
-            if not ep.closed:
-                ep.abort()  # UCX lets go of the payloads before the hold on them is released
+            abort(ep)  # UCX cancels the sends; each keeps its payload referenced until it reports back
             if isinstance(e, asyncio.CancelledError):
                 raise
             return False
@@ -253,6 +311,7 @@ class UcxBulkClient:
     def __init__(self) -> None:
         self._eps: dict[str, Any] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._unreachable: dict[str, tuple[float, str]] = {}  # address -> (monotonic time, why) of a failed connect
 
     async def pull(self, address: str, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem,
                    timeout_s: float) -> int:
@@ -263,36 +322,66 @@ class UcxBulkClient:
         async def pull() -> int:
             return await self._pull_on(await self._endpoint(address), request, into, on_item)
 
-        return await guarded_pull(address, timeout_s, self._locks.setdefault(address, asyncio.Lock()), pull,
-                                  lambda: self._drop(address))
+        # The per-address lock is waited for under the same deadline as the pull itself: pulls
+        # queued behind a stalled one fail at their own deadline, not one timeout after another.
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        until = time.monotonic() + timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await lock.acquire()
+        except TimeoutError:
+            raise TransferError(f"pull from {address}: another pull held the connection for {timeout_s:.3g}s") from None
+        try:
+            return await guarded_pull(address, max(0.001, until - time.monotonic()), asyncio.Lock(), pull,
+                                      lambda: self._drop(address))
+        finally:
+            lock.release()
 
     async def _pull_on(self, ep: Any, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem) -> int:
         request = ask_device(request, into)
-        await ep.send_obj(schemas.encode(request))
+        await send_obj(ep, schemas.encode(request))
         response = schemas.decode(await recv_frame(ep, schemas.MAX_MESSAGE_BYTES), schemas.PullResponse)
         lands = landings(request, response, into)
         await _settle([land.recv for land in lands])
-        receives = [asyncio.ensure_future(ep.recv(_ucx_buffer(land.recv))) for land in lands]
-        try:
-            for land, recv in zip(lands, receives, strict=True):
-                await recv  # in order: E first, so the engine can start while the rest streams
-                on_item(land.item, land.land())
-        finally:
-            for recv in receives:
-                recv.cancel()
+        # Each receive's task holds its buffer until UCX is done with it (see _IN_FLIGHT): on an
+        # early exit the caller drops (aborts) the endpoint, and the receives end as cancelled.
+        receives = [_op(ep.recv(_ucx_buffer(land.recv))) for land in lands]
+        for land, received in zip(lands, receives, strict=True):
+            await asyncio.shield(received)  # in order: E first, so the engine can start while the rest streams
+            on_item(land.item, land.land())
         return sum(land.header.nbytes for land in lands)
 
     async def _endpoint(self, address: str) -> Any:
+        """The cached endpoint, or a new one connected within CONNECT_S. A closed endpoint (the
+        peer failed) is aborted and replaced; an address whose connect failed in the last
+        RETRY_AFTER_S fails at once (`PeerUnreachableError`)."""
         ep = self._eps.get(address)
-        if ep is None or ep.closed:
-            ep = await ucxx().create_endpoint(*parse_address(address))
-            self._eps[address] = ep
+        if ep is not None and not ep.closed:
+            return ep
+        if ep is not None:
+            await self._drop(address)
+        failed = self._unreachable.get(address)
+        if failed is not None and time.monotonic() - failed[0] < RETRY_AFTER_S:
+            raise PeerUnreachableError(f"{address} unreachable {time.monotonic() - failed[0]:.2f}s ago: {failed[1]}")
+        host, port = parse_address(address)
+        # The connect runs as its own task: on a timeout it is left to finish (ucxx exchanges
+        # peer info with buffers of its own) and whatever it made is aborted then.
+        connecting = asyncio.ensure_future(ucxx().create_endpoint(host, port))
+        try:
+            ep = await asyncio.wait_for(asyncio.shield(connecting), CONNECT_S)
+        except BaseException as e:
+            connecting.add_done_callback(_abort_made)
+            why = f"no connection within {CONNECT_S}s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            if isinstance(e, Exception):
+                self._unreachable[address] = (time.monotonic(), why)
+                raise PeerUnreachableError(f"connect to {address} failed: {why}") from e
+            raise
+        self._unreachable.pop(address, None)
+        self._eps[address] = ep
         return ep
 
     async def _drop(self, address: str) -> None:
-        ep = self._eps.pop(address, None)
-        if ep is not None and not ep.closed:
-            ep.abort()
+        abort(self._eps.pop(address, None))
 
     async def warm(self, address: str) -> None:
         """Connect ahead of the first pull (a fresh endpoint's first transfer is ~3x slower)."""
@@ -302,3 +391,9 @@ class UcxBulkClient:
     async def close(self) -> None:
         for address in list(self._eps):
             await self._drop(address)
+
+
+def _abort_made(connecting: asyncio.Future) -> None:
+    """A connect given up on that completed later: abort the endpoint it made."""
+    if not connecting.cancelled() and connecting.exception() is None:
+        abort(connecting.result())
