@@ -77,11 +77,15 @@ _ucxx: Any = None
 IDLE_S = 600.0
 SEND_S = 120.0
 MAX_CONNECTIONS = 256
-# Client limits: a connect that has not completed in CONNECT_S fails (a SIGKILLed sender's port
-# refuses or never answers), and for RETRY_AFTER_S after a failed connect pulls from that address
-# fail at once instead of each waiting out its own connect. ABORT_NS bounds how long an abort may
-# hold the event loop (ucxx's default is 10 s per attempt).
-CONNECT_S = 0.5
+# Client limits. ucxx takes ~5 s to report a connect to a closed port, so a connect must have a
+# deadline of its own: SUSPECT_CONNECT_S where the address just failed (its endpoint broke, or a
+# connect to it failed: a SIGKILLed sender is bypassed within it), CONNECT_S otherwise (a first
+# connect to a live sender on a loaded host can take longer than the suspect deadline, and a
+# false "unreachable" would open the holder's circuit). For RETRY_AFTER_S after a failed connect
+# pulls from that address fail at once instead of each waiting out its own connect. ABORT_NS
+# bounds how long an abort may hold the event loop (ucxx's default is 10 s per attempt).
+CONNECT_S = 5.0
+SUSPECT_CONNECT_S = 0.5
 RETRY_AFTER_S = 1.0
 ABORT_NS = 200_000_000
 # Buffer lifetime. A UCX operation writes into (or reads from) its buffer until UCX completes or
@@ -312,6 +316,7 @@ class UcxBulkClient:
         self._eps: dict[str, Any] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._unreachable: dict[str, tuple[float, str]] = {}  # address -> (monotonic time, why) of a failed connect
+        self._suspect: set[str] = set()  # addresses whose endpoint broke or whose connect failed
 
     async def pull(self, address: str, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem,
                    timeout_s: float) -> int:
@@ -352,9 +357,10 @@ class UcxBulkClient:
         return sum(land.header.nbytes for land in lands)
 
     async def _endpoint(self, address: str) -> Any:
-        """The cached endpoint, or a new one connected within CONNECT_S. A closed endpoint (the
-        peer failed) is aborted and replaced; an address whose connect failed in the last
-        RETRY_AFTER_S fails at once (`PeerUnreachableError`)."""
+        """The cached endpoint, or a new one connected within CONNECT_S (SUSPECT_CONNECT_S for an
+        address that just failed). A closed endpoint (the peer failed) is aborted and replaced;
+        an address whose connect failed in the last RETRY_AFTER_S fails at once
+        (`PeerUnreachableError`)."""
         ep = self._eps.get(address)
         if ep is not None and not ep.closed:
             return ep
@@ -367,20 +373,26 @@ class UcxBulkClient:
         # The connect runs as its own task: on a timeout it is left to finish (ucxx exchanges
         # peer info with buffers of its own) and whatever it made is aborted then.
         connecting = asyncio.ensure_future(ucxx().create_endpoint(host, port))
+        limit = SUSPECT_CONNECT_S if address in self._suspect else CONNECT_S
         try:
-            ep = await asyncio.wait_for(asyncio.shield(connecting), CONNECT_S)
+            ep = await asyncio.wait_for(asyncio.shield(connecting), limit)
         except BaseException as e:
             connecting.add_done_callback(_abort_made)
-            why = f"no connection within {CONNECT_S}s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            why = f"no connection within {limit}s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             if isinstance(e, Exception):
                 self._unreachable[address] = (time.monotonic(), why)
+                self._suspect.add(address)
                 raise PeerUnreachableError(f"connect to {address} failed: {why}") from e
             raise
         self._unreachable.pop(address, None)
+        self._suspect.discard(address)
         self._eps[address] = ep
         return ep
 
     async def _drop(self, address: str) -> None:
+        """Abort `address`'s endpoint (it failed, or the client closes): a reconnect is suspect."""
+        if self._eps.get(address) is not None:
+            self._suspect.add(address)
         abort(self._eps.pop(address, None))
 
     async def warm(self, address: str) -> None:

@@ -64,5 +64,5 @@ def test_two_receiver_copies_share_the_queue_group(nats, services, tiny_pair, ti
     """Requests to one model spread over both receiver copies on its queue group."""
     _start(services, nats[1], tiny_pair, receivers=2)
     replies = asyncio.run(_prefill_and_ask(nats[1], tiny_models[1], n=12, max_new_tokens=2))
-    assert {r.path for r in replies} == {"partial"}
+    assert {r.path for r in replies} == {"partial"}, [(r.path, r.fallback_reason) for r in replies]
     assert len({r.served_by for r in replies}) == 2
