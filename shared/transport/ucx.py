@@ -7,8 +7,17 @@ there is no per-item round trip. The client keeps one endpoint per sender addres
 pull at a time on it; any error drops the endpoint, which is never reused half-read.
 
 ucxx is imported on first use, and UCX is configured through `ucxx.init` options, never by
-changing the process environment: listeners need tcp (sm alone cannot connect through a
-listener). `UCX_*` variables set by an operator still win.
+changing the process environment. `UCX_*` variables set by an operator still win.
+
+Wireup (ucxx 0.52's listener cannot bind a host, so none is used): the server listens on a TCP
+socket bound to its configured host only. A client connects to it and both sides send one hello
+(`_HELLO`: their receive tag and their UCX worker address, its size checked against
+`MAX_WORKER_ADDRESS` before it is read, under HELLO_S), then each creates an endpoint from the
+other's worker address and the messages below flow over those endpoints. The TCP connection stays
+open as the endpoint's lifeline: either side closing it (or dying) aborts the endpoint, and the
+server counts its connections by it. UCX's own tcp transport listens per network device; a
+server restricts it to the device(s) holding its configured host (`UCX_NET_DEVICES`, see
+`bind_devices`) when it is the first in the process to initialise ucxx.
 
 CUDA tensors (raw codec; the byte-level rules are `codecs.py`'s):
   1. a client whose buffers are all on CUDA asks for device payloads when UCX here can take
@@ -27,6 +36,11 @@ from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
+import ipaddress
+import secrets
+import socket
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -69,6 +83,7 @@ UCX_OPTIONS = {"TLS": "tcp,sm,self", "CMA_MEMORY_INVALIDATE": "y", "WARN_UNUSED_
 # node, see capabilities.py). Named only where CUDA exists: UCX warns about absent transports.
 CUDA_TLS = "cuda_copy,cuda_ipc"
 _ucxx: Any = None
+_net_devices: str | None = None  # UCX_NET_DEVICES for ucxx.init, set by the first server (bind_devices)
 # Server limits: a connection waits at most IDLE_S for its next request, a pull's response and
 # payloads must be taken within SEND_S (else the endpoint is aborted and the pull's hold on the
 # store released), and at most MAX_CONNECTIONS endpoints are served at once (more are aborted on
@@ -88,6 +103,12 @@ CONNECT_S = 5.0
 SUSPECT_CONNECT_S = 0.5
 RETRY_AFTER_S = 1.0
 ABORT_NS = 200_000_000
+# Wireup hello: ">4sQI" (magic, the sender's receive tag, the worker address's size), then the
+# address. The server waits at most HELLO_S for a client's hello.
+_HELLO = struct.Struct(">4sQI")
+_MAGIC = b"DMU1"
+MAX_WORKER_ADDRESS = 8192
+HELLO_S = 5.0
 # Buffer lifetime. A UCX operation writes into (or reads from) its buffer until UCX completes or
 # cancels it, which cancelling the Python task awaiting it does not do. So every buffer handed to
 # UCX is kept referenced (`_IN_FLIGHT`) by the task running its operation, never cancelled, until
@@ -98,10 +119,14 @@ _IN_FLIGHT: set[asyncio.Task] = set()
 
 
 def ucx_options() -> dict[str, str]:
-    """`UCX_OPTIONS`, plus the CUDA transports on a machine that has a GPU."""
-    if not torch.cuda.is_available():
-        return dict(UCX_OPTIONS)
-    return {**UCX_OPTIONS, "TLS": f"{UCX_OPTIONS['TLS']},{CUDA_TLS}"}
+    """`UCX_OPTIONS`, plus the CUDA transports on a machine that has a GPU and the network devices
+    a server restricted UCX to (`bind_devices`)."""
+    options = dict(UCX_OPTIONS)
+    if torch.cuda.is_available():
+        options["TLS"] = f"{UCX_OPTIONS['TLS']},{CUDA_TLS}"
+    if _net_devices:
+        options["NET_DEVICES"] = _net_devices
+    return options
 
 
 def ucxx() -> Any:
@@ -113,6 +138,42 @@ def ucxx() -> Any:
         module.init(options=ucx_options(), env_takes_precedence=True)
         _ucxx = module
     return _ucxx
+
+
+def host_devices(host: str) -> str | None:
+    """The network device(s) holding `host`'s IPv4 address ("lo" for loopback), comma-separated;
+    None when that cannot be told (a name that does not resolve to IPv4, IPv6, a wildcard)."""
+    try:
+        ip = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return None
+    if ip.is_unspecified:
+        return None
+    if ip.is_loopback:
+        return "lo"
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the device's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == str(ip):
+                found.append(name)
+    return ",".join(found) or None
+
+
+def bind_devices(host: str) -> None:
+    """Restrict UCX's network transports to the device(s) holding `host` when ucxx is not yet
+    initialised (else, or when the devices cannot be told, log that UCX's tcp transport may
+    listen on other devices too)."""
+    global _net_devices
+    devices = host_devices(host)
+    if _ucxx is None and devices is not None:
+        _net_devices = devices
+    if _net_devices is None or _net_devices != devices:
+        log.warning("ucx_devices_unrestricted", configured=host, devices=_net_devices or "all",
+                    effect="UCX's tcp transport listens on every device it uses; firewall it or use a private network")
 
 
 def ask_device(request: PullRequest, into: Sequence[torch.Tensor]) -> PullRequest:
@@ -198,6 +259,9 @@ def abort(ep: Any) -> None:
             ep.abort(period=ABORT_NS)
         except Exception as e:  # an endpoint already torn down by an error: nothing left to abort
             log.debug("ucx_abort_failed", error=repr(e))
+    link = getattr(ep, "_droidmesh_link", None)
+    if link is not None:
+        link.close()  # the peer's lifeline ends with the endpoint
 
 
 async def recv_frame(ep: Any, cap: int) -> bytes:
@@ -222,12 +286,61 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class UcxBulkServer:
-    """Serves `PullRequest`s from a tensor lookup (the sender's store) on a UCX listener.
+def _hello(tag: int) -> bytes:
+    address = ucxx().get_worker_address().tobytes()
+    return _HELLO.pack(_MAGIC, tag, len(address)) + address
 
-    Binding: ucxx (0.52) creates listeners on every interface and exposes no host to bind to
-    (`Listener.ip` is the wildcard); `start` logs that at warning level when the configured host
-    is narrower. What reaches the port meets the limits above before anything is allocated."""
+
+async def _read_hello(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """The peer's (receive tag, worker address); `BadMessageError` for anything malformed, the
+    address's size checked before it is read."""
+    magic, tag, n = _HELLO.unpack(await reader.readexactly(_HELLO.size))
+    if magic != _MAGIC or not 0 < n <= MAX_WORKER_ADDRESS:
+        raise BadMessageError(f"bad ucx hello (magic {magic!r}, {n}-byte address; at most {MAX_WORKER_ADDRESS})")
+    return tag, await reader.readexactly(n)
+
+
+async def _endpoint_to(peer: tuple[int, bytes], tag: int, writer: asyncio.StreamWriter) -> Any:
+    """An endpoint to the peer's worker address, sending with its tag and receiving with ours
+    (tagged receives are matched worker-wide, so each connection has random tags of its own), tied
+    to the TCP connection: that closing aborts the endpoint, and `abort` closes it."""
+    u = ucxx()
+    ep = await u.create_endpoint_from_worker_address(u.get_ucx_address_from_buffer(peer[1]))
+    ep._tags = {"msg_send": peer[0], "msg_recv": tag}
+    ep._droidmesh_link = writer
+    return ep
+
+
+async def _watch(reader: asyncio.StreamReader, ep: Any) -> None:
+    """Abort `ep` when its TCP connection ends (the peer closed it or died) or carries anything."""
+    try:
+        await reader.read(1)
+    except Exception:
+        pass
+    abort(ep)
+
+
+async def connect(address: str) -> Any:
+    """Wire up an endpoint to the server at "host:port" (a TCP connect, the hellos, the endpoint),
+    watched through its TCP connection (`_watch`). No deadline of its own."""
+    host, port = parse_address(address)
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        tag = secrets.randbits(64)
+        writer.write(_hello(tag))
+        await writer.drain()
+        ep = await _endpoint_to(await _read_hello(reader), tag, writer)
+    except BaseException:
+        writer.close()
+        raise
+    ep._droidmesh_watch = asyncio.ensure_future(_watch(reader, ep))  # referenced while the endpoint is
+    return ep
+
+
+class UcxBulkServer:
+    """Serves `PullRequest`s from a tensor lookup (the sender's store) over UCX endpoints wired up
+    through a TCP socket bound to the configured host (see the module's wireup notes). What
+    reaches the port meets the limits above before anything is allocated."""
 
     transport: Transport = "ucx"
 
@@ -235,26 +348,51 @@ class UcxBulkServer:
                  pin: Pin | None = None):
         self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self._host, self._port = host, port
-        self._listener: Any = None
+        self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task] = set()
 
     async def start(self) -> str:
-        """Listen on the configured port (0: an ephemeral one); return "host:port"."""
-        self._listener = ucxx().create_listener(self._serve_endpoint, port=self._port)
-        bound = getattr(getattr(self._listener, "_listener", None), "ip", "")
-        if bound != self._host:
-            log.warning("ucx_listener_wildcard", configured=self._host, bound=bound or "unknown",
-                        effect="ucxx binds its listener to every interface; firewall the port or use a private network")
-        return f"{self._host}:{self._listener.port}"
+        """Listen on the configured host's first address only (one socket, so one port even when
+        the port is 0: ephemeral); return "host:port" with the configured host."""
+        bind_devices(self._host)
+        ucxx()
+        infos = await asyncio.get_running_loop().getaddrinfo(self._host, None, type=socket.SOCK_STREAM)
+        self._server = await asyncio.start_server(self._serve_connection, str(infos[0][4][0]), self._port)
+        bound = self._server.sockets[0].getsockname()
+        log.info("ucx_server_started", bound=bound[0], port=bound[1], net_devices=_net_devices or "all")
+        return f"{self._host}:{bound[1]}"
 
-    async def _serve_endpoint(self, ep: Any) -> None:
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        assert task is not None  # a listener callback always runs as a task
+        assert task is not None  # a stream server callback always runs as a task
         if len(self._conns) >= MAX_CONNECTIONS:
             log.warning("ucx_connection_refused", reason=f"{MAX_CONNECTIONS} connections already served")
-            abort(ep)
+            writer.close()
             return
         self._conns.add(task)
+        ep: Any = None
+        try:
+            try:
+                async with asyncio.timeout(HELLO_S):
+                    peer = await _read_hello(reader)
+                tag = secrets.randbits(64)
+                writer.write(_hello(tag))
+                async with asyncio.timeout(HELLO_S):
+                    await writer.drain()
+                ep = await _endpoint_to(peer, tag, writer)
+            except BadMessageError as e:
+                log.warning("ucx_connection_dropped", error=str(e))
+                return
+            except Exception:  # the peer went away or stalled mid-hello
+                return
+            ep._droidmesh_watch = asyncio.ensure_future(_watch(reader, ep))
+            await self._serve_endpoint(ep)
+        finally:
+            self._conns.discard(task)
+            abort(ep)  # closes the TCP connection too, which ends the watch
+            writer.close()
+
+    async def _serve_endpoint(self, ep: Any) -> None:
         try:
             while True:
                 try:
@@ -271,7 +409,6 @@ class UcxBulkServer:
                 if not await self._serve_request(ep, data):
                     return
         finally:
-            self._conns.discard(task)
             abort(ep)
 
     async def _serve_request(self, ep: Any, data: bytes) -> bool:
@@ -300,8 +437,8 @@ class UcxBulkServer:
             release()
 
     async def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
+        if self._server is not None:
+            self._server.close()
         for task in list(self._conns):
             task.cancel()
         await asyncio.gather(*self._conns, return_exceptions=True)
@@ -369,10 +506,10 @@ class UcxBulkClient:
         failed = self._unreachable.get(address)
         if failed is not None and time.monotonic() - failed[0] < RETRY_AFTER_S:
             raise PeerUnreachableError(f"{address} unreachable {time.monotonic() - failed[0]:.2f}s ago: {failed[1]}")
-        host, port = parse_address(address)
-        # The connect runs as its own task: on a timeout it is left to finish (ucxx exchanges
-        # peer info with buffers of its own) and whatever it made is aborted then.
-        connecting = asyncio.ensure_future(ucxx().create_endpoint(host, port))
+        parse_address(address)
+        # The connect runs as its own task: on a timeout it is left to finish and whatever it
+        # made is aborted then (a refused TCP connect, a dead sender's, fails at once).
+        connecting = asyncio.ensure_future(connect(address))
         limit = SUSPECT_CONNECT_S if address in self._suspect else CONNECT_S
         try:
             ep = await asyncio.wait_for(asyncio.shield(connecting), limit)

@@ -227,15 +227,14 @@ def test_ucx_server_allocates_nothing_from_a_declared_size():
     import array
     import tracemalloc
 
-    from droidmesh.shared.transport.ucx import ucxx
+    from droidmesh.shared.transport.ucx import connect
 
     issuer = TokenIssuer(ttl_s=60)
     token, _ = issuer.issue("ctx")
 
     async def body(client, address):
-        host, port = address.rsplit(":", 1)
         tracemalloc.start()
-        ep = await ucxx().create_endpoint(host, int(port))
+        ep = await connect(address)
         await ep.send(array.array("Q", [256 << 20]))
         await ep.send(array.array("Q", [0]))
         try:  # the server aborts the endpoint, so this receive fails (an old one answered after allocating)
@@ -264,6 +263,26 @@ def test_nixl_control_listener_binds_only_the_configured_host():
             await server.close()
 
     assert asyncio.run(session()) == {"127.0.0.1"}
+
+
+def test_ucx_server_listens_only_on_the_configured_host():
+    """Every socket the UCX server's process listens on (its wireup socket, UCX's own tcp transport)
+    is on the configured loopback host, none on a wildcard or another interface."""
+    import psutil
+
+    async def session():
+        server = make_server("ucx", lambda c, l, k: None, None, host="127.0.0.1")
+        address = await server.start()
+        try:
+            listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
+                         if c.status == psutil.CONN_LISTEN}
+            return address, listening
+        finally:
+            await server.close()
+
+    address, listening = asyncio.run(session())
+    assert ("127.0.0.1", int(address.rsplit(":", 1)[1])) in listening
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}
 
 
 def test_poisoned_kv_pulled_over_a_channel_is_an_integrity_error(receiver, prompt):

@@ -148,10 +148,9 @@ def bulk_servers():
 async def _send_raw_ucx(address: str, frame: bytes) -> None:
     import array
 
-    from droidmesh.shared.transport.ucx import recv_frame, ucxx
+    from droidmesh.shared.transport.ucx import connect, recv_frame
 
-    host, port = address.rsplit(":", 1)
-    ep = await ucxx().create_endpoint(host, int(port))
+    ep = await connect(address)
     try:
         await ep.send(array.array("Q", [len(frame)]))
         await ep.send(bytearray(frame))
