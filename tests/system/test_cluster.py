@@ -53,12 +53,12 @@ async def _lead_from(client: MeshClient, node: str, tries: int = 200) -> None:
     placement), so that losing `node` also forces a leader election for the bucket."""
     js, stream = client.bus.nc.jetstream(), f"KV_{subjects.CONFIG_BUCKET}"  # type: ignore[attr-defined]
     for _ in range(tries):
-        if (await js.stream_info(stream)).cluster.leader == node:
-            return
-        try:
+        try:  # JetStream API calls time out while the stream has no leader (a step-down electing): ask again
+            if (await js.stream_info(stream)).cluster.leader == node:
+                return
             await client.bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",  # type: ignore[attr-defined]
                                         json.dumps({"placement": {"preferred": node}}).encode(), timeout=5)
-        except Exception:  # no leader for a moment (the previous step-down still electing): ask again
+        except Exception:
             pass
     raise TimeoutError(f"the config bucket's leader never moved to {node}")
 
