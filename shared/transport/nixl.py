@@ -44,7 +44,6 @@ import asyncio
 import concurrent.futures
 import importlib
 import itertools
-import socket
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -66,6 +65,7 @@ from droidmesh.shared.transport.bulk import (
     guarded_pull,
     landings,
 )
+from droidmesh.shared.transport.control import ControlListener
 from droidmesh.shared.transport.ucx import parse_address
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import (
@@ -88,7 +88,6 @@ HANDSHAKE_S = 10.0  # sender: a new connection's NixlConnect
 IDLE_S = 600.0  # sender: an idle connection's next PullRequest
 HOLD_S = 120.0  # sender: the longest a grant is held before its NixlDone
 SEND_S = 30.0  # either side: a control frame must be taken by the peer within this
-MAX_CONNECTIONS = 256  # sender: control connections served at once (more are closed on arrival)
 # NIXL's progress thread waits this long (µs) for UCX events when idle. It wakes on events, so
 # this is no latency; nixl_agent hard-codes 0, which spins a whole core per agent even when idle.
 PROGRESS_IDLE_US = 100_000
@@ -240,30 +239,19 @@ class NixlBulkServer:
         self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self._host, self._port = host, port
         self._agent: _Agent | None = None
-        self._server: asyncio.Server | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._listener = ControlListener("nixl", self._serve_connection)
         self._regs: dict[tuple[int, int], _Registration] = {}  # stored tensors' regions
         self._regs_lock = asyncio.Lock()
 
     async def start(self) -> str:
-        """Listen on the configured host's first address only (one socket, so one port even when
-        the port is 0: ephemeral); return "host:port" with the configured host."""
+        """Listen on the configured host only (`ControlListener`); return "host:port"."""
         self._agent = _Agent("nixl-sender")
         await self._agent.start()
-        infos = await asyncio.get_running_loop().getaddrinfo(self._host, None, type=socket.SOCK_STREAM)
-        self._server = await asyncio.start_server(self._serve_connection, str(infos[0][4][0]), self._port)
-        bound = self._server.sockets[0].getsockname()
+        address, bound = await self._listener.start(self._host, self._port)
         log.info("nixl_server_started", agent=self._agent.name, bound=bound[0], port=bound[1])
-        return f"{self._host}:{bound[1]}"
+        return address
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None  # a stream server callback always runs as a task
-        if len(self._conns) >= MAX_CONNECTIONS:
-            log.warning("nixl_connection_refused", reason=f"{MAX_CONNECTIONS} connections already served")
-            writer.close()
-            return
-        self._conns.add(task)
         agent = self._agent
         assert agent is not None  # connections are accepted only after start()
         try:
@@ -287,9 +275,6 @@ class NixlBulkServer:
             pass  # the receiver closed or dropped the connection: what it held is released above
         except Exception as e:  # a bad peer or a NIXL failure ends this connection, never the server
             log.warning("nixl_connection_dropped", error=f"{type(e).__name__}: {e}")
-        finally:
-            self._conns.discard(task)
-            writer.close()
 
     async def _grant(self, data: bytes
                      ) -> tuple[NixlGrant, list[_Registration], list[torch.Tensor], Callable[[], None]]:
@@ -372,11 +357,7 @@ class NixlBulkServer:
                 await self._agent.call(_deregister, self._agent, lapsed)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._conns):
-            task.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
+        await self._listener.close()
         if self._agent is not None:
             await self._agent.call(_deregister, self._agent, list(self._regs.values()))
             self._regs.clear()

@@ -62,6 +62,7 @@ from droidmesh.shared.transport.bulk import (
     guarded_pull,
     landings,
 )
+from droidmesh.shared.transport.control import ControlListener
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import PullRequest, Transport
 
@@ -86,12 +87,11 @@ _ucxx: Any = None
 _net_devices: str | None = None  # UCX_NET_DEVICES for ucxx.init, set by the first server (bind_devices)
 # Server limits: a connection waits at most IDLE_S for its next request, a pull's response and
 # payloads must be taken within SEND_S (else the endpoint is aborted and the pull's hold on the
-# store released), and at most MAX_CONNECTIONS endpoints are served at once (more are aborted on
+# store released), and at most control.MAX_CONNECTIONS connections are served at once (more are closed on
 # arrival). Per connection the server holds one request frame (<= MAX_REQUEST_BYTES) and one
 # pull's payloads (stored tensors, or copies charged to the store's pull budget).
 IDLE_S = 600.0
 SEND_S = 120.0
-MAX_CONNECTIONS = 256
 # Client limits. ucxx takes ~5 s to report a connect to a closed port, so a connect must have a
 # deadline of its own: SUSPECT_CONNECT_S where the address just failed (its endpoint broke, or a
 # connect to it failed: a SIGKILLed sender is bypassed within it), CONNECT_S otherwise (a first
@@ -348,28 +348,17 @@ class UcxBulkServer:
                  pin: Pin | None = None):
         self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self._host, self._port = host, port
-        self._server: asyncio.Server | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._listener = ControlListener("ucx", self._serve_connection)
 
     async def start(self) -> str:
-        """Listen on the configured host's first address only (one socket, so one port even when
-        the port is 0: ephemeral); return "host:port" with the configured host."""
+        """Listen on the configured host only (`ControlListener`); return "host:port"."""
         bind_devices(self._host)
         ucxx()
-        infos = await asyncio.get_running_loop().getaddrinfo(self._host, None, type=socket.SOCK_STREAM)
-        self._server = await asyncio.start_server(self._serve_connection, str(infos[0][4][0]), self._port)
-        bound = self._server.sockets[0].getsockname()
+        address, bound = await self._listener.start(self._host, self._port)
         log.info("ucx_server_started", bound=bound[0], port=bound[1], net_devices=_net_devices or "all")
-        return f"{self._host}:{bound[1]}"
+        return address
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None  # a stream server callback always runs as a task
-        if len(self._conns) >= MAX_CONNECTIONS:
-            log.warning("ucx_connection_refused", reason=f"{MAX_CONNECTIONS} connections already served")
-            writer.close()
-            return
-        self._conns.add(task)
         ep: Any = None
         try:
             try:
@@ -388,9 +377,7 @@ class UcxBulkServer:
             ep._droidmesh_watch = asyncio.ensure_future(_watch(reader, ep))
             await self._serve_endpoint(ep)
         finally:
-            self._conns.discard(task)
             abort(ep)  # closes the TCP connection too, which ends the watch
-            writer.close()
 
     async def _serve_endpoint(self, ep: Any) -> None:
         try:
@@ -437,11 +424,7 @@ class UcxBulkServer:
             release()
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._conns):
-            task.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
+        await self._listener.close()
 
 
 class UcxBulkClient:

@@ -258,7 +258,7 @@ def test_nixl_control_listener_binds_only_the_configured_host():
         server = make_server("nixl", lambda c, l, k: None, None, host="127.0.0.1")
         await server.start()
         try:
-            return {s.getsockname()[0] for s in server._server.sockets}
+            return {s.getsockname()[0] for s in server._listener._server.sockets}
         finally:
             await server.close()
 
