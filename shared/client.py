@@ -223,6 +223,6 @@ class _Inbox:
         async def nothing() -> None:
             return None
 
-        subject = schemas.STREAM_PREFIX + uuid.uuid4().hex
+        subject = f"{subjects.INBOX_PREFIX}.{uuid.uuid4().hex}"
         await bus.subscribe(subject, deliver)
         return cls(subject, queue.get, settle_and_drain, nothing)

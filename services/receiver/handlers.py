@@ -298,7 +298,7 @@ def check_positions(model: object, prompt_tokens: int, max_new_tokens: int) -> N
 
 # `_INBOX.` + tokens, or a user's own `_INBOX_<user>.` + tokens (subjects.inbox_prefix); no
 # wildcards or spaces. Which user's inbox a receiver may publish into is NATS permissions' call.
-_STREAM_SUBJECT = re.compile(r"^_INBOX(_[A-Za-z0-9_-]+)?(\.[^.*> \t\r\n]+)+$")
+_STREAM_SUBJECT = re.compile(rf"^{subjects.INBOX_PREFIX}(_[A-Za-z0-9_-]+)?(\.[^.*> \t\r\n]+)+$")
 
 
 def check_stream_subject(subject: str) -> None:

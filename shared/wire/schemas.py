@@ -108,7 +108,6 @@ Path = Literal["partial", "full_reuse", "cacheblend", "full_prefill", "fallback"
 
 Role = Literal["system", "user", "assistant"]
 FinishReason = Literal["stop", "length"]  # a stop sequence or EOS; max_new_tokens reached
-STREAM_PREFIX = "_INBOX."  # streams go to an inbox (this, or a user's own `_INBOX_<user>.`): never a mesh subject
 
 
 class Sampling(msgspec.Struct, kw_only=True):
@@ -140,7 +139,7 @@ class GenerateRequest(Message, tag="generate.request"):
     ttft_slo_ms: float = 0.0  # 0 = none; lets an idle receiver spend spare time on quality
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     chat: list[ChatMessage] | None = None
-    stream_subject: str = ""  # "" = no streaming; else GenerateChunks go there (an inbox subject, see STREAM_PREFIX)
+    stream_subject: str = ""  # "" = no streaming; else GenerateChunks go there (an inbox: subjects.INBOX_PREFIX)
     budget_s: float = 0.0  # seconds the client waits, counted from arrival (no clocks compared); 0 = use `deadline`
 
 

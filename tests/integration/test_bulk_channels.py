@@ -31,9 +31,9 @@ def _buffers(items: list[PullItem]) -> list[torch.Tensor]:
     return [torch.empty((1, 33, 16) if it.kind == "E" else (1, 2, 33, 8)) for it in items]
 
 
-async def _session(transport, issuer, body, lookup=None):
+async def _session(transport, issuer, body, lookup=None, pin=None):
     server = make_server(transport, lookup or (lambda c, l, k: TENSORS.get((l, k)) if c == "ctx" else None),
-                         lambda req: issuer.verify(req.context_id, req.token))
+                         lambda req: issuer.verify(req.context_id, req.token), pin=pin)
     address = await server.start()
     client = make_client(transport)
     try:
@@ -164,18 +164,7 @@ def test_a_prefix_pull_sends_only_the_tokens_asked_for(transport):
         return await client.pull(address, PullRequest(context_id="ctx", items=items, token=token, tokens=7), into,
                                  lambda *a: None, 10)
 
-    async def session():
-        server = make_server(transport, store.tensor, lambda req: issuer.verify(req.context_id, req.token),
-                             pin=store.hold)
-        address = await server.start()
-        client = make_client(transport)
-        try:
-            return await body(client, address)
-        finally:
-            await client.close()
-            await server.close()
-
-    nbytes = asyncio.run(session())
+    nbytes = asyncio.run(_session(transport, issuer, body, lookup=store.tensor, pin=store.hold))
     assert nbytes == sum(b.numel() * 4 for b in into)
     for it, got in zip(items, into, strict=True):
         want = store.tensor("ctx", it.layer, it.kind)

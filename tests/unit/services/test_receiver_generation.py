@@ -141,7 +141,7 @@ class DroppingBus:
         self.inner = inner
 
     async def publish(self, subject: str, data: bytes) -> None:
-        if subject.startswith(schemas.STREAM_PREFIX):
+        if subject.startswith(f"{subjects.INBOX_PREFIX}."):
             raise ConnectionError("publish refused")
         await self.inner.publish(subject, data)
 
