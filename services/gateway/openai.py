@@ -69,7 +69,8 @@ STATUS = {
     "invalid_value": 400, "invalid_json": 400, "unsupported_parameter": 400,
     "bad_request": 400, "bad_message": 400, "schema_version": 400,  # the mesh refused the request itself
     "model_not_found": 404, "request_too_large": 413,
-    "service_unavailable": 503, "deadline_exceeded": 504,
+    "service_unavailable": 503, "overloaded": 503,  # a receiver shedding load: retry later (not a server fault)
+    "deadline_exceeded": 504,
 }
 
 

@@ -122,6 +122,7 @@ def _no_responders() -> TimeoutError:
 @pytest.mark.parametrize("exc,status,code", [
     (MeshError(schemas.ErrorReply(code="bad_request", message="empty prompt")), 400, "bad_request"),
     (MeshError(schemas.ErrorReply(code="deadline_exceeded", message="late")), 504, "deadline_exceeded"),
+    (MeshError(schemas.ErrorReply(code="overloaded", message="receiver full")), 503, "overloaded"),
     (MeshError(schemas.ErrorReply(code="internal", message="Traceback secret")), 500, "internal"),
     (DeadlineExceededError("late"), 504, "deadline_exceeded"),
     (TimeoutError(), 504, "deadline_exceeded"),
