@@ -2,7 +2,9 @@
 
 Sequence for a prompt P whose first m tokens are the sender's cached context (m = longest common
 token prefix, leaving >= 1 token to compute):
-  1. for each recompute group [s, e): wait for the sender's E_s only (s = 0 needs nothing: its
+  1. for each patch layer l (SCD): wait for E_l, which arrives decoded into the receiver's
+     normalized attention input at l, and project it to layer l's K/V (`project_kv`, no
+     attention, no MLP); then for each recompute group [s, e): wait for the sender's E_s only (s = 0 needs nothing: its
      input is the receiver's own embedding), then run receiver layers s..e-1 over the m context
      tokens (positions 0..m-1) -> receiver KV of layers s..e-1.
      (cacheblend instead recomputes a share of tokens through all layers, see `blend.py`;
@@ -138,6 +140,14 @@ def _fill_context(
         swapped = set(plan.reused_layers(L))
         return [l not in swapped for l in range(L)]
     full = len(source.token_ids)
+    for layer in plan.patch:
+        yield Need("e", layer, deadline)
+        x = source.e(layer, deadline)  # decoded: the receiver's normalized attention input at `layer`
+        check_tensor(f"patch input of layer {layer}", x, receiver.e_shape(full), receiver.dtype, receiver.device)
+        stages.setdefault("recompute_start", time.perf_counter() - t0)
+        k, v = receiver.project_kv(x[:, :m], layer)  # [1, m, D] -> each [1, kvh, m, hd]
+        hf_cache.set_layer_kv(cache, layer, k, v)
+        filled[layer] = True
     for s, e in plan.groups:
         if s == 0:  # layer 0's input is the receiver's own embedding: exact and local
             h = receiver.embed(receiver.token_tensor(context))  # [1, m, D]
@@ -150,7 +160,7 @@ def _fill_context(
         receiver.run_layers(h, s, e, cache, past=0)
         for layer in range(s, e):
             filled[layer] = True
-    if plan.groups:
+    if plan.groups or plan.patch:
         stages["recompute_done"] = time.perf_counter() - t0
     assert all(hf_cache.seq_length(cache, l) == m for l in range(L) if filled[l])
     return filled

@@ -9,6 +9,9 @@ Five modes behind one interface (the first four serve requests; `swap` only prof
   cacheblend    CacheBlend-style token-level recompute: the `ratio` share of context tokens
                 whose layer-0 K/V deviate most from the receiver's are recomputed through all
                 layers, the rest reuse the sender's KV
+A `full_reuse` or `groups` plan may also list `patch` layers (SCD's Patch, `shared/kv/scd.py`):
+neither reused nor recomputed, their K/V are the receiver's own projections of the normalized
+attention input decoded from the sender's E (which travels under a `lowrank` codec holding the map).
   swap          a profiling probe, not a serving mode (it saves nothing): the receiver prefills
                 the context itself, then the layers in `groups` take the sender's KV instead of
                 its own. "Only layer l reuses the sender's KV, every other layer is the
@@ -33,6 +36,7 @@ class ReusePlan:
     mode: Mode
     groups: tuple[tuple[int, int], ...] = ()
     ratio: float = 0.0
+    patch: tuple[int, ...] = ()  # ascending; full_reuse and groups only
 
     @staticmethod
     def full_prefill() -> ReusePlan:
@@ -61,17 +65,22 @@ class ReusePlan:
             return ReusePlan.full_prefill()
         return ReusePlan("swap", groups=tuple((l, l + 1) for l in ls))
 
+    def patched(self, layers: Iterable[int]) -> ReusePlan:
+        """This plan with `layers` patched (a full-reuse or groups plan)."""
+        return dataclasses.replace(self, patch=tuple(sorted({int(l) for l in layers})))
+
     @staticmethod
     def cacheblend(ratio: float) -> ReusePlan:
         return ReusePlan("cacheblend", ratio=float(ratio))
 
     @property
     def e_layers(self) -> tuple[int, ...]:
-        """Layers whose sender E the receiver needs: each group's first layer, except layer 0,
-        whose input is the receiver's own token embedding (exact, local, nothing to pull)."""
-        if self.mode != "groups":
+        """Layers whose sender E the receiver needs, ascending: each group's first layer, except
+        layer 0, whose input is the receiver's own token embedding (exact, local, nothing to
+        pull), and each patch layer."""
+        if self.mode not in ("groups", "full_reuse"):
             return ()
-        return tuple(s for s, _ in self.groups if s > 0)
+        return tuple(sorted({s for s, _ in self.groups if s > 0} | set(self.patch)))
 
     def recomputed_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.mode == "full_prefill":
@@ -85,8 +94,8 @@ class ReusePlan:
         """Layers whose KV comes from the sender (cacheblend: all, partly overwritten)."""
         if self.mode == "full_prefill":
             return ()
-        recomputed = set(self.recomputed_layers(num_layers))
-        return tuple(l for l in range(num_layers) if l not in recomputed)
+        own = set(self.recomputed_layers(num_layers)) | set(self.patch)
+        return tuple(l for l in range(num_layers) if l not in own)
 
     def validate(self, num_layers: int) -> None:
         """Raise `BadRequestError` unless the plan fits a model of `num_layers` layers."""
@@ -94,6 +103,13 @@ class ReusePlan:
             raise BadRequestError(f"unknown plan mode {self.mode!r}; expected one of {MODES}")
         if self.mode == "cacheblend" and not 0.0 <= self.ratio <= 1.0:
             raise BadRequestError(f"cacheblend ratio {self.ratio} outside [0, 1]")
+        if self.patch:
+            if self.mode not in ("full_reuse", "groups"):
+                raise BadRequestError(f"mode {self.mode} takes no patch layers")
+            recomputed = set(self.recomputed_layers(num_layers))
+            if any(not 0 <= l < num_layers or l in recomputed for l in self.patch) or list(self.patch) != sorted(set(self.patch)):
+                raise BadRequestError(f"patch layers {list(self.patch)}: each once, ascending, in 0..{num_layers - 1}, "
+                                      "outside the recompute groups")
         if self.mode not in ("groups", "swap"):
             if self.groups:
                 raise BadRequestError(f"mode {self.mode} takes no groups")
@@ -107,6 +123,10 @@ class ReusePlan:
             prev_end = e
 
     def label(self) -> str:
+        base = self._base_label()
+        return base + " + patch " + ",".join(map(str, self.patch)) if self.patch else base
+
+    def _base_label(self) -> str:
         if self.mode == "groups":
             return "recompute " + ",".join(f"[{s},{e})" for s, e in self.groups)
         if self.mode == "cacheblend":
@@ -116,4 +136,4 @@ class ReusePlan:
         return self.mode.replace("_", " ")
 
     def to_dict(self) -> dict[str, object]:
-        return {"mode": self.mode, "groups": [list(g) for g in self.groups], "ratio": self.ratio}
+        return {"mode": self.mode, "groups": [list(g) for g in self.groups], "ratio": self.ratio, "patch": list(self.patch)}

@@ -97,8 +97,9 @@ def decide(mode: Mode, holder: CacheAvailable | None, miss: Reason | None, cfg: 
 
 
 def path_of(plan: ReusePlan) -> Path:
-    """The reply's path for a plan the receiver served."""
-    if plan.mode == "groups":
+    """The reply's path for a plan the receiver served (patched layers are the receiver's own
+    computation, so a patched full reuse is partial too)."""
+    if plan.mode == "groups" or plan.patch:
         return "partial"
     if plan.mode in ("full_reuse", "cacheblend", "full_prefill"):
         return plan.mode
@@ -107,12 +108,13 @@ def path_of(plan: ReusePlan) -> Path:
 
 def plan_of(spec: PlanSpec) -> ReusePlan:
     """A published plan as the engine's `ReusePlan` (no groups: full reuse)."""
-    return ReusePlan.recompute_groups(spec.groups)
+    return ReusePlan.recompute_groups(spec.groups).patched(spec.patch_layers)
 
 
-def spec_of(plan: ReusePlan) -> PlanSpec:
-    """The published form of a groups / full-reuse plan (raw codec)."""
-    return PlanSpec(groups=[(s, e) for s, e in plan.groups])
+def spec_of(plan: ReusePlan, codec: str = "raw", codec_params: CodecParams | None = None) -> PlanSpec:
+    """The published form of a groups / full-reuse plan (its patch layers included)."""
+    return PlanSpec(groups=[(s, e) for s, e in plan.groups], codec=codec, codec_params=dict(codec_params or {}),
+                    patch_layers=list(plan.patch))
 
 
 def _prefill(reason: Reason) -> Decision:
@@ -144,8 +146,12 @@ def estimated_ttft(cfg: RecomputeConfig, p: FrontierPoint, tokens: int, bandwidt
         return float(p.recomputed_layers)  # no fit: fewer layers is faster, all we know
     fit = cfg.latency
     compute = prefill_seconds(fit, tokens, p.recomputed_layers)
-    e_count = sum(1 for s, _ in p.plan.groups if s > 0)
-    move = transfer_seconds(fit, tokens, e_count, cfg.total_layers - p.recomputed_layers, bandwidth_bps)
+    if p.wire_bytes_per_token:  # a coded plan: the profiled bytes on the wire
+        move = tokens * p.wire_bytes_per_token / bandwidth_bps if bandwidth_bps else 0.0
+    else:
+        e_count = len(plan_of(p.plan).e_layers)
+        reused = cfg.total_layers - p.recomputed_layers - len(p.plan.patch_layers)
+        move = transfer_seconds(fit, tokens, e_count, reused, bandwidth_bps)
     return max(compute, move)
 
 
@@ -156,8 +162,9 @@ def eligible(cfg: RecomputeConfig, e_layers: set[int] | None = None) -> list[Fro
     pts = [p for p in cfg.frontier or [cfg.chosen] if p.quality >= target] or [cfg.chosen]
     if e_layers is None:
         return pts
-    kept = [p for p in pts if all(s == 0 or s in e_layers for s, _ in p.plan.groups)]
-    return kept or [extended(p, e_layers) for p in pts]
+    kept = [p for p in pts if set(plan_of(p.plan).e_layers) <= e_layers]
+    # a patch layer's E cannot be replaced by recomputing more: such points are not extended
+    return kept or [extended(p, e_layers) for p in pts if not p.plan.patch_layers] or pts
 
 
 def extended(p: FrontierPoint, e_layers: set[int]) -> FrontierPoint:
@@ -173,7 +180,8 @@ def extended(p: FrontierPoint, e_layers: set[int]) -> FrontierPoint:
             groups.append((start, e))
     plan = PlanSpec(groups=groups, codec=p.plan.codec, codec_params=dict(p.plan.codec_params),
                     patch_layers=list(p.plan.patch_layers))
-    return FrontierPoint(plan=plan, recomputed_layers=sum(e - s for s, e in groups), quality=p.quality)
+    return FrontierPoint(plan=plan, recomputed_layers=sum(e - s for s, e in groups), quality=p.quality,
+                         wire_bytes_per_token=p.wire_bytes_per_token)  # fewer reused layers: an upper bound
 
 
 def select_point(cfg: RecomputeConfig, *, queued: int, tokens: int, slo_s: float | None = None,

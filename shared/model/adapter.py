@@ -6,6 +6,8 @@ every method blocks while torch computes):
   - `run_layers(h, start, end, ...)`  E_start -> E_end, filling the cache's layers start..end-1
   - `run_sparse_layer(h, l, ...)`     one layer on scattered token positions (token-level recompute)
   - `logits(h)`                       final norm + LM head
+  - `attn_input(h, l)` / `project_kv(x, l)`  layer l's normalized attention input, and the K/V its
+                                      own projections (and RoPE) make of one (SCD's patch, `shared/kv/scd.py`)
 A manual layer loop matches the model's own forward exactly when the causal mask is built
 explicitly whenever the cache already holds tokens (with sdpa, `attention_mask=None` on a
 non-empty cache silently mis-aligns the causal pattern).
@@ -126,6 +128,33 @@ class ModelAdapter:
         block = self.model.model.layers[layer]
         return block(h, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
                      **hf_cache.layer_kwargs(block, cache))
+
+    def attn_input(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """E_layer [1, T, D] -> layer `layer`'s normalized attention input [1, T, D]."""
+        return self.model.model.layers[layer].input_layernorm(h)
+
+    def project_kv(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A normalized attention input x [1, T, D] at positions 0..T-1 -> layer `layer`'s K, V
+        [1, kv_heads, T, head_dim], by the same operations as the layer's own forward (K/V
+        projections, Qwen3's per-head K norm, RoPE), so the true input gives the layer's own KV."""
+        attn = self.model.model.layers[layer].self_attn
+        t, hd = x.shape[1], self.fingerprint.head_dim
+        k = attn.k_proj(x).view(1, t, -1, hd)  # [1, T, kvh, hd]
+        if getattr(attn, "k_norm", None) is not None:
+            k = attn.k_norm(k)
+        k = k.transpose(1, 2)  # [1, kvh, T, hd]
+        v = attn.v_proj(x).view(1, t, -1, hd).transpose(1, 2)  # [1, kvh, T, hd]
+        positions = torch.arange(t, device=x.device)[None]  # [1, T]
+        cos, sin = self.model.model.rotary_emb(x, positions)  # each [1, T, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, hd]
+        half = hd // 2
+        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)  # rotate_half(k)
+        return k * cos + rotated * sin, v
+
+    def rope_tables(self) -> tuple[torch.Tensor, float]:
+        """(inv_freq [head_dim / 2] float32 on the CPU, attention scaling): the model's RoPE."""
+        rot = self.model.model.rotary_emb
+        return rot.inv_freq.detach().float().cpu(), float(rot.attention_scaling)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """E_L [1, T, D] -> logits [1, T, vocab] (final norm, LM head), in float32."""

@@ -6,8 +6,9 @@ service returned. For every row the sender prefills the context once (keeping KV
 layer, so any plan can be asked for); the model under test then prefills context + question
 per the plan and greedy-decodes, and the task metric scores the answer text.
 
-Two ways to ask, over the same computation:
-  quality(plan)   mean task score, memoised per plan; plan-major, so the captured sender
+Two ways to ask, over the same computation (each with an optional `Wire`: the codec the reused
+tensors travel under, applied in process by `CodedSource`; default raw, i.e. the tensors as captured):
+  quality(plan)   mean task score, memoised per (plan, wire); plan-major, so the captured sender
                   contexts are kept (the profiler's search asks for plans one at a time)
   paths(plans)    row-major, one capture per row at a time: per plan the task score, the gold
                   answer's mean NLL (teacher-forced after the same prefill) and the KL / top-1
@@ -39,6 +40,8 @@ from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.tasks import metrics
 from droidmesh.shared.tasks.rows import answer_text, decode_answer, encode_row
 from droidmesh.shared.tasks.spec import TaskSpec
+from droidmesh.shared.transport.inproc import CodedSource
+from droidmesh.shared.wire.schemas import CodecParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,21 @@ class Encoded:
     def suffix(self) -> int:
         """Prompt tokens every plan computes itself (at least one: the sender holds the context)."""
         return len(self.prompt) - min(len(self.context), len(self.prompt) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """How the reused tensors travel: a registered codec and its params (hashable, for memos)."""
+
+    codec: str = "raw"
+    params: tuple[tuple[str, int | float | str], ...] = ()
+
+    @staticmethod
+    def of(codec: str, params: CodecParams | None = None) -> Wire:
+        return Wire(codec, tuple(sorted((params or {}).items())))
+
+
+RAW = Wire()
 
 
 @dataclasses.dataclass
@@ -90,18 +108,18 @@ class PairScorer:
         self.rows = [Encoded(*encode_row(receiver.tokenizer, r, spec), tuple(r["answers"])) for r in rows]
         self.ids = [r.get("_id") for r in rows]
         self._captured: dict[int, CapturedContext] = {}
-        self._quality: dict[ReusePlan, float] = {}
+        self._quality: dict[tuple[ReusePlan, Wire], float] = {}
 
     @property
     def num_layers(self) -> int:
         return self.receiver.num_layers
 
-    def quality(self, plan: ReusePlan) -> float:
-        """Mean task score of the receiver under `plan` (in [0, 1]); memoised."""
-        if plan not in self._quality:
-            self._quality[plan] = statistics.fmean(
-                self._score(self.receiver, i, plan, self._kept_capture(i)) for i in range(len(self.rows)))
-        return self._quality[plan]
+    def quality(self, plan: ReusePlan, wire: Wire = RAW) -> float:
+        """Mean task score of the receiver under `plan` (in [0, 1]), reused tensors sent under `wire`; memoised."""
+        if (plan, wire) not in self._quality:
+            self._quality[(plan, wire)] = statistics.fmean(
+                self._score(self.receiver, i, plan, self._kept_capture(i), wire) for i in range(len(self.rows)))
+        return self._quality[(plan, wire)]
 
     __call__ = quality
 
@@ -110,16 +128,17 @@ class PairScorer:
         return statistics.fmean(self._score(self.sender, i, ReusePlan.full_prefill(), None)
                                 for i in range(len(self.rows)))
 
-    def paths(self, plans: Mapping[str, ReusePlan], *, progress: bool = False
+    def paths(self, plans: Mapping[str, ReusePlan], *, progress: bool = False, wires: Mapping[str, Wire] | None = None,
               ) -> Iterator[dict[str, PathResult]]:
-        """Per row, in order: {"receiver_full_prefill", "sender_alone", *plans} -> PathResult."""
+        """Per row, in order: {"receiver_full_prefill", "sender_alone", *plans} -> PathResult
+        (`wires[name]`: that plan's wire; raw otherwise)."""
         for i in tqdm(range(len(self.rows)), desc=f"eval {self.spec.name}", unit="row", disable=not progress):
             capture = self._captured.get(i) or self._capture(i)
             full = ReusePlan.full_prefill()
             res = {"receiver_full_prefill": self._path(self.receiver, i, full, None),
                    "sender_alone": self._path(self.sender, i, full, None)}
             for name, plan in plans.items():
-                res[name] = self._path(self.receiver, i, plan, capture)
+                res[name] = self._path(self.receiver, i, plan, capture, (wires or {}).get(name, RAW))
             yield res
 
     # -- one row ------------------------------------------------------------------------------
@@ -132,18 +151,20 @@ class PairScorer:
         return self._captured[i]
 
     @torch.inference_mode()  # decoding and teacher forcing too, not only the engine's prefill
-    def _score(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None) -> float:
+    def _score(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None,
+               wire: Wire = RAW) -> float:
         row = self.rows[i]
-        pre = prefill(model, row.prompt, plan, _source(plan, capture))
+        pre = prefill(model, row.prompt, plan, _source(plan, capture, wire, row))
         tokens = _greedy(model, pre.cache, int(pre.logits[-1].argmax()), len(row.prompt), self.spec.max_new_tokens)
         return metrics.score(self.spec.metric, decode_answer(model.tokenizer, tokens, self.spec), row.answers)
 
     @torch.inference_mode()
-    def _path(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None) -> PathResult:
+    def _path(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None,
+              wire: Wire = RAW) -> PathResult:
         """Prefill per `plan`, then (a) teacher-force the gold answer for its NLL and fidelity
         logits, (b) greedy-decode on a copy of the cache for the task score."""
         row = self.rows[i]
-        pre = prefill(model, row.prompt, plan, _source(plan, capture))
+        pre = prefill(model, row.prompt, plan, _source(plan, capture, wire, row))
         gen_cache = copy.deepcopy(pre.cache)
         ans_logits = pre.logits[-1:]  # [1, vocab] predicts answer[0]
         if len(row.answer) > 1:
@@ -157,8 +178,14 @@ class PairScorer:
         return PathResult(pred, metrics.score(self.spec.metric, pred, row.answers), nll, logits)
 
 
-def _source(plan: ReusePlan, capture: CapturedContext | None) -> CapturedSource | None:
-    return None if plan.mode == "full_prefill" or capture is None else CapturedSource(capture)
+def _source(plan: ReusePlan, capture: CapturedContext | None, wire: Wire, row: Encoded
+            ) -> CapturedSource | CodedSource | None:
+    if plan.mode == "full_prefill" or capture is None:
+        return None
+    if wire == RAW:
+        return CapturedSource(capture)
+    # the prefix a receiver pulls for this prompt (per-token codes do not depend on it; int8 K scales do)
+    return CodedSource(capture, wire.codec, dict(wire.params), tokens=len(row.prompt) - row.suffix)
 
 
 def _greedy(model: ModelAdapter, cache: Any, first: int, past: int, n: int) -> list[int]:

@@ -200,7 +200,8 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
         codec = _server_codec(request.codec)
         headers, payloads = [], []
         for item, t, whole in zip(request.items, tensors, stored, strict=True):
-            asked = {**request.codec_params, codecs.KIND_PARAM: item.kind}  # a codec's layout may depend on the kind
+            # a codec's layout may depend on the item's kind and layer
+            asked = {**request.codec_params, codecs.KIND_PARAM: item.kind, codecs.LAYER_PARAM: item.layer}
             bound = codec.max_nbytes(tuple(t.shape), t.dtype, asked)
             hold.charge(bound)  # before encoding: a copy is counted before it exists
             payload, params = codec.encode(t, asked)

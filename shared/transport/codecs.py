@@ -8,13 +8,23 @@ A `Codec` (stateless; both methods block while they compute, on whatever thread 
                                well-behaved sender can send for that tensor. A header claiming more
                                is refused before any buffer is allocated for it.
 Registered here: `raw` (the tensor's own bytes, no copy on either side when the buffer is on the
-CPU), `int8` and `int4` (quantized, `shared/kv/quant.py`; see "Quantized codecs" below);
+CPU), `int8` and `int4` (quantized, `shared/kv/quant.py`; see "Quantized codecs" below),
+`lowrank` (SCD codes under a pair's learned maps, `shared/kv/scd.py`; see "SCD codes" below);
 `register` adds more (compressed codecs plug in here, nothing else changes). Both ends share
 `checksum` and `payload_view`.
 
-The sender passes the item's kind ("K", "V" or "E") to `encode` and `max_nbytes` as the param
-`KIND_PARAM` (whatever the request said under that name is replaced); a codec whose layout
-depends on the kind echoes it in the header's params, so the receiver's `max_nbytes` is exact.
+The sender passes the item's kind ("K", "V" or "E") and layer to `encode` and `max_nbytes` as the
+params `KIND_PARAM` and `LAYER_PARAM` (whatever the request said under those names is replaced); a
+codec whose layout depends on them echoes them in the header's params, so the receiver's
+`max_nbytes` is exact.
+
+SCD codes (`lowrank`). The request names the pair's maps by their sha256 (`MAPS_PARAM`); both ends
+must have loaded that file (`LOWRANK.add_maps`, after checking its hash: `scd.Maps.from_bytes`),
+else the item is refused (`IntegrityError`, the receiver falls back to its own prefill and says
+why). An item the maps hold a code for travels as its codes [H, T, r] (E: [T, r]) in the stored
+dtype; any other item of the same pull travels as its raw bytes. A K or V decodes into the
+receiver's estimate of its own K or V; an E decodes into the receiver's estimate of its
+normalized attention input at that layer (a patch layer, see `shared/kv/plan.py`).
 
 Quantized codecs (`int8`, `int4`). The scales and zero points travel in the payload, after the
 quantized values, not in the header's `codec_params`: per-token scales grow with the context (a
@@ -63,7 +73,7 @@ import torch
 import xxhash
 
 from droidmesh.shared.errors import IntegrityError
-from droidmesh.shared.kv import quant
+from droidmesh.shared.kv import quant, scd
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
 
@@ -184,7 +194,9 @@ def pinned_copy(source: torch.Tensor) -> torch.Tensor:
 # Quantized codec params: the item's kind (set by the sender's server, echoed in int8 headers)
 # and int4's group size.
 KIND_PARAM = "kind"
+LAYER_PARAM = "layer"
 GROUP_PARAM = "group"
+MAPS_PARAM = "maps"
 
 
 def _host(payload: torch.Tensor) -> torch.Tensor:
@@ -259,6 +271,73 @@ class Int4Codec:
         return quant.int4_nbytes(shape, quant.check_group(shape, params.get(GROUP_PARAM, quant.default_group(shape))))
 
 
+class LowRankCodec:
+    """SCD codes under loaded maps (see "SCD codes" in the module docstring). `add_maps` is called
+    by the services when a pair config's maps have been fetched and checked (on their loop; it
+    does not block); the codec methods may run on any thread."""
+
+    name = "lowrank"
+
+    def __init__(self) -> None:
+        self._maps: dict[str, scd.Maps] = {}
+
+    def add_maps(self, maps: scd.Maps) -> None:
+        self._maps[maps.sha256] = maps
+
+    def has_maps(self, sha256: str) -> bool:
+        return sha256 in self._maps
+
+    def maps(self, sha256: str) -> scd.Maps:
+        found = self._maps.get(sha256)
+        if found is None:
+            raise IntegrityError(f"lowrank: maps {str(sha256)[:12]}... not loaded here")
+        return found
+
+    def _item(self, params: CodecParams) -> tuple[scd.Maps, str, int, scd.LinearCode | None]:
+        sha, layer = params.get(MAPS_PARAM), params.get(LAYER_PARAM)
+        if not isinstance(sha, str) or not isinstance(layer, int):
+            raise IntegrityError(f"lowrank: params {MAPS_PARAM!r} (a sha256) and {LAYER_PARAM!r} (an int) are required")
+        maps = self.maps(sha)
+        kind = _kind(params, self.name)
+        return maps, kind, layer, maps.code(layer, kind)
+
+    def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
+        maps, kind, layer, code = self._item(params)
+        echo: CodecParams = {MAPS_PARAM: maps.sha256, KIND_PARAM: kind, LAYER_PARAM: layer}
+        if code is None:
+            return _host(payload_view(t)), echo
+        scd.check_fits(kind, tuple(t.shape), code)
+        return _host(payload_view(scd.encode(t, kind, code, maps.rope))), echo
+
+    def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
+        _only(header, {MAPS_PARAM, KIND_PARAM, LAYER_PARAM})
+        maps, kind, layer, code = self._item(header.codec_params)
+        if (kind, layer) != (header.kind, header.layer):
+            raise IntegrityError(f"layer {header.layer} {header.kind}: lowrank laid out for layer {layer} {kind}")
+        if code is None:
+            RawCodec().decode(payload, header, out)
+            return
+        try:
+            scd.check_fits(kind, tuple(out.shape), code)
+        except IntegrityError as e:
+            raise IntegrityError(f"layer {layer} {kind}: {e}") from None
+        shape = scd.code_shape(kind, tuple(out.shape), code)
+        if payload.numel() != nbytes_of(shape, out.dtype):
+            raise IntegrityError(f"layer {layer} {kind}: {payload.numel()} bytes of codes, expected {list(shape)}")
+        codes = payload.view(out.dtype).reshape(shape)  # [H, T, r] | [T, r]
+        scd.decode(codes, kind, code, maps.rope, out)
+
+    def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
+        """Exact for loaded maps; `IntegrityError` for maps not loaded here or a code that does not fit."""
+        _, kind, _, code = self._item(params)
+        if code is None:
+            return nbytes_of(shape, dtype)
+        scd.check_fits(kind, shape, code)
+        return nbytes_of(scd.code_shape(kind, shape, code), dtype)
+
+
+LOWRANK = LowRankCodec()
+
 Place = Literal["out", "device", "pinned", "host"]
 
 
@@ -288,3 +367,4 @@ def receive_buffer(codec: Codec, header: TensorHeader, out: torch.Tensor) -> tor
 register(RawCodec())
 register(Int8Codec())
 register(Int4Codec())
+register(LOWRANK)

@@ -5,6 +5,10 @@ delivery while the engine computes) without UCX. Servers register under a name i
 table; the address a client dials is that name. Payloads are copied into the client's receive
 buffers one item at a time, yielding to the loop between items, so items land one by one as
 they would from a network; the protocol's checks are the same as UCX's (`bulk.py`).
+
+`CodedSource` is the same protocol with no channel and no loop: a captured context as a receiver
+holds it after pulling it under a codec (the profiler and `eval` score compressed transfer with it,
+and tests compare the mesh's answers against it).
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 
+import msgspec
 import torch
 
-from droidmesh.shared.errors import TransferError
+from droidmesh.shared.errors import MissingLayerError, TransferError
+from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
 from droidmesh.shared.transport.bulk import Authorize, OnItem, Pin, TensorLookup, answer, landings
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import PullRequest, Transport
+from droidmesh.shared.wire.schemas import CodecParams, ItemKind, PullItem, PullRequest, Transport
 
 _SERVERS: dict[str, InProcessBulkServer] = {}
 _names = itertools.count()
@@ -84,3 +90,56 @@ class InProcessBulkClient:
 
     async def close(self) -> None:
         """Nothing to release."""
+
+
+class CodedSource:
+    """A `LayerSource` over `captured`'s first `tokens` tokens (None: all) as they land after a pull
+    under `codec`: each read runs the bulk protocol's `answer` and `landings` (encode, header
+    checks, checksum, decode into a fresh buffer on the captured tensors' device) on the calling
+    thread, once per item. Protocol errors raise as they would from a pull."""
+
+    def __init__(self, captured: CapturedContext, codec: str, codec_params: CodecParams | None = None,
+                 tokens: int | None = None):
+        self._captured = captured
+        self.token_ids = captured.token_ids[:tokens]
+        self.fingerprint = captured.fingerprint
+        self._request = PullRequest(context_id="inproc", items=[], codec=codec, codec_params=dict(codec_params or {}),
+                                    tokens=len(self.token_ids))
+        self._kv: dict[int, KVBlock] = {}
+        self._e: dict[int, torch.Tensor] = {}
+
+    def kv(self, layer: int, deadline: float) -> KVBlock:
+        if layer not in self._kv:
+            if not 0 <= layer < self._captured.num_layers:
+                raise MissingLayerError(f"sender has no KV for layer {layer}")
+            self._kv[layer] = KVBlock(layer, self._pull(layer, "K"), self._pull(layer, "V"))
+        return self._kv[layer]
+
+    def e(self, layer: int, deadline: float) -> torch.Tensor:
+        if layer not in self._e:
+            if layer not in self._captured.e:
+                raise MissingLayerError(f"sender captured no E for layer {layer} (has {sorted(self._captured.e)})")
+            self._e[layer] = self._pull(layer, "E")
+        return self._e[layer]
+
+    def _lookup(self, context_id: str, layer: int, kind: str) -> torch.Tensor | None:
+        if kind == "E":
+            return self._captured.e.get(layer)
+        block = self._captured.kv[layer]
+        return block.k if kind == "K" else block.v
+
+    def _pull(self, layer: int, kind: ItemKind) -> torch.Tensor:
+        request = msgspec.structs.replace(self._request, items=[PullItem(layer=layer, kind=kind)])
+        response, payloads, release = answer(request, self._lookup, None, None)
+        try:
+            stored = self._lookup("", layer, kind)
+            assert stored is not None  # looked up by `answer` already, which refuses a missing item
+            shape = list(stored.shape)
+            shape[1 if kind == "E" else 2] = len(self.token_ids)  # E [1, T, D], K / V [1, kvh, T, hd]
+            out = torch.empty(shape, dtype=stored.dtype, device=stored.device)
+            (land,) = landings(request, response, [out])
+            land.recv.copy_(payloads[0])
+            return land.land()
+        finally:
+            release()
+

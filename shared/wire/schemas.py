@@ -195,13 +195,14 @@ class PlanSpec(msgspec.Struct):
     groups: list[tuple[int, int]]  # recompute [start, end) each, ascending; [] means full reuse
     codec: str = "raw"  # wire codec of the reused tensors (shared/transport/codecs.py)
     codec_params: CodecParams = {}
-    patch_layers: list[int] = []  # layers whose decoded KV is patched (compressed transfer); none yet
+    patch_layers: list[int] = []  # SCD patch layers (shared/kv/plan.py): their KV projected from a decoded E
 
 
 class FrontierPoint(msgspec.Struct):
     plan: PlanSpec
     recomputed_layers: int
     quality: float
+    wire_bytes_per_token: int = 0  # what a pull under this plan moves per context token; 0: raw (from the latency fit)
 
 
 class LatencyFit(msgspec.Struct):

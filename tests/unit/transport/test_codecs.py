@@ -59,7 +59,7 @@ def _pull(codec: str = "raw", lookup=None) -> tuple[list[torch.Tensor], int]:
 def test_raw_is_registered_and_lands_in_place():
     """Raw arrives bit-exact, in the caller's own buffer, with the tensor's own byte count."""
     got, n = _pull()
-    assert codecs.names() == ["int4", "int8", "raw"] and torch.equal(got[0], KV) and n == KV.numel() * 4
+    assert codecs.names() == ["int4", "int8", "lowrank", "raw"] and torch.equal(got[0], KV) and n == KV.numel() * 4
 
 
 def test_a_registered_codec_is_encoded_by_the_sender_and_decoded_by_the_receiver(toy_codec):

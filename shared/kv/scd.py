@@ -1,0 +1,259 @@
+"""SCD (Semantic Cache Distillation, paper 001): a pair's learned maps and how tensors travel as codes.
+
+A `Maps` belongs to one sender -> receiver pair (both weights' sha256s in its metadata) and holds
+one `LinearCode` per coded item, keyed by (layer, kind):
+  Reuse  (layer, "K") / (layer, "V"): the sender's K or V of one head -> r codes -> an estimate of
+         the *receiver's* own K or V of that head, so decoding also corrects the cross-model drift.
+         Keys are mapped before RoPE: the sender un-rotates its K at positions 0..T-1, the receiver
+         rotates the estimate back (`Rope`); a rotation depends on the position, a map must not.
+  Patch  (layer, "E"): the sender's E_layer -> r codes -> an estimate of the receiver's normalized
+         attention input at that layer; the receiver's own projections (and RoPE) then make the
+         layer's K/V (`ModelAdapter.project_kv`), with no attention or MLP run.
+Items without a code travel as their raw bytes. The sequence per item:
+  sender    x [T, d_in] (float32) -> codes = (x - mu_in) @ enc   [T, r], sent in the stored dtype
+  receiver  y = codes @ dec + mu_out  [T, d_out] -> (K: RoPE) -> the receiver's buffer
+`Moments.fit` learns one code by reduced-rank ridge regression (closed form); with rank = d_in,
+no ridge and x = y (a same-model pair) it is the identity, up to float rounding.
+
+A `Maps` is stored as one safetensors file named by its sha256 (`to_bytes` / `from_bytes`), so
+senders and receivers fetching it by that name check exactly what they got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from droidmesh.shared.errors import IntegrityError
+
+FORMAT = "droidmesh-scd-1"
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCode:
+    """One head group's code: `heads` independent maps d_in -> r -> d_out (E: heads = 1)."""
+
+    mu_in: torch.Tensor  # [H, d_in] float32
+    enc: torch.Tensor  # [H, d_in, r]
+    dec: torch.Tensor  # [H, r, d_out]
+    mu_out: torch.Tensor  # [H, d_out]
+
+    @property
+    def rank(self) -> int:
+        return self.enc.shape[-1]
+
+    def to(self, device: torch.device) -> LinearCode:
+        return LinearCode(*(t.to(device) for t in (self.mu_in, self.enc, self.dec, self.mu_out)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """The receiver's RoPE (Llama convention: rotate_half over the two halves of head_dim)."""
+
+    inv_freq: torch.Tensor  # [head_dim / 2] float32
+    scaling: float
+
+    def tables(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, head_dim] float32, at positions 0..T-1."""
+        pos = torch.arange(tokens, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.to(device)[None]  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [H, T, hd] float32 at positions 0..T-1 -> RoPE(x)."""
+        cos, sin = self.tables(x.shape[1], x.device)
+        return x * cos + _rotate_half(x) * sin
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of `rotate` (a rotation by -theta, undoing the scaling)."""
+        cos, sin = self.tables(y.shape[1], y.device)
+        return (y * cos - _rotate_half(y) * sin) / (self.scaling * self.scaling)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Maps:
+    """A pair's codes; `sha256` names the file they were read from (or written to)."""
+
+    codes: dict[tuple[int, str], LinearCode]  # (layer, "K" | "V" | "E")
+    rope: Rope
+    meta: dict[str, str]  # sender/receiver sha256, fit settings and timings (strings, as safetensors keeps them)
+    sha256: str = ""
+
+    def code(self, layer: int, kind: str) -> LinearCode | None:
+        return self.codes.get((layer, kind))
+
+    def patch_layers(self) -> list[int]:
+        return sorted(l for l, k in self.codes if k == "E")
+
+    def ranks(self) -> dict[str, int]:
+        return {f"{l}.{k}": c.rank for (l, k), c in sorted(self.codes.items())}
+
+    def on(self, device: torch.device) -> Maps:
+        """These maps with every tensor on `device` (the engine never copies across devices)."""
+        if all(c.enc.device == device for c in self.codes.values()):
+            return self
+        return dataclasses.replace(self, codes={key: c.to(device) for key, c in self.codes.items()})
+
+    # -- the file --------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        tensors = {"rope.inv_freq": self.rope.inv_freq.float().contiguous()}
+        for (l, k), c in self.codes.items():
+            for name, t in (("mu_in", c.mu_in), ("enc", c.enc), ("dec", c.dec), ("mu_out", c.mu_out)):
+                tensors[f"{l}.{k}.{name}"] = t.float().cpu().contiguous()
+        meta = {**self.meta, "format": FORMAT, "rope.scaling": repr(self.rope.scaling)}
+        return st_save(tensors, metadata=meta)
+
+    @staticmethod
+    def from_bytes(data: bytes, sha256: str) -> Maps:
+        """Read a maps file; `IntegrityError` unless its sha256 is `sha256` and its tensors are consistent."""
+        got = hashlib.sha256(data).hexdigest()
+        if got != sha256:
+            raise IntegrityError(f"maps file hash {got[:12]}... is not the published {sha256[:12]}...")
+        try:
+            tensors = st_load(data)
+            meta = _metadata(data)
+        except Exception as e:  # a malformed file: safetensors raises its own error types
+            raise IntegrityError(f"maps {sha256[:12]}...: not a safetensors file ({e})") from None
+        if meta.get("format") != FORMAT or "rope.inv_freq" not in tensors:
+            raise IntegrityError(f"maps {sha256[:12]}...: format {meta.get('format')!r}, expected {FORMAT!r}")
+        rope = Rope(tensors.pop("rope.inv_freq"), float(meta.pop("rope.scaling", "1.0")))
+        parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            where, _, part = name.rpartition(".")
+            layer, _, kind = where.partition(".")
+            if not layer.isdigit() or kind not in ("K", "V", "E"):
+                raise IntegrityError(f"maps {sha256[:12]}...: unexpected tensor {name!r}")
+            parts.setdefault((int(layer), kind), {})[part] = t
+        codes = {}
+        for key, p in parts.items():
+            if set(p) != {"mu_in", "enc", "dec", "mu_out"}:
+                raise IntegrityError(f"maps {sha256[:12]}...: malformed entry {key}")
+            c = LinearCode(p["mu_in"], p["enc"], p["dec"], p["mu_out"])
+            _check_code(c, f"{key}")
+            codes[key] = c
+        return Maps(codes=codes, rope=rope, meta=meta, sha256=sha256)
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    n = int.from_bytes(data[:8], "little")  # safetensors: an 8-byte header length, then a JSON header
+    return dict(json.loads(data[8:8 + n]).get("__metadata__") or {})
+
+
+def _check_code(c: LinearCode, what: str) -> None:
+    h, d_in, r = c.enc.shape
+    if c.mu_in.shape != (h, d_in) or c.dec.shape[:2] != (h, r) or c.mu_out.shape != (h, c.dec.shape[2]):
+        raise IntegrityError(f"maps entry {what}: inconsistent shapes")
+    if not all(torch.isfinite(t).all() for t in (c.mu_in, c.enc, c.dec, c.mu_out)):
+        raise IntegrityError(f"maps entry {what}: non-finite values")
+
+
+# -- encode (sender) and decode (receiver) ------------------------------------------------------
+def code_shape(kind: str, shape: tuple[int, ...], code: LinearCode) -> tuple[int, ...]:
+    """The codes' shape for an item of `shape`: K / V [1, H, T, hd] -> [H, T, r]; E [1, T, D] -> [T, r]."""
+    return (shape[1], shape[2], code.rank) if kind != "E" else (shape[1], code.rank)
+
+
+def check_fits(kind: str, shape: tuple[int, ...], code: LinearCode) -> None:
+    """`IntegrityError` unless `code` maps an item of `shape` (K / V [1, H, T, hd], E [1, T, D])
+    into a buffer of the same shape."""
+    h, d_in, _ = code.enc.shape
+    if kind == "E":
+        ok = len(shape) == 3 and shape[0] == 1 and h == 1 and shape[2] == d_in
+    else:
+        ok = len(shape) == 4 and shape[0] == 1 and shape[1] == h and shape[3] == d_in
+    if not ok or code.dec.shape[2] != d_in:
+        raise IntegrityError(f"code for {kind} maps {h} x {d_in} -> {code.dec.shape[2]}, the item is {list(shape)}")
+
+
+def encode(t: torch.Tensor, kind: str, code: LinearCode, rope: Rope) -> torch.Tensor:
+    """Sender: K / V [1, H, T, hd] or E [1, T, D] -> codes [H, T, r] / [T, r] in t's dtype."""
+    x = t[0].float() if kind != "E" else t.float()  # [H, T, hd] | [1, T, D]
+    if kind == "K":
+        x = rope.unrotate(x)
+    c = code.to(t.device)
+    codes = torch.matmul(x - c.mu_in[:, None], c.enc)  # [H, T, d_in] @ [H, d_in, r] -> [H, T, r]
+    codes = codes if kind != "E" else codes[0]  # E: [1, T, r] -> [T, r]
+    return codes.to(t.dtype).contiguous()
+
+
+def decode(codes: torch.Tensor, kind: str, code: LinearCode, rope: Rope, out: torch.Tensor) -> None:
+    """Receiver: codes [H, T, r] / [T, r] -> the estimate, written into `out` (its shape, dtype, device)."""
+    c = code.to(out.device)
+    z = codes.to(out.device).float()
+    z = z if kind != "E" else z[None]  # E: [T, r] -> [1, T, r]
+    y = torch.matmul(z, c.dec) + c.mu_out[:, None]  # [H, T, r] @ [H, r, d_out] -> [H, T, d_out]
+    if kind == "K":
+        y = rope.rotate(y)
+    out.copy_(y.reshape(out.shape))  # [H, T, hd] -> [1, H, T, hd]; E [1, T, D] as is
+
+
+# -- fit (offline, the profiler) -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """A full-rank reduced-rank-regression solution for one head group; `truncate(r)` is its rank-r code."""
+
+    mu_in: torch.Tensor  # [H, d_in] float64
+    mu_out: torch.Tensor  # [H, d_out]
+    coef: torch.Tensor  # [H, d_in, d_out] ridge solution B
+    basis: torch.Tensor  # [H, d_out, d_out] right singular vectors of X B, by decreasing energy
+    energy: torch.Tensor  # [H, d_out] their share of the fitted variance, decreasing
+
+    def truncate(self, rank: int) -> LinearCode:
+        v = self.basis[..., :rank]  # [H, d_out, r]
+        return LinearCode(self.mu_in.float(), (self.coef @ v).float(), v.transpose(1, 2).contiguous().float(),
+                          self.mu_out.float())
+
+    def rank_for(self, share: float) -> int:
+        """The smallest rank whose codes keep `share` of the fitted variance, in every head."""
+        kept = torch.cumsum(self.energy, dim=-1)  # [H, d_out]
+        need = (kept < share - 1e-12).sum(dim=-1) + 1  # per head
+        return int(min(int(need.max()), self.energy.shape[-1]))
+
+
+class Moments:
+    """Running sums for one head group's regression x [H, N, d_in] -> y [H, N, d_out] (float64),
+    so calibration never holds its samples: memory is O(H d^2) whatever the token count."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sx = self.sy = self.sxx = self.sxy = torch.zeros(0, dtype=torch.float64)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.double().cpu(), y.double().cpu()  # [H, N, d_in], [H, N, d_out]
+        parts = (x.sum(1), y.sum(1), x.transpose(1, 2) @ x, x.transpose(1, 2) @ y)
+        if self.n == 0:
+            self.sx, self.sy, self.sxx, self.sxy = parts
+        else:
+            self.sx, self.sy, self.sxx, self.sxy = (a + b for a, b in zip((self.sx, self.sy, self.sxx, self.sxy), parts, strict=True))
+        self.n += x.shape[1]
+
+    def fit(self, ridge: float = 1e-3) -> Fit:
+        """Reduced-rank ridge regression per head.
+
+        B = (Xc'Xc + ridge * mean(diag Xc'Xc) * I)^-1 Xc'Yc; the rank-r code keeps the top r right
+        singular vectors V_r of the fitted Xc B (enc = B V_r, dec = V_r'), the best rank-r
+        approximation of the ridge fit. ridge = 0 with x = y at full rank gives the identity."""
+        if self.n < 2:
+            raise ValueError("a fit needs at least 2 samples")
+        mu_in, mu_out = self.sx / self.n, self.sy / self.n  # [H, d]
+        gram = self.sxx - self.n * mu_in[:, :, None] * mu_in[:, None, :]  # Xc'Xc [H, d_in, d_in]
+        cross = self.sxy - self.n * mu_in[:, :, None] * mu_out[:, None, :]  # Xc'Yc [H, d_in, d_out]
+        scale = torch.diagonal(gram, dim1=1, dim2=2).mean(dim=1).clamp_min(1e-12)  # [H]
+        eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
+        coef = torch.linalg.solve(gram + ridge * scale[:, None, None] * eye, cross)  # [H, d_in, d_out]
+        fitted = coef.transpose(1, 2) @ gram @ coef  # (Xc B)'(Xc B) [H, d_out, d_out]
+        vals, vecs = torch.linalg.eigh(fitted)  # ascending
+        vals, vecs = vals.flip(-1).clamp_min(0), vecs.flip(-1)
+        energy = vals / vals.sum(dim=-1, keepdim=True).clamp_min(1e-300)
+        return Fit(mu_in, mu_out, coef, vecs, energy)
