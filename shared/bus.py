@@ -8,6 +8,7 @@
                                              per-sender subjects that must know who spoke (the broker)
   - `serve(subject, handler, queue)`         request/reply endpoint; one copy of `queue` answers
   - `config_board()`                         the recompute-config board over the same connection
+  - `maps_store()`                           the SCD maps files published with those configs
                                              (plain method; callers never reach the client under it)
   - `close()`                                drain and disconnect (its owner, once, at shutdown)
 Payloads are bytes of `shared.wire.schemas` messages; decoding and error replies live in
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 import structlog
 
 from droidmesh.shared.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
+from droidmesh.shared.maps_store import InMemoryMapsStore, MapsStore, NatsMapsStore
 
 RequestHandler = Callable[[bytes], Coroutine[Any, Any, bytes]]
 EventHandler = Callable[[bytes], Coroutine[Any, Any, None]]
@@ -46,6 +48,8 @@ class Bus(Protocol):
                     metadata: dict[str, str] | None = None) -> None: ...
 
     def config_board(self) -> ConfigBoard: ...
+
+    def maps_store(self) -> MapsStore: ...
 
     async def close(self) -> None: ...
 
@@ -150,6 +154,9 @@ class NatsBus:
         """The JetStream key-value board on this connection (a new handle per call)."""
         return NatsConfigBoard(self.nc)
 
+    def maps_store(self) -> MapsStore:
+        return NatsMapsStore(self.nc)
+
     async def close(self) -> None:
         """Drain: stop taking new requests (queue-group siblings get them), finish and answer
         every request already taken, then flush and disconnect."""
@@ -184,6 +191,7 @@ class InProcessBus:
         self._rr: dict[str, itertools.count] = defaultdict(itertools.count)
         self._tasks: set[asyncio.Task] = set()
         self._board = InMemoryConfigBoard()
+        self._maps = InMemoryMapsStore()
 
     async def publish(self, subject: str, data: bytes) -> None:
         seen_queues: set[str] = set()
@@ -227,6 +235,9 @@ class InProcessBus:
     def config_board(self) -> ConfigBoard:
         """One in-memory board per bus, shared by every service on it (as a NATS bucket is)."""
         return self._board
+
+    def maps_store(self) -> MapsStore:
+        return self._maps
 
     async def settle(self) -> None:
         """Wait until every delivered event has been handled (tests only)."""

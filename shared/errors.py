@@ -97,6 +97,12 @@ class IntegrityError(ReuseError):
     code = "integrity"
 
 
+class MapsNotFoundError(ReuseError):
+    """A pair config names SCD maps the maps store does not hold (not published, or lost)."""
+
+    code = "maps_not_found"
+
+
 class UnauthorizedError(DroidMeshError):
     """A pull without a valid capability token (missing, wrong, expired, other context)."""
 

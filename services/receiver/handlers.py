@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from droidmesh.services.receiver.pipeline import ReuseOutcome, reuse_generate
+from droidmesh.shared import maps_store
 from droidmesh.shared.answer_stream import AnswerStream
 from droidmesh.shared.errors import (
     BadRequestError,
@@ -28,6 +29,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Reason
 from droidmesh.shared.model import sampling, text
 from droidmesh.shared.model.sampling import Sampler, make_sampler
+from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
@@ -148,6 +150,9 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     decision = policy.decide(req.mode, holder, miss, s.configs.get(holder.model_id) if holder else None,
                              s.policy_facts, online)
     plan, path, reason = decision.plan, decision.path, decision.reason
+    missing = _maps_missing(s, decision)
+    if missing is not None:  # the plan's codes cannot be decoded here: the receiver's own prefill, and why
+        plan, path, reason = ReusePlan.full_prefill(), "fallback", missing
     if miss is not None and miss[0] == "holder_open_circuit":
         path = "fallback"  # a holder was found and skipped: not a plain miss
     bytes_pulled, gen = 0, None
@@ -197,7 +202,19 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
         sender_id=holder.sender_id if holder is not None and path != "full_prefill" else None,
         bytes_pulled=bytes_pulled, ttft_ms=ttft_ms, stages_ms=stages_ms, served_by=s.cfg.receiver_id,
         prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, finish_reason=finish,
+        codec=decision.codec if plan.mode != "full_prefill" else "",
     )
+
+
+def _maps_missing(s: ReceiverState, decision: policy.Decision) -> policy.Reason | None:
+    """Why `decision`'s lowrank codes cannot be decoded here (their maps not loaded), or None."""
+    if decision.plan.mode == "full_prefill" or decision.codec != codecs.LOWRANK.name:
+        return None
+    sha = str(decision.codec_params.get(codecs.MAPS_PARAM, ""))
+    if codecs.LOWRANK.has_maps(sha):
+        return None
+    why = s.maps_failures.get(sha, "not fetched yet")
+    return "maps_unavailable", f"maps_unavailable: SCD maps {sha[:12]}... not loaded ({why})"
 
 
 async def _reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision, prompt: list[int],
@@ -245,10 +262,23 @@ async def on_config(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
         return
     current = s.configs.get(cfg.sender_model)
     if current is None or cfg.profile_version >= current.profile_version:
+        await _load_maps(s, cfg)
         s.configs[cfg.sender_model] = cfg
         s.metrics.profile_version.labels(cfg.sender_model).set(cfg.profile_version)
         log.info("config_loaded", sender_model=cfg.sender_model, version=cfg.profile_version,
                  chosen=cfg.chosen.plan.groups)
+
+
+async def _load_maps(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
+    """Fetch, check and register every SCD maps file `cfg` names; a failure is kept per file (a
+    request whose plan needs it falls back to full prefill with that reason), never raised."""
+    for sha in sorted(maps_store.referenced([*cfg.frontier, cfg.chosen])):
+        try:
+            await maps_store.load(s.bus.maps_store(), sha, s.policy_facts.model_sha256, "receiver")
+            s.maps_failures.pop(sha, None)
+        except DroidMeshError as e:
+            s.maps_failures[sha] = f"{e.code}: {e}"
+            log.warning("maps_unavailable", sender_model=cfg.sender_model, maps=sha[:12], error=f"{e.code}: {e}")
 
 
 async def on_available(s: ReceiverState, ev: schemas.CacheAvailable) -> None:

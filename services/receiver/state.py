@@ -39,6 +39,7 @@ class ReceiverState:
                                             num_layers=model.num_layers, default_group=cfg.default_group)
         self.pull_slots = asyncio.Semaphore(cfg.max_concurrent_pulls)
         self.configs: dict[str, schemas.RecomputeConfig] = {}  # sender model -> newest profile for us
+        self.maps_failures: dict[str, str] = {}  # SCD maps sha256 -> why it could not be loaded
         self.inflight = 0  # generate requests being served (the torch thread runs one at a time)
         self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None

@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from droidmesh.shared import maps_store
 from droidmesh.shared.device import dtype_name
-from droidmesh.shared.errors import BadRequestError, DeadlineExceededError
+from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError
 from droidmesh.shared.hashing import context_id
+from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.blocks import CapturedContext, tensor_nbytes
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate as engine_generate
@@ -134,9 +136,17 @@ async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:
 
 
 async def on_config(s: SenderState, cfg: schemas.RecomputeConfig) -> None:
-    """A profile of this model's exact weights as sender: keep E for every group start it may use."""
+    """A profile of this model's exact weights as sender: keep E for every group start and patch
+    layer it may use, and load the SCD maps its coded plans name (a failure only costs those plans:
+    the receiver's pull under them is refused and it falls back)."""
     if cfg.sender_model != s.cfg.model_id or cfg.sender_sha256 != s.model_sha256:
         return
-    starts = {start for p in (*cfg.frontier, cfg.chosen) for start, _ in p.plan.groups if start > 0}
+    points = (*cfg.frontier, cfg.chosen)
+    starts = {l for p in points for l in policy.plan_of(p.plan).e_layers}
     s.profiled_e_layers[cfg.receiver_model] = starts
+    for sha in sorted(maps_store.referenced(points)):
+        try:
+            await maps_store.load(s.bus.maps_store(), sha, s.model_sha256, "sender")
+        except DroidMeshError as e:
+            log.warning("maps_unavailable", receiver_model=cfg.receiver_model, maps=sha[:12], error=f"{e.code}: {e}")
     log.info("config_loaded", receiver_model=cfg.receiver_model, version=cfg.profile_version, e_layers=sorted(starts))

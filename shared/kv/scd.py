@@ -53,32 +53,38 @@ class LinearCode:
 
 @dataclasses.dataclass(frozen=True)
 class Rope:
-    """The receiver's RoPE (Llama convention: rotate_half over the two halves of head_dim)."""
+    """The receiver's RoPE (Llama convention: rotate_half pairs dim i with dim i + head_dim / 2)."""
 
     inv_freq: torch.Tensor  # [head_dim / 2] float32
     scaling: float
+    _tables: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def tables(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [T, head_dim] float32, at positions 0..T-1."""
-        pos = torch.arange(tokens, device=device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq.to(device)[None]  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
+        """(cos, sin), each [T, head_dim / 2] float32, at positions 0..T-1 (cached per length and
+        device: a sender serves the same context length again and again)."""
+        key = (tokens, str(device))
+        if key not in self._tables:
+            pos = torch.arange(tokens, device=device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq.to(device)[None]  # [T, hd/2]
+            if len(self._tables) >= 8:
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[key] = (freqs.cos() * self.scaling, freqs.sin() * self.scaling)
+        return self._tables[key]
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [H, T, hd] float32 at positions 0..T-1 -> RoPE(x)."""
+    def rotate(self, x: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
+        """x [H, T, hd] float32 at positions 0..T-1 -> RoPE(x) (sign -1: by -theta)."""
         cos, sin = self.tables(x.shape[1], x.device)
-        return x * cos + _rotate_half(x) * sin
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]  # [H, T, hd/2] each
+        out = torch.empty_like(x)
+        torch.addcmul(x1 * cos, x2, sin, value=-sign, out=out[..., :half])  # x1 cos - x2 sin
+        torch.addcmul(x2 * cos, x1, sin, value=sign, out=out[..., half:])  # x2 cos + x1 sin
+        return out
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """The inverse of `rotate` (a rotation by -theta, undoing the scaling)."""
-        cos, sin = self.tables(y.shape[1], y.device)
-        return (y * cos - _rotate_half(y) * sin) / (self.scaling * self.scaling)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x = self.rotate(y, sign=-1.0)
+        return x if self.scaling == 1.0 else x / (self.scaling * self.scaling)
 
 
 @dataclasses.dataclass(frozen=True)

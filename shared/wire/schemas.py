@@ -168,6 +168,7 @@ class GenerateReply(Message, tag="generate.reply"):
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens whose KV came from the sender
     finish_reason: FinishReason = "length"
+    codec: str = ""  # the wire codec the reused tensors came under ("" when nothing was reused)
 
 
 class PrefillRequest(Message, tag="prefill.request"):

@@ -30,6 +30,7 @@ CACHE_EVENTS = f"{PREFIX}.cache.*.*"  # every sender's events (the broker)
 CACHE_AVAILABLE_ALL = f"{CACHE_AVAILABLE}.*"  # every sender's availability events (receivers' warm-up)
 
 CONFIG_BUCKET = "dm_recompute_configs"
+MAPS_BUCKET = "dm_scd_maps"  # SCD maps files named by sha256, chunked (shared/maps_store.py)
 
 BROKER_QUEUE = "broker"
 PROFILER_QUEUE = "profiler"
