@@ -37,7 +37,8 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 def validate(cfg: schemas.RecomputeConfig) -> schemas.RecomputeConfig:
     """`cfg`, if a receiver could serve it: models named and bound to sha256s, every plan's
-    groups inside the model and its layer count stated right, known codecs, finite qualities.
+    groups inside the model and its layer count stated right, known codecs (lowrank ones naming
+    their maps; patch layers only with them), finite qualities.
     Raises `BadRequestError` naming the first problem (decoding already checked the types)."""
     from droidmesh.shared.kv.plan import ReusePlan
     from droidmesh.shared.transport import codecs
@@ -55,10 +56,17 @@ def validate(cfg: schemas.RecomputeConfig) -> schemas.RecomputeConfig:
         raise BadRequestError("frontier is empty")
     for where, p in [("chosen", cfg.chosen), *((f"frontier[{i}]", p) for i, p in enumerate(cfg.frontier))]:
         try:
-            ReusePlan.recompute_groups(p.plan.groups).validate(cfg.total_layers)
+            ReusePlan.recompute_groups(p.plan.groups).patched(p.plan.patch_layers).validate(cfg.total_layers)
             codecs.get(p.plan.codec)
         except DroidMeshError as e:
             raise BadRequestError(f"{where}: {e}") from None
+        maps = p.plan.codec_params.get(codecs.MAPS_PARAM)
+        if p.plan.codec == codecs.LOWRANK.name and not (isinstance(maps, str) and _SHA256.match(maps)):
+            raise BadRequestError(f"{where}: a lowrank plan names its maps by sha256 (codec_params {codecs.MAPS_PARAM!r})")
+        if p.plan.patch_layers and p.plan.codec != codecs.LOWRANK.name:
+            raise BadRequestError(f"{where}: patch layers {p.plan.patch_layers} need the lowrank codec (their maps)")
+        if p.wire_bytes_per_token < 0:
+            raise BadRequestError(f"{where}: wire_bytes_per_token {p.wire_bytes_per_token} < 0")
         if p.recomputed_layers != sum(e - s for s, e in p.plan.groups):
             raise BadRequestError(f"{where}: recomputed_layers {p.recomputed_layers} but groups {p.plan.groups}")
         if not math.isfinite(p.quality):

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import structlog
 
 from droidmesh.shared.errors import IntegrityError, MapsNotFoundError
-from droidmesh.shared.kv import scd
-from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import subjects
+from droidmesh.shared.wire.schemas import LOWRANK_CODEC, MAPS_PARAM
+
+if TYPE_CHECKING:
+    from droidmesh.shared.kv import scd
 
 log = structlog.get_logger("maps")
 CHUNK_BYTES = 512 * 1024
@@ -123,6 +125,9 @@ Side = Literal["sender", "receiver"]
 async def load(store: MapsStore, sha256: str, model_sha256: str, side: Side) -> scd.Maps:
     """Fetch maps `sha256`, check the file and that it was fitted for this model's weights on
     this `side` of the pair, and register it with the `lowrank` codec (once per process)."""
+    from droidmesh.shared.kv import scd  # torch: only model services load maps
+    from droidmesh.shared.transport import codecs
+
     if codecs.LOWRANK.has_maps(sha256):
         return codecs.LOWRANK.maps(sha256)
     maps = scd.Maps.from_bytes(await store.get(sha256), sha256)
@@ -137,5 +142,5 @@ async def load(store: MapsStore, sha256: str, model_sha256: str, side: Side) -> 
 
 def referenced(points: Any) -> set[str]:
     """The maps sha256s a config's frontier points name (lowrank points only)."""
-    return {str(p.plan.codec_params.get(codecs.MAPS_PARAM)) for p in points
-            if p.plan.codec == codecs.LOWRANK.name and codecs.MAPS_PARAM in p.plan.codec_params}
+    return {str(p.plan.codec_params.get(MAPS_PARAM)) for p in points
+            if p.plan.codec == LOWRANK_CODEC and MAPS_PARAM in p.plan.codec_params}

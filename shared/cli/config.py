@@ -90,6 +90,25 @@ def load_config(path: str, sender: str | None = None, receiver: str | None = Non
         raise BadRequestError(f"{path}: {e}") from None
 
 
+def maps_files(path: str, cfg: schemas.RecomputeConfig) -> dict[str, bytes]:
+    """The maps files `cfg` names, read from maps/<sha256>.safetensors next to `path` and checked
+    against their names; `BadRequestError` for one missing or altered."""
+    import hashlib
+
+    from droidmesh.shared.maps_store import referenced
+
+    found = {}
+    for sha in sorted(referenced([*cfg.frontier, cfg.chosen])):
+        f = Path(path).parent / "maps" / f"{sha}.safetensors"
+        if not f.is_file():
+            raise BadRequestError(f"{path} names SCD maps {sha[:12]}...; {f} is missing")
+        data = f.read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise BadRequestError(f"{f} does not hash to its name: altered or truncated")
+        found[sha] = data
+    return found
+
+
 @config.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--sender", default=None, help=f"Sender of a profile JSON: {MODEL_HELP} (default: the one it names).")
@@ -99,8 +118,10 @@ def load_config(path: str, sender: str | None = None, receiver: str | None = Non
 @click.option("--dry-run", is_flag=True, help="Validate and print the config; do not connect.")
 @nats_options(default_timeout=10.0)
 def publish(file: str, sender: str | None, receiver: str | None, version: int | None, dry_run: bool, conn: Conn) -> None:
-    """Validate FILE and publish it to the config bucket (NATS role: profiler or admin)."""
+    """Validate FILE and publish it to the config bucket (NATS role: profiler or admin), with the
+    SCD maps files its lowrank plans name (read from maps/<sha256>.safetensors next to FILE)."""
     cfg = load_config(file, sender, receiver, version)
+    maps = maps_files(file, cfg)
     key = f"{subjects.config_key(cfg.sender_model, cfg.receiver_model)}.v{cfg.profile_version}"
     if dry_run:
         click.echo(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode())
@@ -108,10 +129,16 @@ def publish(file: str, sender: str | None, receiver: str | None, version: int | 
 
     async def body(nc: Any) -> None:
         from droidmesh.shared.config_board import NatsConfigBoard
+        from droidmesh.shared.maps_store import NatsMapsStore
 
+        store = NatsMapsStore(nc)
+        for data in maps.values():  # first: a service that sees the config can fetch its maps at once
+            await store.put(data)
         await NatsConfigBoard(nc).put(cfg)
 
     conn.run(body, "publishing the config")
+    if maps:
+        click.echo(f"published {len(maps)} SCD maps file(s) to {subjects.MAPS_BUCKET}")
     click.echo(f"published {key} to {subjects.CONFIG_BUCKET}: {cfg.chosen.plan.groups or 'full reuse'} "
                f"({cfg.chosen.recomputed_layers} of {cfg.total_layers} layers recomputed)")
 

@@ -74,6 +74,7 @@ import xxhash
 
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import quant, scd
+from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
 
@@ -196,7 +197,7 @@ def pinned_copy(source: torch.Tensor) -> torch.Tensor:
 KIND_PARAM = "kind"
 LAYER_PARAM = "layer"
 GROUP_PARAM = "group"
-MAPS_PARAM = "maps"
+MAPS_PARAM = schemas.MAPS_PARAM
 
 
 def _host(payload: torch.Tensor) -> torch.Tensor:
@@ -276,7 +277,7 @@ class LowRankCodec:
     by the services when a pair config's maps have been fetched and checked (on their loop; it
     does not block); the codec methods may run on any thread."""
 
-    name = "lowrank"
+    name = schemas.LOWRANK_CODEC
 
     def __init__(self) -> None:
         self._maps: dict[str, scd.Maps] = {}

@@ -39,6 +39,8 @@ class Fingerprint(msgspec.Struct):
 Transport = Literal["ucx", "inproc", "nixl"]  # bulk channels (shared/transport/); `address` is theirs to parse
 ItemKind = Literal["K", "V", "E"]
 CodecParams = dict[str, int | float | str]
+LOWRANK_CODEC = "lowrank"  # SCD codes (shared/transport/codecs.py); its plans name their maps file:
+MAPS_PARAM = "maps"  # codec param: the maps' sha256 (shared/maps_store.py)
 
 
 class CacheAvailable(Message, tag="cache.available"):
