@@ -29,7 +29,7 @@ class ProfilerService(ServiceRuntime[ProfilerConfig]):
 
     async def start(self) -> None:
         bus = await self.connect()
-        state = ProfilerState(self.cfg, self._board or bus.config_board(), self.run_torch)
+        state = ProfilerState(self.cfg, self._board or bus.config_board(), bus.maps_store(), self.run_torch)
         await bus.serve(subjects.PROFILER_PROFILE, rpc(schemas.ProfileRequest, functools.partial(handlers.profile, state)),
                         queue=subjects.PROFILER_QUEUE)
         log.info("profiler_started")

@@ -69,13 +69,16 @@ def _test_rows(task: str, n_test: int, data: str | None, data_test: str | None) 
 @click.option("--other-task", "other_tasks", multiple=True,
               help="A zoo task or shift (e.g. multihop_qa/long), or a JSONL file, to check robustness on "
                    "(repeatable; default: for a zoo task, its shifts and every other zoo task).")
+@click.option("--transfer/--no-transfer", "transfer_search", default=True, show_default=True,
+              help="Also search how the chosen plan's tensors travel (raw, int8, int4, SCD lowrank codes and "
+                   "patch layers); the lowrank maps files are written to maps/ next to the JSON.")
 @device_options
 @click.option("--publish", is_flag=True,
               help="Also publish the config to the bucket of the NATS server --nats names (role profiler or admin).")
 @nats_options(default_timeout=30.0)
 def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data, data_train, data_test, metric,
-            max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, device, dtype,
-            publish: bool, conn: Conn) -> None:
+            max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, transfer_search, device,
+            dtype, publish: bool, conn: Conn) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config.
 
     Warns (stderr, and `sample_warning` in the JSON) when the sample is too small for the
@@ -83,11 +86,12 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
     sampling noise 1/sqrt(test rows) against full prefill on the test split."""
     from droidmesh.shared.errors import DroidMeshError
     from droidmesh.shared.models import Pair
-    from droidmesh.shared.profiling.plot import frontier_png
+    from droidmesh.shared.profiling.plot import frontier_png, transfer_png
     from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
     from droidmesh.shared.tasks.jsonl import read_jsonl
 
     settings = ProfileSettings(granularity=granularity, tolerance=tolerance, exhaustive=exhaustive)
+    maps: dict[str, bytes] = {}  # sha256 -> SCD maps file
     try:
         for path in (data, data_train, data_test):  # a bad file fails now, not after the models load
             if path:
@@ -95,7 +99,8 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
         result, cfg = profile_checkpoints(sender, receiver, task, settings, n_train=n_train, n_test=n_test, data=data,
                                           data_train=data_train, data_test=data_test, metric=metric,
                                           max_new_tokens=max_new_tokens, stop=tuple(stop) or None, device=device,
-                                          dtype=dtype, other_tasks=(list(other_tasks) or None) if robustness else [])
+                                          dtype=dtype, other_tasks=(list(other_tasks) or None) if robustness else [],
+                                          transfer_search=transfer_search, maps_out=maps)
     except DroidMeshError as e:  # bad arguments (an unknown --other-task, a bad JSONL row, no GPU): one line
         raise click.UsageError(str(e)) from None
     # Which weights were profiled, so `droidmesh config publish` binds the file to exactly them.
@@ -108,8 +113,13 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
         click.echo(f"warning: {result['sample_warning']}", err=True)
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    for sha, data in maps.items():  # named as the JSON's transfer configs name them (maps_file)
+        (Path(json_path).parent / "maps").mkdir(exist_ok=True)
+        (Path(json_path).parent / "maps" / f"{sha}.safetensors").write_bytes(data)
     if plot_path:
         frontier_png(result, plot_path, result["evaluated"])
+        if "transfer" in result:
+            transfer_png(result, str(Path(plot_path).with_name(Path(plot_path).stem + "-transfer.png")))
     pair = Pair(sender.name, receiver.name)
     ch, fp, fr = result["chosen"], result["full_prefill"], result["full_reuse"]
     click.echo(f"{pair.id} on {task} ({result['total_layers']} layers)")
@@ -130,13 +140,35 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
         click.echo(f"  robustness {r['task']:<22} full prefill {r['full_prefill']:.3f}  chosen {r['chosen']:.3f}  "
                    f"difference {r['difference']:+.3f}"
                    + (f" ({r['relative']:+.1%})" if r["relative"] is not None else " (receiver scores 0 here)"))
+    if "transfer" in result:
+        _echo_transfer(result["transfer"])
     if publish:
         from droidmesh.shared.config_board import NatsConfigBoard, validate
+        from droidmesh.shared.maps_store import NatsMapsStore, referenced
 
         board_cfg = validate(cfg)
+        files = [maps[sha] for sha in sorted(referenced(board_cfg.frontier))]
 
         async def put(nc: Any) -> None:
+            store = NatsMapsStore(nc)
+            for data in files:  # first: a receiver that sees the config can fetch its maps
+                await store.put(data)
             await NatsConfigBoard(nc).put(board_cfg)
 
         conn.run(put, "publishing the config")
         click.echo(f"  published {pair.versioned(cfg.profile_version)}")
+
+
+def _echo_transfer(t: dict[str, Any]) -> None:
+    """The transfer search's table: per config, bytes, quality, and where it is the fastest."""
+    cal, tokens = t["calibration"], max(t["tokens"])
+    click.echo(f"  transfer search (maps fitted on {cal['contexts']} contexts, {cal['tokens']} tokens, "
+               f"{cal['fit_s']:.1f}s; predicted TTFT at {tokens} tokens, Gbit/s "
+               + " / ".join(f"{r:g}" for r in t["link_gbit_s"]) + ")")
+    for c in t["configs"]:
+        ttft = " / ".join(f"{s * 1e3:.0f}" for s in c["predicted_ttft_s"][str(tokens)].values())
+        fastest = [r for r, per in t["chosen_by_link"].items() if per[str(tokens)] == c["name"]]
+        click.echo(f"    {c['name']:<34} {c['wire_bytes_per_token']:>6} B/token ({c['bytes_ratio']:.2f} of raw)  "
+                   f"train {c['quality_train']:.3f}  test {c['quality_test']:.3f}  "
+                   f"{'meets' if c['meets_rule'] else 'fails'}  TTFT ms {ttft}"
+                   + (f"  fastest at {', '.join(fastest)} Gbit/s" if fastest else ""))

@@ -57,7 +57,7 @@ class Rope:
 
     inv_freq: torch.Tensor  # [head_dim / 2] float32
     scaling: float
-    _tables: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _tables: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def tables(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, head_dim / 2] float32, at positions 0..T-1 (cached per length and
@@ -116,7 +116,7 @@ class Maps:
         tensors = {"rope.inv_freq": self.rope.inv_freq.float().contiguous()}
         for (l, k), c in self.codes.items():
             for name, t in (("mu_in", c.mu_in), ("enc", c.enc), ("dec", c.dec), ("mu_out", c.mu_out)):
-                tensors[f"{l}.{k}.{name}"] = t.float().cpu().contiguous()
+                tensors[f"{l}.{k}.{name}"] = t.float().cpu().contiguous().clone()  # safetensors refuses shared memory
         meta = {**self.meta, "format": FORMAT, "rope.scaling": repr(self.rope.scaling)}
         return st_save(tensors, metadata=meta)
 

@@ -66,3 +66,30 @@ def _robustness_bars(ax, rows: list[dict[str, Any]], chosen: dict[str, Any]) -> 
     ax.set_xlabel("quality, test split")
     ax.set_title("the chosen config on shifted data and other tasks", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
+
+
+def transfer_png(result: dict[str, Any], path: str, gbit_s: float = 0.25) -> None:
+    """The transfer search: train quality vs predicted TTFT at `gbit_s` and the longest predicted
+    context, one point per config (filled: meets the quality rule)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = result["transfer"]
+    tokens = str(max(t["tokens"]))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for i, c in enumerate(t["configs"]):
+        x, y = c["predicted_ttft_s"][tokens][f"{gbit_s:g}"] * 1e3, c["quality_train"]
+        colour = f"C{i % 10}"
+        ax.scatter([x], [y], s=40, c=colour if c["meets_rule"] else "none", edgecolors=colour,
+                   label=f"{c['name']} ({c['wire_bytes_per_token']} B/token)")
+    ax.axhline(t["rule"]["target"], c="C2", ls=":", label=f"-{t['rule']['tolerance']:.0%} target")
+    ax.axvline(t["full_prefill_ttft_s"][tokens] * 1e3, c="0.5", ls="--", label="full prefill (no transfer)")
+    ax.set_xlabel(f"predicted TTFT, ms ({tokens} tokens, {gbit_s:g} Gbit/s, pipelined)")
+    ax.set_ylabel(f"quality ({result.get('task') or 'train split'}, train)")
+    ax.set_title(f"{Pair(result.get('sender', ''), result.get('receiver', '')).id}: transfer configs")
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

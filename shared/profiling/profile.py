@@ -1,10 +1,13 @@
-"""Profile one sender -> receiver pair: sensitivity, both searches, frontier, choice, test check.
+"""Profile one sender -> receiver pair: sensitivity, both searches, frontier, choice, test check,
+then (optionally) how the chosen plan's tensors should travel.
 
 Input: two quality oracles over the same pair (the task's train split, where the choice is
 made, and its test split, where it is checked), optionally more oracles for other data (shifted
 suites, other tasks, a user's other files: the chosen config is applied to them unchanged,
-DroidSpeak §5.4), plus the receiver for the latency fit. Output: the profile JSON (schema in
-`run`'s docstring); `recompute_config` turns it into the published `RecomputeConfig`.
+DroidSpeak §5.4), plus the receiver for the latency fit, and for the transfer search
+(`transfer.py`) the sender and the train contexts. Output: the profile JSON (schema in `run`'s
+docstring) and the SCD maps files it names; `recompute_config` turns the JSON into the
+published `RecomputeConfig`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.models import ModelRef, Pair
-from droidmesh.shared.profiling import latency, search
+from droidmesh.shared.profiling import latency, search, transfer
 from droidmesh.shared.profiling.search import Evaluate, Memo
 from droidmesh.shared.wire import schemas
 
@@ -36,6 +39,7 @@ class ProfileSettings:
     critical_threshold: float = 0.05
     exhaustive: bool = True  # also run the O((L/g)^2) search to compare with the guided one
     latency_tokens: tuple[int, ...] = (256, 512, 1024)
+    transfer_settings: transfer.Settings = transfer.Settings()  # used when `run` gets transfer inputs
 
 
 def _progress(evaluate: Evaluate, bar: tqdm) -> Evaluate:
@@ -50,12 +54,14 @@ def _progress(evaluate: Evaluate, bar: tqdm) -> Evaluate:
 
 def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSettings, *,
         receiver: Any = None, pair: Pair | None = None, others: Mapping[str, Evaluate] | None = None,
+        transfer_inputs: transfer.Inputs | None = None, maps_out: dict[str, bytes] | None = None,
         ) -> dict[str, Any]:
     """Profile a pair. JSON keys: sender, receiver, task, total_layers, full_prefill /
     full_reuse / chosen (with quality_train, quality_test), sensitivity, critical_layers,
     frontier, evaluations {exhaustive, guided}, searches_agree, scattered_critical and
     chosen_split (train/test), robustness (the chosen config on the test split and on each of
-    `others`' data), latency_fit (when `receiver` is given)."""
+    `others`' data), latency_fit (when `receiver` is given), transfer (with `receiver` and
+    `transfer_inputs`: `transfer.search`'s section; its maps files go into `maps_out`, by sha256)."""
     pair = pair or Pair("", "")
     L, g = num_layers, settings.granularity
     cuts = len(search.grid(L, g))
@@ -111,8 +117,13 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
     result["robustness"] = robustness(result, chosen.plan(), test, dict(others or {}))
     if receiver is not None:
         ks = sorted({0, max(1, L // 4), L // 2, L})
-        result["latency_fit"] = msgspec.structs.asdict(latency.fit(latency.measure(receiver, settings.latency_tokens, ks),
-                                                                   receiver))
+        fit = latency.fit(latency.measure(receiver, settings.latency_tokens, ks), receiver)
+        result["latency_fit"] = msgspec.structs.asdict(fit)
+        if transfer_inputs is not None:
+            result["transfer"], files = transfer.profile_transfer(transfer_inputs, receiver, chosen.plan(), full_prefill,
+                                                                  settings.tolerance, fit, settings.transfer_settings)
+            if maps_out is not None:
+                maps_out.update(files)
     return result
 
 
@@ -126,12 +137,22 @@ def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRe
         return schemas.FrontierPoint(plan=policy.spec_of(plan), recomputed_layers=p["end"] - p["start"],
                                      quality=p[quality])
 
+    def coded(c: dict[str, Any]) -> schemas.FrontierPoint:
+        plan = ReusePlan.recompute_groups(c["plan"]["groups"]).patched(c["plan"]["patch"])
+        return schemas.FrontierPoint(plan=policy.spec_of(plan, c["codec"], c["codec_params"]),
+                                     recomputed_layers=c["recomputed_layers"], quality=c["quality_train"],
+                                     wire_bytes_per_token=c["wire_bytes_per_token"])
+
+    # The transfer search's configs meeting the rule, sent coded: a receiver picks among them by
+    # its measured bandwidth (raw ones are the group search's points already).
+    extra = [coded(c) for c in (result.get("transfer") or {}).get("configs", []) if c["meets_rule"] and c["codec"] != "raw"]
+
     fit = result.get("latency_fit")
     return schemas.RecomputeConfig(
         sender_model=sender.name, receiver_model=receiver.name, sender_sha256=sender.sha256,
         receiver_sha256=receiver.sha256, profile_version=version, task=result["task"],
         tolerance=result["tolerance"], chosen=point(result["chosen"], "quality_train"),
-        frontier=[point(p) for p in result["frontier"]], full_prefill_quality=result["full_prefill"]["quality_train"],
+        frontier=[point(p) for p in result["frontier"]] + extra, full_prefill_quality=result["full_prefill"]["quality_train"],
         full_reuse_quality=result["full_reuse"]["quality_train"], total_layers=result["total_layers"],
         latency=schemas.LatencyFit(**fit) if fit else None, created_at=time.time(),
     )
@@ -191,13 +212,16 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
                         data_train: str | None = None, data_test: str | None = None, metric: str | None = None,
                         max_new_tokens: int | None = None, stop: tuple[str, ...] | None = None,
                         version: int | None = None, device: str = DEFAULT_DEVICE, dtype: str | None = None,
-                        other_tasks: Sequence[str] | None = None,
+                        other_tasks: Sequence[str] | None = None, transfer_search: bool = False,
+                        maps_out: dict[str, bytes] | None = None,
                         ) -> tuple[dict[str, Any], schemas.RecomputeConfig]:
     """Load both checkpoints on `device`, score plans on the train split, check on the test split
     and on `other_tasks` (zoo tasks / shifts, or JSONL files). Rows: the zoo's generated `task`,
     or a user's JSONL (`data`, split in two; or `data_train` and `data_test`), scored with the
     task's spec as `metric` / `max_new_tokens` / `stop` override it. `other_tasks` None: the
-    task's shifts and every other zoo task when profiling a zoo task's own rows, else none."""
+    task's shifts and every other zoo task when profiling a zoo task's own rows, else none.
+    `transfer_search`: also run the transfer search (SCD maps calibrated on the train contexts);
+    its maps files go into `maps_out` (sha256 -> bytes), which the published config names."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.model.fingerprint import require_compatible
     from droidmesh.shared.tasks.scorer import PairScorer
@@ -230,7 +254,10 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
             others[t] = PairScorer(s_model, r_model, load_rows(t, "test", n_test), task_spec(t))
         else:  # a user's file: scored like the profiled data
             others[t] = PairScorer(s_model, r_model, load_rows(t, "test", n_test, t), task_spec(Path(t).stem, **overrides))
-    result = run(train, test, r_model.num_layers, settings, receiver=r_model, pair=pair, others=others)
+    xfer = transfer.Inputs(s_model, [r.context for r in train.rows], train.quality, test.quality,
+                           {"sender_sha256": sender.sha256, "receiver_sha256": receiver.sha256}) if transfer_search else None
+    result = run(train, test, r_model.num_layers, settings, receiver=r_model, pair=pair, others=others,
+                 transfer_inputs=xfer, maps_out=maps_out)
     result["sender_alone"] = {"quality_train": train.sender_alone(), "quality_test": test.sender_alone()}
     cfg = recompute_config(result, sender, receiver, version if version is not None else int(time.time()))
     return result, cfg

@@ -231,7 +231,7 @@ class RecomputeConfig(Message, tag="recompute.config"):
     task: str
     tolerance: float
     chosen: FrontierPoint
-    frontier: list[FrontierPoint]  # best quality per recomputed-layer count, ascending layers
+    frontier: list[FrontierPoint]  # raw: best quality per recomputed-layer count, ascending; then coded points (SCD, int8, int4)
     full_prefill_quality: float
     full_reuse_quality: float
     total_layers: int
@@ -257,6 +257,7 @@ class ProfileRequest(Message, tag="profile.request"):
     data_test: str | None = None
     version: int = 0  # 0: a time-based version
     other_tasks: list[str] | None = None  # robustness check tasks (None: every other zoo task)
+    transfer: bool = False  # also search codecs / SCD maps (shared/profiling/transfer.py); maps published too
 
 
 class ProfileReply(Message, tag="profile.reply"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,8 +16,9 @@ pytestmark = pytest.mark.slow
 
 def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path: Path) -> None:
     """The profile JSON carries chosen/full prefill/full reuse on both splits, critical layers,
-    frontier, search costs, and one robustness row per shift and other zoo task whose
-    difference is chosen - full prefill; the frontier PNG is written."""
+    frontier, search costs, one robustness row per shift and other zoo task whose difference is
+    chosen - full prefill, and the transfer search's configs, each lowrank one with its maps file
+    next to the JSON under its sha256; the frontier PNG is written."""
     out, man = ci_tier
     path = lambda name: str(out / man["models"][name]["path"])
     js, png = tmp_path / "p.json", tmp_path / "p.png"
@@ -41,6 +43,13 @@ def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path
         assert r["difference"] == pytest.approx(r["chosen"] - r["full_prefill"])
     assert png.stat().st_size > 10_000
     assert "robustness summarization" in res.output
+    configs = p["transfer"]["configs"]
+    assert {c["codec"] for c in configs} == {"raw", "int8", "int4", "lowrank"}
+    for c in configs:
+        if c["codec"] == "lowrank":
+            data = (tmp_path / "maps" / f"{c['maps_sha256']}.safetensors").read_bytes()
+            assert hashlib.sha256(data).hexdigest() == c["maps_sha256"]
+            assert c["wire_bytes_per_token"] < c["raw_bytes_per_token"] or c["plan"]["patch"]
 
 
 def test_profile_rejects_an_unknown_robustness_task(ci_tier, tmp_path: Path) -> None:

@@ -128,3 +128,23 @@ def test_published_spec_round_trips():
     """A plan published as a spec comes back as the same plan."""
     plan = ReusePlan.recompute_groups([(0, 2), (4, 6)])
     assert policy.plan_of(policy.spec_of(plan)) == plan
+
+
+def test_published_spec_with_patch_and_codec_round_trips():
+    """Patch layers, codec and its params survive publishing: spec -> plan is the same plan."""
+    plan = ReusePlan.recompute(5, 6).patched([4])
+    spec = policy.spec_of(plan, "lowrank", {"maps": "a" * 64})
+    assert (spec.groups, spec.patch_layers, spec.codec, spec.codec_params) == ([(5, 6)], [4], "lowrank", {"maps": "a" * 64})
+    assert policy.plan_of(spec) == plan
+
+
+def test_estimated_ttft_uses_the_profiled_wire_bytes():
+    """A point with wire_bytes_per_token moves exactly those bytes; a raw point (0) the fit's
+    per-layer bytes: the same plan coded at 1/10 of the bytes is estimated 10x faster on a slow link."""
+    raw = FRONTIER[1]  # [2, 4): E at 2 + 10 reused layers = 12000 bytes per token under FIT
+    coded = FrontierPoint(PlanSpec(groups=[(2, 4)], codec="lowrank", codec_params={"maps": "a" * 64}), 2, 0.96,
+                          wire_bytes_per_token=1200)
+    slow = 1e6  # bytes/s: transfer dominates the 8 ms of compute
+    assert policy.estimated_ttft(CFG, raw, 4000, slow) == pytest.approx(4000 * 12000 / slow)
+    assert policy.estimated_ttft(CFG, coded, 4000, slow) == pytest.approx(4000 * 1200 / slow)
+    assert policy.estimated_ttft(CFG, coded, 4000, None) == pytest.approx(0.008)  # unknown bandwidth: compute only
