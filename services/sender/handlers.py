@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
 import structlog
+import torch
 
 from droidmesh.shared import maps_store
 from droidmesh.shared.device import dtype_name
@@ -19,6 +21,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model import text
 from droidmesh.shared.model.sampling import make_sampler
+from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
@@ -33,7 +36,7 @@ async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, Cap
     captured = s.store.get(cid)
     if captured is None:
         e_layers = [l for l in s.e_layers() if l < s.model.num_layers]
-        captured = await s.run_torch(capture_prefill, s.model, ctx_ids, e_layers)
+        captured = await s.run_torch(_capture, s, ctx_ids, e_layers)
         s.metrics.prefills.inc()
         for evicted in s.store.put(cid, captured):
             s.metrics.evictions.inc()
@@ -41,6 +44,25 @@ async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, Cap
                 schemas.CacheEvicted(sender_id=s.cfg.sender_id, context_id=evicted)))
         await announce(s, cid, captured)
     return cid, captured
+
+
+def _capture(s: SenderState, ctx_ids: list[int], e_layers: list[int]) -> CapturedContext:
+    """On the torch thread: prefill and capture the context, then encode each item that loaded
+    SCD maps for this model code, once (`LowRankCodec.prepare`): the codes cost about r / head_dim
+    of the KV in the store's budget and take the encode off every pull (a prefix pull slices them)."""
+    captured = capture_prefill(s.model, ctx_ids, e_layers)
+    codes: dict[tuple[str, int, str], torch.Tensor] = {}
+    for maps in codecs.LOWRANK.loaded():
+        if maps.meta.get("sender_sha256") != s.model_sha256:
+            continue
+        for layer, kind in maps.codes:
+            if not 0 <= layer < captured.num_layers:
+                continue
+            t = captured.e.get(layer) if kind == "E" else getattr(captured.kv[layer], kind.lower())
+            prepared = codecs.LOWRANK.prepare(t, layer, kind, maps) if t is not None else None
+            if prepared is not None:
+                codes[(maps.sha256, layer, kind)] = prepared
+    return dataclasses.replace(captured, codes=codes)
 
 
 async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -361,3 +362,131 @@ def load(sender_path: str, receiver_path: str, group: tuple[int, int], tokens: i
             for p in reversed(procs):
                 p.stop()
     return rows
+
+
+# -- codecs (issue 13) ----------------------------------------------------------------------------
+def codecs(pairs: list[dict[str, Any]], tokens: list[int], rates_gbit: list[float], repeats: int, rows: int,
+           work_dir: str, task: str = "multihop_qa", calibration_rows: int = 16, device: str = DEFAULT_DEVICE,
+           ucx_tls: str | None = CROSS_HOST_UCX_TLS) -> dict[str, Any]:
+    """`droidmesh bench codecs`: per pair ({"name", "sender", "receiver", "group"}: checkpoint paths
+    and the profiled recompute group), the configs of `shared.bench.codecs.configs` scored in
+    process (quality, encode / decode seconds), then timed over the mesh at every link rate and
+    context length (sender and NATS in one namespace, the probe in the other, UCX over the
+    tc-limited veth). Returns {"rows", "pairs", "seconds"}; rows carry every figure."""
+    from droidmesh.shared.bench import codecs as bc
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.model.adapter import load_model
+    from droidmesh.shared.models import weights_sha256
+    from droidmesh.shared.profiling import scd_fit
+    from droidmesh.shared.profiling.profile import load_rows
+    from droidmesh.shared.tasks.rows import encode_row
+    from droidmesh.shared.tasks.scorer import PairScorer
+    from droidmesh.shared.tasks.spec import task_spec
+
+    why = netns.available()
+    if why:
+        raise RuntimeError(f"codecs bench skipped: {why}")
+    t_start = time.perf_counter()
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    spec = task_spec(task)
+    test_rows, train_rows = load_rows(task, "test", rows), load_rows(task, "train", calibration_rows)
+    prepared: list[dict[str, Any]] = []
+    stage_s: dict[str, float] = {}
+    # 1. in process: calibration, maps, quality on the test split, codec timings
+    for p in pairs:
+        t0 = time.perf_counter()
+        sender, receiver = (load_model(p[k], dtype="bfloat16") for k in ("sender", "receiver"))
+        shas = {"sender_sha256": weights_sha256(Path(p["sender"])), "receiver_sha256": weights_sha256(Path(p["receiver"]))}
+        contexts = [encode_row(receiver.tokenizer, r, spec)[0] for r in train_rows]
+        fits = scd_fit.calibrate(sender, receiver, contexts, meta=shas, progress=False)
+        L = receiver.num_layers
+        cs = bc.configs(ReusePlan.recompute(*p["group"]), L)
+        maps = bc.make_maps(fits, cs, work / "maps" / p["name"].replace(">", ""))
+        q = bc.quality(PairScorer(sender, receiver, test_rows, spec), cs, maps)
+        times = {t: bc.codec_seconds(sender, cs, maps, t) for t in tokens}
+        cfg = bc.pair_config(cs, maps, q, f"bench-{p['name'].split('->')[0]}", p["name"].split("->")[1],
+                             shas["sender_sha256"], shas["receiver_sha256"], task, L)
+        prepared.append({"pair": p, "configs": cs, "maps": maps, "quality": q, "codec_s": times, "config": cfg,
+                         "calibration": {"contexts": len(contexts), "tokens": fits.tokens, "fit_s": fits.fit_s}})
+        stage_s[f"in_process {p['name']}"] = time.perf_counter() - t0
+        del sender, receiver
+        gc.collect()
+    # 2. over the mesh
+    env = bandwidth_env("ucx", ucx_tls)
+    mesh: dict[tuple[str, int, float, str], dict[str, Any]] = {}
+    failures: list[str] = []
+    t0 = time.perf_counter()
+    with netns.link() as (snd, rcv):
+        procs: list[Proc] = []
+        try:
+            nats, url = start_nats(host=netns.SND_IP, wrap=snd)
+            procs.append(nats)
+            bar = tqdm(total=len(prepared) * len(rates_gbit), desc="codecs over the mesh", unit="rate")
+            for prep in prepared:
+                p, cs = prep["pair"], prep["configs"]
+                name = p["name"]
+                e_layers = sorted({l for c in cs for l in c.plan.e_layers} | {0})
+                sproc = start_service("sender", {"model_path": p["sender"], "model_id": prep["config"]["sender_model"],
+                                                  "dtype": "bfloat16", "e_layers": e_layers,
+                                                  "ucx_host": netns.SND_IP}, url, env={**_on(device), **env}, wrap=snd)
+                procs.append(sproc)
+                tag = name.replace(">", "")
+                cfg_path = work / f"config-{tag}.json"
+                cfg_path.write_text(json.dumps(prep["config"]))
+                seen = len(sproc.lines)
+                pub = subprocess.run([*rcv, sys.executable, "-m", "droidmesh.shared.bench.codecs", "publish", "--nats", url,
+                                      "--config", str(cfg_path), "--maps", *sorted({f for _, f in prep["maps"].values()})],
+                                     capture_output=True, text=True, timeout=300)
+                if pub.returncode != 0:
+                    raise RuntimeError(f"publishing {name}'s maps and config failed:\n{pub.stderr[-3000:]}")
+                sproc.wait_for(lambda l: '"event": "config_loaded"' in l, 120, "the pair config loaded")
+                failures += [f"{name}: sender: {l}" for l in sproc.lines[seen:] if "maps_unavailable" in l]
+                probe_path = work / f"probe-{tag}.json"
+                probe_path.write_text(json.dumps([bc.probe_config(c, prep["maps"]) for c in cs]))
+                for rate in rates_gbit:
+                    netns.set_rate(rate * 1000)
+                    argv = [*rcv, sys.executable, "-m", "droidmesh.shared.bench.pipeline", "--nats", url, "--model",
+                            p["receiver"], "--sender", prep["config"]["sender_model"], "--tokens",
+                            ",".join(map(str, tokens)), "--repeats", str(repeats), "--configs", str(probe_path)]
+                    out = subprocess.run(argv, capture_output=True, text=True, timeout=3600,
+                                         env={**os.environ, **_on(device), **env})
+                    line = next((l for l in out.stdout.splitlines() if l.startswith("PROBE ")), None)
+                    if line is None:
+                        failures.append(f"{name} at {rate:g} Gbit/s: probe failed ({out.returncode}): {out.stderr[-1500:]}")
+                    else:
+                        for r in json.loads(line[6:])["rows"]:
+                            mesh[(name, r["target_tokens"], rate, r["config"])] = r
+                    bar.update(1)
+                sproc.stop()
+                procs.remove(sproc)
+            bar.close()
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
+    stage_s["mesh"] = time.perf_counter() - t0
+    # 3. one row per (pair, tokens, link, config)
+    out_rows = []
+    for prep in prepared:
+        name = prep["pair"]["name"]
+        for t in tokens:
+            for rate in rates_gbit:
+                for c in prep["configs"]:
+                    m = mesh.get((name, t, rate, c.name), {})
+                    q = prep["quality"][c.name]
+                    enc, dec, once = prep["codec_s"][t][c.name]
+                    ctx = m.get("tokens")
+                    nbytes = m.get("bytes_total")
+                    out_rows.append({
+                        "pair": name, "target_tokens": t, "tokens": ctx, "link_gbit": rate, "config": c.name,
+                        "family": c.family, "codec": c.codec,
+                        "codec_params": dict(bc.wire_of(c, prep["maps"].get(c.name, (None,))[0]).params),
+                        "plan": c.plan.to_dict(), "share": c.share, "patch_share": c.patch_share,
+                        "bytes_on_wire": nbytes / ctx if nbytes is not None and ctx else None,
+                        "bytes_total": nbytes, "quality": q["quality"], "nll": q["nll"], "kl": q["kl"],
+                        "top1": q["top1"], "encode_s": enc, "decode_s": dec, "prepare_s": once, "ttft_s": m.get("ttft_s"),
+                        "rounds_s": m.get("rounds_s"), "error": m.get("error") if m else "not measured"})
+    return {"rows": out_rows, "failures": failures, "stage_seconds": stage_s,
+            "seconds": time.perf_counter() - t_start,
+            "pairs": [{"name": prep["pair"]["name"], "group": list(prep["pair"]["group"]), "calibration": prep["calibration"],
+                       "maps": {k: v[0] for k, v in prep["maps"].items()}} for prep in prepared]}

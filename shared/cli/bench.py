@@ -319,3 +319,96 @@ def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype)
     _save(json_path, "quality", {"pair": pair, "tier": tier, "model": report.model_record(receiver), **result})
     if plot_path:
         suite.plot(result, plot_path, f"{names.id} ({pair['task']})")
+
+
+DEFAULT_GROUPS = {"base": (4, 6), "summ": (0, 6)}  # the demo pairs' profiled groups, when no profile is saved
+
+
+def _codec_pairs(value: str) -> list[dict[str, Any]]:
+    """`--pairs base:qa,summ:qa` -> [{"name", "sender", "receiver", "group"}] from the zoo's demo
+    tier (the group: the saved profile's chosen one, else `DEFAULT_GROUPS`)."""
+    import json
+
+    from droidmesh.shared.models import Pair, resolve_model
+    from droidmesh.shared.zoo.manifest import find_tiers, profile_file
+
+    tiers = find_tiers()
+    if not tiers:
+        raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
+    tier, root, _man = next((t for t in tiers if t[0] == "demo"), tiers[0])
+    out = []
+    for spec in (v.strip() for v in value.split(",") if v.strip()):
+        s, sep, r = spec.partition(":")
+        if not sep:
+            raise click.BadParameter(f"{spec!r}: expected SENDER:RECEIVER", param_hint="'--pairs'")
+        try:
+            s_ref, r_ref = resolve_model(f"{tier}/{s}"), resolve_model(f"{tier}/{r}")
+        except DroidMeshError as e:
+            raise click.BadParameter(str(e), param_hint="'--pairs'") from None
+        prof = profile_file(root, Pair(s, r))
+        chosen = json.loads(prof.read_text()).get("chosen") if prof.is_file() else None
+        group = (chosen["start"], chosen["end"]) if chosen else DEFAULT_GROUPS.get(s)
+        if group is None:
+            raise click.BadParameter(f"{spec}: no saved profile to take the group from", param_hint="'--pairs'")
+        check_group(group, checkpoint_layers(r_ref.path))
+        out.append({"name": f"{s}->{r}", "sender": str(s_ref.path), "receiver": str(r_ref.path), "group": tuple(group)})
+    return out
+
+
+CODECS_COLUMNS = ["pair", "tokens", "link_gbit", "config", "bytes_on_wire", "quality", "nll", "kl", "prepare_s", "encode_s",
+                  "decode_s", "ttft_s", "error"]
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every row and the targets here.")
+@click.option("--plot-dir", type=click.Path(file_okay=False), help="Write quality-vs-TTFT PNGs, one per link rate.")
+@click.option("--table", "table_path", type=click.Path(dir_okay=False), help="Also write the printed table here.")
+@click.option("--pairs", default="base:qa,summ:qa", show_default=True, help="SENDER:RECEIVER of the demo tier, comma list.")
+@click.option("--task", default="multihop_qa", show_default=True)
+@click.option("--rates", default="0.1,0.25,0.5,1,2", show_default=True, callback=float_list(0, open_min=True),
+              help="Link rates, Gbit/s.")
+@click.option("--tokens", default="1024,4096", show_default=True, callback=int_list, help="Context lengths (TTFT, codec timings).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50),
+              help="Timed rounds per config (median; odd, as the median of two is their mean), after one dropped "
+                   "warm-up round.")
+@click.option("--rows", default=24, show_default=True, type=click.IntRange(1, 1000), help="Test rows scored per config.")
+@click.option("--target-rate", default=0.25, show_default=True, type=float, help="Link rate of the targets (Gbit/s).")
+@click.option("--work-dir", type=click.Path(file_okay=False), help="Maps files, configs (default: a temporary directory).")
+@_device_option
+def codecs(json_path, plot_dir, table_path, pairs, task, rates, tokens, repeats, rows, target_rate, work_dir, device) -> None:
+    """Issue 13: quality, wire bytes, encode/decode time and TTFT over a rate-limited link per wire
+    codec / SCD config (baselines included), both demo pairs; targets for base->qa."""
+    import tempfile
+    from pathlib import Path
+
+    from droidmesh.shared.bench import codecs as suite
+    from droidmesh.shared.bench import runs
+
+    pair_list = _codec_pairs(pairs)
+    work = work_dir or tempfile.mkdtemp(prefix="dm-bench-codecs-")
+    try:
+        r = runs.codecs(pair_list, tokens, rates, repeats, rows, work, task=task, device=device)
+    except RuntimeError as e:
+        click.echo(str(e), err=True)
+        _save(json_path, "codecs", {"skipped": str(e)})
+        return
+    table_rows = [{**row, "tokens": row["target_tokens"]} for row in r["rows"]]
+    table = report.format_table(table_rows, CODECS_COLUMNS)
+    long = 4096 if 4096 in tokens else max(tokens)
+    first = pair_list[0]["name"]
+    tg = suite.targets(r["rows"], first, target_rate, long)
+    lines = [table, "", f"targets ({first}, {target_rate:g} Gbit/s, {long} tokens): {tg['rule']}"]
+    lines += [f"  {k} = {v}" for k, v in tg.items() if k not in ("rule",)]
+    lines += [f"failure: {f}" for f in r["failures"]]
+    lines.append(f"runtime {r['seconds']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in r['stage_seconds'].items())})")
+    text = "\n".join(lines)
+    click.echo(text)
+    if table_path:
+        Path(table_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(table_path).write_text(text + "\n")
+    _save(json_path, "codecs", {"task": task, "tokens": tokens, "rates_gbit": rates, "repeats": repeats, "rows_scored": rows,
+                                "chosen_rule": suite.CHOSEN_RULE, "targets": tg, "work_dir": work, **r})
+    if plot_dir:
+        Path(plot_dir).mkdir(parents=True, exist_ok=True)
+        for rate in rates:
+            suite.plot(r["rows"], str(Path(plot_dir) / f"codecs-{rate:g}gbit.png"), rate, long)

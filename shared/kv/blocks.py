@@ -43,6 +43,9 @@ class CapturedContext:
     model_name: str
     kv: tuple[KVBlock, ...]  # one per layer, in layer order
     e: dict[int, torch.Tensor]  # layer -> E_layer [1, T, hidden]
+    # (maps sha256, layer, kind) -> SCD codes of that item for the whole context, encoded once
+    # when stored (`codecs.LowRankCodec.prepare`): [H, T, r] for K / V, [T, r] for E
+    codes: dict[tuple[str, int, str], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -54,8 +57,9 @@ class CapturedContext:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: all K/V plus the captured E tensors."""
-        return sum(b.nbytes for b in self.kv) + sum(tensor_nbytes(t) for t in self.e.values())
+        """Bytes held: all K/V plus the captured E tensors and any prepared codes."""
+        return (sum(b.nbytes for b in self.kv) + sum(tensor_nbytes(t) for t in self.e.values())
+                + sum(tensor_nbytes(t) for t in self.codes.values()))
 
     def kv_nbytes(self) -> list[int]:
         return [b.nbytes for b in self.kv]

@@ -66,6 +66,7 @@ the same kind of memory (device payloads only travel when both ends agreed, per 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -281,10 +282,40 @@ class LowRankCodec:
 
     def __init__(self) -> None:
         self._maps: dict[str, scd.Maps] = {}
+        # (id(stored tensor), maps sha256) -> its prepared codes, dropped with the stored tensor
+        self._prepared: dict[tuple[int, str], torch.Tensor] = {}
 
     def add_maps(self, maps: scd.Maps) -> None:
         self._maps[maps.sha256] = maps
 
+    def loaded(self) -> list[scd.Maps]:
+        return list(self._maps.values())
+
+    def prepare(self, t: torch.Tensor, layer: int, kind: str, maps: scd.Maps) -> torch.Tensor | None:
+        """Sender, when it stores a context (torch thread; blocks while encoding): the codes of
+        the stored tensor `t` under `maps` (None: no code for this item). The caller keeps them
+        (its store counts them); while `t` lives, `encode` of `t` or of a token prefix of it
+        slices them instead of encoding: codes are per token, so a prefix's codes are a prefix."""
+        code = maps.code(layer, kind)
+        if code is None:
+            return None
+        codes = scd.encode(t, kind, code, maps.rope)  # [H, T, r] | [T, r]
+        key = (id(t), maps.sha256)
+        self._prepared[key] = codes
+        weakref.finalize(t, self._prepared.pop, key, None)
+        return codes
+
+    def _prepared_for(self, t: torch.Tensor, kind: str, sha: str) -> torch.Tensor | None:
+        """`t`'s codes from `prepare`, when `t` is a prepared tensor or a token prefix of one."""
+        base = t if t._base is None else t._base
+        codes = self._prepared.get((id(base), sha))
+        if codes is None:
+            return None
+        axis = 1 if kind == "E" else 2  # the token axis of E [1, T, D], K / V [1, H, T, hd]
+        if base.dim() != t.dim() or t.storage_offset() != base.storage_offset() or t.stride() != base.stride() \
+                or t.shape[:axis] != base.shape[:axis] or t.shape[axis + 1:] != base.shape[axis + 1:]:
+            return None  # not a leading token range of the prepared tensor
+        return codes.narrow(axis - 1 if kind != "E" else 0, 0, t.shape[axis]).contiguous()
     def has_maps(self, sha256: str) -> bool:
         return sha256 in self._maps
 
@@ -308,7 +339,10 @@ class LowRankCodec:
         if code is None:
             return _host(payload_view(t)), echo
         scd.check_fits(kind, tuple(t.shape), code)
-        return _host(payload_view(scd.encode(t, kind, code, maps.rope))), echo
+        codes = self._prepared_for(t, kind, maps.sha256)
+        if codes is None:
+            codes = scd.encode(t, kind, code, maps.rope)
+        return _host(payload_view(codes)), echo
 
     def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
         _only(header, {MAPS_PARAM, KIND_PARAM, LAYER_PARAM})

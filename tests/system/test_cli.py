@@ -39,6 +39,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("receivers", ["--nats", "{url}"]),
     ("prefill", ["--sender", "summ", "--context", "{tmp}/context.txt", "--nats", "{url}"]),
     ("ask", ["--context", "{tmp}/context.txt", "--question", "what?", "--nats", "{url}"]),
+    ("bench codecs", ["--pairs", "summ:qa", "--rows", "1", "--tokens", "64", "--rates", "0.5", "--repeats", "1"]),
     ("bench ttft", ["--contexts", "32", "--repeats", "1"]),
     ("bench quality", ["--rows", "1"]),
     ("bench pipeline", ["--tokens", "32", "--repeats", "1"]),
@@ -49,7 +50,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("demo", ["--rows", "1"]),
 ]
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
-         "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies"}
+         "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs"}
 
 
 def _leaves(group: click.Group, prefix: str = "") -> list[str]:

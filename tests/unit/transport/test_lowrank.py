@@ -100,3 +100,24 @@ def test_codes_that_decode_out_of_range_fail_the_engines_check():
     sha = register({(2, "K"): code(1, scale=1e30)})
     with pytest.raises(IntegrityError, match="out of range"):
         prefill(model, ids + [5, 6], ReusePlan.full_reuse(), CodedSource(captured, "lowrank", {codecs.MAPS_PARAM: sha}))
+
+
+def test_prepared_codes_serve_the_stored_tensor_and_its_token_prefixes():
+    """Codes prepared when a context is stored are what `encode` sends for the tensor and for a
+    token prefix of it (a narrow view), byte for byte as a fresh encode; any other view is
+    encoded afresh; the entry goes with the stored tensor."""
+    maps = codecs.LOWRANK.maps(SHA)
+    stored = KV.clone()
+    prepared = codecs.LOWRANK.prepare(stored, 1, "K", maps)
+    assert prepared is not None and codecs.LOWRANK.prepare(stored, 1, "V", maps) is None  # no code for V
+    prepared.fill_(7.0)  # a marker: a fresh encode never gives exactly this
+    whole, _ = codecs.LOWRANK.encode(stored, params(1, "K"))
+    prefix, _ = codecs.LOWRANK.encode(stored.narrow(2, 0, 5), params(1, "K"))
+    assert torch.equal(whole, codecs.payload_view(prepared))
+    assert torch.equal(prefix, codecs.payload_view(prepared[:, :5].contiguous()))
+    shifted, _ = codecs.LOWRANK.encode(stored.narrow(2, 1, 5), params(1, "K"))  # not a leading range
+    fresh = scd.encode(stored.narrow(2, 1, 5), "K", maps.code(1, "K"), maps.rope)  # type: ignore[arg-type]
+    assert torch.equal(shifted, codecs.payload_view(fresh))
+    key = (id(stored), SHA)
+    del stored
+    assert key not in codecs.LOWRANK._prepared
