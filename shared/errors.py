@@ -104,7 +104,7 @@ class MapsNotFoundError(ReuseError):
 
 
 class UnauthorizedError(DroidMeshError):
-    """A pull without a valid capability token (missing, wrong, expired, other context)."""
+    """A pull without a valid grant (missing, wrong, expired, used, another context's)."""
 
     code = "unauthorized"
 

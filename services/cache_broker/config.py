@@ -21,7 +21,7 @@ class BrokerConfig(BusSettings):
     max_heartbeat_s: float = dataclasses.field(
         default=30.0, metadata={"help": "longest heartbeat interval a sender may declare (longer is clamped)"})
     max_holder_age_s: float = dataclasses.field(
-        default=900.0, metadata={"help": "a holder not re-announced for this long is dropped (at most)"})
+        default=900.0, metadata={"help": "a holder neither re-announced nor listed in a heartbeat for this long is dropped"})
 
     def __post_init__(self) -> None:
         super().__post_init__()

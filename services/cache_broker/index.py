@@ -10,9 +10,9 @@ Everything here comes from the network, so nothing a message says can make the i
 without bound or keep anything alive forever (`Limits`): senders and contexts per sender are
 capped (a message over a cap is refused with `Refused`, the caller raises an alarm); the
 heartbeat interval a sender declares is clamped, so liveness always lapses within
-`ttl_factor * max_interval_s` of its last heartbeat; and a holder lapses when its pull grant
-expires (at most `max_holder_age_s` after it was announced) unless the sender re-announces it,
-so a sender that keeps heart-beating but stopped refreshing its grants is swept too.
+`ttl_factor * max_interval_s` of its last heartbeat; and a holder lapses `max_holder_age_s`
+after the sender last announced it or listed it in a heartbeat, so a context a live sender
+stopped listing is swept too.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Limits:
     max_context_tokens: int = 1 << 18  # a 1 MiB event holds at most ~200K token ids anyway
     min_interval_s: float = 0.05
     max_interval_s: float = 30.0  # a sender declaring more is still dead after ttl_factor * this
-    max_holder_age_s: float = 900.0  # a holder lapses this long after its last announcement at the latest
+    max_holder_age_s: float = 900.0  # a holder lapses this long after it was last announced or listed
     max_id_chars: int = 256
 
 
@@ -72,15 +72,14 @@ class SenderLiveness:
 @dataclasses.dataclass
 class Holder:
     ev: CacheAvailable
-    stale_at: float  # monotonic: the grant it carries expires (or max_holder_age_s passed)
+    stale_at: float  # monotonic: max_holder_age_s after it was last announced or listed in a heartbeat
 
 
 class CacheIndex:
-    def __init__(self, ttl_factor: float = 3.0, clock=time.monotonic, limits: Limits | None = None, wall=time.time):
+    def __init__(self, ttl_factor: float = 3.0, clock=time.monotonic, limits: Limits | None = None):
         self.ttl_factor = ttl_factor
         self.limits = limits or Limits()
         self._clock = clock
-        self._wall = wall
         self._holders: dict[str, dict[str, Holder]] = {}  # sender -> context -> holder
         self._by_key: dict[int, set[tuple[str, str]]] = defaultdict(set)
         self._senders: dict[str, SenderLiveness] = {}
@@ -111,16 +110,14 @@ class CacheIndex:
             raise Refused("bad_field", "address too long")
         if not valid_token_ids(ev.token_ids, lim.max_context_tokens):
             raise Refused("bad_field", f"token_ids must be 1..{lim.max_context_tokens} ids in [0, 2^32)")
-        if not (math.isfinite(ev.published_at) and math.isfinite(ev.token_expires_at)):
-            raise Refused("bad_field", "published_at and token_expires_at must be finite")
+        if not math.isfinite(ev.published_at):
+            raise Refused("bad_field", "published_at must be finite")
         self._admit_sender(ev.sender_id)
         held = self._holders.get(ev.sender_id, {})
         if ev.context_id not in held and len(held) >= lim.max_contexts_per_sender:
             raise Refused("too_many_contexts", f"sender {ev.sender_id} holds {lim.max_contexts_per_sender} already")
-        # Lapses with its grant (a receiver could not pull it after that), and never later than
-        # max_holder_age_s from now whatever expiry the event claims.
-        left = lim.max_holder_age_s if ev.token_expires_at <= 0 else ev.token_expires_at - self._wall()
-        stale_at = self._clock() + min(max(left, 0.0), lim.max_holder_age_s)
+        # Lapses max_holder_age_s from now unless heart-beats or a re-announcement keep it.
+        stale_at = self._clock() + lim.max_holder_age_s
         self.remove(ev.sender_id, ev.context_id)  # a re-announcement may carry other token ids
         self._holders.setdefault(ev.sender_id, {})[ev.context_id] = Holder(ev, stale_at)
         self._count += 1
@@ -159,6 +156,9 @@ class CacheIndex:
         held = self._holders.get(hb.sender_id, {})
         for cid in [c for c in held if c not in listed]:
             self.remove(hb.sender_id, cid)
+        fresh = self._clock() + self.limits.max_holder_age_s
+        for h in held.values():  # every one left is listed: still held
+            h.stale_at = fresh
         return returning and any(cid not in held for cid in listed)
 
     def live(self, sender_id: str) -> bool:
@@ -166,8 +166,8 @@ class CacheIndex:
         return s is not None and self._clock() - s.last_seen <= self.ttl_factor * s.interval_s
 
     def expire(self) -> list[str]:
-        """Drop senders that stopped heart-beating, with all their contexts, and holders whose
-        grant lapsed without a re-announcement; return the dead senders' ids."""
+        """Drop senders that stopped heart-beating, with all their contexts; return the dead
+        senders' ids."""
         dead = [sid for sid in self._senders if not self.live(sid)]
         for sid in dead:
             del self._senders[sid]

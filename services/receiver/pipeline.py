@@ -27,7 +27,7 @@ from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.policy import Decision
 from droidmesh.shared.model.fingerprint import require_compatible
 from droidmesh.shared.model.sampling import Sampler
-from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, source_for
+from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, request_grant, source_for
 from droidmesh.shared.wire import schemas
 
 if TYPE_CHECKING:
@@ -66,8 +66,10 @@ async def reuse_generate(
             raise err from e
         stamps["pull_start"] = time.perf_counter()
         try:
+            token = await request_grant(s.bus.request, holder, max(0.01, until - time.monotonic()))  # part of the pull
+            stamps["grant_done"] = time.perf_counter()
             return await pull_into(s.bulk, holder, items, model, source, max(0.01, until - time.monotonic()),
-                                   codec=decision.codec, codec_params=decision.codec_params)
+                                   token=token, codec=decision.codec, codec_params=decision.codec_params)
         except BaseException as e:
             source.fail(e)
             raise

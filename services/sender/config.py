@@ -26,7 +26,8 @@ class SenderConfig(BusSettings):
         "help": "byte budget of copies made for pulls in flight (prefix slices, CUDA staging); past it a pull is refused"})
     e_layers: tuple[int, ...] = dataclasses.field(default=(0,), metadata={"help": "layers whose E is kept"})
     heartbeat_s: float = dataclasses.field(default=1.0, metadata={"help": "heartbeat interval"})
-    token_ttl_s: float = dataclasses.field(default=300.0, metadata={"help": "lifetime of pull capability tokens"})
+    grant_ttl_s: float = dataclasses.field(default=10.0, metadata={
+        "help": "lifetime of a single-use pull grant (asked for just before each pull)"})
     ucx_host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address receivers reach us at"})
     ucx_port: int = dataclasses.field(default=0, metadata={"help": "UCX listener port (0: ephemeral)"})
     sender_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: model_id-pid)"})
@@ -50,8 +51,8 @@ class SenderConfig(BusSettings):
             raise ConfigError("pull_bytes must be >= 0")
         if self.heartbeat_s <= 0:
             raise ConfigError("heartbeat_s must be positive")
-        if self.token_ttl_s < 2 * self.heartbeat_s:
-            raise ConfigError("token_ttl_s must be at least two heartbeats (tokens are refreshed on heartbeats)")
+        if not 0.1 <= self.grant_ttl_s <= 600:
+            raise ConfigError("grant_ttl_s must be in [0.1, 600] seconds")
         if any(l < 0 for l in self.e_layers):
             raise ConfigError(f"e_layers must be >= 0: {self.e_layers}")
         if not 0 <= self.ucx_port < 65536:

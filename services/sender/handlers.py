@@ -11,7 +11,7 @@ import torch
 
 from droidmesh.shared import maps_store
 from droidmesh.shared.device import dtype_name
-from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError
+from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, TransferError
 from droidmesh.shared.hashing import context_id
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.blocks import CapturedContext, tensor_nbytes
@@ -68,15 +68,12 @@ def _capture(s: SenderState, ctx_ids: list[int], e_layers: list[int]) -> Capture
 async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
     """Publish the availability event receivers and brokers act on."""
     e_sizes = {tensor_nbytes(t) for t in captured.e.values()}
-    token, expires = s.tokens.issue(cid)
-    s.announced_until[cid] = expires
     msg = schemas.CacheAvailable(
         sender_id=s.cfg.sender_id, model_id=s.cfg.model_id, model_sha256=s.model_sha256,
         fingerprint=schemas.fingerprint_to_wire(captured.fingerprint), fingerprint_id=captured.fingerprint.id,
         context_id=cid, token_ids=list(captured.token_ids), dtype=dtype_name(s.model.dtype),
         kv_nbytes=captured.kv_nbytes(), e_layers=sorted(captured.e), e_nbytes=max(e_sizes, default=0),
-        transport=s.bulk_transport, address=s.bulk_address, published_at=time.time(), pull_token=token,
-        token_expires_at=expires,
+        transport=s.bulk_transport, address=s.bulk_address, published_at=time.time(),
     )
     # on this sender's own subject: NATS lets a sender user publish only under its own token
     await s.bus.publish(subjects.cache_available(s.cfg.sender_id), schemas.encode(msg))
@@ -135,12 +132,13 @@ async def prefill(s: SenderState, req: schemas.PrefillRequest) -> schemas.Prefil
     return schemas.PrefillReply(request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
 
 
-async def refresh_tokens(s: SenderState) -> None:
-    """Re-announce contexts whose pull token is past half its life (receivers need a live one)."""
-    horizon = time.time() + s.tokens.ttl_s / 2
-    for cid, captured in s.store.items():
-        if s.announced_until.get(cid, 0.0) < horizon:
-            await announce(s, cid, captured)
+async def grant(s: SenderState, req: schemas.GrantRequest) -> schemas.GrantReply:
+    """One pull of a context this sender holds, for the receiver that asked (the reply reaches
+    only its inbox): a single-use grant that lapses after `grant_ttl_s`."""
+    if s.store.get(req.context_id) is None:
+        raise TransferError(f"sender {s.cfg.sender_id} does not hold context {req.context_id[:80]}")
+    token, expires = s.tokens.issue(req.context_id)
+    return schemas.GrantReply(token=token, expires_at=expires)
 
 
 def authorize(s: SenderState, req: schemas.PullRequest) -> None:

@@ -51,6 +51,8 @@ class SenderService(ServiceRuntime[SenderConfig]):
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")
         await bus.serve(subjects.sender_prefill(cfg.model_id),
                         rpc(schemas.PrefillRequest, functools.partial(handlers.prefill, s)), queue="senders")
+        await bus.serve(subjects.sender_grant(cfg.sender_id),
+                        rpc(schemas.GrantRequest, functools.partial(handlers.grant, s)), queue="grants")
         await bus.subscribe(subjects.BROKER_HELLO, event(schemas.BrokerHello, functools.partial(handlers.broker_hello, s)))
         self.tasks.supervise("heartbeat", functools.partial(self._heartbeat, s))
         board = self._board or bus.config_board()
@@ -65,7 +67,6 @@ class SenderService(ServiceRuntime[SenderConfig]):
             msg = schemas.SenderHeartbeat(sender_id=s.cfg.sender_id, model_id=s.cfg.model_id,
                                           context_ids=s.store.ids(), interval_s=s.cfg.heartbeat_s, sent_at=time.time())
             await s.bus.publish(subjects.sender_heartbeat(s.cfg.sender_id), schemas.encode(msg))
-            await handlers.refresh_tokens(s)
             await asyncio.sleep(s.cfg.heartbeat_s)
 
     async def withdraw(self) -> None:

@@ -30,8 +30,7 @@ class SenderState:
         self.bulk_transport: Transport = "ucx"  # set once the bulk server listens
         self.bulk_address = ""
         self.profiled_e_layers: dict[str, set[int]] = {}  # receiver model -> group starts it may use
-        self.tokens = TokenIssuer(cfg.token_ttl_s)
-        self.announced_until: dict[str, float] = {}  # context -> expiry of its last announced token
+        self.tokens = TokenIssuer(cfg.grant_ttl_s)
 
     def e_layers(self) -> list[int]:
         """Configured E layers plus every group start a profiled receiver may choose online."""

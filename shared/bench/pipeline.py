@@ -39,7 +39,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.transport.bulk import make_client
-from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, source_for
+from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, request_grant, requester, source_for
 from droidmesh.shared.wire import schemas, subjects
 from droidmesh.shared.wire.schemas import PullItem
 
@@ -66,7 +66,6 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
     await nc.request(subjects.sender_prefill(sender), schemas.encode(
         schemas.PrefillRequest(request_id="probe", context=context)), timeout=300)
     ev: schemas.CacheAvailable = await asyncio.wait_for(events.get(), 60)
-    await nc.close()
     if model.tokenizer is None:
         raise ConfigError(f"{model_path} has no tokenizer")
     prompt = list(ev.token_ids) + model.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
@@ -79,7 +78,8 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
     await bulk.warm(ev.address)
 
     async def pull(items: list[PullItem], src: ArrivingSource | None) -> int:
-        return await pull_into(bulk, ev, items, model, src, timeout_s=300)
+        token = await request_grant(requester(nc), ev, 10)  # one single-use grant per pull, as a receiver does
+        return await pull_into(bulk, ev, items, model, src, timeout_s=300, token=token)
 
     loop = asyncio.get_running_loop()
     torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
@@ -118,6 +118,7 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
         for m in modes:
             times[m].append(await run_mode(m))
     await bulk.close()
+    await nc.close()
     torch_thread.shutdown()
     med = {m: statistics.median(v[1:]) for m, v in times.items()}
     reused_bytes = sum(ev.kv_nbytes[l] for l in plan.reused_layers(L)) + ev.e_nbytes
@@ -178,7 +179,6 @@ async def probe_configs(url: str, model_path: str, sender: str, tokens: list[int
 
     await nc.subscribe(subjects.CACHE_AVAILABLE_ALL, cb=on_available)
     holders = [await _fresh_context(nc, events, sender, t) for t in tokens]
-    await nc.close()
     L = model.num_layers
     loop = asyncio.get_running_loop()
     torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
@@ -201,8 +201,13 @@ async def probe_configs(url: str, model_path: str, sender: str, tokens: list[int
                 await run_torch(functools.partial(generate, model, prompt, plan, max_new_tokens=1))
                 return time.perf_counter() - t0, 0
             src = source_for(ev)
-            pulling = loop.create_task(pull_into(bulk, ev, pull_items(plan, L), model, src, timeout_s=300,
-                                                 codec=c["codec"], codec_params=c.get("codec_params") or {}))
+
+            async def pull() -> int:  # a single-use grant first, as a receiver's pull does
+                token = await request_grant(requester(nc), ev, 10)
+                return await pull_into(bulk, ev, pull_items(plan, L), model, src, timeout_s=300, token=token,
+                                       codec=c["codec"], codec_params=c.get("codec_params") or {})
+
+            pulling = loop.create_task(pull())
             try:
                 steps = generate_steps(model, prompt, plan, src, max_new_tokens=1, timeout_s=300)
                 await drive_engine(steps, src, run_torch, {})
@@ -232,6 +237,7 @@ async def probe_configs(url: str, model_path: str, sender: str, tokens: list[int
                         "ttft_s": statistics.median(ts) if ts and name not in errors else None, "rounds_s": times[name],
                         "bytes_total": nbytes.get(name), "error": errors.get(name)})
     await bulk.close()
+    await nc.close()
     torch_thread.shutdown()
     for r, t in zip(out, [t for t in tokens for _ in configs], strict=True):
         r["target_tokens"] = t

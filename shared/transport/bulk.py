@@ -13,7 +13,7 @@ Implementations: `ucx` (`shared/transport/ucx.py`, real processes) and `inproc`
 
 Every channel runs the same protocol, so its checks live here, once:
   1. the client sends one `PullRequest` (items in the order it wants them: E first);
-  2. the server authorizes it (capability token), looks every item up in its store, encodes each
+  2. the server authorizes it (a single-use grant, `tokens.py`), looks every item up in its store, encodes each
      with the requested codec (or `raw` when it lacks that codec) and answers one `PullResponse`
      with every item's `TensorHeader` up front, then sends the payloads in order;
   3. the client checks every header against its own buffer (context, layer, kind, shape, dtype),

@@ -4,7 +4,8 @@ Used by the receiver's reuse pipeline and by the pipelining benchmark, so both p
 items in the same order into the same buffers:
   1. `pull_items(plan)`: each group's transition E first (recompute waits on it), then the
      reused K/V layer by layer (the suffix needs them in that order);
-  2. `pull_into(...)`: one buffer per item, allocated by the receiver from its own model's layout
+  2. `request_grant(...)`: a single-use grant for this pull from the holder's sender, over NATS
+     (`shared/transport/tokens.py`); then `pull_into(...)`: one buffer per item, allocated by the receiver from its own model's layout
      on its own device for the m tokens it will reuse (never from what the peer declares), pulled
      over the bulk channel (`PullRequest.tokens = m`: the sender sends only that prefix); each
      landed item is handed to the source, which wakes the engine waiting for that layer. m is
@@ -26,13 +27,14 @@ import msgspec
 import torch
 
 from droidmesh.shared.device import dtype_name
-from droidmesh.shared.errors import CacheLayoutError, ReuseError, TransferError
+from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, ReuseError, TransferError
 from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.fingerprint import ArchFingerprint
 from droidmesh.shared.transport.bulk import BulkClient
+from droidmesh.shared.wire import schemas, subjects
 from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, PullItem, PullRequest
 
 T = TypeVar("T")
@@ -66,12 +68,45 @@ def buffers(model: ModelAdapter, tokens: int, items: list[PullItem]) -> list[tor
                         dtype=model.dtype, device=model.device) for it in items]
 
 
+Request = Callable[[str, bytes, float], Awaitable[bytes]]  # NATS request: subject, payload, timeout -> reply
+
+
+def requester(nc: Any) -> Request:
+    """A nats-py connection's `request` in the shape `request_grant` takes (tools and tests that
+    hold a raw connection; services pass their bus's `request`)."""
+
+    async def request(subject: str, data: bytes, timeout: float) -> bytes:
+        return (await nc.request(subject, data, timeout=timeout)).data
+
+    return request
+
+
+async def request_grant(request: Request, holder: CacheAvailable, timeout_s: float) -> str:
+    """A single-use grant to pull `holder`'s context, from its sender (the reply reaches only the
+    asking user's inbox). `TransferError` when the sender does not answer in time or refuses."""
+    try:
+        data = await request(subjects.sender_grant(holder.sender_id),
+                             schemas.encode(schemas.GrantRequest(context_id=holder.context_id)), timeout_s)
+    except TimeoutError:
+        raise TransferError(f"sender {holder.sender_id} gave no pull grant within {timeout_s:.3g}s") from None
+    try:
+        return schemas.decode(data, schemas.GrantReply).token
+    except DroidMeshError:
+        pass
+    try:
+        err = schemas.decode(data, schemas.ErrorReply)
+    except DroidMeshError as e:
+        raise TransferError(f"sender {holder.sender_id} answered the grant request with garbage ({e})") from None
+    raise TransferError(f"sender {holder.sender_id} refused a pull grant: {err.code}: {err.message[:200]}")
+
+
 async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullItem], model: ModelAdapter,
-                    source: ArrivingSource | None, timeout_s: float, *, codec: str = "raw",
+                    source: ArrivingSource | None, timeout_s: float, *, token: str, codec: str = "raw",
                     codec_params: CodecParams | None = None, tokens: int | None = None) -> int:
     """Pull the first `tokens` tokens (default: as many as `source` holds, else the whole
-    context) of `items` of `holder`'s context into fresh buffers, delivering each to `source`
-    (None: transfer only) as it lands; return the payload bytes pulled. Raises `ReuseError`s."""
+    context) of `items` of `holder`'s context into fresh buffers under the grant `token`,
+    delivering each to `source` (None: transfer only) as it lands; return the payload bytes
+    pulled. Raises `ReuseError`s."""
     if holder.transport != bulk.transport:
         raise TransferError(f"holder serves over {holder.transport}, this receiver pulls over {bulk.transport}")
     if holder.dtype != dtype_name(model.dtype):
@@ -81,7 +116,7 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
     if not 0 < tokens <= len(holder.token_ids) or (source is not None and tokens != len(source.token_ids)):
         raise TransferError(f"pull of {tokens} tokens: the context has {len(holder.token_ids)}"
                             + (f", the source expects {len(source.token_ids)}" if source is not None else ""))
-    request = PullRequest(context_id=holder.context_id, items=items, token=holder.pull_token, codec=codec,
+    request = PullRequest(context_id=holder.context_id, items=items, token=token, codec=codec,
                           codec_params=codec_params or {}, tokens=tokens)
 
     def on_item(item: PullItem, t: torch.Tensor) -> None:

@@ -61,8 +61,6 @@ class CacheAvailable(Message, tag="cache.available"):
     transport: Transport
     address: str  # ucx: "host:port"; inproc: the server's name
     published_at: float  # unix seconds
-    pull_token: str = ""  # capability for pulling this context (see shared.transport.tokens)
-    token_expires_at: float = 0.0
 
 
 class CacheEvicted(Message, tag="cache.evicted"):
@@ -93,6 +91,17 @@ class LookupRequest(Message, tag="lookup.request"):
     token_ids: list[int]
     fingerprint_id: str
     exclude_model: str | None = None  # e.g. the receiver itself
+
+
+class GrantRequest(Message, tag="grant.request"):
+    """A receiver asks a holder's sender for one pull of a context (shared/transport/tokens.py)."""
+
+    context_id: str
+
+
+class GrantReply(Message, tag="grant.reply"):
+    token: str  # single use, for `context_id` only
+    expires_at: float  # unix seconds
 
 
 class LookupReply(Message, tag="lookup.reply"):
@@ -275,7 +284,7 @@ class PullItem(msgspec.Struct):
 class PullRequest(Message, tag="pull.request"):
     context_id: str
     items: list[PullItem]  # served in this order: E first lets the receiver start early
-    token: str = ""  # the availability event's pull_token
+    token: str = ""  # a grant from the holder's sender (GrantRequest), used up by this pull
     codec: str = "raw"  # how the receiver wants the tensors encoded
     codec_params: CodecParams = {}
     tokens: int = 0  # leading context tokens wanted (0: all); the sender slices [.., :tokens, ..]

@@ -23,6 +23,7 @@ PREFIX = "dm"
 CACHE_AVAILABLE = f"{PREFIX}.cache.available"
 CACHE_EVICTED = f"{PREFIX}.cache.evicted"
 SENDER_HEARTBEAT = f"{PREFIX}.cache.heartbeat"
+SENDER_GRANT = f"{PREFIX}.grant"
 BROKER_LOOKUP = f"{PREFIX}.broker.lookup"
 BROKER_HELLO = f"{PREFIX}.broker.hello"  # a (re)started broker asks senders to re-announce
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
@@ -71,6 +72,11 @@ def cache_available(sender_id: str) -> str:
 
 def cache_evicted(sender_id: str) -> str:
     return f"{CACHE_EVICTED}.{model_token(sender_id)}"
+
+
+def sender_grant(sender_id: str) -> str:
+    """Where a receiver asks one sender (by id, not model: the holder) for a pull grant."""
+    return f"{SENDER_GRANT}.{model_token(sender_id)}"
 
 
 def sender_heartbeat(sender_id: str) -> str:

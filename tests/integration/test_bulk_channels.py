@@ -80,7 +80,7 @@ def test_expired_token_is_refused(transport):
     issuer = TokenIssuer(ttl_s=5, clock=clock)
     token, _ = issuer.issue("ctx")
     clock.t = 10
-    with pytest.raises(TransferError, match="unauthorized: capability token expired"):
+    with pytest.raises(TransferError, match="unauthorized: grant expired"):
         asyncio.run(_session(transport, issuer, _pull_one(token)))
 
 
@@ -124,7 +124,7 @@ def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypa
 
     monkeypatch.setattr(module, "answer", corrupt)
     with pytest.raises(IntegrityError, match="checksum mismatch"):
-        asyncio.run(_session(transport, issuer, _pull_one(token)))
+        asyncio.run(_session(transport, issuer, _pull_one(issuer.issue("ctx")[0])))  # a grant is single use
 
 
 @pytest.mark.parametrize("transport", CHANNELS)
@@ -295,12 +295,10 @@ def test_poisoned_kv_pulled_over_a_channel_is_an_integrity_error(receiver, promp
     store = CacheStore(budget_bytes=1 << 28)
     store.put("ctx", cap)
     issuer = TokenIssuer(ttl_s=60)
-    token, _ = issuer.issue("ctx")
     holder = schemas.CacheAvailable(
         sender_id="s", model_id="m", model_sha256="", fingerprint=schemas.fingerprint_to_wire(cap.fingerprint),
         fingerprint_id=cap.fingerprint.id, context_id="ctx", token_ids=list(cap.token_ids), dtype=dtype_name(receiver.dtype),
-        kv_nbytes=cap.kv_nbytes(), e_layers=[], e_nbytes=0, transport="inproc", address="", published_at=0.0,
-        pull_token=token, token_expires_at=0.0)
+        kv_nbytes=cap.kv_nbytes(), e_layers=[], e_nbytes=0, transport="inproc", address="", published_at=0.0)
     plan = ReusePlan.full_reuse()
 
     async def pull():
@@ -309,7 +307,7 @@ def test_poisoned_kv_pulled_over_a_channel_is_an_integrity_error(receiver, promp
         source = source_for(msgspec.structs.replace(holder, address=address), ctx + q)
         try:
             n = await pull_into(make_client("inproc"), msgspec.structs.replace(holder, address=address),
-                                pull_items(plan, receiver.num_layers), receiver, source, 10)
+                                pull_items(plan, receiver.num_layers), receiver, source, 10, token=issuer.issue("ctx")[0])
         finally:
             await server.close()
         return source, n

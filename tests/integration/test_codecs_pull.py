@@ -53,12 +53,10 @@ def context(tiny_models):
     store = CacheStore(budget_bytes=1 << 28)
     store.put("ctx", cap)
     issuer = TokenIssuer(ttl_s=600)
-    token, _ = issuer.issue("ctx")
     holder = schemas.CacheAvailable(
         sender_id="s", model_id="m", model_sha256="", fingerprint=schemas.fingerprint_to_wire(cap.fingerprint),
         fingerprint_id=cap.fingerprint.id, context_id="ctx", token_ids=list(cap.token_ids), dtype=dtype_name(receiver.dtype),
-        kv_nbytes=cap.kv_nbytes(), e_layers=sorted(cap.e), e_nbytes=0, transport="inproc", address="", published_at=0.0,
-        pull_token=token, token_expires_at=0.0)
+        kv_nbytes=cap.kv_nbytes(), e_layers=sorted(cap.e), e_nbytes=0, transport="inproc", address="", published_at=0.0)
     return store, issuer, holder, ctx, q
 
 
@@ -75,7 +73,7 @@ def _pull(tiny_models, context, codec: str, params: CodecParams | None = None) -
         source = LAST[0] = source_for(here, ctx + q)
         try:
             n = await pull_into(make_client("inproc"), here, pull_items(PLAN, receiver.num_layers), receiver, source, 10,
-                                codec=codec, codec_params=params)
+                                token=issuer.issue("ctx")[0], codec=codec, codec_params=params)
         finally:
             await server.close()
         return source, n

@@ -1,4 +1,4 @@
-"""Access control: role permissions on a real nats-server, capability tokens on UCX pulls,
+"""Access control: role permissions on a real nats-server, single-use grants on UCX pulls,
 tenant isolation (nobody reads another's replies, speaks for another sender or fills a store)."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from droidmesh.shared.client import MeshClient
-from droidmesh.shared.errors import TransferError
+from droidmesh.shared.errors import DroidMeshError, TransferError
 from droidmesh.shared.launch import NATS_AUTH_CONF, start_nats, start_service
 from droidmesh.shared.model import text
 from droidmesh.shared.transport.bulk import make_client
+from droidmesh.shared.transport.pull import request_grant, requester
 from droidmesh.shared.wire import schemas, subjects
 from tests.system.conftest import until_indexed, words
 
@@ -68,8 +69,8 @@ async def _client(url: str, passwords: dict[str, str]) -> MeshClient:
 
 def test_roles_work_and_unauthorized_users_are_refused(mesh, tiny_models):
     """Each role does its job under least privilege; a receiver cannot forge availability
-    events, a sender cannot answer lookups, a client cannot prefill, and a pull without a
-    valid capability token is refused."""
+    events, a sender cannot answer lookups, a client cannot prefill or ask for pull grants, and a
+    pull without a valid, unused grant is refused."""
     url, pw = mesh
 
     async def run():
@@ -101,15 +102,23 @@ def test_roles_work_and_unauthorized_users_are_refused(mesh, tiny_models):
         with pytest.raises(Exception):  # noqa: B017 - nats-py reports the refused publish as a timeout or an error reply
             await client.prefill("sender", words(100, offset=3), timeout=2)
 
-        # UCX pulls with a missing, wrong (another context's) or tampered token are refused.
+        # A UCX pull needs a single-use grant, which only the receiver role may ask a sender for:
+        # the event and the lookup reply carry none; a missing, tampered, another context's or an
+        # already used grant is refused; a client asking for one is refused by the server.
         ev = seen[0]
-        refusals = []
-        bulk = make_client("ucx")
+        assert "pull_token" not in msgspec.to_builtins(ev)
+        recv = await _connect(url, "receiver", pw, errors)
+        ask = requester(recv)
         other = await admin_client.prefill("sender", words(100, offset=5))
-        other_ev = next(e for e in seen if e.context_id == other.context_id) if any(
-            e.context_id == other.context_id for e in seen) else None
-        tokens = {"missing": "", "tampered": ev.pull_token[:-4] + "0000",
-                  "other-context": other_ev.pull_token if other_ev else "x.y"}
+        grants = {"good": await request_grant(ask, ev, 5), "used": await request_grant(ask, ev, 5),
+                  "other-context": await request_grant(ask, msgspec.structs.replace(ev, context_id=other.context_id), 5)}
+        bulk = make_client("ucx")
+        one = schemas.PullRequest(context_id=ev.context_id, items=[schemas.PullItem(0, "K")], token=grants["used"])
+        with pytest.raises(DroidMeshError):  # served (then refused here: a 1-element buffer), and the grant used up
+            await bulk.pull(ev.address, one, [torch.empty(1)], lambda *a: None, 10)
+        tokens = {"missing": "", "tampered": grants["good"][:-4] + "0000", "other-context": grants["other-context"],
+                  "used": grants["used"]}
+        refusals = []
         for name, token in tokens.items():
             req = schemas.PullRequest(context_id=ev.context_id, items=[schemas.PullItem(0, "K")], token=token)
             try:
@@ -117,6 +126,11 @@ def test_roles_work_and_unauthorized_users_are_refused(mesh, tiny_models):
                 refusals.append((name, None))
             except TransferError as e:
                 refusals.append((name, str(e)))
+        client_nc = await _connect(url, "client", pw, errors)
+        with pytest.raises(TransferError, match="no pull grant"):
+            await request_grant(requester(client_nc), ev, 1)
+        await client_nc.close()
+        await recv.close()
         await bulk.close()
         await admin.flush()  # anything the server delivered to the admin has arrived by now
         forged_seen = [e for e in seen if e.sender_id == "rogue"]
@@ -133,6 +147,9 @@ def test_roles_work_and_unauthorized_users_are_refused(mesh, tiny_models):
     assert any("permissions violation for subscription" in e.lower() and subjects.BROKER_LOOKUP in e for e in errors), errors
     for name, err in refusals:
         assert err is not None and "unauthorized" in err, (name, err)
+    assert dict(refusals)["used"] is not None and "already used" in dict(refusals)["used"]
+    assert any("permissions violation for publish" in e.lower() and subjects.sender_grant("victim") in e
+               for e in errors), errors
 
 
 def test_tenants_cannot_read_replies_speak_for_senders_or_fill_stores(mesh, tiny_models):

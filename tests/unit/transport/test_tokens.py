@@ -1,10 +1,10 @@
-"""Capability tokens: scoped to one context, unforgeable, expiring."""
+"""Pull grants: scoped to one context, unforgeable, expiring, single use."""
 
 from __future__ import annotations
 
 import pytest
 
-from droidmesh.shared.errors import UnauthorizedError
+from droidmesh.shared.errors import OverloadedError, UnauthorizedError
 from droidmesh.shared.transport.tokens import TokenIssuer
 
 
@@ -16,12 +16,13 @@ class Clock:
 
 
 def test_valid_token_passes_until_expiry():
-    """A fresh token verifies for its context and fails once its expiry has passed."""
+    """A fresh grant verifies for its context and fails once its expiry has passed."""
     clock = Clock()
     issuer = TokenIssuer(ttl_s=60, clock=clock)
     token, expires = issuer.issue("ctx")
     issuer.verify("ctx", token)
     assert expires == 1060
+    token, _ = issuer.issue("ctx")
     clock.t = 1061
     with pytest.raises(UnauthorizedError, match="expired"):
         issuer.verify("ctx", token)
@@ -42,3 +43,27 @@ def test_token_is_scoped_to_its_context_and_issuer():
         a.verify("other", token)
     with pytest.raises(UnauthorizedError):
         b.verify("ctx", token)
+
+
+def test_a_grant_is_used_up_by_its_first_pull():
+    """The second pull with one grant is refused; a fresh grant for the same context works."""
+    issuer = TokenIssuer(ttl_s=60)
+    token, _ = issuer.issue("ctx")
+    issuer.verify("ctx", token)
+    with pytest.raises(UnauthorizedError, match="already used"):
+        issuer.verify("ctx", token)
+    issuer.verify("ctx", issuer.issue("ctx")[0])
+
+
+def test_outstanding_grants_are_bounded_and_expired_ones_forgotten():
+    """Past `max_outstanding` unused live grants, asking is refused as overload; once they have
+    expired they are dropped and grants are issued again."""
+    clock = Clock()
+    issuer = TokenIssuer(ttl_s=10, clock=clock, max_outstanding=4)
+    for _ in range(4):
+        issuer.issue("ctx")
+    with pytest.raises(OverloadedError):
+        issuer.issue("ctx")
+    clock.t += 11
+    issuer.issue("ctx")
+    assert len(issuer._live) == 1
