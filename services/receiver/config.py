@@ -38,6 +38,12 @@ class ReceiverConfig(BusSettings):
         default=3, metadata={"help": "consecutive failed pulls from one sender that open its circuit (no pulls from it for a cool-down)"})
     breaker_cooldown_s: float = dataclasses.field(
         default=10.0, metadata={"help": "how long an open circuit skips its sender before one request probes it again"})
+    shadow_share: float = dataclasses.field(default=0.0, metadata={
+        "help": "randomized audit: share of relayed greedy requests also answered by full prefill when the receiver "
+                "is idle, off the critical path; the token agreement is logged (event 'shadow')"})
+    holdout_share: float = dataclasses.field(default=0.0, metadata={
+        "help": "randomized audit: share of requests the policy would relay that are served by full prefill "
+                "instead (control), the assignment logged"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,6 +66,9 @@ class ReceiverConfig(BusSettings):
                      "breaker_failures"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        for name in ("holdout_share", "shadow_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} {getattr(self, name)} outside [0, 1]")
         if not self.model_id:
             object.__setattr__(self, "model_id", p.name)
         if not self.receiver_id:

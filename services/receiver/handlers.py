@@ -23,6 +23,7 @@ from droidmesh.shared.errors import (
     ReuseError,
 )
 from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.partial import Generation
 from droidmesh.shared.kv.partial import generate as engine_generate
 from droidmesh.shared.kv.plan import ReusePlan
@@ -145,10 +146,14 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
             miss = ("holder_open_circuit", f"holder_open_circuit: sender {holder.sender_id} failed {s.cfg.breaker_failures} pulls in a row "
                                            f"(or could not be reached); skipped for {s.cfg.breaker_cooldown_s:g}s")
             holder = None
-    online = policy.Online(tokens=len(prompt), queued=s.inflight - 1, bandwidth_bps=s.bandwidth_bps,
-                           slo_s=req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None)
+    online = policy.Online(tokens=len(prompt), queued=s.inflight - 1,
+                           bandwidth_bps=s.bandwidth_of(holder.sender_id) if holder else None,
+                           slo_s=req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None,
+                           reused_tokens=reusable_prefix(holder.token_ids, prompt) if holder else None,
+                           reuse_overhead_s=s.reuse_overhead_s)
     decision = policy.decide(req.mode, holder, miss, s.configs.get(holder.model_id) if holder else None,
                              s.policy_facts, online)
+    decision, assignment = _assign(s, decision, req.mode)
     plan, path, reason = decision.plan, decision.path, decision.reason
     missing = _maps_missing(s, decision)
     if missing is not None:  # the plan's codes cannot be decoded here: the receiver's own prefill, and why
@@ -161,7 +166,9 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
             out = await _reuse(s, holder, decision, prompt, req, stream, deadline)
             gen, bytes_pulled = out.generation, out.bytes_pulled
             stamps.update(out.stamps)
-            s.observe_pull(bytes_pulled, out.stamps["pull_done"] - out.stamps["pull_start"])
+            pulled_at = out.stamps.get("grant_done", out.stamps["pull_start"])
+            s.observe_pull(holder.sender_id, bytes_pulled, out.stamps["pull_done"] - pulled_at,
+                           pulled_at - out.stamps["pull_start"])
         except ReuseError as e:
             if stream.tokens:  # decoding had begun (chunks may be out): a second answer would garble it
                 raise
@@ -192,7 +199,17 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     shown = reason if path in ("fallback", "full_prefill") else None
     why = shown[1] if shown is not None else None
     _record(s, path, shown[0] if shown is not None else "", ttft_ms, stages_ms, bytes_pulled, stamps)
+    predicted_ms = {k: round(v * 1e3, 3) for k, v in decision.predicted_s.items()}
+    if assignment == "treatment" and s.cfg.shadow_share > 0 and req.sampling.temperature == 0 \
+            and s.rng.random() < s.cfg.shadow_share:
+        s.background(_shadow(s, req.request_id, prompt, gen.tokens), f"shadow-{req.request_id}")
     log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=why,
+             assignment=assignment, holdout_share=s.cfg.holdout_share, predicted_ttft_ms=_ms(decision.predicted_ttft_s),
+             options_ms=predicted_ms, reused_fraction=round(gen.prefill.reused_tokens / max(1, len(prompt)), 4),
+             reusable_fraction=round((online.reused_tokens or 0) / max(1, len(prompt)), 4),
+             sender_model=holder.model_id if holder else None, receiver_model=s.cfg.model_id,
+             context_tokens=len(holder.token_ids) if holder else 0, queued=online.queued,
+             topology=_topology(holder.address) if holder else None,
              prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=bytes_pulled,
              new_tokens=len(gen.tokens), finish_reason=finish, chunks=stream.published,
              chunk_failures=stream.failed, ttft_ms=round(ttft_ms, 3), stages_ms=stages_ms)
@@ -203,7 +220,53 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
         bytes_pulled=bytes_pulled, ttft_ms=ttft_ms, stages_ms=stages_ms, served_by=s.cfg.receiver_id,
         prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, finish_reason=finish,
         codec=decision.codec if plan.mode != "full_prefill" else "",
+        predicted_ttft_ms=_ms(decision.predicted_ttft_s) or 0.0, options_ms=predicted_ms,
     )
+
+
+SHADOW_WAIT_S = 60.0  # a shadow waits this long for an idle receiver, then is skipped
+
+
+async def _shadow(s: ReceiverState, request_id: str, prompt: list[int], served: list[int]) -> None:
+    """The audit's shadow: once the receiver is idle (low priority: never ahead of a request),
+    answer the relayed request again by full prefill and log the token agreement of the two
+    greedy answers (position by position, over the served answer's length)."""
+    waited = time.monotonic() + SHADOW_WAIT_S
+    while s.inflight > 0:
+        if time.monotonic() >= waited:
+            log.info("shadow_skipped", request_id=request_id, reason="receiver busy")
+            return
+        await asyncio.sleep(0.05)
+    ref = await s.run_torch(lambda: engine_generate(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=len(served),
+                                                    eos_token_id=s.eos_token_id))
+    same = sum(a == b for a, b in zip(served, ref.tokens, strict=False))
+    agreement = same / max(len(served), len(ref.tokens))
+    s.shadow_agreements.append(agreement)
+    log.info("shadow", request_id=request_id, agreement=round(agreement, 4), tokens=len(served))
+
+
+def _topology(address: str) -> str:
+    """"same_host" when the holder's bulk address is a loopback one, else "remote" (the audit's stratum)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return "same_host" if host in ("127.0.0.1", "localhost", "::1") or host.startswith("inproc") else "remote"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _assign(s: ReceiverState, decision: policy.Decision, mode: str) -> tuple[policy.Decision, str]:
+    """The randomized audit (paper 004): a request the policy would relay is served by full
+    prefill instead with probability `holdout_share` ("control"; else "treatment"); a request it
+    would not relay, or a forced mode, is "ineligible". The assignment is logged with its share."""
+    if mode != "auto" or decision.plan.mode == "full_prefill":
+        return decision, "ineligible"
+    if s.cfg.holdout_share > 0 and s.rng.random() < s.cfg.holdout_share:
+        held = policy.Decision(ReusePlan.full_prefill(), "full_prefill",
+                               ("holdout", f"randomized control (holdout share {s.cfg.holdout_share:g})"),
+                               predicted_s=decision.predicted_s, predicted_ttft_s=decision.predicted_s.get(policy.PREFILL_OPTION))
+        return held, "control"
+    return decision, "treatment"
 
 
 def _maps_missing(s: ReceiverState, decision: policy.Decision) -> policy.Reason | None:

@@ -4,8 +4,9 @@ that builds it (`service.py`), so handlers never import the service."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,7 +42,11 @@ class ReceiverState:
         self.configs: dict[str, schemas.RecomputeConfig] = {}  # sender model -> newest profile for us
         self.maps_failures: dict[str, str] = {}  # SCD maps sha256 -> why it could not be loaded
         self.inflight = 0  # generate requests being served (the torch thread runs one at a time)
-        self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput
+        self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput, any holder
+        self.holder_bps: OrderedDict[str, float] = OrderedDict()  # sender id -> EWMA of its pulls' throughput
+        self.reuse_overhead_s = 0.0  # EWMA of a reuse's fixed cost (the grant round trip)
+        self.rng = random.Random()  # the audit's assignments
+        self.shadow_agreements: deque[float] = deque(maxlen=1024)  # recent shadow token agreements
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
         self._warmed: set[str] = set()  # bulk addresses connected ahead of a pull
         # Recent (request id, digest of the request's bytes) -> answer: a retry or a redelivery
@@ -54,10 +59,20 @@ class ReceiverState:
         while len(self.replies) > keep:
             self.replies.popitem(last=False)
 
-    def observe_pull(self, nbytes: int, seconds: float) -> None:
+    def observe_pull(self, sender_id: str, nbytes: int, seconds: float, overhead_s: float) -> None:
+        """After a pull from `sender_id`: its throughput and the fixed cost before it (EWMAs)."""
+        self.reuse_overhead_s = 0.8 * self.reuse_overhead_s + 0.2 * max(0.0, overhead_s)
         if nbytes > 0 and seconds > 0:
             bps = nbytes / seconds
             self.bandwidth_bps = bps if self.bandwidth_bps is None else 0.8 * self.bandwidth_bps + 0.2 * bps
+            old = self.holder_bps.pop(sender_id, None)
+            self.holder_bps[sender_id] = bps if old is None else 0.8 * old + 0.2 * bps
+            while len(self.holder_bps) > 1024:  # bounded: senders come and go
+                self.holder_bps.popitem(last=False)
+
+    def bandwidth_of(self, sender_id: str) -> float | None:
+        """What pulls from `sender_id` achieved lately (any holder's when it is new)."""
+        return self.holder_bps.get(sender_id, self.bandwidth_bps)
 
     async def run_torch(self, fn: Any, *args: Any, deadline: float | None = None) -> Any:
         """Run torch work on the service's single worker thread (never on the event loop). With
@@ -69,6 +84,10 @@ class ReceiverState:
             return fn(*args)
 
         return await self._torch(job)
+
+    def background(self, coro: Any, name: str) -> None:
+        """Run `coro` as a supervised background task of the service (logged if it fails)."""
+        self._tasks.spawn(coro, name)
 
     async def warm(self, address: str) -> None:
         """Connect to a sender's bulk address in the background, once."""

@@ -23,6 +23,14 @@ its KV closer to the receiver's own prefill, so quality holds and the cost is th
   - nothing queued: the most recomputation whose estimate still meets the request's SLO (quality
     for free), else the lowest estimated TTFT.
 A slow link pushes the choice towards recomputing more layers (fewer bytes to pull).
+Relay or not (paper 004's decision): with a latency fit, the chosen point's predicted TTFT is set
+against the receiver's own full prefill of the prompt, and the faster one serves. The reuse
+prediction counts what reuse really covers: the holder's reusable prefix m of the prompt's T
+tokens (recompute over m tokens, the other T - m tokens through every layer), m tokens' bytes at the
+bandwidth measured from this holder and the measured fixed cost of reusing at all, so a small overlap, a slow link or a long context with
+little reuse sends the request to its own prefill ("prefill_faster", with both predictions).
+Every prediction is kept in the decision (`predicted_s`), for the reply and the log, where the
+actual TTFT is logged beside it.
 """
 
 from __future__ import annotations
@@ -51,8 +59,10 @@ class Online:
 
     tokens: int  # prompt tokens
     queued: int = 0  # other requests in the receiver
-    bandwidth_bps: float | None = None  # recent pull throughput; None = unknown (ignored)
+    bandwidth_bps: float | None = None  # recent pull throughput from this holder; None = unknown (ignored)
     slo_s: float | None = None  # the request's TTFT objective, if any
+    reused_tokens: int | None = None  # the holder's reusable prefix of the prompt (None: all but one token)
+    reuse_overhead_s: float = 0.0  # what reuse costs before any layer moves (grant round trip), measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +72,11 @@ class Decision:
     reason: Reason | None = None  # why the path is full prefill, when it is
     codec: str = "raw"
     codec_params: CodecParams = dataclasses.field(default_factory=dict)
+    predicted_s: dict[str, float] = dataclasses.field(default_factory=dict)  # option -> predicted TTFT (with a fit)
+    predicted_ttft_s: float | None = None  # the chosen option's
+
+
+PREFILL_OPTION = "full prefill"
 
 
 def accepts(cfg: RecomputeConfig, receiver: Receiver) -> bool:
@@ -85,9 +100,22 @@ def decide(mode: Mode, holder: CacheAvailable | None, miss: Reason | None, cfg: 
     else:
         stale = None
     if cfg is not None:
+        reused = online.reused_tokens
         p = select_point(cfg, queued=online.queued, tokens=online.tokens, slo_s=online.slo_s,
-                         bandwidth_bps=online.bandwidth_bps, e_layers=set(holder.e_layers))
-        return _reuse(plan_of(p.plan), p.plan)
+                         bandwidth_bps=online.bandwidth_bps, e_layers=set(holder.e_layers), reused=reused)
+        chosen = _reuse(plan_of(p.plan), p.plan)
+        if cfg.latency is None:
+            return chosen
+        extra = online.reuse_overhead_s
+        options = {option_label(q): extra + estimated_ttft(cfg, q, online.tokens, online.bandwidth_bps, reused)
+                   for q in eligible(cfg, set(holder.e_layers))}
+        own = options[PREFILL_OPTION] = prefill_seconds(cfg.latency, online.tokens, cfg.total_layers)
+        mine = options.get(option_label(p), extra + estimated_ttft(cfg, p, online.tokens, online.bandwidth_bps, reused))
+        if own < mine:
+            why = (f"predicted own prefill {own * 1e3:.0f} ms < reuse {mine * 1e3:.0f} ms ({option_label(p)}, "
+                   f"{reused if reused is not None else online.tokens - 1} of {online.tokens} tokens reusable)")
+            return dataclasses.replace(_prefill(("prefill_faster", why)), predicted_s=options, predicted_ttft_s=own)
+        return dataclasses.replace(chosen, predicted_s=options, predicted_ttft_s=mine)
     if receiver.default_group:
         s, e = receiver.default_group
         if s > 0 and s not in holder.e_layers:
@@ -141,17 +169,29 @@ def transfer_seconds(fit: LatencyFit, tokens: int, e_count: int, reused_layers: 
     return nbytes / bandwidth_bps
 
 
-def estimated_ttft(cfg: RecomputeConfig, p: FrontierPoint, tokens: int, bandwidth_bps: float | None) -> float:
+def option_label(p: FrontierPoint) -> str:
+    """A frontier point as a decision option: its plan, and its codec when not raw."""
+    label = plan_of(p.plan).label()
+    return label if p.plan.codec == "raw" else f"{label} ({p.plan.codec})"
+
+
+def estimated_ttft(cfg: RecomputeConfig, p: FrontierPoint, tokens: int, bandwidth_bps: float | None,
+                   reused: int | None = None) -> float:
+    """Pipelined TTFT of point `p` for a `tokens`-token prompt whose first `reused` tokens (None:
+    all but one) come from the holder: max(compute, transfer), compute = the recompute over the
+    reused tokens + the rest of the prompt through every layer, transfer = the reused tokens' bytes."""
     if cfg.latency is None:
         return float(p.recomputed_layers)  # no fit: fewer layers is faster, all we know
-    fit = cfg.latency
-    compute = prefill_seconds(fit, tokens, p.recomputed_layers)
+    fit, L = cfg.latency, cfg.total_layers
+    m = tokens - 1 if reused is None else max(0, min(reused, tokens))
+    rest = tokens - m  # computed through all L layers, attending to the whole prompt
+    compute = prefill_seconds(fit, m, p.recomputed_layers) + rest * (fit.c_layer_tok * L + fit.c_attn * tokens * L)
     if p.wire_bytes_per_token:  # a coded plan: the profiled bytes on the wire
-        move = tokens * p.wire_bytes_per_token / bandwidth_bps if bandwidth_bps else 0.0
+        move = m * p.wire_bytes_per_token / bandwidth_bps if bandwidth_bps else 0.0
     else:
         e_count = len(plan_of(p.plan).e_layers)
-        reused = cfg.total_layers - p.recomputed_layers - len(p.plan.patch_layers)
-        move = transfer_seconds(fit, tokens, e_count, reused, bandwidth_bps)
+        kept = L - p.recomputed_layers - len(p.plan.patch_layers)
+        move = transfer_seconds(fit, m, e_count, kept, bandwidth_bps)
     return max(compute, move)
 
 
@@ -185,10 +225,11 @@ def extended(p: FrontierPoint, e_layers: set[int]) -> FrontierPoint:
 
 
 def select_point(cfg: RecomputeConfig, *, queued: int, tokens: int, slo_s: float | None = None,
-                 bandwidth_bps: float | None = None, e_layers: set[int] | None = None) -> FrontierPoint:
+                 bandwidth_bps: float | None = None, e_layers: set[int] | None = None,
+                 reused: int | None = None) -> FrontierPoint:
     """The frontier point for one request (see the module docstring)."""
     pts = eligible(cfg, e_layers)
-    ttft = [estimated_ttft(cfg, p, tokens, bandwidth_bps) for p in pts]
+    ttft = [estimated_ttft(cfg, p, tokens, bandwidth_bps, reused) for p in pts]
     fastest = min(range(len(pts)), key=lambda i: (ttft[i], pts[i].recomputed_layers))
     if queued > 0 or slo_s is None:
         return pts[fastest]

@@ -180,6 +180,8 @@ class GenerateReply(Message, tag="generate.reply"):
     reused_tokens: int = 0  # prompt tokens whose KV came from the sender
     finish_reason: FinishReason = "length"
     codec: str = ""  # the wire codec the reused tensors came under ("" when nothing was reused)
+    predicted_ttft_ms: float = 0.0  # the reuse policy's prediction for the path taken (0: no latency fit)
+    options_ms: dict[str, float] = {}  # its prediction per option it weighed ("full prefill", each plan)
 
 
 class PrefillRequest(Message, tag="prefill.request"):

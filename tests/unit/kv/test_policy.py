@@ -145,6 +145,43 @@ def test_estimated_ttft_uses_the_profiled_wire_bytes():
     coded = FrontierPoint(PlanSpec(groups=[(2, 4)], codec="lowrank", codec_params={"maps": "a" * 64}), 2, 0.96,
                           wire_bytes_per_token=1200)
     slow = 1e6  # bytes/s: transfer dominates the 8 ms of compute
-    assert policy.estimated_ttft(CFG, raw, 4000, slow) == pytest.approx(4000 * 12000 / slow)
-    assert policy.estimated_ttft(CFG, coded, 4000, slow) == pytest.approx(4000 * 1200 / slow)
-    assert policy.estimated_ttft(CFG, coded, 4000, None) == pytest.approx(0.008)  # unknown bandwidth: compute only
+    assert policy.estimated_ttft(CFG, raw, 4000, slow, reused=4000) == pytest.approx(4000 * 12000 / slow)
+    assert policy.estimated_ttft(CFG, coded, 4000, slow, reused=4000) == pytest.approx(4000 * 1200 / slow)
+    assert policy.estimated_ttft(CFG, coded, 4000, None, reused=4000) == pytest.approx(0.008)  # unknown bandwidth: compute only
+
+
+# -- relay or not (paper 004): reuse only when it is predicted faster than the receiver's own prefill
+CODED = FrontierPoint(PlanSpec(groups=[(2, 4)], codec="lowrank", codec_params={"maps": "a" * 64}), 2, 0.96,
+                      wire_bytes_per_token=1200)
+CODED_CFG = RecomputeConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__}, "frontier": [*FRONTIER, CODED]})
+
+
+def test_huge_overlap_on_a_fast_link_reuses():
+    """3,990 of 4,000 tokens reusable at 10 GB/s: reuse is predicted several times faster than the
+    receiver's own prefill, and both predictions travel with the decision."""
+    d = policy.decide("auto", holder(), None, CFG, ME, policy.Online(4000, queued=1, bandwidth_bps=10e9,
+                                                                     reused_tokens=3990, reuse_overhead_s=0.001))
+    assert d.path == "partial" and d.plan == ReusePlan.recompute(2, 4)
+    own = d.predicted_s[policy.PREFILL_OPTION]
+    assert own == pytest.approx(0.048) and d.predicted_ttft_s is not None and d.predicted_ttft_s < own / 3
+    assert d.predicted_s["recompute [2,4)"] == d.predicted_ttft_s
+
+
+def test_small_overlap_serves_its_own_prefill_and_says_why():
+    """100 of 4,000 tokens reusable: recompute saves ~1 ms, less than reuse's fixed 2 ms: own prefill."""
+    d = policy.decide("auto", holder(), None, CFG, ME, policy.Online(4000, queued=1, bandwidth_bps=1e9,
+                                                                     reused_tokens=100, reuse_overhead_s=0.002))
+    assert d.path == "full_prefill" and d.reason is not None and d.reason[0] == "prefill_faster"
+    assert "100 of 4000 tokens reusable" in d.reason[1] and d.predicted_ttft_s == d.predicted_s[policy.PREFILL_OPTION]
+
+
+def test_slow_link_long_context_takes_the_compressed_option_or_its_own_prefill():
+    """At 200 MB/s a 4K context's raw KV (48 MB, 240 ms) loses to the 48 ms own prefill, the
+    lowrank point (1/10 the bytes, 24 ms) wins; at 10 MB/s even that is slower: own prefill."""
+    mid = policy.decide("auto", holder(), None, CODED_CFG, ME, policy.Online(4000, queued=1, bandwidth_bps=200e6,
+                                                                            reused_tokens=3999))
+    assert mid.path == "partial" and mid.codec == "lowrank"
+    assert mid.predicted_s["recompute [2,4) (lowrank)"] < mid.predicted_s["recompute [2,4)"]
+    slow = policy.decide("auto", holder(), None, CODED_CFG, ME, policy.Online(4000, queued=1, bandwidth_bps=10e6,
+                                                                             reused_tokens=3999))
+    assert slow.path == "full_prefill" and slow.reason is not None and slow.reason[0] == "prefill_faster"

@@ -52,12 +52,12 @@ class XorCodec:
 
 
 @contextlib.asynccontextmanager
-async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc"):
+async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc", holdout_share=0.0, shadow_share=0.0):
     bus, board = InProcessBus(), InMemoryConfigBoard()
     scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2,
                         transport=transport)
     rcfg = ReceiverConfig(model_path=str(tiny_pair[1]), model_id="receiver", default_group=default_group,
-                          transport=transport)
+                          transport=transport, holdout_share=holdout_share, shadow_share=shadow_share)
     async with BrokerService(BrokerConfig(), bus=bus), \
             SenderService(scfg, bus=bus, model=tiny_models[0], board=board), \
             ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board) as receiver:
@@ -177,3 +177,49 @@ def test_a_frozen_sender_does_not_hold_the_compute_thread(tiny_pair, tiny_models
     assert other.path == "full_prefill"
     assert (stalled_done, abandoned) == (False, False)
     assert stalled.path == "partial" and stalled.token_ids == _engine_tokens(tiny_models, ReusePlan.recompute(2, 6))
+
+
+def test_the_holdout_share_of_relayable_requests_is_served_by_full_prefill(tiny_pair, tiny_models):
+    """With holdout_share 0.25, of 80 requests the policy would relay the control count is within
+    4.5 standard deviations of 20 (binomial), each one a full prefill whose reason says "holdout";
+    every other one is relayed."""
+    n, share = 80, 0.25
+
+    async def run() -> list[schemas.GenerateReply]:
+        async with mesh(tiny_pair, tiny_models, holdout_share=share) as (bus, _, _):
+            await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
+                       schemas.PrefillReply)
+            await bus.settle()
+            return [await _ask(bus, subjects.receiver_generate("receiver"),
+                               schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
+                                                       max_new_tokens=1), schemas.GenerateReply) for i in range(n)]
+
+    replies = asyncio.run(run())
+    control = [r for r in replies if r.path == "full_prefill"]
+    sd = (n * share * (1 - share)) ** 0.5
+    assert abs(len(control) - n * share) <= 4.5 * sd, len(control)
+    assert all("holdout" in (r.fallback_reason or "") for r in control)
+    assert all(r.path == "partial" for r in replies if r.path != "full_prefill")
+
+
+def test_the_shadow_share_of_relayed_requests_is_answered_again_off_the_critical_path(tiny_pair, tiny_models):
+    """With shadow_share 0.5, of 40 relayed greedy requests the number shadowed by a full prefill
+    (once the receiver is idle) is within 4.5 standard deviations of 20; each logs an agreement in [0, 1]."""
+    n, share = 40, 0.5
+
+    async def run() -> tuple[list[schemas.GenerateReply], list[float]]:
+        async with mesh(tiny_pair, tiny_models, shadow_share=share) as (bus, _, receiver):
+            await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
+                       schemas.PrefillReply)
+            await bus.settle()
+            replies = [await _ask(bus, subjects.receiver_generate("receiver"),
+                                  schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
+                                                          max_new_tokens=3), schemas.GenerateReply) for i in range(n)]
+            shadows = [t for t in asyncio.all_tasks() if t.get_name().startswith("shadow-")]
+            await asyncio.gather(*shadows)
+            return replies, list(receiver.state.shadow_agreements)
+
+    replies, agreements = asyncio.run(run())
+    assert all(r.path == "partial" for r in replies)
+    assert abs(len(agreements) - n * share) <= 4.5 * (n * share * (1 - share)) ** 0.5, len(agreements)
+    assert all(0.0 <= a <= 1.0 for a in agreements)
