@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import click
 
 from droidmesh.shared.cli.ask import ask, prefill, receivers
+from droidmesh.shared.cli.audit import audit
 from droidmesh.shared.cli.bench import bench
 from droidmesh.shared.cli.config import config
 from droidmesh.shared.cli.demo import demo
@@ -66,7 +67,7 @@ def main() -> None:
     """DroidMesh: reuse one LLM's KV cache in another, recomputing only a critical layer group."""
 
 
-for command in (ask, prefill, receivers, config, bench, demo, zoo, eval_cmd, profile):
+for command in (ask, prefill, receivers, audit, config, bench, demo, zoo, eval_cmd, profile):
     main.add_command(command)
 
 if __name__ == "__main__":

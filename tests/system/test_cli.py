@@ -24,6 +24,7 @@ from tests.system.conftest import words
 pytestmark = pytest.mark.system
 
 THREADS = {"OMP_NUM_THREADS": "1"}
+AUDIT_LOGS = Path(__file__).resolve().parents[1] / "data" / "audit"  # a committed sample of receiver request logs
 
 # (command path, extra argv): required options, plus the smallest values where a default is long.
 INVOCATIONS: list[tuple[str, list[str]]] = [
@@ -39,6 +40,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("receivers", ["--nats", "{url}"]),
     ("prefill", ["--sender", "summ", "--context", "{tmp}/context.txt", "--nats", "{url}"]),
     ("ask", ["--context", "{tmp}/context.txt", "--question", "what?", "--nats", "{url}"]),
+    ("audit", ["--logs", str(AUDIT_LOGS)]),
     ("bench codecs", ["--pairs", "summ:qa", "--rows", "1", "--tokens", "64", "--rates", "0.5", "--repeats", "1"]),
     ("bench ttft", ["--contexts", "32", "--repeats", "1"]),
     ("bench quality", ["--rows", "1"]),
