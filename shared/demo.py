@@ -87,7 +87,7 @@ def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profil
         procs.append(nats)
         configs = [recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1) for p in pairs
                    if p.id in profiles]
-        asyncio.run(_publish(configs, url))
+        asyncio.run(publish_configs(configs, url))
         procs.append(start_service("cache_broker", {}, url, env=THREADS, log_dir=log_dir))
         default_group = (0, max(1, round(0.25 * num_layers)))
         for name in dict.fromkeys(p.sender for p in pairs):
@@ -114,7 +114,7 @@ def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profil
         say("mesh stopped")
 
 
-async def _publish(configs: list[schemas.RecomputeConfig], url: str) -> None:
+async def publish_configs(configs: list[schemas.RecomputeConfig], url: str) -> None:
     if not configs:
         return
     client = await MeshClient.connect(url)

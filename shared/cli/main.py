@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import click
 
+from droidmesh.shared.cli.agents import agents
 from droidmesh.shared.cli.ask import ask, prefill, receivers
 from droidmesh.shared.cli.audit import audit
 from droidmesh.shared.cli.bench import bench
@@ -67,7 +68,7 @@ def main() -> None:
     """DroidMesh: reuse one LLM's KV cache in another, recomputing only a critical layer group."""
 
 
-for command in (ask, prefill, receivers, audit, config, bench, demo, zoo, eval_cmd, profile):
+for command in (agents, ask, prefill, receivers, audit, config, bench, demo, zoo, eval_cmd, profile):
     main.add_command(command)
 
 if __name__ == "__main__":

@@ -44,6 +44,11 @@ def model_token(model_id: str) -> str:
     return _TOKEN.sub("_", model_id)
 
 
+def agent_work(agent: str) -> str:
+    """Where `droidmesh agents` hands an agent its work (shared/agents.py)."""
+    return f"{PREFIX}.agents.{model_token(agent)}"
+
+
 def receiver_generate(model_id: str) -> str:
     return f"{PREFIX}.receiver.{model_token(model_id)}.generate"
 

@@ -28,6 +28,7 @@ AUDIT_LOGS = Path(__file__).resolve().parents[1] / "data" / "audit"  # a committ
 
 # (command path, extra argv): required options, plus the smallest values where a default is long.
 INVOCATIONS: list[tuple[str, list[str]]] = [
+    ("agents", ["--rows", "1", "--logs", "{tmp}/agents"]),
     ("zoo list", []),
     ("zoo build", ["--tier", "ci"]),  # cached: the session's ci tier is in DROIDMESH_ZOO_DIR
     ("zoo data", ["--task", "multihop_qa", "--out", "{tmp}/rows.jsonl"]),

@@ -1,0 +1,45 @@
+"""`droidmesh agents`: the multi-agent workload over a mesh it starts, its logs for `droidmesh audit`."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.option("--rows", default=30, show_default=True, type=click.IntRange(1, 500),
+              help="multihop_qa test rows, each through planner -> analyst -> coder -> reviewer.")
+@click.option("--logs", "log_dir", type=click.Path(file_okay=False),
+              help="Every process's log goes here (default: a temporary directory); `droidmesh audit --logs` reads it.")
+@click.option("--holdout", "holdout_share", default=0.3, show_default=True, type=click.FloatRange(0, 1),
+              help="Receivers' holdout share: relayable requests served by full prefill (the audit's control).")
+@click.option("--shadow", "shadow_share", default=0.3, show_default=True, type=click.FloatRange(0, 1),
+              help="Receivers' shadow share: relayed answers checked against a full prefill when idle.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the per-agent summary here.")
+def agents(rows: int, log_dir: str | None, holdout_share: float, shadow_share: float, json_path: str | None) -> None:
+    """Run agents on the demo tier's base (sender), qa and code (receivers) that extend, rewrite or
+    ignore each other's context; print per-agent TTFT, path mix and quality."""
+    from droidmesh.shared.agents import PAIRS, run_agents, table
+    from droidmesh.shared.errors import BadRequestError
+    from droidmesh.shared.models import ModelRef
+    from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest
+    from droidmesh.shared.zoo.tiers import get_recipe
+
+    root = REPO_ZOO / "demo"
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise BadRequestError(f"no committed demo tier at {root}; run `droidmesh zoo build --tier demo --out {root}`")
+    models = {name: ModelRef(root / m["path"], name, "demo", m["sha256"]) for name, m in manifest["models"].items()}
+    profiles = {p.id: json.loads(profile_file(root, p).read_text()) for p in PAIRS if profile_file(root, p).is_file()}
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-agents-"))
+    click.echo(f"agents: {rows} rows, holdout {holdout_share:g}, shadow {shadow_share:g}; logs in {logs}", err=True)
+    summary, _ = run_agents(models, profiles, rows, get_recipe("demo").suite, logs, lambda s: click.echo(s, err=True),
+                            holdout_share, shadow_share)
+    click.echo(table(summary))
+    click.echo(f"audit it: droidmesh audit --logs {logs}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({"rows": summary, "logs": str(logs)}, indent=2) + "\n")
