@@ -238,7 +238,10 @@ def test_mesh_serves_a_profiled_pair(own: dict[str, Any], nats, services) -> Non
                     "--max-new-tokens", MAX_NEW, "--nats", url, cwd=root)
     (start, end), = cfg["chosen"]["plan"]["groups"] or [(0, 0)]
     if start > 0:  # the early context has no E at the group's start: the group starts at layer 0
-        assert "path: partial" in out and f"plan: recompute [0,{end}) " in out, out
+        # (on these tiny models the longer group can be predicted no faster than the receiver's own
+        # prefill; then the reason names the extended group it weighed)
+        assert ("path: partial" in out and f"plan: recompute [0,{end}) " in out) or (
+            "path: full_prefill (predicted own prefill" in out and f"(recompute [0,{end})," in out), out
 
     # The same question through the OpenAI-compatible gateway.
     gateway = start_service("gateway", {"http_port": 0}, url, env=THREADS)
