@@ -29,10 +29,9 @@ from typing import Any
 
 from droidmesh.shared.bench.report import format_table
 from droidmesh.shared.client import MeshClient
-from droidmesh.shared.demo import THREADS, publish_configs
-from droidmesh.shared.launch import Proc, start_nats, start_service
+from droidmesh.shared.demo import THREADS, start_control_plane
+from droidmesh.shared.launch import Proc, start_service
 from droidmesh.shared.models import ModelRef, Pair
-from droidmesh.shared.profiling.profile import recompute_config
 from droidmesh.shared.tasks.scorer import score_text
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.wire import subjects
@@ -142,12 +141,7 @@ def run_agents(models: dict[str, ModelRef], profiles: dict[str, dict[str, Any]],
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
-        nats, url = start_nats(log_dir=log_dir)
-        procs.append(nats)
-        configs = [recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1) for p in PAIRS
-                   if p.id in profiles]
-        asyncio.run(publish_configs(configs, url))
-        procs.append(start_service("cache_broker", {}, url, env=THREADS, log_dir=log_dir))
+        url = start_control_plane(PAIRS, models, profiles, log_dir, procs)
         starts = sorted({profiles[p.id]["chosen"]["start"] for p in PAIRS if p.id in profiles} | {0})
         say("starting sender base, receivers qa and code")
         procs.append(start_service("sender", {"model_path": models["base"].path, "model_id": "base",

@@ -12,7 +12,7 @@ import asyncio
 import json
 import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +83,7 @@ def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profil
     procs: list[Proc] = []
     try:
         say(f"starting nats-server (logs in {log_dir})")
-        nats, url = start_nats(log_dir=log_dir)
-        procs.append(nats)
-        configs = [recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1) for p in pairs
-                   if p.id in profiles]
-        asyncio.run(publish_configs(configs, url))
-        procs.append(start_service("cache_broker", {}, url, env=THREADS, log_dir=log_dir))
+        url = start_control_plane(pairs, models, profiles, log_dir, procs)
         default_group = (0, max(1, round(0.25 * num_layers)))
         for name in dict.fromkeys(p.sender for p in pairs):
             starts = {profiles[p.id]["chosen"]["start"] for p in pairs if p.sender == name and p.id in profiles}
@@ -112,6 +107,19 @@ def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profil
         for p in reversed(procs):
             p.stop()
         say("mesh stopped")
+
+
+def start_control_plane(pairs: Sequence[Pair], models: dict[str, ModelRef], profiles: dict[str, dict[str, Any]],
+                        log_dir: Path, procs: list[Proc]) -> str:
+    """nats-server, the pairs' saved profiles published as configs, a broker (each appended to
+    `procs`, logs in `log_dir`); the NATS url."""
+    nats, url = start_nats(log_dir=log_dir)
+    procs.append(nats)
+    configs = [recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1) for p in pairs
+               if p.id in profiles]
+    asyncio.run(publish_configs(configs, url))
+    procs.append(start_service("cache_broker", {}, url, env=THREADS, log_dir=log_dir))
+    return url
 
 
 async def publish_configs(configs: list[schemas.RecomputeConfig], url: str) -> None:

@@ -42,13 +42,21 @@ class LinearCode:
     enc: torch.Tensor  # [H, d_in, r]
     dec: torch.Tensor  # [H, r, d_out]
     mu_out: torch.Tensor  # [H, d_out]
+    _copies: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def rank(self) -> int:
         return self.enc.shape[-1]
 
     def to(self, device: torch.device) -> LinearCode:
-        return LinearCode(*(t.to(device) for t in (self.mu_in, self.enc, self.dec, self.mu_out)))
+        """This code on `device`: itself there, else a copy made once per device (every pull
+        encodes or decodes with it, so a CUDA copy must not be made per item)."""
+        if self.enc.device == device:
+            return self
+        key = str(device)
+        if key not in self._copies:
+            self._copies[key] = LinearCode(*(t.to(device) for t in (self.mu_in, self.enc, self.dec, self.mu_out)))
+        return self._copies[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,17 +107,8 @@ class Maps:
     def code(self, layer: int, kind: str) -> LinearCode | None:
         return self.codes.get((layer, kind))
 
-    def patch_layers(self) -> list[int]:
-        return sorted(l for l, k in self.codes if k == "E")
-
     def ranks(self) -> dict[str, int]:
         return {f"{l}.{k}": c.rank for (l, k), c in sorted(self.codes.items())}
-
-    def on(self, device: torch.device) -> Maps:
-        """These maps with every tensor on `device` (the engine never copies across devices)."""
-        if all(c.enc.device == device for c in self.codes.values()):
-            return self
-        return dataclasses.replace(self, codes={key: c.to(device) for key, c in self.codes.items()})
 
     # -- the file --------------------------------------------------------------------------
     def to_bytes(self) -> bytes:

@@ -350,7 +350,7 @@ class LowRankCodec:
         if (kind, layer) != (header.kind, header.layer):
             raise IntegrityError(f"layer {header.layer} {header.kind}: lowrank laid out for layer {layer} {kind}")
         if code is None:
-            RawCodec().decode(payload, header, out)
+            get(RawCodec.name).decode(payload, header, out)
             return
         try:
             scd.check_fits(kind, tuple(out.shape), code)

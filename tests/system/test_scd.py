@@ -49,6 +49,14 @@ def _config(tiny_pair: tuple[Path, Path], sha: str, version: int) -> schemas.Rec
         created_at=time.time())
 
 
+def _start(services, url: str, tiny_pair: tuple[Path, Path]) -> str:
+    """A broker, the pair's sender and receiver, as processes on `url`; returns `url`."""
+    services.append(start_service("cache_broker", {}, url, env=THREADS))
+    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender"}, url, env=THREADS))
+    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver"}, url, env=THREADS))
+    return url
+
+
 async def _ask_until(client: MeshClient, model, want: str, offset: int, tries: int = 40) -> tuple[str, schemas.GenerateReply]:
     """Prefill fresh contexts and ask over each until a reply's plan is `want` (configs and maps
     reach the services asynchronously); return that context and reply (or the last ones)."""
@@ -66,10 +74,7 @@ def test_receiver_answers_with_scd_codes_equal_to_the_engine(nats, services, tin
     """A published lowrank config: the reply names the plan and codec, pulls fewer bytes than the
     raw KV of the reused layers, and its tokens equal the in-process engine's with the same maps."""
     maps, data = _fit(tiny_pair, tiny_models)
-    url = nats[1]
-    services.append(start_service("cache_broker", {}, url, env=THREADS))
-    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender"}, url, env=THREADS))
-    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver"}, url, env=THREADS))
+    url = _start(services, nats[1], tiny_pair)
 
     async def run():
         client = await MeshClient.connect(url)
@@ -98,10 +103,7 @@ def test_receiver_answers_with_scd_codes_equal_to_the_engine(nats, services, tin
 def test_a_config_whose_maps_are_missing_falls_back_and_says_why(nats, services, tiny_pair, tiny_models):
     """A config naming maps nobody published: the receiver answers by its own full prefill, the
     reply's reason naming the maps; nothing crashes."""
-    url = nats[1]
-    services.append(start_service("cache_broker", {}, url, env=THREADS))
-    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender"}, url, env=THREADS))
-    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver"}, url, env=THREADS))
+    url = _start(services, nats[1], tiny_pair)
 
     async def run():
         client = await MeshClient.connect(url)
