@@ -128,8 +128,8 @@ def start_nats(port: int | None = None, store_dir: str | None = None, extra: lis
                log_dir: Path | None = None, conf: Path = NATS_CONF, env: dict[str, str] | None = None,
                host: str = "127.0.0.1", wrap: list[str] | None = None) -> tuple[Proc, str]:
     """A real nats-server with JetStream on a free port; returns (process, url). With
-    `conf=NATS_AUTH_CONF`, pass the role passwords in `env`; `wrap` prefixes the command
-    (e.g. `ip netns exec NS` to run it inside a network namespace)."""
+    `conf=NATS_AUTH_CONF`, pass its users' passwords in `env` (named by `nats_auth.password_env`);
+    `wrap` prefixes the command (e.g. `ip netns exec NS` to run it inside a network namespace)."""
     port = port or free_port()
     store = store_dir or tempfile.mkdtemp(prefix="dm-js-")
     argv = [*(wrap or []), nats_server_binary(), "-c", str(conf), "-a", host, "-p", str(port), "-js", "-sd", store,

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Fresh secrets for a DroidMesh deployment: one random NATS password per role and a throwaway CA
-# with a NATS server certificate, written under DIR (default: infra/secrets/local, git-ignored):
+# Fresh secrets for a DroidMesh deployment: one random NATS password per user of
+# infra/nats/nats-auth.conf (or the conf DM_NATS_AUTH_CONF names) and a throwaway CA with a NATS
+# server certificate, written under DIR (default: infra/secrets/local, git-ignored):
 #
-#   DIR/nats.env              DM_NATS_PASSWORD_<ROLE>=... for nats-server (compose env_file;
-#                             kubectl create secret generic droidmesh-nats --from-env-file)
-#   DIR/passwords/<role>      the same password, one file per role (DM_NATS_PASSWORD_FILE)
+#   DIR/nats.env              DM_NATS_PASSWORD_<USER>=... (the variables the conf names) for
+#                             nats-server (compose env_file; kubectl create secret generic
+#                             droidmesh-nats --from-env-file)
+#   DIR/passwords/<user>      the same password, one file per user (DM_NATS_PASSWORD_FILE)
 #   DIR/tls/ca.pem            the CA clients verify the server with (DM_NATS_TLS_CA)
 #   DIR/tls/ca-key.pem        the CA's key: only needed to issue more certificates
 #   DIR/tls/server.pem        the NATS server certificate, and server-key.pem its key
 #
-# Files that exist are kept (re-running is safe; passwords stay, certificates you brought stay).
+# Files that exist are kept (re-running is safe; passwords stay, certificates you brought stay), so
+# after `droidmesh nats-auth` adds users, running it again makes only the new users' passwords.
 # Delete a file to have it made again: e.g. tls/server.pem and tls/server-key.pem to re-issue the
 # server certificate from the same CA (with DM_TLS_EXTRA_SANS="DNS:nats.example.com,IP:10.0.0.5"
 # for more names). DM_TLS_NAMESPACE (default droidmesh) names the Kubernetes service's namespace,
@@ -18,8 +21,12 @@
 # Usage: bash infra/secrets/generate.sh [DIR]
 set -euo pipefail
 
-ROLES="sender broker receiver profiler client gateway admin"
-DIR=${1:-"$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/local"}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+DIR=${1:-"$HERE/local"}
+AUTH_CONF=${DM_NATS_AUTH_CONF:-"$HERE/../nats/nats-auth.conf"}
+# "user env-variable" for every `{ user: NAME, password: $VARIABLE` line of the conf.
+USERS=$(sed -n 's/^[[:space:]]*{ user: \([A-Za-z0-9_-]*\), password: \$\([A-Z0-9_]*\).*/\1 \2/p' "$AUTH_CONF")
+[[ -n "$USERS" ]] || { echo "generate.sh: no users in $AUTH_CONF" >&2; exit 1; }
 NAMESPACE=${DM_TLS_NAMESPACE:-droidmesh}
 DAYS=${DM_TLS_DAYS:-365}
 
@@ -30,21 +37,21 @@ chmod 700 "$DIR"
 # world-readable, the directory holding them is not (0700).
 chmod 755 "$DIR/passwords" "$DIR/tls"
 
-# Passwords: 32 random alphanumerics per role (no characters that need quoting anywhere).
-for role in $ROLES; do
-  file="$DIR/passwords/$role"
+# Passwords: 32 random alphanumerics per user (no characters that need quoting anywhere).
+while read -r user _; do
+  file="$DIR/passwords/$user"
   if [[ ! -s "$file" ]]; then
     password=$(LC_ALL=C tr -dc 'A-Za-z0-9' </dev/urandom | head -c 32 || true)
     [[ ${#password} -eq 32 ]] || { echo "generate.sh: could not read /dev/urandom" >&2; exit 1; }
     printf '%s\n' "$password" >"$file"
   fi
   chmod 644 "$file"
-done
+done <<<"$USERS"
 env_tmp="$DIR/nats.env.tmp"
 : >"$env_tmp"
-for role in $ROLES; do
-  echo "DM_NATS_PASSWORD_$(echo "$role" | tr a-z A-Z)=$(head -n 1 "$DIR/passwords/$role")" >>"$env_tmp"
-done
+while read -r user variable; do
+  echo "$variable=$(head -n 1 "$DIR/passwords/$user")" >>"$env_tmp"
+done <<<"$USERS"
 mv "$env_tmp" "$DIR/nats.env"
 
 # TLS: a throwaway CA and a server certificate for NATS, unless already there.
@@ -92,4 +99,4 @@ fi
 chmod 644 "$tls/ca.pem" "$tls/server.pem"
 chmod 600 "$tls/server-key.pem"
 [[ ! -e "$tls/ca-key.pem" ]] || chmod 600 "$tls/ca-key.pem"
-echo "generate.sh: secrets in $DIR (passwords for: $ROLES)" >&2
+echo "generate.sh: secrets in $DIR (passwords for: $(cut -d' ' -f1 <<<"$USERS" | paste -sd' ' -))" >&2

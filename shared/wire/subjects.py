@@ -29,6 +29,8 @@ BROKER_HELLO = f"{PREFIX}.broker.hello"  # a (re)started broker asks senders to 
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
 CACHE_EVENTS = f"{PREFIX}.cache.*.*"  # every sender's events (the broker)
 CACHE_AVAILABLE_ALL = f"{CACHE_AVAILABLE}.*"  # every sender's availability events (receivers' warm-up)
+SENDER_GRANT_ALL = f"{SENDER_GRANT}.*"  # any sender's grants (receivers ask whichever holds a context)
+RECEIVER_GENERATE_ALL = f"{PREFIX}.receiver.*.generate"  # any model's receivers (clients, the gateway)
 
 CONFIG_BUCKET = "dm_recompute_configs"
 MAPS_BUCKET = "dm_scd_maps"  # SCD maps files named by sha256, chunked (shared/maps_store.py)

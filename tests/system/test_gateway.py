@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 import subprocess
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import pytest
 
 from droidmesh.shared.client import MeshClient
 from droidmesh.shared.launch import NATS_AUTH_CONF, Proc, start_nats, start_service
+from droidmesh.shared.nats_auth import DEFAULT_ROSTER, password_env, receiver_user
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system
@@ -121,19 +121,19 @@ def test_curl_and_the_canonical_log_line(mesh):
 
 
 def test_gateway_under_least_privilege(tiny_pair, services, tmp_path):
-    """With per-role NATS users the gateway role discovers receivers and gets answers, streamed ones
-    included (the receiver role may publish chunks into the gateway's inbox)."""
-    roles = set(re.findall(r"\$DM_NATS_PASSWORD_(\w+)", NATS_AUTH_CONF.read_text()))
-    pw = {r.lower(): secrets.token_hex(12) for r in roles}
+    """With the shipped NATS users the gateway discovers receivers and gets answers, streamed ones
+    included (receiver-qa may publish chunks into the gateway's inbox)."""
+    pw = {u: secrets.token_hex(12) for u in DEFAULT_ROSTER.users}
     nats, url = start_nats(store_dir=str(tmp_path / "js"), conf=NATS_AUTH_CONF,
-                           env={f"DM_NATS_PASSWORD_{r.upper()}": p for r, p in pw.items()})
+                           env={password_env(u): p for u, p in pw.items()})
     services.append(nats)
 
     def role(name: str) -> dict[str, str]:
         return {**THREADS, "DM_NATS_USER": name, "DM_NATS_PASSWORD": pw[name]}
 
     services.append(start_service("profiler", {}, url, env=role("profiler")))  # creates the config bucket readers watch
-    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa"}, url, env=role("receiver")))
+    services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa"}, url,
+                                  env=role(receiver_user("qa"))))
     gateway = start_service("gateway", {"http_port": 0}, url, env=role("gateway"))
     services.append(gateway)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway.events('gateway_started')[0]['http_port']}/v1",

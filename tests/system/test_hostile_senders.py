@@ -1,16 +1,23 @@
 """Hostile and unlucky senders against a real receiver: frozen past the reuse timeout then
-resumed, killed, and frozen while unrelated requests arrive. Real nats-server, broker, sender and
-receiver processes on the ci tier; readiness and progress from logs and replies, never sleeps."""
+resumed, killed, frozen while unrelated requests arrive, and trickling its bytes over a slow link.
+Real nats-server, broker, sender and receiver processes on the ci tier; readiness and progress from
+logs, replies and the link's byte counter, never sleeps."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import subprocess
+import time
+from collections.abc import Iterator
 
 import pytest
 
+from droidmesh.shared.bench import netns
 from droidmesh.shared.client import MeshClient
-from droidmesh.shared.launch import Proc, start_service
+from droidmesh.shared.launch import Proc, free_port, start_nats, start_service
+from droidmesh.shared.wire import schemas
 from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.fault]
@@ -22,13 +29,15 @@ RECEIVER_ARGS = {"model_id": "receiver", "default_group": [1, 2], "reuse_timeout
                  "breaker_cooldown_s": 60.0}
 
 
-def _mesh(services: list[Proc], url: str, model_dir, receiver_args: dict | None = None) -> tuple[Proc, Proc]:
+def _mesh(services: list[Proc], url: str, model_dir, receiver_args: dict | None = None, sender_args: dict | None = None,
+          sender_wrap: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[Proc, Proc]:
     """Broker, sender and receiver (the sender holds the receiver's own weights: every path gives the same tokens)."""
-    services.append(start_service("cache_broker", {}, url, env=THREADS))
-    sender = start_service("sender", {"model_path": model_dir, "model_id": "sender", "e_layers": [1]}, url, env=THREADS)
+    env = {**THREADS, **(env or {})}
+    services.append(start_service("cache_broker", {}, url, env=env))
+    sender = start_service("sender", {"model_path": model_dir, "model_id": "sender", "e_layers": [1], **(sender_args or {})},
+                           url, env=env, wrap=sender_wrap)
     services.append(sender)
-    receiver = start_service("receiver", {"model_path": model_dir, **(receiver_args or RECEIVER_ARGS)}, url,
-                             env=THREADS)
+    receiver = start_service("receiver", {"model_path": model_dir, **(receiver_args or RECEIVER_ARGS)}, url, env=env)
     services.append(receiver)
     return sender, receiver
 
@@ -50,14 +59,16 @@ async def _log_line(proc: Proc, needle: str, after: int = 0, timeout: float = 60
 class Stream:
     """`k` clients asking in a loop until stopped; every reply is kept (a lost request raises)."""
 
-    def __init__(self, client: MeshClient, k: int = 3) -> None:
-        self.client, self.replies, self.stop = client, [], asyncio.Event()
+    def __init__(self, client: MeshClient, k: int = 3, timeout: float = 60) -> None:
+        self.client, self.stop, self.timeout = client, asyncio.Event(), timeout
+        self.replies: list[schemas.GenerateReply] = []
         self.tasks = [asyncio.create_task(self._one(i)) for i in range(k)]
 
     async def _one(self, k: int) -> None:
         i = 0
         while not self.stop.is_set():
-            self.replies.append(await self.client.ask("receiver", CONTEXT, f" q{k}-{i}", max_new_tokens=2, timeout=60))
+            self.replies.append(await self.client.ask("receiver", CONTEXT, f" q{k}-{i}", max_new_tokens=2,
+                                                       timeout=self.timeout))
             i += 1
 
     async def until(self, n: int) -> None:
@@ -154,3 +165,167 @@ def test_full_prefill_answered_while_another_requests_sender_is_frozen(nats, ser
     other, stalled_done, stalled = asyncio.run(run())
     assert other.path == "full_prefill" and not stalled_done
     assert len(stalled.token_ids) == 2 and receiver.popen.poll() is None
+
+
+# -- a trickling sender -------------------------------------------------------------------------
+# The sender in a network namespace of its own, behind a veth pair to this host. The sender's
+# outbound side of the link carries its NATS traffic at full speed and everything else (the UCX
+# wireup and bulk payloads) at TRICKLE_KBIT: bytes keep arriving, far too slowly for a pull of
+# CONTEXT (~2 MB on the ci tier: E of layer 1 and the reused layers' K/V, ~40 s at that rate) to
+# finish within the receiver's reuse timeout. NATS, the broker, the receiver and this test's client
+# stay on the host, on the veth's host address.
+NS, HOST_DEV, NS_DEV = "dm-trickle", "dmtrk-host", "dmtrk-snd"
+HOST_IP, SND_IP = "10.78.0.1", "10.78.0.2"
+TRICKLE_KBIT = 400
+UCX_TCP = {"UCX_TLS": "tcp,self"}  # over the veth: a shared-memory transport would bypass the shaped link
+BUDGET_S = 30.0  # each request's budget: shorter than a whole pull at TRICKLE_KBIT
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(list(argv), check=True, capture_output=True, text=True)
+
+
+def _remove_link() -> None:
+    subprocess.run(["ip", "netns", "del", NS], capture_output=True)  # takes the veth pair with it
+    subprocess.run(["ip", "link", "del", HOST_DEV], capture_output=True)
+
+
+def _trickled_bytes() -> int:
+    """Bytes the sender's namespace has sent through the trickling class so far (tc's counter)."""
+    out = subprocess.run(["ip", "netns", "exec", NS, "tc", "-s", "class", "show", "dev", NS_DEV],
+                         check=True, capture_output=True, text=True).stdout
+    found = re.search(r"class htb 1:20 .*\n\s*Sent (\d+) bytes", out)
+    assert found, out
+    return int(found.group(1))
+
+
+def _build_link(nats_port: int) -> None:
+    """The namespace, the veth pair and the sender side's qdisc: htb with NATS (to `nats_port`) in a fast class and
+    everything else in a TRICKLE_KBIT class with a short queue (packets of one MTU: an even trickle)."""
+    ns = ["ip", "netns", "exec", NS]
+    _sh("ip", "netns", "add", NS)
+    _sh(*ns, "ip", "link", "set", "lo", "up")
+    _sh("ip", "link", "add", HOST_DEV, "type", "veth", "peer", "name", NS_DEV)
+    _sh("ip", "link", "set", NS_DEV, "netns", NS)
+    _sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", HOST_DEV)
+    _sh("ip", "link", "set", HOST_DEV, "up")
+    _sh(*ns, "ip", "addr", "add", f"{SND_IP}/24", "dev", NS_DEV)
+    _sh(*ns, "ip", "link", "set", NS_DEV, "gso_max_size", "1500", "up")
+    tc = [*ns, "tc"]
+    _sh(*tc, "qdisc", "add", "dev", NS_DEV, "root", "handle", "1:", "htb", "default", "20")
+    _sh(*tc, "class", "add", "dev", NS_DEV, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit")
+    _sh(*tc, "class", "add", "dev", NS_DEV, "parent", "1:", "classid", "1:20", "htb", "rate", f"{TRICKLE_KBIT}kbit",
+        "ceil", f"{TRICKLE_KBIT}kbit")
+    _sh(*tc, "qdisc", "add", "dev", NS_DEV, "parent", "1:20", "handle", "20:", "pfifo", "limit", "10")
+    _sh(*tc, "filter", "add", "dev", NS_DEV, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+        "match", "ip", "dport", str(nats_port), "0xffff", "flowid", "1:10")
+
+
+@pytest.fixture
+def trickle(tmp_path) -> Iterator[tuple[str, list[str]]]:
+    """(NATS url, command prefix running a process in the sender's namespace): the link above, NATS up on its host end."""
+    why = netns.available()
+    if why:
+        pytest.skip(why)
+    _remove_link()
+    port = free_port()
+    try:
+        _build_link(port)
+    except subprocess.CalledProcessError as e:  # root, but no namespaces, veth, htb or u32 here
+        _remove_link()
+        pytest.skip(f"cannot build the trickle link: {' '.join(e.cmd)}: {e.stderr.strip()}")
+    nats_proc = None
+    try:
+        nats_proc, url = start_nats(port=port, store_dir=str(tmp_path / "js"), host=HOST_IP)
+        yield url, ["ip", "netns", "exec", NS]
+    finally:
+        if nats_proc is not None:
+            nats_proc.stop()
+        _remove_link()
+
+
+def _trickle_mesh(services: list[Proc], url: str, wrap: list[str], model_dir, reuse_timeout_s: float) -> tuple[Proc, Proc]:
+    """Broker and receiver here, the sender in the namespace, UCX over TCP; the breaker never opens (every request pulls)."""
+    return _mesh(services, url, model_dir, {**RECEIVER_ARGS, "reuse_timeout_s": reuse_timeout_s, "breaker_failures": 1000},
+                 sender_args={"ucx_host": SND_IP}, sender_wrap=wrap, env=UCX_TCP)
+
+
+async def _until_trickled(nbytes: int, pulling: asyncio.Task) -> None:
+    """Return once the sender has trickled `nbytes` (a pull's payload is on the wire), while `pulling` still waits."""
+    while _trickled_bytes() < nbytes:
+        assert not pulling.done(), pulling.result()
+        await asyncio.sleep(0.05)
+
+
+async def _until_trickle_stops(timeout: float = 60) -> None:
+    """Return once the link carried less than one packet in 2 s: the sender stopped sending (after the bytes the kernel
+    had already taken from it drain); fail if it still sends after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last = _trickled_bytes()
+    while True:
+        await asyncio.sleep(2)  # a sampling window for the byte counter, not a wait for readiness
+        now = _trickled_bytes()
+        if now - last < 1500:
+            return
+        assert time.monotonic() < deadline, f"the sender still sends ({now - last} B in 2 s) {timeout}s after the last request"
+        last = now
+
+
+def test_trickling_sender_is_cut_off_at_the_reuse_timeout(trickle, services, tiny_pair, tiny_models):
+    """A sender trickling its bulk bytes under a request stream: each pull is cut at the reuse timeout and the sender's
+    sends are aborted, every request is answered by fallback within its budget, the link goes quiet once the stream
+    ends, and the receiver stays up and stops cleanly."""
+    url, wrap = trickle
+    sender, receiver = _trickle_mesh(services, url, wrap, tiny_pair[1], reuse_timeout_s=2.0)
+
+    async def run() -> list:
+        client = await MeshClient.connect(url)
+        try:
+            await client.prefill("sender", CONTEXT)
+            await until_indexed(client, tiny_models[1], CONTEXT)
+            stream = Stream(client, timeout=BUDGET_S)
+            # Pulls cut mid-trickle on two connections: the sender's sends failed (cancelled) each time.
+            await _log_line(sender, '"ucx_send_failed"', after=1, timeout=BUDGET_S * 2)
+            await stream.until(len(stream.replies) + 3)
+            replies = await stream.finish()
+            await _until_trickle_stops()
+            return replies
+        finally:
+            await client.close()
+
+    replies = asyncio.run(run())
+    assert receiver.popen.poll() is None, receiver.tail()
+    assert all(len(r.token_ids) == 2 and r.path == "fallback" and r.bytes_pulled == 0 for r in replies), \
+        [(r.path, r.fallback_reason) for r in replies]
+    assert all(r.stages_ms["done"] < BUDGET_S * 1e3 for r in replies)
+    cut = [r for r in replies if re.search(r"pull from \S+ exceeded", r.fallback_reason or "")]
+    assert len(cut) >= 2, [r.fallback_reason for r in replies]  # pulls cut at the reuse timeout, not left to trickle
+    assert all(e["error"].startswith("UCXXCanceledError") for e in sender.events("ucx_send_failed")), sender.tail()
+    assert receiver.stop() == 0 and receiver.events("stopped"), receiver.tail()
+
+
+def test_full_prefill_answered_while_a_trickling_pull_is_in_progress(trickle, services, tiny_pair, tiny_models):
+    """While a reuse request's pull trickles in, an unrelated full-prefill request is answered first; the reuse request
+    then falls back at its reuse timeout, within its budget."""
+    url, wrap = trickle
+    sender, receiver = _trickle_mesh(services, url, wrap, tiny_pair[1], reuse_timeout_s=10.0)
+
+    async def run():
+        client = await MeshClient.connect(url)
+        try:
+            await client.prefill("sender", CONTEXT)
+            await until_indexed(client, tiny_models[1], CONTEXT)
+            start = _trickled_bytes()
+            pulling = asyncio.create_task(client.ask("receiver", CONTEXT, " pulling", max_new_tokens=2, timeout=BUDGET_S))
+            await _until_trickled(start + 20_000, pulling)  # well past any wireup: the pull's payload is on the wire
+            other = await client.ask("receiver", words(50, offset=3), " other", max_new_tokens=2, mode="full_prefill",
+                                     timeout=BUDGET_S)
+            return other, pulling.done(), await pulling
+        finally:
+            await client.close()
+
+    other, pulling_done, pulled = asyncio.run(run())
+    assert other.path == "full_prefill" and len(other.token_ids) == 2 and not pulling_done
+    assert pulled.path == "fallback" and "exceeded 10s" in (pulled.fallback_reason or ""), pulled.fallback_reason
+    assert len(pulled.token_ids) == 2 and pulled.stages_ms["done"] < BUDGET_S * 1e3
+    assert receiver.popen.poll() is None, receiver.tail()

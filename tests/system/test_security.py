@@ -1,10 +1,12 @@
-"""Access control: role permissions on a real nats-server, single-use grants on UCX pulls,
-tenant isolation (nobody reads another's replies, speaks for another sender or fills a store)."""
+"""Access control: per-user permissions on a real nats-server (a conf `shared.nats_auth` renders
+for this file's roster), single-use grants on UCX pulls, tenant isolation (nobody reads another's
+replies, speaks for another sender, joins another model's queue group or fills a store)."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 
 import msgspec
 import nats
@@ -13,8 +15,9 @@ import torch
 
 from droidmesh.shared.client import MeshClient
 from droidmesh.shared.errors import DroidMeshError, TransferError
-from droidmesh.shared.launch import NATS_AUTH_CONF, start_nats, start_service
+from droidmesh.shared.launch import start_nats, start_service
 from droidmesh.shared.model import text
+from droidmesh.shared.nats_auth import Roster, password_env, receiver_user, render, sender_user
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.transport.pull import request_grant, requester
 from droidmesh.shared.wire import schemas, subjects
@@ -22,26 +25,30 @@ from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
 
-ROLES = ("sender", "broker", "receiver", "profiler", "client", "admin", "gateway")
+# The running sender is `victim`; `rogue` is another sender's user (same model, its own id).
+ROSTER = Roster(senders=(("victim", "sender"), ("rogue", "sender")), receivers=("receiver",))
+VICTIM, ROGUE, RECEIVER = sender_user("victim"), sender_user("rogue"), receiver_user("receiver")
 CONTEXT = words(120)
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_pair):
-    """A nats-server with role users and one copy of each service, each under its role."""
-    passwords = {r: secrets.token_hex(12) for r in ROLES}
-    env = {f"DM_NATS_PASSWORD_{r.upper()}": p for r, p in passwords.items()}
-    proc, url = start_nats(store_dir=str(tmp_path_factory.mktemp("js")), conf=NATS_AUTH_CONF, env=env)
+    """A nats-server with ROSTER's users and one copy of each service, each under its own user."""
+    passwords = {u: secrets.token_hex(12) for u in ROSTER.users}
+    conf = tmp_path_factory.mktemp("nats") / "nats-auth.conf"
+    conf.write_text(render(ROSTER))
+    env = {password_env(u): p for u, p in passwords.items()}
+    proc, url = start_nats(store_dir=str(tmp_path_factory.mktemp("js")), conf=conf, env=env)
     procs = []
     try:
         # The bucket exists before readers start (readers may not create it).
-        procs.append(start_service("profiler", {}, url, env=_role_env("profiler", passwords)))
-        procs.append(start_service("cache_broker", {}, url, env=_role_env("broker", passwords)))
+        procs.append(start_service("profiler", {}, url, env=_user_env("profiler", passwords)))
+        procs.append(start_service("cache_broker", {}, url, env=_user_env("broker", passwords)))
         procs.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [2],
-                                              "sender_id": "victim"}, url, env=_role_env("sender", passwords)))
+                                              "sender_id": "victim"}, url, env=_user_env(VICTIM, passwords)))
         procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
-                                                "default_group": [2, 4]}, url, env=_role_env("receiver", passwords)))
+                                                "default_group": [2, 4]}, url, env=_user_env(RECEIVER, passwords)))
         yield url, passwords
     finally:
         for p in reversed(procs):
@@ -49,16 +56,16 @@ def mesh(tmp_path_factory, tiny_pair):
         proc.stop()
 
 
-def _role_env(role: str, passwords: dict[str, str]) -> dict[str, str]:
-    return {**THREADS, "DM_NATS_USER": role, "DM_NATS_PASSWORD": passwords[role]}
+def _user_env(user: str, passwords: dict[str, str]) -> dict[str, str]:
+    return {**THREADS, "DM_NATS_USER": user, "DM_NATS_PASSWORD": passwords[user]}
 
 
-async def _connect(url: str, role: str, passwords: dict[str, str], errors: list[str], own_inbox: bool = True):
+async def _connect(url: str, user: str, passwords: dict[str, str], errors: list[str], own_inbox: bool = True):
     async def on_error(e: Exception) -> None:
         errors.append(str(e))
 
-    prefix = subjects.inbox_prefix(role) if own_inbox else subjects.INBOX_PREFIX
-    return await nats.connect(url, user=role, password=passwords[role], error_cb=on_error, max_reconnect_attempts=0,
+    prefix = subjects.inbox_prefix(user) if own_inbox else subjects.INBOX_PREFIX
+    return await nats.connect(url, user=user, password=passwords[user], error_cb=on_error, max_reconnect_attempts=0,
                               inbox_prefix=prefix)
 
 
@@ -90,12 +97,12 @@ def test_roles_work_and_unauthorized_users_are_refused(mesh, tiny_models):
         answer = await client.ask("receiver", CONTEXT, " q", max_new_tokens=2)
 
         # A receiver forging an availability event: refused by the server, never delivered.
-        rogue = await _connect(url, "receiver", pw, errors)
+        rogue = await _connect(url, RECEIVER, pw, errors)
         forged = msgspec.structs.replace(seen[0], sender_id="rogue", address="127.0.0.1:1")
         await rogue.publish(subjects.cache_available("rogue"), schemas.encode(forged))
         await rogue.flush()
         # A sender trying to answer lookups: its subscription is refused.
-        impostor = await _connect(url, "sender", pw, errors)
+        impostor = await _connect(url, ROGUE, pw, errors)
         await impostor.subscribe(subjects.BROKER_LOOKUP, queue=subjects.BROKER_QUEUE)
         await impostor.flush()
         # A client trying to run a prefill job: refused.
@@ -107,7 +114,7 @@ def test_roles_work_and_unauthorized_users_are_refused(mesh, tiny_models):
         # already used grant is refused; a client asking for one is refused by the server.
         ev = seen[0]
         assert "pull_token" not in msgspec.to_builtins(ev)
-        recv = await _connect(url, "receiver", pw, errors)
+        recv = await _connect(url, RECEIVER, pw, errors)
         ask = requester(recv)
         other = await admin_client.prefill("sender", words(100, offset=5))
         grants = {"good": await request_grant(ask, ev, 5), "used": await request_grant(ask, ev, 5),
@@ -177,7 +184,7 @@ def test_tenants_cannot_read_replies_speak_for_senders_or_fill_stores(mesh, tiny
         async def on_any(msg):
             overheard.append(msg.data)
 
-        for pattern in ("_INBOX.>", "_INBOX_receiver.>", "_INBOX_gateway.>", "_INBOX_admin.>", ">"):
+        for pattern in ("_INBOX.>", f"{subjects.inbox_prefix(RECEIVER)}.>", "_INBOX_gateway.>", "_INBOX_admin.>", ">"):
             await spy.subscribe(pattern, cb=on_any)
         await spy.flush()
 
@@ -188,7 +195,7 @@ def test_tenants_cannot_read_replies_speak_for_senders_or_fill_stores(mesh, tiny
 
         # Another sender (same role, its own id) withdraws the victim's context: on its own
         # subject, speaking for the victim, and on the subject senders shared before.
-        rogue = await _connect(url, "sender", pw, errors)
+        rogue = await _connect(url, ROGUE, pw, errors)
         withdraw = schemas.encode(schemas.CacheEvicted(sender_id="victim", context_id=prefilled.context_id))
         for subject in (subjects.cache_evicted("rogue"), subjects.CACHE_EVICTED):
             await rogue.publish(subject, withdraw)
@@ -215,6 +222,92 @@ def test_tenants_cannot_read_replies_speak_for_senders_or_fill_stores(mesh, tiny
     assert still.holder is not None and still.holder.sender_id == "victim", "another sender withdrew the victim's context"
     assert not filled
     assert set(announced) == {prefilled_id}, "a client made the sender capture a context"
+
+
+def test_a_sender_cannot_announce_refresh_withdraw_or_take_grants_for_another(mesh, tiny_models):
+    """sender-rogue cannot publish an availability event, heartbeat or eviction under the victim's
+    id, nor take the victim's grant requests: the server refuses each, so the broker still has the
+    victim holding its context at its own address."""
+    url, pw = mesh
+    context = words(120, offset=31)
+
+    async def run():
+        errors: list[str] = []
+        admin = await _connect(url, "admin", pw, errors)
+        admin_client = MeshClient(_Bus(admin))
+        delivered: list[bytes] = []
+        available: list[schemas.CacheAvailable] = []
+
+        async def on_event(msg):
+            delivered.append(msg.data)
+            if msg.subject == subjects.cache_available("victim"):
+                available.append(schemas.decode(msg.data, schemas.CacheAvailable))
+
+        await admin.subscribe(f"{subjects.PREFIX}.cache.>", cb=on_event)
+        await admin.flush()
+        prefilled = await admin_client.prefill("sender", context)
+        await until_indexed(admin_client, tiny_models[1], context)
+        (real,) = [e for e in available if e.context_id == prefilled.context_id]
+
+        rogue = await _connect(url, ROGUE, pw, errors)
+        forged = {
+            subjects.cache_available("victim"): schemas.encode(msgspec.structs.replace(real, address="127.0.0.1:1")),
+            subjects.sender_heartbeat("victim"): schemas.encode(schemas.SenderHeartbeat(
+                sender_id="victim", model_id="sender", context_ids=[], interval_s=1.0, sent_at=time.time())),
+            subjects.cache_evicted("victim"): schemas.encode(
+                schemas.CacheEvicted(sender_id="victim", context_id=prefilled.context_id)),
+        }
+        for subject, data in forged.items():
+            await rogue.publish(subject, data)
+        await rogue.subscribe(subjects.sender_grant("victim"), queue="grants")
+        await _until_refused(rogue, errors, len(forged) + 1)
+        await admin.flush()  # anything the server routed from the rogue has reached the admin by now
+        still = await admin_client.lookup(text.context_ids(tiny_models[1].tokenizer, context),
+                                          tiny_models[1].fingerprint.id)
+        for c in (rogue, admin):
+            await c.close()
+        return forged, delivered, still, real, errors
+
+    forged, delivered, still, real, errors = asyncio.run(run())
+    for subject in forged:
+        assert any("permissions violation for publish" in e.lower() and subject in e for e in errors), (subject, errors)
+    assert any("permissions violation for subscription" in e.lower() and subjects.sender_grant("victim") in e
+               for e in errors), errors
+    assert not set(forged.values()) & set(delivered), "a forged event reached subscribers"
+    assert still.holder is not None and (still.holder.sender_id, still.holder.address) == ("victim", real.address)
+
+
+def test_a_receiver_may_join_only_its_own_models_queue_group(mesh):
+    """receiver-<model> joins its own model's queue group; another model's group, and its own
+    subject outside the group (a copy of every request), are refused by the server."""
+    url, pw = mesh
+
+    async def run():
+        errors: list[str] = []
+        nc = await _connect(url, RECEIVER, pw, errors)
+        await nc.subscribe(subjects.receiver_generate("receiver"), queue=subjects.receiver_queue("receiver"))
+        await nc.subscribe(subjects.receiver_generate("other"), queue=subjects.receiver_queue("other"))
+        await nc.subscribe(subjects.receiver_generate("receiver"))
+        await _until_refused(nc, errors, 2)
+        await nc.close()
+        return errors
+
+    errors = asyncio.run(run())
+    assert sorted(errors) == sorted([
+        f'nats: permissions violation for subscription to "{subjects.receiver_generate("other")}" '
+        f'using queue "{subjects.receiver_queue("other")}"',
+        f'nats: permissions violation for subscription to "{subjects.receiver_generate("receiver")}"',
+    ]), errors
+
+
+async def _until_refused(nc, errors: list[str], n: int, rounds: int = 50) -> None:
+    """Round trips until `n` refusals have reached the error callback (a refused subscription's
+    error can arrive after the PONG of the flush that carried it), then one more for stragglers."""
+    for _ in range(rounds):
+        await nc.flush()
+        if len(errors) >= n:
+            break
+    await nc.flush()
 
 
 class _Bus:

@@ -19,6 +19,7 @@ import yaml
 from cryptography import x509
 
 from droidmesh.shared.metrics import Metrics
+from droidmesh.shared.nats_auth import DEFAULT_ROSTER, receiver_user, sender_user
 
 INFRA = Path(__file__).resolve().parents[3] / "infra"
 SERVICES = ("sender", "receiver", "cache_broker", "profiler", "gateway")
@@ -146,7 +147,7 @@ def _docs_by_name() -> dict[tuple[str, str], dict]:
 
 def _auth_users() -> dict[str, str]:
     """user -> the env variable nats-auth.conf reads its password from."""
-    pairs = re.findall(r"user:\s*(\w+),\s*password:\s*\$(\w+)", (INFRA / "nats" / "nats-auth.conf").read_text())
+    pairs = re.findall(r"user:\s*([\w-]+),\s*password:\s*\$(\w+)", (INFRA / "nats" / "nats-auth.conf").read_text())
     assert pairs
     return dict(pairs)
 
@@ -310,6 +311,21 @@ def test_k8s_services_connect_with_tls_and_their_own_role_password(deployment, g
     assert files[env["DM_NATS_TLS_CA"]] == ("droidmesh-nats-tls", "ca.crt")
     assert files[env["DM_NATS_PASSWORD_FILE"]] == ("droidmesh-nats", users[env["DM_NATS_USER"]])
     assert set(files.values()) == {("droidmesh-nats-tls", "ca.crt"), ("droidmesh-nats", users[env["DM_NATS_USER"]])}
+
+
+def test_model_hosts_log_in_as_the_user_pinned_to_their_id_and_model():
+    """Compose and Kubernetes run the sender as sender-<its DM_SENDER_SENDER_ID> and receivers as
+    receiver-<the model id their path gives>: the users nats-auth.conf pins to those subjects."""
+    k8s = _docs_by_name()
+    envs = [_compose_service_env("sender")[0], _k8s_container_env(k8s[("Deployment", "sender")]),
+            _compose_service_env("receiver")[0], _k8s_container_env(k8s[("Deployment", "receiver")])]
+    for env in envs[:2]:
+        assert env["DM_NATS_USER"] == sender_user(env["DM_SENDER_SENDER_ID"])
+        assert (env["DM_SENDER_SENDER_ID"], PurePosixPath(env["DM_SENDER_MODEL_PATH"]).name) in DEFAULT_ROSTER.senders
+    for env in envs[2:]:
+        model = PurePosixPath(env["DM_RECEIVER_MODEL_PATH"]).name  # the receiver's default model id
+        assert env["DM_NATS_USER"] == receiver_user(model) and model in DEFAULT_ROSTER.receivers
+    assert k8s[("Deployment", "sender")]["spec"]["replicas"] == 1  # one process per sender id
 
 
 def test_no_compose_port_is_published_on_all_interfaces():

@@ -1,0 +1,39 @@
+"""`droidmesh nats-auth`: write nats-server's users and permissions for a roster (shared/nats_auth.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+def _sender(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for v in values:
+        sender_id, eq, model_id = v.partition("=")
+        if not (eq and sender_id and model_id):
+            raise click.BadParameter(f"{v!r} is not ID=MODEL", ctx, param)
+        pairs.append((sender_id, model_id))
+    return tuple(pairs)
+
+
+@click.command("nats-auth")
+@click.option("--sender", "senders", multiple=True, metavar="ID=MODEL", callback=_sender,
+              help="A sender's id (DM_SENDER_SENDER_ID) and the model it serves; user sender-ID. Repeatable.")
+@click.option("--receiver", "receivers", multiple=True, metavar="MODEL",
+              help="A model whose receivers log in as receiver-MODEL. Repeatable.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the conf here (default: stdout).")
+def nats_auth(senders: tuple[tuple[str, str], ...], receivers: tuple[str, ...], out: str | None) -> None:
+    """Render nats-auth.conf: each sender pinned to its own id, each model's receivers to its queue
+    group, plus the broker, profiler, client, gateway and admin users. Without --sender and
+    --receiver: the shipped roster (infra/nats/nats-auth.conf)."""
+    from droidmesh.shared.nats_auth import DEFAULT_ROSTER, Roster, render
+
+    roster = Roster(senders, receivers) if senders or receivers else DEFAULT_ROSTER
+    text = render(roster)
+    if out:
+        Path(out).write_text(text)
+        click.echo(f"nats-auth: wrote {out}; give nats-server the DM_NATS_PASSWORD_* variables it names "
+                   "(infra/secrets/generate.sh)", err=True)
+    else:
+        click.echo(text, nl=False)

@@ -1,0 +1,179 @@
+"""The NATS users and their permissions: infra/nats/nats-auth.conf, rendered from a roster.
+
+A sender is pinned to its own id: it may publish events only under its own token
+(`dm.cache.<kind>.<id>`) and take grant requests only on `dm.grant.<id>`, so it can neither
+announce, refresh nor withdraw another sender's contexts. A receiver is pinned to its model: it may
+join only that model's queue group (`dm.receiver.<model>.generate` in `receivers-<model>`). Users
+are `sender-<id>` and `receiver-<model>`; the other roles (broker, profiler, client, gateway,
+admin) are one user each. Every subject comes from `shared.wire.subjects`, so the conf cannot
+drift from what the services use; `droidmesh nats-auth` writes it, and the checked-in file is
+`render(DEFAULT_ROSTER)` (a unit test holds them equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import textwrap
+
+from droidmesh.shared.discovery import RECEIVER_SERVICE
+from droidmesh.shared.wire import subjects
+
+FIXED_ROLES = ("broker", "profiler", "client", "gateway", "admin")
+_ID = re.compile(r"^[A-Za-z0-9_-]+$")  # one subject token, one user-name part, one env-var part
+
+
+def sender_user(sender_id: str) -> str:
+    return f"sender-{sender_id}"
+
+
+def receiver_user(model_id: str) -> str:
+    return f"receiver-{model_id}"
+
+
+def password_env(user: str) -> str:
+    """The nats-server env variable holding `user`'s password: DM_NATS_PASSWORD_<USER>."""
+    return "DM_NATS_PASSWORD_" + user.upper().replace("-", "_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Roster:
+    """Who may log in: sender ids with the model each serves, and the receivers' model ids."""
+
+    senders: tuple[tuple[str, str], ...]  # (sender id, model id)
+    receivers: tuple[str, ...]  # model ids
+
+    def __post_init__(self) -> None:
+        for name in [i for pair in self.senders for i in pair] + list(self.receivers):
+            if not _ID.match(name):
+                raise ValueError(f"{name!r}: ids in the NATS roster are letters, digits, '_' and '-' only")
+        envs = [password_env(u) for u in self.users]
+        if len(set(envs)) != len(envs):  # e.g. sender ids `a-b` and `a_b`, or `A` and `a`
+            dup = sorted({u for u, e in zip(self.users, envs, strict=True) if envs.count(e) > 1})
+            raise ValueError(f"users {', '.join(dup)} would share a password variable: pick other ids")
+
+    @property
+    def users(self) -> list[str]:
+        """Every user the rendered conf names, in its order."""
+        return [*(sender_user(s) for s, _ in self.senders), *(receiver_user(m) for m in self.receivers), *FIXED_ROLES]
+
+
+# The shipped deployment (infra/compose.yaml, infra/k8s): one sender of /models/summ with
+# DM_SENDER_SENDER_ID=summ, and the receivers of /models/qa.
+DEFAULT_ROSTER = Roster(senders=(("summ", "summ"),), receivers=("qa",))
+
+
+def _inbox(user: str) -> str:
+    return f"{subjects.inbox_prefix(user)}.>"
+
+
+def _kv_read(bucket: str, watch: bool) -> list[str]:
+    """Reading a key-value bucket: plain gets, and with `watch` an ordered consumer over it."""
+    stream = f"KV_{bucket}"
+    gets = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>"]
+    if not watch:
+        return gets
+    return ["$JS.API.INFO", gets[0], f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>", *gets[1:],
+            f"$JS.ACK.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
+# Senders and receivers watch the recompute configs and read SCD maps files.
+_KV_READ = _kv_read(subjects.CONFIG_BUCKET, watch=True) + _kv_read(subjects.MAPS_BUCKET, watch=False)
+_SRV = "$SRV.>"  # micro-service discovery (PING / INFO / STATS) of the services' endpoints
+
+
+def _sender(sender_id: str, model_id: str) -> tuple[str, str, dict[str, list[str]]]:
+    user = sender_user(sender_id)
+    return (user, f"Sender {sender_id} (model {model_id}): events under its own id only, grants asked of it only.", {
+        "publish": [subjects.cache_available(sender_id), subjects.cache_evicted(sender_id),
+                    subjects.sender_heartbeat(sender_id), _SRV, *_KV_READ],
+        "subscribe": [subjects.sender_generate(model_id), subjects.sender_prefill(model_id),
+                      subjects.sender_grant(sender_id), subjects.BROKER_HELLO, _inbox(user), _SRV]})
+
+
+def _receiver(model_id: str) -> tuple[str, str, dict[str, list[str]]]:
+    user = receiver_user(model_id)
+    return (user, f"Receivers of {model_id}: its queue group only; streamed chunks go to the asker's inbox; "
+                  "re-profile requests (quality watch).", {
+        "publish": [subjects.BROKER_LOOKUP, subjects.SENDER_GRANT_ALL, subjects.PROFILER_PROFILE, _SRV,
+                    *(_inbox(r) for r in ("client", "gateway", "admin")), *_KV_READ],
+        "subscribe": [f"{subjects.receiver_generate(model_id)} {subjects.receiver_queue(model_id)}",
+                      subjects.CACHE_AVAILABLE_ALL, _inbox(user), _SRV]})
+
+
+def _fixed() -> list[tuple[str, str, dict[str, list[str]] | None]]:
+    kv = [f"$KV.{subjects.CONFIG_BUCKET}.>", f"$KV.{subjects.MAPS_BUCKET}.>"]
+    return [
+        ("broker", "Brokers: every sender's events (checked against the subject's id), lookups.", {
+            "publish": [subjects.BROKER_HELLO, _SRV],
+            "subscribe": [subjects.CACHE_EVENTS, subjects.BROKER_LOOKUP, _inbox("broker"), _SRV]}),
+        ("profiler", "Profilers: write the config and maps buckets.", {
+            "publish": ["$JS.API.>", *kv, _SRV],
+            "subscribe": [subjects.PROFILER_PROFILE, _inbox("profiler"), _SRV]}),
+        ("client", "Clients may only ask receivers; replies and streamed chunks arrive on their own inboxes.", {
+            "publish": [subjects.RECEIVER_GENERATE_ALL], "subscribe": [_inbox("client")]}),
+        ("gateway", "The OpenAI gateway: asks receivers, discovers them ($SRV.INFO of their micro service).", {
+            "publish": [subjects.RECEIVER_GENERATE_ALL, f"$SRV.INFO.{RECEIVER_SERVICE}"],
+            "subscribe": [_inbox("gateway")]}),
+        ("admin", "Operators: prefill jobs, sender generate, profile requests, discovery, buckets.", None),
+    ]
+
+
+def _allow(kind: str, items: list[str]) -> str:
+    head = f"        {kind + ':':<10} {{ allow: ["
+    indent = " " * len(head)
+    body = textwrap.fill(", ".join(f'"{s}"' for s in items), width=118, initial_indent=indent,
+                         subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+    return head + body[len(indent):] + "] }"
+
+
+def _user(user: str, why: str, perms: dict[str, list[str]] | None) -> list[str]:
+    login = f"{{ user: {user}, password: ${password_env(user)}"
+    if perms is None:
+        return [f"    # {why}", f"    {login} }}"]
+    # allow_responses: a service answers a request it received (its reply subject, once).
+    responds = user not in ("client", "gateway")
+    return [f"    # {why}", f"    {login}, permissions: {{", _allow("publish", perms["publish"]),
+            _allow("subscribe", perms["subscribe"]) + ("" if responds else " } }"),
+            *(["        allow_responses: true } }"] if responds else [])]
+
+
+HEADER = """\
+# NATS users and their least-privilege permissions. GENERATED by `droidmesh nats-auth` from a roster
+# (shared/nats_auth.py); this file is the shipped roster's: `droidmesh nats-auth --sender summ=summ
+# --receiver qa`. For yours, run it with your senders (ID=MODEL) and receivers (MODEL), copy the
+# output into infra/k8s/nats.yaml too, and re-run infra/secrets/generate.sh (a password per user).
+# Passwords come from nats-server's environment ($DM_NATS_PASSWORD_<USER> references, '-' as '_'),
+# never from this file. TLS: deployments run nats-tls.conf, which includes this file.
+#
+# Tenant isolation (what the server enforces):
+# * Replies: each user connects with inbox prefix _INBOX_<user> (`shared.wire.subjects.inbox_prefix`;
+#   services and the CLI do so from DM_NATS_USER) and may subscribe to that prefix only, so no user
+#   can read another's replies. Services answer requests through allow_responses.
+#   Users are the unit of isolation: give each tenant its own client user.
+# * Senders: user sender-<id> may publish availability / evictions / heartbeats only on
+#   dm.cache.<kind>.<id> and take grant requests only on dm.grant.<id>; the broker refuses an event
+#   whose sender_id is not its subject's token. So a sender speaks only for itself: run it with
+#   DM_SENDER_SENDER_ID=<id> and DM_NATS_USER=sender-<id>. Each sender process needs its own id,
+#   so scaling senders means one more roster entry (id, user, password) per copy.
+# * Receivers: user receiver-<model> may join only that model's queue group (subject + queue).
+#   NATS cannot tell two processes of one user apart: copies of one model trust each other.
+# * Filling a sender's store (prefill, and generate, which captures its context) is for operators
+#   (admin) only: clients may ask receivers, nothing else.
+server_name: droidmesh
+max_payload: 1MB
+jetstream {
+  max_memory_store: 256MB
+  max_file_store: 1GB
+}
+"""
+
+
+def render(roster: Roster) -> str:
+    """The whole nats-auth.conf for `roster`."""
+    users = [*(_sender(s, m) for s, m in roster.senders), *(_receiver(m) for m in roster.receivers), *_fixed()]
+    lines = [HEADER, "authorization {", "  users = ["]
+    for user, why, perms in users:
+        lines += _user(user, why, perms)
+    return "\n".join([*lines, "  ]", "}", ""])
