@@ -23,7 +23,7 @@ import asyncio
 import functools
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from droidmesh.shared.models import ModelRef, Pair
 from droidmesh.shared.tasks.scorer import score_text
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.wire import subjects
+from droidmesh.shared.wire.schemas import RelayBucket
 from droidmesh.shared.zoo.suite import SuiteShape, make_rows
 
 TASK = "multihop_qa"
@@ -135,13 +136,13 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_agents(models: dict[str, ModelRef], profiles: dict[str, dict[str, Any]], n_rows: int, shape: SuiteShape,
                log_dir: Path, say: Callable[[str], None], holdout_share: float, shadow_share: float,
-               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Start the mesh with its logs in `log_dir`, run `n_rows` rows through the agents, stop it;
-    (summary rows, every request's record)."""
+               relay: Sequence[RelayBucket] = ()) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Start the mesh with its logs in `log_dir` (the pairs' configs carrying the audit's `relay`
+    buckets), run `n_rows` rows through the agents, stop it; (summary rows, every request's record)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
-        url = start_control_plane(PAIRS, models, profiles, log_dir, procs)
+        url = start_control_plane(PAIRS, models, profiles, log_dir, procs, relay)
         starts = sorted({profiles[p.id]["chosen"]["start"] for p in PAIRS if p.id in profiles} | {0})
         say("starting sender base, receivers qa and code")
         procs.append(start_service("sender", {"model_path": models["base"].path, "model_id": "base",

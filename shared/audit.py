@@ -4,8 +4,9 @@ Sequence (`run_audit`):
 1. `read_logs(DIR)`: every `*.log` / `*.jsonl` / `*.txt` file under DIR (recursively), line by
    line. A line is a JSON object, possibly after a prefix (`docker compose logs` writes
    "receiver-1  | {...}"); anything else is skipped. Receivers' `event == "request"` lines whose
-   `assignment` is "treatment" (the policy relayed) or "control" (randomized holdout: full prefill
-   although the policy would have relayed) become `Request`s; `event == "shadow"` lines give a
+   `assignment` is "treatment" (served as the policy chose: relayed, or its own prefill when that
+   was predicted faster) or "control" (randomized holdout: full prefill whatever the policy chose;
+   both only where relaying was possible) become `Request`s; `event == "shadow"` lines give a
    relayed answer's token `agreement` with a full-prefill shadow, joined by `request_id`. A
    request id seen twice (a log collected twice) counts once.
 2. `audit(requests)`: the average treatment effect (treatment mean - control mean) on TTFT (s),
@@ -17,8 +18,8 @@ Sequence (`run_audit`):
    shadow's own reference), so the agreement effect is mean(treatment agreement) - 1.
 3. The summary figures: `worst_stratum_ratio` (largest policy p50 / full-prefill p50 TTFT over
    strata with both), `top_stratum_speedup` (full-prefill p50 / policy p50 for reusable
-   [0.95,1]), `prediction_error` (median |predicted - actual| / actual TTFT of treatment requests
-   with a prediction).
+   [0.95,1]), `prediction_error` (median |predicted - actual| / actual TTFT of the served option,
+   over requests with a prediction).
 4. `policy_proposal`: the policy file below; `format_report` prints, `plot_png` draws.
 
 The estimand is intent-to-treat: a treatment request whose relay fell back to full prefill still
@@ -26,7 +27,8 @@ counts as treatment (that fallback is part of what the policy costs). Randomizat
 difference of means unbiased as long as the holdout share does not change with conditions; the
 shares seen are reported (`holdout_shares`).
 
-Policy file (`--policy OUT.json`), a proposal receivers do not load yet:
+Policy file (`--policy OUT.json`); `droidmesh config relay-policy OUT.json` writes its buckets into
+the published pair configs (`RecomputeConfig.relay`), which receivers load hot:
 
     {
       "schema": "droidmesh.audit.policy/1",
@@ -48,15 +50,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
+from droidmesh.shared.config_board import MAX_RELAY_BUCKETS
 from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.wire.schemas import RecomputeConfig, RelayBucket
 
 SUFFIXES = (".log", ".jsonl", ".txt")
 ARMS = ("treatment", "control")
@@ -300,7 +306,7 @@ def top_stratum_speedup(rows: Sequence[dict[str, Any]]) -> float | None:
 
 def prediction_error(reqs: Iterable[Request]) -> float | None:
     errs = [abs(r.predicted_ttft_s - r.ttft_s) / r.ttft_s for r in reqs
-            if r.assignment == "treatment" and r.predicted_ttft_s is not None and r.ttft_s > 0]
+            if r.predicted_ttft_s is not None and r.ttft_s > 0]
     return _median(errs)
 
 
@@ -356,6 +362,36 @@ def policy_proposal(result: dict[str, Any]) -> dict[str, Any]:
     return {"schema": POLICY_SCHEMA,
             "generated_from": {k: result[k] for k in ("files", "requests_used", "bootstrap", "seed", "ci_level")},
             "buckets": buckets, "min_reusable_fraction": floor}
+
+
+def relay_buckets(policy: Any, where: str = "the policy file") -> list[RelayBucket]:
+    """The relay buckets of a policy file (as `policy_proposal` writes it), checked: the schema,
+    at most MAX_RELAY_BUCKETS buckets, each fraction range inside [0, 1] and relay true/false/null.
+    Raises `BadRequestError` naming the first problem."""
+    if not isinstance(policy, dict) or policy.get("schema") != POLICY_SCHEMA:
+        raise BadRequestError(f"{where} is not a relay policy (schema {POLICY_SCHEMA!r})")
+    raw = policy.get("buckets")
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_RELAY_BUCKETS:
+        raise BadRequestError(f"{where}: buckets must be a list of 1 to {MAX_RELAY_BUCKETS}")
+    out = []
+    for i, b in enumerate(raw):
+        rng = b.get("reusable_fraction") if isinstance(b, dict) else None
+        relay = b.get("relay") if isinstance(b, dict) else None
+        if not (isinstance(rng, list) and len(rng) == 2 and all(isinstance(x, int | float) for x in rng)
+                and 0 <= rng[0] < rng[1] <= 1) or relay not in (True, False, None):
+            raise BadRequestError(f"{where}: bucket {i} needs reusable_fraction [lo, hi] with 0 <= lo < hi <= 1 "
+                                  f"and relay true, false or null")
+        out.append(RelayBucket(lo=float(rng[0]), hi=float(rng[1]), relay=relay))
+    return out
+
+
+def with_relay(cfg: RecomputeConfig, buckets: list[RelayBucket], version: int) -> RecomputeConfig:
+    """`cfg` carrying the audit's `buckets` as `version`. An undecided bucket (relay null) keeps the
+    verdict `cfg` already had for the same range: once a bucket is vetoed its requests are no longer
+    relayed, so a later audit cannot see relaying there and would otherwise lift the veto."""
+    before = {(b.lo, b.hi): b for b in cfg.relay}
+    merged = [b if b.relay is not None else before.get((b.lo, b.hi), b) for b in buckets]
+    return msgspec.structs.replace(cfg, relay=merged, profile_version=version, created_at=time.time())
 
 
 def format_report(result: dict[str, Any]) -> str:

@@ -73,9 +73,12 @@ def validate(cfg: schemas.RecomputeConfig) -> schemas.RecomputeConfig:
             raise BadRequestError(f"{where}: quality {p.quality} is not a number")
     if not (math.isfinite(cfg.full_prefill_quality) and math.isfinite(cfg.full_reuse_quality)):
         raise BadRequestError("full_prefill_quality and full_reuse_quality must be numbers")
+    if len(cfg.relay) > MAX_RELAY_BUCKETS or not all(0 <= b.lo < b.hi <= 1 for b in cfg.relay):
+        raise BadRequestError(f"relay: at most {MAX_RELAY_BUCKETS} buckets, each with 0 <= lo < hi <= 1")
     return cfg
 
 
+MAX_RELAY_BUCKETS = 16  # the audit writes 4
 MAX_VERSION_AHEAD_S = 86400.0  # time-based versions are unix seconds: more than a day ahead is hostile
 
 

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from droidmesh.shared.bench.report import format_table
 from droidmesh.shared.client import MeshClient
 from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV
@@ -110,13 +112,13 @@ def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profil
 
 
 def start_control_plane(pairs: Sequence[Pair], models: dict[str, ModelRef], profiles: dict[str, dict[str, Any]],
-                        log_dir: Path, procs: list[Proc]) -> str:
-    """nats-server, the pairs' saved profiles published as configs, a broker (each appended to
-    `procs`, logs in `log_dir`); the NATS url."""
+                        log_dir: Path, procs: list[Proc], relay: Sequence[schemas.RelayBucket] = ()) -> str:
+    """nats-server, the pairs' saved profiles published as configs (with the relay audit's
+    `relay` buckets), a broker (each appended to `procs`, logs in `log_dir`); the NATS url."""
     nats, url = start_nats(log_dir=log_dir)
     procs.append(nats)
-    configs = [recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1) for p in pairs
-               if p.id in profiles]
+    configs = [msgspec.structs.replace(recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1),
+                                       relay=list(relay)) for p in pairs if p.id in profiles]
     asyncio.run(publish_configs(configs, url))
     procs.append(start_service("cache_broker", {}, url, env=THREADS, log_dir=log_dir))
     return url

@@ -65,6 +65,10 @@ class Metrics:
         self.ucx_throughput = Histogram("dm_ucx_throughput_bytes_per_second", "Per-pull UCX throughput",
                                         buckets=(1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10), registry=r)
         self.lookups = Counter("dm_cache_lookups", "Cache lookups by result (hit / miss)", ["result"], registry=r)
+        self.agreement = Gauge("dm_shadow_agreement", "Mean shadow token agreement over the quality watch's window, "
+                               "per sender model", ["sender_model"], registry=r)
+        self.drift = Counter("dm_quality_drift", "Quality drops the watch raised (each asks for a re-profile), "
+                             "per sender model", ["sender_model"], registry=r)
         self.profile_version = Gauge("dm_profile_version", "Recompute profile version in use per sender model",
                                      ["sender_model"], registry=r)
         # sender

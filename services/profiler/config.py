@@ -16,6 +16,12 @@ class ProfilerConfig(BusSettings):
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
     dtype: str = dataclasses.field(default="", metadata={"help": "profiling dtype (default: bfloat16 on cuda, float32 on cpu)"})
     max_rows: int = dataclasses.field(default=500, metadata={"help": "cap on n_train / n_test per request"})
+    models: tuple[str, ...] = dataclasses.field(default=(), metadata={
+        "help": "'id=checkpoint dir' pairs: model ids a request names (a receiver's re-profile request names ids) "
+                "resolve here first, then as a path or zoo name"})
+
+    def model_paths(self) -> dict[str, str]:
+        return dict(m.split("=", 1) for m in self.models)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -26,3 +32,6 @@ class ProfilerConfig(BusSettings):
             raise ConfigError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.max_rows < 1:
             raise ConfigError("max_rows must be >= 1")
+        bad = [m for m in self.models if "=" not in m or not all(m.split("=", 1))]
+        if bad:
+            raise ConfigError(f"models entries must be 'id=checkpoint dir', got {bad}")

@@ -45,6 +45,14 @@ class ReceiverConfig(BusSettings):
         "help": "randomized audit: share of requests the policy would relay that are served by full prefill "
                 "instead (control), the assignment logged"})
 
+    quality_threshold: float = dataclasses.field(default=0.8, metadata={
+        "help": "quality watch: a sender model's mean shadow agreement below this (over quality_window shadows) "
+                "raises dm_quality_drift and asks the profiler to re-profile the pair on recent contexts; 0: off"})
+    quality_window: int = dataclasses.field(default=20, metadata={"help": "shadows the quality watch averages, per sender model"})
+    reprofile: bool = dataclasses.field(default=True, metadata={
+        "help": "on a quality drop, ask the profiler service (dm.profiler.profile) to re-profile the pair"})
+    reprofile_timeout_s: float = dataclasses.field(default=900.0, metadata={"help": "deadline of a re-profile request"})
+
     def __post_init__(self) -> None:
         super().__post_init__()
         p = Path(self.model_path)
@@ -59,14 +67,15 @@ class ReceiverConfig(BusSettings):
             raise ConfigError(f"dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if self.default_group and (len(self.default_group) != 2 or not 0 <= self.default_group[0] < self.default_group[1]):
             raise ConfigError(f"default_group must be 'start,end' with start < end, got {self.default_group}")
-        for name in ("lookup_timeout_s", "reuse_timeout_s", "request_timeout_s", "breaker_cooldown_s"):
+        for name in ("lookup_timeout_s", "reuse_timeout_s", "request_timeout_s", "breaker_cooldown_s",
+                     "reprofile_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         for name in ("max_concurrent_pulls", "max_new_tokens_limit", "max_prompt_chars", "max_queued_requests",
-                     "breaker_failures"):
+                     "breaker_failures", "quality_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
-        for name in ("holdout_share", "shadow_share"):
+        for name in ("holdout_share", "shadow_share", "quality_threshold"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} {getattr(self, name)} outside [0, 1]")
         if not self.model_id:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from droidmesh.services.receiver import quality
 from droidmesh.services.receiver.pipeline import ReuseOutcome, reuse_generate
 from droidmesh.shared import maps_store
 from droidmesh.shared.answer_stream import AnswerStream
@@ -150,7 +151,8 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
                            bandwidth_bps=s.bandwidth_of(holder.sender_id) if holder else None,
                            slo_s=req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None,
                            reused_tokens=reusable_prefix(holder.token_ids, prompt) if holder else None,
-                           reuse_overhead_s=s.reuse_overhead_s)
+                           reuse_overhead_s=s.reuse_overhead_s, prefill_scale=s.calibration.scale(policy.PREFILL_KIND),
+                           reuse_scale=s.calibration.scale(policy.reuse_kind(holder.model_id)) if holder else 1.0)
     decision = policy.decide(req.mode, holder, miss, s.configs.get(holder.model_id) if holder else None,
                              s.policy_facts, online)
     decision, assignment = _assign(s, decision, req.mode)
@@ -200,9 +202,11 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     why = shown[1] if shown is not None else None
     _record(s, path, shown[0] if shown is not None else "", ttft_ms, stages_ms, bytes_pulled, stamps)
     predicted_ms = {k: round(v * 1e3, 3) for k, v in decision.predicted_s.items()}
-    if assignment == "treatment" and s.cfg.shadow_share > 0 and req.sampling.temperature == 0 \
-            and s.rng.random() < s.cfg.shadow_share:
-        s.background(_shadow(s, req.request_id, prompt, gen.tokens), f"shadow-{req.request_id}")
+    _calibrate(s, decision, online, path, holder, ttft_ms / 1e3)
+    if assignment == "treatment" and path in ("partial", "full_reuse") and s.cfg.shadow_share > 0 \
+            and req.sampling.temperature == 0 and s.rng.random() < s.cfg.shadow_share:
+        s.background(quality.shadow(s, req.request_id, holder.model_id if holder else "", req.context, req.question,
+                                    prompt, gen.tokens), f"shadow-{req.request_id}")
     log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=why,
              assignment=assignment, holdout_share=s.cfg.holdout_share, predicted_ttft_ms=_ms(decision.predicted_ttft_s),
              options_ms=predicted_ms, reused_fraction=round(gen.prefill.reused_tokens / max(1, len(prompt)), 4),
@@ -224,27 +228,6 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     )
 
 
-SHADOW_WAIT_S = 60.0  # a shadow waits this long for an idle receiver, then is skipped
-
-
-async def _shadow(s: ReceiverState, request_id: str, prompt: list[int], served: list[int]) -> None:
-    """The audit's shadow: once the receiver is idle (low priority: never ahead of a request),
-    answer the relayed request again by full prefill and log the token agreement of the two
-    greedy answers (position by position, over the served answer's length)."""
-    waited = time.monotonic() + SHADOW_WAIT_S
-    while s.inflight > 0:
-        if time.monotonic() >= waited:
-            log.info("shadow_skipped", request_id=request_id, reason="receiver busy")
-            return
-        await asyncio.sleep(0.05)
-    ref = await s.run_torch(lambda: engine_generate(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=len(served),
-                                                    eos_token_id=s.eos_token_id))
-    same = sum(a == b for a, b in zip(served, ref.tokens, strict=False))
-    agreement = same / max(len(served), len(ref.tokens))
-    s.shadow_agreements.append(agreement)
-    log.info("shadow", request_id=request_id, agreement=round(agreement, 4), tokens=len(served))
-
-
 def _topology(address: str) -> str:
     """"same_host" when the holder's bulk address is a loopback one, else "remote" (the audit's stratum)."""
     host = address.rsplit(":", 1)[0].strip("[]")
@@ -255,16 +238,27 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
 
 
+def _calibrate(s: ReceiverState, decision: policy.Decision, online: policy.Online, path: str,
+               holder: schemas.CacheAvailable | None, ttft_s: float) -> None:
+    """Feed the served option's measured TTFT to the calibration, against its uncalibrated prediction."""
+    if path == "full_prefill" and policy.PREFILL_OPTION in decision.raw_s:
+        s.calibration.observe(policy.PREFILL_KIND, decision.raw_s[policy.PREFILL_OPTION], ttft_s)
+    elif path in ("partial", "full_reuse") and holder is not None and decision.predicted_ttft_s:
+        s.calibration.observe(policy.reuse_kind(holder.model_id), decision.predicted_ttft_s / online.reuse_scale, ttft_s)
+
+
 def _assign(s: ReceiverState, decision: policy.Decision, mode: str) -> tuple[policy.Decision, str]:
-    """The randomized audit (paper 004): a request the policy would relay is served by full
-    prefill instead with probability `holdout_share` ("control"; else "treatment"); a request it
-    would not relay, or a forced mode, is "ineligible". The assignment is logged with its share."""
-    if mode != "auto" or decision.plan.mode == "full_prefill":
+    """The randomized audit (paper 004): a request where relaying was possible and weighed (its
+    decision either way) is served by full prefill with probability `holdout_share` ("control";
+    else "treatment": whatever the policy chose); forced modes and requests with nothing to relay
+    are "ineligible". The assignment is logged with its share."""
+    if mode != "auto" or not decision.weighed:
         return decision, "ineligible"
     if s.cfg.holdout_share > 0 and s.rng.random() < s.cfg.holdout_share:
         held = policy.Decision(ReusePlan.full_prefill(), "full_prefill",
                                ("holdout", f"randomized control (holdout share {s.cfg.holdout_share:g})"),
-                               predicted_s=decision.predicted_s, predicted_ttft_s=decision.predicted_s.get(policy.PREFILL_OPTION))
+                               predicted_s=decision.predicted_s, raw_s=decision.raw_s, weighed=True,
+                               predicted_ttft_s=decision.predicted_s.get(policy.PREFILL_OPTION))
         return held, "control"
     return decision, "treatment"
 
@@ -290,7 +284,7 @@ async def _reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: pol
                                    timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.monotonic())),
                                    sampler=_sampler(s, req), on_token=stream.on_token, deadline=deadline)
     except ReuseError as e:
-        if s.breaker.failure(sid, hard=isinstance(e, PeerUnreachableError)):
+        if s.breaker.failure(sid, hard=unreachable(e)):
             s.metrics.requests.labels("breaker", "holder_open_circuit").inc()
             log.warning("holder_circuit_open", sender_id=sid, reason="holder_open_circuit", error=f"{e.code}: {e}",
                         cooldown_s=s.cfg.breaker_cooldown_s)
@@ -300,6 +294,19 @@ async def _reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: pol
         raise
     s.breaker.success(sid)
     return out
+
+
+def unreachable(e: BaseException) -> bool:
+    """Whether a failed reuse could not even reach its holder: a `PeerUnreachableError` itself, or
+    as the cause of what the engine raised (a layer that will not arrive because the pull never connected)."""
+    seen: BaseException | None = e
+    for _ in range(8):  # a cause chain is short; never loop on a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, PeerUnreachableError):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def _record(s: ReceiverState, path: str, reason: str, ttft_ms: float, stages_ms: dict[str, float],
@@ -327,6 +334,8 @@ async def on_config(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
     if current is None or cfg.profile_version >= current.profile_version:
         await _load_maps(s, cfg)
         s.configs[cfg.sender_model] = cfg
+        if current is not None and cfg.profile_version > current.profile_version:
+            s.watch.reset(cfg.sender_model)  # a new plan: judged on its own shadows
         s.metrics.profile_version.labels(cfg.sender_model).set(cfg.profile_version)
         log.info("config_loaded", sender_model=cfg.sender_model, version=cfg.profile_version,
                  chosen=cfg.chosen.plan.groups)

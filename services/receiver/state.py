@@ -14,6 +14,7 @@ import structlog
 
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.config import ReceiverConfig
+from droidmesh.services.receiver.quality import QualityWatch
 from droidmesh.shared.bus import Bus
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.kv import policy
@@ -45,8 +46,11 @@ class ReceiverState:
         self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput, any holder
         self.holder_bps: OrderedDict[str, float] = OrderedDict()  # sender id -> EWMA of its pulls' throughput
         self.reuse_overhead_s = 0.0  # EWMA of a reuse's fixed cost (the grant round trip)
+        self.calibration = policy.Calibration()  # measured / predicted TTFT per way of serving
         self.rng = random.Random()  # the audit's assignments
         self.shadow_agreements: deque[float] = deque(maxlen=1024)  # recent shadow token agreements
+        self.watch = QualityWatch(cfg.quality_window, min_samples=max(1, cfg.quality_window // 2),
+                                  threshold=cfg.quality_threshold)
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
         self._warmed: set[str] = set()  # bulk addresses connected ahead of a pull
         # Recent (request id, digest of the request's bytes) -> answer: a retry or a redelivery

@@ -18,11 +18,15 @@ import click
               help="Receivers' holdout share: relayable requests served by full prefill (the audit's control).")
 @click.option("--shadow", "shadow_share", default=0.3, show_default=True, type=click.FloatRange(0, 1),
               help="Receivers' shadow share: relayed answers checked against a full prefill when idle.")
+@click.option("--relay-policy", "policy_path", type=click.Path(exists=True, dir_okay=False),
+              help="A relay audit's policy file (`droidmesh audit --policy`): the pair configs carry its verdicts.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the per-agent summary here.")
-def agents(rows: int, log_dir: str | None, holdout_share: float, shadow_share: float, json_path: str | None) -> None:
+def agents(rows: int, log_dir: str | None, holdout_share: float, shadow_share: float, policy_path: str | None,
+           json_path: str | None) -> None:
     """Run agents on the demo tier's base (sender), qa and code (receivers) that extend, rewrite or
     ignore each other's context; print per-agent TTFT, path mix and quality."""
     from droidmesh.shared.agents import PAIRS, run_agents, table
+    from droidmesh.shared.audit import relay_buckets
     from droidmesh.shared.errors import BadRequestError
     from droidmesh.shared.models import ModelRef
     from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest
@@ -34,10 +38,16 @@ def agents(rows: int, log_dir: str | None, holdout_share: float, shadow_share: f
         raise BadRequestError(f"no committed demo tier at {root}; run `droidmesh zoo build --tier demo --out {root}`")
     models = {name: ModelRef(root / m["path"], name, "demo", m["sha256"]) for name, m in manifest["models"].items()}
     profiles = {p.id: json.loads(profile_file(root, p).read_text()) for p in PAIRS if profile_file(root, p).is_file()}
+    relay = []
+    if policy_path:
+        try:
+            relay = relay_buckets(json.loads(Path(policy_path).read_bytes()), policy_path)
+        except ValueError as e:
+            raise BadRequestError(f"{policy_path} is not JSON ({e})") from None
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-agents-"))
     click.echo(f"agents: {rows} rows, holdout {holdout_share:g}, shadow {shadow_share:g}; logs in {logs}", err=True)
     summary, _ = run_agents(models, profiles, rows, get_recipe("demo").suite, logs, lambda s: click.echo(s, err=True),
-                            holdout_share, shadow_share)
+                            holdout_share, shadow_share, relay)
     click.echo(table(summary))
     click.echo(f"audit it: droidmesh audit --logs {logs}")
     if json_path:

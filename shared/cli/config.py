@@ -1,10 +1,11 @@
-"""`droidmesh config {publish,show}`: the pair configs in the JetStream bucket receivers watch.
+"""`droidmesh config {publish,show,relay-policy}`: the pair configs in the JetStream bucket receivers watch.
 
 `publish FILE` takes either a profile JSON as `droidmesh profile --json` writes it (bound to the
 weights of --sender / --receiver, by default the models the profile names) or a RecomputeConfig
 as JSON; either is validated in full (`config_board.validate`) before anything connects.
+`relay-policy FILE` republishes the newest config of each pair with the relay audit's verdicts.
 NATS roles: publishing writes the bucket (`profiler` or `admin`); showing reads it (`admin`,
-`profiler`, and the `sender` / `receiver` service users).
+`profiler`, and the `sender-<id>` / `receiver-<model>` service users).
 """
 
 from __future__ import annotations
@@ -185,3 +186,45 @@ def show(sender: str | None, receiver: str | None, as_json: bool, conn: Conn) ->
                    f"chosen {_plan(c.chosen)} ({c.chosen.recomputed_layers}/{c.total_layers} layers, "
                    f"quality {c.chosen.quality:.3f} vs full prefill {c.full_prefill_quality:.3f})  "
                    f"frontier {len(c.frontier)} points  sha256 {c.sender_sha256[:8]}->{c.receiver_sha256[:8]}")
+
+
+@config.command("relay-policy")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--sender", default=None, help="Only configs of this sender model id.")
+@click.option("--receiver", default=None, help="Only configs of this receiver model id.")
+@click.option("--dry-run", is_flag=True, help="Print what would be published; do not write the bucket.")
+@nats_options(default_timeout=10.0)
+def relay_policy(file: str, sender: str | None, receiver: str | None, dry_run: bool, conn: Conn) -> None:
+    """Apply the relay audit's policy FILE (`droidmesh audit --policy`) to the newest config of each
+    pair: republished under a new version, running receivers load it without a restart and stop
+    relaying where the audit found relaying slower (NATS role: profiler or admin)."""
+    from droidmesh.shared.audit import relay_buckets, with_relay
+    from droidmesh.shared.config_board import NatsConfigBoard, validate
+
+    buckets = relay_buckets(_read_json(file), file)
+
+    async def body(nc: Any) -> list[schemas.RecomputeConfig]:
+        board = NatsConfigBoard(nc)
+        found = await board.snapshot()
+        newest: dict[tuple[str, str], schemas.RecomputeConfig] = {}
+        for c in (found or {}).values():
+            if isinstance(c, schemas.RecomputeConfig) and sender in (None, c.sender_model) \
+                    and receiver in (None, c.receiver_model):
+                pair = (c.sender_model, c.receiver_model)
+                if pair not in newest or c.profile_version > newest[pair].profile_version:
+                    newest[pair] = c
+        updated = [validate(with_relay(c, buckets, max(c.profile_version + 1, int(time.time()))))
+                   for c in newest.values()]
+        if not dry_run:
+            for c in updated:
+                await board.put(c)
+        return updated
+
+    updated = conn.run(body, "applying the relay policy")
+    if not updated:
+        raise BadRequestError("no matching config in the bucket to apply the policy to")
+    for c in updated:
+        verdicts = ", ".join(f"[{b.lo:g},{b.hi:g}) {'-' if b.relay is None else 'relay' if b.relay else 'own prefill'}"
+                             for b in c.relay)
+        click.echo(f"{'would publish' if dry_run else 'published'} "
+                   f"{subjects.config_key(c.sender_model, c.receiver_model)}.v{c.profile_version}: {verdicts}")

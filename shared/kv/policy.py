@@ -31,13 +31,24 @@ bandwidth measured from this holder and the measured fixed cost of reusing at al
 little reuse sends the request to its own prefill ("prefill_faster", with both predictions).
 Every prediction is kept in the decision (`predicted_s`), for the reply and the log, where the
 actual TTFT is logged beside it.
+Two corrections close the loop with what was measured:
+  - `Calibration` (the receiver keeps one): the fit was measured in the profiler with the cache
+    local, so it misses lookup, grant, thread hops and contention. Each prediction is scaled by the
+    median actual / predicted TTFT of the recent requests served the same way (own prefill; reuse
+    from one sender model), and the scaled predictions are compared and logged;
+  - the config's `relay` buckets (the audit's policy file): where the randomized audit found
+    relaying slower at the request's reusable-prefix fraction, the request gets its own prefill
+    ("audit_policy"), whatever the prediction says.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
+from collections import deque
 
 from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, FrontierPoint, LatencyFit, Mode, Path, PlanSpec, RecomputeConfig
 
 Reason = tuple[str, str]  # (bounded code for metrics, text for the reply and the log)
@@ -63,6 +74,8 @@ class Online:
     slo_s: float | None = None  # the request's TTFT objective, if any
     reused_tokens: int | None = None  # the holder's reusable prefix of the prompt (None: all but one token)
     reuse_overhead_s: float = 0.0  # what reuse costs before any layer moves (grant round trip), measured
+    prefill_scale: float = 1.0  # `Calibration.scale(PREFILL_KIND)`: measured / fitted own-prefill TTFT
+    reuse_scale: float = 1.0  # `Calibration.scale(reuse_kind(holder model))`: the same for reuse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +87,8 @@ class Decision:
     codec_params: CodecParams = dataclasses.field(default_factory=dict)
     predicted_s: dict[str, float] = dataclasses.field(default_factory=dict)  # option -> predicted TTFT (with a fit)
     predicted_ttft_s: float | None = None  # the chosen option's
+    raw_s: dict[str, float] = dataclasses.field(default_factory=dict)  # the same before calibration
+    weighed: bool = False  # relaying was possible and weighed (a holder, and a config or default group)
 
 
 PREFILL_OPTION = "full prefill"
@@ -100,28 +115,88 @@ def decide(mode: Mode, holder: CacheAvailable | None, miss: Reason | None, cfg: 
     else:
         stale = None
     if cfg is not None:
-        reused = online.reused_tokens
-        p = select_point(cfg, queued=online.queued, tokens=online.tokens, slo_s=online.slo_s,
-                         bandwidth_bps=online.bandwidth_bps, e_layers=set(holder.e_layers), reused=reused)
-        chosen = _reuse(plan_of(p.plan), p.plan)
-        if cfg.latency is None:
-            return chosen
-        extra = online.reuse_overhead_s
-        options = {option_label(q): extra + estimated_ttft(cfg, q, online.tokens, online.bandwidth_bps, reused)
-                   for q in eligible(cfg, set(holder.e_layers))}
-        own = options[PREFILL_OPTION] = prefill_seconds(cfg.latency, online.tokens, cfg.total_layers)
-        mine = options.get(option_label(p), extra + estimated_ttft(cfg, p, online.tokens, online.bandwidth_bps, reused))
-        if own < mine:
-            why = (f"predicted own prefill {own * 1e3:.0f} ms < reuse {mine * 1e3:.0f} ms ({option_label(p)}, "
-                   f"{reused if reused is not None else online.tokens - 1} of {online.tokens} tokens reusable)")
-            return dataclasses.replace(_prefill(("prefill_faster", why)), predicted_s=options, predicted_ttft_s=own)
-        return dataclasses.replace(chosen, predicted_s=options, predicted_ttft_s=mine)
+        return _weigh(cfg, holder, online)
     if receiver.default_group:
         s, e = receiver.default_group
         if s > 0 and s not in holder.e_layers:
             return _prefill(("no_e", f"sender holds no E for layer {s} (has {holder.e_layers})"))
-        return _reuse(ReusePlan.recompute(s, min(e, receiver.num_layers)))
+        return dataclasses.replace(_reuse(ReusePlan.recompute(s, min(e, receiver.num_layers))), weighed=True)
     return _prefill(stale or ("no_config", f"no recompute config for {holder.model_id} -> {receiver.model_id}"))
+
+
+def _weigh(cfg: RecomputeConfig, holder: CacheAvailable, online: Online) -> Decision:
+    """Rule 3: the config's online point, against the receiver's own prefill when the config has a
+    latency fit, and under the audit's relay buckets."""
+    reused = online.reused_tokens
+    p = select_point(cfg, queued=online.queued, tokens=online.tokens, slo_s=online.slo_s,
+                     bandwidth_bps=online.bandwidth_bps, e_layers=set(holder.e_layers), reused=reused)
+    chosen = dataclasses.replace(_reuse(plan_of(p.plan), p.plan), weighed=True)
+    raw: dict[str, float] = {}
+    if cfg.latency is not None:
+        extra = online.reuse_overhead_s
+        raw = {option_label(q): extra + estimated_ttft(cfg, q, online.tokens, online.bandwidth_bps, reused)
+               for q in eligible(cfg, set(holder.e_layers))}
+        raw.setdefault(option_label(p), extra + estimated_ttft(cfg, p, online.tokens, online.bandwidth_bps, reused))
+        raw[PREFILL_OPTION] = prefill_seconds(cfg.latency, online.tokens, cfg.total_layers)
+    options = {k: v * (online.prefill_scale if k == PREFILL_OPTION else online.reuse_scale) for k, v in raw.items()}
+    veto = audit_veto(cfg.relay, online.tokens - 1 if reused is None else reused, online.tokens)
+    if veto is not None:
+        return dataclasses.replace(_prefill(veto), predicted_s=options, raw_s=raw,
+                                   predicted_ttft_s=options.get(PREFILL_OPTION), weighed=True)
+    if not options:
+        return chosen
+    own, mine = options[PREFILL_OPTION], options[option_label(p)]
+    if own < mine:
+        why = (f"predicted own prefill {own * 1e3:.0f} ms < reuse {mine * 1e3:.0f} ms ({option_label(p)}, "
+               f"{reused if reused is not None else online.tokens - 1} of {online.tokens} tokens reusable)")
+        return dataclasses.replace(_prefill(("prefill_faster", why)), predicted_s=options, raw_s=raw,
+                                   predicted_ttft_s=own, weighed=True)
+    return dataclasses.replace(chosen, predicted_s=options, raw_s=raw, predicted_ttft_s=mine)
+
+
+def audit_veto(buckets: list[schemas.RelayBucket], reused: int, tokens: int) -> Reason | None:
+    """Why the audit's policy forbids relaying at this reusable-prefix fraction, or None."""
+    f = max(0.0, min(1.0, reused / max(1, tokens)))
+    for b in buckets:
+        if b.relay is False and (b.lo <= f < b.hi or f == b.hi == 1.0):
+            return ("audit_policy", f"the relay audit found relaying slower at a reusable fraction in "
+                                    f"[{b.lo:g}, {b.hi:g}) ({reused} of {tokens} tokens)")
+    return None
+
+
+PREFILL_KIND = "prefill"
+
+
+def reuse_kind(sender_model: str) -> str:
+    """The calibration kind of reusing a `sender_model` holder's cache."""
+    return f"reuse:{sender_model}"
+
+
+class Calibration:
+    """Measured / predicted TTFT per kind (`PREFILL_KIND`, `reuse_kind(model)`), over the last
+    `window` requests served that way. The receiver calls `observe` after each request it served
+    with a prediction and `scale` per decision (its event loop; neither blocks). The scale is the
+    median ratio once `min_samples` are in (1 before), clamped to [1/`clamp`, `clamp`] so one
+    pathological stretch cannot silence a path; kinds are bounded (least recently seen go)."""
+
+    def __init__(self, window: int = 64, min_samples: int = 5, clamp: float = 8.0, max_kinds: int = 256):
+        self._window, self._min, self._clamp, self._max_kinds = window, min_samples, clamp, max_kinds
+        self._ratios: dict[str, deque[float]] = {}
+
+    def observe(self, kind: str, predicted_s: float, actual_s: float) -> None:
+        if not (predicted_s > 0 and actual_s > 0) or predicted_s == float("inf") or actual_s == float("inf"):
+            return
+        ratios = self._ratios.pop(kind, None) or deque(maxlen=self._window)
+        ratios.append(actual_s / predicted_s)
+        self._ratios[kind] = ratios  # re-inserted: most recently seen last
+        while len(self._ratios) > self._max_kinds:
+            del self._ratios[next(iter(self._ratios))]
+
+    def scale(self, kind: str) -> float:
+        ratios = self._ratios.get(kind)
+        if ratios is None or len(ratios) < self._min:
+            return 1.0
+        return min(self._clamp, max(1.0 / self._clamp, statistics.median(ratios)))
 
 
 def path_of(plan: ReusePlan) -> Path:

@@ -230,6 +230,16 @@ class LatencyFit(msgspec.Struct):
     e_bytes_per_token: int
 
 
+class RelayBucket(msgspec.Struct, frozen=True):
+    """The relay audit's verdict (`droidmesh audit --policy`) for requests whose reusable-prefix
+    fraction lies in [lo, hi) (hi = 1 includes 1): relay False sends them to the receiver's own
+    prefill; True or None (undecided) leaves the choice to the latency prediction."""
+
+    lo: float
+    hi: float
+    relay: bool | None = None
+
+
 class RecomputeConfig(Message, tag="recompute.config"):
     """A pair's profile. It applies only to the exact weights profiled (the sha256s): a model
     re-trained under the same name never inherits it."""
@@ -248,6 +258,16 @@ class RecomputeConfig(Message, tag="recompute.config"):
     total_layers: int
     latency: LatencyFit | None = None
     created_at: float = 0.0
+    relay: list[RelayBucket] = []  # the audit's policy file, when one was applied (`droidmesh config relay-policy`)
+
+
+class ProfileRow(msgspec.Struct):
+    """A calibration row sent with a profile request: a context, a question and reference answers
+    (a receiver's recent relayed request, answered by its own full prefill)."""
+
+    context: str
+    input: str
+    answers: list[str]
 
 
 class ProfileRequest(Message, tag="profile.request"):
@@ -269,6 +289,9 @@ class ProfileRequest(Message, tag="profile.request"):
     version: int = 0  # 0: a time-based version
     other_tasks: list[str] | None = None  # robustness check tasks (None: every other zoo task)
     transfer: bool = False  # also search codecs / SCD maps (shared/profiling/transfer.py); maps published too
+    rows: list[ProfileRow] = []  # profile on these (split in two) instead of the task's rows or files
+    sender_sha256: str = ""  # the weights the asker holds a config for: a profiler with others refuses ("": any)
+    receiver_sha256: str = ""
 
 
 class ProfileReply(Message, tag="profile.reply"):

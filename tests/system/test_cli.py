@@ -17,6 +17,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from droidmesh.shared import audit
 from droidmesh.shared.cli.main import main
 from droidmesh.shared.launch import Proc, start_nats, start_service
 from tests.system.conftest import words
@@ -38,10 +39,12 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
                  "--n-train", "2", "--n-test", "2", "--guided-only", "--no-robustness", "--publish", "--nats", "{url}"]),
     ("config publish", ["{tmp}/prof.json", "--nats", "{url}"]),
     ("config show", ["--nats", "{url}"]),
+    ("config relay-policy", ["{tmp}/policy.json", "--nats", "{url}", "--dry-run"]),
     ("receivers", ["--nats", "{url}"]),
     ("prefill", ["--sender", "summ", "--context", "{tmp}/context.txt", "--nats", "{url}"]),
     ("ask", ["--context", "{tmp}/context.txt", "--question", "what?", "--nats", "{url}"]),
     ("audit", ["--logs", str(AUDIT_LOGS)]),
+    ("nats-auth", []),  # the shipped roster's conf, on stdout
     ("bench codecs", ["--pairs", "summ:qa", "--rows", "1", "--tokens", "64", "--rates", "0.5", "--repeats", "1"]),
     ("bench ttft", ["--contexts", "32", "--repeats", "1"]),
     ("bench quality", ["--rows", "1"]),
@@ -74,6 +77,7 @@ def mesh(zoo_ci: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
     """(NATS url, scratch dir): nats-server, a broker, the ci tier's `summ` sender and `qa` receiver."""
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "context.txt").write_text(words(120))
+    (tmp / "policy.json").write_text(json.dumps(audit.policy_proposal(audit.run_audit(AUDIT_LOGS, n_boot=100))))
     nats, url = start_nats(store_dir=str(tmp / "js"))
     procs: list[Proc] = [nats]
     try:

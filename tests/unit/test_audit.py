@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from droidmesh.shared import audit as A
 from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.wire.schemas import FrontierPoint, PlanSpec, RecomputeConfig, RelayBucket
 
 N_BOOT = 400
+_POINT = FrontierPoint(PlanSpec(groups=[(2, 4)]), 2, 0.9)
+TINY_CFG = RecomputeConfig(sender_model="s", receiver_model="r", sender_sha256="a" * 64, receiver_sha256="b" * 64,
+                           profile_version=1, task="qa", tolerance=0.05, chosen=_POINT, frontier=[_POINT],
+                           full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6)
 
 
 def request(i: int, assignment: str, ttft_ms: float, **over) -> dict:
@@ -133,15 +139,18 @@ def test_strata_dimensions(tmp_path):
 
 
 def test_summary_figures_on_hand_made_cases(tmp_path):
-    """worst_stratum_ratio, top_stratum_speedup and prediction_error on known medians."""
-    top = arms(5, 100.0, 5, 400.0, jitter=0.0, predicted_ttft_ms=110.0)  # speedup 4, error 0.1
-    slow = arms(5, 300.0, 5, 200.0, jitter=0.0, reusable_fraction=0.5, topology="remote",
-                predicted_ttft_ms=150.0)  # ratio 1.5, error 0.5
+    """worst_stratum_ratio, top_stratum_speedup and prediction_error (of the served option, both
+    arms) on known medians."""
+    top = arms(5, 100.0, 5, 400.0, jitter=0.0)  # speedup 4, error 0.1
+    slow = arms(5, 300.0, 5, 200.0, jitter=0.0, reusable_fraction=0.5, topology="remote")  # ratio 1.5, error 0.5
+    for r in top:
+        r["predicted_ttft_ms"] = r["ttft_ms"] * 1.1
+    for r in slow:
+        r["predicted_ttft_ms"] = r["ttft_ms"] * 0.5
     res = run(tmp_path, top + slow)
     assert res["top_stratum_speedup"] == pytest.approx(4.0)
     assert res["worst_stratum_ratio"] == pytest.approx(1.5) and res["worst_stratum"] in ("reusable=<0.7", "topology=remote")
-    errs = [0.1] * 5 + [0.5] * 5
-    assert res["prediction_error"] == pytest.approx(sorted(errs)[4] / 2 + sorted(errs)[5] / 2)
+    assert res["prediction_error"] == pytest.approx(0.3)  # ten at 0.1, ten at 0.5
     none = run(tmp_path / "n", arms(3, 100.0, 0, 0.0))
     assert none["top_stratum_speedup"] is None and none["worst_stratum_ratio"] is None and none["prediction_error"] is None
 
@@ -161,6 +170,34 @@ def test_policy_file_relay_decisions(tmp_path):
     assert pol["buckets"][0]["reusable_fraction"] == [0.95, 1.0] and pol["buckets"][3]["reusable_fraction"] == [0.0, 0.7]
     thin = A.policy_proposal(run(tmp_path / "thin", arms(20, 100.0, 3, 400.0)))
     assert thin["buckets"][0]["relay"] is None and thin["min_reusable_fraction"] is None
+
+
+def test_a_policy_file_becomes_relay_buckets_and_a_veto_outlives_an_undecided_audit():
+    """The proposal's buckets load as RelayBuckets; applied to a config that already vetoes
+    [0, 0.7), an undecided (null) verdict there keeps the veto, a decided one replaces it."""
+    pol = {"schema": A.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.95, 1.0], "relay": True},
+                                                  {"reusable_fraction": [0.0, 0.7], "relay": None}]}
+    buckets = A.relay_buckets(pol)
+    assert buckets == [RelayBucket(0.95, 1.0, True), RelayBucket(0.0, 0.7, None)]
+    cfg = msgspec.structs.replace(TINY_CFG, relay=[RelayBucket(0.0, 0.7, False)])
+    kept = A.with_relay(cfg, buckets, 7)
+    assert kept.profile_version == 7 and kept.relay == [RelayBucket(0.95, 1.0, True), RelayBucket(0.0, 0.7, False)]
+    lifted = A.with_relay(cfg, [RelayBucket(0.0, 0.7, True)], 8)
+    assert lifted.relay == [RelayBucket(0.0, 0.7, True)]
+
+
+@pytest.mark.parametrize("policy, match", [
+    ({"schema": "other", "buckets": []}, "not a relay policy"),
+    ({"schema": A.POLICY_SCHEMA, "buckets": []}, "1 to 16"),
+    ({"schema": A.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.7, 0.2], "relay": False}]}, "bucket 0"),
+    ({"schema": A.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.0, 0.5], "relay": "no"}]}, "bucket 0"),
+    ({"schema": A.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0, 1]}] * 17}, "1 to 16"),
+    ([1, 2], "not a relay policy"),
+])
+def test_a_malformed_policy_file_is_refused(policy, match):
+    """Wrong schema, empty or too many buckets, inverted ranges and non-boolean verdicts are bad requests."""
+    with pytest.raises(BadRequestError, match=match):
+        A.relay_buckets(policy)
 
 
 def test_bootstrap_is_seeded(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.wire.schemas import CacheAvailable, Fingerprint, FrontierPoint, LatencyFit, PlanSpec, RecomputeConfig
+from droidmesh.shared.wire.schemas import CacheAvailable, Fingerprint, FrontierPoint, LatencyFit, PlanSpec, RecomputeConfig, RelayBucket
 
 # 12 layers; 1 ms per 1k tokens per layer of compute, nothing else.
 FIT = LatencyFit(c0=0.0, c_tok=0.0, c_layer_tok=1e-6, c_attn=0.0, kv_bytes_per_token_layer=1000, e_bytes_per_token=2000)
@@ -185,3 +185,67 @@ def test_slow_link_long_context_takes_the_compressed_option_or_its_own_prefill()
     slow = policy.decide("auto", holder(), None, CODED_CFG, ME, policy.Online(4000, queued=1, bandwidth_bps=10e6,
                                                                              reused_tokens=3999))
     assert slow.path == "full_prefill" and slow.reason is not None and slow.reason[0] == "prefill_faster"
+
+
+# -- closing the loop: the audit's relay buckets and the online calibration
+def _with_relay(*buckets: tuple[float, float, bool | None]) -> RecomputeConfig:
+    relay = [RelayBucket(lo, hi, verdict) for lo, hi, verdict in buckets]
+    return RecomputeConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__}, "relay": relay})
+
+
+def test_a_relay_bucket_the_audit_found_slower_sends_the_request_to_its_own_prefill():
+    """Reuse predicted faster at a reusable fraction of 0.5, but the audit vetoed [0, 0.7): own
+    prefill, reason audit_policy; at 0.999 (bucket [0.95, 1] relay true) the prediction decides."""
+    cfg = _with_relay((0.95, 1.0, True), (0.7, 0.95, None), (0.0, 0.7, False))
+    half = policy.decide("auto", holder(), None, cfg, ME, policy.Online(4000, queued=1, bandwidth_bps=10e9,
+                                                                        reused_tokens=2000))
+    assert half.path == "full_prefill" and half.reason is not None and half.reason[0] == "audit_policy"
+    assert half.weighed and half.predicted_ttft_s == half.predicted_s[policy.PREFILL_OPTION]
+    top = policy.decide("auto", holder(), None, cfg, ME, policy.Online(4000, queued=1, bandwidth_bps=10e9,
+                                                                       reused_tokens=4000))
+    assert top.path == "partial" and top.weighed
+
+
+def test_calibration_scales_predictions_and_can_flip_the_choice():
+    """Reuse measured 4x slower than fitted (own prefill as fitted): at 2,000 of 4,000 tokens
+    reusable the scaled reuse loses to own prefill; raw predictions are kept beside the scaled."""
+    cal = policy.Calibration(min_samples=3)
+    assert cal.scale("reuse:s") == 1.0
+    for _ in range(3):
+        cal.observe("reuse:s", 0.01, 0.04)
+        cal.observe(policy.PREFILL_KIND, 0.05, 0.05)
+    online = policy.Online(4000, queued=1, bandwidth_bps=10e9, reused_tokens=2000,
+                           reuse_scale=cal.scale("reuse:s"), prefill_scale=cal.scale(policy.PREFILL_KIND))
+    assert (online.reuse_scale, online.prefill_scale) == (4.0, 1.0)
+    raw = policy.decide("auto", holder(), None, CFG, ME, policy.Online(4000, queued=1, bandwidth_bps=10e9,
+                                                                       reused_tokens=2000))
+    scaled = policy.decide("auto", holder(), None, CFG, ME, online)
+    assert raw.path == "partial" and scaled.path == "full_prefill" and scaled.reason[0] == "prefill_faster"
+    assert scaled.raw_s == raw.predicted_s
+    assert scaled.predicted_s["recompute [2,4)"] == pytest.approx(4 * raw.predicted_s["recompute [2,4)"])
+
+
+def test_calibration_is_robust_bounded_and_ignores_nonsense():
+    """The scale is a median (one outlier does not move it), clamped, and non-positive or
+    infinite samples are ignored; kinds beyond the bound forget the least recent."""
+    cal = policy.Calibration(window=5, min_samples=3, clamp=8.0, max_kinds=2)
+    for r in (2.0, 2.0, 2.0, 1000.0):
+        cal.observe("a", 1.0, r)
+    assert cal.scale("a") == 2.0
+    for _ in range(3):
+        cal.observe("b", 1.0, 1e6)
+        cal.observe("b", 0.0, 1.0)
+        cal.observe("b", 1.0, float("inf"))
+    assert cal.scale("b") == 8.0
+    cal.observe("c", 1.0, 1.0)
+    assert cal.scale("a") == 1.0  # forgotten: "b" and "c" were seen since
+
+
+def test_only_requests_where_relaying_was_weighed_are_in_the_experiment():
+    """A holder with a config (either choice) or a default group is weighed; a miss or a forced mode is not."""
+    assert policy.decide("auto", holder(), None, CFG, ME, policy.Online(4000, reused_tokens=3990)).weighed
+    assert policy.decide("auto", holder(), None, CFG, ME, policy.Online(4000, reused_tokens=10)).weighed
+    assert not policy.decide("auto", None, ("no_cache", "x"), CFG, ME, policy.Online(4000)).weighed
+    assert not policy.decide("full_prefill", holder(), None, CFG, ME, policy.Online(4000)).weighed
+    mine = policy.Receiver(model_id="r", model_sha256="R1", num_layers=12, default_group=(2, 4))
+    assert policy.decide("auto", holder(), None, None, mine, policy.Online(4000)).weighed

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from droidmesh.services.receiver.breaker import Breaker
-from droidmesh.services.receiver.handlers import check_positions, deadline_of
+from droidmesh.services.receiver.handlers import check_positions, deadline_of, unreachable
 from droidmesh.shared.client import MeshClient, MeshError
-from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.errors import BadRequestError, MissingLayerError, PeerUnreachableError, TransferError
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.wire import schemas
@@ -62,6 +62,22 @@ def test_breaker_success_resets_the_count_and_memory_is_bounded():
     for i in range(100):
         b.failure(f"h{i}")
     assert len(b._holders) <= 8
+
+
+def test_a_layer_that_never_arrives_because_the_holder_is_unreachable_is_a_hard_failure():
+    """The engine's MissingLayerError raised from a PeerUnreachableError opens the circuit at once;
+    a plain missing layer or transfer error does not."""
+    def chained() -> MissingLayerError:
+        try:
+            raise PeerUnreachableError("connect to ucx://a failed")
+        except PeerUnreachableError as cause:
+            try:
+                raise MissingLayerError("E of layer 1 will not arrive") from cause
+            except MissingLayerError as e:
+                return e
+
+    assert unreachable(PeerUnreachableError("x")) and unreachable(chained())
+    assert not unreachable(MissingLayerError("late")) and not unreachable(TransferError("bad bytes"))
 
 
 def test_prompt_past_the_models_positions_is_refused(tiny_models):

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -223,3 +224,32 @@ def test_the_shadow_share_of_relayed_requests_is_answered_again_off_the_critical
     assert all(r.path == "partial" for r in replies)
     assert abs(len(agreements) - n * share) <= 4.5 * (n * share * (1 - share)) ** 0.5, len(agreements)
     assert all(0.0 <= a <= 1.0 for a in agreements)
+
+
+def test_a_relay_policy_published_to_the_board_reaches_a_running_receiver(tiny_pair, tiny_models):
+    """The pair's config relays; the same config republished with the audit's veto over every
+    reusable fraction (a new version) turns the next request into the receiver's own prefill,
+    reason audit_policy, without a restart."""
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)]), 2, 0.99)
+    cfg = schemas.RecomputeConfig(
+        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
+        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="t", tolerance=0.05, chosen=point,
+        frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6, created_at=time.time())
+    vetoed = msgspec.structs.replace(cfg, profile_version=2, relay=[schemas.RelayBucket(0.0, 1.0, False)])
+
+    async def run() -> tuple[schemas.GenerateReply, schemas.GenerateReply]:
+        async with mesh(tiny_pair, tiny_models, default_group=()) as (bus, board, _):
+            await board.put(cfg)
+            await bus.settle()
+            before = await _prefill_and_ask(bus)
+            await board.put(vetoed)
+            await bus.settle()
+            after = await _ask(bus, subjects.receiver_generate("receiver"),
+                               schemas.GenerateRequest(request_id="r2", context=CONTEXT, question=QUESTION,
+                                                       max_new_tokens=6), schemas.GenerateReply)
+            return before, after
+
+    before, after = asyncio.run(run())
+    assert (before.path, before.plan) == ("partial", "recompute [2,4)")
+    assert after.path == "full_prefill" and "relay audit" in (after.fallback_reason or ""), after
+    assert after.token_ids == _engine_tokens(tiny_models, ReusePlan.full_prefill())

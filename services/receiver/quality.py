@@ -1,0 +1,140 @@
+"""The receiver's quality watch (paper 004's second line of defence): shadows, drift, re-profiling.
+
+Sequence, per relayed request the audit picks for a shadow (`shadow`, a supervised background task):
+  1. wait until the receiver is idle (never ahead of a request; skipped after SHADOW_WAIT_S);
+  2. answer the same prompt by the receiver's own full prefill and log the token agreement of the
+     two greedy answers ("shadow");
+  3. `QualityWatch.observe` keeps it per sender model (a sliding window, the gauge
+     `dm_shadow_agreement`) with the row (context, question, the full prefill's answer);
+  4. when the window's mean falls below `quality_threshold`, the watch fires once ("quality_drift",
+     `dm_quality_drift`) and `reprofile` asks the profiler service to profile the pair again on
+     the kept rows, bound to the weights of the config in use; the profiler publishes the new
+     config, which reaches this receiver through the config board like any other (no restart);
+  5. a newer config for that sender model re-arms the watch with an empty window (`reset`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
+
+import structlog
+
+from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.kv.partial import generate as engine_generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.wire import schemas, subjects
+
+if TYPE_CHECKING:
+    from droidmesh.services.receiver.state import ReceiverState
+
+log = structlog.get_logger("receiver")
+
+SHADOW_WAIT_S = 60.0  # a shadow waits this long for an idle receiver, then is skipped
+
+
+class QualityWatch:
+    """Shadow agreements per sender model over the last `window` shadows, with the rows they came
+    from (the last `keep_rows`). The receiver calls `observe` after each shadow, `reset` when a
+    newer config for the model loads, `rows` to re-profile; none blocks. `observe` returns True
+    once per drop: when at least `min_samples` are in and their mean is below `threshold`
+    (0: never); it stays quiet until `reset`. Models tracked are bounded (least recent go)."""
+
+    def __init__(self, window: int, min_samples: int, threshold: float, keep_rows: int = 32, max_models: int = 256):
+        self._window, self._min, self._threshold = window, min(min_samples, window), threshold
+        self._keep, self._max_models = keep_rows, max_models
+        self._seen: OrderedDict[str, tuple[deque[float], deque[schemas.ProfileRow]]] = OrderedDict()
+        self._fired: set[str] = set()
+
+    def observe(self, model: str, agreement: float, row: schemas.ProfileRow | None) -> bool:
+        agreements, rows = (self._seen.pop(model) if model in self._seen
+                            else (deque(maxlen=self._window), deque(maxlen=self._keep)))
+        self._seen[model] = (agreements, rows)
+        while len(self._seen) > self._max_models:
+            self._fired.discard(self._seen.popitem(last=False)[0])
+        agreements.append(min(1.0, max(0.0, agreement)))
+        if row is not None:
+            rows.append(row)
+        mean = self.agreement(model)
+        if model in self._fired or mean is None or len(agreements) < self._min or mean >= self._threshold:
+            return False
+        self._fired.add(model)
+        return True
+
+    def agreement(self, model: str) -> float | None:
+        """The window's mean agreement (None before any shadow)."""
+        seen = self._seen.get(model)
+        return sum(seen[0]) / len(seen[0]) if seen and seen[0] else None
+
+    def rows(self, model: str) -> list[schemas.ProfileRow]:
+        seen = self._seen.get(model)
+        return list(seen[1]) if seen else []
+
+    def reset(self, model: str) -> None:
+        """A new config serves `model`'s contexts: judge it on its own shadows, armed again."""
+        seen = self._seen.get(model)
+        if seen is not None:
+            seen[0].clear()
+        self._fired.discard(model)
+
+
+async def shadow(s: ReceiverState, request_id: str, sender_model: str, context: str, question: str,
+                 prompt: list[int], served: list[int]) -> None:
+    """Steps 1-4 of the module docstring for one relayed request."""
+    waited = time.monotonic() + SHADOW_WAIT_S
+    while s.inflight > 0:
+        if time.monotonic() >= waited:
+            log.info("shadow_skipped", request_id=request_id, reason="receiver busy")
+            return
+        await asyncio.sleep(0.05)
+    ref = await s.run_torch(lambda: engine_generate(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=len(served),
+                                                    eos_token_id=s.eos_token_id))
+    same = sum(a == b for a, b in zip(served, ref.tokens, strict=False))
+    agreement = same / max(len(served), len(ref.tokens))
+    s.shadow_agreements.append(agreement)
+    answer = s.model.tokenizer.decode(ref.tokens, skip_special_tokens=True) if s.model.tokenizer is not None else ""
+    row = schemas.ProfileRow(context=context, input=question, answers=[answer]) if context else None  # chat: no row
+    fired = s.watch.observe(sender_model, agreement, row)
+    window = s.watch.agreement(sender_model)
+    s.metrics.agreement.labels(sender_model).set(window if window is not None else agreement)
+    log.info("shadow", request_id=request_id, agreement=round(agreement, 4), tokens=len(served),
+             sender_model=sender_model, window_agreement=round(window, 4) if window is not None else None)
+    if fired:
+        s.metrics.drift.labels(sender_model).inc()
+        log.warning("quality_drift", sender_model=sender_model, window_agreement=round(window or 0.0, 4),
+                    threshold=s.cfg.quality_threshold, rows=len(s.watch.rows(sender_model)))
+        if s.cfg.reprofile:
+            s.background(reprofile(s, sender_model), f"reprofile-{sender_model}")
+
+
+async def reprofile(s: ReceiverState, sender_model: str) -> None:
+    """Step 4's request: the pair's config in use names the task, tolerance and weights; the rows
+    are the watch's. The new config arrives through the board; the reply is only logged."""
+    cfg = s.configs.get(sender_model)
+    rows = s.watch.rows(sender_model)
+    if cfg is None or len(rows) < 2:
+        log.warning("reprofile_skipped", sender_model=sender_model,
+                    reason="no config in use (a default group)" if cfg is None else f"{len(rows)} row(s) kept")
+        return
+    req = schemas.ProfileRequest(
+        request_id=f"reprofile-{uuid.uuid4().hex[:12]}", sender_path=sender_model, receiver_path=s.cfg.model_id,
+        task=cfg.task, sender_model=sender_model, receiver_model=s.cfg.model_id, n_train=len(rows), n_test=len(rows),
+        tolerance=cfg.tolerance, other_tasks=[], rows=rows, sender_sha256=cfg.sender_sha256,
+        receiver_sha256=cfg.receiver_sha256)
+    log.info("reprofile_requested", request_id=req.request_id, sender_model=sender_model, rows=len(rows),
+             version=cfg.profile_version)
+    try:
+        data = await s.bus.request(subjects.PROFILER_PROFILE, schemas.encode(req), timeout=s.cfg.reprofile_timeout_s)
+        try:
+            reply = schemas.decode(data, schemas.ProfileReply)
+        except DroidMeshError:
+            err = schemas.decode(data, schemas.ErrorReply)
+            raise DroidMeshError(f"{err.code}: {err.message}") from None
+    except (DroidMeshError, TimeoutError) as e:
+        log.warning("reprofile_failed", request_id=req.request_id, sender_model=sender_model, error=str(e))
+        return
+    log.info("reprofile_done", request_id=req.request_id, sender_model=sender_model,
+             version=reply.config.profile_version, chosen=reply.config.chosen.plan.groups)

@@ -1,0 +1,88 @@
+"""The quality watch on a real mesh: an injected quality drop (a pair config whose plan disagrees
+with full prefill) is caught by the shadows, the profiler service re-profiles the pair on the
+receiver's recent contexts, and the new config version reaches the running receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from droidmesh.shared.client import MeshClient
+from droidmesh.shared.launch import start_service
+from droidmesh.shared.models import weights_sha256
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.zoo.suite import make_rows
+from droidmesh.shared.zoo.tiers import get_recipe
+from tests.system.conftest import until_indexed
+
+pytestmark = pytest.mark.system
+
+THREADS = {"OMP_NUM_THREADS": "1"}
+TASK = "multihop_qa"
+
+
+def _full_reuse_config(tiny_pair) -> schemas.RecomputeConfig:
+    """The injected drop: full reuse, claimed as good as full prefill (on these models its greedy
+    answers agree with full prefill on about a quarter of the tokens)."""
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[]), recomputed_layers=0, quality=1.0)
+    return schemas.RecomputeConfig(
+        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
+        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task=TASK, tolerance=0.05, chosen=point,
+        frontier=[point], full_prefill_quality=1.0, full_reuse_quality=1.0, total_layers=6, created_at=time.time())
+
+
+def _event(line: str) -> dict:
+    """A structlog JSON line as a dict ({} for anything else)."""
+    try:
+        return json.loads(line[line.index("{"):])
+    except ValueError:
+        return {}
+
+
+def test_a_quality_drop_is_reprofiled_and_the_new_config_reaches_the_running_receiver(nats, services, tiny_pair,
+                                                                                      tiny_models):
+    """Every relayed request shadowed; once 4 shadows average below 0.9 agreement the receiver
+    logs quality_drift, asks the profiler with its recent rows, and loads the newer version it
+    publishes (no restart); later requests run the new plan."""
+    url = nats[1]
+    services.append(start_service("profiler", {"models": [f"sender={tiny_pair[0]}", f"receiver={tiny_pair[1]}"]},
+                                  url, env=THREADS))
+    services.append(start_service("cache_broker", {}, url, env=THREADS))
+    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 2, 4]},
+                                  url, env=THREADS))
+    receiver = start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver", "shadow_share": 1.0,
+                                          "quality_threshold": 0.9, "quality_window": 4}, url, env=THREADS)
+    services.append(receiver)
+    rows = make_rows(TASK, "test", 40, get_recipe("ci").suite)
+
+    async def run() -> tuple[list[schemas.GenerateReply], str]:
+        client = await MeshClient.connect(url)
+        try:
+            await client.bus.config_board().put(_full_reuse_config(tiny_pair))
+            receiver.wait_for(lambda line: '"config_loaded"' in line, 60, "the injected config")
+            replies, loaded = [], ""
+            for row in rows:
+                await client.prefill("sender", row["context"])
+                await until_indexed(client, tiny_models[1], row["context"])
+                replies.append(await client.ask("receiver", row["context"], row["input"], max_new_tokens=6, timeout=120))
+                if any(_event(line).get("event") == "reprofile_requested" for line in list(receiver.lines)):
+                    break
+            loaded = await asyncio.to_thread(receiver.wait_for, lambda line: _event(line).get("event") == "config_loaded"
+                                             and _event(line).get("version", 1) > 1, 600, "the re-profiled config")
+            row = rows[len(replies)]
+            await client.prefill("sender", row["context"])
+            await until_indexed(client, tiny_models[1], row["context"])
+            replies.append(await client.ask("receiver", row["context"], row["input"], max_new_tokens=6, timeout=120))
+            return replies, loaded
+        finally:
+            await client.close()
+
+    replies, loaded = asyncio.run(run())
+    events = [_event(line).get("event") for line in receiver.lines]
+    assert "quality_drift" in events and "reprofile_done" in events, receiver.lines[-20:]
+    assert all(r.plan == "full reuse" for r in replies[:-1])
+    assert _event(loaded)["version"] > 1
+    assert replies[-1].plan != "full reuse" and replies[-1].path in ("partial", "full_prefill"), replies[-1]

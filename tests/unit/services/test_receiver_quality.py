@@ -1,0 +1,49 @@
+"""The receiver's quality watch: when a pair's shadow agreement drops it fires once, with the rows to re-profile on."""
+
+from __future__ import annotations
+
+import pytest
+
+from droidmesh.services.receiver.quality import QualityWatch
+from droidmesh.shared.wire.schemas import ProfileRow
+
+
+def row(i: int) -> ProfileRow:
+    return ProfileRow(context=f"c{i}", input="q", answers=[f"a{i}"])
+
+
+def test_fires_once_when_the_window_mean_drops_below_the_threshold():
+    """High agreement never fires; once the last 4 average below 0.5 (after >= 2 samples) it
+    fires exactly once, and stays quiet until reset."""
+    w = QualityWatch(window=4, min_samples=2, threshold=0.5)
+    assert not any(w.observe("base", 1.0, row(i)) for i in range(6))
+    fired = [w.observe("base", 0.1, row(10 + i)) for i in range(6)]
+    assert fired == [False, False, True, False, False, False]  # window means 0.775, 0.55, 0.325, ...
+    assert w.agreement("base") == pytest.approx(0.1)
+    w.reset("base")
+    assert w.agreement("base") is None
+    assert [w.observe("base", 0.1, row(20 + i)) for i in range(3)] == [False, True, False]
+
+
+def test_rows_are_the_most_recent_and_bounded_and_chat_rows_are_skipped():
+    """The watch keeps the last keep_rows rows per model; a shadow without a row (chat) counts its
+    agreement only; models are independent."""
+    w = QualityWatch(window=8, min_samples=8, threshold=0.5, keep_rows=3)
+    for i in range(5):
+        w.observe("base", 1.0, row(i))
+    w.observe("base", 1.0, None)
+    w.observe("other", 0.0, row(99))
+    assert [r.context for r in w.rows("base")] == ["c2", "c3", "c4"]
+    assert [r.context for r in w.rows("other")] == ["c99"] and w.rows("nobody") == []
+
+
+def test_threshold_zero_never_fires_and_values_are_clamped():
+    """threshold 0 turns the watch off; agreements outside [0, 1] are clamped, models are bounded."""
+    off = QualityWatch(window=2, min_samples=1, threshold=0.0)
+    assert not any(off.observe("m", 0.0, row(i)) for i in range(5))
+    w = QualityWatch(window=2, min_samples=1, threshold=0.5, max_models=2)
+    w.observe("a", 7.0, row(0))
+    assert w.agreement("a") == 1.0
+    w.observe("b", 1.0, row(1))
+    w.observe("c", 1.0, row(2))
+    assert w.agreement("a") is None  # the least recently seen model went
