@@ -19,7 +19,7 @@ Sequence (`run_audit`):
 3. The summary figures: `worst_stratum_ratio` (largest policy p50 / full-prefill p50 TTFT over
    strata with both), `top_stratum_speedup` (full-prefill p50 / policy p50 for reusable
    [0.95,1]), `prediction_error` (median |predicted - actual| / actual TTFT of the served option,
-   over requests with a prediction).
+   over requests with a prediction), `decision_p99_s` (the policy's own time per request).
 4. `policy_proposal`: the policy file below; `format_report` prints, `plot_png` draws.
 
 The estimand is intent-to-treat: a treatment request whose relay fell back to full prefill still
@@ -95,6 +95,7 @@ class Request:
     queued: int | None
     holdout_share: float | None
     agreement: float | None = None
+    decision_s: float | None = None  # the policy's own time deciding (and assigning) the request
 
 
 @dataclass
@@ -155,7 +156,8 @@ def to_request(obj: dict[str, Any]) -> Request | None:
                    prompt_tokens=int(prompt) if prompt is not None else None,
                    pair=f"{sender or '?'}->{receiver or '?'}" if sender or receiver else None,
                    topology=obj.get("topology") if isinstance(obj.get("topology"), str) else None,
-                   queued=int(queued) if queued is not None else None, holdout_share=_num(obj.get("holdout_share")))
+                   queued=int(queued) if queued is not None else None, holdout_share=_num(obj.get("holdout_share")),
+                   decision_s=_ms(obj.get("decision_ms")))
 
 
 def read_logs(root: str | Path) -> Logs:
@@ -310,6 +312,12 @@ def prediction_error(reqs: Iterable[Request]) -> float | None:
     return _median(errs)
 
 
+def decision_p99(reqs: Iterable[Request]) -> float | None:
+    """p99 of the policy's own decision time, seconds (nearest rank)."""
+    xs = sorted(r.decision_s for r in reqs if r.decision_s is not None)
+    return xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)] if xs else None
+
+
 def audit(logs: Logs, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
     reqs = logs.requests
     rows = [stratum_row(name, group, n_boot, seed) for name, group in strata(reqs)]
@@ -318,6 +326,7 @@ def audit(logs: Logs, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
     shares = sorted({r.holdout_share for r in reqs if r.holdout_share is not None})
     return {"strata": rows, "overall": overall, "worst_stratum_ratio": worst, "worst_stratum": worst_name,
             "top_stratum_speedup": top_stratum_speedup(rows), "prediction_error": prediction_error(reqs),
+            "decision_p99_s": decision_p99(reqs),
             "files": logs.files, "lines_read": logs.lines_read, "requests_used": len(reqs),
             "other_request_lines": logs.other_assignments, "malformed_request_lines": logs.malformed,
             "duplicate_request_lines": logs.duplicates, "holdout_shares": shares,
@@ -407,7 +416,8 @@ def format_report(result: dict[str, Any]) -> str:
     fig = lambda v: "n/a" if v is None else f"{v:.3g}"  # noqa: E731
     lines.append(f"worst stratum ratio {fig(result['worst_stratum_ratio'])} ({result['worst_stratum'] or '-'}); "
                  f"top stratum speedup {fig(result['top_stratum_speedup'])}; "
-                 f"prediction error (median relative) {fig(result['prediction_error'])}")
+                 f"prediction error (median relative) {fig(result['prediction_error'])}; "
+                 f"decision p99 {fig(result['decision_p99_s'] * 1e3 if result['decision_p99_s'] is not None else None)} ms")
     lines.append(f"{result['requests_used']} requests from {result['lines_read']} lines in {result['files']} files "
                  f"({result['other_request_lines']} outside the experiment, {result['malformed_request_lines']} malformed, "
                  f"{result['duplicate_request_lines']} duplicates); {CI_LEVEL:.0%} CI, {result['bootstrap']} resamples")

@@ -65,6 +65,12 @@ class Metrics:
         self.ucx_throughput = Histogram("dm_ucx_throughput_bytes_per_second", "Per-pull UCX throughput",
                                         buckets=(1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10), registry=r)
         self.lookups = Counter("dm_cache_lookups", "Cache lookups by result (hit / miss)", ["result"], registry=r)
+        self.relay = Counter("dm_relay_requests", "Requests where relaying was weighed, by reusable-prefix bucket "
+                             "and outcome (relayed, own_prefill, control)", ["bucket", "outcome"], registry=r)
+        self.saved = Counter("dm_relay_saved_seconds", "Predicted own-prefill TTFT minus the actual TTFT of relayed "
+                             "requests (the benefit; negative when relaying cost time)", registry=r)
+        self.prediction_error = Histogram("dm_prediction_error_ratio", "|predicted - actual| / actual TTFT of the "
+                                          "served option", buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0), registry=r)
         self.agreement = Gauge("dm_shadow_agreement", "Mean shadow token agreement over the quality watch's window, "
                                "per sender model", ["sender_model"], registry=r)
         self.drift = Counter("dm_quality_drift", "Quality drops the watch raised (each asks for a re-profile), "

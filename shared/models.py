@@ -62,6 +62,11 @@ def is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
 
 
+def tier_models(root: Path, manifest: dict) -> dict[str, ModelRef]:
+    """Every model of a built zoo tier (its directory and manifest), by name."""
+    return {name: ModelRef(root / m["path"], name, manifest["tier"], m["sha256"]) for name, m in manifest["models"].items()}
+
+
 def resolve_model(arg: str, name: str | None = None) -> ModelRef:
     """A local checkpoint path or a zoo model name -> ModelRef; `name` overrides the model id.
     Raises CheckpointNotFoundError (commands turn it into a one-line usage error)."""

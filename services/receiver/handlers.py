@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from droidmesh.services.receiver import quality
+from droidmesh.services.receiver import audit
 from droidmesh.services.receiver.pipeline import ReuseOutcome, reuse_generate
 from droidmesh.shared import maps_store
 from droidmesh.shared.answer_stream import AnswerStream
@@ -153,9 +153,11 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
                            reused_tokens=reusable_prefix(holder.token_ids, prompt) if holder else None,
                            reuse_overhead_s=s.reuse_overhead_s, prefill_scale=s.calibration.scale(policy.PREFILL_KIND),
                            reuse_scale=s.calibration.scale(policy.reuse_kind(holder.model_id)) if holder else 1.0)
+    decided = time.perf_counter()
     decision = policy.decide(req.mode, holder, miss, s.configs.get(holder.model_id) if holder else None,
                              s.policy_facts, online)
-    decision, assignment = _assign(s, decision, req.mode)
+    decision, assignment = audit.assign(s, decision, req.mode)
+    decision_ms = (time.perf_counter() - decided) * 1e3
     plan, path, reason = decision.plan, decision.path, decision.reason
     missing = _maps_missing(s, decision)
     if missing is not None:  # the plan's codes cannot be decoded here: the receiver's own prefill, and why
@@ -202,13 +204,15 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     why = shown[1] if shown is not None else None
     _record(s, path, shown[0] if shown is not None else "", ttft_ms, stages_ms, bytes_pulled, stamps)
     predicted_ms = {k: round(v * 1e3, 3) for k, v in decision.predicted_s.items()}
-    _calibrate(s, decision, online, path, holder, ttft_ms / 1e3)
+    audit.calibrate(s, decision, online, path, holder, ttft_ms / 1e3)
+    audit.count_relay(s, decision, assignment, path, online, ttft_ms / 1e3)
     if assignment == "treatment" and path in ("partial", "full_reuse") and s.cfg.shadow_share > 0 \
             and req.sampling.temperature == 0 and s.rng.random() < s.cfg.shadow_share:
-        s.background(quality.shadow(s, req.request_id, holder.model_id if holder else "", req.context, req.question,
+        s.background(audit.shadow(s, req.request_id, holder.model_id if holder else "", req.context, req.question,
                                     prompt, gen.tokens), f"shadow-{req.request_id}")
     log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=why,
              assignment=assignment, holdout_share=s.cfg.holdout_share, predicted_ttft_ms=_ms(decision.predicted_ttft_s),
+             decision_ms=round(decision_ms, 4),
              options_ms=predicted_ms, reused_fraction=round(gen.prefill.reused_tokens / max(1, len(prompt)), 4),
              reusable_fraction=round((online.reused_tokens or 0) / max(1, len(prompt)), 4),
              sender_model=holder.model_id if holder else None, receiver_model=s.cfg.model_id,
@@ -236,31 +240,6 @@ def _topology(address: str) -> str:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 3)
-
-
-def _calibrate(s: ReceiverState, decision: policy.Decision, online: policy.Online, path: str,
-               holder: schemas.CacheAvailable | None, ttft_s: float) -> None:
-    """Feed the served option's measured TTFT to the calibration, against its uncalibrated prediction."""
-    if path == "full_prefill" and policy.PREFILL_OPTION in decision.raw_s:
-        s.calibration.observe(policy.PREFILL_KIND, decision.raw_s[policy.PREFILL_OPTION], ttft_s)
-    elif path in ("partial", "full_reuse") and holder is not None and decision.predicted_ttft_s:
-        s.calibration.observe(policy.reuse_kind(holder.model_id), decision.predicted_ttft_s / online.reuse_scale, ttft_s)
-
-
-def _assign(s: ReceiverState, decision: policy.Decision, mode: str) -> tuple[policy.Decision, str]:
-    """The randomized audit (paper 004): a request where relaying was possible and weighed (its
-    decision either way) is served by full prefill with probability `holdout_share` ("control";
-    else "treatment": whatever the policy chose); forced modes and requests with nothing to relay
-    are "ineligible". The assignment is logged with its share."""
-    if mode != "auto" or not decision.weighed:
-        return decision, "ineligible"
-    if s.cfg.holdout_share > 0 and s.rng.random() < s.cfg.holdout_share:
-        held = policy.Decision(ReusePlan.full_prefill(), "full_prefill",
-                               ("holdout", f"randomized control (holdout share {s.cfg.holdout_share:g})"),
-                               predicted_s=decision.predicted_s, raw_s=decision.raw_s, weighed=True,
-                               predicted_ttft_s=decision.predicted_s.get(policy.PREFILL_OPTION))
-        return held, "control"
-    return decision, "treatment"
 
 
 def _maps_missing(s: ReceiverState, decision: policy.Decision) -> policy.Reason | None:

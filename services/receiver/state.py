@@ -12,9 +12,9 @@ from typing import Any
 
 import structlog
 
+from droidmesh.services.receiver.audit import QualityWatch
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.config import ReceiverConfig
-from droidmesh.services.receiver.quality import QualityWatch
 from droidmesh.shared.bus import Bus
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.kv import policy

@@ -28,7 +28,7 @@ def agents(rows: int, log_dir: str | None, holdout_share: float, shadow_share: f
     from droidmesh.shared.agents import PAIRS, run_agents, table
     from droidmesh.shared.audit import relay_buckets
     from droidmesh.shared.errors import BadRequestError
-    from droidmesh.shared.models import ModelRef
+    from droidmesh.shared.models import tier_models
     from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest
     from droidmesh.shared.zoo.tiers import get_recipe
 
@@ -36,7 +36,7 @@ def agents(rows: int, log_dir: str | None, holdout_share: float, shadow_share: f
     manifest = read_manifest(root)
     if manifest is None:
         raise BadRequestError(f"no committed demo tier at {root}; run `droidmesh zoo build --tier demo --out {root}`")
-    models = {name: ModelRef(root / m["path"], name, "demo", m["sha256"]) for name, m in manifest["models"].items()}
+    models = tier_models(root, manifest)
     profiles = {p.id: json.loads(profile_file(root, p).read_text()) for p in PAIRS if profile_file(root, p).is_file()}
     relay = []
     if policy_path:

@@ -412,3 +412,49 @@ def codecs(json_path, plot_dir, table_path, pairs, task, rates, tokens, repeats,
         Path(plot_dir).mkdir(parents=True, exist_ok=True)
         for rate in rates:
             suite.plot(r["rows"], str(Path(plot_dir) / f"codecs-{rate:g}gbit.png"), rate, long)
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the summary and every request here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the agreement / score timeline PNG here.")
+@click.option("--logs", "log_dir", type=click.Path(file_okay=False), help="Every process's log (default: a temporary directory).")
+@click.option("--before", default="multihop_qa/plain", show_default=True, help="Task the pair is profiled on and served first.")
+@click.option("--after", default="multihop_qa/coded", show_default=True, help="Task the workload shifts to.")
+@click.option("--n-before", default=40, show_default=True, type=click.IntRange(1, 1000), help="Requests before the shift.")
+@click.option("--n-settled", default=40, show_default=True, type=click.IntRange(1, 1000),
+              help="Requests on the re-profiled config before stopping.")
+@click.option("--max-shifted", default=200, show_default=True, type=click.IntRange(1, 2000),
+              help="Requests after the shift at most (the run stops there if no new config came).")
+@click.option("--profile-rows", default=8, show_default=True, type=click.IntRange(1, 200),
+              help="Train and test rows of the first profile.")
+@click.option("--threshold", default=0.4, show_default=True, type=click.FloatRange(0, 1),
+              help="Receiver's quality_threshold (mean shadow token agreement that raises the alarm).")
+@click.option("--window", default=20, show_default=True, type=click.IntRange(1, 1000), help="Receiver's quality_window.")
+def drift(json_path, plot_path, log_dir, before, after, n_before, n_settled, max_shifted, profile_rows, threshold,
+          window) -> None:
+    """Quality watch: a pair profiled on one task, the workload shifting to another; requests to
+    the alarm, to the re-profiled config, and the answers' score against full prefill per phase."""
+    import tempfile
+    from pathlib import Path
+
+    from droidmesh.shared.bench import drift as suite
+    from droidmesh.shared.errors import BadRequestError
+    from droidmesh.shared.models import tier_models
+    from droidmesh.shared.zoo.manifest import REPO_ZOO, read_manifest
+    from droidmesh.shared.zoo.tiers import get_recipe
+
+    root = REPO_ZOO / "demo"
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise BadRequestError(f"no committed demo tier at {root}; run `droidmesh zoo build --tier demo --out {root}`")
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-drift-"))
+    result = suite.run_drift(tier_models(root, manifest), get_recipe("demo").suite, logs, lambda s: click.echo(s, err=True),
+                             before=before, after=after, n_before=n_before, n_settled=n_settled, max_shifted=max_shifted,
+                             n_profile=profile_rows, threshold=threshold, window=window)
+    click.echo(report.format_table(result["rows"], suite.COLUMNS))
+    click.echo(f"alarm {result['requests_to_alarm']} and new config {result['requests_to_new_config']} requests after "
+               f"the shift; plan {result.get('old_plan')} -> {result.get('new_plan')}; re-profile took "
+               f"{result['reprofile_s']} s; logs in {logs}")
+    _save(json_path, "drift", result)
+    if plot_path:
+        suite.plot_png(result, plot_path)

@@ -22,7 +22,7 @@ def demo(rows: int, tier: str, json_path: str | None, log_dir: str | None, devic
 
     Every service loads its model on --device (passed to them as DM_DEVICE; with --dtype, DM_DTYPE)."""
     from droidmesh.shared.demo import run_demo, table
-    from droidmesh.shared.models import ModelRef, Pair
+    from droidmesh.shared.models import Pair, tier_models
     from droidmesh.shared.zoo.build import build_tier
     from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest, zoo_dir
     from droidmesh.shared.zoo.tiers import get_recipe
@@ -37,7 +37,7 @@ def demo(rows: int, tier: str, json_path: str | None, log_dir: str | None, devic
         manifest = build_tier("ci", root, log=lambda s: click.echo(f"  zoo: {s}", err=True))
     tier_name = manifest["tier"]
     recipe = get_recipe(tier_name)
-    models = {name: ModelRef(root / m["path"], name, tier_name, m["sha256"]) for name, m in manifest["models"].items()}
+    models = tier_models(root, manifest)
     pairs = [Pair(p["sender"], p["receiver"], p["task"]) for p in manifest["pairs"][:2]]
     profiles = {p.id: json.loads(profile_file(root, p).read_text()) for p in pairs if profile_file(root, p).is_file()}
     layers = manifest["models"][pairs[0].receiver]["layers"]

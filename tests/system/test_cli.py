@@ -52,11 +52,13 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench bandwidth", ["--tokens", "32", "--repeats", "1", "--rates", "0"]),  # reports a skip without netns rights
     ("bench transfer", ["--sizes", "65536", "--repeats", "1"]),
     ("bench control", ["--events", "10"]),
+    ("bench drift", ["--n-before", "1", "--max-shifted", "1", "--profile-rows", "1"]),
     ("bench load", ["--tokens", "32", "--rates", "2", "--seconds", "1", "--copies", "1"]),
     ("demo", ["--rows", "1"]),
 ]
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
-         "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs"}
+         "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs", "--n-before", "--max-shifted",
+         "--profile-rows"}
 
 
 def _leaves(group: click.Group, prefix: str = "") -> list[str]:

@@ -172,6 +172,16 @@ def test_policy_file_relay_decisions(tmp_path):
     assert thin["buckets"][0]["relay"] is None and thin["min_reusable_fraction"] is None
 
 
+def test_decision_overhead_p99_is_the_nearest_rank(tmp_path):
+    """100 requests deciding in 0.01..1.00 ms: p99 is 0.99 ms; lines without the field do not count."""
+    lines = arms(50, 100.0, 50, 400.0)
+    for k, r in enumerate(lines):
+        r["decision_ms"] = (k + 1) / 100
+    res = run(tmp_path, [*lines, request(999, "control", 1.0)])
+    assert res["decision_p99_s"] == pytest.approx(0.99e-3)
+    assert run(tmp_path / "none", arms(3, 1.0, 3, 1.0))["decision_p99_s"] is None
+
+
 def test_a_policy_file_becomes_relay_buckets_and_a_veto_outlives_an_undecided_audit():
     """The proposal's buckets load as RelayBuckets; applied to a config that already vetoes
     [0, 0.7), an undecided (null) verdict there keeps the veto, a decided one replaces it."""

@@ -183,20 +183,25 @@ def test_a_frozen_sender_does_not_hold_the_compute_thread(tiny_pair, tiny_models
 def test_the_holdout_share_of_relayable_requests_is_served_by_full_prefill(tiny_pair, tiny_models):
     """With holdout_share 0.25, of 80 requests the policy would relay the control count is within
     4.5 standard deviations of 20 (binomial), each one a full prefill whose reason says "holdout";
-    every other one is relayed."""
+    every other one is relayed, and the relay counter says so per outcome."""
     n, share = 80, 0.25
 
-    async def run() -> list[schemas.GenerateReply]:
-        async with mesh(tiny_pair, tiny_models, holdout_share=share) as (bus, _, _):
+    async def run() -> tuple[list[schemas.GenerateReply], dict[str, float]]:
+        async with mesh(tiny_pair, tiny_models, holdout_share=share) as (bus, _, receiver):
             await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
                        schemas.PrefillReply)
             await bus.settle()
-            return [await _ask(bus, subjects.receiver_generate("receiver"),
-                               schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
-                                                       max_new_tokens=1), schemas.GenerateReply) for i in range(n)]
+            replies = [await _ask(bus, subjects.receiver_generate("receiver"),
+                                  schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
+                                                          max_new_tokens=1), schemas.GenerateReply) for i in range(n)]
+            registry = receiver.state.metrics.registry
+            counts = {o: registry.get_sample_value("dm_relay_requests_total", {"bucket": "[0.95,1]", "outcome": o}) or 0
+                      for o in ("relayed", "control", "own_prefill")}
+            return replies, counts
 
-    replies = asyncio.run(run())
+    replies, counts = asyncio.run(run())
     control = [r for r in replies if r.path == "full_prefill"]
+    assert counts == {"relayed": n - len(control), "control": len(control), "own_prefill": 0}  # the dashboard's counter
     sd = (n * share * (1 - share)) ** 0.5
     assert abs(len(control) - n * share) <= 4.5 * sd, len(control)
     assert all("holdout" in (r.fallback_reason or "") for r in control)

@@ -1,6 +1,10 @@
-"""The receiver's quality watch (paper 004's second line of defence): shadows, drift, re-profiling.
+"""The receiver's side of the relay audit (paper 004): who is held out, what the dashboard and the
+calibration learn from each request, and the quality watch (shadows, drift, re-profiling).
 
-Sequence, per relayed request the audit picks for a shadow (`shadow`, a supervised background task):
+Per request (the handler calls them, on the loop, none blocks): `assign` randomizes the holdout,
+`calibrate` feeds the measured TTFT back to the policy's calibration, `count_relay` counts the
+outcome, the benefit and the prediction error for the dashboard.
+The quality watch, per relayed request the audit picks for a shadow (`shadow`, a supervised background task):
   1. wait until the receiver is idle (never ahead of a request; skipped after SHADOW_WAIT_S);
   2. answer the same prompt by the receiver's own full prefill and log the token agreement of the
      two greedy answers ("shadow");
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.partial import generate as engine_generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.wire import schemas, subjects
@@ -81,6 +86,50 @@ class QualityWatch:
         self._fired.discard(model)
 
 
+def assign(s: ReceiverState, decision: policy.Decision, mode: str) -> tuple[policy.Decision, str]:
+    """The randomized audit (paper 004): a request where relaying was possible and weighed (its
+    decision either way) is served by full prefill with probability `holdout_share` ("control";
+    else "treatment": whatever the policy chose); forced modes and requests with nothing to relay
+    are "ineligible". The assignment is logged with its share."""
+    if mode != "auto" or not decision.weighed:
+        return decision, "ineligible"
+    if s.cfg.holdout_share > 0 and s.rng.random() < s.cfg.holdout_share:
+        held = policy.Decision(ReusePlan.full_prefill(), "full_prefill",
+                               ("holdout", f"randomized control (holdout share {s.cfg.holdout_share:g})"),
+                               predicted_s=decision.predicted_s, raw_s=decision.raw_s, weighed=True,
+                               predicted_ttft_s=decision.predicted_s.get(policy.PREFILL_OPTION))
+        return held, "control"
+    return decision, "treatment"
+
+
+def calibrate(s: ReceiverState, decision: policy.Decision, online: policy.Online, path: str,
+               holder: schemas.CacheAvailable | None, ttft_s: float) -> None:
+    """Feed the served option's measured TTFT to the calibration, against its uncalibrated prediction."""
+    if path == "full_prefill" and policy.PREFILL_OPTION in decision.raw_s:
+        s.calibration.observe(policy.PREFILL_KIND, decision.raw_s[policy.PREFILL_OPTION], ttft_s)
+    elif path in ("partial", "full_reuse") and holder is not None and decision.predicted_ttft_s:
+        s.calibration.observe(policy.reuse_kind(holder.model_id), decision.predicted_ttft_s / online.reuse_scale, ttft_s)
+
+
+RELAY_BUCKETS = ((0.95, "[0.95,1]"), (0.85, "[0.85,0.95)"), (0.7, "[0.7,0.85)"), (0.0, "<0.7"))  # the audit's
+
+
+def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, path: str, online: policy.Online,
+                 ttft_s: float) -> None:
+    """The relay dashboard's counters: outcome per reusable-prefix bucket, the benefit, the prediction error."""
+    if assignment == "ineligible":
+        return
+    fraction = (online.reused_tokens or 0) / max(1, online.tokens)
+    bucket = next(label for lo, label in RELAY_BUCKETS if fraction >= lo)
+    relayed = path in ("partial", "full_reuse")
+    s.metrics.relay.labels(bucket, "control" if assignment == "control" else "relayed" if relayed else "own_prefill").inc()
+    own = decision.predicted_s.get(policy.PREFILL_OPTION)
+    if relayed and own is not None:
+        s.metrics.saved.inc(own - ttft_s)
+    if decision.predicted_ttft_s is not None and ttft_s > 0:
+        s.metrics.prediction_error.observe(abs(decision.predicted_ttft_s - ttft_s) / ttft_s)
+
+
 async def shadow(s: ReceiverState, request_id: str, sender_model: str, context: str, question: str,
                  prompt: list[int], served: list[int]) -> None:
     """Steps 1-4 of the module docstring for one relayed request."""
@@ -122,7 +171,7 @@ async def reprofile(s: ReceiverState, sender_model: str) -> None:
     req = schemas.ProfileRequest(
         request_id=f"reprofile-{uuid.uuid4().hex[:12]}", sender_path=sender_model, receiver_path=s.cfg.model_id,
         task=cfg.task, sender_model=sender_model, receiver_model=s.cfg.model_id, n_train=len(rows), n_test=len(rows),
-        tolerance=cfg.tolerance, other_tasks=[], rows=rows, sender_sha256=cfg.sender_sha256,
+        tolerance=cfg.tolerance, exhaustive=False, other_tasks=[], rows=rows, sender_sha256=cfg.sender_sha256,
         receiver_sha256=cfg.receiver_sha256)
     log.info("reprofile_requested", request_id=req.request_id, sender_model=sender_model, rows=len(rows),
              version=cfg.profile_version)

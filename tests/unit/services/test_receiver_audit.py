@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from droidmesh.services.receiver.quality import QualityWatch
+from droidmesh.services.receiver.audit import QualityWatch
 from droidmesh.shared.wire.schemas import ProfileRow
 
 
