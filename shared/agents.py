@@ -11,7 +11,8 @@ agents pass work along NATS (`dm.agents.<agent>`, one asyncio task each in this 
   reviewer  on the receiver `qa`: C with all but its first 40 % rewritten, mostly *ignoring* the
             context, reusable prefix ~0.4
 Each receiver decides per request whether relaying pays (`shared/kv/policy.py`); with
-`holdout_share` / `shadow_share` it randomizes a control and shadows relayed answers, and writes
+`holdout_share` / `blind_share` / `shadow_share` it randomizes a control and an always-relay arm
+and shadows relayed answers, and writes
 one `request` line per request into `--logs DIR`, which `droidmesh audit --logs DIR` reads.
 The mesh (nats-server, broker, the `base` sender, the `qa` and `code` receivers, the committed
 profiles published) is started here and stopped at the end, as `droidmesh demo` does.
@@ -136,7 +137,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_agents(models: dict[str, ModelRef], profiles: dict[str, dict[str, Any]], n_rows: int, shape: SuiteShape,
                log_dir: Path, say: Callable[[str], None], holdout_share: float, shadow_share: float,
-               relay: Sequence[RelayBucket] = ()) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+               relay: Sequence[RelayBucket] = (), blind_share: float = 0.0,
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Start the mesh with its logs in `log_dir` (the pairs' configs carrying the audit's `relay`
     buckets), run `n_rows` rows through the agents, stop it; (summary rows, every request's record)."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +152,8 @@ def run_agents(models: dict[str, ModelRef], profiles: dict[str, dict[str, Any]],
                                    log_dir=log_dir))
         for model in ("qa", "code"):
             procs.append(start_service("receiver", {"model_path": models[model].path, "model_id": model,
-                                                    "holdout_share": holdout_share, "shadow_share": shadow_share},
+                                                    "holdout_share": holdout_share, "shadow_share": shadow_share,
+                                                    "blind_share": blind_share},
                                        url, name=f"receiver-{model}", env=THREADS, log_dir=log_dir))
         records = asyncio.run(_pipeline(url, make_rows(TASK, "test", n_rows, shape), say))
         (log_dir / "agents.json").write_text(json.dumps(records, indent=1))

@@ -5,8 +5,9 @@ Sequence (`run_audit`):
    line. A line is a JSON object, possibly after a prefix (`docker compose logs` writes
    "receiver-1  | {...}"); anything else is skipped. Receivers' `event == "request"` lines whose
    `assignment` is "treatment" (served as the policy chose: relayed, or its own prefill when that
-   was predicted faster) or "control" (randomized holdout: full prefill whatever the policy chose;
-   both only where relaying was possible) become `Request`s; `event == "shadow"` lines give a
+   was predicted faster), "control" (randomized holdout: full prefill whatever the policy chose)
+   or "blind" (randomized: relayed whatever the policy chose), all only where relaying was
+   possible, become `Request`s; `event == "shadow"` lines give a
    relayed answer's token `agreement` with a full-prefill shadow, joined by `request_id`. A
    request id seen twice (a log collected twice) counts once.
 2. `audit(requests)`: the average treatment effect (treatment mean - control mean) on TTFT (s),
@@ -15,11 +16,13 @@ Sequence (`run_audit`):
    and per stratum: reusable-prefix fraction, prompt length, sender -> receiver pair, topology and
    load (requests queued at decision time). A stratum without control or treatment requests has
    null effects. The control's agreement is 1 by definition (its answer is a full prefill, the
-   shadow's own reference), so the agreement effect is mean(treatment agreement) - 1.
+   shadow's own reference), so the agreement effect is mean(treatment agreement) - 1. The blind
+   arm gets the same TTFT effect against the control per stratum (`blind_*`): relaying itself.
 3. The summary figures: `worst_stratum_ratio` (largest policy p50 / full-prefill p50 TTFT over
-   strata with both), `top_stratum_speedup` (full-prefill p50 / policy p50 for reusable
-   [0.95,1]), `prediction_error` (median |predicted - actual| / actual TTFT of the served option,
-   over requests with a prediction), `decision_p99_s` (the policy's own time per request).
+   strata with both; `blind_worst_stratum_ratio` the same for blind relay), `top_stratum_speedup`
+   (full-prefill p50 / policy p50 for reusable [0.95,1]), `prediction_error` (median |predicted -
+   actual| / actual TTFT of the served option, over requests with a prediction), `decision_p99_s`
+   (the policy's own time per request).
 4. `policy_proposal`: the policy file below; `format_report` prints, `plot_png` draws.
 
 The estimand is intent-to-treat: a treatment request whose relay fell back to full prefill still
@@ -38,6 +41,8 @@ the published pair configs (`RecomputeConfig.relay`), which receivers load hot:
          "relay": true,                              # true: CI upper bound < 0 (relaying significantly faster)
                                                      # false: CI lower bound > 0 (significantly slower)
                                                      # null: undecided (CI spans 0, or < 5 requests in an arm)
+         "evidence": "blind",                        # the arm against the control: "blind" (relaying itself,
+                                                     # when it has >= 5 requests) or "treatment" (the policy)
          "ate_ttft_s": -0.21, "ci_low": -0.25, "ci_high": -0.17, "treatment": 300, "control": 40},
         ...
       ],
@@ -65,7 +70,7 @@ from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.wire.schemas import RecomputeConfig, RelayBucket
 
 SUFFIXES = (".log", ".jsonl", ".txt")
-ARMS = ("treatment", "control")
+ARMS = ("treatment", "control", "blind")
 CI_LEVEL = 0.95
 MIN_POLICY_ARM = 5  # a bucket's relay decision needs this many treatment and control requests
 POLICY_SCHEMA = "droidmesh.audit.policy/1"
@@ -75,7 +80,7 @@ TOP_STRATUM = "reusable=[0.95,1]"
 CONTEXT_BUCKETS = (("<1K", 0, 1024), ("[1K,4K)", 1024, 4096), (">=4K", 4096, math.inf))
 LOAD_BUCKETS = (("0", 0, 1), ("1-3", 1, 4), (">=4", 4, math.inf))
 COLUMNS = ("stratum", "requests", "treatment", "control", "ate_ttft_s", "ci_low", "ci_high",
-           "policy_p50_ttft_s", "full_prefill_p50_ttft_s", "quality_agreement")
+           "policy_p50_ttft_s", "full_prefill_p50_ttft_s", "quality_agreement", "blind", "blind_p50_ttft_s")
 
 
 @dataclass(frozen=True)
@@ -243,10 +248,14 @@ def stratum_row(name: str, reqs: Sequence[Request], n_boot: int, seed: int) -> d
     t, c = _values(reqs, "treatment", "ttft_s"), _values(reqs, "control", "ttft_s")
     eff = effect(t, c, n_boot, _rng(seed, f"{name}/ttft_s"))
     agree = _values(reqs, "treatment", "agreement")
+    b = _values(reqs, "blind", "ttft_s")
+    blind = effect(b, c, n_boot, _rng(seed, f"{name}/blind"))
     return {"stratum": name, "requests": len(reqs), "treatment": len(t), "control": len(c),
             "ate_ttft_s": eff["ate"], "ci_low": eff["ci_low"], "ci_high": eff["ci_high"],
             "policy_p50_ttft_s": _median(t), "full_prefill_p50_ttft_s": _median(c),
-            "quality_agreement": float(np.mean(agree)) if agree else None}
+            "quality_agreement": float(np.mean(agree)) if agree else None,
+            "blind": len(b), "blind_ate_ttft_s": blind["ate"], "blind_ci_low": blind["ci_low"],
+            "blind_ci_high": blind["ci_high"], "blind_p50_ttft_s": _median(b)}
 
 
 def effects(reqs: Sequence[Request], n_boot: int, seed: int) -> dict[str, dict[str, Any]]:
@@ -290,9 +299,9 @@ def strata(reqs: Sequence[Request]) -> list[tuple[str, list[Request]]]:
 
 # ---- 3. summary figures --------------------------------------------------------------------
 
-def worst_stratum(rows: Sequence[dict[str, Any]]) -> tuple[str | None, float | None]:
-    ratios = [(r["policy_p50_ttft_s"] / r["full_prefill_p50_ttft_s"], r["stratum"]) for r in rows
-              if r["policy_p50_ttft_s"] is not None and r["full_prefill_p50_ttft_s"]]
+def worst_stratum(rows: Sequence[dict[str, Any]], arm: str = "policy") -> tuple[str | None, float | None]:
+    ratios = [(r[f"{arm}_p50_ttft_s"] / r["full_prefill_p50_ttft_s"], r["stratum"]) for r in rows
+              if r[f"{arm}_p50_ttft_s"] is not None and r["full_prefill_p50_ttft_s"]]
     if not ratios:
         return None, None
     ratio, name = max(ratios)
@@ -324,7 +333,9 @@ def audit(logs: Logs, n_boot: int = 2000, seed: int = 0) -> dict[str, Any]:
     overall = {**stratum_row("overall", reqs, n_boot, seed), "effects": effects(reqs, n_boot, seed)}
     worst_name, worst = worst_stratum(rows)
     shares = sorted({r.holdout_share for r in reqs if r.holdout_share is not None})
+    blind_name, blind_worst = worst_stratum(rows, "blind")
     return {"strata": rows, "overall": overall, "worst_stratum_ratio": worst, "worst_stratum": worst_name,
+            "blind_worst_stratum_ratio": blind_worst, "blind_worst_stratum": blind_name,
             "top_stratum_speedup": top_stratum_speedup(rows), "prediction_error": prediction_error(reqs),
             "decision_p99_s": decision_p99(reqs),
             "files": logs.files, "lines_read": logs.lines_read, "requests_used": len(reqs),
@@ -345,14 +356,16 @@ def run_audit(root: str | Path, n_boot: int = 2000, seed: int = 0) -> dict[str, 
 
 # ---- 4. outputs ----------------------------------------------------------------------------
 
-def relay_decision(row: dict[str, Any]) -> bool | None:
-    """True where relaying is significantly faster (CI < 0), False where slower (CI > 0), else None
-    (also with fewer than MIN_POLICY_ARM requests in an arm: a bootstrap of a handful says little)."""
-    if min(row["treatment"], row["control"]) < MIN_POLICY_ARM:
+def relay_decision(row: dict[str, Any], arm: str = "treatment") -> bool | None:
+    """True where relaying (`arm` "treatment": as the policy chose; "blind": always) is
+    significantly faster than the control (CI < 0), False where slower (CI > 0), else None (also
+    with fewer than MIN_POLICY_ARM requests in an arm: a bootstrap of a handful says little)."""
+    pre = "" if arm == "treatment" else f"{arm}_"
+    if min(row[arm], row["control"]) < MIN_POLICY_ARM:
         return None
-    if row["ci_high"] is not None and row["ci_high"] < 0:
+    if row[f"{pre}ci_high"] is not None and row[f"{pre}ci_high"] < 0:
         return True
-    if row["ci_low"] is not None and row["ci_low"] > 0:
+    if row[f"{pre}ci_low"] is not None and row[f"{pre}ci_low"] > 0:
         return False
     return None
 
@@ -363,11 +376,16 @@ def policy_proposal(result: dict[str, Any]) -> dict[str, Any]:
     buckets, floor, run = [], None, True
     for label, lo, hi in REUSABLE_BUCKETS:
         row = by_name[f"reusable={label}"]
-        relay = relay_decision(row)
+        # Blind relay measures relaying itself (also where a veto stopped the policy): its
+        # verdict wins once it has the requests; else the policy's own arm.
+        arm = "blind" if min(row["blind"], row["control"]) >= MIN_POLICY_ARM else "treatment"
+        relay = relay_decision(row, arm)
         run = run and relay is True
         floor = lo if run else floor
-        buckets.append({"label": label, "reusable_fraction": [lo, min(hi, 1.0)], "relay": relay,
-                        **{k: row[k] for k in ("ate_ttft_s", "ci_low", "ci_high", "treatment", "control")}})
+        pre = "" if arm == "treatment" else "blind_"
+        buckets.append({"label": label, "reusable_fraction": [lo, min(hi, 1.0)], "relay": relay, "evidence": arm,
+                        "ate_ttft_s": row[f"{pre}ate_ttft_s"], "ci_low": row[f"{pre}ci_low"],
+                        "ci_high": row[f"{pre}ci_high"], "treatment": row[arm], "control": row["control"]})
     return {"schema": POLICY_SCHEMA,
             "generated_from": {k: result[k] for k in ("files", "requests_used", "bootstrap", "seed", "ci_level")},
             "buckets": buckets, "min_reusable_fraction": floor}
@@ -414,7 +432,8 @@ def format_report(result: dict[str, Any]) -> str:
         value = f"{e['ate']:.4g}{unit}{ci}" if e["ate"] is not None else "n/a"
         lines.append(f"effect of relaying on {name}: {value} ({e['treatment']} treatment, {e['control']} control)")
     fig = lambda v: "n/a" if v is None else f"{v:.3g}"  # noqa: E731
-    lines.append(f"worst stratum ratio {fig(result['worst_stratum_ratio'])} ({result['worst_stratum'] or '-'}); "
+    lines.append(f"worst stratum ratio {fig(result['worst_stratum_ratio'])} ({result['worst_stratum'] or '-'}), "
+                 f"blind relay's {fig(result['blind_worst_stratum_ratio'])} ({result['blind_worst_stratum'] or '-'}); "
                  f"top stratum speedup {fig(result['top_stratum_speedup'])}; "
                  f"prediction error (median relative) {fig(result['prediction_error'])}; "
                  f"decision p99 {fig(result['decision_p99_s'] * 1e3 if result['decision_p99_s'] is not None else None)} ms")

@@ -66,7 +66,8 @@ class Metrics:
                                         buckets=(1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10), registry=r)
         self.lookups = Counter("dm_cache_lookups", "Cache lookups by result (hit / miss)", ["result"], registry=r)
         self.relay = Counter("dm_relay_requests", "Requests where relaying was weighed, by reusable-prefix bucket "
-                             "and outcome (relayed, own_prefill, control)", ["bucket", "outcome"], registry=r)
+                             "and outcome (relayed, own_prefill: as the policy chose; control, blind: the audit's arms)",
+                             ["bucket", "outcome"], registry=r)
         self.saved = Counter("dm_relay_saved_seconds", "Predicted own-prefill TTFT minus the actual TTFT of relayed "
                              "requests (the benefit; negative when relaying cost time)", registry=r)
         self.prediction_error = Histogram("dm_prediction_error_ratio", "|predicted - actual| / actual TTFT of the "

@@ -87,18 +87,22 @@ class QualityWatch:
 
 
 def assign(s: ReceiverState, decision: policy.Decision, mode: str) -> tuple[policy.Decision, str]:
-    """The randomized audit (paper 004): a request where relaying was possible and weighed (its
-    decision either way) is served by full prefill with probability `holdout_share` ("control";
-    else "treatment": whatever the policy chose); forced modes and requests with nothing to relay
-    are "ineligible". The assignment is logged with its share."""
+    """The randomized audit (paper 004). A request where relaying was possible and weighed (its
+    decision either way) is, with probability `holdout_share`, served by full prefill ("control");
+    with probability `blind_share`, relayed whatever the policy chose ("blind": what relaying
+    itself does, also where the policy would not relay); else as the policy chose ("treatment").
+    Forced modes and requests with nothing to relay are "ineligible". Logged with the shares."""
     if mode != "auto" or not decision.weighed:
         return decision, "ineligible"
-    if s.cfg.holdout_share > 0 and s.rng.random() < s.cfg.holdout_share:
+    draw = s.rng.random()
+    if draw < s.cfg.holdout_share:
         held = policy.Decision(ReusePlan.full_prefill(), "full_prefill",
                                ("holdout", f"randomized control (holdout share {s.cfg.holdout_share:g})"),
                                predicted_s=decision.predicted_s, raw_s=decision.raw_s, weighed=True,
                                predicted_ttft_s=decision.predicted_s.get(policy.PREFILL_OPTION))
         return held, "control"
+    if draw < s.cfg.holdout_share + s.cfg.blind_share:
+        return decision.relay_option or decision, "blind"
     return decision, "treatment"
 
 
@@ -122,7 +126,8 @@ def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, pa
     fraction = (online.reused_tokens or 0) / max(1, online.tokens)
     bucket = next(label for lo, label in RELAY_BUCKETS if fraction >= lo)
     relayed = path in ("partial", "full_reuse")
-    s.metrics.relay.labels(bucket, "control" if assignment == "control" else "relayed" if relayed else "own_prefill").inc()
+    outcome = assignment if assignment in ("control", "blind") else "relayed" if relayed else "own_prefill"
+    s.metrics.relay.labels(bucket, outcome).inc()
     own = decision.predicted_s.get(policy.PREFILL_OPTION)
     if relayed and own is not None:
         s.metrics.saved.inc(own - ttft_s)

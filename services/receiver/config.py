@@ -45,6 +45,9 @@ class ReceiverConfig(BusSettings):
         "help": "randomized audit: share of requests the policy would relay that are served by full prefill "
                 "instead (control), the assignment logged"})
 
+    blind_share: float = dataclasses.field(default=0.0, metadata={
+        "help": "randomized audit: share of relayable requests relayed whatever the policy predicts (assignment "
+                "'blind'), so the audit measures relaying itself where the policy would not relay"})
     quality_threshold: float = dataclasses.field(default=0.8, metadata={
         "help": "quality watch: a sender model's mean shadow agreement below this (over quality_window shadows) "
                 "raises dm_quality_drift and asks the profiler to re-profile the pair on recent contexts; 0: off"})
@@ -75,9 +78,11 @@ class ReceiverConfig(BusSettings):
                      "breaker_failures", "quality_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
-        for name in ("holdout_share", "shadow_share", "quality_threshold"):
+        for name in ("holdout_share", "shadow_share", "blind_share", "quality_threshold"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} {getattr(self, name)} outside [0, 1]")
+        if self.holdout_share + self.blind_share > 1.0:
+            raise ConfigError(f"holdout_share + blind_share = {self.holdout_share + self.blind_share:g} > 1")
         if not self.model_id:
             object.__setattr__(self, "model_id", p.name)
         if not self.receiver_id:

@@ -16,13 +16,15 @@ import click
               help="Every process's log goes here (default: a temporary directory); `droidmesh audit --logs` reads it.")
 @click.option("--holdout", "holdout_share", default=0.3, show_default=True, type=click.FloatRange(0, 1),
               help="Receivers' holdout share: relayable requests served by full prefill (the audit's control).")
+@click.option("--blind", "blind_share", default=0.2, show_default=True, type=click.FloatRange(0, 1),
+              help="Receivers' blind share: relayable requests relayed whatever the policy predicts (relaying itself).")
 @click.option("--shadow", "shadow_share", default=0.3, show_default=True, type=click.FloatRange(0, 1),
               help="Receivers' shadow share: relayed answers checked against a full prefill when idle.")
 @click.option("--relay-policy", "policy_path", type=click.Path(exists=True, dir_okay=False),
               help="A relay audit's policy file (`droidmesh audit --policy`): the pair configs carry its verdicts.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the per-agent summary here.")
-def agents(rows: int, log_dir: str | None, holdout_share: float, shadow_share: float, policy_path: str | None,
-           json_path: str | None) -> None:
+def agents(rows: int, log_dir: str | None, holdout_share: float, blind_share: float, shadow_share: float,
+           policy_path: str | None, json_path: str | None) -> None:
     """Run agents on the demo tier's base (sender), qa and code (receivers) that extend, rewrite or
     ignore each other's context; print per-agent TTFT, path mix and quality."""
     from droidmesh.shared.agents import PAIRS, run_agents, table
@@ -45,9 +47,12 @@ def agents(rows: int, log_dir: str | None, holdout_share: float, shadow_share: f
         except ValueError as e:
             raise BadRequestError(f"{policy_path} is not JSON ({e})") from None
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-agents-"))
-    click.echo(f"agents: {rows} rows, holdout {holdout_share:g}, shadow {shadow_share:g}; logs in {logs}", err=True)
+    if holdout_share + blind_share > 1:
+        raise BadRequestError(f"--holdout {holdout_share:g} + --blind {blind_share:g} > 1")
+    click.echo(f"agents: {rows} rows, holdout {holdout_share:g}, blind {blind_share:g}, shadow {shadow_share:g}; "
+               f"logs in {logs}", err=True)
     summary, _ = run_agents(models, profiles, rows, get_recipe("demo").suite, logs, lambda s: click.echo(s, err=True),
-                            holdout_share, shadow_share, relay)
+                            holdout_share, shadow_share, relay, blind_share)
     click.echo(table(summary))
     click.echo(f"audit it: droidmesh audit --logs {logs}")
     if json_path:

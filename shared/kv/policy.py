@@ -89,6 +89,7 @@ class Decision:
     predicted_ttft_s: float | None = None  # the chosen option's
     raw_s: dict[str, float] = dataclasses.field(default_factory=dict)  # the same before calibration
     weighed: bool = False  # relaying was possible and weighed (a holder, and a config or default group)
+    relay_option: Decision | None = None  # when the policy chose its own prefill: the reuse it weighed
 
 
 PREFILL_OPTION = "full prefill"
@@ -140,18 +141,20 @@ def _weigh(cfg: RecomputeConfig, holder: CacheAvailable, online: Online) -> Deci
         raw[PREFILL_OPTION] = prefill_seconds(cfg.latency, online.tokens, cfg.total_layers)
     options = {k: v * (online.prefill_scale if k == PREFILL_OPTION else online.reuse_scale) for k, v in raw.items()}
     veto = audit_veto(cfg.relay, online.tokens - 1 if reused is None else reused, online.tokens)
+    mine = options.get(option_label(p))
+    relay = dataclasses.replace(chosen, predicted_s=options, raw_s=raw, predicted_ttft_s=mine)
     if veto is not None:
         return dataclasses.replace(_prefill(veto), predicted_s=options, raw_s=raw,
-                                   predicted_ttft_s=options.get(PREFILL_OPTION), weighed=True)
-    if not options:
+                                   predicted_ttft_s=options.get(PREFILL_OPTION), weighed=True, relay_option=relay)
+    if mine is None:
         return chosen
-    own, mine = options[PREFILL_OPTION], options[option_label(p)]
+    own = options[PREFILL_OPTION]
     if own < mine:
         why = (f"predicted own prefill {own * 1e3:.0f} ms < reuse {mine * 1e3:.0f} ms ({option_label(p)}, "
                f"{reused if reused is not None else online.tokens - 1} of {online.tokens} tokens reusable)")
         return dataclasses.replace(_prefill(("prefill_faster", why)), predicted_s=options, raw_s=raw,
-                                   predicted_ttft_s=own, weighed=True)
-    return dataclasses.replace(chosen, predicted_s=options, raw_s=raw, predicted_ttft_s=mine)
+                                   predicted_ttft_s=own, weighed=True, relay_option=relay)
+    return relay
 
 
 def audit_veto(buckets: list[schemas.RelayBucket], reused: int, tokens: int) -> Reason | None:

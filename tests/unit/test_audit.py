@@ -172,6 +172,21 @@ def test_policy_file_relay_decisions(tmp_path):
     assert thin["buckets"][0]["relay"] is None and thin["min_reusable_fraction"] is None
 
 
+def test_the_blind_arm_measures_relaying_where_the_policy_does_not_relay(tmp_path):
+    """Below 0.7 the policy serves its own prefill (treatment = control); blind relay there is 150 ms
+    slower: the proposal vetoes the bucket on the blind evidence, and blind relay's worst stratum is reported."""
+    low = arms(20, 200.0, 20, 200.0, reusable_fraction=0.3)
+    blind = [request(i, "blind", 350.0 + (i % 5), reusable_fraction=0.3) for i in range(20)]
+    res = run(tmp_path, low + blind + arms(20, 100.0, 20, 400.0))
+    row_low = row(res, "reusable=<0.7")
+    assert row_low["blind"] == 20 and row_low["blind_ci_low"] > 0.1 and row_low["blind_p50_ttft_s"] == pytest.approx(0.352)
+    assert res["blind_worst_stratum_ratio"] == pytest.approx(0.352 / 0.2) and res["worst_stratum_ratio"] < 1.1
+    low_bucket = A.policy_proposal(res)["buckets"][3]
+    assert (low_bucket["relay"], low_bucket["evidence"], low_bucket["treatment"]) == (False, "blind", 20)
+    top_bucket = A.policy_proposal(res)["buckets"][0]
+    assert (top_bucket["relay"], top_bucket["evidence"]) == (True, "treatment")
+
+
 def test_decision_overhead_p99_is_the_nearest_rank(tmp_path):
     """100 requests deciding in 0.01..1.00 ms: p99 is 0.99 ms; lines without the field do not count."""
     lines = arms(50, 100.0, 50, 400.0)

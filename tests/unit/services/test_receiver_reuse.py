@@ -53,12 +53,14 @@ class XorCodec:
 
 
 @contextlib.asynccontextmanager
-async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc", holdout_share=0.0, shadow_share=0.0):
+async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc", holdout_share=0.0, shadow_share=0.0,
+               blind_share=0.0):
     bus, board = InProcessBus(), InMemoryConfigBoard()
     scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2,
                         transport=transport)
     rcfg = ReceiverConfig(model_path=str(tiny_pair[1]), model_id="receiver", default_group=default_group,
-                          transport=transport, holdout_share=holdout_share, shadow_share=shadow_share)
+                          transport=transport, holdout_share=holdout_share, shadow_share=shadow_share,
+                          blind_share=blind_share)
     async with BrokerService(BrokerConfig(), bus=bus), \
             SenderService(scfg, bus=bus, model=tiny_models[0], board=board), \
             ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board) as receiver:
@@ -258,3 +260,32 @@ def test_a_relay_policy_published_to_the_board_reaches_a_running_receiver(tiny_p
     assert (before.path, before.plan) == ("partial", "recompute [2,4)")
     assert after.path == "full_prefill" and "relay audit" in (after.fallback_reason or ""), after
     assert after.token_ids == _engine_tokens(tiny_models, ReusePlan.full_prefill())
+
+
+def test_the_blind_share_is_relayed_where_the_policy_would_not_relay(tiny_pair, tiny_models):
+    """The audit vetoes relaying at every reusable fraction; with blind_share 0.5 of 40 requests
+    the relayed ones (the blind arm) are within 4.5 standard deviations of 20, the rest own prefill
+    with reason audit_policy."""
+    n, share = 40, 0.5
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)]), 2, 0.99)
+    cfg = schemas.RecomputeConfig(
+        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
+        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="t", tolerance=0.05, chosen=point,
+        frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6, created_at=time.time(),
+        relay=[schemas.RelayBucket(0.0, 1.0, False)])
+
+    async def run() -> list[schemas.GenerateReply]:
+        async with mesh(tiny_pair, tiny_models, default_group=(), blind_share=share) as (bus, board, _):
+            await board.put(cfg)
+            await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
+                       schemas.PrefillReply)
+            await bus.settle()
+            return [await _ask(bus, subjects.receiver_generate("receiver"),
+                               schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
+                                                       max_new_tokens=1), schemas.GenerateReply) for i in range(n)]
+
+    replies = asyncio.run(run())
+    blind = [r for r in replies if r.path == "partial"]
+    assert abs(len(blind) - n * share) <= 4.5 * (n * share * (1 - share)) ** 0.5, len(blind)
+    assert all(r.plan == "recompute [2,4)" for r in blind)
+    assert all(r.path == "full_prefill" and "relay audit" in (r.fallback_reason or "") for r in replies if r not in blind)
