@@ -284,8 +284,9 @@ def test_trickling_sender_is_cut_off_at_the_reuse_timeout(trickle, services, tin
             await client.prefill("sender", CONTEXT)
             await until_indexed(client, tiny_models[1], CONTEXT)
             stream = Stream(client, timeout=BUDGET_S)
-            # Pulls cut mid-trickle on two connections: the sender's sends failed (cancelled) each time.
-            await _log_line(sender, '"ucx_send_failed"', after=1, timeout=BUDGET_S * 2)
+            # A pull cut mid-trickle: the sender's send failed (cancelled). Later requests may fall back
+            # sooner (a connect while the cut connection's socket buffer still drains misses its deadline).
+            await _log_line(sender, '"ucx_send_failed"', timeout=BUDGET_S * 2)
             await stream.until(len(stream.replies) + 3)
             replies = await stream.finish()
             await _until_trickle_stops()
@@ -299,7 +300,7 @@ def test_trickling_sender_is_cut_off_at_the_reuse_timeout(trickle, services, tin
         [(r.path, r.fallback_reason) for r in replies]
     assert all(r.stages_ms["done"] < BUDGET_S * 1e3 for r in replies)
     cut = [r for r in replies if re.search(r"pull from \S+ exceeded", r.fallback_reason or "")]
-    assert len(cut) >= 2, [r.fallback_reason for r in replies]  # pulls cut at the reuse timeout, not left to trickle
+    assert cut, [r.fallback_reason for r in replies]  # pulls cut at the reuse timeout, not left to trickle
     assert all(e["error"].startswith("UCXXCanceledError") for e in sender.events("ucx_send_failed")), sender.tail()
     assert receiver.stop() == 0 and receiver.events("stopped"), receiver.tail()
 
@@ -326,6 +327,8 @@ def test_full_prefill_answered_while_a_trickling_pull_is_in_progress(trickle, se
 
     other, pulling_done, pulled = asyncio.run(run())
     assert other.path == "full_prefill" and len(other.token_ids) == 2 and not pulling_done
-    assert pulled.path == "fallback" and "exceeded 10s" in (pulled.fallback_reason or ""), pulled.fallback_reason
+    # the pull's deadline is the reuse timeout or what is left of the request's budget, if less
+    assert pulled.path == "fallback" and re.search(r"exceeded (9\.\d+|10)s", pulled.fallback_reason or ""), \
+        pulled.fallback_reason
     assert len(pulled.token_ids) == 2 and pulled.stages_ms["done"] < BUDGET_S * 1e3
     assert receiver.popen.poll() is None, receiver.tail()
