@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from droidmesh.shared.bench.report import format_table
-from droidmesh.shared.client import MeshClient
+from droidmesh.shared.client import MeshClient, MeshError
 from droidmesh.shared.demo import THREADS, start_control_plane
 from droidmesh.shared.launch import Proc, start_service
 from droidmesh.shared.models import ModelRef, Pair
@@ -80,14 +80,23 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
         while True:
             work = await inbox[agent].get()
             context, question = work["prompts"][agent]
-            r = await client.ask(RECEIVER_OF[agent], context, question, max_new_tokens=spec.max_new_tokens, timeout=120)
-            quality = score_text(spec, r.text, work["answers"]) if agent == "analyst" else None
-            records.append({"row": work["row"], "agent": agent, "model": RECEIVER_OF[agent], "path": r.path,
-                            "plan": r.plan, "ttft_ms": r.ttft_ms, "predicted_ttft_ms": r.predicted_ttft_ms,
-                            "reused_tokens": r.reused_tokens, "prompt_tokens": r.prompt_tokens, "quality": quality,
-                            "reason": r.fallback_reason})
+            try:
+                r = await client.ask(RECEIVER_OF[agent], context, question, max_new_tokens=spec.max_new_tokens,
+                                     timeout=120)
+            except (MeshError, TimeoutError) as e:  # counted, and the pipeline goes on
+                records.append({"row": work["row"], "agent": agent, "model": RECEIVER_OF[agent], "path": "error",
+                                "reason": str(e)})
+                say(f"  row {work['row'] + 1}: {agent} failed: {e}")
+                answer = ""
+            else:
+                quality = score_text(spec, r.text, work["answers"]) if agent == "analyst" else None
+                records.append({"row": work["row"], "agent": agent, "model": RECEIVER_OF[agent], "path": r.path,
+                                "plan": r.plan, "ttft_ms": r.ttft_ms, "predicted_ttft_ms": r.predicted_ttft_ms,
+                                "reused_tokens": r.reused_tokens, "prompt_tokens": r.prompt_tokens, "quality": quality,
+                                "reason": r.fallback_reason})
+                answer = r.text
             if agent == "analyst":  # the coder's prompt carries the analyst's answer
-                work["prompts"] = prompts(work["context"], work["question"], r.text)
+                work["prompts"] = prompts(work["context"], work["question"], answer)
             if nxt is None:
                 await done.put(work["row"])
             else:
@@ -115,15 +124,16 @@ async def _deliver(queue: asyncio.Queue[dict[str, Any]], data: bytes) -> None:
 
 
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per agent: requests, TTFT p50, path mix, p50 of the prompt share actually reused, mean
-    quality (the analyst's; the others have no reference)."""
+    """Per agent: requests, TTFT p50, path mix (failed requests as "error"), p50 of the prompt
+    share actually reused, mean quality (the analyst's; the others have no reference)."""
     out = []
     for agent in AGENTS:
-        rs = [r for r in records if r["agent"] == agent]
+        mine = [r for r in records if r["agent"] == agent]
+        rs = [r for r in mine if r["path"] != "error"]  # failed requests show in the path mix only
         if not rs:
             continue
         paths: dict[str, int] = {}
-        for r in rs:
+        for r in mine:
             paths[r["path"]] = paths.get(r["path"], 0) + 1
         scored = [r["quality"] for r in rs if r["quality"] is not None]
         out.append({"agent": agent, "model": rs[0]["model"], "requests": len(rs),

@@ -68,8 +68,12 @@ class Metrics:
         self.relay = Counter("dm_relay_requests", "Requests where relaying was weighed, by reusable-prefix bucket "
                              "and outcome (relayed, own_prefill: as the policy chose; control, blind: the audit's arms)",
                              ["bucket", "outcome"], registry=r)
-        self.saved = Counter("dm_relay_saved_seconds", "Predicted own-prefill TTFT minus the actual TTFT of relayed "
-                             "requests (the benefit; negative when relaying cost time)", registry=r)
+        # The benefit of a relayed request (predicted own-prefill TTFT minus its actual TTFT) may be
+        # negative; counters only grow, so gains and losses count apart (benefit = saved - lost).
+        self.saved = Counter("dm_relay_saved_seconds", "TTFT seconds relayed requests saved against their predicted "
+                             "own prefill", registry=r)
+        self.lost = Counter("dm_relay_lost_seconds", "TTFT seconds relayed requests lost against their predicted "
+                            "own prefill", registry=r)
         self.prediction_error = Histogram("dm_prediction_error_ratio", "|predicted - actual| / actual TTFT of the "
                                           "served option", buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0), registry=r)
         self.agreement = Gauge("dm_shadow_agreement", "Mean shadow token agreement over the quality watch's window, "

@@ -130,7 +130,7 @@ def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, pa
     s.metrics.relay.labels(bucket, outcome).inc()
     own = decision.predicted_s.get(policy.PREFILL_OPTION)
     if relayed and own is not None:
-        s.metrics.saved.inc(own - ttft_s)
+        (s.metrics.saved if own >= ttft_s else s.metrics.lost).inc(abs(own - ttft_s))
     if decision.predicted_ttft_s is not None and ttft_s > 0:
         s.metrics.prediction_error.observe(abs(decision.predicted_ttft_s - ttft_s) / ttft_s)
 

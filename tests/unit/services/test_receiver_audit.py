@@ -47,3 +47,25 @@ def test_threshold_zero_never_fires_and_values_are_clamped():
     w.observe("b", 1.0, row(1))
     w.observe("c", 1.0, row(2))
     assert w.agreement("a") is None  # the least recently seen model went
+
+
+def test_a_relay_slower_than_its_predicted_own_prefill_counts_as_lost_time():
+    """Relayed in 0.3 s where own prefill was predicted 0.1 s: 0.2 s lost, nothing saved, the request
+    counted in its bucket; the faster one saves. (Counters only grow: a negative benefit once crashed the request.)"""
+    from types import SimpleNamespace
+
+    from droidmesh.services.receiver.audit import count_relay
+    from droidmesh.shared.kv import policy
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.metrics import Metrics
+
+    s = SimpleNamespace(metrics=Metrics("receiver"))
+    d = policy.Decision(ReusePlan.recompute(2, 4), "partial", predicted_s={policy.PREFILL_OPTION: 0.1}, predicted_ttft_s=0.05)
+    count_relay(s, d, "treatment", "partial", policy.Online(1000, reused_tokens=999), 0.3)
+    count_relay(s, d, "treatment", "partial", policy.Online(1000, reused_tokens=500), 0.04)
+    value = s.metrics.registry.get_sample_value
+    assert value("dm_relay_lost_seconds_total") == pytest.approx(0.2)
+    assert value("dm_relay_saved_seconds_total") == pytest.approx(0.06)
+    assert value("dm_relay_requests_total", {"bucket": "[0.95,1]", "outcome": "relayed"}) == 1
+    assert value("dm_relay_requests_total", {"bucket": "<0.7", "outcome": "relayed"}) == 1
+    assert value("dm_prediction_error_ratio_count") == 2
