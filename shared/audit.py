@@ -444,7 +444,8 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def plot_png(result: dict[str, Any], path: str | Path) -> None:
-    """Per stratum ATE on TTFT with its CI, horizontal bars (first stratum on top); no-data strata labelled."""
+    """Per stratum ATE on TTFT with its CI, horizontal bars (first stratum on top), blind relay's as
+    a marker under each; no-data strata labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -462,6 +463,13 @@ def plot_png(result: dict[str, Any], path: str | Path) -> None:
     colours = ["C2" if relay_decision(r) else "C3" if relay_decision(r) is False else "0.6" for _, r in have]
     bars = ax.barh([yy for yy, _ in have], ates, 0.6, xerr=err, color=colours, alpha=0.8, capsize=2, ecolor="k")
     label_bars(ax, bars, "{:.1f}")
+    blind = [(yy, r) for yy, r in zip(y, rows, strict=True) if r.get("blind_ate_ttft_s") is not None]
+    if blind:  # relaying itself (the blind arm), under each bar
+        ax.errorbar([r["blind_ate_ttft_s"] * 1e3 for _, r in blind], [yy - 0.3 for yy, _ in blind],
+                    xerr=[[(r["blind_ate_ttft_s"] - (r["blind_ci_low"] or r["blind_ate_ttft_s"])) * 1e3 for _, r in blind],
+                          [((r["blind_ci_high"] or r["blind_ate_ttft_s"]) - r["blind_ate_ttft_s"]) * 1e3 for _, r in blind]],
+                    fmt="D", ms=3, c="C1", lw=0.8, capsize=2, label="blind relay (always relay) vs control")
+        ax.legend(fontsize=7, loc="lower right")
     for yy, r in zip(y, rows, strict=True):
         if r["ate_ttft_s"] is None:
             ax.annotate("no data" if not r["requests"] else "one arm only", (0, yy), xytext=(4, 0),

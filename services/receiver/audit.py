@@ -14,7 +14,9 @@ The quality watch, per relayed request the audit picks for a shadow (`shadow`, a
      `dm_quality_drift`) and `reprofile` asks the profiler service to profile the pair again on
      the kept rows, bound to the weights of the config in use; the profiler publishes the new
      config, which reaches this receiver through the config board like any other (no restart);
-  5. a newer config for that sender model re-arms the watch with an empty window (`reset`).
+  5. until then the pair is held (`hold`): requests that would relay from that sender model get the
+     receiver's own prefill (reason quality_hold), so a drop costs only the requests before the alarm;
+  6. a newer config for that sender model lifts the hold and re-arms the watch with an empty window (`reset`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class QualityWatch:
         seen = self._seen.get(model)
         return list(seen[1]) if seen else []
 
+    def held(self, model: str) -> bool:
+        """Whether `model`'s quality dropped and no newer config has come since (relaying from it is held)."""
+        return model in self._fired
+
     def reset(self, model: str) -> None:
         """A new config serves `model`'s contexts: judge it on its own shadows, armed again."""
         seen = self._seen.get(model)
@@ -104,6 +110,18 @@ def assign(s: ReceiverState, decision: policy.Decision, mode: str) -> tuple[poli
     if draw < s.cfg.holdout_share + s.cfg.blind_share:
         return decision.relay_option or decision, "blind"
     return decision, "treatment"
+
+
+def hold(s: ReceiverState, holder: schemas.CacheAvailable | None, decision: policy.Decision) -> policy.Decision:
+    """While the watch holds a sender model (its quality dropped, the re-profiled config has not come),
+    requests that would relay from it get the receiver's own prefill instead, outside the experiment."""
+    if holder is None or not decision.weighed or not s.watch.held(holder.model_id):
+        return decision
+    why = (f"quality_hold: shadow agreement with {holder.model_id}'s cache fell below {s.cfg.quality_threshold:g}; "
+           f"own prefill until a newer config for the pair arrives")
+    return policy.Decision(ReusePlan.full_prefill(), "full_prefill", ("quality_hold", why),
+                           predicted_s=decision.predicted_s, raw_s=decision.raw_s,
+                           predicted_ttft_s=decision.predicted_s.get(policy.PREFILL_OPTION))
 
 
 def calibrate(s: ReceiverState, decision: policy.Decision, online: policy.Online, path: str,

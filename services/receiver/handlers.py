@@ -156,7 +156,7 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     decided = time.perf_counter()
     decision = policy.decide(req.mode, holder, miss, s.configs.get(holder.model_id) if holder else None,
                              s.policy_facts, online)
-    decision, assignment = audit.assign(s, decision, req.mode)
+    decision, assignment = audit.assign(s, audit.hold(s, holder, decision), req.mode)
     decision_ms = (time.perf_counter() - decided) * 1e3
     plan, path, reason = decision.plan, decision.path, decision.reason
     missing = _maps_missing(s, decision)

@@ -14,14 +14,14 @@ def row(i: int) -> ProfileRow:
 
 def test_fires_once_when_the_window_mean_drops_below_the_threshold():
     """High agreement never fires; once the last 4 average below 0.5 (after >= 2 samples) it
-    fires exactly once, and stays quiet until reset."""
+    fires exactly once, holds the model and stays quiet until reset."""
     w = QualityWatch(window=4, min_samples=2, threshold=0.5)
     assert not any(w.observe("base", 1.0, row(i)) for i in range(6))
     fired = [w.observe("base", 0.1, row(10 + i)) for i in range(6)]
     assert fired == [False, False, True, False, False, False]  # window means 0.775, 0.55, 0.325, ...
-    assert w.agreement("base") == pytest.approx(0.1)
+    assert w.agreement("base") == pytest.approx(0.1) and w.held("base") and not w.held("other")
     w.reset("base")
-    assert w.agreement("base") is None
+    assert w.agreement("base") is None and not w.held("base")
     assert [w.observe("base", 0.1, row(20 + i)) for i in range(3)] == [False, True, False]
 
 

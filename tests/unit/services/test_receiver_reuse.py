@@ -54,13 +54,13 @@ class XorCodec:
 
 @contextlib.asynccontextmanager
 async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc", holdout_share=0.0, shadow_share=0.0,
-               blind_share=0.0):
+               blind_share=0.0, **receiver_kw):
     bus, board = InProcessBus(), InMemoryConfigBoard()
     scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2,
                         transport=transport)
     rcfg = ReceiverConfig(model_path=str(tiny_pair[1]), model_id="receiver", default_group=default_group,
                           transport=transport, holdout_share=holdout_share, shadow_share=shadow_share,
-                          blind_share=blind_share)
+                          blind_share=blind_share, **receiver_kw)
     async with BrokerService(BrokerConfig(), bus=bus), \
             SenderService(scfg, bus=bus, model=tiny_models[0], board=board), \
             ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board) as receiver:
@@ -289,3 +289,42 @@ def test_the_blind_share_is_relayed_where_the_policy_would_not_relay(tiny_pair, 
     assert abs(len(blind) - n * share) <= 4.5 * (n * share * (1 - share)) ** 0.5, len(blind)
     assert all(r.plan == "recompute [2,4)" for r in blind)
     assert all(r.path == "full_prefill" and "relay audit" in (r.fallback_reason or "") for r in replies if r not in blind)
+
+
+def test_a_quality_drop_holds_relaying_from_that_sender_until_a_newer_config(tiny_pair, tiny_models):
+    """Full reuse disagrees with full prefill on these models: once the watch fires (window 2, from
+    its first shadow below 0.99) later requests get their own prefill (quality_hold) although no
+    profiler answers; a newer config for the pair lifts the hold."""
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[]), 0, 1.0)
+    cfg = schemas.RecomputeConfig(
+        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
+        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="multihop_qa", tolerance=0.05,
+        chosen=point, frontier=[point], full_prefill_quality=1.0, full_reuse_quality=1.0, total_layers=6,
+        created_at=time.time())
+    newer = msgspec.structs.replace(cfg, profile_version=2, chosen=schemas.FrontierPoint(schemas.PlanSpec(groups=[(0, 6)]), 6, 1.0),
+                                    frontier=[schemas.FrontierPoint(schemas.PlanSpec(groups=[(0, 6)]), 6, 1.0)])
+
+    async def ask(bus, i: int) -> schemas.GenerateReply:
+        reply = await _ask(bus, subjects.receiver_generate("receiver"),
+                           schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
+                                                   max_new_tokens=6), schemas.GenerateReply)
+        await asyncio.gather(*[t for t in asyncio.all_tasks() if t.get_name().startswith("shadow-")])
+        return reply
+
+    async def run() -> tuple[list[schemas.GenerateReply], schemas.GenerateReply, bool]:
+        async with mesh(tiny_pair, tiny_models, default_group=(), shadow_share=1.0, quality_threshold=0.99,
+                        quality_window=2, reprofile_timeout_s=1.0) as (bus, board, receiver):
+            await board.put(cfg)
+            await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
+                       schemas.PrefillReply)
+            await bus.settle()
+            replies = [await ask(bus, i) for i in range(4)]
+            held = receiver.state.watch.held("sender")
+            await board.put(newer)
+            await bus.settle()
+            return replies, await ask(bus, 9), held
+
+    replies, after, held = asyncio.run(run())
+    assert held and replies[0].plan == "full reuse"
+    assert all(r.path == "full_prefill" and "quality_hold" in (r.fallback_reason or "") for r in replies[1:]), replies
+    assert after.path == "partial" and after.plan == "recompute [0,6)"
