@@ -206,12 +206,13 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     predicted_ms = {k: round(v * 1e3, 3) for k, v in decision.predicted_s.items()}
     audit.calibrate(s, decision, online, path, holder, ttft_ms / 1e3)
     audit.count_relay(s, decision, assignment, path, online, ttft_ms / 1e3)
-    if assignment in ("treatment", "blind") and path in ("partial", "full_reuse") and s.cfg.shadow_share > 0 \
-            and req.sampling.temperature == 0 and s.rng.random() < s.cfg.shadow_share:
+    shadowed = (assignment in ("treatment", "blind") and path in ("partial", "full_reuse") and s.cfg.shadow_share > 0
+                and req.sampling.temperature == 0 and s.rng.random() < s.cfg.shadow_share)
+    if shadowed:
         s.background(audit.shadow(s, req.request_id, holder.model_id if holder else "", req.context, req.question,
-                                    prompt, gen.tokens), f"shadow-{req.request_id}")
+                                  prompt, gen.tokens), f"shadow-{req.request_id}")
     log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=why,
-             assignment=assignment, holdout_share=s.cfg.holdout_share, blind_share=s.cfg.blind_share,
+             assignment=assignment, holdout_share=s.cfg.holdout_share, blind_share=s.cfg.blind_share, shadowed=shadowed,
              predicted_ttft_ms=_ms(decision.predicted_ttft_s),
              decision_ms=round(decision_ms, 4),
              options_ms=predicted_ms, reused_fraction=round(gen.prefill.reused_tokens / max(1, len(prompt)), 4),

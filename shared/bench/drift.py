@@ -10,8 +10,8 @@ sender `base`, receiver `qa` shadowing every relayed request; logs in `log_dir`)
   3. per request: the plan, the task score of its answer and of the receiver's own full prefill
      of the same prompt (mode full_prefill), and the shadow's token agreement (receiver log).
 Summary: requests from the shift to the drift alarm and to the new config, and per phase (before;
-shifted on the old config; on the re-profiled config) the mean score of the served answers over
-the full prefill's.
+shifted on the old config; held: own prefill after the alarm until the new config; on the
+re-profiled config) the mean score of the served answers over the full prefill's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from droidmesh.shared.wire import schemas, subjects
 from droidmesh.shared.zoo.suite import SuiteShape, make_rows
 
 SENDER, RECEIVER = "base", "qa"
-PHASES = ("before", "shifted", "reprofiled")
+PHASES = ("before", "shifted", "held", "reprofiled")
 COLUMNS = ["phase", "task", "requests", "plans", "score", "full_prefill_score", "ratio", "agreement"]
 
 
@@ -88,7 +88,9 @@ async def _stream(url: str, receiver: Proc, before: str, after: str, n_before: i
                 marks["drift_at"] = i
             if loaded and "reprofiled_at" not in marks:
                 marks.update(reprofiled_at=i, new_version=loaded[0]["version"], new_plan=loaded[0].get("chosen"))
-            phase = "before" if i < n_before else "reprofiled" if r.plan != _label(old) and loaded else "shifted"
+            held = "quality_hold" in (r.fallback_reason or "")
+            phase = ("before" if i < n_before else "held" if held
+                     else "reprofiled" if r.plan != _label(old) and loaded else "shifted")
             records.append({"i": i, "task": task, "phase": phase, "request_id": r.request_id, "plan": r.plan,
                             "path": r.path, "score": score_text(spec, r.text, row["answers"]),
                             "full_prefill_score": score_text(spec, ref.text, row["answers"]), "ttft_ms": r.ttft_ms})
@@ -194,16 +196,17 @@ def plot_png(result: dict[str, Any], path: str | Path) -> None:
     ax.plot([r["i"] for r in recs], ref, c="0.5", lw=1.0, ls="--", label="own full prefill score")
     ax.axhline(result["threshold"], c="C3", lw=0.8, ls=":", label="alarm threshold")
     n_before = sum(r["phase"] == "before" for r in recs)
-    for at, what in ((n_before - 0.5, f"shift to {result['after']}"),
-                     (result.get("requests_to_alarm"), "drift alarm"), (result.get("requests_to_new_config"), "new config")):
+    marks = ((n_before - 0.5, f"shift to {result['after']}"), (result.get("requests_to_alarm"), "alarm"),
+             (result.get("requests_to_new_config"), "new config"))
+    for k, (at, what) in enumerate(marks):
         if at is None:
             continue
-        x = at if what.startswith("shift") else n_before - 1 + at
+        x = at if k == 0 else n_before - 1 + at
         ax.axvline(x, c="k", lw=0.8)
-        ax.annotate(what, (x, 1.02), fontsize=7, rotation=0, ha="left", va="bottom", xycoords=("data", "axes fraction"))
+        ax.annotate(what, (x, 1.02 + 0.06 * k), fontsize=7, ha="left", va="bottom", xycoords=("data", "axes fraction"))
     ax.set_ylim(-0.05, 1.05)
     ax.set_xlabel("request")
-    ax.set_title(f"quality watch: {SENDER} -> {RECEIVER}, profiled on {result['before']}", fontsize=9, pad=14)
+    ax.set_title(f"quality watch: {SENDER} -> {RECEIVER}, profiled on {result['before']}", fontsize=9, pad=26)
     ax.legend(fontsize=6, loc="lower left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The quality watch on a real mesh: an injected quality drop (a pair config whose plan disagrees
+"""The relay audit on a real mesh (nats-server, services as processes, the ci tier's models): the
+randomized shares are honoured, and an injected quality drop (a pair config whose plan disagrees
 with full prefill) is caught by the shadows, the profiler service re-profiles the pair on the
 receiver's recent contexts, and the new config version reaches the running receiver."""
 
@@ -8,6 +9,7 @@ import asyncio
 import json
 import time
 
+import msgspec
 import pytest
 
 from droidmesh.shared.client import MeshClient
@@ -40,6 +42,48 @@ def _event(line: str) -> dict:
         return json.loads(line[line.index("{"):])
     except ValueError:
         return {}
+
+
+def test_holdout_blind_and_shadow_shares_are_honoured(nats, services, tiny_pair, tiny_models):
+    """Holdout 0.3, blind 0.2 and shadow 0.5 on a receiver whose config relays: over 60 requests the
+    control count, the blind count and the relayed answers picked for a shadow each lie within 4.5
+    binomial standard deviations of their expectation, and every line says its assignment and shares."""
+    url, n = nats[1], 60
+    services.append(start_service("cache_broker", {}, url, env=THREADS))
+    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 2]},
+                                  url, env=THREADS))
+    receiver = start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver", "holdout_share": 0.3,
+                                          "blind_share": 0.2, "shadow_share": 0.5, "quality_threshold": 0.0},
+                             url, env=THREADS)
+    services.append(receiver)
+    context = make_rows(TASK, "test", 1, get_recipe("ci").suite)[0]["context"]
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)]), recomputed_layers=2, quality=1.0)
+    cfg = msgspec.structs.replace(_full_reuse_config(tiny_pair), chosen=point, frontier=[point])
+
+    async def run() -> list[schemas.GenerateReply]:
+        client = await MeshClient.connect(url)
+        try:
+            await client.bus.config_board().put(cfg)
+            await asyncio.to_thread(receiver.wait_for, lambda line: '"config_loaded"' in line, 60, "the config")
+            await client.prefill("sender", context)
+            await until_indexed(client, tiny_models[1], context)
+            return [await client.ask("receiver", context, f" q{i}", max_new_tokens=3, timeout=60) for i in range(n)]
+        finally:
+            await client.close()
+
+    replies = asyncio.run(run())
+    requests = [e for e in map(_event, receiver.lines) if e.get("event") == "request"]
+    arms = {a: sum(e["assignment"] == a for e in requests) for a in ("control", "blind", "treatment")}
+    assert len(requests) == n and sum(arms.values()) == n, arms
+    assert all(e["holdout_share"] == 0.3 and e["blind_share"] == 0.2 for e in requests)
+    for arm, share in (("control", 0.3), ("blind", 0.2)):
+        assert abs(arms[arm] - n * share) <= 4.5 * (n * share * (1 - share)) ** 0.5, arms
+    held_out = [r for r in replies if "holdout" in (r.fallback_reason or "")]
+    assert len(held_out) == arms["control"] and all(r.path == "full_prefill" for r in held_out)
+    relayed = [e for e in requests if e["path"] == "partial"]
+    shadowed = sum(e["shadowed"] for e in relayed)
+    assert relayed and not any(e["shadowed"] for e in requests if e["path"] != "partial")
+    assert abs(shadowed - len(relayed) * 0.5) <= 4.5 * (len(relayed) * 0.25) ** 0.5, (shadowed, len(relayed))
 
 
 def test_a_quality_drop_is_reprofiled_and_the_new_config_reaches_the_running_receiver(nats, services, tiny_pair,
