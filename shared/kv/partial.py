@@ -53,7 +53,7 @@ T = TypeVar("T")
 @dataclasses.dataclass
 class PrefillResult:
     cache: Any  # the assembled receiver cache, all layers at len(prompt) tokens
-    logits: torch.Tensor  # [S, vocab] float32 for the S computed (suffix) tokens
+    logits: torch.Tensor  # [n, vocab] float32 for the last n = min(logits_for, computed) prompt tokens
     prompt_tokens: int
     reused_tokens: int  # m: context tokens taken from the sender
     plan: ReusePlan
@@ -76,9 +76,14 @@ def prefill_steps(
     source: LayerSource | None = None,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    logits_for: int = 1,
 ) -> Steps[PrefillResult]:
     """`prefill` as steps: yields a `Need` before each read from `source` (run under
-    `torch.inference_mode` by the driver)."""
+    `torch.inference_mode` by the driver). Logits are computed for the last `logits_for` prompt
+    tokens only: 1 to serve (the next token); more for fidelity metrics over a question. At 32K
+    tokens and a 128K vocabulary, logits for every token would be 16.8 GB of float32."""
+    if logits_for < 1:
+        raise BadRequestError(f"logits_for {logits_for} < 1")
     t0 = time.perf_counter()
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -91,7 +96,7 @@ def prefill_steps(
     if plan.mode == "full_prefill":
         h = receiver.run_layers(receiver.embed(receiver.token_tensor(prompt)), 0, L, cache, past=0)
         stages["suffix_done"] = time.perf_counter() - t0
-        return PrefillResult(cache, receiver.logits(h)[0], len(prompt), 0, plan, stages)
+        return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), 0, plan, stages)  # [n, vocab]
     if source is None:
         raise BadRequestError(f"plan {plan.label()} needs a sender cache")
     require_compatible(source.fingerprint, receiver.fingerprint)
@@ -113,7 +118,7 @@ def prefill_steps(
             stages["kv_last_ready"] = time.perf_counter() - t0
         h = receiver.run_layers(h, layer, layer + 1, cache, past=m)
     stages["suffix_done"] = time.perf_counter() - t0
-    return PrefillResult(cache, receiver.logits(h)[0], len(prompt), m, plan, stages)
+    return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), m, plan, stages)  # [n, vocab]
 
 
 def _fill_context(

@@ -164,7 +164,7 @@ class PairScorer:
         """Prefill per `plan`, then (a) teacher-force the gold answer for its NLL and fidelity
         logits, (b) greedy-decode on a copy of the cache for the task score."""
         row = self.rows[i]
-        pre = prefill(model, row.prompt, plan, _source(plan, capture, wire, row))
+        pre = prefill(model, row.prompt, plan, _source(plan, capture, wire, row), logits_for=row.suffix)
         gen_cache = copy.deepcopy(pre.cache)
         ans_logits = pre.logits[-1:]  # [1, vocab] predicts answer[0]
         if len(row.answer) > 1:

@@ -47,7 +47,7 @@ def test_self_reuse_on_cuda_matches_full_prefill(cuda_receiver, prompt, plan):
     """With sender == receiver on CUDA, every mode gives the receiver's own full-prefill logits."""
     ctx, q = prompt
     src = CapturedSource(capture_prefill(cuda_receiver, ctx, e_layers=plan.e_layers))
-    res = prefill(cuda_receiver, ctx + q, plan, src)
+    res = prefill(cuda_receiver, ctx + q, plan, src, logits_for=len(q))
     assert res.logits.device.type == "cuda" and res.logits.dtype == torch.float32
     ref = reference_logits(cuda_receiver, ctx + q)
     assert _suffix_diff(res.logits, ref, q) <= CUDA_ATOL[cuda_receiver.dtype]
@@ -59,7 +59,7 @@ def test_cacheblend_full_ratio_on_cuda_recovers_a_different_sender(receiver, pro
     sender, cuda_receiver = _on_cuda(perturbed_copy(receiver, range(L))), _on_cuda(receiver)
     src = CapturedSource(capture_prefill(sender, ctx))
     ref = reference_logits(cuda_receiver, ctx + q)
-    res = prefill(cuda_receiver, ctx + q, ReusePlan.cacheblend(1.0), src)
+    res = prefill(cuda_receiver, ctx + q, ReusePlan.cacheblend(1.0), src, logits_for=len(q))
     assert _suffix_diff(res.logits, ref, q) <= CUDA_ATOL[torch.float32]
     gen = generate(cuda_receiver, ctx + q, ReusePlan.cacheblend(1.0), src, max_new_tokens=6)
     assert gen.tokens == reference_greedy(cuda_receiver, ctx + q, 6)

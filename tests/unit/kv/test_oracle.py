@@ -22,7 +22,7 @@ def test_group_is_exact_iff_it_starts_by_a_and_ends_at_L(receiver, prompt, a, b)
     ref = reference_logits(receiver, ctx + q)[-len(q):]
     for s in range(L):
         for e in range(s + 1, L + 1):
-            diff = float((prefill(receiver, ctx + q, ReusePlan.recompute(s, e), src).logits[-len(q):] - ref).abs().max())
+            diff = float((prefill(receiver, ctx + q, ReusePlan.recompute(s, e), src, logits_for=len(q)).logits[-len(q):] - ref).abs().max())
             if s <= a and e == L:
                 assert diff <= ATOL, f"[{s},{e}) should be exact for a sender differing in [{a},{b}): {diff}"
             else:
@@ -45,7 +45,7 @@ def test_group_from_layer_zero_uses_the_receivers_own_embeddings(receiver, promp
     assert ReusePlan.recompute(0, L).e_layers == ()
     src = CapturedSource(capture_prefill(sender, ctx))  # no E captured at all
     ref = reference_logits(receiver, ctx + q)[-len(q):]
-    got = prefill(receiver, ctx + q, ReusePlan.recompute(0, L), src).logits[-len(q):]
+    got = prefill(receiver, ctx + q, ReusePlan.recompute(0, L), src, logits_for=len(q)).logits[-len(q):]
     assert float((got - ref).abs().max()) <= ATOL
 
 
@@ -58,7 +58,7 @@ def test_swap_probe_is_exact_iff_the_swapped_layer_is_below_a(receiver, prompt, 
     src = CapturedSource(capture_prefill(sender, ctx, e_layers=[]))  # no E at all: the probe must not ask
     ref = reference_logits(receiver, ctx + q)[-len(q):]
     for layer in range(L):
-        res = prefill(receiver, ctx + q, ReusePlan.swap([layer]), src)
+        res = prefill(receiver, ctx + q, ReusePlan.swap([layer]), src, logits_for=len(q))
         diff = float((res.logits[-len(q):] - ref).abs().max())
         if layer < a:
             assert diff <= ATOL, f"swapping layer {layer} should be exact for a sender differing in [{a},{b}): {diff}"

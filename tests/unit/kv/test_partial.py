@@ -21,8 +21,24 @@ def _suffix_diff(result, ref, question) -> float:
 def test_full_prefill_matches_hf_forward(receiver, prompt):
     """The engine's own layer loop equals the model's HF forward on the whole prompt."""
     ctx, q = prompt
-    res = prefill(receiver, ctx + q, ReusePlan.full_prefill())
+    res = prefill(receiver, ctx + q, ReusePlan.full_prefill(), logits_for=len(ctx) + len(q))
     assert float((res.logits - reference_logits(receiver, ctx + q)).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize("plan", [ReusePlan.full_prefill(), ReusePlan.recompute(2, 4)], ids=lambda p: p.label())
+def test_logits_are_computed_for_the_positions_asked_only(receiver, prompt, plan):
+    """By default only the last prompt token's logits (serving needs the next token, and at 32K
+    tokens x 128K vocabulary all of them are 16.8 GB); they equal that row of the full forward.
+    More rows when asked, never more than were computed."""
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=[2]))
+    ref = reference_logits(receiver, ctx + q)
+    one = prefill(receiver, ctx + q, plan, src)
+    assert tuple(one.logits.shape) == (1, ref.shape[-1])
+    assert float((one.logits[0] - ref[-1]).abs().max()) <= ATOL
+    many = prefill(receiver, ctx + q, plan, src, logits_for=10**6)
+    computed = len(ctx) + len(q) if plan.mode == "full_prefill" else len(q)
+    assert many.logits.shape[0] == computed
 
 
 def test_group_covering_all_layers_is_full_prefill(receiver, prompt):
@@ -30,7 +46,7 @@ def test_group_covering_all_layers_is_full_prefill(receiver, prompt):
     ctx, q = prompt
     src = CapturedSource(capture_prefill(receiver, ctx, e_layers=[0]))
     ref = reference_logits(receiver, ctx + q)
-    res = prefill(receiver, ctx + q, ReusePlan.recompute(0, L), src)
+    res = prefill(receiver, ctx + q, ReusePlan.recompute(0, L), src, logits_for=len(q))
     assert res.reused_tokens == len(ctx)
     assert _suffix_diff(res, ref, q) <= ATOL
     gen = generate(receiver, ctx + q, ReusePlan.recompute(0, L), src, max_new_tokens=8)
@@ -42,7 +58,7 @@ def test_self_reuse_every_group_is_exact(receiver, prompt, plan):
     """With sender == receiver every recompute group gives the receiver's own output."""
     ctx, q = prompt
     src = CapturedSource(capture_prefill(receiver, ctx, e_layers=plan.e_layers))
-    assert _suffix_diff(prefill(receiver, ctx + q, plan, src), reference_logits(receiver, ctx + q), q) <= ATOL
+    assert _suffix_diff(prefill(receiver, ctx + q, plan, src, logits_for=len(q)), reference_logits(receiver, ctx + q), q) <= ATOL
 
 
 @pytest.mark.parametrize(
@@ -56,7 +72,7 @@ def test_self_reuse_baselines_are_exact(receiver, prompt, plan):
     ctx, q = prompt
     src = CapturedSource(capture_prefill(receiver, ctx, e_layers=plan.e_layers))
     ref = reference_logits(receiver, ctx + q)
-    assert _suffix_diff(prefill(receiver, ctx + q, plan, src), ref, q) <= ATOL
+    assert _suffix_diff(prefill(receiver, ctx + q, plan, src, logits_for=len(q)), ref, q) <= ATOL
     gen = generate(receiver, ctx + q, plan, src, max_new_tokens=6)
     assert gen.tokens == reference_greedy(receiver, ctx + q, 6)
 
@@ -69,8 +85,8 @@ def test_cacheblend_full_ratio_recovers_a_different_sender(receiver, prompt):
     sender = perturbed_copy(receiver, range(L))
     src = CapturedSource(capture_prefill(sender, ctx))
     ref = reference_logits(receiver, ctx + q)
-    assert _suffix_diff(prefill(receiver, ctx + q, ReusePlan.cacheblend(1.0), src), ref, q) <= ATOL
-    assert _suffix_diff(prefill(receiver, ctx + q, ReusePlan.cacheblend(0.0), src), ref, q) > 10 * ATOL
+    assert _suffix_diff(prefill(receiver, ctx + q, ReusePlan.cacheblend(1.0), src, logits_for=len(q)), ref, q) <= ATOL
+    assert _suffix_diff(prefill(receiver, ctx + q, ReusePlan.cacheblend(0.0), src, logits_for=len(q)), ref, q) > 10 * ATOL
 
 
 def test_cached_context_is_a_prefix_of_the_prompt(receiver, prompt):
@@ -80,11 +96,11 @@ def test_cached_context_is_a_prefix_of_the_prompt(receiver, prompt):
     # The sender cached the context plus other tokens: only len(ctx) tokens are shared.
     other = ctx + [(t + 1) % 97 for t in q] + [5, 6, 7]
     src = CapturedSource(capture_prefill(receiver, other, e_layers=[2]))
-    res = prefill(receiver, ctx + q, ReusePlan.recompute(2, 4), src)
+    res = prefill(receiver, ctx + q, ReusePlan.recompute(2, 4), src, logits_for=len(q))
     assert res.reused_tokens == len(ctx)
     assert _suffix_diff(res, ref, q) <= ATOL
     # The sender cached exactly the whole prompt: one token is still computed for its logits.
     src = CapturedSource(capture_prefill(receiver, ctx + q))
-    res = prefill(receiver, ctx + q, ReusePlan.full_reuse(), src)
+    res = prefill(receiver, ctx + q, ReusePlan.full_reuse(), src, logits_for=len(q))
     assert res.reused_tokens == len(ctx + q) - 1
     assert float((res.logits[-1] - ref[-1]).abs().max()) <= ATOL
