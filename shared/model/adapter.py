@@ -8,9 +8,10 @@ every method blocks while torch computes):
   - `logits(h)`                       final norm + LM head
   - `attn_input(h, l)` / `project_kv(x, l)`  layer l's normalized attention input, and the K/V its
                                       own projections (and RoPE) make of one (SCD's patch, `shared/kv/scd.py`)
-A manual layer loop matches the model's own forward exactly when the causal mask is built
-explicitly whenever the cache already holds tokens (with sdpa, `attention_mask=None` on a
-non-empty cache silently mis-aligns the causal pattern).
+A manual layer loop matches the model's own forward exactly when the causal pattern over a
+non-empty cache is lower-right aligned (with transformers' sdpa, `attention_mask=None` there
+silently aligns it top-left). The default attention (`shared/model/attention.py`) aligns it from
+the lengths, with no mask and no K/V head expansion; `sdpa` and `eager` get an explicit mask.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from droidmesh.shared.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
 from droidmesh.shared.errors import BadRequestError, CheckpointNotFoundError, UnsupportedModelError
-from droidmesh.shared.model import hf_cache
+from droidmesh.shared.model import attention, hf_cache
 from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+ATTN_IMPLEMENTATIONS = (attention.NAME, "sdpa", "eager")
+attention.register()
 
 
 @dataclasses.dataclass
@@ -124,7 +126,7 @@ class ModelAdapter:
         Used by token-level recompute, where the recomputed tokens are scattered."""
         cos, sin = self.model.model.rotary_emb(h, positions)  # each [1, n, head_dim]
         impl = self.config._attn_implementation
-        mask = allowed if impl == "sdpa" else _additive(allowed, h.dtype)
+        mask = allowed if impl in ("sdpa", attention.NAME) else _additive(allowed, h.dtype)
         block = self.model.model.layers[layer]
         return block(h, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
                      **hf_cache.layer_kwargs(block, cache))
@@ -162,9 +164,12 @@ class ModelAdapter:
 
     # -- helpers ---------------------------------------------------------------------------
     def _mask(self, past: int, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        if past == 0 and self.config._attn_implementation == "sdpa":
+        impl = self.config._attn_implementation
+        if impl == attention.NAME and self.window is None:
+            return None  # the kernel takes causality from the lengths (`shared/model/attention.py`)
+        if past == 0 and impl in ("sdpa", attention.NAME):
             return None  # plain causal over an empty cache: sdpa's is_causal path is exact and fast
-        return causal_mask(past, t, self.config._attn_implementation, dtype, device)
+        return causal_mask(past, t, impl, dtype, device)
 
 
 def causal_mask(past: int, t: int, impl: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -175,7 +180,7 @@ def causal_mask(past: int, t: int, impl: str, dtype: torch.dtype, device: torch.
     q = torch.arange(past, past + t, device=device)[:, None]  # [T, 1]
     k = torch.arange(past + t, device=device)[None, :]  # [1, past+T]
     allowed = (k <= q)[None, None]  # [1, 1, T, past+T]
-    return allowed if impl == "sdpa" else _additive(allowed, dtype)
+    return allowed if impl in ("sdpa", attention.NAME) else _additive(allowed, dtype)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -193,7 +198,7 @@ def load_model(
     *,
     device: str = DEFAULT_DEVICE,
     dtype: str | torch.dtype | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = attention.NAME,
     name: str | None = None,
 ) -> ModelAdapter:
     """Load a local HF checkpoint (config + weights [+ tokenizer]) onto `device`; never touches
@@ -289,7 +294,7 @@ def random_model(
     seed: int = 0,
     device: str = DEFAULT_DEVICE,
     dtype: str | torch.dtype | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = attention.NAME,
     name: str | None = None,
     **config: Any,
 ) -> ModelAdapter:
