@@ -268,6 +268,11 @@ def effects(reqs: Sequence[Request], n_boot: int, seed: int) -> dict[str, dict[s
     return out
 
 
+def reusable_bucket(fraction: float) -> str:
+    """The reusable-prefix stratum of a fraction in [0, 1] (the dashboard counts by it too)."""
+    return _bucket(REUSABLE_BUCKETS, max(0.0, fraction)) or REUSABLE_BUCKETS[-1][0]
+
+
 def _bucket(buckets: Sequence[tuple[str, float, float]], x: float | None) -> str | None:
     if x is None:
         return None

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
+from droidmesh.shared.config_board import validate
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.maps_store import referenced
 from droidmesh.shared.models import ModelRef, Pair, resolve_model, weights_sha256
@@ -51,6 +52,8 @@ async def profile(s: ProfilerState, req: schemas.ProfileRequest) -> schemas.Prof
                                         data=data, data_train=req.data_train, data_test=req.data_test,
                                         version=req.version or None, device=s.cfg.device, dtype=s.cfg.dtype,
                                         other_tasks=req.other_tasks, transfer_search=req.transfer, maps_out=maps))
+    if req.relay:  # the relay audit's verdicts outlive a re-profile of the same pair
+        cfg = validate(msgspec.structs.replace(cfg, relay=list(req.relay)))
     for sha in sorted(referenced([*cfg.frontier, cfg.chosen])):  # first: a service seeing the config can fetch them
         await s.maps.put(maps[sha])
     await s.board.put(cfg)

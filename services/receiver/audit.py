@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from droidmesh.shared.audit import reusable_bucket
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.partial import generate as engine_generate
@@ -133,16 +134,12 @@ def calibrate(s: ReceiverState, decision: policy.Decision, online: policy.Online
         s.calibration.observe(policy.reuse_kind(holder.model_id), decision.predicted_ttft_s / online.reuse_scale, ttft_s)
 
 
-RELAY_BUCKETS = ((0.95, "[0.95,1]"), (0.85, "[0.85,0.95)"), (0.7, "[0.7,0.85)"), (0.0, "<0.7"))  # the audit's
-
-
 def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, path: str, online: policy.Online,
                  ttft_s: float) -> None:
     """The relay dashboard's counters: outcome per reusable-prefix bucket, the benefit, the prediction error."""
     if assignment == "ineligible":
         return
-    fraction = (online.reused_tokens or 0) / max(1, online.tokens)
-    bucket = next(label for lo, label in RELAY_BUCKETS if fraction >= lo)
+    bucket = reusable_bucket((online.reused_tokens or 0) / max(1, online.tokens))
     relayed = path in ("partial", "full_reuse")
     outcome = assignment if assignment in ("control", "blind") else "relayed" if relayed else "own_prefill"
     s.metrics.relay.labels(bucket, outcome).inc()
@@ -195,7 +192,7 @@ async def reprofile(s: ReceiverState, sender_model: str) -> None:
         request_id=f"reprofile-{uuid.uuid4().hex[:12]}", sender_path=sender_model, receiver_path=s.cfg.model_id,
         task=cfg.task, sender_model=sender_model, receiver_model=s.cfg.model_id, n_train=len(rows), n_test=len(rows),
         tolerance=cfg.tolerance, exhaustive=False, other_tasks=[], rows=rows, sender_sha256=cfg.sender_sha256,
-        receiver_sha256=cfg.receiver_sha256)
+        receiver_sha256=cfg.receiver_sha256, relay=list(cfg.relay))
     log.info("reprofile_requested", request_id=req.request_id, sender_model=sender_model, rows=len(rows),
              version=cfg.profile_version)
     try:

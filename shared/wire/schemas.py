@@ -292,6 +292,7 @@ class ProfileRequest(Message, tag="profile.request"):
     rows: list[ProfileRow] = []  # profile on these (split in two) instead of the task's rows or files
     sender_sha256: str = ""  # the weights the asker holds a config for: a profiler with others refuses ("": any)
     receiver_sha256: str = ""
+    relay: list[RelayBucket] = []  # the audit's verdicts the new config keeps (a re-profile carries its config's)
 
 
 class ProfileReply(Message, tag="profile.reply"):

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.system
 
 THREADS = {"OMP_NUM_THREADS": "1"}
 TASK = "multihop_qa"
+VETO = [schemas.RelayBucket(0.0, 0.5, False)]  # the audit's verdict for reusable fractions these requests never have
 
 
 def _full_reuse_config(tiny_pair) -> schemas.RecomputeConfig:
@@ -88,9 +89,9 @@ def test_holdout_blind_and_shadow_shares_are_honoured(nats, services, tiny_pair,
 
 def test_a_quality_drop_is_reprofiled_and_the_new_config_reaches_the_running_receiver(nats, services, tiny_pair,
                                                                                       tiny_models):
-    """Every relayed request shadowed; once 4 shadows average below 0.9 agreement the receiver
+    """Every relayed request shadowed; once 2 to 4 shadows average below 0.9 agreement the receiver
     logs quality_drift, asks the profiler with its recent rows, and loads the newer version it
-    publishes (no restart); later requests run the new plan."""
+    publishes (no restart), which keeps the audit's relay buckets; later requests run the new plan."""
     url = nats[1]
     services.append(start_service("profiler", {"models": [f"sender={tiny_pair[0]}", f"receiver={tiny_pair[1]}"]},
                                   url, env=THREADS))
@@ -102,10 +103,10 @@ def test_a_quality_drop_is_reprofiled_and_the_new_config_reaches_the_running_rec
     services.append(receiver)
     rows = make_rows(TASK, "test", 40, get_recipe("ci").suite)
 
-    async def run() -> tuple[list[schemas.GenerateReply], str]:
+    async def run() -> tuple[list[schemas.GenerateReply], str, schemas.RecomputeConfig]:
         client = await MeshClient.connect(url)
         try:
-            await client.bus.config_board().put(_full_reuse_config(tiny_pair))
+            await client.bus.config_board().put(msgspec.structs.replace(_full_reuse_config(tiny_pair), relay=VETO))
             receiver.wait_for(lambda line: '"config_loaded"' in line, 60, "the injected config")
             replies, loaded = [], ""
             for row in rows:
@@ -120,13 +121,20 @@ def test_a_quality_drop_is_reprofiled_and_the_new_config_reaches_the_running_rec
             await client.prefill("sender", row["context"])
             await until_indexed(client, tiny_models[1], row["context"])
             replies.append(await client.ask("receiver", row["context"], row["input"], max_new_tokens=6, timeout=120))
-            return replies, loaded
+            from droidmesh.shared.config_board import NatsConfigBoard
+
+            held = [c for c in ((await NatsConfigBoard(client.bus.nc).snapshot()) or {}).values()
+                    if isinstance(c, schemas.RecomputeConfig)]
+            return replies, loaded, max(held, key=lambda c: c.profile_version)
         finally:
             await client.close()
 
-    replies, loaded = asyncio.run(run())
+    replies, loaded, newest = asyncio.run(run())
     events = [_event(line).get("event") for line in receiver.lines]
     assert "quality_drift" in events and "reprofile_done" in events, receiver.lines[-20:]
-    assert all(r.plan == "full reuse" for r in replies[:-1])
+    # relayed by the injected plan until the alarm; held (own prefill) after it, until the new config
+    assert all(r.plan == "full reuse" or "quality_hold" in (r.fallback_reason or "") for r in replies[:-1])
+    assert sum(r.plan == "full reuse" for r in replies) >= 2  # the watch judges from half its window
     assert _event(loaded)["version"] > 1
+    assert newest.profile_version == _event(loaded)["version"] and newest.relay == VETO  # the audit's verdicts kept
     assert replies[-1].plan != "full reuse" and replies[-1].path in ("partial", "full_prefill"), replies[-1]
