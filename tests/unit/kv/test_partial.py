@@ -104,3 +104,21 @@ def test_cached_context_is_a_prefix_of_the_prompt(receiver, prompt):
     res = prefill(receiver, ctx + q, ReusePlan.full_reuse(), src, logits_for=len(q))
     assert res.reused_tokens == len(ctx + q) - 1
     assert float((res.logits[-1] - ref[-1]).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize("plan", [ReusePlan.full_prefill(), ReusePlan.recompute(2, 4)], ids=lambda p: p.label())
+def test_a_generation_is_freed_by_reference_counting_alone(receiver, prompt, plan):
+    """No reference cycles in a generation (cache, logits, stages): dropped with the garbage
+    collector off, nothing is left for it to collect, so device memory returns at once."""
+    import gc
+
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=[2]))
+    gc.collect()
+    gc.disable()
+    try:
+        g = generate(receiver, ctx + q, plan, src, max_new_tokens=3)
+        del g
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
