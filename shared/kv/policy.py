@@ -162,7 +162,7 @@ def audit_veto(buckets: list[schemas.RelayBucket], reused: int, tokens: int) -> 
     f = max(0.0, min(1.0, reused / max(1, tokens)))
     for b in buckets:
         if b.relay is False and (b.lo <= f < b.hi or f == b.hi == 1.0):
-            return ("audit_policy", f"the relay audit found relaying slower at a reusable fraction in "
+            return ("audit_policy", f"audit_policy: the relay audit found relaying slower at a reusable fraction in "
                                     f"[{b.lo:g}, {b.hi:g}) ({reused} of {tokens} tokens)")
     return None
 
