@@ -72,8 +72,8 @@ async def _stream(url: str, receiver: Proc, before: str, after: str, n_before: i
         old = await _profile(client, before, n_profile)
         marks.update(old_version=old.profile_version, old_plan=old.chosen.plan.groups,
                      profile_s=round(time.perf_counter() - t0, 1))
-        while not any(e.get("version") == old.profile_version for e in _events(receiver, "config_loaded")):
-            await asyncio.sleep(0.1)
+        await asyncio.to_thread(receiver.wait_for, lambda line: '"config_loaded"' in line
+                                and f'"version": {old.profile_version}' in line, 120, "the first profile's config")
         rows = [(before, r) for r in make_rows(before, "test", n_before, shape)]
         rows += [(after, r) for r in make_rows(after, "test", max_shifted, shape)]
         settled_at = None

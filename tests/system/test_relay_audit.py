@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from droidmesh.shared.client import MeshClient
+from droidmesh.shared.config_board import NatsConfigBoard
 from droidmesh.shared.launch import start_service
 from droidmesh.shared.models import weights_sha256
 from droidmesh.shared.wire import schemas
@@ -121,10 +122,9 @@ def test_a_quality_drop_is_reprofiled_and_the_new_config_reaches_the_running_rec
             await client.prefill("sender", row["context"])
             await until_indexed(client, tiny_models[1], row["context"])
             replies.append(await client.ask("receiver", row["context"], row["input"], max_new_tokens=6, timeout=120))
-            from droidmesh.shared.config_board import NatsConfigBoard
-
-            held = [c for c in ((await NatsConfigBoard(client.bus.nc).snapshot()) or {}).values()
-                    if isinstance(c, schemas.RecomputeConfig)]
+            board = client.bus.config_board()
+            assert isinstance(board, NatsConfigBoard)
+            held = [c for c in ((await board.snapshot()) or {}).values() if isinstance(c, schemas.RecomputeConfig)]
             return replies, loaded, max(held, key=lambda c: c.profile_version)
         finally:
             await client.close()

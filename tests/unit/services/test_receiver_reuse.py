@@ -71,13 +71,31 @@ async def _ask(bus, subject, msg, kind):
     return schemas.decode(await bus.request(subject, schemas.encode(msg), timeout=30), kind)
 
 
-async def _prefill_and_ask(bus) -> schemas.GenerateReply:
+async def _prefill(bus) -> None:
+    """The sender captures CONTEXT; returns once its availability event has been handled."""
     await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
                schemas.PrefillReply)
     await bus.settle()
+
+
+async def _generate(bus, request_id: str = "r", max_new_tokens: int = 6) -> schemas.GenerateReply:
     return await _ask(bus, subjects.receiver_generate("receiver"),
-                      schemas.GenerateRequest(request_id="r", context=CONTEXT, question=QUESTION, max_new_tokens=6),
-                      schemas.GenerateReply)
+                      schemas.GenerateRequest(request_id=request_id, context=CONTEXT, question=QUESTION,
+                                              max_new_tokens=max_new_tokens), schemas.GenerateReply)
+
+
+async def _prefill_and_ask(bus) -> schemas.GenerateReply:
+    await _prefill(bus)
+    return await _generate(bus)
+
+
+def _pair_config(tiny_pair, point: schemas.FrontierPoint, **fields) -> schemas.RecomputeConfig:
+    """A version-1 config of the tiny pair whose only plan is `point`."""
+    base = dict(sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
+                receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="t", tolerance=0.05,
+                chosen=point, frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6,
+                created_at=time.time())
+    return schemas.RecomputeConfig(**{**base, **fields})
 
 
 def _engine_tokens(tiny_models, plan: ReusePlan) -> list[int]:
@@ -113,10 +131,7 @@ def test_receiver_decodes_the_codec_its_pair_config_names(tiny_pair, tiny_models
     """A pair config naming a registered codec makes the sender encode and the receiver decode
     every pulled tensor with it; the answer is unchanged."""
     point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)], codec="toy-xor"), 2, 0.99)
-    cfg = schemas.RecomputeConfig(
-        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
-        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="t", tolerance=0.05, chosen=point,
-        frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6, created_at=time.time())
+    cfg = _pair_config(tiny_pair, point)
 
     async def run() -> schemas.GenerateReply:
         async with mesh(tiny_pair, tiny_models, default_group=()) as (bus, board, _):
@@ -190,12 +205,8 @@ def test_the_holdout_share_of_relayable_requests_is_served_by_full_prefill(tiny_
 
     async def run() -> tuple[list[schemas.GenerateReply], dict[str, float]]:
         async with mesh(tiny_pair, tiny_models, holdout_share=share) as (bus, _, receiver):
-            await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
-                       schemas.PrefillReply)
-            await bus.settle()
-            replies = [await _ask(bus, subjects.receiver_generate("receiver"),
-                                  schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
-                                                          max_new_tokens=1), schemas.GenerateReply) for i in range(n)]
+            await _prefill(bus)
+            replies = [await _generate(bus, f"r{i}", max_new_tokens=1) for i in range(n)]
             registry = receiver.state.metrics.registry
             counts = {o: registry.get_sample_value("dm_relay_requests_total", {"bucket": "[0.95,1]", "outcome": o}) or 0
                       for o in ("relayed", "control", "own_prefill")}
@@ -217,12 +228,8 @@ def test_the_shadow_share_of_relayed_requests_is_answered_again_off_the_critical
 
     async def run() -> tuple[list[schemas.GenerateReply], list[float]]:
         async with mesh(tiny_pair, tiny_models, shadow_share=share) as (bus, _, receiver):
-            await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
-                       schemas.PrefillReply)
-            await bus.settle()
-            replies = [await _ask(bus, subjects.receiver_generate("receiver"),
-                                  schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
-                                                          max_new_tokens=3), schemas.GenerateReply) for i in range(n)]
+            await _prefill(bus)
+            replies = [await _generate(bus, f"r{i}", max_new_tokens=3) for i in range(n)]
             shadows = [t for t in asyncio.all_tasks() if t.get_name().startswith("shadow-")]
             await asyncio.gather(*shadows)
             return replies, list(receiver.state.shadow_agreements)
@@ -238,10 +245,7 @@ def test_a_relay_policy_published_to_the_board_reaches_a_running_receiver(tiny_p
     reusable fraction (a new version) turns the next request into the receiver's own prefill,
     reason audit_policy, without a restart."""
     point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)]), 2, 0.99)
-    cfg = schemas.RecomputeConfig(
-        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
-        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="t", tolerance=0.05, chosen=point,
-        frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6, created_at=time.time())
+    cfg = _pair_config(tiny_pair, point)
     vetoed = msgspec.structs.replace(cfg, profile_version=2, relay=[schemas.RelayBucket(0.0, 1.0, False)])
 
     async def run() -> tuple[schemas.GenerateReply, schemas.GenerateReply]:
@@ -251,9 +255,7 @@ def test_a_relay_policy_published_to_the_board_reaches_a_running_receiver(tiny_p
             before = await _prefill_and_ask(bus)
             await board.put(vetoed)
             await bus.settle()
-            after = await _ask(bus, subjects.receiver_generate("receiver"),
-                               schemas.GenerateRequest(request_id="r2", context=CONTEXT, question=QUESTION,
-                                                       max_new_tokens=6), schemas.GenerateReply)
+            after = await _generate(bus, "r2")
             return before, after
 
     before, after = asyncio.run(run())
@@ -268,21 +270,13 @@ def test_the_blind_share_is_relayed_where_the_policy_would_not_relay(tiny_pair, 
     with reason audit_policy."""
     n, share = 40, 0.5
     point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)]), 2, 0.99)
-    cfg = schemas.RecomputeConfig(
-        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
-        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="t", tolerance=0.05, chosen=point,
-        frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6, created_at=time.time(),
-        relay=[schemas.RelayBucket(0.0, 1.0, False)])
+    cfg = _pair_config(tiny_pair, point, relay=[schemas.RelayBucket(0.0, 1.0, False)])
 
     async def run() -> list[schemas.GenerateReply]:
         async with mesh(tiny_pair, tiny_models, default_group=(), blind_share=share) as (bus, board, _):
             await board.put(cfg)
-            await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
-                       schemas.PrefillReply)
-            await bus.settle()
-            return [await _ask(bus, subjects.receiver_generate("receiver"),
-                               schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
-                                                       max_new_tokens=1), schemas.GenerateReply) for i in range(n)]
+            await _prefill(bus)
+            return [await _generate(bus, f"r{i}", max_new_tokens=1) for i in range(n)]
 
     replies = asyncio.run(run())
     blind = [r for r in replies if r.path == "partial"]
@@ -296,18 +290,12 @@ def test_a_quality_drop_holds_relaying_from_that_sender_until_a_newer_config(tin
     its first shadow below 0.99) later requests get their own prefill (quality_hold) although no
     profiler answers; a newer config for the pair lifts the hold."""
     point = schemas.FrontierPoint(schemas.PlanSpec(groups=[]), 0, 1.0)
-    cfg = schemas.RecomputeConfig(
-        sender_model="sender", receiver_model="receiver", sender_sha256=weights_sha256(tiny_pair[0]),
-        receiver_sha256=weights_sha256(tiny_pair[1]), profile_version=1, task="multihop_qa", tolerance=0.05,
-        chosen=point, frontier=[point], full_prefill_quality=1.0, full_reuse_quality=1.0, total_layers=6,
-        created_at=time.time())
+    cfg = _pair_config(tiny_pair, point, task="multihop_qa", full_reuse_quality=1.0)
     newer = msgspec.structs.replace(cfg, profile_version=2, chosen=schemas.FrontierPoint(schemas.PlanSpec(groups=[(0, 6)]), 6, 1.0),
                                     frontier=[schemas.FrontierPoint(schemas.PlanSpec(groups=[(0, 6)]), 6, 1.0)])
 
     async def ask(bus, i: int) -> schemas.GenerateReply:
-        reply = await _ask(bus, subjects.receiver_generate("receiver"),
-                           schemas.GenerateRequest(request_id=f"r{i}", context=CONTEXT, question=QUESTION,
-                                                   max_new_tokens=6), schemas.GenerateReply)
+        reply = await _generate(bus, f"r{i}")
         await asyncio.gather(*[t for t in asyncio.all_tasks() if t.get_name().startswith("shadow-")])
         return reply
 
@@ -315,9 +303,7 @@ def test_a_quality_drop_holds_relaying_from_that_sender_until_a_newer_config(tin
         async with mesh(tiny_pair, tiny_models, default_group=(), shadow_share=1.0, quality_threshold=0.99,
                         quality_window=2, reprofile_timeout_s=1.0) as (bus, board, receiver):
             await board.put(cfg)
-            await _ask(bus, subjects.sender_prefill("sender"), schemas.PrefillRequest(request_id="p", context=CONTEXT),
-                       schemas.PrefillReply)
-            await bus.settle()
+            await _prefill(bus)
             replies = [await ask(bus, i) for i in range(4)]
             held = receiver.state.watch.held("sender")
             await board.put(newer)
