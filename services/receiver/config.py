@@ -18,7 +18,8 @@ class ReceiverConfig(BusSettings):
 
     model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
     model_id: str = dataclasses.field(default="", metadata={"help": "id served (default: directory name)"})
-    transport: str = dataclasses.field(default="ucx", metadata={"help": "bulk channel to pull over (ucx; inproc: same process, tests)"})
+    transport: str = dataclasses.field(default="ucx", metadata={
+        "help": "bulk channel to pull over (ucx; nixl; shm: senders on this host; inproc: same process, tests)"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
     dtype: str = dataclasses.field(default="", metadata={"help": "weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)"})
     default_group: tuple[int, ...] = dataclasses.field(

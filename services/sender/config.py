@@ -18,7 +18,8 @@ class SenderConfig(BusSettings):
 
     model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
     model_id: str = dataclasses.field(default="", metadata={"help": "id announced (default: directory name)"})
-    transport: str = dataclasses.field(default="ucx", metadata={"help": "bulk channel serving pulls (ucx; inproc: same process, tests)"})
+    transport: str = dataclasses.field(default="ucx", metadata={
+        "help": "bulk channel serving pulls (ucx; nixl; shm: receivers on this host; inproc: same process, tests)"})
     device: str = dataclasses.field(default="cpu", metadata={"help": "cpu, cuda or cuda:N: where the model runs"})
     dtype: str = dataclasses.field(default="", metadata={"help": "weights and cache dtype (default: bfloat16 on cuda, float32 on cpu)"})
     store_bytes: int = dataclasses.field(default=2 << 30, metadata={"help": "byte budget of the KV/E store (pinned by pulls too)"})

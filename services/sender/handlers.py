@@ -47,10 +47,12 @@ async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, Cap
 
 
 def _capture(s: SenderState, ctx_ids: list[int], e_layers: list[int]) -> CapturedContext:
-    """On the torch thread: prefill and capture the context, then encode each item that loaded
-    SCD maps for this model code, once (`LowRankCodec.prepare`): the codes cost about r / head_dim
-    of the KV in the store's budget and take the encode off every pull (a prefix pull slices them)."""
+    """On the torch thread: prefill and capture the context, place it where the bulk channel serves
+    it from (`BulkServer.place`), then encode each item that loaded SCD maps for this model code,
+    once (`LowRankCodec.prepare`): the codes cost about r / head_dim of the KV in the store's
+    budget and take the encode off every pull (a prefix pull slices them)."""
     captured = capture_prefill(s.model, ctx_ids, e_layers)
+    captured = captured.with_items(s.place(captured.items()))  # where the bulk channel serves it from
     codes: dict[tuple[str, int, str], torch.Tensor] = {}
     for maps in codecs.LOWRANK.loaded():
         if maps.meta.get("sender_sha256") != s.model_sha256:

@@ -47,6 +47,7 @@ class SenderService(ServiceRuntime[SenderConfig]):
         self._server = make_server(cfg.transport, s.store.tensor, functools.partial(handlers.authorize, s),
                                    host=cfg.ucx_host, port=cfg.ucx_port, name=cfg.sender_id, pin=s.store.hold)
         s.bulk_transport, s.bulk_address = self._server.transport, await self._server.start()
+        s.place = self._server.place
         await bus.serve(subjects.sender_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")
         await bus.serve(subjects.sender_prefill(cfg.model_id),

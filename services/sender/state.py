@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import torch
+
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.store import CacheStore
 from droidmesh.shared.bus import Bus
@@ -29,6 +31,8 @@ class SenderState:
         metrics.store_contexts.set_function(lambda: len(self.store.ids()))
         self.bulk_transport: Transport = "ucx"  # set once the bulk server listens
         self.bulk_address = ""
+        # the bulk server's `place`: a context's tensors where its channel serves them from
+        self.place: Callable[[list[torch.Tensor]], list[torch.Tensor]] = list
         self.profiled_e_layers: dict[str, set[int]] = {}  # receiver model -> group starts it may use
         self.tokens = TokenIssuer(cfg.grant_ttl_s)
 

@@ -57,15 +57,16 @@ def _probe(url: str, model: str, sender: str, tokens: int, group: tuple[int, int
 
 
 def pipeline(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int,
-             device: str = DEFAULT_DEVICE) -> dict[str, Any]:
-    """The Fig. 13 ablation on loopback: one sender process, the probe as the receiver."""
+             device: str = DEFAULT_DEVICE, transport: str = "ucx") -> dict[str, Any]:
+    """The Fig. 13 ablation on one host: one sender process serving over `transport`, the probe
+    as the receiver (it pulls over the channel the sender announces)."""
     procs: list[Proc] = []
     try:
         nats, url = start_nats()
         procs.append(nats)
-        procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender",
-                                              "dtype": "bfloat16", "e_layers": [group[0]]}, url, env=_on(device)))
-        return _probe(url, receiver_path, "bench-sender", tokens, group, repeats, device)
+        procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender", "dtype": "bfloat16",
+                                              "e_layers": [group[0]], "transport": transport}, url, env=_on(device)))
+        return {**_probe(url, receiver_path, "bench-sender", tokens, group, repeats, device), "transport": transport}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -169,8 +170,10 @@ async def _pull_inproc(sizes: list[int], repeats: int) -> dict[int, float]:
         await server.close()
 
 
-def _measure(transport: str, sizes: list[int], repeats: int) -> tuple[dict[int, float], dict[int, str | None], str | None]:
-    """(GB/s per size, UCX transport per size (None where not UCX), None) or ({}, {}, reason)."""
+def _measure(transport: str, sizes: list[int], repeats: int, shm_lanes: int
+             ) -> tuple[dict[int, float], dict[int, str | None], str | None]:
+    """(GB/s per size, how each size travelled (UCX's transport and protocol; the shm copy; None
+    where the channel does not say), None) or ({}, {}, reason)."""
     from droidmesh.shared.bench.tensor_server import one_line
 
     if transport == "inproc":
@@ -186,20 +189,22 @@ def _measure(transport: str, sizes: list[int], repeats: int) -> tuple[dict[int, 
         if server.address is None:
             reason = server.error or "tensor server gave no address"
         else:
-            rates = asyncio.run(pull_rates(transport, server.address, sizes, repeats))
+            rates = asyncio.run(pull_rates(transport, server.address, sizes, repeats, lanes=shm_lanes))
     except Exception as e:
         reason = one_line(e)
     finally:
         lines = server.stop()
     if reason is not None:
         return {}, {}, reason
+    if transport == "shm":
+        return rates, dict.fromkeys(sizes, f"memfd: preadv on {shm_lanes} lane(s)"), None
     if transport != "ucx":
         return rates, dict.fromkeys(sizes), None
     protocols = ucx_tables(lines).get("host memory", [])
     return rates, {n: ucx_protocol_for(n, protocols) or "unknown" for n in sizes}, None
 
 
-def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None) -> dict[str, Any]:
+def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None, shm_lanes: int = 2) -> dict[str, Any]:
     """Pulls over each bulk channel between two processes (a tensor server and this one) against
     a memcpy of the same bytes (warm and out of cache). Returns `rows` (one per transport and
     size; a transport that cannot start is one row with `unavailable` and the reason),
@@ -213,7 +218,7 @@ def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None
         gc.collect()
     rows: list[dict[str, Any]] = []
     for transport in transports:
-        rates, chosen, reason = _measure(transport, sizes, repeats)
+        rates, chosen, reason = _measure(transport, sizes, repeats, shm_lanes)
         if reason is not None:
             rows.append({"bytes": None, "transport": transport, "throughput_gb_s": None, "memcpy_gb_s": None,
                          "memcpy_cold_gb_s": None, "ratio": None, "ucx_transports": None, "unavailable": reason})
@@ -228,9 +233,10 @@ def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None
         ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
                   and r["bytes"] >= RATIO_FROM_BYTES]
         over[transport] = min(ratios) if ratios else None
+    from droidmesh.shared.transport.shm import shmem_thp
     from droidmesh.shared.transport.ucx import ucx_options
 
-    return {"rows": rows, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over,
+    return {"rows": rows, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over, "shm_lanes": shm_lanes, "shmem_thp": shmem_thp(),
             "memcpy": {"method": "torch.Tensor.copy_ into a preallocated destination, 1 thread, median of repeats",
                        "llc_bytes": llc, "cold_pairs": {str(n): refs[n]["cold_pairs"] for n in sizes}},
             "ucx_options": {**{f"UCX_{k}": v for k, v in ucx_options().items()},

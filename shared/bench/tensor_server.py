@@ -1,6 +1,7 @@
 """A bare tensor server for `droidmesh bench transfer`:
 `python -m droidmesh.shared.bench.tensor_server TRANSPORT SIZE[,SIZE...]` serves, over the bulk channel
-`TRANSPORT` (any name `make_server` knows: ucx, nixl, ...), one bf16 tensor of each byte size
+`TRANSPORT` (any name `make_server` knows: ucx, nixl, shm, ...), one bf16 tensor of each byte size
+(placed as a sender places what it stores: `BulkServer.place`)
 (context id = the size, layer 0, K). Once listening it prints one line `BULK_ADDRESS=<address>`;
 if the channel cannot start (its module fails to import, no such transport...) it prints
 `BULK_ERROR=<one-line reason>` and exits 1. It runs until SIGTERM. Other lines on stdout (UCX
@@ -44,6 +45,7 @@ async def serve(transport: str, sizes: list[int], device: str = "cpu") -> int:
     try:
         tensors = tensors_for(sizes, resolve_device(device))
         server = start_server(transport, tensors)
+        tensors.update(zip(tensors, server.place(list(tensors.values())), strict=True))  # as a sender stores them
         address = await server.start()
     except Exception as e:  # any failure to start is reported as one line
         print(ERROR_PREFIX + one_line(e), flush=True)

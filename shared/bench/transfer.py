@@ -162,13 +162,15 @@ class TensorServer:
 
 
 async def pull_rates(transport: str, address: str, sizes: list[int], repeats: int,
-                     device: str | torch.device = "cpu") -> dict[int, float]:
+                     device: str | torch.device = "cpu", lanes: int | None = None) -> dict[int, float]:
     """Pull throughput (GB/s) per size: one warm-up pull, then the median of `repeats` pulls,
-    each into the same preallocated, already written bf16 buffer on `device`."""
-    from droidmesh.shared.transport.bulk import make_client
+    each into the same preallocated, already written bf16 buffer on `device`; `lanes`: the shm
+    client's copy threads (None: the receiver's)."""
+    from droidmesh.shared.transport.bulk import BulkClient, make_client
+    from droidmesh.shared.transport.shm import ShmBulkClient
     from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
-    client = make_client(transport)
+    client: BulkClient = ShmBulkClient(lanes) if transport == "shm" and lanes else make_client(transport)
     rates = {}
     try:
         await client.warm(address)

@@ -101,13 +101,15 @@ def _save(json_path: str | None, suite: str, payload: dict) -> None:
 @click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
 @click.option("--group", default="0:6", type=GROUP, show_default=True, help=GROUP_HELP)
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl", "shm"]),
+              help="Bulk channel between the sender and the probe (both on this host).")
 @_device_option
-def pipeline(json_path, tokens, group, repeats, device) -> None:
-    """Fig. 13: load-all vs load-reused vs pipelined, over UCX between processes."""
+def pipeline(json_path, tokens, group, repeats, transport, device) -> None:
+    """Fig. 13: load-all vs load-reused vs pipelined, over a bulk channel between processes."""
     from droidmesh.shared.bench import runs
 
     sender, receiver = _demo_pair(group)
-    r = runs.pipeline(sender, receiver, tokens, group, repeats, device)
+    r = runs.pipeline(sender, receiver, tokens, group, repeats, device, transport)
     rows = [{"mode": m, "seconds": s, "vs_piped": s / r["seconds"]["piped"]} for m, s in r["seconds"].items()]
     click.echo(report.format_table(rows, ["mode", "seconds", "vs_piped"]))
     click.echo(f"pipeline_overhead = TTFT(piped) / max(recompute, transfer) = {r['pipeline_overhead']:.3f}")
@@ -187,13 +189,15 @@ def _transport_list(_ctx: click.Context, _param: click.Parameter, value: tuple[s
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
 @click.option("--transport", "transports", multiple=True, callback=_transport_list,
               help="Bulk channel(s) to measure; repeat or give a comma list (default: every channel between "
-                   "processes, e.g. ucx,nixl; one that cannot start is reported as unavailable).")
-def transfer(json_path, sizes, repeats, transports) -> None:
+                   "processes, e.g. ucx,nixl,shm; one that cannot start is reported as unavailable).")
+@click.option("--shm-lanes", default=2, show_default=True, type=click.IntRange(1, 16),
+              help="Copy threads of the shm channel's client (the receiver uses 2).")
+def transfer(json_path, sizes, repeats, transports, shm_lanes) -> None:
     """Data plane: pulls over each bulk channel between two processes vs a memcpy of the same bytes
-    (warm and out of cache); ratio = throughput / warm memcpy."""
+    (warm and out of cache, one thread); ratio = throughput / warm memcpy."""
     from droidmesh.shared.bench import runs
 
-    r = runs.transfer(sizes, repeats, transports)
+    r = runs.transfer(sizes, repeats, transports, shm_lanes)
     columns = ["bytes", "transport", "throughput_gb_s", "memcpy_gb_s", "memcpy_cold_gb_s", "ratio", "ucx_transports"]
     if any("unavailable" in row for row in r["rows"]):
         columns.append("unavailable")

@@ -64,6 +64,31 @@ class CapturedContext:
     def kv_nbytes(self) -> list[int]:
         return [b.nbytes for b in self.kv]
 
+    def items(self) -> list[torch.Tensor]:
+        """The K / V / E tensors in layer order (per layer K, V, then E when captured): the
+        order a bulk channel lays a stored context out in (`with_items` takes them back)."""
+        out = []
+        for block in self.kv:
+            out += [block.k, block.v] + ([self.e[block.layer]] if block.layer in self.e else [])
+        return out + [self.e[l] for l in sorted(self._loose_e())]
+
+    def with_items(self, tensors: list[torch.Tensor]) -> CapturedContext:
+        """This context with its K / V / E replaced by `tensors`, in `items()` order and shapes."""
+        if [tuple(t.shape) for t in tensors] != [tuple(t.shape) for t in self.items()]:
+            raise CacheLayoutError("replacement tensors do not match the context's items")
+        it = iter(tensors)
+        kv, e = [], {}
+        for block in self.kv:
+            kv.append(KVBlock(block.layer, next(it), next(it)))
+            if block.layer in self.e:
+                e[block.layer] = next(it)
+        e |= {l: next(it) for l in sorted(self._loose_e())}
+        return dataclasses.replace(self, kv=tuple(kv), e=e)
+
+    def _loose_e(self) -> set[int]:
+        """E layers with no KV block of their own (none from a capture; kept, never dropped)."""
+        return set(self.e) - {b.layer for b in self.kv}
+
 
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

@@ -2,13 +2,18 @@
 
 Two narrow roles, each a coroutine API on the owning service's event loop (none blocks the loop):
   `BulkServer` (sender)    `start()` listens and returns the address receivers dial (announced
-                           in `CacheAvailable` with the channel's `transport` name); `close()`.
+                           in `CacheAvailable` with the channel's `transport` name); `close()`;
+                           `place(tensors)` (blocking, the sender's torch thread, once per
+                           context before it is stored) returns them where the channel serves
+                           them from: `shm` moves them into sealed shared memory, the others
+                           return them as they are.
   `BulkClient` (receiver)  `pull(address, request, into, on_item, timeout_s)` pulls the request's
                            items, in order, into the caller's buffers `into` (their shape, dtype and
                            device say what the receiver expects) and calls `on_item(item, tensor)`
                            on the loop as each one lands; `warm(address)`; `close()`.
-Implementations: `ucx` (`shared/transport/ucx.py`, real processes) and `inproc`
-(`shared/transport/inproc.py`, one process, no sockets: tests drive the receiver with it).
+Implementations: `ucx` (`shared/transport/ucx.py`), `nixl` (`nixl.py`) and `shm` (`shm.py`, one
+host) between real processes, and `inproc` (`inproc.py`, one process, no sockets: tests drive
+the receiver with it).
 `make_server` / `make_client` pick one by name; the UCX module is imported only when asked for.
 
 Every channel runs the same protocol, so its checks live here, once:
@@ -93,6 +98,8 @@ class BulkServer(Protocol):
 
     async def start(self) -> str: ...
 
+    def place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
     async def close(self) -> None: ...
 
 
@@ -107,12 +114,18 @@ class BulkClient(Protocol):
     async def close(self) -> None: ...
 
 
-TRANSPORTS: tuple[Transport, ...] = ("ucx", "inproc", "nixl")
+TRANSPORTS: tuple[Transport, ...] = ("ucx", "inproc", "nixl", "shm")
+
+
+def as_is(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`BulkServer.place` of a channel that serves tensors from wherever they are."""
+    return list(tensors)
 
 
 def make_server(transport: str, lookup: TensorLookup, authorize: Authorize | None, *, host: str = "127.0.0.1",
                 port: int = 0, name: str = "", pin: Pin | None = None) -> BulkServer:
-    """The sender's server for `transport` (ucx listens on host:port; inproc registers `name`);
+    """The sender's server for `transport` (ucx, nixl listen on host:port; shm on a Unix socket of
+    its own; inproc registers `name`);
     `pin` holds what each pull sends against the store's budgets (None: nothing is counted)."""
     if transport == "ucx":
         from droidmesh.shared.transport.ucx import UcxBulkServer
@@ -122,6 +135,10 @@ def make_server(transport: str, lookup: TensorLookup, authorize: Authorize | Non
         from droidmesh.shared.transport.nixl import NixlBulkServer
 
         return NixlBulkServer(lookup, authorize, host=host, port=port, pin=pin)
+    if transport == "shm":
+        from droidmesh.shared.transport.shm import ShmBulkServer
+
+        return ShmBulkServer(lookup, authorize, pin=pin)
     if transport == "inproc":
         from droidmesh.shared.transport.inproc import InProcessBulkServer
 
@@ -138,6 +155,10 @@ def make_client(transport: str) -> BulkClient:
         from droidmesh.shared.transport.nixl import NixlBulkClient
 
         return NixlBulkClient()
+    if transport == "shm":
+        from droidmesh.shared.transport.shm import ShmBulkClient
+
+        return ShmBulkClient()
     if transport == "inproc":
         from droidmesh.shared.transport.inproc import InProcessBulkClient
 
@@ -180,23 +201,39 @@ class _NoHold:
     def release(self) -> None: ...
 
 
+class Admitted(NamedTuple):
+    """An authorized request's items: each one's stored tensor, the same cut to the tokens asked
+    for (a view), and the pull's hold on the store (released by the caller)."""
+
+    stored: list[torch.Tensor]
+    views: list[torch.Tensor]
+    hold: PullHold
+
+
+def admit(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None = None) -> Admitted:
+    """Check, authorize and look up `request`, in that order, then take the hold; raises a
+    `DroidMeshError` (bad message, unauthorized, unknown item, more tokens than stored) to refuse.
+    Every channel's server starts a pull here."""
+    check_request(request)
+    if authorize is not None:
+        authorize(request)
+    stored, views = [], []
+    for item in request.items:
+        t = lookup(request.context_id, item.layer, item.kind)
+        if t is None:
+            raise TransferError(f"sender does not hold {request.context_id} layer {item.layer} {item.kind}")
+        stored.append(t)
+        views.append(_prefix(t, item, request.tokens))
+    return Admitted(stored, views, pin(request.context_id) if pin is not None else _NoHold())
+
+
 def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None = None) -> Served:
     """The response to `request` and the payloads to send after it, in item order. A refusal
     (malformed, unauthorized, unknown item, more tokens than stored, over the pull budget) is a
-    response with `error` and no payloads. Order: bounds, token, lookups, hold, encode."""
+    response with `error` and no payloads. Order: `admit`, then encode."""
     hold: PullHold = _NoHold()
     try:
-        check_request(request)
-        if authorize is not None:
-            authorize(request)
-        stored, tensors = [], []
-        for item in request.items:
-            t = lookup(request.context_id, item.layer, item.kind)
-            if t is None:
-                raise TransferError(f"sender does not hold {request.context_id} layer {item.layer} {item.kind}")
-            stored.append(t)
-            tensors.append(_prefix(t, item, request.tokens))
-        hold = pin(request.context_id) if pin is not None else hold
+        stored, tensors, hold = admit(request, lookup, authorize, pin)
         codec = _server_codec(request.codec)
         headers, payloads = [], []
         for item, t, whole in zip(request.items, tensors, stored, strict=True):
@@ -214,19 +251,29 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
             payloads.append(payload)
     except DroidMeshError as e:
         hold.release()
-        log.warning("pull_refused", code=e.code, error=str(e)[:200])
-        return Served(PullResponse(headers=[], error=f"{e.code}: {str(e)[:500]}"), [], _NoHold().release)
+        return Served(refusal(e), [], _NoHold().release)
     except BaseException:
         hold.release()
         raise
     return Served(PullResponse(headers=headers), payloads, hold.release)
 
 
+def refusal(e: DroidMeshError) -> PullResponse:
+    """The response refusing a pull for `e` (logged once, here)."""
+    log.warning("pull_refused", code=e.code, error=str(e)[:200])
+    return PullResponse(headers=[], error=f"{e.code}: {str(e)[:500]}")
+
+
+def token_axis(kind: str) -> int:
+    """The token axis of a stored item: E [1, T, D] -> 1, K / V [1, kvh, T, hd] -> 2."""
+    return 1 if kind == "E" else 2
+
+
 def _prefix(t: torch.Tensor, item: PullItem, tokens: int) -> torch.Tensor:
     """`t` cut to its first `tokens` tokens (0: all of them): a view, never a copy."""
     if tokens == 0:
         return t
-    axis = 1 if item.kind == "E" else 2  # E [1, T, D], K / V [1, kvh, T, hd]
+    axis = token_axis(item.kind)
     if t.dim() <= axis:
         raise TransferError(f"stored layer {item.layer} {item.kind} has no token axis")
     if tokens == t.shape[axis]:

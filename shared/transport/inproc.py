@@ -22,7 +22,7 @@ import torch
 
 from droidmesh.shared.errors import MissingLayerError, TransferError
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
-from droidmesh.shared.transport.bulk import Authorize, OnItem, Pin, TensorLookup, answer, landings
+from droidmesh.shared.transport.bulk import Authorize, OnItem, Pin, TensorLookup, answer, as_is, landings
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import CodecParams, ItemKind, PullItem, PullRequest, Transport
 
@@ -36,6 +36,8 @@ class InProcessBulkServer:
     def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, name: str = "", pin: Pin | None = None):
         self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self.name = name or f"inproc-{next(_names)}"
+
+    place = staticmethod(as_is)
 
     async def start(self) -> str:
         if self.name in _SERVERS:

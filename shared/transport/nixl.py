@@ -62,6 +62,7 @@ from droidmesh.shared.transport.bulk import (
     Pin,
     TensorLookup,
     answer,
+    as_is,
     guarded_pull,
     landings,
 )
@@ -242,6 +243,8 @@ class NixlBulkServer:
         self._listener = ControlListener("nixl", self._serve_connection)
         self._regs: dict[tuple[int, int], _Registration] = {}  # stored tensors' regions
         self._regs_lock = asyncio.Lock()
+
+    place = staticmethod(as_is)
 
     async def start(self) -> str:
         """Listen on the configured host only (`ControlListener`); return "host:port"."""

@@ -59,6 +59,7 @@ from droidmesh.shared.transport.bulk import (
     Served,
     TensorLookup,
     answer,
+    as_is,
     guarded_pull,
     landings,
 )
@@ -349,6 +350,8 @@ class UcxBulkServer:
         self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self._host, self._port = host, port
         self._listener = ControlListener("ucx", self._serve_connection)
+
+    place = staticmethod(as_is)
 
     async def start(self) -> str:
         """Listen on the configured host only (`ControlListener`); return "host:port"."""

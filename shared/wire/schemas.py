@@ -36,7 +36,7 @@ class Fingerprint(msgspec.Struct):
 
 
 # -- cache availability (events) ------------------------------------------------------------
-Transport = Literal["ucx", "inproc", "nixl"]  # bulk channels (shared/transport/); `address` is theirs to parse
+Transport = Literal["ucx", "inproc", "nixl", "shm"]  # bulk channels (shared/transport/); `address` is theirs to parse
 ItemKind = Literal["K", "V", "E"]
 CodecParams = dict[str, int | float | str]
 LOWRANK_CODEC = "lowrank"  # SCD codes (shared/transport/codecs.py); its plans name their maps file:
@@ -59,7 +59,7 @@ class CacheAvailable(Message, tag="cache.available"):
     e_layers: list[int]
     e_nbytes: int  # per E tensor
     transport: Transport
-    address: str  # ucx: "host:port"; inproc: the server's name
+    address: str  # ucx, nixl: "host:port"; shm: a Unix socket's path; inproc: the server's name
     published_at: float  # unix seconds
 
 
@@ -369,6 +369,31 @@ class NixlGrant(Message, tag="nixl.grant"):
 
 
 class NixlDone(Message, tag="nixl.done"):
+    """Receiver -> sender: the granted reads are over; the sender may release what it held."""
+
+
+# -- the shm pull's control exchange (a Unix socket; the bytes are sealed memfds it passes) ----
+class ShmRegion(msgspec.Struct):
+    """Where one granted item lies in the grant's memfds: row r of the item (a K / V head, or E's
+    one row) starts at `offset + r * stride` of memfd number `fd`; the receiver derives the rows
+    and their length from its own buffer."""
+
+    fd: int
+    offset: int
+    stride: int
+
+
+class ShmGrant(Message, tag="shm.grant"):
+    """The sender's answer to a PullRequest. Granted: the headers, one region per item and
+    `fds` memfds passed with this frame (SCM_RIGHTS). Refused: an error in `response`, no
+    regions and no memfds."""
+
+    response: PullResponse
+    regions: list[ShmRegion] = []
+    fds: int = 0
+
+
+class ShmDone(Message, tag="shm.done"):
     """Receiver -> sender: the granted reads are over; the sender may release what it held."""
 
 

@@ -124,20 +124,21 @@ pull_maps = st.fixed_dictionaries(
               "codec_params": st.dictionaries(st.text(max_size=300), hostile, max_size=40),
               "items": st.one_of(hostile, st.lists(st.fixed_dictionaries({"layer": huge_ints, "kind": st.sampled_from("KVEX")}),
                                                    max_size=4000))})
-nixl_maps = st.sampled_from(["nixl.connect", "nixl.done", "nixl.agent", "nixl.grant"]).flatmap(
+nixl_maps = st.sampled_from(["nixl.connect", "nixl.done", "nixl.agent", "nixl.grant", "shm.grant", "shm.done"]).flatmap(
     lambda tag: st.fixed_dictionaries({"type": st.just(tag), "v": st.sampled_from([schemas.SCHEMA_VERSION, 2**40])},
-                                      optional={"metadata": hostile, "response": hostile, "regions": hostile}))
+                                      optional={"metadata": hostile, "response": hostile, "regions": hostile,
+                                                "fds": hostile}))
 
 
 @pytest.fixture(scope="module")
 def bulk_servers():
-    """A real UCX and NIXL server over one stored tensor, on a loop the examples reuse."""
+    """A real UCX, NIXL and shm server over one stored tensor, on a loop the examples reuse."""
     from droidmesh.shared.transport.bulk import make_server
 
     loop = asyncio.new_event_loop()
     stored = torch.randn(1, 2, 9, 8)
     servers = {t: make_server(t, lambda c, l, k: stored if (c, l, k) == ("ctx", 0, "K") else None, None)
-               for t in ("ucx", "nixl")}
+               for t in ("ucx", "nixl", "shm")}
     addresses = {t: loop.run_until_complete(s.start()) for t, s in servers.items()}
     yield loop, addresses
     for s in servers.values():
@@ -177,6 +178,20 @@ async def _send_raw_nixl(address: str, frames: list[bytes]) -> None:
         writer.close()
 
 
+async def _send_raw_shm(path: str, frames: list[bytes]) -> None:
+    reader, writer = await asyncio.open_unix_connection(path)
+    try:
+        for frame in frames:
+            writer.write(len(frame).to_bytes(4, "big") + frame)
+        await writer.drain()
+        async with asyncio.timeout(30):
+            await reader.read(1 << 16)
+    except Exception:
+        pass
+    finally:
+        writer.close()
+
+
 def _still_serves(loop, transport: str, address: str) -> None:
     from droidmesh.shared.transport.bulk import make_client
     from droidmesh.shared.wire.schemas import PullItem, PullRequest
@@ -196,12 +211,14 @@ def _still_serves(loop, transport: str, address: str) -> None:
                                                                   HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(frame=st.one_of(pull_maps.map(msgspec.msgpack.encode), any_bytes), nixl=st.lists(nixl_maps.map(msgspec.msgpack.encode), max_size=3))
 def test_bulk_servers_survive_hostile_requests(bulk_servers, frame, nixl):
-    """Hostile PullRequest and Nixl* values to real servers get an error answer or a closed connection; both keep serving."""
+    """Hostile PullRequest, Nixl* and ShmDone values to real servers get an error answer or a closed
+    connection; all keep serving."""
     loop, addresses = bulk_servers
     loop.run_until_complete(_send_raw_ucx(addresses["ucx"], frame))
     loop.run_until_complete(_send_raw_nixl(addresses["nixl"], [*nixl, frame]))
-    _still_serves(loop, "ucx", addresses["ucx"])
-    _still_serves(loop, "nixl", addresses["nixl"])
+    loop.run_until_complete(_send_raw_shm(addresses["shm"], [frame, *nixl, frame]))
+    for transport, address in addresses.items():
+        _still_serves(loop, transport, address)
 
 
 @settings(max_examples=300, deadline=None)

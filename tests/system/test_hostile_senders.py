@@ -84,11 +84,13 @@ class Stream:
         return self.replies
 
 
-def test_sender_frozen_past_the_timeout_then_resumed(nats, services, tiny_pair, tiny_models):
+@pytest.mark.parametrize("transport", ["ucx", "shm"])
+def test_sender_frozen_past_the_timeout_then_resumed(nats, services, tiny_pair, tiny_models, transport):
     """SIGSTOP a sender under a request stream until pulls time out, then SIGCONT: the receiver
     stays alive and every request is answered (fallbacks while frozen)."""
     url = nats[1]
-    sender, receiver = _mesh(services, url, tiny_pair[1], {**RECEIVER_ARGS, "breaker_failures": 1000})
+    sender, receiver = _mesh(services, url, tiny_pair[1], {**RECEIVER_ARGS, "breaker_failures": 1000, "transport": transport},
+                             {"transport": transport})
 
     async def run() -> list:
         client = await MeshClient.connect(url)
@@ -141,10 +143,12 @@ def test_sender_killed_is_bypassed_and_its_circuit_opens(nats, services, tiny_pa
         [(r.path, r.fallback_reason) for r in replies[-6:]]
 
 
-def test_full_prefill_answered_while_another_requests_sender_is_frozen(nats, services, tiny_pair, tiny_models):
+@pytest.mark.parametrize("transport", ["ucx", "shm"])
+def test_full_prefill_answered_while_another_requests_sender_is_frozen(nats, services, tiny_pair, tiny_models, transport):
     """While the sender is frozen and a reuse request waits on it, an unrelated full-prefill request is answered first."""
     url = nats[1]
-    sender, receiver = _mesh(services, url, tiny_pair[1], {**RECEIVER_ARGS, "reuse_timeout_s": 60.0})
+    sender, receiver = _mesh(services, url, tiny_pair[1], {**RECEIVER_ARGS, "reuse_timeout_s": 60.0, "transport": transport},
+                             {"transport": transport})
 
     async def run():
         client = await MeshClient.connect(url)

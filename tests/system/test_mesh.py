@@ -1,4 +1,5 @@
-"""The mesh as separate processes: real nats-server, UCX between sender and receiver."""
+"""The mesh as separate processes: real nats-server, UCX (or the same-host shm channel) between
+sender and receiver."""
 
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ QUESTION = " what is gamma"
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
-def _start(services, nats_url, tiny_pair, group=(1, 2), receivers=1):
+def _start(services, nats_url, tiny_pair, group=(1, 2), receivers=1, transport="ucx"):
     services.append(start_service("cache_broker", {}, nats_url, env=THREADS))
     services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 1, 2],
-                                             "heartbeat_s": 0.5}, nats_url, env=THREADS))
+                                             "heartbeat_s": 0.5, "transport": transport}, nats_url, env=THREADS))
     for i in range(receivers):
         services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
-                                                   "default_group": list(group)}, nats_url, name=f"receiver{i}",
-                                      env=THREADS))
+                                                   "default_group": list(group), "transport": transport}, nats_url,
+                                      name=f"receiver{i}", env=THREADS))
 
 
 async def _prefill_and_ask(url: str, model, n: int = 1, max_new_tokens: int = 6):
@@ -44,11 +45,12 @@ async def _prefill_and_ask(url: str, model, n: int = 1, max_new_tokens: int = 6)
         await client.close()
 
 
-def test_answer_through_mesh_equals_engine(nats, services, tiny_pair, tiny_models):
-    """Separate processes + UCX give the same tokens as the in-process engine, and the receiver
-    started recomputing only once E had landed (that it need not wait for the reused KV is pinned
-    deterministically by tests/unit/kv/test_late_arrival.py; here a same-host pull can beat it)."""
-    _start(services, nats[1], tiny_pair, group=(1, 2))
+@pytest.mark.parametrize("transport", ["ucx", "shm"])
+def test_answer_through_mesh_equals_engine(nats, services, tiny_pair, tiny_models, transport):
+    """Separate processes + UCX or shm give the same tokens as the in-process engine, and the
+    receiver started recomputing only once E had landed (that it need not wait for the reused KV is
+    pinned deterministically by tests/unit/kv/test_late_arrival.py; a same-host pull can beat it)."""
+    _start(services, nats[1], tiny_pair, group=(1, 2), transport=transport)
     (reply,) = asyncio.run(_prefill_and_ask(nats[1], tiny_models[1]))
     assert reply.path == "partial", reply
     sender_m, receiver_m = tiny_models

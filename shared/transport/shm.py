@@ -1,0 +1,494 @@
+"""The shm bulk channel: same-host pulls out of sealed shared memory, one kernel copy per byte.
+
+Why a channel of its own: between two processes on one host, UCX reaches 0.18-0.25 of memcpy
+here (CMA; README) and NIXL 0.08-0.46; the bytes need no network at all.
+
+Sequence:
+  0. `place(tensors)` (the sender's torch thread, once per context it stores): the context's
+     tensors are written into one memfd (per layer K, V, then E when captured; each 64-byte
+     aligned), which is sealed (no write, shrink or grow, ever again) and mapped read-only; the
+     tensors returned view that mapping, so the store keeps the only copy and nothing changes it;
+  1. per connection: the receiver dials the sender's Unix socket (the address is its path, in a
+     directory only the sender's user may enter);
+  2. per pull: `PullRequest` frame -> `ShmGrant` frame with its memfds attached (SCM_RIGHTS).
+     The sender starts like every channel (`bulk.admit`: bounds, grant, lookups, hold); an item
+     whose stored tensor lies in a placed memfd is granted where it lies (zero copy); any other
+     (a CUDA store, a tensor never placed) is copied into one per-pull memfd, sealed the same way
+     and charged to the pull budget. A refusal carries no memfd;
+  3. the receiver checks the headers against its own buffers (`bulk.landings`), then every memfd
+     (sealed against write and shrink: no byte changes and no page vanishes under a read, which
+     would short it) and every region against its memfd's size, all before reading a byte; then
+     `preadv` reads each layer's rows straight into its buffers on the client's copy lanes
+     (threads; the GIL is released), every layer queued at once, in order; as a layer's reads
+     finish, its items are delivered on the loop (one completion per layer);
+  4. `ShmDone`: the sender releases the pull's hold. A dropped connection releases the same.
+
+Capability: memfds travel only in a grant, to the connection that asked, and the receiver closes
+them when the pull ends; a receiver that kept one could reread that context's sealed bytes,
+which it was granted already. Nothing else of the sender's memory is reachable.
+Integrity: headers carry no checksum here: the bytes are the sender's own sealed memory, copied
+by the kernel, with no wire to corrupt them and no writer left to change them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import fcntl
+import itertools
+import math
+import mmap
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+import structlog
+import torch
+
+from droidmesh.shared.device import dtype_name
+from droidmesh.shared.errors import DroidMeshError, IntegrityError, TransferError
+from droidmesh.shared.transport import shm_io
+from droidmesh.shared.transport.bulk import (
+    MAX_REQUEST_BYTES,
+    Authorize,
+    Landing,
+    OnItem,
+    Pin,
+    PullHold,
+    TensorLookup,
+    admit,
+    guarded_pull,
+    landings,
+    refusal,
+    token_axis,
+)
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import PullRequest, ShmDone, ShmGrant, ShmRegion, TensorHeader, Transport
+
+log = structlog.get_logger("shm")
+
+IDLE_S = 600.0  # sender: an idle connection's next PullRequest
+HOLD_S = 120.0  # sender: the longest a grant is held before its ShmDone
+MAX_CONNECTIONS = 256  # connections served at once per sender (more are closed on arrival)
+MAX_FDS = 8  # memfds one grant may carry (a sender passes at most two: placed + per-pull)
+LANES = 2  # client copy threads: one core's copy reaches about half of memcpy from a memfd here
+PIECE = 4 << 20  # bytes one lane reads per task: a big layer spreads over the lanes
+ALIGN = 64
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+NEEDED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK  # what a receiver requires before reading
+
+
+# -- placing a context in sealed shared memory (sender) ----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    fd: int
+    nbytes: int
+
+
+# mapping base address -> its memfd; an entry lives as long as some tensor views the mapping
+_SEGMENTS: dict[int, _Segment] = {}
+
+
+def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` (one stored context's, `CapturedContext.items()` order) copied into one sealed
+    memfd and returned as read-only views of it; CUDA tensors or an empty context are returned
+    as they are (pulls of those go through per-pull copies). Blocks: the sender's torch thread."""
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return list(tensors)
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    if total == 0:
+        return list(tensors)
+    fd = _sealed_memfd(total, zip(offsets, tensors, strict=True))
+    try:
+        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except BaseException:
+        os.close(fd)
+        raise
+    with warnings.catch_warnings():  # read-only on purpose: a stored tensor is never written
+        warnings.simplefilter("ignore", UserWarning)
+        base = torch.frombuffer(mm, dtype=torch.uint8)  # [total]; keeps `mm` alive while any view lives
+    key = base.data_ptr()
+    _SEGMENTS[key] = _Segment(fd, total)
+    weakref.finalize(mm, _forget, key, fd)  # the last view gone: unmapped, then the memfd closed
+    return [base[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors, strict=True)]
+
+
+def _forget(key: int, fd: int) -> None:
+    _SEGMENTS.pop(key, None)
+    os.close(fd)
+
+
+def _sealed_memfd(nbytes: int, parts: Iterable[tuple[int, torch.Tensor]]) -> int:
+    """A memfd of `nbytes` holding each (offset, tensor)'s bytes, sealed. The bytes go in through
+    a writable mapping advised to use huge pages (taken where the host's shmem THP setting allows:
+    `advise`, `within_size` or `always`; a read then costs one page lookup per 2 MiB, not per
+    4 KiB), which is unmapped before sealing: F_SEAL_WRITE needs no writable mapping left."""
+    fd = os.memfd_create("droidmesh-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+            dest = torch.frombuffer(mm, dtype=torch.uint8)  # [nbytes]
+            for offset, t in parts:
+                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [bytes]
+                dest[offset:offset + flat.numel()].copy_(flat)
+            del dest  # the mapping's only export: it must be gone before the mapping closes
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_thp() -> str:
+    """The host's shmem transparent-huge-page mode (the bracketed word of THP_SETTING), or "unknown"."""
+    try:
+        with open(THP_SETTING) as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "unknown"
+
+
+def _placed(t: torch.Tensor) -> tuple[_Segment, int] | None:
+    """(its memfd, its offset there) when `t` is a contiguous view of a placed mapping."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    key = t.untyped_storage().data_ptr()
+    seg = _SEGMENTS.get(key)
+    offset = t.data_ptr() - key
+    if seg is None or not 0 <= offset <= seg.nbytes - t.numel() * t.element_size():
+        return None
+    return seg, offset
+
+
+def _rows(shape: Sequence[int], kind: str, element_size: int) -> tuple[int, int]:
+    """(rows, bytes per row) of an item of `shape`: one row per leading index before the token
+    axis (a K / V head; E has one), each its tokens x the trailing dims."""
+    axis = token_axis(kind)
+    return math.prod(shape[:axis]), math.prod(shape[axis:]) * element_size
+
+
+# -- server -------------------------------------------------------------------------------------
+class ShmBulkServer:
+    """Grants `PullRequest`s from a tensor lookup (the sender's store) as sealed memfds."""
+
+    transport: Transport = "shm"
+
+    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, pin: Pin | None = None,
+                 max_connections: int = MAX_CONNECTIONS):
+        self._lookup, self._authorize, self._pin, self._max = lookup, authorize, pin, max_connections
+        self._dir = ""
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._conns: set[asyncio.Task] = set()
+
+    @staticmethod
+    def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return place(tensors)
+
+    async def start(self) -> str:
+        """Listen on a Unix socket in a fresh directory of mode 0700; return its path."""
+        self._dir = tempfile.mkdtemp(prefix="droidmesh-shm-")
+        path = os.path.join(self._dir, "bulk.sock")
+        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._accepting = asyncio.create_task(self._accept(sock))
+        thp = shmem_thp()
+        log.info("shm_server_started", path=path, shmem_thp=thp)
+        if thp in ("never", "deny"):
+            log.warning("shm_small_pages", shmem_thp=thp,
+                        hint=f"placed contexts use 4 KiB pages; `echo advise > {THP_SETTING}` lets them use 2 MiB "
+                             "pages, which makes pulls faster (README: same-host data plane)")
+        return path
+
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:  # out of fds, say: this accept fails, the listener goes on
+                log.warning("shm_accept_failed", error=str(e))
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._conns) >= self._max:
+                log.warning("shm_connection_refused", reason=f"{self._max} connections already served")
+                conn.close()
+                continue
+            conn.setblocking(False)
+            task = asyncio.create_task(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                async with asyncio.timeout(IDLE_S):
+                    data, _ = await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0)
+                grant, fds, release = await self._grant(data)
+                try:
+                    await shm_io.send_frame(conn, schemas.encode(grant), fds)
+                    if not grant.response.error:
+                        async with asyncio.timeout(HOLD_S):
+                            schemas.decode((await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0))[0], ShmDone)
+                finally:
+                    release()
+        except (EOFError, ConnectionError):
+            pass  # the receiver closed or dropped the connection: what it held is released above
+        except Exception as e:  # a bad peer ends this connection, never the server
+            log.warning("shm_connection_dropped", error=f"{type(e).__name__}: {e}")
+        finally:
+            conn.close()
+
+    async def _grant(self, data: bytes) -> tuple[ShmGrant, list[int], Callable[[], None]]:
+        """The grant for one request, the memfds it passes and the release of what it holds."""
+        try:
+            request = schemas.decode(data, PullRequest)
+            stored, views, hold = admit(request, self._lookup, self._authorize, self._pin)
+        except DroidMeshError as e:
+            return ShmGrant(response=refusal(e)), [], _nothing
+        scratch: list[int] = []
+
+        def release() -> None:
+            for fd in scratch:
+                os.close(fd)
+            hold.release()
+
+        try:
+            return (*await self._regions(request, stored, views, hold, scratch), release)
+        except DroidMeshError as e:
+            release()
+            return ShmGrant(response=refusal(e)), [], _nothing
+        except BaseException:
+            release()
+            raise
+
+    async def _regions(self, request: PullRequest, stored: list[torch.Tensor], views: list[torch.Tensor],
+                       hold: PullHold, scratch: list[int]) -> tuple[ShmGrant, list[int]]:
+        """Each item where it lies in a placed memfd, or in the per-pull memfd (fd -1 until it exists)."""
+        fds: list[int] = []
+        regions: list[ShmRegion] = []
+        copies: list[tuple[int, torch.Tensor]] = []  # (offset in the per-pull memfd, view)
+        copy_bytes = 0
+        for item, t, view in zip(request.items, stored, views, strict=True):
+            found = _placed(t)
+            if found is not None:
+                seg, offset = found
+                if seg.fd not in fds:
+                    fds.append(seg.fd)
+                rows, _ = _rows(t.shape, item.kind, t.element_size())
+                regions.append(ShmRegion(fd=fds.index(seg.fd), offset=offset,
+                                         stride=t.numel() * t.element_size() // max(rows, 1)))
+            else:  # copied contiguous: row r right after row r - 1
+                _, row = _rows(view.shape, item.kind, view.element_size())
+                regions.append(ShmRegion(fd=-1, offset=copy_bytes, stride=row))
+                copies.append((copy_bytes, view))
+                copy_bytes += -(-view.numel() * view.element_size() // ALIGN) * ALIGN
+        if copies:
+            hold.charge(copy_bytes)  # counted before the copy exists
+            fd = await asyncio.get_running_loop().run_in_executor(None, _sealed_memfd, copy_bytes, copies)
+            scratch.append(fd)
+            fds.append(fd)
+            regions = [msgspec.structs.replace(r, fd=len(fds) - 1) if r.fd < 0 else r for r in regions]
+        headers = [TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind, shape=list(v.shape),
+                                dtype=dtype_name(v.dtype), codec="raw", codec_params={},
+                                nbytes=v.numel() * v.element_size(), checksum="")
+                   for item, v in zip(request.items, views, strict=True)]
+        return ShmGrant(response=schemas.PullResponse(headers=headers), regions=regions, fds=len(fds)), fds
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        for task in list(self._conns):
+            task.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _nothing() -> None:
+    """The release of a grant that holds nothing."""
+
+
+# -- client -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    fd: int
+    offset: int
+    into: memoryview
+
+
+def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int]) -> list[_Read]:
+    """The preadv calls that fill `land`'s receive buffer from `region`, checked against the
+    memfd's sealed size first. Rows and their length come from our own buffer, never the peer."""
+    if land.header.codec != "raw":
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: codec {land.header.codec} over shm (raw only)")
+    rows, row = _rows(land.header.shape, land.item.kind, land.out.element_size())
+    if rows * row != land.header.nbytes or land.recv.numel() != land.header.nbytes:
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: {land.header.nbytes} bytes for {rows} x {row}")
+    if not 0 <= region.fd < len(fds) or region.offset < 0 or (rows > 1 and region.stride < row):
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: bad region {region}")
+    if rows and row and region.offset + (rows - 1) * region.stride + row > sizes[region.fd]:
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: region {region} ends past its memfd "
+                             f"({sizes[region.fd]} bytes)")
+    dest = land.recv.numpy().data
+    if rows * row == 0:
+        return []
+    if region.stride == row:  # rows back to back (a whole stored tensor, E, a per-pull copy): one read
+        rows, row = 1, rows * row
+    return [_Read(fds[region.fd], region.offset + r * region.stride, dest[r * row:(r + 1) * row]) for r in range(rows)]
+
+
+def _sealed_size(fd: int) -> int:
+    """The size of a memfd sealed against write and shrink; `IntegrityError` for anything else."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise IntegrityError("a passed descriptor is not a shared-memory file")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise IntegrityError("a passed descriptor is not sealable shared memory") from None
+    if seals & NEEDED_SEALS != NEEDED_SEALS:
+        raise IntegrityError(f"a passed memfd is not sealed against write and shrink (seals {seals:#x})")
+    return os.fstat(fd).st_size
+
+
+def _pieces(reads: list[_Read]) -> list[list[_Read]]:
+    """`reads` in lane tasks of about PIECE bytes (a long read split, short ones grouped)."""
+    split = [_Read(r.fd, r.offset + o, r.into[o:o + PIECE]) for r in reads for o in range(0, len(r.into), PIECE)]
+    tasks: list[list[_Read]] = [[]]
+    for r in split:
+        if tasks[-1] and sum(len(x.into) for x in tasks[-1]) + len(r.into) > PIECE:
+            tasks.append([])
+        tasks[-1].append(r)
+    return [t for t in tasks if t]
+
+
+def _read(task: list[_Read]) -> None:
+    """On a lane: the reads of one task (preadv releases the GIL)."""
+    for r in task:
+        if os.preadv(r.fd, [r.into], r.offset) != len(r.into):
+            raise IntegrityError(f"short read of a sealed memfd at {r.offset}")
+
+
+def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -> None:
+    """Cancel the lane tasks not started and close `fds` once the running ones finish (a lane
+    never reads a closed, possibly reused, descriptor number)."""
+    running = [f for f in futures if not f.cancel() and not f.done()]
+    if not running:
+        for fd in fds:
+            os.close(fd)
+        return
+    left, lock = [len(running)], threading.Lock()
+
+    def one_done(_: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            for fd in fds:
+                os.close(fd)
+
+    for f in running:
+        f.add_done_callback(one_done)
+
+
+class ShmBulkClient:
+    """Pulls over cached connections (one per sender socket, one pull at a time each)."""
+
+    transport: Transport = "shm"
+
+    def __init__(self, lanes: int = LANES) -> None:
+        self._lanes = concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="shm-lane")
+        self._conns: dict[str, socket.socket] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def pull(self, address: str, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem,
+                   timeout_s: float) -> int:
+        """Pull `request`'s items into `into`; return the payload bytes received. Raises
+        `TransferError` (peer gone, refused, deadline) or `IntegrityError` (a header, memfd or
+        region that does not match); the connection is then dropped, never reused half-read."""
+        async def pull() -> int:
+            return await self._pull_on(await self._connection(address), request, into, on_item)
+
+        return await guarded_pull(address, timeout_s, self._locks.setdefault(address, asyncio.Lock()), pull,
+                                  lambda: self._drop(address))
+
+    async def _pull_on(self, sock: socket.socket, request: PullRequest, into: Sequence[torch.Tensor],
+                       on_item: OnItem) -> int:
+        await shm_io.send_frame(sock, schemas.encode(request))
+        data, fds = await shm_io.recv_frame(sock, schemas.MAX_MESSAGE_BYTES, MAX_FDS)
+        futures: list[concurrent.futures.Future] = []
+        try:
+            grant = schemas.decode(data, ShmGrant)
+            lands = landings(request, grant.response, into)
+            if grant.fds != len(fds) or len(grant.regions) != len(lands):
+                raise IntegrityError(f"grant of {len(grant.regions)} regions and {grant.fds} memfds; "
+                                     f"{len(lands)} items and {len(fds)} memfds arrived")
+            sizes = [_sealed_size(fd) for fd in fds]
+            runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
+                                                              key=lambda lr: lr[0].item.layer)]
+            tasks = [[_reads(land, region, fds, sizes) for land, region in run] for run in runs]
+            queued = [[self._lanes.submit(_read, t) for t in _pieces([r for reads in run for r in reads])] for run in tasks]
+            futures = [f for run in queued for f in run]
+            for run, run_futures in zip(runs, queued, strict=True):
+                for f in run_futures:
+                    await asyncio.wrap_future(f)
+                for land, _ in run:
+                    land.codec.decode(land.recv, land.header, land.out)  # raw: in place, or from host staging
+                    on_item(land.item, land.out)
+        finally:
+            _close_when_done(fds, futures)
+        await shm_io.send_frame(sock, schemas.encode(ShmDone()))
+        return sum(land.header.nbytes for land in lands)
+
+    async def _connection(self, address: str) -> socket.socket:
+        sock = self._conns.get(address)
+        if sock is not None and shm_io.alive(sock):
+            return sock
+        await self._drop(address)  # the sender closed an idle connection: dial again
+        if not address.startswith("/") or len(address.encode()) > 107:
+            raise TransferError(f"bad shm address {address!r}; expected a Unix socket's absolute path")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        self._conns[address] = sock
+        return sock
+
+    async def _drop(self, address: str) -> None:
+        sock = self._conns.pop(address, None)
+        if sock is not None:
+            sock.close()
+
+    async def warm(self, address: str) -> None:
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            await self._connection(address)
+
+    async def close(self) -> None:
+        for address in list(self._conns):
+            await self._drop(address)
+        self._lanes.shutdown(wait=True, cancel_futures=True)

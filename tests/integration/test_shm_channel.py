@@ -1,0 +1,197 @@
+"""The shm channel's own guarantees beyond the shared contract: placed tensors travel without a
+copy on the sender, anything else through a charged per-pull memfd; a hostile sender's memfds and
+regions are refused before a byte is read; no descriptor outlives its pull."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import socket
+import tempfile
+
+import msgspec
+import pytest
+import torch
+
+from droidmesh.shared.errors import BadMessageError, IntegrityError, TransferError
+from droidmesh.shared.transport import shm, shm_io
+from droidmesh.shared.transport.bulk import make_client, make_server
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, ShmGrant, ShmRegion, TensorHeader
+
+ITEMS = [PullItem(0, "K"), PullItem(0, "V")]
+
+
+def _open_fds() -> int:
+    gc.collect()  # what earlier tests dropped
+    return len(os.listdir("/proc/self/fd"))
+
+
+class Hold:
+    """A store's hold that records what a pull charges."""
+
+    def __init__(self) -> None:
+        self.charged, self.released = 0, False
+
+    def charge(self, nbytes: int) -> None:
+        self.charged += nbytes
+
+    def refund(self, nbytes: int) -> None:
+        self.charged -= nbytes
+
+    def release(self) -> None:
+        self.released = True
+
+
+def _pull(lookup, items, into, tokens=0, client=None):
+    holds: list[Hold] = []
+
+    def pin(_: str) -> Hold:
+        holds.append(Hold())
+        return holds[-1]
+
+    async def run():
+        server = make_server("shm", lookup, None, pin=pin)
+        address = await server.start()
+        c = client or make_client("shm")
+        try:
+            return await c.pull(address, PullRequest(context_id="ctx", items=items, tokens=tokens), into,
+                                lambda *a: None, 10)
+        finally:
+            await c.close()
+            await server.close()
+
+    return asyncio.run(run()), holds
+
+
+def test_placed_tensors_are_granted_where_they_lie_without_a_copy():
+    """A placed context's K / V (whole or a prefix) reach the receiver intact and the pull charges nothing."""
+    placed = shm.place([torch.randn(1, 2, 33, 8), torch.randn(1, 2, 33, 8)])
+    lookup = dict(zip([(0, "K"), (0, "V")], placed, strict=True))
+    for tokens in (0, 7):
+        n = tokens or 33
+        into = [torch.empty(1, 2, n, 8) for _ in ITEMS]
+        nbytes, holds = _pull(lambda c, l, k: lookup.get((l, k)), ITEMS, into, tokens)
+        assert nbytes == 2 * 2 * n * 8 * 4
+        assert all(torch.equal(got, t[:, :, :n]) for got, t in zip(into, placed, strict=True))
+        assert holds[0].charged == 0 and holds[0].released
+
+
+def test_tensors_not_placed_go_through_a_charged_per_pull_memfd():
+    """A tensor outside any placed memfd is copied for the pull, charged first, and the hold released after."""
+    plain = {(0, k): torch.randn(1, 2, 33, 8) for k in "KV"}
+    into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
+    _, holds = _pull(lambda c, l, k: plain.get((l, k)), ITEMS, into)
+    assert all(torch.equal(got, plain[(0, k)]) for got, k in zip(into, "KV", strict=True))
+    assert holds[0].charged >= 2 * 2 * 33 * 8 * 4 and holds[0].released
+
+
+# -- a hostile sender ---------------------------------------------------------------------------
+def _memfd(nbytes: int, seals: int = shm.SEALS) -> int:
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    if seals:
+        fcntl_seal(fd, seals)
+    return fd
+
+
+def fcntl_seal(fd: int, seals: int) -> None:
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+
+
+def _header(n: int = 33, codec: str = "raw") -> TensorHeader:
+    return TensorHeader(context_id="ctx", layer=0, kind="K", shape=[1, 2, n, 8], dtype="float32", codec=codec,
+                        codec_params={}, nbytes=2 * n * 8 * 4, checksum="")
+
+
+NBYTES = 2 * 33 * 8 * 4
+
+
+def _forged(case: str) -> tuple[ShmGrant, list[int]]:
+    """A grant for one K item, forged as `case` says, and the descriptors it passes."""
+    good = ShmGrant(response=PullResponse(headers=[_header()]), regions=[ShmRegion(fd=0, offset=0, stride=33 * 32)], fds=1)
+    if case == "unsealed":
+        return good, [_memfd(NBYTES, seals=0)]
+    if case == "shrinkable":
+        import fcntl
+
+        return good, [_memfd(NBYTES, seals=fcntl.F_SEAL_WRITE)]
+    if case == "past-the-end":
+        return msgspec.structs.replace(good, regions=[ShmRegion(fd=0, offset=64, stride=33 * 32)]), [_memfd(NBYTES)]
+    if case == "overlapping-rows":
+        return msgspec.structs.replace(good, regions=[ShmRegion(fd=0, offset=0, stride=8)]), [_memfd(NBYTES)]
+    if case == "fd-out-of-range":
+        return msgspec.structs.replace(good, regions=[ShmRegion(fd=3, offset=0, stride=33 * 32)]), [_memfd(NBYTES)]
+    if case == "not-shared-memory":
+        f = tempfile.TemporaryFile()
+        f.truncate(NBYTES)
+        return good, [os.dup(f.fileno())]
+    if case == "a-pipe":
+        r, w = os.pipe()
+        os.close(w)
+        return good, [r]
+    if case == "fewer-fds-than-declared":
+        return msgspec.structs.replace(good, fds=2), [_memfd(NBYTES)]
+    if case == "too-many-fds":
+        return good, [_memfd(NBYTES) for _ in range(shm.MAX_FDS + 1)]
+    if case == "encoded":
+        return msgspec.structs.replace(good, response=PullResponse(headers=[_header(codec="int8")])), [_memfd(NBYTES)]
+    raise AssertionError(case)
+
+
+async def _hostile_sender(case: str, path: str, ready: asyncio.Event) -> None:
+    """Answer one pull with a forged grant, then wait for the receiver to hang up."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.setblocking(False)
+    ready.set()
+    conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+    conn.setblocking(False)
+    try:
+        await shm_io.recv_frame(conn, 1 << 16, 0)
+        grant, fds = _forged(case)
+        try:
+            await shm_io.send_frame(conn, schemas.encode(grant), fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            await shm_io.recv_frame(conn, 1 << 16, 0)
+        except (EOFError, ConnectionError):
+            pass
+    finally:
+        conn.close()
+        listener.close()
+
+
+CASES = ["unsealed", "shrinkable", "past-the-end", "overlapping-rows", "fd-out-of-range", "not-shared-memory", "a-pipe",
+         "fewer-fds-than-declared", "too-many-fds", "encoded"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_hostile_grant_is_refused_before_a_byte_is_read_and_leaks_no_descriptor(case, tmp_path):
+    """Unsealed or shrinkable memfds, regions past the end or overlapping, files that are not shared
+    memory, descriptor counts that disagree, an encoded payload: an error, the buffer untouched, every fd closed."""
+    path = str(tmp_path / "hostile.sock")
+    into = [torch.full((1, 2, 33, 8), 7.0)]
+
+    async def run() -> None:
+        ready = asyncio.Event()
+        sender = asyncio.create_task(_hostile_sender(case, path, ready))
+        await ready.wait()
+        client = make_client("shm")
+        try:
+            await client.pull(path, PullRequest(context_id="ctx", items=[PullItem(0, "K")]), into, lambda *a: None, 10)
+        finally:
+            await client.close()
+            await sender
+
+    before = _open_fds()
+    with pytest.raises((IntegrityError, BadMessageError, TransferError)):
+        asyncio.run(run())
+    assert _open_fds() == before
+    assert bool((into[0] == 7.0).all())
