@@ -210,6 +210,31 @@ def transfer(json_path, sizes, repeats, transports, shm_lanes) -> None:
 
 @bench.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--group", default="4:6", type=GROUP, show_default=True, help=GROUP_HELP)
+@click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl", "shm"]))
+@click.option("--requests", "n", default=9, show_default=True, type=click.IntRange(3, 200),
+              help="Requests over the healthy sender's context per phase.")
+@click.option("--stalled", "k", default=2, show_default=True, type=click.IntRange(1, 32),
+              help="Requests left waiting on the frozen sender.")
+@click.option("--log-dir", type=click.Path(file_okay=False), help="Services' logs (default: a temporary directory).")
+def stall(json_path, group, transport, n, k, log_dir) -> None:
+    """A frozen sender vs the requests that do not use it: their TTFT before and while it stalls."""
+    import tempfile
+    from pathlib import Path
+
+    from droidmesh.shared.bench import stall as suite
+
+    sender, receiver = _demo_pair(group)
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-stall-"))
+    r = suite.run_stall(sender, receiver, group, logs, transport=transport, n=n, k=k)
+    click.echo(report.format_table(r["rows"], suite.COLUMNS))
+    click.echo(f"stall_ratio = TTFT p50 while a sender stalls / before = {r['stall_ratio']:.3f} "
+               f"({r['still_waiting_after_series']} of {k} stalled requests still waiting at the end)")
+    _save(json_path, "stall", r)
+
+
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--events", default=1000, show_default=True, type=click.IntRange(10, 100000))
 def control(json_path, events) -> None:
     """Control plane: availability event -> visible in the broker index; lookup round trip."""
