@@ -233,7 +233,7 @@ def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None
         ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
                   and r["bytes"] >= RATIO_FROM_BYTES]
         over[transport] = min(ratios) if ratios else None
-    from droidmesh.shared.transport.shm import shmem_thp
+    from droidmesh.shared.transport.memfd import shmem_thp
     from droidmesh.shared.transport.ucx import ucx_options
 
     return {"rows": rows, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over, "shm_lanes": shm_lanes, "shmem_thp": shmem_thp(),

@@ -4,10 +4,9 @@ Why a channel of its own: between two processes on one host, UCX reaches 0.18-0.
 here (CMA; README) and NIXL 0.08-0.46; the bytes need no network at all.
 
 Sequence:
-  0. `place(tensors)` (the sender's torch thread, once per context it stores): the context's
-     tensors are written into one memfd (per layer K, V, then E when captured; each 64-byte
-     aligned), which is sealed (no write, shrink or grow, ever again) and mapped read-only; the
-     tensors returned view that mapping, so the store keeps the only copy and nothing changes it;
+  0. `place` (`memfd.place`; the sender's torch thread, once per context it stores): the context
+     moves into one sealed memfd, mapped read-only, so the store keeps the only copy and nothing
+     changes it;
   1. per connection: the receiver dials the sender's Unix socket (the address is its path, in a
      directory only the sender's user may enter);
   2. per pull: `PullRequest` frame -> `ShmGrant` frame with its memfds attached (SCM_RIGHTS).
@@ -35,19 +34,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import fcntl
 import itertools
 import math
-import mmap
 import os
+import resource
 import shutil
 import socket
-import stat
 import tempfile
 import threading
-import warnings
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import structlog
@@ -55,7 +50,7 @@ import torch
 
 from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import DroidMeshError, IntegrityError, TransferError
-from droidmesh.shared.transport import shm_io
+from droidmesh.shared.transport import memfd, shm_io
 from droidmesh.shared.transport.bulk import (
     MAX_REQUEST_BYTES,
     Authorize,
@@ -81,100 +76,6 @@ MAX_CONNECTIONS = 256  # connections served at once per sender (more are closed 
 MAX_FDS = 8  # memfds one grant may carry (a sender passes at most two: placed + per-pull)
 LANES = 2  # client copy threads: one core's copy reaches about half of memcpy from a memfd here
 PIECE = 4 << 20  # bytes one lane reads per task: a big layer spreads over the lanes
-ALIGN = 64
-SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-NEEDED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK  # what a receiver requires before reading
-
-
-# -- placing a context in sealed shared memory (sender) ----------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Segment:
-    fd: int
-    nbytes: int
-
-
-# mapping base address -> its memfd; an entry lives as long as some tensor views the mapping
-_SEGMENTS: dict[int, _Segment] = {}
-
-
-def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`tensors` (one stored context's, `CapturedContext.items()` order) copied into one sealed
-    memfd and returned as read-only views of it; CUDA tensors or an empty context are returned
-    as they are (pulls of those go through per-pull copies). Blocks: the sender's torch thread."""
-    if not tensors or any(t.device.type != "cpu" for t in tensors):
-        return list(tensors)
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    if total == 0:
-        return list(tensors)
-    fd = _sealed_memfd(total, zip(offsets, tensors, strict=True))
-    try:
-        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    except BaseException:
-        os.close(fd)
-        raise
-    with warnings.catch_warnings():  # read-only on purpose: a stored tensor is never written
-        warnings.simplefilter("ignore", UserWarning)
-        base = torch.frombuffer(mm, dtype=torch.uint8)  # [total]; keeps `mm` alive while any view lives
-    key = base.data_ptr()
-    _SEGMENTS[key] = _Segment(fd, total)
-    weakref.finalize(mm, _forget, key, fd)  # the last view gone: unmapped, then the memfd closed
-    return [base[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors, strict=True)]
-
-
-def _forget(key: int, fd: int) -> None:
-    _SEGMENTS.pop(key, None)
-    os.close(fd)
-
-
-def _sealed_memfd(nbytes: int, parts: Iterable[tuple[int, torch.Tensor]]) -> int:
-    """A memfd of `nbytes` holding each (offset, tensor)'s bytes, sealed. The bytes go in through
-    a writable mapping advised to use huge pages (taken where the host's shmem THP setting allows:
-    `advise`, `within_size` or `always`; a read then costs one page lookup per 2 MiB, not per
-    4 KiB), which is unmapped before sealing: F_SEAL_WRITE needs no writable mapping left."""
-    fd = os.memfd_create("droidmesh-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, nbytes)
-        with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-            dest = torch.frombuffer(mm, dtype=torch.uint8)  # [nbytes]
-            for offset, t in parts:
-                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [bytes]
-                dest[offset:offset + flat.numel()].copy_(flat)
-            del dest  # the mapping's only export: it must be gone before the mapping closes
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-
-
-def shmem_thp() -> str:
-    """The host's shmem transparent-huge-page mode (the bracketed word of THP_SETTING), or "unknown"."""
-    try:
-        with open(THP_SETTING) as f:
-            text = f.read()
-    except OSError:
-        return "unknown"
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else "unknown"
-
-
-def _placed(t: torch.Tensor) -> tuple[_Segment, int] | None:
-    """(its memfd, its offset there) when `t` is a contiguous view of a placed mapping."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        return None
-    key = t.untyped_storage().data_ptr()
-    seg = _SEGMENTS.get(key)
-    offset = t.data_ptr() - key
-    if seg is None or not 0 <= offset <= seg.nbytes - t.numel() * t.element_size():
-        return None
-    return seg, offset
 
 
 def _rows(shape: Sequence[int], kind: str, element_size: int) -> tuple[int, int]:
@@ -198,12 +99,11 @@ class ShmBulkServer:
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
 
-    @staticmethod
-    def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return place(tensors)
+    place = staticmethod(memfd.place)
 
     async def start(self) -> str:
         """Listen on a Unix socket in a fresh directory of mode 0700; return its path."""
+        _raise_fd_limit()  # each placed context holds two descriptors (its memfd, its mapping's)
         self._dir = tempfile.mkdtemp(prefix="droidmesh-shm-")
         path = os.path.join(self._dir, "bulk.sock")
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -211,11 +111,11 @@ class ShmBulkServer:
         sock.listen(128)
         sock.setblocking(False)
         self._accepting = asyncio.create_task(self._accept(sock))
-        thp = shmem_thp()
+        thp = memfd.shmem_thp()
         log.info("shm_server_started", path=path, shmem_thp=thp)
         if thp in ("never", "deny"):
             log.warning("shm_small_pages", shmem_thp=thp,
-                        hint=f"placed contexts use 4 KiB pages; `echo advise > {THP_SETTING}` lets them use 2 MiB "
+                        hint=f"placed contexts use 4 KiB pages; `echo advise > {memfd.THP_SETTING}` lets them use 2 MiB "
                              "pages, which makes pulls faster (README: same-host data plane)")
         return path
 
@@ -224,8 +124,8 @@ class ShmBulkServer:
         while True:
             try:
                 conn, _ = await loop.sock_accept(sock)
-            except OSError as e:  # out of fds, say: this accept fails, the listener goes on
-                log.warning("shm_accept_failed", error=str(e))
+            except Exception as e:  # out of fds, say: this accept fails, the listener goes on
+                log.warning("shm_accept_failed", error=f"{type(e).__name__}: {e}")
                 await asyncio.sleep(0.1)
                 continue
             if len(self._conns) >= self._max:
@@ -266,10 +166,11 @@ class ShmBulkServer:
             return ShmGrant(response=refusal(e)), [], _nothing
         scratch: list[int] = []
 
-        def release() -> None:
+        def release() -> None:  # keeps `stored` (so every placed memfd granted stays open) until the pull ends
             for fd in scratch:
                 os.close(fd)
             hold.release()
+            stored.clear()
 
         try:
             return (*await self._regions(request, stored, views, hold, scratch), release)
@@ -288,7 +189,7 @@ class ShmBulkServer:
         copies: list[tuple[int, torch.Tensor]] = []  # (offset in the per-pull memfd, view)
         copy_bytes = 0
         for item, t, view in zip(request.items, stored, views, strict=True):
-            found = _placed(t)
+            found = memfd.placed(t)
             if found is not None:
                 seg, offset = found
                 if seg.fd not in fds:
@@ -300,10 +201,10 @@ class ShmBulkServer:
                 _, row = _rows(view.shape, item.kind, view.element_size())
                 regions.append(ShmRegion(fd=-1, offset=copy_bytes, stride=row))
                 copies.append((copy_bytes, view))
-                copy_bytes += -(-view.numel() * view.element_size() // ALIGN) * ALIGN
+                copy_bytes += -(-view.numel() * view.element_size() // memfd.ALIGN) * memfd.ALIGN
         if copies:
             hold.charge(copy_bytes)  # counted before the copy exists
-            fd = await asyncio.get_running_loop().run_in_executor(None, _sealed_memfd, copy_bytes, copies)
+            fd = await asyncio.get_running_loop().run_in_executor(None, memfd.sealed_memfd, copy_bytes, copies)
             scratch.append(fd)
             fds.append(fd)
             regions = [msgspec.structs.replace(r, fd=len(fds) - 1) if r.fd < 0 else r for r in regions]
@@ -329,6 +230,14 @@ class ShmBulkServer:
 
 def _nothing() -> None:
     """The release of a grant that holds nothing."""
+
+
+def _raise_fd_limit() -> None:
+    """Lift this process's soft descriptor limit to its hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("shm_fd_limit_raised", soft=soft, now=hard)
 
 
 # -- client -------------------------------------------------------------------------------------
@@ -358,19 +267,6 @@ def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int]) -
     if region.stride == row:  # rows back to back (a whole stored tensor, E, a per-pull copy): one read
         rows, row = 1, rows * row
     return [_Read(fds[region.fd], region.offset + r * region.stride, dest[r * row:(r + 1) * row]) for r in range(rows)]
-
-
-def _sealed_size(fd: int) -> int:
-    """The size of a memfd sealed against write and shrink; `IntegrityError` for anything else."""
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        raise IntegrityError("a passed descriptor is not a shared-memory file")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise IntegrityError("a passed descriptor is not sealable shared memory") from None
-    if seals & NEEDED_SEALS != NEEDED_SEALS:
-        raise IntegrityError(f"a passed memfd is not sealed against write and shrink (seals {seals:#x})")
-    return os.fstat(fd).st_size
 
 
 def _pieces(reads: list[_Read]) -> list[list[_Read]]:
@@ -445,7 +341,7 @@ class ShmBulkClient:
             if grant.fds != len(fds) or len(grant.regions) != len(lands):
                 raise IntegrityError(f"grant of {len(grant.regions)} regions and {grant.fds} memfds; "
                                      f"{len(lands)} items and {len(fds)} memfds arrived")
-            sizes = [_sealed_size(fd) for fd in fds]
+            sizes = [memfd.sealed_size(fd) for fd in fds]
             runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
                                                               key=lambda lr: lr[0].item.layer)]
             tasks = [[_reads(land, region, fds, sizes) for land, region in run] for run in runs]

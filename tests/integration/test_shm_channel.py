@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from droidmesh.shared.errors import BadMessageError, IntegrityError, TransferError
-from droidmesh.shared.transport import shm, shm_io
+from droidmesh.shared.transport import memfd, shm, shm_io
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, ShmGrant, ShmRegion, TensorHeader
@@ -67,7 +67,7 @@ def _pull(lookup, items, into, tokens=0, client=None):
 
 def test_placed_tensors_are_granted_where_they_lie_without_a_copy():
     """A placed context's K / V (whole or a prefix) reach the receiver intact and the pull charges nothing."""
-    placed = shm.place([torch.randn(1, 2, 33, 8), torch.randn(1, 2, 33, 8)])
+    placed = memfd.place([torch.randn(1, 2, 33, 8), torch.randn(1, 2, 33, 8)])
     lookup = dict(zip([(0, "K"), (0, "V")], placed, strict=True))
     for tokens in (0, 7):
         n = tokens or 33
@@ -88,7 +88,7 @@ def test_tensors_not_placed_go_through_a_charged_per_pull_memfd():
 
 
 # -- a hostile sender ---------------------------------------------------------------------------
-def _memfd(nbytes: int, seals: int = shm.SEALS) -> int:
+def _memfd(nbytes: int, seals: int = memfd.SEALS) -> int:
     fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, nbytes)
     if seals:

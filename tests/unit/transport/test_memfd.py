@@ -1,4 +1,4 @@
-"""`shm.place`: a stored context moved into one sealed memfd, read-only, freed with its tensors."""
+"""`memfd.place`: a stored context moved into one sealed memfd, read-only, freed with its tensors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import random_model
-from droidmesh.shared.transport import shm
+from droidmesh.shared.transport import memfd
 from tests.conftest import FAMILIES
 
 
@@ -26,18 +26,18 @@ def test_placed_tensors_equal_the_originals_in_one_sealed_memfd():
     """Every tensor comes back equal, viewing one mapping whose memfd is sealed against write, shrink and grow."""
     tensors = [torch.randn(1, 2, 7, 8, dtype=torch.bfloat16), torch.randn(1, 2, 7, 8, dtype=torch.bfloat16),
                torch.randn(1, 7, 5, dtype=torch.bfloat16)]  # odd sizes: each is aligned in the memfd
-    placed = shm.place(tensors)
+    placed = memfd.place(tensors)
     assert all(torch.equal(p, t) and p.dtype == t.dtype for p, t in zip(placed, tensors, strict=True))
-    segments = {shm._placed(p)[0] for p in placed}  # type: ignore[index]
+    segments = {memfd.placed(p)[0] for p in placed}  # type: ignore[index]
     assert len(segments) == 1
     seals = fcntl.fcntl(segments.pop().fd, fcntl.F_GET_SEALS)
-    assert seals & shm.SEALS == shm.SEALS
+    assert seals & memfd.SEALS == memfd.SEALS
 
 
 def test_the_memfd_closes_when_the_last_view_dies():
     """The mapping and its memfd live exactly as long as some placed tensor (or a view of one) does."""
     before = _open_fds()
-    placed = shm.place([torch.randn(64, 64) for _ in range(3)])
+    placed = memfd.place([torch.randn(64, 64) for _ in range(3)])
     keep = placed[1][:2]
     held = _open_fds() - before  # the memfd, and the mapping's own duplicate of it
     assert held >= 1
@@ -46,13 +46,13 @@ def test_the_memfd_closes_when_the_last_view_dies():
     assert _open_fds() == before + held  # `keep` still views the mapping
     del keep
     gc.collect()
-    assert _open_fds() == before and not any(seg for seg in shm._SEGMENTS.values() if seg.nbytes == 3 * 64 * 64 * 4)
+    assert _open_fds() == before and not any(seg for seg in memfd._SEGMENTS.values() if seg.nbytes == 3 * 64 * 64 * 4)
 
 
 def test_empty_contexts_are_left_as_they_are():
     """Nothing to share: no memfd, the same tensors back."""
     empty = [torch.empty(1, 2, 0, 8)]
-    assert shm.place(empty)[0] is empty[0] and shm.place([]) == []
+    assert memfd.place(empty)[0] is empty[0] and memfd.place([]) == []
 
 
 def test_items_and_with_items_round_trip_every_tensor():
@@ -72,7 +72,7 @@ def test_a_placed_context_serves_the_senders_own_generation():
     model = random_model("llama", **FAMILIES["llama"])
     ids = torch.randint(0, 97, (24,)).tolist()
     captured = capture_prefill(model, ids[:20], [1])
-    placed = captured.with_items(shm.place(captured.items()))
+    placed = captured.with_items(memfd.place(captured.items()))
     want = generate(model, ids, ReusePlan.full_reuse(), CapturedSource(captured), max_new_tokens=4)
     got = generate(model, ids, ReusePlan.full_reuse(), CapturedSource(placed), max_new_tokens=4)
     assert got.tokens == want.tokens

@@ -1,0 +1,135 @@
+"""Sealed shared memory for the shm bulk channel (`shm.py`): placing a sender's stored context in
+one memfd, finding where a stored tensor lies, and the receiver's check of a memfd it is passed.
+
+Sequence of a placement (`place`, the sender's torch thread, once per stored context):
+  1. lay the tensors out back to back (per layer K, V, then E; each 64-byte aligned);
+  2. write them into a new memfd through a writable mapping advised to use huge pages, then
+     unmap it (F_SEAL_WRITE needs no writable mapping left);
+  3. seal it against write, shrink and grow (and further sealing): its bytes never change and
+     its pages never go away while anyone holds it;
+  4. map it read-only and return views of that mapping; the memfd is registered under the
+     mapping's address until the last view dies, when it is unmapped and closed.
+A placed context costs two descriptors (the memfd, and the mapping's own duplicate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import mmap
+import os
+import stat
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from droidmesh.shared.errors import IntegrityError
+
+ALIGN = 64
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+NEEDED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK  # what a receiver requires before reading
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    fd: int
+    nbytes: int
+
+
+# mapping base address -> its memfd; an entry lives as long as some tensor views the mapping
+_SEGMENTS: dict[int, Segment] = {}
+
+
+def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` (one stored context's, `CapturedContext.items()` order) copied into one sealed
+    memfd and returned as read-only views of it; CUDA tensors or an empty context are returned
+    as they are (pulls of those go through per-pull copies). Blocks: the sender's torch thread."""
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return list(tensors)
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    if total == 0:
+        return list(tensors)
+    fd = sealed_memfd(total, zip(offsets, tensors, strict=True))
+    try:
+        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except BaseException:
+        os.close(fd)
+        raise
+    with warnings.catch_warnings():  # read-only on purpose: a stored tensor is never written
+        warnings.simplefilter("ignore", UserWarning)
+        base = torch.frombuffer(mm, dtype=torch.uint8)  # [total]; keeps `mm` alive while any view lives
+    key = base.data_ptr()
+    _SEGMENTS[key] = Segment(fd, total)
+    weakref.finalize(mm, _forget, key, fd)  # the last view gone: unmapped, then the memfd closed
+    return [base[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors, strict=True)]
+
+
+def _forget(key: int, fd: int) -> None:
+    _SEGMENTS.pop(key, None)
+    os.close(fd)
+
+
+def sealed_memfd(nbytes: int, parts: Iterable[tuple[int, torch.Tensor]]) -> int:
+    """A memfd of `nbytes` holding each (offset, tensor)'s bytes, sealed. The bytes go in through
+    a writable mapping advised to use huge pages (taken where the host's shmem THP setting allows:
+    `advise`, `within_size` or `always`; a read then costs one page lookup per 2 MiB, not per
+    4 KiB), which is unmapped before sealing: F_SEAL_WRITE needs no writable mapping left."""
+    fd = os.memfd_create("droidmesh-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+            dest = torch.frombuffer(mm, dtype=torch.uint8)  # [nbytes]
+            for offset, t in parts:
+                flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [bytes]
+                dest[offset:offset + flat.numel()].copy_(flat)
+            del dest  # the mapping's only export: it must be gone before the mapping closes
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_thp() -> str:
+    """The host's shmem transparent-huge-page mode (the bracketed word of THP_SETTING), or "unknown"."""
+    try:
+        with open(THP_SETTING) as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "unknown"
+
+
+def placed(t: torch.Tensor) -> tuple[Segment, int] | None:
+    """(its memfd, its offset there) when `t` is a contiguous view of a placed mapping."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    key = t.untyped_storage().data_ptr()
+    seg = _SEGMENTS.get(key)
+    offset = t.data_ptr() - key
+    if seg is None or not 0 <= offset <= seg.nbytes - t.numel() * t.element_size():
+        return None
+    return seg, offset
+
+
+def sealed_size(fd: int) -> int:
+    """The size of a memfd sealed against write and shrink; `IntegrityError` for anything else."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise IntegrityError("a passed descriptor is not a shared-memory file")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise IntegrityError("a passed descriptor is not sealable shared memory") from None
+    if seals & NEEDED_SEALS != NEEDED_SEALS:
+        raise IntegrityError(f"a passed memfd is not sealed against write and shrink (seals {seals:#x})")
+    return os.fstat(fd).st_size
