@@ -6,13 +6,20 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 stamp=.venv/.droidmesh-install
-want=$(sha256sum pyproject.toml | cut -c1-16)
+# CUDA (opt-in): DM_TORCH_INDEX=https://download.pytorch.org/whl/cu130 DM_MESH_EXTRA=mesh-cu13
+torch_index=${DM_TORCH_INDEX:-}
+mesh_extra=${DM_MESH_EXTRA:-mesh}
+want=$( (cat pyproject.toml; echo "$torch_index $mesh_extra") | sha256sum | cut -c1-16)
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first and pinned: the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 # On hosts without a local CPU wheel, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev]"
+if [ -n "$torch_index" ]; then
+  .venv/bin/python -m pip install -q --index-url "$torch_index" "torch==2.13.0"
+else
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[dev,$mesh_extra]"
 echo "$want" > "$stamp"

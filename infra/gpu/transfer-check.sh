@@ -3,9 +3,8 @@
 # bandwidth: a table on stdout, JSON in $OUT/gpu-transfer.json when OUT is set. Under 3 minutes.
 #   infra/gpu/transfer-check.sh [--dry-run] [--sizes BYTES,...] [--repeats N]
 # Without CUDA (or with --dry-run) it runs the same path on CPU tensors of tiny sizes.
-# Sequence:
-#   1. Python: $PYTHON, else the repo's .venv, else python3. Torch is never installed: the GPU
-#      machine's own CUDA build is the one to measure;
+# Sequence (steps 1-3: infra/gpu/prepare.sh):
+#   1. Python: $PYTHON, else the repo's .venv, else python3 (torch is never installed);
 #   2. with $WHEELS (a folder of carried wheels: msgspec, structlog and, for CUDA 13, ucxx-cu13,
 #      libucxx-cu13, libucx-cu13, rmm-cu13, librmm-cu13, rapids-logger) install them offline,
 #      without dependencies, into a scratch folder put on PYTHONPATH;
@@ -15,32 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-if [[ -n "${PYTHON:-}" ]]; then
-  py=$PYTHON
-elif [[ -x .venv/bin/python ]]; then
-  py=.venv/bin/python
-else
-  py=python3
-fi
-
-if [[ -n "${WHEELS:-}" ]]; then
-  deps=$(mktemp -d)
-  trap 'rm -rf "$deps"' EXIT
-  "$py" -m pip install --quiet --no-index --no-deps --target "$deps" "$WHEELS"/*.whl
-  export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
-fi
-
-"$py" - <<'EOF'
-import importlib.util
-import sys
-
-need = {"torch": "the machine's CUDA build (never installed by this script)", "numpy": "numpy",
-        "xxhash": "xxhash", "msgspec": "msgspec", "structlog": "structlog"}
-missing = [f"{name} (wheel: {wheel})" for name, wheel in need.items() if importlib.util.find_spec(name) is None]
-if missing:
-    print("MISSING Python modules: " + "; ".join(missing), file=sys.stderr)
-    print("Carry their wheels in a folder and rerun with WHEELS=<folder>.", file=sys.stderr)
-    sys.exit(2)
-EOF
+source infra/gpu/prepare.sh
+require "torch=the machine's CUDA build (never installed by this script)" numpy=numpy xxhash=xxhash msgspec=msgspec structlog=structlog
 
 exec timeout 170 "$py" -m shared.bench.gpu_transfer "$@"

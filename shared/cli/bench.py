@@ -13,6 +13,7 @@ from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_nam
 from droidmesh.shared.errors import ConfigError, DroidMeshError
 
 # Before the zoo's demo tier exists, latency runs on a random-init 12-layer model of this shape.
+SHAPE_NAMES = ("llama3-8b", "qwen2.5-7b", "llama3.2-1b", "tiny")  # shared/model/shapes.py (imported lazily: transformers)
 RANDOM_BENCH_MODEL: dict[str, Any] = dict(
     hidden_size=384, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=6,
     num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192,
@@ -42,24 +43,31 @@ def bench() -> None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a speedup-vs-k PNG here.")
 @click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False),
               help="Local HF checkpoint (default: a random-init 12-layer Llama).")
+@click.option("--shape", type=click.Choice(sorted(SHAPE_NAMES)), default=None,
+              help="A named architecture, random-init directly on the device (latency and memory only).")
 @click.option("--contexts", default="1024,2048,4096", callback=int_list, show_default=True,
               help="Context lengths in tokens.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100))
 @device_options
 @click.option("--threads", default=None, type=click.IntRange(1, 256), help="torch threads (default: torch's).")
-def ttft(json_path, plot_path, model_path, contexts, repeats, device, dtype,
+def ttft(json_path, plot_path, model_path, shape, contexts, repeats, device, dtype,
          threads) -> None:
     """Receiver TTFT: full prefill vs full reuse vs partial prefill with k layers recomputed."""
     from droidmesh.shared.bench import ttft as suite
+    from droidmesh.shared.model import shapes
     from droidmesh.shared.model.adapter import load_model, random_model
 
     if threads:
         import torch
 
         torch.set_num_threads(threads)
+    if model_path and shape:
+        raise click.UsageError("give --model or --shape, not both")
     try:
         if model_path:
             model = load_model(model_path, device=device, dtype=dtype)
+        elif shape:
+            model = shapes.build(shape, device, dtype)
         else:
             click.echo("no --model given: using a random-init 12-layer Llama (latency only, no quality)", err=True)
             model = random_model("llama", device=device, dtype=dtype, name="random-llama-12L", **RANDOM_BENCH_MODEL)
@@ -216,8 +224,10 @@ def transfer(json_path, sizes, repeats, transports, shm_lanes) -> None:
               help="Requests over the healthy sender's context per phase.")
 @click.option("--stalled", "k", default=2, show_default=True, type=click.IntRange(1, 32),
               help="Requests left waiting on the frozen sender.")
+@click.option("--words", default=500, show_default=True, type=click.IntRange(10, 600),
+              help="Words per context (500: ~2.9K tokens on the demo tier).")
 @click.option("--log-dir", type=click.Path(file_okay=False), help="Services' logs (default: a temporary directory).")
-def stall(json_path, group, transport, n, k, log_dir) -> None:
+def stall(json_path, group, transport, n, k, words, log_dir) -> None:
     """A frozen sender vs the requests that do not use it: their TTFT before and while it stalls."""
     import tempfile
     from pathlib import Path
@@ -226,7 +236,7 @@ def stall(json_path, group, transport, n, k, log_dir) -> None:
 
     sender, receiver = _demo_pair(group)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-stall-"))
-    r = suite.run_stall(sender, receiver, group, logs, transport=transport, n=n, k=k)
+    r = suite.run_stall(sender, receiver, group, logs, transport=transport, n=n, k=k, words=words)
     click.echo(report.format_table(r["rows"], suite.COLUMNS))
     click.echo(f"stall_ratio = TTFT p50 while a sender stalls / before = {r['stall_ratio']:.3f} "
                f"({r['still_waiting_after_series']} of {k} stalled requests still waiting at the end)")

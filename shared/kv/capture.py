@@ -27,7 +27,7 @@ def capture_prefill(sender: ModelAdapter, token_ids: Sequence[int], e_layers: It
     if bad:
         raise BadRequestError(f"E layers {bad} outside 0..{sender.num_layers - 1}")
     sender.check_length(len(ids))
-    cache = sender.new_cache()
+    cache = sender.new_cache(len(ids))  # exactly the context: each layer's K/V come out contiguous
     h = sender.embed(sender.token_tensor(ids))  # [1, T, D]
     e: dict[int, torch.Tensor] = {}
     # Walk the layers in segments split at each wanted E so E_l is snapshotted on the way.

@@ -77,11 +77,14 @@ def prefill_steps(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     logits_for: int = 1,
+    decode_tokens: int = 0,
 ) -> Steps[PrefillResult]:
     """`prefill` as steps: yields a `Need` before each read from `source` (run under
     `torch.inference_mode` by the driver). Logits are computed for the last `logits_for` prompt
     tokens only: 1 to serve (the next token); more for fidelity metrics over a question. At 32K
-    tokens and a 128K vocabulary, logits for every token would be 16.8 GB of float32."""
+    tokens and a 128K vocabulary, logits for every token would be 16.8 GB of float32.
+    The cache is sized for the prompt plus `decode_tokens` the caller will append, and every
+    token's K/V is written into it once (`hf_cache.WriteOnceLayer`)."""
     if logits_for < 1:
         raise BadRequestError(f"logits_for {logits_for} < 1")
     t0 = time.perf_counter()
@@ -92,7 +95,7 @@ def prefill_steps(
     plan.validate(L)
     receiver.check_length(len(prompt))
     stages: dict[str, float] = {}
-    cache = receiver.new_cache()
+    cache = receiver.new_cache(len(prompt) + decode_tokens)
     if plan.mode == "full_prefill":
         h = receiver.run_layers(receiver.embed(receiver.token_tensor(prompt)), 0, L, cache, past=0)
         stages["suffix_done"] = time.perf_counter() - t0
@@ -195,7 +198,8 @@ def generate_steps(
         raise BadRequestError("max_new_tokens must be >= 1")
     choose = sampler or greedy
     t0 = time.perf_counter()
-    pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s)
+    pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s,
+                                   decode_tokens=max_new_tokens - 1)  # the last chosen token is never fed back
     token = choose(pre.logits[-1])  # [vocab] float32 -> id
     ttft = time.perf_counter() - t0
     tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers

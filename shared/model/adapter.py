@@ -91,8 +91,9 @@ class ModelAdapter:
         if self.window is not None and tokens >= self.window:
             raise BadRequestError(f"{tokens} tokens exceed the sliding window {self.window} of {self.name}")
 
-    def new_cache(self) -> Any:
-        return hf_cache.new_cache(self.model.config)
+    def new_cache(self, capacity: int | None = None) -> Any:
+        """An empty cache; `capacity`: the tokens it will hold (prompt + decoded), written once."""
+        return hf_cache.new_cache(self.model.config, capacity)
 
     def token_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         """Token ids -> [1, T] int64 on the model's device (where `embed` reads them)."""

@@ -17,9 +17,90 @@ from transformers.cache_utils import DynamicLayer
 from droidmesh.shared.errors import UnsupportedModelError
 
 
-def new_cache(config: Any) -> DynamicCache:
-    """An empty cache with one (lazily initialised) layer per decoder layer of `config`."""
-    return DynamicCache(config=config)
+def new_cache(config: Any, capacity: int | None = None) -> DynamicCache:
+    """An empty cache with one (lazily initialised) layer per decoder layer of `config`. With
+    `capacity` (tokens: the prompt plus what decoding may append) every full-attention layer is a
+    `WriteOnceLayer` of that capacity, so each token's K/V is written once; without, transformers'
+    own layers, which grow by concatenation (a copy of the whole layer per update)."""
+    cache = DynamicCache(config=config)
+    if capacity is not None:
+        cache.layers = [WriteOnceLayer(capacity) if type(entry) is DynamicLayer else entry for entry in cache.layers]
+    return cache
+
+
+class WriteOnceLayer(DynamicLayer):
+    """A full-attention layer whose K/V live in storage preallocated for `capacity` tokens
+    ([B, kv_heads, capacity, head_dim], allocated at the first update with its dtype and device):
+    an update writes its tokens in place after those held, and `keys` / `values` are views of the
+    first `length` tokens. Reused KV installed by `set_layer_kv`, the suffix's and every decoded
+    token's K/V are each written exactly once; an update past the capacity reallocates (doubling),
+    so a wrong estimate costs a copy, never a wrong answer."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = max(1, capacity)
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._k, self._v = (_storage(t, self.capacity) for t in (key_states, value_states))
+        self.length = 0
+        self._expose()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self._k is not None and self._v is not None  # set by lazy_initialization
+        end = self.length + key_states.shape[-2]
+        if end > self._k.shape[-2]:
+            self._grow(end)
+        self._k[:, :, self.length:end].copy_(key_states)  # [B, kvh, n, hd] into its place
+        self._v[:, :, self.length:end].copy_(value_states)
+        self.length = end
+        self._expose()
+        return self._k[:, :, :end], self._v[:, :, :end]  # what `_expose` set as keys / values
+
+    def _grow(self, need: int) -> None:
+        assert self._k is not None and self._v is not None
+        size = max(need, 2 * self._k.shape[-2])
+        k, v = _storage(self._k, size), _storage(self._v, size)
+        k[:, :, :self.length].copy_(self._k[:, :, :self.length])
+        v[:, :, :self.length].copy_(self._v[:, :, :self.length])
+        self._k, self._v = k, v
+
+    def _expose(self) -> None:
+        assert self._k is not None and self._v is not None
+        self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]  # [B, kvh, length, hd]
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        self.length = 0
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # validates the argument; the views it leaves are ours again below
+        if self.is_initialized and tokens_to_remove < 0:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._expose()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise UnsupportedModelError("a write-once cache holds one sequence")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise UnsupportedModelError("a write-once cache holds one sequence")
+
+
+def _storage(like: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Uninitialised storage shaped like `like` [B, kvh, *, hd] with `tokens` on the token axis."""
+    b, heads, _, dim = like.shape
+    return torch.empty(b, heads, tokens, dim, dtype=like.dtype, device=like.device)
 
 
 def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,8 +114,9 @@ def layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tenso
 def set_layer_kv(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Install (K, V) [B, kv_heads, T, head_dim] as layer `layer`'s whole content.
 
-    `update` on an empty layer concatenates onto an empty tensor, i.e. it copies: the caller's
-    tensors (e.g. a transport's receive buffer) stay untouched and may be reused.
+    `update` on an empty layer copies them (into a write-once layer's storage, or concatenated
+    onto an empty tensor): the caller's tensors (e.g. a transport's receive buffer) stay
+    untouched and may be reused.
     """
     entry = _entry(cache, layer)
     if entry.is_initialized:

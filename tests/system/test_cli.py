@@ -54,6 +54,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench control", ["--events", "10"]),
     ("bench drift", ["--n-before", "1", "--max-shifted", "1", "--profile-rows", "1"]),
     ("bench load", ["--tokens", "32", "--rates", "2", "--seconds", "1", "--copies", "1"]),
+    ("bench stall", ["--requests", "3", "--stalled", "1", "--words", "60", "--transport", "shm"]),
     ("demo", ["--rows", "1"]),
 ]
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",

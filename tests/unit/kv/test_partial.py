@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill
@@ -122,3 +123,38 @@ def test_a_generation_is_freed_by_reference_counting_alone(receiver, prompt, pla
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("plan", [ReusePlan.full_prefill(), ReusePlan.recompute(2, 4), ReusePlan.full_reuse()],
+                         ids=lambda p: p.label())
+def test_every_layer_is_written_once_into_storage_sized_for_prompt_and_decode(receiver, prompt, plan):
+    """Reused KV, the suffix and each decoded token land in one preallocated storage per layer
+    (no concatenation copy: the storage never moves), sized prompt + decoded tokens exactly."""
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=[2]))
+    res = prefill(receiver, ctx + q, plan, src, decode_tokens=3)
+    cache = res.cache
+    storages = [layer.keys.untyped_storage().data_ptr() for layer in cache.layers]
+    capacity = (len(ctx) + len(q) + 3) * layer_row_bytes(cache)
+    assert all(layer.keys.untyped_storage().nbytes() == capacity for layer in cache.layers)
+    past = len(ctx) + len(q)
+    with torch.inference_mode():
+        for token in (5, 6, 7):
+            receiver.run_layers(receiver.embed(receiver.token_tensor([token])), 0, L, cache, past=past)
+            past += 1
+    assert [layer.keys.untyped_storage().data_ptr() for layer in cache.layers] == storages
+    assert all(layer.get_seq_length() == past for layer in cache.layers)
+
+
+def layer_row_bytes(cache) -> int:
+    """Bytes of one token's keys in a layer: kv_heads x head_dim x element size."""
+    k = cache.layers[0].keys  # [1, kvh, T, hd]
+    return k.shape[1] * k.shape[3] * k.element_size()
+
+
+def test_write_once_generation_equals_the_reference(receiver, prompt):
+    """Decoding on the write-once cache gives the reference's greedy tokens (HF forward, no cache)."""
+    ctx, q = prompt
+    src = CapturedSource(capture_prefill(receiver, ctx, e_layers=[2]))
+    got = generate(receiver, ctx + q, ReusePlan.recompute(0, L), src, max_new_tokens=8)
+    assert got.tokens == reference_greedy(receiver, ctx + q, 8)

@@ -1,0 +1,36 @@
+# Sourced by the GPU checks (check.sh, transfer-check.sh) from the repository's root: sets `py`
+# and makes the modules a check needs importable, or stops.
+#   1. Python: $PYTHON, else the repo's .venv, else python3. Torch is never installed: the GPU
+#      machine's own CUDA build is the one to measure;
+#   2. with $WHEELS (a folder of carried wheels) install them offline, without dependencies, into
+#      a scratch folder put on PYTHONPATH;
+#   3. `require MODULE=WHEEL ...` names every missing module and exits 2, rather than a traceback.
+
+if [[ -n "${PYTHON:-}" ]]; then
+  py=$PYTHON
+elif [[ -x .venv/bin/python ]]; then
+  py=.venv/bin/python
+else
+  py=python3
+fi
+
+if [[ -n "${WHEELS:-}" ]]; then
+  deps=$(mktemp -d)
+  trap 'rm -rf "$deps"' EXIT
+  "$py" -m pip install --quiet --no-index --no-deps --target "$deps" "$WHEELS"/*.whl
+  export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+require() {
+  "$py" - "$@" <<'PY'
+import importlib.util
+import sys
+
+need = dict(arg.split("=", 1) for arg in sys.argv[1:])
+missing = [f"{name} (wheel: {wheel})" for name, wheel in need.items() if importlib.util.find_spec(name) is None]
+if missing:
+    print("MISSING Python modules: " + "; ".join(missing), file=sys.stderr)
+    print("Carry their wheels in a folder and rerun with WHEELS=<folder>.", file=sys.stderr)
+    sys.exit(2)
+PY
+}

@@ -1,0 +1,150 @@
+"""The prepared GPU check: `python -m droidmesh.shared.bench.gpu_check` (run by `infra/gpu/check.sh`).
+
+Sequence (one process, one device; `--tiny` runs the same sequence on the CPU at a toy size):
+  1. build the shape (`shared/model/shapes.py`; default llama3-8b) directly on the device in
+     bfloat16 (float32 on the CPU);
+  2. exactness: recompute-all (partial prefill recomputing every layer from the receiver's own
+     embedding) against the model's own HF forward over the same prompt, the question's logits'
+     largest absolute difference, held to `TOLERANCE` of the model's dtype;
+  3. per context length: capture the context once, then per plan (full prefill, full reuse,
+     recompute k = 1, 2, 4 from layer 0) one warm-up and the median TTFT of `--repeats` runs
+     (`generate`, one new token; the cache is already on the device), with the device's peak
+     memory per plan (CUDA only);
+  4. CacheBlend at the middle context (`cacheblend_s`);
+  5. `targets` from the rows (null where a context was not run or the device keeps no peak) and
+     one JSON to `--out`; a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from droidmesh.shared.bench import report
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate, prefill
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model import shapes
+from droidmesh.shared.model.adapter import ModelAdapter
+
+GIB = 1 << 30
+QUESTION_TOKENS = 32
+KS = (1, 2, 4)
+# Largest |logit difference| accepted between recompute-all and the model's own forward: the same
+# math in another order; bfloat16 keeps 8 bits of mantissa, so its bound is loose on purpose.
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
+FULL_CONTEXTS = (4096, 8192, 16384, 32768, 65536)
+TINY_CONTEXTS = (256, 512)
+COLUMNS = ["context", "plan", "recomputed_layers", "total_layers", "ttft_s", "speedup", "ideal", "peak_mem_gib"]
+
+
+def _plans(num_layers: int) -> list[ReusePlan]:
+    return [ReusePlan.full_prefill(), ReusePlan.full_reuse(), *(ReusePlan.recompute(0, k) for k in KS if k < num_layers)]
+
+
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / GIB
+
+
+def exactness(model: ModelAdapter, tokens: int, seed: int = 0) -> dict[str, Any]:
+    """Recompute-all vs the model's own forward over a `tokens`-token context and a question."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ctx = torch.randint(0, vocab, (tokens,), generator=g).tolist()
+    q = torch.randint(0, vocab, (QUESTION_TOKENS,), generator=g).tolist()
+    with torch.inference_mode():
+        ref = model.model(input_ids=torch.tensor([ctx + q], device=model.device), use_cache=False).logits[0, -len(q):]
+        got = prefill(model, ctx + q, ReusePlan.recompute(0, model.num_layers), CapturedSource(capture_prefill(model, ctx)),
+                      logits_for=len(q)).logits
+    diff = float((got.float() - ref.float()).abs().max())
+    bound = TOLERANCE.get(model.dtype, 1e-3)
+    return {"tokens": tokens, "max_abs_diff": diff, "tolerance": bound, "ok": diff <= bound}
+
+
+def measure(model: ModelAdapter, contexts: list[int], repeats: int, seed: int = 0) -> tuple[list[dict[str, Any]], float | None]:
+    """Rows per (context, plan) and CacheBlend's TTFT at the middle context."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, L, device = model.config.vocab_size, model.num_layers, model.device
+    rows: list[dict[str, Any]] = []
+    blend_s = None
+    for i, n in enumerate(contexts):
+        ctx = torch.randint(0, vocab, (n,), generator=g).tolist()
+        prompt = ctx + torch.randint(0, vocab, (QUESTION_TOKENS,), generator=g).tolist()
+        source = CapturedSource(capture_prefill(model, ctx))
+        full = None
+        for plan in _plans(L):
+            _peak_reset(device)
+            times = [generate(model, prompt, plan, source, max_new_tokens=1).ttft_s for _ in range(repeats + 1)][1:]
+            ttft = statistics.median(times)
+            full = ttft if plan.mode == "full_prefill" else full
+            k = len(plan.recomputed_layers(L))
+            rows.append({"context": n, "plan": plan.label(), "recomputed_layers": k, "total_layers": L, "ttft_s": ttft,
+                         "speedup": (full or ttft) / ttft, "ideal": L / k if k else None, "peak_mem_gib": _peak_gib(device)})
+            print(report.format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        if i == len(contexts) // 2:
+            blend = [generate(model, prompt, ReusePlan.cacheblend(0.15), source, max_new_tokens=1).ttft_s
+                     for _ in range(repeats + 1)][1:]
+            blend_s = statistics.median(blend)
+        del source
+    return rows, blend_s
+
+
+def targets(model: ModelAdapter, rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    def row(n: int, plan: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["context"] == n and r["plan"] == plan), None)
+
+    k2 = row(32768, ReusePlan.recompute(0, 2).label())
+    reuse64 = row(65536, ReusePlan.full_reuse().label())
+    peaks = [r["peak_mem_gib"] for r in rows if r["context"] == 32768 and r["peak_mem_gib"] is not None]
+    return {"k2_32k_fraction_of_ideal": k2["speedup"] / k2["ideal"] if k2 else None,
+            "full_reuse_64k_s": reuse64["ttft_s"] if reuse64 else None,
+            "peak_mem_32k_gib": max(peaks) if peaks else None,
+            "weights_gib": shapes.weights_bytes(model) / GIB, "kv_32k_gib": shapes.kv_bytes(model, 32768) / GIB}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m droidmesh.shared.bench.gpu_check")
+    parser.add_argument("--tiny", action="store_true", help="the toy shape on the CPU (what CI runs)")
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(shapes.SHAPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--contexts", default=None, help="comma list of tokens (default: 4K..64K; --tiny: 256,512)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=None, help="JSON file")
+    args = parser.parse_args(argv)
+    shape, device = ("tiny", "cpu") if args.tiny else (args.shape, args.device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: run with --tiny for the CPU path", file=sys.stderr)
+        return 2
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else list(TINY_CONTEXTS if args.tiny else FULL_CONTEXTS)
+    model = shapes.build(shape, device)
+    exact = exactness(model, min(contexts))
+    rows, blend_s = measure(model, contexts, args.repeats)
+    out = {"suite": "gpu_check", "machine": report.machine(), "shape": shape, "device": str(model.device),
+           "dtype": str(model.dtype).removeprefix("torch."), "rows": rows, "targets": targets(model, rows),
+           "exactness": exact, "cacheblend_s": blend_s}
+    print(report.format_table(rows, COLUMNS))
+    print(json.dumps({"targets": out["targets"], "exactness": exact, "cacheblend_s": blend_s}, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0 if exact["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

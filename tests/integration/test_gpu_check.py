@@ -1,0 +1,44 @@
+"""The prepared GPU check (`infra/gpu/check.sh`): its `--tiny` CPU run end to end, the JSON the
+issue asks for. No timing is asserted; on a GPU the same script measures the real shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from droidmesh.shared.model import shapes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_run_writes_every_row_target_and_an_exact_recompute_all(tmp_path):
+    """Rows per context and plan with the named keys, the targets (null where not measured), exactness within tolerance."""
+    out = tmp_path / "check.json"
+    proc = subprocess.run(["bash", "infra/gpu/check.sh", "--tiny", "--repeats", "1", "--out", str(out)], cwd=ROOT,
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=290)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    keys = {"context", "plan", "recomputed_layers", "total_layers", "ttft_s", "speedup", "ideal", "peak_mem_gib"}
+    assert all(set(r) == keys for r in report["rows"])
+    assert {(r["context"], r["plan"]) for r in report["rows"]} >= {(256, "full prefill"), (512, "recompute [0,2)")}
+    assert set(report["targets"]) == {"k2_32k_fraction_of_ideal", "full_reuse_64k_s", "peak_mem_32k_gib", "weights_gib",
+                                      "kv_32k_gib"}
+    assert report["targets"]["k2_32k_fraction_of_ideal"] is None and report["targets"]["kv_32k_gib"] > 0
+    assert report["exactness"]["ok"] and report["cacheblend_s"] > 0
+
+
+def test_named_shapes_have_the_real_architectures_sizes():
+    """llama3-8b: 32 layers, 8 KV heads of 128; KV at 32K tokens in bf16 is 4 GiB."""
+    family, cfg = shapes.SHAPES["llama3-8b"]
+    assert family == "llama" and cfg["num_hidden_layers"] == 32 and cfg["num_key_value_heads"] == 8
+    assert 2 * 32 * 8 * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 32768 * 2 == 4 << 30
+
+
+def test_the_cli_lists_every_named_shape():
+    """`bench ttft --shape` offers exactly the shapes the module builds."""
+    from droidmesh.shared.cli.bench import SHAPE_NAMES
+
+    assert set(SHAPE_NAMES) == set(shapes.SHAPES)
