@@ -67,14 +67,20 @@ async def _run(url: str, b: Proc, n: int, k: int, words: int) -> tuple[dict[str,
         await _warm(client, ctx_b)
         baseline = await _series(client, ctx_a, n, "baseline")
         b.popen.send_signal(signal.SIGSTOP)
+        stalled = [asyncio.create_task(client.ask("bench-receiver", ctx_b, f" stalled {i}", max_new_tokens=1,
+                                                  timeout=300)) for i in range(k)]
         try:
-            stalled = [asyncio.create_task(client.ask("bench-receiver", ctx_b, f" stalled {i}", max_new_tokens=1,
-                                                      timeout=300)) for i in range(k)]
             during = await _series(client, ctx_a, n, "during")
             waiting = sum(not t.done() for t in stalled)
+        except BaseException:
+            for t in stalled:
+                t.cancel()
+            raise
         finally:
             b.popen.send_signal(signal.SIGCONT)
-        return {"baseline": baseline, "during_stall": during, "stalled": list(await asyncio.gather(*stalled))}, waiting
+            await asyncio.gather(*stalled, return_exceptions=True)
+        # every stalled request must have been answered: a lost one raises here
+        return {"baseline": baseline, "during_stall": during, "stalled": [t.result() for t in stalled]}, waiting
     finally:
         await client.close()
 

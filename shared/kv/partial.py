@@ -46,6 +46,9 @@ from droidmesh.shared.model.sampling import Sampler, greedy
 from droidmesh.shared.wire.schemas import FinishReason
 
 DEFAULT_TIMEOUT_S = 30.0
+# Decoded tokens a cache reserves room for up front; a longer answer grows it (doubling), so a
+# huge max_new_tokens never allocates before a token exists.
+DECODE_RESERVE = 1024
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -83,8 +86,9 @@ def prefill_steps(
     `torch.inference_mode` by the driver). Logits are computed for the last `logits_for` prompt
     tokens only: 1 to serve (the next token); more for fidelity metrics over a question. At 32K
     tokens and a 128K vocabulary, logits for every token would be 16.8 GB of float32.
-    The cache is sized for the prompt plus `decode_tokens` the caller will append, and every
-    token's K/V is written into it once (`hf_cache.WriteOnceLayer`)."""
+    The cache is sized for the prompt plus the `decode_tokens` the caller will append (at most
+    DECODE_RESERVE up front), and every token's K/V is written into it once
+    (`hf_cache.WriteOnceLayer`)."""
     if logits_for < 1:
         raise BadRequestError(f"logits_for {logits_for} < 1")
     t0 = time.perf_counter()
@@ -95,7 +99,7 @@ def prefill_steps(
     plan.validate(L)
     receiver.check_length(len(prompt))
     stages: dict[str, float] = {}
-    cache = receiver.new_cache(len(prompt) + decode_tokens)
+    cache = receiver.new_cache(len(prompt) + min(max(decode_tokens, 0), DECODE_RESERVE))
     if plan.mode == "full_prefill":
         h = receiver.run_layers(receiver.embed(receiver.token_tensor(prompt)), 0, L, cache, past=0)
         stages["suffix_done"] = time.perf_counter() - t0

@@ -85,16 +85,29 @@ class WriteOnceLayer(DynamicLayer):
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last tokens; the next update writes over their places (views taken before
+        the crop see that)."""
         super().crop(tokens_to_remove)  # validates the argument; the views it leaves are ours again below
         if self.is_initialized and tokens_to_remove < 0:
             self.length = max(0, self.length + tokens_to_remove)
             self._expose()
 
+    # What would replace `keys` / `values` behind the storage's back is refused, not silently undone
+    # by the next update: DroidMesh serves one sequence per cache, on one device.
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise UnsupportedModelError("a write-once cache holds one sequence")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise UnsupportedModelError("a write-once cache holds one sequence")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UnsupportedModelError("a write-once cache holds one sequence (no beam search)")
+
+    def offload(self) -> None:
+        raise UnsupportedModelError("a write-once cache stays on its device")
+
+    def prefetch(self) -> None:
+        raise UnsupportedModelError("a write-once cache stays on its device")
 
 
 def _storage(like: torch.Tensor, tokens: int) -> torch.Tensor:

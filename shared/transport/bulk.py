@@ -362,19 +362,20 @@ def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.
 async def guarded_pull(address: str, timeout_s: float, lock: asyncio.Lock, pull: Callable[[], Awaitable[int]],
                        drop: Callable[[], Awaitable[None]]) -> int:
     """The error contract of every networked `BulkClient.pull`: one pull at a time per address
-    (`lock`), `timeout_s` over all of it, and on any error `drop` the connection (never reused
-    half-read). DroidMesh errors pass as they are; the deadline and anything else become a
-    `TransferError` naming the address."""
-    async with lock:
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await pull()
-        except (DroidMeshError, asyncio.CancelledError):
-            await drop()
-            raise
-        except TimeoutError:
-            await drop()
-            raise TransferError(f"pull from {address} exceeded {timeout_s:.3g}s") from None
-        except Exception as e:
-            await drop()
-            raise TransferError(f"pull from {address} failed: {type(e).__name__}: {e}") from e
+    (`lock`), `timeout_s` over all of it (the wait for the lock included), and on any error `drop`
+    the connection before the lock passes on (never reused half-read). DroidMesh errors pass as
+    they are; the deadline and anything else become a `TransferError` naming the address."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with lock:
+                try:
+                    return await pull()
+                except BaseException:
+                    await drop()
+                    raise
+    except (DroidMeshError, asyncio.CancelledError):
+        raise
+    except TimeoutError:
+        raise TransferError(f"pull from {address} exceeded {timeout_s:.3g}s") from None
+    except Exception as e:
+        raise TransferError(f"pull from {address} failed: {type(e).__name__}: {e}") from e

@@ -32,7 +32,7 @@ SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_S
 NEEDED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK  # what a receiver requires before reading
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Segment:
     fd: int
     nbytes: int
@@ -63,15 +63,18 @@ def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     with warnings.catch_warnings():  # read-only on purpose: a stored tensor is never written
         warnings.simplefilter("ignore", UserWarning)
         base = torch.frombuffer(mm, dtype=torch.uint8)  # [total]; keeps `mm` alive while any view lives
-    key = base.data_ptr()
-    _SEGMENTS[key] = Segment(fd, total)
-    weakref.finalize(mm, _forget, key, fd)  # the last view gone: unmapped, then the memfd closed
+    key, seg = base.data_ptr(), Segment(fd, total)
+    _SEGMENTS[key] = seg
+    weakref.finalize(mm, _forget, key, seg)  # the last view gone: unmapped, then the memfd closed
     return [base[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors, strict=True)]
 
 
-def _forget(key: int, fd: int) -> None:
-    _SEGMENTS.pop(key, None)
-    os.close(fd)
+def _forget(key: int, seg: Segment) -> None:
+    """Drop `seg` (its mapping is gone) and close its memfd. CPython unmaps before it runs this, so
+    another placement may already own the address: only `seg`'s own entry is removed."""
+    if _SEGMENTS.get(key) is seg:
+        del _SEGMENTS[key]
+    os.close(seg.fd)
 
 
 def sealed_memfd(nbytes: int, parts: Iterable[tuple[int, torch.Tensor]]) -> int:
@@ -114,10 +117,13 @@ def placed(t: torch.Tensor) -> tuple[Segment, int] | None:
     """(its memfd, its offset there) when `t` is a contiguous view of a placed mapping."""
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
-    key = t.untyped_storage().data_ptr()
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
     seg = _SEGMENTS.get(key)
     offset = t.data_ptr() - key
-    if seg is None or not 0 <= offset <= seg.nbytes - t.numel() * t.element_size():
+    # the storage must be the whole mapping (one of `place`'s views), not other memory that a
+    # new allocation put at an address a mapping being torn down still names
+    if seg is None or storage.nbytes() != seg.nbytes or not 0 <= offset <= seg.nbytes - t.numel() * t.element_size():
         return None
     return seg, offset
 

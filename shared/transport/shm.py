@@ -71,7 +71,8 @@ from droidmesh.shared.wire.schemas import PullRequest, ShmDone, ShmGrant, ShmReg
 log = structlog.get_logger("shm")
 
 IDLE_S = 600.0  # sender: an idle connection's next PullRequest
-HOLD_S = 120.0  # sender: the longest a grant is held before its ShmDone
+HOLD_S = 120.0  # sender: the longest a grant is held, from its send to its ShmDone
+CONNECT_S = 10.0  # receiver: dialling a sender's socket (a full backlog would wait forever)
 MAX_CONNECTIONS = 256  # connections served at once per sender (more are closed on arrival)
 MAX_FDS = 8  # memfds one grant may carry (a sender passes at most two: placed + per-pull)
 LANES = 2  # client copy threads: one core's copy reaches about half of memcpy from a memfd here
@@ -144,9 +145,9 @@ class ShmBulkServer:
                     data, _ = await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0)
                 grant, fds, release = await self._grant(data)
                 try:
-                    await shm_io.send_frame(conn, schemas.encode(grant), fds)
-                    if not grant.response.error:
-                        async with asyncio.timeout(HOLD_S):
+                    async with asyncio.timeout(HOLD_S):  # a receiver that stops reading holds nothing longer
+                        await shm_io.send_frame(conn, schemas.encode(grant), fds)
+                        if not grant.response.error:
                             schemas.decode((await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0))[0], ShmDone)
                 finally:
                     release()
@@ -204,7 +205,7 @@ class ShmBulkServer:
                 copy_bytes += -(-view.numel() * view.element_size() // memfd.ALIGN) * memfd.ALIGN
         if copies:
             hold.charge(copy_bytes)  # counted before the copy exists
-            fd = await asyncio.get_running_loop().run_in_executor(None, memfd.sealed_memfd, copy_bytes, copies)
+            fd = await _off_loop(memfd.sealed_memfd, copy_bytes, copies)
             scratch.append(fd)
             fds.append(fd)
             regions = [msgspec.structs.replace(r, fd=len(fds) - 1) if r.fd < 0 else r for r in regions]
@@ -230,6 +231,16 @@ class ShmBulkServer:
 
 def _nothing() -> None:
     """The release of a grant that holds nothing."""
+
+
+async def _off_loop(make: Callable[..., int], *args: object) -> int:
+    """A descriptor made on a worker thread; if the caller is cancelled first, it is closed once made."""
+    future = asyncio.get_running_loop().run_in_executor(None, make, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else os.close(f.result()))
+        raise
 
 
 def _raise_fd_limit() -> None:
@@ -287,14 +298,14 @@ def _read(task: list[_Read]) -> None:
             raise IntegrityError(f"short read of a sealed memfd at {r.offset}")
 
 
-def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -> None:
+def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -> list[concurrent.futures.Future]:
     """Cancel the lane tasks not started and close `fds` once the running ones finish (a lane
-    never reads a closed, possibly reused, descriptor number)."""
+    never reads a closed, possibly reused, descriptor number); return the running ones."""
     running = [f for f in futures if not f.cancel() and not f.done()]
     if not running:
         for fd in fds:
             os.close(fd)
-        return
+        return running
     left, lock = [len(running)], threading.Lock()
 
     def one_done(_: concurrent.futures.Future) -> None:
@@ -307,6 +318,7 @@ def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -
 
     for f in running:
         f.add_done_callback(one_done)
+    return running
 
 
 class ShmBulkClient:
@@ -335,6 +347,7 @@ class ShmBulkClient:
         await shm_io.send_frame(sock, schemas.encode(request))
         data, fds = await shm_io.recv_frame(sock, schemas.MAX_MESSAGE_BYTES, MAX_FDS)
         futures: list[concurrent.futures.Future] = []
+        ok = False
         try:
             grant = schemas.decode(data, ShmGrant)
             lands = landings(request, grant.response, into)
@@ -353,8 +366,11 @@ class ShmBulkClient:
                 for land, _ in run:
                     land.codec.decode(land.recv, land.header, land.out)  # raw: in place, or from host staging
                     on_item(land.item, land.out)
+            ok = True
         finally:
-            _close_when_done(fds, futures)
+            running = _close_when_done(fds, futures)
+            if not ok and running:  # the caller's buffers are written no more once the pull has failed
+                await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, running), return_exceptions=True))
         await shm_io.send_frame(sock, schemas.encode(ShmDone()))
         return sum(land.header.nbytes for land in lands)
 
@@ -368,7 +384,8 @@ class ShmBulkClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_connect(sock, address)
+            async with asyncio.timeout(CONNECT_S):
+                await asyncio.get_running_loop().sock_connect(sock, address)
         except BaseException:
             sock.close()
             raise
@@ -387,4 +404,4 @@ class ShmBulkClient:
     async def close(self) -> None:
         for address in list(self._conns):
             await self._drop(address)
-        self._lanes.shutdown(wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._lanes.shutdown, wait=True, cancel_futures=True)

@@ -57,14 +57,15 @@ async def recv_frame(sock: socket.socket, cap: int, max_fds: int) -> tuple[bytes
     try:
         while len(head) < _HEADER:
             try:
-                data, ancillary, flags, _ = sock.recvmsg(_HEADER - len(head), socket.CMSG_SPACE(max_fds * 4) if max_fds else 0)
+                room = socket.CMSG_SPACE(max_fds * 4) if max_fds and not head else 0  # only with the first bytes
+                data, ancillary, flags, _ = sock.recvmsg(_HEADER - len(head), room)
             except BlockingIOError:
                 await _ready(sock)
                 continue
             for level, kind, payload in ancillary:
                 if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
                     fds += array.array("i", payload[:len(payload) - len(payload) % 4]).tolist()
-            if max_fds and flags & socket.MSG_CTRUNC:
+            if room and flags & socket.MSG_CTRUNC:
                 raise BadMessageError(f"a frame with more than {max_fds} descriptors")
             if not data:
                 raise EOFError("peer closed the connection")

@@ -450,20 +450,10 @@ class UcxBulkClient:
         async def pull() -> int:
             return await self._pull_on(await self._endpoint(address), request, into, on_item)
 
-        # The per-address lock is waited for under the same deadline as the pull itself: pulls
+        # The per-address lock is waited for under the pull's own deadline (`guarded_pull`): pulls
         # queued behind a stalled one fail at their own deadline, not one timeout after another.
-        lock = self._locks.setdefault(address, asyncio.Lock())
-        until = time.monotonic() + timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                await lock.acquire()
-        except TimeoutError:
-            raise TransferError(f"pull from {address}: another pull held the connection for {timeout_s:.3g}s") from None
-        try:
-            return await guarded_pull(address, max(0.001, until - time.monotonic()), asyncio.Lock(), pull,
-                                      lambda: self._drop(address))
-        finally:
-            lock.release()
+        return await guarded_pull(address, timeout_s, self._locks.setdefault(address, asyncio.Lock()), pull,
+                                  lambda: self._drop(address))
 
     async def _pull_on(self, ep: Any, request: PullRequest, into: Sequence[torch.Tensor], on_item: OnItem) -> int:
         request = ask_device(request, into)

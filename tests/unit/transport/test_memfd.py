@@ -61,7 +61,7 @@ def test_items_and_with_items_round_trip_every_tensor():
     kv = tuple(KVBlock(l, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)) for l in range(2))
     ctx = CapturedContext((1, 2, 3), fp, "m", kv, {1: torch.randn(1, 3, 16), 5: torch.randn(1, 3, 16)})
     items = ctx.items()
-    assert [t is u for t, u in zip(items, [kv[0].k, kv[0].v, kv[1].k, kv[1].v, ctx.e[1], ctx.e[5]], strict=True)]
+    assert all(t is u for t, u in zip(items, [kv[0].k, kv[0].v, kv[1].k, kv[1].v, ctx.e[1], ctx.e[5]], strict=True))
     back = ctx.with_items([t + 1 for t in items])
     assert torch.equal(back.kv[1].v, kv[1].v + 1) and torch.equal(back.e[5], ctx.e[5] + 1) and set(back.e) == {1, 5}
 
