@@ -7,10 +7,11 @@ from typing import Any
 import click
 
 from droidmesh.shared.bench import report
+from droidmesh.shared.cli import bench_data_plane
+from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, save
 from droidmesh.shared.cli.models import device_options
 from droidmesh.shared.cli.params import GROUP, check_group, checkpoint_layers, float_list, int_list
-from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
-from droidmesh.shared.errors import ConfigError, DroidMeshError
+from droidmesh.shared.errors import DroidMeshError
 
 # Before the zoo's demo tier exists, latency runs on a random-init 12-layer model of this shape.
 SHAPE_NAMES = ("llama3-8b", "qwen2.5-7b", "llama3.2-1b", "tiny")  # shared/model/shapes.py (imported lazily: transformers)
@@ -18,19 +19,6 @@ RANDOM_BENCH_MODEL: dict[str, Any] = dict(
     hidden_size=384, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=6,
     num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192,
 )
-
-
-def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        return check_device_name(value)
-    except ConfigError as e:
-        raise click.BadParameter(str(e), param=param) from None
-
-
-def _device_option(f):  # a click decorator
-    """`--device` alone, for suites whose services and probe run bfloat16 on any device."""
-    return click.option("--device", envvar=DEVICE_ENV, default=DEFAULT_DEVICE, show_default=True, callback=_device,
-                        help=f"cpu, cuda or cuda:N for the launched processes (env {DEVICE_ENV}).")(f)
 
 
 @click.group()
@@ -82,179 +70,6 @@ def ttft(json_path, plot_path, model_path, shape, contexts, repeats, device, dty
         suite.plot(rows, plot_path)
 
 
-GROUP_HELP = "Recompute group START:END (layers [START, END); START may be 0)."
-
-
-def _demo_pair(group: tuple[int, int] | None = None) -> tuple[str, str]:
-    """(sender, receiver) checkpoint paths of the zoo's first demo pair (ci tier if absent);
-    `group` must fit the receiver."""
-    from droidmesh.shared.models import resolve_model
-    from droidmesh.shared.zoo.manifest import find_tiers
-
-    for tier, _dir, man in find_tiers():
-        pair = man["pairs"][0]
-        sender, receiver = (resolve_model(f"{tier}/{pair[role]}") for role in ("sender", "receiver"))
-        if group is not None:
-            check_group(group, checkpoint_layers(receiver.path))
-        return str(sender.path), str(receiver.path)
-    raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
-
-
-def _save(json_path: str | None, suite: str, payload: dict) -> None:
-    report.write_json(json_path, {"suite": suite, "machine": report.machine(), **payload})
-
-
-@bench.command()
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
-@click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
-@click.option("--group", default="0:6", type=GROUP, show_default=True, help=GROUP_HELP)
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
-@click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl", "shm"]),
-              help="Bulk channel between the sender and the probe (both on this host).")
-@_device_option
-def pipeline(json_path, tokens, group, repeats, transport, device) -> None:
-    """Fig. 13: load-all vs load-reused vs pipelined, over a bulk channel between processes."""
-    from droidmesh.shared.bench import runs
-
-    sender, receiver = _demo_pair(group)
-    r = runs.pipeline(sender, receiver, tokens, group, repeats, device, transport)
-    rows = [{"mode": m, "seconds": s, "vs_piped": s / r["seconds"]["piped"]} for m, s in r["seconds"].items()]
-    click.echo(report.format_table(rows, ["mode", "seconds", "vs_piped"]))
-    click.echo(f"pipeline_overhead = TTFT(piped) / max(recompute, transfer) = {r['pipeline_overhead']:.3f}")
-    _save(json_path, "pipeline", r)
-
-
-@bench.command()
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
-@click.option("--tokens", default=4096, show_default=True, type=click.IntRange(16, 32768))
-@click.option("--group", default="0:6", type=GROUP, show_default=True, help=GROUP_HELP)
-@click.option("--rates", default="500,1000,2000,5000,0", show_default=True, callback=float_list(),
-              help="Mbit/s; 0 = unlimited.")
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50),
-              help="Rounds per rate (median; odd, as the median of two is their mean and one stalled pull halves it).")
-@click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl"]),
-              help="Bulk channel of the sender and the probe (DM_SENDER_TRANSPORT / DM_RECEIVER_TRANSPORT).")
-@click.option("--ucx-tls", default="tcp,self", show_default=True,
-              help="UCX_TLS of both processes: two hosts share no memory, so shared memory and CMA (which "
-                   "would bypass the veth in two namespaces of one kernel) are off; '' keeps the channel's "
-                   "own. An UCX_TLS in the environment wins.")
-@_device_option
-def bandwidth(json_path, plot_path, tokens, group, rates, repeats, transport, ucx_tls, device) -> None:
-    """Fig. 20: sender and receiver in their own namespaces over a tc-limited veth link."""
-    from droidmesh.shared.bench import runs
-
-    sender, receiver = _demo_pair(group)
-    rate_list = [r or None for r in rates]
-    try:
-        rows = runs.bandwidth(sender, receiver, tokens, group, repeats, rate_list, device, transport, ucx_tls or None)
-    except RuntimeError as e:
-        click.echo(str(e), err=True)
-        _save(json_path, "bandwidth", {"skipped": str(e)})
-        return
-    table = [{"configured_gbit_s": r["configured_gbit_s"], "transport": r["transport"],
-              "ucx_transports": r["ucx_transports"], "achieved_gbit_s": r["achieved_gbit_s"],
-              "link_efficiency": r["link_efficiency"], **{k: r["seconds"][k] for k in ("piped", "reused", "all", "prefill")}}
-             for r in rows]
-    click.echo(report.format_table(table, list(table[0])))
-    effs = [r["link_efficiency"] for r in rows if r["link_efficiency"]]
-    _save(json_path, "bandwidth", {"rows": rows, "link_efficiency": min(effs) if effs else None,
-                                   "transport": transport, "ucx_tls": rows[0]["ucx_tls"] if rows else None,
-                                   "tokens": tokens, "group": list(group)})
-    if plot_path:
-        _plot_bandwidth(table, plot_path)
-
-
-def _plot_bandwidth(table: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [r["configured_gbit_s"] or max(r["achieved_gbit_s"] for r in table) * 1.5 for r in table]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("piped", "pipelined"), ("reused", "load reused, then compute"), ("all", "load all, then compute"),
-                       ("prefill", "full prefill")):
-        ax.plot(xs, [r[key] for r in table], "o-", label=label)
-        report.label_points(ax, xs, [r[key] for r in table])
-    ax.set_xscale("log")
-    ax.set_xlabel("link rate (Gbit/s; rightmost = unlimited)")
-    ax.set_ylabel("TTFT (s)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _transport_list(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> list[str] | None:
-    out = [t.strip() for v in value for t in v.split(",") if t.strip()]
-    return list(dict.fromkeys(out)) or None
-
-
-@bench.command()
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
-@click.option("--sizes", default="262144,1048576,4194304,16777216,67108864,268435456", show_default=True,
-              callback=int_list, help="Bytes per tensor.")
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
-@click.option("--transport", "transports", multiple=True, callback=_transport_list,
-              help="Bulk channel(s) to measure; repeat or give a comma list (default: every channel between "
-                   "processes, e.g. ucx,nixl,shm; one that cannot start is reported as unavailable).")
-@click.option("--shm-lanes", default=2, show_default=True, type=click.IntRange(1, 16),
-              help="Copy threads of the shm channel's client (the receiver uses 2).")
-def transfer(json_path, sizes, repeats, transports, shm_lanes) -> None:
-    """Data plane: pulls over each bulk channel between two processes vs a memcpy of the same bytes
-    (warm and out of cache, one thread); ratio = throughput / warm memcpy."""
-    from droidmesh.shared.bench import runs
-
-    r = runs.transfer(sizes, repeats, transports, shm_lanes)
-    columns = ["bytes", "transport", "throughput_gb_s", "memcpy_gb_s", "memcpy_cold_gb_s", "ratio", "ucx_transports"]
-    if any("unavailable" in row for row in r["rows"]):
-        columns.append("unavailable")
-    click.echo(report.format_table(r["rows"], columns))
-    for transport, ratio in r["over_memcpy"].items():
-        if ratio is not None:
-            click.echo(f"{transport}: smallest throughput / memcpy from {runs.RATIO_FROM_BYTES >> 20} MiB up = {ratio:.3f}")
-    _save(json_path, "transfer", r)
-
-
-@bench.command()
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
-@click.option("--group", default="4:6", type=GROUP, show_default=True, help=GROUP_HELP)
-@click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl", "shm"]))
-@click.option("--requests", "n", default=9, show_default=True, type=click.IntRange(3, 200),
-              help="Requests over the healthy sender's context per phase.")
-@click.option("--stalled", "k", default=2, show_default=True, type=click.IntRange(1, 32),
-              help="Requests left waiting on the frozen sender.")
-@click.option("--words", default=500, show_default=True, type=click.IntRange(10, 600),
-              help="Words per context (500: ~2.9K tokens on the demo tier).")
-@click.option("--log-dir", type=click.Path(file_okay=False), help="Services' logs (default: a temporary directory).")
-def stall(json_path, group, transport, n, k, words, log_dir) -> None:
-    """A frozen sender vs the requests that do not use it: their TTFT before and while it stalls."""
-    import tempfile
-    from pathlib import Path
-
-    from droidmesh.shared.bench import stall as suite
-
-    sender, receiver = _demo_pair(group)
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-stall-"))
-    r = suite.run_stall(sender, receiver, group, logs, transport=transport, n=n, k=k, words=words)
-    click.echo(report.format_table(r["rows"], suite.COLUMNS))
-    click.echo(f"stall_ratio = TTFT p50 while a sender stalls / before = {r['stall_ratio']:.3f} "
-               f"({r['still_waiting_after_series']} of {k} stalled requests still waiting at the end)")
-    _save(json_path, "stall", r)
-
-
-@bench.command()
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
-@click.option("--events", default=1000, show_default=True, type=click.IntRange(10, 100000))
-def control(json_path, events) -> None:
-    """Control plane: availability event -> visible in the broker index; lookup round trip."""
-    from droidmesh.shared.bench import runs
-
-    r = runs.control(events)
-    click.echo(report.format_table([r], list(r)))
-    _save(json_path, "control", r)
-
-
 @bench.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
@@ -265,19 +80,19 @@ def control(json_path, events) -> None:
 @click.option("--seconds", default=20.0, show_default=True, type=click.FloatRange(1, 3600))
 @click.option("--slo", default=1.0, show_default=True, type=click.FloatRange(0.001, 600), help="TTFT SLO (s).")
 @click.option("--copies", default="1,2", show_default=True, callback=int_list, help="Receiver copies to try.")
-@_device_option
+@launched_device_option
 def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, device) -> None:
     """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill."""
     from droidmesh.shared.bench import runs
 
-    sender, receiver = _demo_pair(group)
+    sender, receiver = demo_pair(group)
     rows = runs.load(sender, receiver, group, tokens, rates, seconds, slo, copies, device)
     cols = ["receivers", "rate", "mode", "requests", "ttft_p50", "ttft_p99", "tbt_p50", "e2e_p50", "e2e_p99", "goodput"]
     click.echo(report.format_table(rows, cols))
     best = {m: max((r["goodput"] for r in rows if r["mode"] == m), default=0.0) for m in ("auto", "full_prefill")}
     ratio = best["auto"] / best["full_prefill"] if best["full_prefill"] else None
     click.echo(f"goodput_ratio (best DroidMesh / best full prefill at TTFT <= {slo}s) = {ratio}")
-    _save(json_path, "load", {"rows": rows, "slo_s": slo, "goodput_ratio": ratio, "tokens": tokens, "group": list(group)})
+    save(json_path, "load", {"rows": rows, "slo_s": slo, "goodput_ratio": ratio, "tokens": tokens, "group": list(group)})
     if plot_path:
         _plot_load(rows, plot_path, slo)
 
@@ -355,7 +170,7 @@ def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype)
     click.echo(report.format_table(result["rows"], ["config", "recomputed_layers", "quality", "ttft_s", "speedup",
                                                     "ttft_4k_s", "speedup_4k"]))
     click.echo(f"sender alone: {result['sender_alone']:.3f}; speedup_at_5pct (4K tokens): {result['speedup_at_5pct']}")
-    _save(json_path, "quality", {"pair": pair, "tier": tier, "model": report.model_record(receiver), **result})
+    save(json_path, "quality", {"pair": pair, "tier": tier, "model": report.model_record(receiver), **result})
     if plot_path:
         suite.plot(result, plot_path, f"{names.id} ({pair['task']})")
 
@@ -413,7 +228,7 @@ CODECS_COLUMNS = ["pair", "tokens", "link_gbit", "config", "bytes_on_wire", "qua
 @click.option("--rows", default=24, show_default=True, type=click.IntRange(1, 1000), help="Test rows scored per config.")
 @click.option("--target-rate", default=0.25, show_default=True, type=float, help="Link rate of the targets (Gbit/s).")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Maps files, configs (default: a temporary directory).")
-@_device_option
+@launched_device_option
 def codecs(json_path, plot_dir, table_path, pairs, task, rates, tokens, repeats, rows, target_rate, work_dir, device) -> None:
     """Issue 13: quality, wire bytes, encode/decode time and TTFT over a rate-limited link per wire
     codec / SCD config (baselines included), both demo pairs; targets for base->qa."""
@@ -429,7 +244,7 @@ def codecs(json_path, plot_dir, table_path, pairs, task, rates, tokens, repeats,
         r = runs.codecs(pair_list, tokens, rates, repeats, rows, work, task=task, device=device)
     except RuntimeError as e:
         click.echo(str(e), err=True)
-        _save(json_path, "codecs", {"skipped": str(e)})
+        save(json_path, "codecs", {"skipped": str(e)})
         return
     table_rows = [{**row, "tokens": row["target_tokens"]} for row in r["rows"]]
     table = report.format_table(table_rows, CODECS_COLUMNS)
@@ -445,7 +260,7 @@ def codecs(json_path, plot_dir, table_path, pairs, task, rates, tokens, repeats,
     if table_path:
         Path(table_path).parent.mkdir(parents=True, exist_ok=True)
         Path(table_path).write_text(text + "\n")
-    _save(json_path, "codecs", {"task": task, "tokens": tokens, "rates_gbit": rates, "repeats": repeats, "rows_scored": rows,
+    save(json_path, "codecs", {"task": task, "tokens": tokens, "rates_gbit": rates, "repeats": repeats, "rows_scored": rows,
                                 "chosen_rule": suite.CHOSEN_RULE, "targets": tg, "work_dir": work, **r})
     if plot_dir:
         Path(plot_dir).mkdir(parents=True, exist_ok=True)
@@ -494,6 +309,10 @@ def drift(json_path, plot_path, log_dir, before, after, n_before, n_settled, max
     click.echo(f"alarm {result['requests_to_alarm']} and new config {result['requests_to_new_config']} requests after "
                f"the shift; plan {result.get('old_plan')} -> {result.get('new_plan')}; re-profile took "
                f"{result['reprofile_s']} s; logs in {logs}")
-    _save(json_path, "drift", result)
+    save(json_path, "drift", result)
     if plot_path:
         suite.plot_png(result, plot_path)
+
+
+for _command in bench_data_plane.COMMANDS:
+    bench.add_command(_command)
