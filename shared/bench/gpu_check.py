@@ -6,10 +6,10 @@ Sequence (one process, one device; `--tiny` runs the same sequence on the CPU at
   2. exactness: recompute-all (partial prefill recomputing every layer from the receiver's own
      embedding) against the model's own HF forward over the same prompt, the question's logits'
      largest absolute difference, held to `TOLERANCE` of the model's dtype;
-  3. per context length: capture the context once, then per plan (full prefill, full reuse,
-     recompute k = 1, 2, 4 from layer 0) one warm-up and the median TTFT of `--repeats` runs
-     (`generate`, one new token; the cache is already on the device), with the device's peak
-     memory per plan (CUDA only);
+  3. per context length and plan (full prefill, full reuse, recompute k = 1, 2, 4 from layer 0):
+     `bench ttft`'s measurement (`shared/bench/ttft.py::measure`: the context captured once, one
+     warm-up, the median TTFT of `--repeats` runs of `generate` for one new token, the device's
+     peak memory per plan on CUDA);
   4. CacheBlend at the middle context (`cacheblend_s`);
   5. `targets` from the rows (null where a context was not run or the device keeps no peak) and
      one JSON to `--out`; a table on stdout.
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from droidmesh.shared.bench import report
+from droidmesh.shared.bench import report, ttft
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill
 from droidmesh.shared.kv.plan import ReusePlan
@@ -35,7 +35,7 @@ from droidmesh.shared.model import shapes
 from droidmesh.shared.model.adapter import ModelAdapter
 
 GIB = 1 << 30
-QUESTION_TOKENS = 32
+QUESTION_TOKENS = ttft.QUESTION_TOKENS
 KS = (1, 2, 4)
 # Largest |logit difference| accepted between recompute-all and the model's own forward: the same
 # math in another order; bfloat16 keeps 8 bits of mantissa, so its bound is loose on purpose.
@@ -43,23 +43,6 @@ TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
 FULL_CONTEXTS = (4096, 8192, 16384, 32768, 65536)
 TINY_CONTEXTS = (256, 512)
 COLUMNS = ["context", "plan", "recomputed_layers", "total_layers", "ttft_s", "speedup", "ideal", "peak_mem_gib"]
-
-
-def _plans(num_layers: int) -> list[ReusePlan]:
-    return [ReusePlan.full_prefill(), ReusePlan.full_reuse(), *(ReusePlan.recompute(0, k) for k in KS if k < num_layers)]
-
-
-def _peak_reset(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_gib(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) / GIB
 
 
 def exactness(model: ModelAdapter, tokens: int, seed: int = 0) -> dict[str, Any]:
@@ -78,31 +61,20 @@ def exactness(model: ModelAdapter, tokens: int, seed: int = 0) -> dict[str, Any]
 
 
 def measure(model: ModelAdapter, contexts: list[int], repeats: int, seed: int = 0) -> tuple[list[dict[str, Any]], float | None]:
-    """Rows per (context, plan) and CacheBlend's TTFT at the middle context."""
-    g = torch.Generator().manual_seed(seed)
-    vocab, L, device = model.config.vocab_size, model.num_layers, model.device
-    rows: list[dict[str, Any]] = []
-    blend_s = None
-    for i, n in enumerate(contexts):
-        ctx = torch.randint(0, vocab, (n,), generator=g).tolist()
-        prompt = ctx + torch.randint(0, vocab, (QUESTION_TOKENS,), generator=g).tolist()
-        source = CapturedSource(capture_prefill(model, ctx))
-        full = None
-        for plan in _plans(L):
-            _peak_reset(device)
-            times = [generate(model, prompt, plan, source, max_new_tokens=1).ttft_s for _ in range(repeats + 1)][1:]
-            ttft = statistics.median(times)
-            full = ttft if plan.mode == "full_prefill" else full
-            k = len(plan.recomputed_layers(L))
-            rows.append({"context": n, "plan": plan.label(), "recomputed_layers": k, "total_layers": L, "ttft_s": ttft,
-                         "speedup": (full or ttft) / ttft, "ideal": L / k if k else None, "peak_mem_gib": _peak_gib(device)})
-            print(report.format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-        if i == len(contexts) // 2:
-            blend = [generate(model, prompt, ReusePlan.cacheblend(0.15), source, max_new_tokens=1).ttft_s
-                     for _ in range(repeats + 1)][1:]
-            blend_s = statistics.median(blend)
-        del source
-    return rows, blend_s
+    """Rows per (context, plan) (`bench ttft`'s measurement, in this check's keys) and
+    CacheBlend's TTFT at the middle context."""
+    rows = [{"context": r["context_tokens"], "plan": r["plan"], "recomputed_layers": r["recomputed_layers"],
+             "total_layers": r["total_layers"], "ttft_s": r["ttft_s"], "speedup": r["speedup"],
+             "ideal": r["ideal_speedup"], "peak_mem_gib": r["peak_mem_gib"]}
+            for r in ttft.measure(model, contexts, repeats, seed, ks=KS)]
+    g = torch.Generator().manual_seed(seed + 1)
+    n, vocab = contexts[len(contexts) // 2], model.config.vocab_size
+    ctx = torch.randint(0, vocab, (n,), generator=g).tolist()
+    prompt = ctx + torch.randint(0, vocab, (QUESTION_TOKENS,), generator=g).tolist()
+    source = CapturedSource(capture_prefill(model, ctx))
+    blend = [generate(model, prompt, ReusePlan.cacheblend(0.15), source, max_new_tokens=1).ttft_s
+             for _ in range(repeats + 1)][1:]
+    return rows, statistics.median(blend)
 
 
 def targets(model: ModelAdapter, rows: list[dict[str, Any]]) -> dict[str, float | None]:

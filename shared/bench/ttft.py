@@ -34,27 +34,52 @@ def recompute_sizes(num_layers: int) -> list[int]:
     return ks
 
 
-def plans(num_layers: int) -> Iterator[ReusePlan]:
+def plans(num_layers: int, ks: Sequence[int] | None = None) -> Iterator[ReusePlan]:
+    """Full prefill, full reuse, then recompute k layers from layer 0 for each k of `ks` below L
+    (default `recompute_sizes`)."""
     yield ReusePlan.full_prefill()
     yield ReusePlan.full_reuse()
-    for k in recompute_sizes(num_layers):
-        yield ReusePlan.recompute(0, k)
+    for k in ks if ks is not None else recompute_sizes(num_layers):
+        if 0 < k < num_layers:
+            yield ReusePlan.recompute(0, k)
 
 
-def measure(model: ModelAdapter, contexts: Sequence[int], repeats: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Median TTFT of `repeats` runs per (context length, plan); one warm-up run first."""
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    """The device's peak allocated memory since the last reset (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / (1 << 30)
+
+
+def measure(model: ModelAdapter, contexts: Sequence[int], repeats: int, seed: int = 0,
+            ks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Median TTFT of `repeats` runs per (context length, plan) after one warm-up, with the
+    device's peak memory per plan. Each context is captured once (none of the plans reads E:
+    groups start at layer 0, whose input is the receiver's own embedding)."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     L = model.num_layers
-    grid = [(n, p) for n in contexts for p in plans(L)]
+    grid = [(n, p) for n in contexts for p in plans(L, ks)]
     rows: list[dict[str, Any]] = []
     full_ttft: dict[int, float] = {}
+    prompts: dict[int, tuple[list[int], CapturedSource]] = {}
     bar = tqdm(grid, desc="ttft", unit="config")
     for n, plan in bar:
         bar.set_postfix_str(f"{n} tok, {plan.label()}")
-        ctx = torch.randint(0, vocab, (n,), generator=g).tolist()
-        prompt = ctx + torch.randint(0, vocab, (QUESTION_TOKENS,), generator=g).tolist()
-        source = CapturedSource(capture_prefill(model, ctx, e_layers=plan.e_layers))
+        if n not in prompts:
+            prompts.clear()  # one context's capture held at a time
+            ctx = torch.randint(0, vocab, (n,), generator=g).tolist()
+            prompts[n] = (ctx + torch.randint(0, vocab, (QUESTION_TOKENS,), generator=g).tolist(),
+                          CapturedSource(capture_prefill(model, ctx)))
+        prompt, source = prompts[n]
+        _peak_reset(model.device)
         times = [generate(model, prompt, plan, source, max_new_tokens=1).ttft_s for _ in range(repeats + 1)][1:]
         ttft = statistics.median(times)
         k = len(plan.recomputed_layers(L))
@@ -64,11 +89,13 @@ def measure(model: ModelAdapter, contexts: Sequence[int], repeats: int, seed: in
             {
                 "context_tokens": n,
                 "mode": plan.mode if plan.mode != "groups" else "partial",
+                "plan": plan.label(),
                 "recomputed_layers": k,
                 "total_layers": L,
                 "ttft_s": ttft,
                 "speedup": full_ttft[n] / ttft,
                 "ideal_speedup": (L / k) if 0 < k else None,
+                "peak_mem_gib": _peak_gib(model.device),
             }
         )
     return rows

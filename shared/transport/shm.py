@@ -284,10 +284,13 @@ def _pieces(reads: list[_Read]) -> list[list[_Read]]:
     """`reads` in lane tasks of about PIECE bytes (a long read split, short ones grouped)."""
     split = [_Read(r.fd, r.offset + o, r.into[o:o + PIECE]) for r in reads for o in range(0, len(r.into), PIECE)]
     tasks: list[list[_Read]] = [[]]
+    size = 0  # bytes in tasks[-1]
     for r in split:
-        if tasks[-1] and sum(len(x.into) for x in tasks[-1]) + len(r.into) > PIECE:
+        if tasks[-1] and size + len(r.into) > PIECE:
             tasks.append([])
+            size = 0
         tasks[-1].append(r)
+        size += len(r.into)
     return [t for t in tasks if t]
 
 

@@ -163,9 +163,10 @@ async def _send_raw_ucx(address: str, frame: bytes) -> None:
         ep.abort()
 
 
-async def _send_raw_nixl(address: str, frames: list[bytes]) -> None:
-    host, port = address.rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
+async def _send_raw_frames(connection, frames: list[bytes]) -> None:
+    """Write length-prefixed `frames` on a fresh stream (the nixl and shm control framing), then
+    read whatever comes back; an error answer or a closed connection are both fine."""
+    reader, writer = await connection
     try:
         for frame in frames:
             writer.write(len(frame).to_bytes(4, "big") + frame)
@@ -176,20 +177,15 @@ async def _send_raw_nixl(address: str, frames: list[bytes]) -> None:
         pass
     finally:
         writer.close()
+
+
+async def _send_raw_nixl(address: str, frames: list[bytes]) -> None:
+    host, port = address.rsplit(":", 1)
+    await _send_raw_frames(asyncio.open_connection(host, int(port)), frames)
 
 
 async def _send_raw_shm(path: str, frames: list[bytes]) -> None:
-    reader, writer = await asyncio.open_unix_connection(path)
-    try:
-        for frame in frames:
-            writer.write(len(frame).to_bytes(4, "big") + frame)
-        await writer.drain()
-        async with asyncio.timeout(30):
-            await reader.read(1 << 16)
-    except Exception:
-        pass
-    finally:
-        writer.close()
+    await _send_raw_frames(asyncio.open_unix_connection(path), frames)
 
 
 def _still_serves(loop, transport: str, address: str) -> None:

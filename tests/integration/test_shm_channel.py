@@ -5,6 +5,7 @@ regions are refused before a byte is read; no descriptor outlives its pull."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
 import os
 import socket
@@ -114,11 +115,7 @@ def test_a_mixed_grant_delivers_every_layer_in_order_with_prefixes():
     for it, got in zip(items, into, strict=True):
         want = stored[(it.layer, it.kind)]
         assert torch.equal(got, want[:, :9] if it.kind == "E" else want[:, :, :9])
-    assert 0 < hold.charged <= 2 * 2 * 9 * 8 * 4 + 2 * shm_align() and hold.released  # the two unplaced K / V only
-
-
-def shm_align() -> int:
-    return memfd.ALIGN
+    assert 0 < hold.charged <= 2 * 2 * 9 * 8 * 4 + 2 * memfd.ALIGN and hold.released  # the two unplaced K / V only
 
 
 # -- a hostile sender ---------------------------------------------------------------------------
@@ -126,14 +123,8 @@ def _memfd(nbytes: int, seals: int = memfd.SEALS) -> int:
     fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, nbytes)
     if seals:
-        fcntl_seal(fd, seals)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
-
-
-def fcntl_seal(fd: int, seals: int) -> None:
-    import fcntl
-
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
 
 
 def _header(n: int = 33, codec: str = "raw") -> TensorHeader:
@@ -150,8 +141,6 @@ def _forged(case: str) -> tuple[ShmGrant, list[int]]:
     if case == "unsealed":
         return good, [_memfd(NBYTES, seals=0)]
     if case == "shrinkable":
-        import fcntl
-
         return good, [_memfd(NBYTES, seals=fcntl.F_SEAL_WRITE)]
     if case == "past-the-end":
         return msgspec.structs.replace(good, regions=[ShmRegion(fd=0, offset=64, stride=33 * 32)]), [_memfd(NBYTES)]
