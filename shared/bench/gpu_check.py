@@ -11,7 +11,11 @@ Sequence (one process, one device; `--tiny` runs the same sequence on the CPU at
      warm-up, the median TTFT of `--repeats` runs of `generate` for one new token, the device's
      peak memory per plan on CUDA);
   4. CacheBlend at the middle context (`cacheblend_s`);
-  5. `targets` from the rows (null where a context was not run or the device keeps no peak) and
+  5. overlap at the middle context, k = 2 (`overlap`): the reused KV starts in host memory (pinned
+     on CUDA), as a pull leaves it, and lands through the data plane's own `Landing` (the copy
+     stream, `shared/kv/streams.py`); `serial_s` lands every layer, then runs the engine;
+     `pipelined_s` lands layer by layer on a thread while the engine recomputes;
+  6. `targets` from the rows (null where a context was not run or the device keeps no peak) and
      one JSON to `--out`; a table on stdout.
 """
 
@@ -21,18 +25,24 @@ import argparse
 import json
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from droidmesh.shared.bench import report, ttft
+from droidmesh.shared.device import dtype_name
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.kv.sources import ArrivingSource, CapturedSource
 from droidmesh.shared.model import shapes
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.transport import codecs, pull
+from droidmesh.shared.transport.bulk import Landing
+from droidmesh.shared.wire.schemas import TensorHeader
 
 GIB = 1 << 30
 QUESTION_TOKENS = ttft.QUESTION_TOKENS
@@ -77,6 +87,51 @@ def measure(model: ModelAdapter, contexts: list[int], repeats: int, seed: int = 
     return rows, statistics.median(blend)
 
 
+def overlap(model: ModelAdapter, n: int, repeats: int, k: int = 2, seed: int = 2) -> dict[str, Any]:
+    """TTFT of recomputing layers [0, k) at `n` tokens with the reused KV landing from host memory:
+    serial (land all, then compute) and pipelined (land on a thread while the engine runs)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ctx = torch.randint(0, vocab, (n,), generator=g).tolist()
+    prompt = ctx + torch.randint(0, vocab, (QUESTION_TOKENS,), generator=g).tolist()
+    captured = capture_prefill(model, ctx)
+    plan = ReusePlan.recompute(0, k)
+    items = pull.pull_items(plan, model.num_layers)
+    pinned = model.device.type == "cuda"
+    host = [codecs.payload_view(captured.kv[it.layer].k if it.kind == "K" else captured.kv[it.layer].v).cpu()
+            for it in items]  # uint8 [nbytes] per item, where a channel leaves it
+    if pinned:
+        host = [h.pin_memory() for h in host]
+    del captured
+
+    def land_all(source: ArrivingSource) -> None:
+        for it, out, recv in zip(items, pull.buffers(model, n, items), host, strict=True):
+            header = TensorHeader(context_id="overlap", layer=it.layer, kind=it.kind, shape=list(out.shape),
+                                  dtype=dtype_name(out.dtype), codec="raw", codec_params={}, nbytes=recv.numel(),
+                                  checksum="")
+            source.put(it.kind, it.layer, Landing(it, header, codecs.get("raw"), out, recv).land(verify=False))
+
+    answers: set[int] = set()
+
+    def once(pipelined: bool) -> float:
+        source = ArrivingSource(tuple(ctx), model.fingerprint)
+        start = time.perf_counter()
+        lander = threading.Thread(target=land_all, args=(source,))
+        lander.start()
+        if not pipelined:
+            lander.join()
+        answers.add(generate(model, prompt, plan, source, max_new_tokens=1).tokens[0])
+        took = time.perf_counter() - start
+        lander.join()
+        return took
+
+    runs = {mode: statistics.median([once(mode == "pipelined") for _ in range(repeats + 1)][1:])
+            for mode in ("serial", "pipelined")}
+    return {"context": n, "plan": plan.label(), "host_kv_gib": sum(h.numel() for h in host) / GIB,
+            "pinned": pinned, "serial_s": runs["serial"], "pipelined_s": runs["pipelined"],
+            "pipelined_vs_serial": runs["serial"] / runs["pipelined"], "same_answer": len(answers) == 1}
+
+
 def targets(model: ModelAdapter, rows: list[dict[str, Any]]) -> dict[str, float | None]:
     def row(n: int, plan: str) -> dict[str, Any] | None:
         return next((r for r in rows if r["context"] == n and r["plan"] == plan), None)
@@ -107,11 +162,13 @@ def main(argv: list[str]) -> int:
     model = shapes.build(shape, device)
     exact = exactness(model, min(contexts))
     rows, blend_s = measure(model, contexts, args.repeats)
+    overlapped = overlap(model, contexts[len(contexts) // 2], args.repeats)
     out = {"suite": "gpu_check", "machine": report.machine(), "shape": shape, "device": str(model.device),
            "dtype": str(model.dtype).removeprefix("torch."), "rows": rows, "targets": targets(model, rows),
-           "exactness": exact, "cacheblend_s": blend_s}
+           "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped}
     print(report.format_table(rows, COLUMNS))
-    print(json.dumps({"targets": out["targets"], "exactness": exact, "cacheblend_s": blend_s}, indent=1))
+    print(json.dumps({"targets": out["targets"], "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped},
+                     indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -131,10 +131,12 @@ def value_bound(dtype: torch.dtype) -> float:
 
 def check_values(what: str, t: torch.Tensor) -> None:
     """Raise `IntegrityError` if `t` holds a NaN, an inf or a value beyond `value_bound`. One fused
-    reduction (the inf-norm: max |x|, NaN-propagating) and one device-to-host read per tensor."""
+    reduction (min and max, both NaN-propagating; the CPU's inf-norm is ~20x slower) and one
+    device-to-host read per tensor."""
     if not t.dtype.is_floating_point or t.numel() == 0 or t.device.type == "meta":  # meta: shapes only, no values
         return
-    peak = float(torch.linalg.vector_norm(t, ord=float("inf")))  # NaN if any NaN, inf if any inf
+    lo, hi = torch.aminmax(t)
+    peak = float(torch.stack([lo.neg(), hi]).amax())  # max |x|: NaN if any NaN, inf if any inf
     if not peak <= value_bound(t.dtype):
         raise IntegrityError(f"{what}: values out of range (max |x| = {peak}, bound {value_bound(t.dtype):g})")
 

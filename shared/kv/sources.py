@@ -8,7 +8,9 @@ plus the cached context's `token_ids` and `fingerprint`.
 
 `CapturedSource` has everything up front. `ArrivingSource` is filled later, in any order, by a
 transport (`put_kv` / `put_e` from any thread) and lets the engine start recomputing as soon as
-E lands while the reused KV layers are still arriving: a wait is per layer, never global.
+E lands while the reused KV layers are still arriving: a wait is per layer, never global. Its
+reads mark each tensor used on the engine's stream (`streams.adopt`: on CUDA, layers land on a
+copy stream).
 
 The engine is written as steps (generators) that yield a `Need` just before each source read.
 `run_steps` drives them on the calling thread, leaving every wait to the source's blocking
@@ -28,6 +30,7 @@ from typing import Literal, Protocol, TypeVar
 import torch
 
 from droidmesh.shared.errors import MissingLayerError
+from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
 from droidmesh.shared.model.fingerprint import ArchFingerprint
 
@@ -153,10 +156,13 @@ class ArrivingSource:
 
     # -- consumer side (engine thread) ---------------------------------------------------
     def kv(self, layer: int, deadline: float) -> KVBlock:
-        return self._wait(self._kv, layer, deadline, "KV")
+        block: KVBlock = self._wait(self._kv, layer, deadline, "KV")
+        streams.adopt(block.k)
+        streams.adopt(block.v)
+        return block
 
     def e(self, layer: int, deadline: float) -> torch.Tensor:
-        return self._wait(self._e, layer, deadline, "E")
+        return streams.adopt(self._wait(self._e, layer, deadline, "E"))
 
     def _wait(self, table: dict, layer: int, deadline: float, kind: str):
         with self._cond:

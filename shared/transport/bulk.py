@@ -54,6 +54,7 @@ import torch
 
 from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import BadMessageError, DroidMeshError, IntegrityError, TransferError
+from droidmesh.shared.kv import streams
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
 
@@ -323,13 +324,17 @@ class Landing:
     out: torch.Tensor  # the caller's buffer
     recv: torch.Tensor  # uint8 [header.nbytes]: `out`'s own bytes or a staging buffer (host, pinned or device)
 
-    def land(self) -> torch.Tensor:
-        """Verify the received payload and decode it into `out`; return `out`."""
-        got = codecs.checksum(self.recv)
-        if got != self.header.checksum:
-            raise IntegrityError(f"checksum mismatch for layer {self.item.layer} {self.item.kind}: "
-                                 f"{got} != {self.header.checksum}")
-        self.codec.decode(self.recv, self.header, self.out)
+    def land(self, verify: bool = True) -> torch.Tensor:
+        """Verify the received payload (unless the channel has nothing to verify: no wire) and
+        decode it into `out`, both on the copy stream for a CUDA `out` (`streams.landing`: this
+        thread waits for them, the compute stream does not); return `out`, ready to use."""
+        with streams.landing(self.out.device):
+            if verify:
+                got = codecs.checksum(self.recv)
+                if got != self.header.checksum:
+                    raise IntegrityError(f"checksum mismatch for layer {self.item.layer} {self.item.kind}: "
+                                         f"{got} != {self.header.checksum}")
+            self.codec.decode(self.recv, self.header, self.out)
         return self.out
 
 

@@ -74,7 +74,7 @@ import torch
 import xxhash
 
 from droidmesh.shared.errors import IntegrityError
-from droidmesh.shared.kv import quant, scd
+from droidmesh.shared.kv import quant, scd, streams
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
@@ -180,7 +180,7 @@ class RawCodec:
         if payload.numel() != nbytes_of(out.shape, out.dtype):
             raise IntegrityError(f"layer {header.layer} {header.kind}: {payload.numel()} bytes for {list(out.shape)}")
         if payload.data_ptr() != out.data_ptr() or not out.is_contiguous():  # staged, not received in place
-            out.copy_(payload.view(out.dtype).reshape(out.shape), non_blocking=False)
+            out.copy_(payload.view(out.dtype).reshape(out.shape), non_blocking=True)  # inside `streams.landing`
 
     def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
         return nbytes_of(shape, dtype)
@@ -395,7 +395,7 @@ def receive_buffer(codec: Codec, header: TensorHeader, out: torch.Tensor) -> tor
     if place == "out":
         return payload_view(out)
     if place == "device":
-        return torch.empty(header.nbytes, dtype=torch.uint8, device=out.device)
+        return streams.empty((header.nbytes,), torch.uint8, out.device)
     return torch.empty(header.nbytes, dtype=torch.uint8, pin_memory=place == "pinned")
 
 

@@ -28,6 +28,7 @@ import torch
 
 from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, ReuseError, TransferError
+from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps
@@ -63,9 +64,10 @@ def source_for(holder: CacheAvailable, prompt: list[int] | None = None) -> Arriv
 
 
 def buffers(model: ModelAdapter, tokens: int, items: list[PullItem]) -> list[torch.Tensor]:
-    """The receiver's own buffer per item, on its device: E [1, T, D], K / V [1, kvh, T, hd]."""
-    return [torch.empty(model.e_shape(tokens) if it.kind == "E" else model.kv_shape(tokens),
-                        dtype=model.dtype, device=model.device) for it in items]
+    """The receiver's own buffer per item, on its device: E [1, T, D], K / V [1, kvh, T, hd]
+    (on CUDA from the copy stream's pool, see `streams`)."""
+    return [streams.empty(model.e_shape(tokens) if it.kind == "E" else model.kv_shape(tokens), model.dtype,
+                          model.device) for it in items]
 
 
 Request = Callable[[str, bytes, float], Awaitable[bytes]]  # NATS request: subject, payload, timeout -> reply

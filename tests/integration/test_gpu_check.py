@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_run_writes_every_row_target_and_an_exact_recompute_all(tmp_path):
-    """Rows per context and plan with the named keys, the targets (null where not measured), exactness within tolerance."""
+    """Rows per context and plan with the named keys, the targets (null where not measured), exactness within
+    tolerance, and the overlap run's landed layers giving one answer pipelined and serial."""
     out = tmp_path / "check.json"
     proc = subprocess.run(["bash", "infra/gpu/check.sh", "--tiny", "--repeats", "1", "--out", str(out)], cwd=ROOT,
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=290)
@@ -28,6 +29,7 @@ def test_tiny_run_writes_every_row_target_and_an_exact_recompute_all(tmp_path):
                                       "kv_32k_gib"}
     assert report["targets"]["k2_32k_fraction_of_ideal"] is None and report["targets"]["kv_32k_gib"] > 0
     assert report["exactness"]["ok"] and report["cacheblend_s"] > 0
+    assert report["overlap"]["same_answer"] and report["overlap"]["plan"] == "recompute [0,2)"
 
 
 def test_named_shapes_have_the_real_architectures_sizes():
