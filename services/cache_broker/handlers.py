@@ -70,6 +70,6 @@ async def on_heartbeat(index: CacheIndex, hello: Hello, hb: schemas.SenderHeartb
 
 
 async def lookup(index: CacheIndex, req: schemas.LookupRequest) -> schemas.LookupReply:
-    holder, matched = index.lookup(req.token_ids, req.fingerprint_id, req.exclude_model)
+    holder, matched = index.lookup(req.token_ids, req.fingerprint_id, req.exclude_model, req.models)
     log.debug("lookup", tokens=len(req.token_ids), matched=matched, sender=holder.sender_id if holder else None)
     return schemas.LookupReply(holder=holder, matched_tokens=matched)

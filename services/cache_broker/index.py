@@ -21,6 +21,7 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
+from collections.abc import Collection
 
 import xxhash
 
@@ -184,23 +185,38 @@ class CacheIndex:
             self.remove(sid, cid)
         return len(stale)
 
-    def lookup(self, token_ids: list[int], fingerprint_id: str, exclude_model: str | None = None
-               ) -> tuple[CacheAvailable | None, int]:
-        """The live, compatible holder sharing the longest token prefix, and that length."""
-        if not valid_token_ids(token_ids, self.limits.max_context_tokens):
+    def lookup(self, token_ids: list[int], fingerprint_id: str, exclude_model: str | None = None,
+               models: Collection[str] = ()) -> tuple[CacheAvailable | None, int]:
+        """The live, compatible holder sharing the longest token prefix, and that length; with
+        `models`, a holder of one of them wins over any other (the asker can use only those), and
+        the best of the others only when none of them matches."""
+        if not valid_token_ids(token_ids, self.limits.max_context_tokens) or len(models) > self.limits.max_senders:
             return None, 0
-        candidates: set[tuple[str, str]] = set()
+        levels: list[set[tuple[str, str]]] = []  # holders sharing the first 1, 2, ... blocks
         for k in block_keys(token_ids):
             refs = self._by_key.get(k)
             if not refs:
                 break
-            candidates = refs
+            levels.append(refs)
+        wanted = frozenset(models)
+        for refs in reversed(levels if wanted else []):  # deepest first: the first level with a usable holder has the best
+            found = self._best(refs, token_ids, fingerprint_id, exclude_model, wanted)
+            if found[0] is not None:
+                return found
+        return self._best(levels[-1] if levels else set(), token_ids, fingerprint_id, exclude_model, frozenset())
+
+    def _best(self, refs: set[tuple[str, str]], token_ids: list[int], fingerprint_id: str, exclude_model: str | None,
+              wanted: frozenset[str]) -> tuple[CacheAvailable | None, int]:
+        """Of `refs`, the live, compatible holder (of a `wanted` model, if any named) sharing the
+        longest prefix (the newest on a tie)."""
         best, best_len = None, 0
         now = self._clock()
-        for sid, cid in candidates:
+        for sid, cid in refs:
             h = self._holders[sid][cid]
             ev = h.ev
             if ev.fingerprint_id != fingerprint_id or ev.model_id == exclude_model or h.stale_at < now or not self.live(sid):
+                continue
+            if wanted and ev.model_id not in wanted:
                 continue
             n = common_prefix(ev.token_ids, token_ids)
             if n > best_len or (n == best_len and best is not None and ev.published_at > best.published_at):

@@ -7,7 +7,8 @@ outcome, the benefit and the prediction error for the dashboard.
 The quality watch, per relayed request the audit picks for a shadow (`shadow`, a supervised background task):
   1. wait until the receiver is idle (never ahead of a request; skipped after SHADOW_WAIT_S);
   2. answer the same prompt by the receiver's own full prefill and log the token agreement of the
-     two greedy answers ("shadow");
+     two greedy answers ("shadow"); it runs a layer or a decode step at a time, each only while
+     no request is in the receiver, so a request arriving mid-shadow waits one layer, not a prefill;
   3. `QualityWatch.observe` keeps it per sender model (a sliding window, the gauge
      `dm_shadow_agreement`) with the row (context, question, the full prefill's answer);
   4. when the window's mean falls below `quality_threshold`, the watch fires once ("quality_drift",
@@ -28,12 +29,14 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import structlog
+import torch
 
 from droidmesh.shared.audit import reusable_bucket
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
-from droidmesh.shared.kv.partial import generate as engine_generate
+from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import Steps
 from droidmesh.shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("receiver")
 
 SHADOW_WAIT_S = 60.0  # a shadow waits this long for an idle receiver, then is skipped
+SHADOW_POLL_S = 0.005  # how often a paused shadow looks for an idle receiver
 
 
 class QualityWatch:
@@ -150,17 +154,32 @@ def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, pa
         s.metrics.prediction_error.observe(abs(decision.predicted_ttft_s - ttft_s) / ttft_s)
 
 
+def _next_turn(steps: Steps[Generation]) -> tuple[bool, Generation | None]:
+    """On the torch thread: run `steps` to its next turn, (False, None), or to its end, (True, result)."""
+    with torch.inference_mode():
+        try:
+            next(steps)
+            return False, None
+        except StopIteration as done:
+            return True, done.value
+
+
 async def shadow(s: ReceiverState, request_id: str, sender_model: str, context: str, question: str,
                  prompt: list[int], served: list[int]) -> None:
     """Steps 1-4 of the module docstring for one relayed request."""
     waited = time.monotonic() + SHADOW_WAIT_S
-    while s.inflight > 0:
-        if time.monotonic() >= waited:
-            log.info("shadow_skipped", request_id=request_id, reason="receiver busy")
-            return
-        await asyncio.sleep(0.05)
-    ref = await s.run_torch(lambda: engine_generate(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=len(served),
-                                                    eos_token_id=s.eos_token_id))
+    steps = generate_steps(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=len(served),
+                           eos_token_id=s.eos_token_id, turns=True)
+    while True:  # a layer or a decode step at a time, each only while no request is in the receiver
+        while s.inflight > 0:
+            if time.monotonic() >= waited:
+                steps.close()
+                log.info("shadow_skipped", request_id=request_id, reason="receiver busy")
+                return
+            await asyncio.sleep(SHADOW_POLL_S)
+        finished, ref = await s.run_torch(_next_turn, steps)
+        if finished:
+            break
     same = sum(a == b for a, b in zip(served, ref.tokens, strict=False))
     agreement = same / max(len(served), len(ref.tokens))
     s.shadow_agreements.append(agreement)

@@ -41,9 +41,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger("receiver")
 
 
-async def _lookup(s: ReceiverState, prompt: list[int]) -> tuple[schemas.CacheAvailable | None, Reason | None]:
-    """The broker's best holder for `prompt`, or (None, why not)."""
-    req = schemas.LookupRequest(token_ids=prompt, fingerprint_id=s.model.fingerprint.id)
+async def _lookup(s: ReceiverState, prompt: list[int], mode: schemas.Mode
+                  ) -> tuple[schemas.CacheAvailable | None, Reason | None]:
+    """The broker's best holder for `prompt` (under the policy, of a model it has a config for or
+    its own, when it has one: a default group can use any), or (None, why not)."""
+    usable = [] if mode != "auto" or s.cfg.default_group else sorted({*s.configs, s.cfg.model_id})
+    req = schemas.LookupRequest(token_ids=prompt, fingerprint_id=s.model.fingerprint.id, models=usable)
     try:
         data = await s.bus.request(subjects.BROKER_LOOKUP, schemas.encode(req), timeout=s.cfg.lookup_timeout_s)
     except TimeoutError as e:
@@ -140,7 +143,7 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     stamps: dict[str, float] = {"start": t0}
     holder, miss = None, None
     if req.mode != "full_prefill":
-        holder, miss = await _lookup(s, prompt)
+        holder, miss = await _lookup(s, prompt, req.mode)
         stamps["lookup_done"] = time.perf_counter()
         _check_deadline(deadline, "after the lookup")
         if holder is not None and not s.breaker.allow(holder.sender_id):
@@ -154,7 +157,7 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
                            reuse_overhead_s=s.reuse_overhead_s, prefill_scale=s.calibration.scale(policy.PREFILL_KIND),
                            reuse_scale=s.calibration.scale(policy.reuse_kind(holder.model_id)) if holder else 1.0)
     decided = time.perf_counter()
-    decision = policy.decide(req.mode, holder, miss, s.configs.get(holder.model_id) if holder else None,
+    decision = policy.decide(req.mode, holder, miss, policy.config_for(holder, s.policy_facts, s.configs) if holder else None,
                              s.policy_facts, online)
     decision, assignment = audit.assign(s, audit.hold(s, holder, decision), req.mode)
     decision_ms = (time.perf_counter() - decided) * 1e3

@@ -22,24 +22,20 @@ import click
               help="Receivers' shadow share: relayed answers checked against a full prefill when idle.")
 @click.option("--relay-policy", "policy_path", type=click.Path(exists=True, dir_okay=False),
               help="A relay audit's policy file (`droidmesh audit --policy`): the pair configs carry its verdicts.")
+@click.option("--transport", default="shm", show_default=True, type=click.Choice(["shm", "ucx", "nixl"]),
+              help="The senders' and receivers' bulk channel (the agents share this host).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the per-agent summary here.")
 def agents(rows: int, log_dir: str | None, holdout_share: float, blind_share: float, shadow_share: float,
-           policy_path: str | None, json_path: str | None) -> None:
-    """Run agents on the demo tier's base (sender), qa and code (receivers) that extend, rewrite or
-    ignore each other's context; print per-agent TTFT, path mix and quality."""
-    from droidmesh.shared.agents import PAIRS, run_agents, table
+           policy_path: str | None, transport: str, json_path: str | None) -> None:
+    """Run agents on the demo tier's base, qa and code models (each a receiver and a sender of its
+    outputs) that extend, rewrite or ignore each other's context; print per-agent TTFT, path mix,
+    holders and quality."""
+    from droidmesh.shared.agents import demo_tier, run_agents, table
     from droidmesh.shared.audit import relay_buckets
     from droidmesh.shared.errors import BadRequestError
-    from droidmesh.shared.models import tier_models
-    from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest
     from droidmesh.shared.zoo.tiers import get_recipe
 
-    root = REPO_ZOO / "demo"
-    manifest = read_manifest(root)
-    if manifest is None:
-        raise BadRequestError(f"no committed demo tier at {root}; run `droidmesh zoo build --tier demo --out {root}`")
-    models = tier_models(root, manifest)
-    profiles = {p.id: json.loads(profile_file(root, p).read_text()) for p in PAIRS if profile_file(root, p).is_file()}
+    models, profiles = demo_tier()
     relay = []
     if policy_path:
         try:
@@ -52,7 +48,7 @@ def agents(rows: int, log_dir: str | None, holdout_share: float, blind_share: fl
     click.echo(f"agents: {rows} rows, holdout {holdout_share:g}, blind {blind_share:g}, shadow {shadow_share:g}; "
                f"logs in {logs}", err=True)
     summary, _ = run_agents(models, profiles, rows, get_recipe("demo").suite, logs, lambda s: click.echo(s, err=True),
-                            holdout_share, shadow_share, relay, blind_share)
+                            holdout_share, shadow_share, relay, blind_share, transport=transport)
     click.echo(table(summary))
     click.echo(f"audit it: droidmesh audit --logs {logs}")
     if json_path:

@@ -80,11 +80,22 @@ def ttft(json_path, plot_path, model_path, shape, contexts, repeats, device, dty
 @click.option("--seconds", default=20.0, show_default=True, type=click.FloatRange(1, 3600))
 @click.option("--slo", default=1.0, show_default=True, type=click.FloatRange(0.001, 600), help="TTFT SLO (s).")
 @click.option("--copies", default="1,2", show_default=True, callback=int_list, help="Receiver copies to try.")
+@click.option("--workload", default="requests", show_default=True, type=click.Choice(["requests", "agents"]),
+              help="requests: one prompt per arrival, auto vs full prefill; agents: `droidmesh agents` rows "
+                   "arriving at each rate (rows per second), several in flight.")
+@click.option("--rows", "n_rows", default=20, show_default=True, type=click.IntRange(1, 500),
+              help="agents: rows per rate.")
+@click.option("--logs", "log_dir", type=click.Path(file_okay=False),
+              help="agents: the services' logs go here, for `droidmesh audit --logs` (default: a temporary directory).")
 @launched_device_option
-def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, device) -> None:
-    """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill."""
+def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, workload, n_rows, log_dir, device) -> None:
+    """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill
+    (`--workload agents`: the agents pipeline at each rate, its audit's randomized arms)."""
     from droidmesh.shared.bench import runs
 
+    if workload == "agents":
+        _load_agents(json_path, rates, n_rows, log_dir)
+        return
     sender, receiver = demo_pair(group)
     rows = runs.load(sender, receiver, group, tokens, rates, seconds, slo, copies, device)
     cols = ["receivers", "rate", "mode", "requests", "ttft_p50", "ttft_p99", "tbt_p50", "e2e_p50", "e2e_p99", "goodput"]
@@ -95,6 +106,25 @@ def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, devic
     save(json_path, "load", {"rows": rows, "slo_s": slo, "goodput_ratio": ratio, "tokens": tokens, "group": list(group)})
     if plot_path:
         _plot_load(rows, plot_path, slo)
+
+
+def _load_agents(json_path: str | None, rates: list[float], n_rows: int, log_dir: str | None) -> None:
+    """`bench load --workload agents`: per rate and agent, TTFT p50 / p99 and the path mix; the logs
+    carry each request's queue depth (the audit's load strata) and its randomized arm."""
+    import tempfile
+    from pathlib import Path
+
+    from droidmesh.shared.agents import demo_tier, run_agents, table
+    from droidmesh.shared.zoo.tiers import get_recipe
+
+    models, profiles = demo_tier()
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-load-agents-"))
+    click.echo(f"agents load: {n_rows} rows at each of {rates} rows/s; logs in {logs}", err=True)
+    summary, _ = run_agents(models, profiles, n_rows, get_recipe("demo").suite, logs, lambda m: click.echo(m, err=True),
+                            holdout_share=0.3, shadow_share=0.3, blind_share=0.2, rates=rates)
+    click.echo(table(summary))
+    click.echo(f"audit it: droidmesh audit --logs {logs}")
+    save(json_path, "load_agents", {"rows": summary, "rates": rates, "rows_per_rate": n_rows, "logs": str(logs)})
 
 
 def _plot_load(rows: list[dict], path: str, slo: float) -> None:

@@ -81,6 +81,7 @@ def prefill_steps(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     logits_for: int = 1,
     decode_tokens: int = 0,
+    turns: bool = False,
 ) -> Steps[PrefillResult]:
     """`prefill` as steps: yields a `Need` before each read from `source` (run under
     `torch.inference_mode` by the driver). Logits are computed for the last `logits_for` prompt
@@ -88,7 +89,8 @@ def prefill_steps(
     tokens and a 128K vocabulary, logits for every token would be 16.8 GB of float32.
     The cache is sized for the prompt plus the `decode_tokens` the caller will append (at most
     DECODE_RESERVE up front), and every token's K/V is written into it once
-    (`hf_cache.WriteOnceLayer`)."""
+    (`hf_cache.WriteOnceLayer`). With `turns`, a full prefill yields a "turn" `Need` between
+    layers (a background run a driver can pause for a request; the result is the same)."""
     if logits_for < 1:
         raise BadRequestError(f"logits_for {logits_for} < 1")
     t0 = time.perf_counter()
@@ -101,7 +103,11 @@ def prefill_steps(
     stages: dict[str, float] = {}
     cache = receiver.new_cache(len(prompt) + min(max(decode_tokens, 0), DECODE_RESERVE))
     if plan.mode == "full_prefill":
-        h = receiver.run_layers(receiver.embed(receiver.token_tensor(prompt)), 0, L, cache, past=0)
+        h = receiver.embed(receiver.token_tensor(prompt))  # [1, T, D]
+        for s, e in [(0, L)] if not turns else [(l, l + 1) for l in range(L)]:
+            if s:
+                yield Need("turn", s, float("inf"))
+            h = receiver.run_layers(h, s, e, cache, past=0)
         stages["suffix_done"] = time.perf_counter() - t0
         return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), 0, plan, stages)  # [n, vocab]
     if source is None:
@@ -190,6 +196,7 @@ def generate_steps(
     sampler: Sampler | None = None,
     on_token: Callable[[int], bool] | None = None,
     deadline: float | None = None,
+    turns: bool = False,
 ) -> Steps[Generation]:
     """`generate` as steps (only the prefill reads the source; decoding is one step).
 
@@ -197,13 +204,14 @@ def generate_steps(
     called with every chosen token, in order, on this (the compute) thread, and returning False
     ends decoding after that token. Both run before the next decode step starts. `deadline`
     (time.monotonic()) is checked before every decode step: once it has passed, decoding ends
-    with what it has (finish_reason "length"), so a request never decodes past its deadline."""
+    with what it has (finish_reason "length"), so a request never decodes past its deadline.
+    `turns`: a "turn" `Need` between a full prefill's layers and before every decode step."""
     if max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
     choose = sampler or greedy
     t0 = time.perf_counter()
     pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s,
-                                   decode_tokens=max_new_tokens - 1)  # the last chosen token is never fed back
+                                   decode_tokens=max_new_tokens - 1, turns=turns)  # the last chosen token is never fed back
     token = choose(pre.logits[-1])  # [vocab] float32 -> id
     ttft = time.perf_counter() - t0
     tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers
@@ -211,6 +219,8 @@ def generate_steps(
     while go and len(tokens) < max_new_tokens and token != eos_token_id:
         if deadline is not None and time.monotonic() >= deadline:
             break
+        if turns:
+            yield Need("turn", -1, float("inf"))
         h = receiver.run_layers(receiver.embed(receiver.token_tensor([token])), 0, L, pre.cache, past=past)  # [1, 1, D]
         token = choose(receiver.logits(h)[0, -1])  # [1, 1, vocab] -> [vocab]
         tokens.append(token)

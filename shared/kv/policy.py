@@ -5,7 +5,8 @@ loop; it never blocks) and `accepts` when a pair config arrives. The sequence:
   1. a forced mode wins (`full_prefill`, `full_reuse`: benchmarks and the demo's columns);
   2. no holder (the broker's miss reason is kept) -> full prefill;
   3. the pair's config, if it was profiled for exactly these weights (both sha256s), picks an
-     online point (below); a config for other weights is stale and ignored;
+     online point (below); a config for other weights is stale and ignored; a holder running the
+     receiver's own weights needs no profile (`config_for`: full reuse is exact, still weighed);
   4. no config: the receiver's default group, if configured and the holder has its E;
   5. otherwise full prefill, with the reason.
 Online choice among the config's frontier (DroidSpeak Appendix B, plus bandwidth). Estimated
@@ -46,10 +47,20 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import deque
+from collections.abc import Iterable
 
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, FrontierPoint, LatencyFit, Mode, Path, PlanSpec, RecomputeConfig
+from droidmesh.shared.wire.schemas import (
+    CacheAvailable,
+    CodecParams,
+    FrontierPoint,
+    LatencyFit,
+    Mode,
+    Path,
+    PlanSpec,
+    RecomputeConfig,
+)
 
 Reason = tuple[str, str]  # (bounded code for metrics, text for the reply and the log)
 
@@ -99,6 +110,31 @@ def accepts(cfg: RecomputeConfig, receiver: Receiver) -> bool:
     """Whether a published config is for this receiver's exact weights and layer count."""
     return (cfg.receiver_model == receiver.model_id and cfg.receiver_sha256 == receiver.model_sha256
             and cfg.total_layers == receiver.num_layers)
+
+
+def config_for(holder: CacheAvailable, receiver: Receiver, configs: dict[str, RecomputeConfig]
+               ) -> RecomputeConfig | None:
+    """The config that governs reusing `holder`'s cache (the receiver calls it per request, with its
+    configs by sender model): the pair's, or, for a holder running the receiver's own weights
+    (another copy of the receiver's model, or an agent publishing its own output), `own_config`."""
+    if holder.model_sha256 == receiver.model_sha256:
+        return own_config(holder, receiver, configs.values())
+    return configs.get(holder.model_id)
+
+
+def own_config(holder: CacheAvailable, receiver: Receiver, configs: Iterable[RecomputeConfig]) -> RecomputeConfig:
+    """The self pair: a holder with the receiver's own weights holds exactly the KV the receiver
+    would compute (prefix caching), so full reuse is the one point, at quality 1 of 1. Whether it
+    pays is still weighed: the latency fit and the audit's relay buckets are those of the newest
+    config published for this receiver (they describe the receiver's compute, and relaying at a
+    reusable fraction); with none, no fit, and reuse is chosen."""
+    newest = max(configs, key=lambda c: c.created_at, default=None)
+    point = FrontierPoint(plan=PlanSpec(groups=[]), recomputed_layers=0, quality=1.0)
+    return RecomputeConfig(
+        sender_model=holder.model_id, receiver_model=receiver.model_id, sender_sha256=receiver.model_sha256,
+        receiver_sha256=receiver.model_sha256, profile_version=0, task="", tolerance=0.0, chosen=point,
+        frontier=[point], full_prefill_quality=1.0, full_reuse_quality=1.0, total_layers=receiver.num_layers,
+        latency=newest.latency if newest is not None else None, relay=list(newest.relay) if newest is not None else [])
 
 
 def decide(mode: Mode, holder: CacheAvailable | None, miss: Reason | None, cfg: RecomputeConfig | None,

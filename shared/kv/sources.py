@@ -40,9 +40,11 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class Need:
     """The engine is about to read `kind` of `layer` from its source; a driver may wait for it
-    first, until `deadline` (time.monotonic()). Past the deadline the read itself raises."""
+    first, until `deadline` (time.monotonic()). Past the deadline the read itself raises.
+    Kind "turn" reads nothing: a point where a cooperative run (`turns=True`) lets its driver
+    hand the compute thread to other work before going on (`layer` -1: a decode step)."""
 
-    kind: Literal["kv", "e"]
+    kind: Literal["kv", "e", "turn"]
     layer: int
     deadline: float
 
@@ -146,6 +148,8 @@ class ArrivingSource:
 
     def has(self, need: Need) -> bool:
         """Whether the engine's read for `need` would return (or fail) without waiting."""
+        if need.kind == "turn":
+            return True
         with self._cond:
             table: dict = self._kv if need.kind == "kv" else self._e
             return need.layer in table or self._failure is not None

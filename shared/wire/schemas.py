@@ -91,6 +91,10 @@ class LookupRequest(Message, tag="lookup.request"):
     token_ids: list[int]
     fingerprint_id: str
     exclude_model: str | None = None  # e.g. the receiver itself
+    # sender models whose holders the asker can use (the pairs it has configs for, its own model):
+    # their holders win over a longer prefix elsewhere, which would only send it to its own
+    # prefill; [] = any
+    models: list[str] = []
 
 
 class GrantRequest(Message, tag="grant.request"):

@@ -54,6 +54,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench control", ["--events", "10"]),
     ("bench drift", ["--n-before", "1", "--max-shifted", "1", "--profile-rows", "1"]),
     ("bench load", ["--tokens", "32", "--rates", "2", "--seconds", "1", "--copies", "1"]),
+    ("bench load", ["--workload", "agents", "--rows", "2", "--rates", "4", "--logs", "{tmp}/load-agents"]),
     ("bench stall", ["--requests", "3", "--stalled", "1", "--words", "60", "--transport", "shm"]),
     ("demo", ["--rows", "1"]),
 ]
@@ -72,7 +73,7 @@ def _leaves(group: click.Group, prefix: str = "") -> list[str]:
 
 def test_every_command_is_invoked():
     """The invocation table names every leaf command of the CLI."""
-    assert sorted(c for c, _ in INVOCATIONS) == _leaves(main)
+    assert sorted({c for c, _ in INVOCATIONS}) == _leaves(main)
 
 
 @pytest.fixture(scope="module")
@@ -109,5 +110,10 @@ def test_command_runs(command, argv, mesh, zoo_ci, monkeypatch):
         assert "test rows" in saved["sample_warning"] and "warning:" in result.stderr
     if command == "receivers":
         assert result.stdout.split()[0] == "qa"
+    if command == "agents":  # every agent is also a sender: its model's sender took its output
+        for model in ("qa", "code"):
+            lines = (tmp / "agents" / f"sender-{model}.log").read_text().splitlines()
+            held = [r for r in map(audit.parse_line, lines) if r is not None and r.get("event") == "request"]
+            assert held and all(r["tokens"] > 0 for r in held)
     if command == "ask":  # no --receiver: the one receiver model up answered
         assert "path:" in result.stdout

@@ -70,3 +70,22 @@ def test_bad_max_new_tokens(receiver, prompt):
     """max_new_tokens below 1 is refused before any compute."""
     with pytest.raises(BadRequestError):
         generate(receiver, prompt[0], ReusePlan.full_prefill(), max_new_tokens=0)
+
+
+def test_a_cooperative_full_prefill_pauses_between_layers_and_decodes_the_same_tokens(receiver, prompt):
+    """With turns, full prefill yields a turn before each layer after the first and each decode step,
+    reads nothing, and generates exactly what the plain call does."""
+    from droidmesh.shared.kv.partial import generate_steps
+
+    ctx, q = prompt
+    steps = generate_steps(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=5, turns=True)
+    needs = []
+    with torch.inference_mode():
+        try:
+            while True:
+                needs.append(next(steps))
+        except StopIteration as done:
+            result = done.value
+    assert [(n.kind, n.layer) for n in needs] == [("turn", l) for l in range(1, receiver.num_layers)] + [("turn", -1)] * 4
+    assert result.tokens == generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=5).tokens
+    assert result.tokens == reference_greedy(receiver, ctx + q, 5)

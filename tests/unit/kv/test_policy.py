@@ -249,3 +249,32 @@ def test_only_requests_where_relaying_was_weighed_are_in_the_experiment():
     assert not policy.decide("full_prefill", holder(), None, CFG, ME, policy.Online(4000)).weighed
     mine = policy.Receiver(model_id="r", model_sha256="R1", num_layers=12, default_group=(2, 4))
     assert policy.decide("auto", holder(), None, None, mine, policy.Online(4000)).weighed
+
+
+def _own(sender_id: str = "r-2") -> CacheAvailable:
+    """A holder running the receiver's own weights (another agent on the same model)."""
+    h = holder(sha="R1")
+    return CacheAvailable(**{**{f: getattr(h, f) for f in h.__struct_fields__}, "sender_id": sender_id, "model_id": "r"})
+
+
+def test_a_holder_with_the_receivers_own_weights_is_fully_reused_without_a_profile():
+    """Own weights need no pair config: full reuse (exact), weighed when no fit is known."""
+    cfg = policy.config_for(_own(), ME, {})
+    d = policy.decide("auto", _own(), None, cfg, ME, policy.Online(tokens=4000, queued=3))
+    assert (d.plan, d.path, d.reason, d.weighed) == (ReusePlan.full_reuse(), "full_reuse", None, True)
+    assert policy.config_for(holder(), ME, {"s": CFG}) is CFG  # other weights: the pair's own config
+
+
+def test_own_weights_borrow_the_receivers_fit_and_buckets_and_still_weigh_the_link():
+    """With a fit from the receiver's configs, own-weights reuse wins on a fast link, loses on a slow one."""
+    vetoed = RelayBucket(0.0, 0.7, False)
+    cfg = policy.config_for(_own(), ME, {"s": RecomputeConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__},
+                                                                  "relay": [vetoed]})})
+    assert (cfg.latency, cfg.relay, cfg.frontier[0].quality) == (FIT, [vetoed], 1.0)
+    fast = policy.decide("auto", _own(), None, cfg, ME, policy.Online(tokens=4000, reused_tokens=3990))
+    assert fast.path == "full_reuse" and fast.predicted_s["full reuse"] < fast.predicted_s[policy.PREFILL_OPTION]
+    slow = policy.decide("auto", _own(), None, cfg, ME, policy.Online(tokens=4000, reused_tokens=3990,
+                                                                        bandwidth_bps=1e6))
+    assert (slow.path, slow.reason[0]) == ("full_prefill", "prefill_faster")
+    small = policy.decide("auto", _own(), None, cfg, ME, policy.Online(tokens=4000, reused_tokens=1000))
+    assert (small.path, small.reason[0]) == ("full_prefill", "audit_policy")

@@ -52,6 +52,22 @@ def test_incompatible_or_excluded_holders_are_skipped():
     assert ix.lookup(list(range(64)), "fp", exclude_model="me")[0] is None
 
 
+def test_a_holder_of_a_usable_model_wins_over_a_longer_or_newer_one_the_asker_cannot_use():
+    """With `models`, their holders beat any other; the others are returned only when none matches."""
+    ix = CacheIndex()
+    base = list(range(100))
+    ix.add(_ev("s1", "usable", base[:60], model="base"))
+    ix.add(_ev("s2", "longer", base[:90], model="code"))
+    ix.add(_ev("s3", "newer", base[:60], model="code", at=5.0))
+    for sender, cid in (("s1", "usable"), ("s2", "longer"), ("s3", "newer")):
+        _alive(ix, sender, [cid])
+    assert ix.lookup(base, "fp")[0].context_id == "longer"  # type: ignore[union-attr]  # a miss fails the test
+    holder, n = ix.lookup(base, "fp", models=["base", "qa"])
+    assert holder is not None and holder.context_id == "usable" and n == 60
+    assert ix.lookup(base, "fp", models=["qa"])[0].context_id == "longer"  # type: ignore[union-attr]
+    assert ix.lookup(base, "fp", models=[f"m{i}" for i in range(5000)])[0] is None  # an oversized list is refused
+
+
 def test_prefix_shorter_than_a_block_is_not_found():
     """Prompts sharing less than one block with every context find nothing."""
     ix = CacheIndex()

@@ -69,3 +69,45 @@ def test_a_relay_slower_than_its_predicted_own_prefill_counts_as_lost_time():
     assert value("dm_relay_requests_total", {"bucket": "[0.95,1]", "outcome": "relayed"}) == 1
     assert value("dm_relay_requests_total", {"bucket": "<0.7", "outcome": "relayed"}) == 1
     assert value("dm_prediction_error_ratio_count") == 2
+
+
+def test_a_shadow_runs_a_layer_at_a_time_and_never_while_a_request_is_in_the_receiver(receiver, prompt, monkeypatch):
+    """A request arriving mid-shadow pauses it between layers; the shadow resumes when the receiver is
+    idle and still answers exactly the receiver's own greedy tokens (agreement 1 with them)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from droidmesh.services.receiver import audit
+    from droidmesh.shared.metrics import Metrics
+    from tests.conftest import reference_greedy
+
+    monkeypatch.setattr(audit, "SHADOW_POLL_S", 0.0)
+    ctx, q = prompt
+    served = reference_greedy(receiver, ctx + q, 4)
+    calls: list[int] = []  # requests in the receiver at each torch call the shadow made
+
+    async def run_torch(fn, *args):
+        calls.append(s.inflight)
+        if len(calls) == 3:
+            s.inflight = 1  # a request arrives after the shadow's third step
+        return fn(*args)
+
+    s = SimpleNamespace(inflight=0, run_torch=run_torch, model=receiver, eos_token_id=None, shadow_agreements=[],
+                        watch=QualityWatch(window=4, min_samples=2, threshold=0.0), metrics=Metrics("receiver"),
+                        cfg=SimpleNamespace(quality_threshold=0.0, reprofile=False))
+
+    async def main() -> int:
+        shadow = asyncio.get_running_loop().create_task(audit.shadow(s, "r1", "base", "", "", ctx + q, served))
+        while len(calls) < 3 and not shadow.done():
+            await asyncio.sleep(0)
+        for _ in range(20):  # the request is served meanwhile; the shadow must not step
+            await asyncio.sleep(0)
+        paused_at = len(calls)
+        s.inflight = 0
+        await shadow
+        return paused_at
+
+    paused_at = asyncio.run(main())
+    assert paused_at == 3 and set(calls) == {0}
+    assert len(calls) == receiver.num_layers + 3  # one step per layer, then 3 decode steps, then the end
+    assert s.shadow_agreements == [1.0]
