@@ -396,6 +396,15 @@ def policy_proposal(result: dict[str, Any]) -> dict[str, Any]:
             "buckets": buckets, "min_reusable_fraction": floor}
 
 
+def read_relay_policy(path: str | Path) -> list[RelayBucket]:
+    """The buckets of the policy file at `path` (`BadRequestError` for one that is not JSON or not a policy)."""
+    try:
+        policy = json.loads(Path(path).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequestError(f"{path} is not JSON ({e})") from None
+    return relay_buckets(policy, str(path))
+
+
 def relay_buckets(policy: Any, where: str = "the policy file") -> list[RelayBucket]:
     """The relay buckets of a policy file (as `policy_proposal` writes it), checked: the schema,
     at most MAX_RELAY_BUCKETS buckets, each fraction range inside [0, 1] and relay true/false/null.

@@ -131,11 +131,13 @@ def hold(s: ReceiverState, holder: schemas.CacheAvailable | None, decision: poli
 
 def calibrate(s: ReceiverState, decision: policy.Decision, online: policy.Online, path: str,
                holder: schemas.CacheAvailable | None, ttft_s: float) -> None:
-    """Feed the served option's measured TTFT to the calibration, against its uncalibrated prediction."""
+    """Feed the served option's measured TTFT (less its wait for the compute thread: `ttft_s` is
+    what the option itself took) to the calibration, against its uncalibrated prediction."""
     if path == "full_prefill" and policy.PREFILL_OPTION in decision.raw_s:
         s.calibration.observe(policy.PREFILL_KIND, decision.raw_s[policy.PREFILL_OPTION], ttft_s)
     elif path in ("partial", "full_reuse") and holder is not None and decision.predicted_ttft_s:
-        s.calibration.observe(policy.reuse_kind(holder.model_id), decision.predicted_ttft_s / online.reuse_scale, ttft_s)
+        raw = (decision.predicted_ttft_s - online.queue_wait_s) / online.reuse_scale
+        s.calibration.observe(policy.reuse_kind(holder.model_id), raw, ttft_s)
 
 
 def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, path: str, online: policy.Online,

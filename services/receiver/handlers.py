@@ -155,7 +155,8 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
                            slo_s=req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None,
                            reused_tokens=reusable_prefix(holder.token_ids, prompt) if holder else None,
                            reuse_overhead_s=s.reuse_overhead_s, prefill_scale=s.calibration.scale(policy.PREFILL_KIND),
-                           reuse_scale=s.calibration.scale(policy.reuse_kind(holder.model_id)) if holder else 1.0)
+                           reuse_scale=s.calibration.scale(policy.reuse_kind(holder.model_id)) if holder else 1.0,
+                           queue_wait_s=s.queue_wait.wait(s.inflight - 1))
     decided = time.perf_counter()
     decision = policy.decide(req.mode, holder, miss, policy.config_for(holder, s.policy_facts, s.configs) if holder else None,
                              s.policy_facts, online)
@@ -207,7 +208,9 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     why = shown[1] if shown is not None else None
     _record(s, path, shown[0] if shown is not None else "", ttft_ms, stages_ms, bytes_pulled, stamps)
     predicted_ms = {k: round(v * 1e3, 3) for k, v in decision.predicted_s.items()}
-    audit.calibrate(s, decision, online, path, holder, ttft_ms / 1e3)
+    waited = max(0.0, stamps.get("engine_start", decided) - decided)  # for the compute thread, behind others
+    s.queue_wait.observe(done - stamps.get("engine_start", done))
+    audit.calibrate(s, decision, online, path, holder, ttft_ms / 1e3 - waited)
     audit.count_relay(s, decision, assignment, path, online, ttft_ms / 1e3)
     shadowed = (assignment in ("treatment", "blind") and path in ("partial", "full_reuse") and s.cfg.shadow_share > 0
                 and req.sampling.temperature == 0 and s.rng.random() < s.cfg.shadow_share)
@@ -222,7 +225,7 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
              reusable_fraction=round((online.reused_tokens or 0) / max(1, len(prompt)), 4),
              sender_model=holder.model_id if holder else None, receiver_model=s.cfg.model_id,
              context_tokens=len(holder.token_ids) if holder else 0, queued=online.queued,
-             topology=_topology(holder.address) if holder else None,
+             topology=_topology(holder) if holder else None,
              prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=bytes_pulled,
              new_tokens=len(gen.tokens), finish_reason=finish, chunks=stream.published,
              chunk_failures=stream.failed, ttft_ms=round(ttft_ms, 3), stages_ms=stages_ms)
@@ -237,10 +240,13 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     )
 
 
-def _topology(address: str) -> str:
-    """"same_host" when the holder's bulk address is a loopback one, else "remote" (the audit's stratum)."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    return "same_host" if host in ("127.0.0.1", "localhost", "::1") or host.startswith("inproc") else "remote"
+def _topology(holder: schemas.CacheAvailable) -> str:
+    """"same_host" when the holder's bulk channel is a same-host one (shm, inproc) or its address a
+    loopback one, else "remote" (the audit's stratum)."""
+    if holder.transport in ("shm", "inproc"):
+        return "same_host"
+    host = holder.address.rsplit(":", 1)[0].strip("[]")
+    return "same_host" if host in ("127.0.0.1", "localhost", "::1") else "remote"
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -47,6 +47,7 @@ class ReceiverState:
         self.holder_bps: OrderedDict[str, float] = OrderedDict()  # sender id -> EWMA of its pulls' throughput
         self.reuse_overhead_s = 0.0  # EWMA of a reuse's fixed cost (the grant round trip)
         self.calibration = policy.Calibration()  # measured / predicted TTFT per way of serving
+        self.queue_wait = policy.QueueWait()  # how long a request holds the compute thread, recently
         self.rng = random.Random()  # the audit's assignments
         self.shadow_agreements: deque[float] = deque(maxlen=1024)  # recent shadow token agreements
         self.watch = QualityWatch(cfg.quality_window, min_samples=max(1, cfg.quality_window // 2),

@@ -31,17 +31,12 @@ def agents(rows: int, log_dir: str | None, holdout_share: float, blind_share: fl
     outputs) that extend, rewrite or ignore each other's context; print per-agent TTFT, path mix,
     holders and quality."""
     from droidmesh.shared.agents import demo_tier, run_agents, table
-    from droidmesh.shared.audit import relay_buckets
+    from droidmesh.shared.audit import read_relay_policy
     from droidmesh.shared.errors import BadRequestError
     from droidmesh.shared.zoo.tiers import get_recipe
 
     models, profiles = demo_tier()
-    relay = []
-    if policy_path:
-        try:
-            relay = relay_buckets(json.loads(Path(policy_path).read_bytes()), policy_path)
-        except ValueError as e:
-            raise BadRequestError(f"{policy_path} is not JSON ({e})") from None
+    relay = read_relay_policy(policy_path) if policy_path else []
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-agents-"))
     if holdout_share + blind_share > 1:
         raise BadRequestError(f"--holdout {holdout_share:g} + --blind {blind_share:g} > 1")

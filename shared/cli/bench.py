@@ -87,14 +87,17 @@ def ttft(json_path, plot_path, model_path, shape, contexts, repeats, device, dty
               help="agents: rows per rate.")
 @click.option("--logs", "log_dir", type=click.Path(file_okay=False),
               help="agents: the services' logs go here, for `droidmesh audit --logs` (default: a temporary directory).")
+@click.option("--relay-policy", "policy_path", type=click.Path(exists=True, dir_okay=False),
+              help="agents: a relay audit's policy file (`droidmesh audit --policy`) the pair configs carry.")
 @launched_device_option
-def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, workload, n_rows, log_dir, device) -> None:
+def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, workload, n_rows, log_dir, policy_path,
+         device) -> None:
     """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill
     (`--workload agents`: the agents pipeline at each rate, its audit's randomized arms)."""
     from droidmesh.shared.bench import runs
 
     if workload == "agents":
-        _load_agents(json_path, rates, n_rows, log_dir)
+        _load_agents(json_path, rates, n_rows, log_dir, policy_path)
         return
     sender, receiver = demo_pair(group)
     rows = runs.load(sender, receiver, group, tokens, rates, seconds, slo, copies, device)
@@ -108,20 +111,23 @@ def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, workl
         _plot_load(rows, plot_path, slo)
 
 
-def _load_agents(json_path: str | None, rates: list[float], n_rows: int, log_dir: str | None) -> None:
+def _load_agents(json_path: str | None, rates: list[float], n_rows: int, log_dir: str | None,
+                 policy_path: str | None) -> None:
     """`bench load --workload agents`: per rate and agent, TTFT p50 / p99 and the path mix; the logs
     carry each request's queue depth (the audit's load strata) and its randomized arm."""
     import tempfile
     from pathlib import Path
 
     from droidmesh.shared.agents import demo_tier, run_agents, table
+    from droidmesh.shared.audit import read_relay_policy
     from droidmesh.shared.zoo.tiers import get_recipe
 
     models, profiles = demo_tier()
+    relay = read_relay_policy(policy_path) if policy_path else []
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-load-agents-"))
     click.echo(f"agents load: {n_rows} rows at each of {rates} rows/s; logs in {logs}", err=True)
     summary, _ = run_agents(models, profiles, n_rows, get_recipe("demo").suite, logs, lambda m: click.echo(m, err=True),
-                            holdout_share=0.3, shadow_share=0.3, blind_share=0.2, rates=rates)
+                            holdout_share=0.3, shadow_share=0.3, relay=relay, blind_share=0.2, rates=rates)
     click.echo(table(summary))
     click.echo(f"audit it: droidmesh audit --logs {logs}")
     save(json_path, "load_agents", {"rows": summary, "rates": rates, "rows_per_rate": n_rows, "logs": str(logs)})

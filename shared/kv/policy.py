@@ -37,6 +37,9 @@ Two corrections close the loop with what was measured:
     local, so it misses lookup, grant, thread hops and contention. Each prediction is scaled by the
     median actual / predicted TTFT of the recent requests served the same way (own prefill; reuse
     from one sender model), and the scaled predictions are compared and logged;
+  - `QueueWait`: requests already in the receiver hold its compute thread first, so every
+    option's prediction adds the expected wait for it (their number x the recent median time a
+    request holds the thread);
   - the config's `relay` buckets (the audit's policy file): where the randomized audit found
     relaying slower at the request's reusable-prefix fraction, the request gets its own prefill
     ("audit_policy"), whatever the prediction says.
@@ -87,6 +90,7 @@ class Online:
     reuse_overhead_s: float = 0.0  # what reuse costs before any layer moves (grant round trip), measured
     prefill_scale: float = 1.0  # `Calibration.scale(PREFILL_KIND)`: measured / fitted own-prefill TTFT
     reuse_scale: float = 1.0  # `Calibration.scale(reuse_kind(holder model))`: the same for reuse
+    queue_wait_s: float = 0.0  # `QueueWait.wait(queued)`: expected wait for the compute thread, added to every option
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +179,8 @@ def _weigh(cfg: RecomputeConfig, holder: CacheAvailable, online: Online) -> Deci
                for q in eligible(cfg, set(holder.e_layers))}
         raw.setdefault(option_label(p), extra + estimated_ttft(cfg, p, online.tokens, online.bandwidth_bps, reused))
         raw[PREFILL_OPTION] = prefill_seconds(cfg.latency, online.tokens, cfg.total_layers)
-    options = {k: v * (online.prefill_scale if k == PREFILL_OPTION else online.reuse_scale) for k, v in raw.items()}
+    options = {k: online.queue_wait_s + v * (online.prefill_scale if k == PREFILL_OPTION else online.reuse_scale)
+               for k, v in raw.items()}
     veto = audit_veto(cfg.relay, online.tokens - 1 if reused is None else reused, online.tokens)
     mine = options.get(option_label(p))
     relay = dataclasses.replace(chosen, predicted_s=options, raw_s=raw, predicted_ttft_s=mine)
@@ -236,6 +241,27 @@ class Calibration:
         if ratios is None or len(ratios) < self._min:
             return 1.0
         return min(self._clamp, max(1.0 / self._clamp, statistics.median(ratios)))
+
+
+class QueueWait:
+    """The expected wait behind the requests already in the receiver: each holds the compute thread
+    about as long as the median of the last `window` requests did (engine start to done). The
+    receiver calls `observe` after each request and `wait` per decision (its event loop; neither
+    blocks); 0 until `min_samples` are in. Calibration learns compute only (the wait measured is
+    taken off), so a burst does not skew the scales for the quiet time after it."""
+
+    def __init__(self, window: int = 64, min_samples: int = 5):
+        self._busy: deque[float] = deque(maxlen=window)
+        self._min = min_samples
+
+    def observe(self, busy_s: float) -> None:
+        if 0 <= busy_s < float("inf"):
+            self._busy.append(busy_s)
+
+    def wait(self, queued: int) -> float:
+        if queued <= 0 or len(self._busy) < self._min:
+            return 0.0
+        return queued * statistics.median(self._busy)
 
 
 def path_of(plan: ReusePlan) -> Path:

@@ -278,3 +278,25 @@ def test_own_weights_borrow_the_receivers_fit_and_buckets_and_still_weigh_the_li
     assert (slow.path, slow.reason[0]) == ("full_prefill", "prefill_faster")
     small = policy.decide("auto", _own(), None, cfg, ME, policy.Online(tokens=4000, reused_tokens=1000))
     assert (small.path, small.reason[0]) == ("full_prefill", "audit_policy")
+
+
+def test_the_expected_queue_wait_is_added_to_every_option():
+    """With requests ahead, each option's prediction carries the wait for the compute thread; the choice holds."""
+    quiet = policy.decide("auto", holder(), None, CFG, ME, policy.Online(tokens=4000, reused_tokens=3990))
+    busy = policy.decide("auto", holder(), None, CFG, ME, policy.Online(tokens=4000, reused_tokens=3990,
+                                                                        queue_wait_s=0.5))
+    assert busy.plan == quiet.plan and set(busy.predicted_s) == set(quiet.predicted_s)
+    assert all(busy.predicted_s[k] == pytest.approx(quiet.predicted_s[k] + 0.5) for k in quiet.predicted_s)
+    assert busy.raw_s == quiet.raw_s  # calibration learns compute only
+
+
+def test_queue_wait_is_the_requests_ahead_times_the_recent_median_hold():
+    """No estimate before min_samples or with nobody ahead; then queued x median, robust to one outlier."""
+    q = policy.QueueWait(window=8, min_samples=3)
+    q.observe(0.1)
+    q.observe(0.1)
+    assert q.wait(2) == 0.0
+    q.observe(9.0)
+    q.observe(0.1)
+    q.observe(float("nan"))  # ignored
+    assert q.wait(0) == 0.0 and q.wait(3) == pytest.approx(0.3)

@@ -111,3 +111,19 @@ def test_a_shadow_runs_a_layer_at_a_time_and_never_while_a_request_is_in_the_rec
     assert paused_at == 3 and set(calls) == {0}
     assert len(calls) == receiver.num_layers + 3  # one step per layer, then 3 decode steps, then the end
     assert s.shadow_agreements == [1.0]
+
+
+def test_a_holder_on_a_same_host_channel_is_same_host_topology():
+    """shm and inproc holders, and loopback addresses, are the audit's same_host stratum; others remote."""
+    from droidmesh.services.receiver.handlers import _topology
+    from droidmesh.shared.wire import schemas
+
+    def holder(transport: str, address: str) -> schemas.CacheAvailable:
+        fp = schemas.Fingerprint("llama", 2, 8, 2, 2, 4, "{}", "v")
+        return schemas.CacheAvailable(sender_id="s", model_id="m", model_sha256="x", fingerprint=fp, fingerprint_id="f",
+                                      context_id="c", token_ids=[1], dtype="float32", kv_nbytes=[1, 1], e_layers=[0],
+                                      e_nbytes=1, transport=transport, address=address, published_at=0.0)
+
+    assert _topology(holder("shm", "/run/dm/sender.sock")) == "same_host"
+    assert _topology(holder("ucx", "127.0.0.1:4000")) == "same_host"
+    assert _topology(holder("ucx", "10.0.0.7:4000")) == "remote"
