@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import json
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,19 +110,22 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
         record: dict[str, Any] = {"row": work["row"], "agent": agent.name, "model": agent.model, "rate": rate}
         try:
             r = await client.ask(agent.model, context, question, max_new_tokens=spec.max_new_tokens, timeout=120)
-            # the output is held by the agent's own model's sender before the next agent reads it
-            await client.prefill(agent.model, context + question + r.text, timeout=120)
         except (MeshError, TimeoutError) as e:  # counted, and the pipeline goes on
             records.append({**record, "path": "error", "reason": str(e)})
             say(f"  row {work['row'] + 1}: {agent.name} failed: {e}")
             answer, output = "", context + question
         else:
             quality = score_text(spec, r.text, work["answers"]) if agent.name == "analyst" else None
-            records.append({**record, "path": r.path, "plan": r.plan, "ttft_ms": r.ttft_ms,
-                            "predicted_ttft_ms": r.predicted_ttft_ms, "sender_model": _sender_model(r.sender_id),
-                            "reused_tokens": r.reused_tokens, "prompt_tokens": r.prompt_tokens, "quality": quality,
-                            "reason": r.fallback_reason})
+            record.update(path=r.path, plan=r.plan, ttft_ms=r.ttft_ms, predicted_ttft_ms=r.predicted_ttft_ms,
+                          sender_model=_sender_model(r.sender_id), reused_tokens=r.reused_tokens,
+                          prompt_tokens=r.prompt_tokens, quality=quality, reason=r.fallback_reason)
             answer, output = r.text, context + question + r.text
+            try:  # the output is held by the agent's own model's sender before the next agent reads it
+                await client.prefill(agent.model, output, timeout=120)
+            except (MeshError, TimeoutError) as e:  # the answer stands; the next agent finds no holder
+                record["hold_error"] = str(e)
+                say(f"  row {work['row'] + 1}: {agent.name}'s output not held: {e}")
+            records.append(record)
         work["answers_by"][agent.name] = answer
         work["outputs"][agent.name] = output
         i = AGENTS.index(agent)
@@ -139,10 +142,7 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
 
     async def agent_loop(agent: Agent) -> None:
         while True:
-            work = await inbox[agent.name].get()
-            task = asyncio.get_running_loop().create_task(handle(agent, work))
-            running.add(task)
-            task.add_done_callback(finished)
+            start(handle(agent, await inbox[agent.name].get()))
 
     async def row_done() -> None:
         got = await asyncio.wait_for(done.get(), 600)
@@ -150,26 +150,38 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
             raise got
 
     async def plan_row(i: int, row: dict[str, Any]) -> None:
-        """The planner: the sender answers over C, capturing it; then the work goes to the first agent."""
-        await client.sender_generate("base", row["context"], row["input"], max_new_tokens=spec.max_new_tokens)
+        """The planner: the sender answers over C, capturing it; then the work goes to the first
+        agent. A planner that fails ends its row (the agents would find nothing held)."""
+        try:
+            await client.sender_generate("base", row["context"], row["input"], max_new_tokens=spec.max_new_tokens)
+        except (MeshError, TimeoutError) as e:
+            records.append({"row": i, "agent": "planner", "model": "base", "rate": rate, "path": "error",
+                            "reason": str(e)})
+            say(f"  row {i + 1}: the planner failed: {e}")
+            await done.put(i)
+            return
         work = {"row": i, "context": row["context"], "question": row["input"], "answers": row["answers"],
                 "answers_by": {}, "outputs": {}}
         await client.bus.publish(subjects.agent_work(AGENTS[0].name), json.dumps(work).encode())
 
+    def start(coro: Coroutine[Any, Any, None]) -> None:
+        """A supervised task: cancelled with the run; a bug in it ends the run (through `done`)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        running.add(task)
+        task.add_done_callback(finished)
+
     tasks = [asyncio.get_running_loop().create_task(agent_loop(a)) for a in AGENTS]
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(rows)) if rate else None
     try:
-        planners = []
         for i, row in enumerate(rows):
             if gaps is None:
                 await plan_row(i, row)
                 await row_done()  # one row in flight: the receivers' queues stay light
                 say(f"  row {i + 1}/{len(rows)} through the pipeline")
             else:
-                planners.append(asyncio.get_running_loop().create_task(plan_row(i, row)))
+                start(plan_row(i, row))
                 await asyncio.sleep(float(gaps[i]))  # the arrival process itself, not a wait for state
-        await asyncio.gather(*planners)
-        for _ in planners:
+        for _ in rows if gaps is not None else ():
             await row_done()
     finally:
         for t in [*tasks, *running]:

@@ -5,7 +5,8 @@ Per request (the handler calls them, on the loop, none blocks): `assign` randomi
 `calibrate` feeds the measured TTFT back to the policy's calibration, `count_relay` counts the
 outcome, the benefit and the prediction error for the dashboard.
 The quality watch, per relayed request the audit picks for a shadow (`shadow`, a supervised background task):
-  1. wait until the receiver is idle (never ahead of a request; skipped after SHADOW_WAIT_S);
+  1. wait for the other shadows (one runs at a time) and until the receiver is idle (never ahead
+     of a request); dropped SHADOW_WAIT_S after it was queued;
   2. answer the same prompt by the receiver's own full prefill and log the token agreement of the
      two greedy answers ("shadow"); it runs a layer or a decode step at a time, each only while
      no request is in the receiver, so a request arriving mid-shadow waits one layer, not a prefill;
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("receiver")
 
-SHADOW_WAIT_S = 60.0  # a shadow waits this long for an idle receiver, then is skipped
+SHADOW_WAIT_S = 60.0  # a shadow not done this long after it was queued is dropped (it only runs when idle)
 SHADOW_POLL_S = 0.005  # how often a paused shadow looks for an idle receiver
 
 
@@ -166,22 +167,38 @@ def _next_turn(steps: Steps[Generation]) -> tuple[bool, Generation | None]:
             return True, done.value
 
 
+async def _shadow_answer(s: ReceiverState, prompt: list[int], n: int, waited: float) -> Generation | None:
+    """The receiver's own greedy answer of `n` tokens, a layer or a decode step at a time, each
+    only while no request is in the receiver; None once `waited` (time.monotonic()) has passed."""
+    steps = generate_steps(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=n, eos_token_id=s.eos_token_id,
+                           turns=True)
+    while True:
+        while s.inflight > 0:
+            if time.monotonic() >= waited:
+                steps.close()
+                return None
+            await asyncio.sleep(SHADOW_POLL_S)
+        finished, ref = await s.run_torch(_next_turn, steps)
+        if finished:
+            return ref
+
+
 async def shadow(s: ReceiverState, request_id: str, sender_model: str, context: str, question: str,
                  prompt: list[int], served: list[int]) -> None:
     """Steps 1-4 of the module docstring for one relayed request."""
     waited = time.monotonic() + SHADOW_WAIT_S
-    steps = generate_steps(s.model, prompt, ReusePlan.full_prefill(), max_new_tokens=len(served),
-                           eos_token_id=s.eos_token_id, turns=True)
-    while True:  # a layer or a decode step at a time, each only while no request is in the receiver
-        while s.inflight > 0:
-            if time.monotonic() >= waited:
-                steps.close()
-                log.info("shadow_skipped", request_id=request_id, reason="receiver busy")
-                return
-            await asyncio.sleep(SHADOW_POLL_S)
-        finished, ref = await s.run_torch(_next_turn, steps)
-        if finished:
-            break
+    try:  # one shadow at a time: a waiting one holds no cache, and an idle moment resumes one shadow, not all
+        await asyncio.wait_for(s.shadow_lock.acquire(), SHADOW_WAIT_S)
+    except TimeoutError:
+        log.info("shadow_skipped", request_id=request_id, reason="other shadows ahead")
+        return
+    try:
+        ref = await _shadow_answer(s, prompt, len(served), waited)
+    finally:
+        s.shadow_lock.release()
+    if ref is None:
+        log.info("shadow_skipped", request_id=request_id, reason="receiver busy")
+        return
     same = sum(a == b for a, b in zip(served, ref.tokens, strict=False))
     agreement = same / max(len(served), len(ref.tokens))
     s.shadow_agreements.append(agreement)

@@ -168,11 +168,11 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
         plan, path, reason = ReusePlan.full_prefill(), "fallback", missing
     if miss is not None and miss[0] == "holder_open_circuit":
         path = "fallback"  # a holder was found and skipped: not a plain miss
-    bytes_pulled, gen = 0, None
+    bytes_pulled, gen, held = 0, None, 0.0  # held: seconds this request held the torch thread
     if plan.mode != "full_prefill" and holder is not None:
         try:
             out = await _reuse(s, holder, decision, prompt, req, stream, deadline)
-            gen, bytes_pulled = out.generation, out.bytes_pulled
+            gen, bytes_pulled, held = out.generation, out.bytes_pulled, out.busy_s
             stamps.update(out.stamps)
             pulled_at = out.stamps.get("grant_done", out.stamps["pull_start"])
             s.observe_pull(holder.sender_id, bytes_pulled, out.stamps["pull_done"] - pulled_at,
@@ -196,6 +196,7 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
 
         stamps["queued"] = time.perf_counter()
         gen = await s.run_torch(full_prefill, deadline=deadline)
+        held += gen.total_s
         stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
         plan = ReusePlan.full_prefill()
     answer = await stream.close()  # every chunk is published before the reply goes out
@@ -209,7 +210,7 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     _record(s, path, shown[0] if shown is not None else "", ttft_ms, stages_ms, bytes_pulled, stamps)
     predicted_ms = {k: round(v * 1e3, 3) for k, v in decision.predicted_s.items()}
     waited = max(0.0, stamps.get("engine_start", decided) - decided)  # for the compute thread, behind others
-    s.queue_wait.observe(done - stamps.get("engine_start", done))
+    s.queue_wait.observe(held)
     audit.calibrate(s, decision, online, path, holder, ttft_ms / 1e3 - waited)
     audit.count_relay(s, decision, assignment, path, online, ttft_ms / 1e3)
     shadowed = (assignment in ("treatment", "blind") and path in ("partial", "full_reuse") and s.cfg.shadow_share > 0

@@ -39,6 +39,7 @@ class ReuseOutcome:
     generation: Generation
     bytes_pulled: int
     stamps: dict[str, float]  # absolute time.perf_counter() per stage
+    busy_s: float  # how long the engine held the torch thread (its waits for layers left it free)
 
 
 async def reuse_generate(
@@ -81,7 +82,8 @@ async def reuse_generate(
                            timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline)
     pull_task = asyncio.get_running_loop().create_task(pull())
     try:
-        gen = await drive_engine(steps, source, functools.partial(s.run_torch, deadline=deadline), stamps)
+        busy: list[float] = []
+        gen = await drive_engine(steps, source, functools.partial(s.run_torch, deadline=deadline), stamps, busy)
     except BaseException:
         pull_task.cancel()
         await asyncio.gather(pull_task, return_exceptions=True)
@@ -92,5 +94,5 @@ async def reuse_generate(
     for stage, rel in gen.prefill.stages.items():
         stamps[stage] = stamps["engine_start"] + rel
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
-    return ReuseOutcome(gen, pulled, stamps)
+    return ReuseOutcome(gen, pulled, stamps, sum(busy))
 

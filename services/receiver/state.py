@@ -50,6 +50,7 @@ class ReceiverState:
         self.queue_wait = policy.QueueWait()  # how long a request holds the compute thread, recently
         self.rng = random.Random()  # the audit's assignments
         self.shadow_agreements: deque[float] = deque(maxlen=1024)  # recent shadow token agreements
+        self.shadow_lock = asyncio.Lock()  # one shadow runs at a time (audit.shadow)
         self.watch = QualityWatch(cfg.quality_window, min_samples=max(1, cfg.quality_window // 2),
                                   threshold=cfg.quality_threshold)
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None

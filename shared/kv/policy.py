@@ -39,7 +39,7 @@ Two corrections close the loop with what was measured:
     from one sender model), and the scaled predictions are compared and logged;
   - `QueueWait`: requests already in the receiver hold its compute thread first, so every
     option's prediction adds the expected wait for it (their number x the recent median time a
-    request holds the thread);
+    request holds the thread): the predictions include the queue, the choice is unchanged;
   - the config's `relay` buckets (the audit's policy file): where the randomized audit found
     relaying slower at the request's reusable-prefix fraction, the request gets its own prefill
     ("audit_policy"), whatever the prediction says.
@@ -247,8 +247,10 @@ class QueueWait:
     """The expected wait behind the requests already in the receiver: each holds the compute thread
     about as long as the median of the last `window` requests did (engine start to done). The
     receiver calls `observe` after each request and `wait` per decision (its event loop; neither
-    blocks); 0 until `min_samples` are in. Calibration learns compute only (the wait measured is
-    taken off), so a burst does not skew the scales for the quiet time after it."""
+    blocks); 0 until `min_samples` are in. The wait is the same for every option: it makes the
+    predicted TTFT (logged beside the actual one) include the queue, it does not change which
+    option wins. Calibration learns compute only (the wait measured is taken off), so a burst does
+    not skew the scales for the quiet time after it."""
 
     def __init__(self, window: int = 64, min_samples: int = 5):
         self._busy: deque[float] = deque(maxlen=window)

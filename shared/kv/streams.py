@@ -7,9 +7,10 @@ overlap. So each device has one copy stream (non-blocking: it never waits for th
 stream), and the sequence per pulled context is:
   1. `empty(...)`   the receiver allocates its device buffers from the copy stream's pool, so the
                     copy stream may write them without waiting for earlier compute;
-  2. `landing(d)`   a transport decodes each item inside it, off the compute thread: the body's
-                    CUDA work runs on the copy stream, and the landing thread (only it) waits on
-                    one event for that work before delivering the item: no device-wide sync;
+  2. `landing(d)`   a channel decodes each item inside it, off the compute thread (on its event
+                    loop, or a lane thread): the body's CUDA work runs on the copy stream, and
+                    the calling thread alone waits on one event for that work (the copy, not the
+                    compute queued before it) before delivering the item: no device-wide sync;
   3. `adopt(t)`     the engine, as it reads a delivered tensor on its compute stream, marks the
                     tensor used there, so its memory returns to the copy stream's pool only after
                     the compute that reads it has run.
@@ -49,8 +50,9 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 @contextlib.contextmanager
 def landing(device: torch.device) -> Iterator[None]:
-    """Run the body's work for a buffer on `device` on its copy stream; on exit, block this thread
-    (a transport's, never the compute thread) until that work is done (step 2)."""
+    """Run the body's work for a buffer on `device` on its copy stream; on exit, block the calling
+    thread (a channel's event loop or lane, never the compute thread) until that work is done
+    (step 2)."""
     if device.type != "cuda":
         yield
         return

@@ -128,10 +128,11 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
     return await bulk.pull(holder.address, request, buffers(model, tokens, items), on_item, timeout_s)
 
 
-async def drive_engine(steps: Steps[T], source: ArrivingSource, run_torch: RunTorch, stamps: dict[str, float]
-                       ) -> T:
+async def drive_engine(steps: Steps[T], source: ArrivingSource, run_torch: RunTorch, stamps: dict[str, float],
+                       busy: list[float] | None = None) -> T:
     """Run the engine's steps on the torch thread (`run_torch`), waiting for each `Need` here, on
-    the loop; `stamps["engine_start"]` is when the first step began on that thread."""
+    the loop; `stamps["engine_start"]` is when the first step began on that thread, and `busy`
+    gets the seconds each run of steps held it (not the waits for layers in between)."""
     loop = asyncio.get_running_loop()
     landed = asyncio.Event()
 
@@ -140,7 +141,7 @@ async def drive_engine(steps: Steps[T], source: ArrivingSource, run_torch: RunTo
 
     source.watch(on_landed)
     while True:
-        finished, value = await run_torch(_advance, steps, source, stamps)
+        finished, value = await run_torch(_advance, steps, source, stamps, busy)
         if finished:
             return value  # the final step's value is the steps' result
         need: Need = value
@@ -157,15 +158,21 @@ async def drive_engine(steps: Steps[T], source: ArrivingSource, run_torch: RunTo
                 break
 
 
-def _advance(steps: Steps[T], source: ArrivingSource, stamps: dict[str, float]) -> tuple[bool, object]:
+def _advance(steps: Steps[T], source: ArrivingSource, stamps: dict[str, float], busy: list[float] | None
+             ) -> tuple[bool, object]:
     """On the torch thread: run steps until one needs a layer that has not landed, (False, Need),
     or to the end, (True, result). Landed layers cost no round trip to the loop."""
-    stamps.setdefault("engine_start", time.perf_counter())  # in the worker: queueing is not compute
-    with torch.inference_mode():
-        try:
-            need = next(steps)
-            while source.has(need):
+    began = time.perf_counter()
+    stamps.setdefault("engine_start", began)  # in the worker: queueing is not compute
+    try:
+        with torch.inference_mode():
+            try:
                 need = next(steps)
-            return False, need
-        except StopIteration as done:  # a Future cannot carry StopIteration
-            return True, done.value
+                while source.has(need):
+                    need = next(steps)
+                return False, need
+            except StopIteration as done:  # a Future cannot carry StopIteration
+                return True, done.value
+    finally:
+        if busy is not None:
+            busy.append(time.perf_counter() - began)

@@ -93,6 +93,7 @@ def test_a_shadow_runs_a_layer_at_a_time_and_never_while_a_request_is_in_the_rec
         return fn(*args)
 
     s = SimpleNamespace(inflight=0, run_torch=run_torch, model=receiver, eos_token_id=None, shadow_agreements=[],
+                        shadow_lock=asyncio.Lock(),
                         watch=QualityWatch(window=4, min_samples=2, threshold=0.0), metrics=Metrics("receiver"),
                         cfg=SimpleNamespace(quality_threshold=0.0, reprofile=False))
 
@@ -127,3 +128,36 @@ def test_a_holder_on_a_same_host_channel_is_same_host_topology():
     assert _topology(holder("shm", "/run/dm/sender.sock")) == "same_host"
     assert _topology(holder("ucx", "127.0.0.1:4000")) == "same_host"
     assert _topology(holder("ucx", "10.0.0.7:4000")) == "remote"
+
+
+def test_shadows_run_one_at_a_time(receiver, prompt, monkeypatch):
+    """Two shadows queued together never interleave their steps: the second starts after the first ends."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from droidmesh.services.receiver import audit
+    from droidmesh.shared.metrics import Metrics
+    from tests.conftest import reference_greedy
+
+    monkeypatch.setattr(audit, "SHADOW_POLL_S", 0.0)
+    ctx, q = prompt
+    served = reference_greedy(receiver, ctx + q, 3)
+    stepped: list[object] = []  # which generation each torch call advanced (held: ids stay unique)
+
+    async def run_torch(fn, steps):
+        stepped.append(steps)
+        await asyncio.sleep(0)  # the other shadow gets the loop between steps
+        return fn(steps)
+
+    s = SimpleNamespace(inflight=0, run_torch=run_torch, model=receiver, eos_token_id=None, shadow_agreements=[],
+                        shadow_lock=asyncio.Lock(), watch=QualityWatch(window=4, min_samples=2, threshold=0.0),
+                        metrics=Metrics("receiver"), cfg=SimpleNamespace(quality_threshold=0.0, reprofile=False))
+
+    async def main() -> None:
+        await asyncio.gather(audit.shadow(s, "r1", "base", "", "", ctx + q, served),
+                             audit.shadow(s, "r2", "base", "", "", ctx + q, served))
+
+    asyncio.run(main())
+    order = [0 if g is stepped[0] else 1 for g in stepped]
+    assert stepped[-1] is not stepped[0] and order == sorted(order)
+    assert s.shadow_agreements == [1.0, 1.0]
