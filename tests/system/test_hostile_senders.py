@@ -331,8 +331,9 @@ def test_full_prefill_answered_while_a_trickling_pull_is_in_progress(trickle, se
 
     other, pulling_done, pulled = asyncio.run(run())
     assert other.path == "full_prefill" and len(other.token_ids) == 2 and not pulling_done
-    # the pull's deadline is the reuse timeout or what is left of the request's budget, if less
-    assert pulled.path == "fallback" and re.search(r"exceeded (9\.\d+|10)s", pulled.fallback_reason or ""), \
-        pulled.fallback_reason
+    # the pull's deadline is the reuse timeout or what is left of the request's budget, if less; the
+    # engine's wait for the layer ends at the same moment, and on a busy machine it may say so first
+    assert pulled.path == "fallback" and re.search(r"exceeded (9\.\d+|10)s|did not arrive before the deadline",
+                                                   pulled.fallback_reason or ""), pulled.fallback_reason
     assert len(pulled.token_ids) == 2 and pulled.stages_ms["done"] < BUDGET_S * 1e3
     assert receiver.popen.poll() is None, receiver.tail()
