@@ -30,14 +30,13 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import structlog
-import torch
 
 from droidmesh.shared.audit import reusable_bucket
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.kv.sources import Steps
+from droidmesh.shared.kv.sources import Need, run_until
 from droidmesh.shared.wire import schemas, subjects
 
 if TYPE_CHECKING:
@@ -130,15 +129,14 @@ def hold(s: ReceiverState, holder: schemas.CacheAvailable | None, decision: poli
                            predicted_ttft_s=decision.predicted_s.get(policy.PREFILL_OPTION))
 
 
-def calibrate(s: ReceiverState, decision: policy.Decision, online: policy.Online, path: str,
-               holder: schemas.CacheAvailable | None, ttft_s: float) -> None:
+def calibrate(s: ReceiverState, decision: policy.Decision, path: str, holder: schemas.CacheAvailable | None,
+              ttft_s: float) -> None:
     """Feed the served option's measured TTFT (less its wait for the compute thread: `ttft_s` is
     what the option itself took) to the calibration, against its uncalibrated prediction."""
     if path == "full_prefill" and policy.PREFILL_OPTION in decision.raw_s:
         s.calibration.observe(policy.PREFILL_KIND, decision.raw_s[policy.PREFILL_OPTION], ttft_s)
-    elif path in ("partial", "full_reuse") and holder is not None and decision.predicted_ttft_s:
-        raw = (decision.predicted_ttft_s - online.queue_wait_s) / online.reuse_scale
-        s.calibration.observe(policy.reuse_kind(holder.model_id), raw, ttft_s)
+    elif path in ("partial", "full_reuse") and holder is not None and decision.raw_ttft_s:
+        s.calibration.observe(policy.reuse_kind(holder.model_id), decision.raw_ttft_s, ttft_s)
 
 
 def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, path: str, online: policy.Online,
@@ -157,14 +155,8 @@ def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, pa
         s.metrics.prediction_error.observe(abs(decision.predicted_ttft_s - ttft_s) / ttft_s)
 
 
-def _next_turn(steps: Steps[Generation]) -> tuple[bool, Generation | None]:
-    """On the torch thread: run `steps` to its next turn, (False, None), or to its end, (True, result)."""
-    with torch.inference_mode():
-        try:
-            next(steps)
-            return False, None
-        except StopIteration as done:
-            return True, done.value
+def _never(need: Need) -> bool:
+    return False
 
 
 async def _shadow_answer(s: ReceiverState, prompt: list[int], n: int, waited: float) -> Generation | None:
@@ -178,7 +170,7 @@ async def _shadow_answer(s: ReceiverState, prompt: list[int], n: int, waited: fl
                 steps.close()
                 return None
             await asyncio.sleep(SHADOW_POLL_S)
-        finished, ref = await s.run_torch(_next_turn, steps)
+        finished, ref = await s.run_torch(run_until, steps, _never)  # one layer or decode step
         if finished:
             return ref
 

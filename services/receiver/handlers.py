@@ -211,7 +211,7 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     predicted_ms = {k: round(v * 1e3, 3) for k, v in decision.predicted_s.items()}
     waited = max(0.0, stamps.get("engine_start", decided) - decided)  # for the compute thread, behind others
     s.queue_wait.observe(held)
-    audit.calibrate(s, decision, online, path, holder, ttft_ms / 1e3 - waited)
+    audit.calibrate(s, decision, path, holder, ttft_ms / 1e3 - waited)
     audit.count_relay(s, decision, assignment, path, online, ttft_ms / 1e3)
     shadowed = (assignment in ("treatment", "blind") and path in ("partial", "full_reuse") and s.cfg.shadow_share > 0
                 and req.sampling.temperature == 0 and s.rng.random() < s.cfg.shadow_share)

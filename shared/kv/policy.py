@@ -102,6 +102,7 @@ class Decision:
     codec_params: CodecParams = dataclasses.field(default_factory=dict)
     predicted_s: dict[str, float] = dataclasses.field(default_factory=dict)  # option -> predicted TTFT (with a fit)
     predicted_ttft_s: float | None = None  # the chosen option's
+    raw_ttft_s: float | None = None  # a relay's, before calibration and the queue wait (what calibration learns)
     raw_s: dict[str, float] = dataclasses.field(default_factory=dict)  # the same before calibration
     weighed: bool = False  # relaying was possible and weighed (a holder, and a config or default group)
     relay_option: Decision | None = None  # when the policy chose its own prefill: the reuse it weighed
@@ -183,7 +184,8 @@ def _weigh(cfg: RecomputeConfig, holder: CacheAvailable, online: Online) -> Deci
                for k, v in raw.items()}
     veto = audit_veto(cfg.relay, online.tokens - 1 if reused is None else reused, online.tokens)
     mine = options.get(option_label(p))
-    relay = dataclasses.replace(chosen, predicted_s=options, raw_s=raw, predicted_ttft_s=mine)
+    relay = dataclasses.replace(chosen, predicted_s=options, raw_s=raw, predicted_ttft_s=mine,
+                                raw_ttft_s=raw.get(option_label(p)))
     if veto is not None:
         return dataclasses.replace(_prefill(veto), predicted_s=options, raw_s=raw,
                                    predicted_ttft_s=options.get(PREFILL_OPTION), weighed=True, relay_option=relay)

@@ -61,6 +61,20 @@ def run_steps(steps: Steps[T]) -> T:
         return done.value
 
 
+def run_until(steps: Steps[T], ready: Callable[[Need], bool]) -> tuple[bool, object]:
+    """Run `steps` (under `torch.inference_mode`, on the calling thread: a driver's torch thread)
+    past every `Need` that is `ready`; stop at the first that is not, (False, that Need), or at the
+    end, (True, the steps' result). A Future cannot carry StopIteration, hence the tuple."""
+    with torch.inference_mode():
+        try:
+            need = next(steps)
+            while ready(need):
+                need = next(steps)
+            return False, need
+        except StopIteration as done:
+            return True, done.value
+
+
 class LayerSource(Protocol):
     token_ids: tuple[int, ...]
     fingerprint: ArchFingerprint

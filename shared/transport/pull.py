@@ -31,7 +31,7 @@ from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, ReuseError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps
+from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps, run_until
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.fingerprint import ArchFingerprint
 from droidmesh.shared.transport.bulk import BulkClient
@@ -165,14 +165,7 @@ def _advance(steps: Steps[T], source: ArrivingSource, stamps: dict[str, float], 
     began = time.perf_counter()
     stamps.setdefault("engine_start", began)  # in the worker: queueing is not compute
     try:
-        with torch.inference_mode():
-            try:
-                need = next(steps)
-                while source.has(need):
-                    need = next(steps)
-                return False, need
-            except StopIteration as done:  # a Future cannot carry StopIteration
-                return True, done.value
+        return run_until(steps, source.has)
     finally:
         if busy is not None:
             busy.append(time.perf_counter() - began)

@@ -144,10 +144,10 @@ def test_shadows_run_one_at_a_time(receiver, prompt, monkeypatch):
     served = reference_greedy(receiver, ctx + q, 3)
     stepped: list[object] = []  # which generation each torch call advanced (held: ids stay unique)
 
-    async def run_torch(fn, steps):
+    async def run_torch(fn, steps, *args):
         stepped.append(steps)
         await asyncio.sleep(0)  # the other shadow gets the loop between steps
-        return fn(steps)
+        return fn(steps, *args)
 
     s = SimpleNamespace(inflight=0, run_torch=run_torch, model=receiver, eos_token_id=None, shadow_agreements=[],
                         shadow_lock=asyncio.Lock(), watch=QualityWatch(window=4, min_samples=2, threshold=0.0),
