@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from droidmesh.shared.bench import gpu_check
 from droidmesh.shared.model import shapes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,3 +45,27 @@ def test_the_cli_lists_every_named_shape():
     from droidmesh.shared.cli.bench import SHAPE_NAMES
 
     assert set(SHAPE_NAMES) == set(shapes.SHAPES)
+
+
+def test_bfloat16_exactness_is_held_to_the_models_own_rounding_and_catches_a_wrong_token(monkeypatch):
+    """In bfloat16 both forwards round (own diff > 0) and recompute-all passes; one wrong input token fails."""
+    model = shapes.build("tiny", "cpu", dtype="bfloat16")
+    exact = gpu_check.exactness(model, 128)
+    assert exact["ok"] and exact["model_forward_max_abs_diff"] > 0
+    assert exact["tolerance"] == 2 * exact["model_forward_max_abs_diff"]
+    real = gpu_check.prefill
+
+    def reads_a_wrong_token(receiver, prompt, plan, source, **kw):
+        return real(receiver, [*prompt[:-1], (prompt[-1] + 1) % receiver.config.vocab_size], plan, source, **kw)
+
+    monkeypatch.setattr(gpu_check, "prefill", reads_a_wrong_token)
+    assert not gpu_check.exactness(model, 128)["ok"]
+
+
+def test_profile_suffix_tiny_prints_host_tables_per_plan():
+    """`infra/gpu/profile_suffix.py --tiny` profiles full reuse and k = 2 on the CPU."""
+    proc = subprocess.run([sys.executable, "infra/gpu/profile_suffix.py", "--tiny"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert "256 tokens full reuse" in proc.stdout and "256 tokens recompute [0,2)" in proc.stdout
+    assert "Self CPU time total" in proc.stdout

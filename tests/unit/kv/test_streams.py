@@ -93,7 +93,7 @@ def test_a_landing_copies_on_the_copy_stream_while_compute_is_busy():
     value = torch.randn(1, 8, 4096, 128)  # [1, kvh, T, hd] float32, 16 MiB
     out = streams.empty(tuple(value.shape), value.dtype, device)
     header = TensorHeader(context_id="c", layer=0, kind="K", shape=list(value.shape), dtype="float32",
-                          codec="raw", nbytes=value.numel() * 4, checksum="")
+                          codec="raw", codec_params={}, nbytes=value.numel() * 4, checksum="")
     staged = codecs.payload_view(value).pin_memory()
     compute = torch.cuda.current_stream(device)
     torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy kernel on the compute stream
