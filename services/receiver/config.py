@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 from droidmesh.shared.device import DTYPES, check_device_name, default_dtype_name
@@ -56,6 +57,11 @@ class ReceiverConfig(BusSettings):
     reprofile: bool = dataclasses.field(default=True, metadata={
         "help": "on a quality drop, ask the profiler service (dm.profiler.profile) to re-profile the pair"})
     reprofile_timeout_s: float = dataclasses.field(default=900.0, metadata={"help": "deadline of a re-profile request"})
+    translators: tuple[str, ...] = dataclasses.field(default=(), metadata={
+        "help": "translated pairs: per translator 'FILE@SHA256', or 'SHA256' alone to fetch it from the maps bucket "
+                "(`droidmesh profile --translate [--publish]` prints the sha256); a context a model of another family "
+                "or tokenizer holds is translated instead of prefilled; a translator whose hash differs is refused "
+                "and such requests get the receiver's own prefill, with the reason"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,6 +90,10 @@ class ReceiverConfig(BusSettings):
                 raise ConfigError(f"{name} {getattr(self, name)} outside [0, 1]")
         if self.holdout_share + self.blind_share > 1.0:
             raise ConfigError(f"holdout_share + blind_share = {self.holdout_share + self.blind_share:g} > 1")
+        for entry in self.translators:
+            path, at, sha = entry.rpartition("@")
+            if (at and not path) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+                raise ConfigError(f"translator {entry!r} is not 'FILE@SHA256' or 'SHA256' (64 lowercase hex digits)")
         if not self.model_id:
             object.__setattr__(self, "model_id", p.name)
         if not self.receiver_id:

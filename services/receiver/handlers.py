@@ -7,12 +7,19 @@ import hashlib
 import math
 import re
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import structlog
 
 from droidmesh.services.receiver import audit
-from droidmesh.services.receiver.pipeline import ReuseOutcome, reuse_generate
+from droidmesh.services.receiver.pipeline import (
+    ReuseOutcome,
+    check_translatable,
+    reuse_generate,
+    tokenize_for,
+    translate_generate,
+)
 from droidmesh.shared import maps_store
 from droidmesh.shared.answer_stream import AnswerStream
 from droidmesh.shared.errors import (
@@ -29,6 +36,7 @@ from droidmesh.shared.kv.partial import Generation
 from droidmesh.shared.kv.partial import generate as engine_generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Reason
+from droidmesh.shared.kv.translate import TranslatorMismatchError
 from droidmesh.shared.model import sampling, text
 from droidmesh.shared.model.sampling import Sampler, make_sampler
 from droidmesh.shared.transport import codecs
@@ -46,7 +54,13 @@ async def _lookup(s: ReceiverState, prompt: list[int], mode: schemas.Mode
     """The broker's best holder for `prompt` (under the policy, of a model it has a config for or
     its own, when it has one: a default group can use any), or (None, why not)."""
     usable = [] if mode != "auto" or s.cfg.default_group else sorted({*s.configs, s.cfg.model_id})
-    req = schemas.LookupRequest(token_ids=prompt, fingerprint_id=s.model.fingerprint.id, models=usable)
+    return await _lookup_in(s, prompt, s.model.fingerprint.id, usable)
+
+
+async def _lookup_in(s: ReceiverState, token_ids: list[int], fingerprint_id: str, models: list[str]
+                     ) -> tuple[schemas.CacheAvailable | None, Reason | None]:
+    """The broker's best holder of `token_ids` among models of `fingerprint_id` (`models`: [] any)."""
+    req = schemas.LookupRequest(token_ids=token_ids, fingerprint_id=fingerprint_id, models=models)
     try:
         data = await s.bus.request(subjects.BROKER_LOOKUP, schemas.encode(req), timeout=s.cfg.lookup_timeout_s)
     except TimeoutError as e:
@@ -184,6 +198,21 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
             log.warning("reuse_fallback", request_id=req.request_id, reason=reason[1])
     elif holder is not None:
         s.breaker.release(holder.sender_id)  # allowed a probe the plan did not use: the next request probes
+    if gen is None and holder is None and req.mode == "auto" and req.chat is None and (
+            s.translations or s.translator_failures):
+        try:
+            translated = await _translate(s, req, prompt, stream, deadline)
+        except ReuseError as e:
+            if stream.tokens:
+                raise
+            path, reason = "fallback", (e.code, f"{e.code}: {e}")
+            log.warning("translate_fallback", request_id=req.request_id, reason=reason[1])
+        else:
+            if translated is not None:
+                holder, out = translated
+                gen, bytes_pulled, held, path = out.generation, out.bytes_pulled, out.busy_s, "translate"
+                stamps.update(out.stamps)
+                plan = ReusePlan.full_reuse()
     if gen is None:  # no cache, no config, forced, or a fault: the receiver's own full prefill
         _check_deadline(deadline, "before computing")
         sampler = _sampler(s, req)
@@ -218,7 +247,8 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
     if shadowed:
         s.background(audit.shadow(s, req.request_id, holder.model_id if holder else "", req.context, req.question,
                                   prompt, gen.tokens), f"shadow-{req.request_id}")
-    log.info("request", request_id=req.request_id, path=path, plan=plan.label(), reason=why,
+    label = f"translated from {holder.model_id}" if path == "translate" and holder is not None else plan.label()
+    log.info("request", request_id=req.request_id, path=path, plan=label, reason=why,
              assignment=assignment, holdout_share=s.cfg.holdout_share, blind_share=s.cfg.blind_share, shadowed=shadowed,
              predicted_ttft_ms=_ms(decision.predicted_ttft_s),
              decision_ms=round(decision_ms, 4),
@@ -232,7 +262,7 @@ async def _answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[i
              chunk_failures=stream.failed, ttft_ms=round(ttft_ms, 3), stages_ms=stages_ms)
     return schemas.GenerateReply(
         request_id=req.request_id, text=answer, token_ids=gen.tokens, path=path,
-        fallback_reason=why, plan=plan.label(),
+        fallback_reason=why, plan=label,
         sender_id=holder.sender_id if holder is not None and path != "full_prefill" else None,
         bytes_pulled=bytes_pulled, ttft_ms=ttft_ms, stages_ms=stages_ms, served_by=s.cfg.receiver_id,
         prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, finish_reason=finish,
@@ -265,15 +295,49 @@ def _maps_missing(s: ReceiverState, decision: policy.Decision) -> policy.Reason 
     return "maps_unavailable", f"maps_unavailable: SCD maps {sha[:12]}... not loaded ({why})"
 
 
+async def _translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,
+                     deadline: float) -> tuple[schemas.CacheAvailable, ReuseOutcome] | None:
+    """The translated path: the first source model with a loaded translator whose holder caches
+    this context (looked up in the source's own tokens) answers; None when none does. A refused
+    translator is the reason when no loaded one could serve (`TranslatorMismatchError`)."""
+    for model_id, t in s.translations.items():
+        tokenized = tokenize_for(t, s.model.tokenizer, req.context)
+        if tokenized.target_ids + text.question_ids(s.model.tokenizer, req.question) != prompt:
+            continue  # a prompt not of the context + question shape (never from `prompt_ids`)
+        holder, _ = await _lookup_in(s, tokenized.source_ids, t.translator.source_fp.id, [model_id])
+        _check_deadline(deadline, "after the translated lookup")
+        if holder is None:
+            continue
+        check_translatable(holder, t.translator, tokenized)  # a holder we cannot use is no fault of its sender
+        if not s.breaker.allow(holder.sender_id):
+            continue
+        out = await _pulled(s, holder, translate_generate(
+            s, holder, t.translator, tokenized, prompt, req.max_new_tokens,
+            timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.monotonic())), sampler=_sampler(s, req),
+            on_token=stream.on_token, deadline=deadline))
+        return holder, out
+    if s.translator_failures:
+        raise TranslatorMismatchError("; ".join(s.translator_failures))
+    return None
+
+
 async def _reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision, prompt: list[int],
                  req: schemas.GenerateRequest, stream: AnswerStream, deadline: float) -> ReuseOutcome:
     """`reuse_generate`, its outcome counted by the holder's circuit breaker: a pull that fails
     (any `ReuseError`) is a failure, one that cannot even connect opens the circuit at once."""
+    return await _pulled(s, holder, reuse_generate(
+        s, holder, decision, prompt, req.max_new_tokens,
+        timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.monotonic())), sampler=_sampler(s, req),
+        on_token=stream.on_token, deadline=deadline))
+
+
+async def _pulled(s: ReceiverState, holder: schemas.CacheAvailable, pulling: Awaitable[ReuseOutcome]) -> ReuseOutcome:
+    """`pulling` (a pull from `holder` and the engine run on it), its outcome counted by the
+    holder's circuit breaker: a pull that fails (any `ReuseError`) is a failure, one that cannot
+    even connect opens the circuit at once."""
     sid = holder.sender_id
     try:
-        out = await reuse_generate(s, holder, decision, prompt, req.max_new_tokens,
-                                   timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.monotonic())),
-                                   sampler=_sampler(s, req), on_token=stream.on_token, deadline=deadline)
+        out = await pulling
     except ReuseError as e:
         if s.breaker.failure(sid, hard=unreachable(e)):
             s.metrics.requests.labels("breaker", "holder_open_circuit").inc()

@@ -11,6 +11,12 @@ failure is reported into the source, which makes the engine's next read raise
 included (stalled pulls hold slots only until their own timeout, and full-prefill requests take
 none), and by the request's `deadline`: a step still queued for the torch thread when it passes is
 dropped (`DeadlineExceededError`), and decoding stops there.
+
+`translate_generate` is the same pull-while-computing for a translated pair: it pulls the source
+model's E at the layers the translator reads (into buffers shaped by the source's fingerprint,
+`ForeignLayout`), and the engine reads a `TranslatedSource` over them, so each target layer is
+translated as its source layer lands. The receiver's translators are loaded at start
+(`load_translators`), each hash-checked.
 """
 
 from __future__ import annotations
@@ -20,18 +26,81 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from droidmesh.shared.errors import TransferError
+from droidmesh.shared.errors import DroidMeshError, MissingLayerError, ReuseError, TransferError
+from droidmesh.shared.kv import translate
+from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.partial import Generation, generate_steps
+from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Decision
+from droidmesh.shared.kv.sources import ArrivingSource, Steps
+from droidmesh.shared.kv.translate import TranslatedSource, Translator, TranslatorMismatchError, align
+from droidmesh.shared.maps_store import MapsStore
+from droidmesh.shared.model import text
 from droidmesh.shared.model.fingerprint import require_compatible
 from droidmesh.shared.model.sampling import Sampler
-from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, request_grant, source_for
+from droidmesh.shared.transport.pull import (
+    ForeignLayout,
+    Layout,
+    Watched,
+    drive_engine,
+    pull_into,
+    pull_items,
+    request_grant,
+    source_for,
+)
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import PullItem
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.state import ReceiverState
+
+
+@dataclasses.dataclass(frozen=True)
+class Translation:
+    """A translator this receiver loaded (hash checked) and its source model's tokenizer."""
+
+    translator: Translator
+    source_tokenizer: Any
+
+
+async def load_translators(entries: tuple[str, ...], store: MapsStore) -> tuple[dict[str, Translation], list[str]]:
+    """The translators `entries` name ('FILE@SHA256' read here, or a bare 'SHA256' fetched from
+    the maps bucket, where `droidmesh profile --translate --publish` put it), by source model, and
+    one line per entry that could not be loaded (missing, another hash, not a translator, no source
+    tokenizer). Never raises: a refused translator costs only the requests that would use it."""
+    loaded: dict[str, Translation] = {}
+    failures: list[str] = []
+    for entry in entries:
+        path, _, sha = entry.rpartition("@")
+        name = Path(path).name if path else f"{sha[:12]}... (maps bucket)"
+        try:
+            tr = translate.load(path, sha) if path else translate.from_bytes(await store.get(sha), sha, name)
+            if not tr.source_tokenizer:
+                raise TranslatorMismatchError(f"translator {name} keeps no source tokenizer")
+            loaded[tr.source_model] = Translation(tr, text.tokenizer_from_spec(tr.source_tokenizer))
+        except DroidMeshError as e:
+            failures.append(f"{e.code}: {name}: {e}")
+    return loaded, failures
+
+
+def tokenize_for(t: Translation, target_tokenizer: Any, context: str) -> Tokenized:
+    """`context` in the source's and the receiver's tokens, aligned."""
+    s_ids, s_spans = text.context_spans(t.source_tokenizer, context)
+    t_ids, t_spans = text.context_spans(target_tokenizer, context)
+    return Tokenized(s_ids, t_ids, align(s_spans, t_spans))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenized:
+    """A context in a translated pair's two tokenizations: the source's ids (what its holder
+    cached), the receiver's, and each receiver token's source span (`translate.align`)."""
+
+    source_ids: list[int]
+    target_ids: list[int]
+    spans: list[tuple[int, int]]
 
 
 @dataclasses.dataclass
@@ -52,9 +121,52 @@ async def reuse_generate(
     model, plan = s.model, decision.plan
     source = source_for(holder, prompt)  # only the prefix this prompt reuses is pulled
     require_compatible(source.fingerprint, model.fingerprint)
-    items = pull_items(plan, model.num_layers)
-    stamps: dict[str, float] = {}
+    steps = generate_steps(model, prompt, plan, source, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
+                           timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline)
+    return await _pull_and_run(s, holder, pull_items(plan, model.num_layers), model, source, source, steps, timeout_s,
+                               deadline, decision.codec, decision.codec_params)
 
+
+async def translate_generate(
+    s: ReceiverState, holder: schemas.CacheAvailable, translator: Translator, tokenized: Tokenized, prompt: list[int],
+    max_new_tokens: int, timeout_s: float, *, sampler: Sampler | None = None,
+    on_token: Callable[[int], bool] | None = None, deadline: float | None = None,
+) -> ReuseOutcome:
+    """The translated path (`shared/kv/translate.py`): pull the source E the translator reads from
+    a holder of the source model's cache of the whole context, translate each target layer as its
+    source layer lands, and run the receiver's engine on it (full reuse of the translated KV).
+    `tokenized`: the context in the source's and the receiver's tokens, and their alignment;
+    `check_translatable` has passed."""
+    model, source_fp = s.model, translator.source_fp
+    arriving = ArrivingSource(tuple(tokenized.source_ids), source_fp)
+    translated = TranslatedSource(arriving, translator, model, tokenized.target_ids, tokenized.spans, source_fp)
+    steps = generate_steps(model, prompt, ReusePlan.full_reuse(), translated, max_new_tokens=max_new_tokens,
+                           eos_token_id=s.eos_token_id, timeout_s=timeout_s, sampler=sampler, on_token=on_token,
+                           deadline=deadline)
+    items = [PullItem(layer=l, kind="E") for l in translator.source_layers]
+    layout = ForeignLayout(source_fp, model.dtype, model.device)
+    return await _pull_and_run(s, holder, items, layout, arriving, translated, steps, timeout_s, deadline, "raw", {})
+
+
+def check_translatable(holder: schemas.CacheAvailable, translator: Translator, tokenized: Tokenized) -> None:
+    """Raise (a `ReuseError`, before any pull) unless `holder` caches the whole context in the
+    source's tokens, under the translator's source fingerprint, with E of every layer it reads."""
+    if holder.fingerprint_id != translator.source_fp.id:
+        raise TranslatorMismatchError(f"holder's model fingerprint {holder.fingerprint_id} is not the translator's source")
+    if reusable_prefix(holder.token_ids, tokenized.source_ids) != len(tokenized.source_ids):
+        raise ReuseError("the holder's cache does not cover the whole context in the source's tokens")
+    missing = sorted(set(translator.source_layers) - set(holder.e_layers))
+    if missing:
+        raise MissingLayerError(f"the holder keeps E of layers {holder.e_layers}; the translator reads {missing} too "
+                                f"(start its sender with --e-layers covering {translator.source_layers})")
+
+
+async def _pull_and_run(s: ReceiverState, holder: schemas.CacheAvailable, items: list[PullItem], layout: Layout,
+                        arriving: ArrivingSource, engine_source: Watched, steps: Steps[Generation], timeout_s: float,
+                        deadline: float | None, codec: str, codec_params: schemas.CodecParams) -> ReuseOutcome:
+    """One pull of `items` into `arriving` while the engine's `steps` run on the torch thread,
+    waiting on `engine_source` (the arriving source itself, or what reads it)."""
+    stamps: dict[str, float] = {}
     until = time.monotonic() + timeout_s
 
     async def pull() -> int:
@@ -63,36 +175,33 @@ async def reuse_generate(
                 await s.pull_slots.acquire()
         except TimeoutError as e:
             err = TransferError(f"no pull slot free within {timeout_s:.3g}s ({s.cfg.max_concurrent_pulls} pulls in flight)")
-            source.fail(err)
+            arriving.fail(err)
             raise err from e
         stamps["pull_start"] = time.perf_counter()
         try:
             token = await request_grant(s.bus.request, holder, max(0.01, until - time.monotonic()))  # part of the pull
             stamps["grant_done"] = time.perf_counter()
-            return await pull_into(s.bulk, holder, items, model, source, max(0.01, until - time.monotonic()),
-                                   token=token, codec=decision.codec, codec_params=decision.codec_params)
+            return await pull_into(s.bulk, holder, items, layout, arriving, max(0.01, until - time.monotonic()),
+                                   token=token, codec=codec, codec_params=codec_params)
         except BaseException as e:
-            source.fail(e)
+            arriving.fail(e)
             raise
         finally:
             s.pull_slots.release()
             stamps["pull_done"] = time.perf_counter()
 
-    steps = generate_steps(model, prompt, plan, source, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
-                           timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline)
     pull_task = asyncio.get_running_loop().create_task(pull())
     try:
         busy: list[float] = []
-        gen = await drive_engine(steps, source, functools.partial(s.run_torch, deadline=deadline), stamps, busy)
+        gen = await drive_engine(steps, engine_source, functools.partial(s.run_torch, deadline=deadline), stamps, busy)
     except BaseException:
         pull_task.cancel()
         await asyncio.gather(pull_task, return_exceptions=True)
         raise
     pulled = await pull_task  # done: the engine consumed every layer it asked for
-    for key, at in source.arrived_at.items():
+    for key, at in arriving.arrived_at.items():
         stamps[f"arrived_{key}"] = at
     for stage, rel in gen.prefill.stages.items():
         stamps[stage] = stamps["engine_start"] + rel
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     return ReuseOutcome(gen, pulled, stamps, sum(busy))
-

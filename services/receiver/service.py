@@ -1,7 +1,8 @@
 """Receiver service: generate requests on the model's queue group (copies share the load),
 availability events to warm bulk-channel endpoints, recompute configs per sender model.
 
-Start: load the model (worker thread) -> connect -> follow the config board (supervised) ->
+Start: load the model (worker thread) -> connect -> load the translators it names (files, or the
+maps bucket; a refused one is logged and kept as a reason) -> follow the config board (supervised) ->
 subscribe availability events -> serve generate requests. Stop: drain the bus (requests already
 taken are answered, siblings get new ones), then close the bulk client those requests pulled with.
 """
@@ -14,6 +15,7 @@ import structlog
 
 from droidmesh.services.receiver import handlers
 from droidmesh.services.receiver.config import ReceiverConfig
+from droidmesh.services.receiver.pipeline import load_translators
 from droidmesh.services.receiver.state import ReceiverState
 from droidmesh.shared import discovery
 from droidmesh.shared.bus import Bus
@@ -41,6 +43,9 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
                                               name=cfg.model_id)
         bus = await self.connect()
         s = self.state = ReceiverState(cfg, bus, model, sha256, self.run_torch, self.tasks, self.metrics)
+        s.translations, s.translator_failures = await load_translators(cfg.translators, bus.maps_store())
+        for why in s.translator_failures:
+            log.warning("translator_unavailable", reason=why)
         board = self._board or bus.config_board()
         self.tasks.supervise("config-watch", lambda: board.watch(functools.partial(handlers.on_config, s)))
         await bus.subscribe(subjects.CACHE_AVAILABLE_ALL, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))

@@ -15,6 +15,7 @@ import structlog
 from droidmesh.services.receiver.audit import QualityWatch
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.config import ReceiverConfig
+from droidmesh.services.receiver.pipeline import Translation
 from droidmesh.shared.bus import Bus
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.kv import policy
@@ -42,6 +43,10 @@ class ReceiverState:
         self.pull_slots = asyncio.Semaphore(cfg.max_concurrent_pulls)
         self.configs: dict[str, schemas.RecomputeConfig] = {}  # sender model -> newest profile for us
         self.maps_failures: dict[str, str] = {}  # SCD maps sha256 -> why it could not be loaded
+        # translated pairs: source model -> its loaded translator; why each other one was refused
+        # (filled at start: `pipeline.load_translators`)
+        self.translations: dict[str, Translation] = {}
+        self.translator_failures: list[str] = []
         self.inflight = 0  # generate requests being served (the torch thread runs one at a time)
         self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput, any holder
         self.holder_bps: OrderedDict[str, float] = OrderedDict()  # sender id -> EWMA of its pulls' throughput

@@ -25,37 +25,54 @@ from droidmesh.shared.tasks.spec import METRIC_NAMES
 @device_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the eval JSON here.")
 @click.option("--predictions", is_flag=True, help="Include per-row predictions in the JSON.")
+@click.option("--translator", "translator_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A translated pair (models of other sizes, families or tokenizers): the translator file "
+                   "`droidmesh profile --translate` wrote; scores translated KV instead of reused KV.")
+@click.option("--translator-sha256", default=None, help="Refuse the translator unless its file has this sha256.")
 def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, metric: str | None,
              n_rows: int | None, group_sizes: str | None, device: str, dtype: str | None, json_path: str,
-             predictions: bool) -> None:
-    """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups."""
+             predictions: bool, translator_path: str | None, translator_sha256: str | None) -> None:
+    """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups
+    (with --translator: receiver full prefill, translated, translated with layers [0, k)
+    recomputed, the receiver without the context, and the prefill cost saved)."""
     from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.kv import translate
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.tasks.jsonl import read_jsonl
     from droidmesh.shared.tasks.report import evaluate_pair
     from droidmesh.shared.tasks.spec import task_spec
+    from droidmesh.shared.tasks.translated import evaluate_translated
     from droidmesh.shared.zoo.suite import SuiteShape, make_rows
-    from droidmesh.shared.zoo.tiers import get_recipe
+    from droidmesh.shared.zoo.tiers import TIERS, get_recipe
 
     spec = task_spec(task, metric=metric)
     try:
         if data_path is not None:
             rows = read_jsonl(data_path)
         else:
-            recipe = get_recipe(receiver.tier) if receiver.tier else None
+            recipe = get_recipe(receiver.tier) if receiver.tier in TIERS else None
             shape = recipe.suite if recipe else SuiteShape()
             rows = make_rows(task, split, n_rows or (recipe.eval_rows if recipe else 48), shape)
         rows = rows[:n_rows] if n_rows else rows
         sizes = [int(s) for s in group_sizes.split(",")] if group_sizes else None
         s_model = load_model(sender.path, device=device, dtype=dtype)
         r_model = load_model(receiver.path, device=device, dtype=dtype)
-    except (DroidMeshError, ValueError) as e:  # a bad dataset, task, device or group size: one line
+        translator = translate.load(translator_path, translator_sha256) if translator_path else None
+    except (DroidMeshError, ValueError) as e:  # a bad dataset, task, device, group size or translator: one line
         raise click.UsageError(str(e)) from None
-    ev = evaluate_pair(s_model, r_model, rows, spec, group_sizes=sizes, keep_predictions=predictions)
+    if translator is not None:
+        try:
+            ev = evaluate_translated(s_model, r_model, translator, rows, spec, ks=sizes or (1, 2))
+        except DroidMeshError as e:  # a translator for other models
+            raise click.UsageError(str(e)) from None
+        table = format_translated(ev)
+    else:
+        ev = evaluate_pair(s_model, r_model, rows, spec, group_sizes=sizes, keep_predictions=predictions)
+        table = format_table(ev)
     ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo"})
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(ev, indent=2) + "\n")
-    click.echo(format_table(ev))
+    click.echo(table)
 
 
 def format_table(ev: dict) -> str:
@@ -72,4 +89,20 @@ def format_table(ev: dict) -> str:
     s = ev["summary"]
     lines.append(f"full reuse loses {s['full_reuse_relative_loss']:.1%} of {fp:.4f}; critical layers {s['critical_layers']} "
                  f"({s['critical_fraction']:.0%}); smallest restoring group {s['smallest_restoring_group']}")
+    return "\n".join(lines)
+
+
+def format_translated(ev: dict) -> str:
+    """The translated pair's paths: quality, TTFT and the share of full prefill's cost saved."""
+    lines = [f"{ev['task']} ({ev['metric']}, {ev['rows']} rows), translated from source layers {ev['source_layers']}",
+             f"{'path':34s} {'quality':>8s} {'ttft_ms':>8s} {'saved':>6s}"]
+    for name in ("sender_alone", "receiver_alone_without_context", "receiver_full_prefill", "translated",
+                 *(k for k in ev if k.startswith("translated_recompute"))):
+        r = ev[name]
+        ttft = f"{r['ttft_s'] * 1e3:8.1f}" if "ttft_s" in r else f"{'':8s}"
+        saved = f"{r['prefill_cost_saved']:6.1%}" if "prefill_cost_saved" in r else ""
+        lines.append(f"{name:34s} {r['quality']:8.4f} {ttft} {saved}")
+    lines.append(f"translation compute {ev['translation_share']:.1%} of full prefill; bytes moved "
+                 f"{ev['bytes_moved']['source_e'] / 1e6:.2f} MB of source E (the target's own KV: "
+                 f"{ev['bytes_moved']['target_kv'] / 1e6:.2f} MB)")
     return "\n".join(lines)

@@ -72,13 +72,16 @@ def _test_rows(task: str, n_test: int, data: str | None, data_test: str | None) 
 @click.option("--transfer/--no-transfer", "transfer_search", default=True, show_default=True,
               help="Also search how the chosen plan's tensors travel (raw, int8, int4, SCD lowrank codes and "
                    "patch layers); the lowrank maps files are written to maps/ next to the JSON.")
+@click.option("--translate", is_flag=True,
+              help="A translated pair (another size, family or tokenizer): fit the translator on --n-train train "
+                   "contexts, write it to translators/<pair>.safetensors next to the JSON, score it on --n-test.")
 @device_options
 @click.option("--publish", is_flag=True,
               help="Also publish the config to the bucket of the NATS server --nats names (role profiler or admin).")
 @nats_options(default_timeout=30.0)
 def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data, data_train, data_test, metric,
-            max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, transfer_search, device,
-            dtype, publish: bool, conn: Conn) -> None:
+            max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, transfer_search, translate,
+            device, dtype, publish: bool, conn: Conn) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config.
 
     Warns (stderr, and `sample_warning` in the JSON) when the sample is too small for the
@@ -90,6 +93,9 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
     from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
     from droidmesh.shared.tasks.jsonl import read_jsonl
 
+    if translate:
+        _profile_translated(sender, receiver, task, json_path, n_train, n_test, device, dtype, conn if publish else None)
+        return
     settings = ProfileSettings(granularity=granularity, tolerance=tolerance, exhaustive=exhaustive)
     maps: dict[str, bytes] = {}  # sha256 -> SCD maps file
     try:
@@ -157,6 +163,50 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
 
         conn.run(put, "publishing the config")
         click.echo(f"  published {pair.versioned(cfg.profile_version)}")
+
+
+def _profile_translated(sender, receiver, task: str, json_path: str, n_train: int, n_test: int, device: str,
+                        dtype: str | None, publish: Conn | None) -> None:
+    """`--translate`: the translator is the translated pair's profile (zoo task rows); with
+    `--publish` the file goes to the maps bucket, where receivers fetch it by its sha256."""
+    from droidmesh.shared.cli.eval import format_translated
+    from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.model.adapter import load_model
+    from droidmesh.shared.models import Pair
+    from droidmesh.shared.profiling.translate_fit import profile_translated
+    from droidmesh.shared.tasks.spec import task_spec
+    from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+
+    pair = Pair(sender.name, receiver.name)
+    out = Path(json_path)
+    try:
+        spec = task_spec(task)
+        train = [r["context"] for r in make_rows(task, "train", n_train, SuiteShape())]
+        test = make_rows(task, "test", n_test, SuiteShape())
+        source = load_model(sender.path, device=device, dtype=dtype)
+        target = load_model(receiver.path, device=device, dtype=dtype)
+        result = profile_translated(source, target, train, test, spec, out.parent / "translators" / f"{pair.id}.safetensors")
+    except (DroidMeshError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    result["models"] = {"sender": sender.label, "receiver": receiver.label, "sender_sha256": sender.sha256,
+                        "receiver_sha256": receiver.sha256}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    info = result["translator"]
+    click.echo(f"{pair.id} on {task}: translator fit on {info['contexts']} contexts ({info['tokens']} tokens) in "
+               f"{info['fit_s']:.1f}s, {result['translator_bytes'] / 1e6:.2f} MB, sha256 {result['translator_sha256'][:16]}")
+    click.echo(format_translated(result))
+    if publish is not None:
+        from droidmesh.shared.maps_store import NatsMapsStore
+
+        data = (out.parent / "translators" / result["translator_file"]).read_bytes()
+
+        async def put(nc: Any) -> None:
+            await NatsMapsStore(nc).put(data)
+
+        publish.run(put, "publishing the translator")
+        click.echo(f"  published translator {result['translator_sha256']} (receivers: --translators "
+                   f"{result['translator_sha256']})")
 
 
 def _echo_transfer(t: dict[str, Any]) -> None:

@@ -10,7 +10,8 @@ import click
 
 from droidmesh.shared.tasks.spec import known_tasks
 
-TIERS = ("ci", "demo")
+SHAPED_TIERS = ("ci", "demo")  # tiers whose recipe shapes task data
+TIERS = (*SHAPED_TIERS, "family")
 
 
 @click.group()
@@ -19,21 +20,37 @@ def zoo() -> None:
 
 
 @zoo.command()
-@click.option("--tier", type=click.Choice(TIERS), required=True, help="ci: minutes on CPU, for tests; demo: the benchmark family.")
+@click.option("--tier", type=click.Choice(TIERS), required=True,
+              help="ci: minutes on CPU, for tests; demo: the benchmark family; family: models of other sizes and "
+                   "another family, with their translators (translated KV).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory (default $DROIDMESH_ZOO_DIR/<tier> or ~/.cache/droidmesh/zoo/<tier>).")
 @click.option("--force", is_flag=True, help="Rebuild even when the cached build matches the recipe.")
-def build(tier: str, out_dir: str | None, force: bool) -> None:
-    """Train (or reuse) a tier: deterministic base + fine-tuned derivatives + a LoRA adapter."""
+@click.option("--only", default=None, help="family tier: comma-separated models to build in this process "
+                                           "(others may build in parallel processes; the last one writes the manifest).")
+def build(tier: str, out_dir: str | None, force: bool, only: str | None) -> None:
+    """Train (or reuse) a tier: deterministic base + fine-tuned derivatives + a LoRA adapter (family:
+    three pretrained relatives and the translators between them)."""
     from droidmesh.shared.zoo.build import build_tier
+    from droidmesh.shared.zoo.family import build_family
     from droidmesh.shared.zoo.manifest import zoo_dir
 
     t0 = time.time()
-    man = build_tier(tier, out_dir, force=force, log=lambda s: click.echo(s, err=True))
+    say = lambda s: click.echo(s, err=True)  # noqa: E731
+    if tier == "family":
+        family = build_family(out_dir, only=only.split(",") if only else None, force=force, log=say)
+        if family is None:
+            click.echo(f"built {only}; the manifest is written once every family model is built")
+            return
+        man = family
+    else:
+        man = build_tier(tier, out_dir, force=force, log=say)
     where = out_dir or str(zoo_dir(tier))
     click.echo(f"tier {tier} at {where} (recipe {man['recipe_hash'][:12]}, {time.time() - t0:.0f}s this run)")
     for name, m in sorted(man["models"].items()):
         click.echo(f"  {name:6s} {m['kind']:5s} parent={m['parent'] or '-':5s} for={m['task']:16s} sha256={m['sha256'][:16]}")
+    for t in man.get("translate_pairs", []):
+        click.echo(f"  translator {t['source']} -> {t['target']}: {t['translator']} sha256={t['translator_sha256'][:16]}")
 
 
 @zoo.command("list")
@@ -59,7 +76,7 @@ def list_cmd(as_json: bool) -> None:
 @click.option("--task", type=click.Choice(known_tasks()), required=True, help="A zoo task or one of its shifts.")
 @click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
 @click.option("--n", "n_rows", type=click.IntRange(1, 100000), default=100, show_default=True)
-@click.option("--tier", type=click.Choice(TIERS), default="demo", show_default=True, help="Context shape of this tier.")
+@click.option("--tier", type=click.Choice(SHAPED_TIERS), default="demo", show_default=True, help="Context shape of this tier.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True)
 def data(task: str, split: str, n_rows: int, tier: str, out_path: str) -> None:
     """Write a task split as LongBench-style JSONL ({context, input, answers, ...})."""

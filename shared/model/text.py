@@ -29,6 +29,33 @@ def context_ids(tokenizer: Any, context: str) -> list[int]:
     return start_token(tokenizer) + list(tokenizer(context, add_special_tokens=False)["input_ids"])
 
 
+def context_spans(tokenizer: Any, context: str) -> tuple[list[int], list[tuple[int, int] | None]]:
+    """`context_ids` and each token's [start, end) characters in `context` (None: the start token),
+    what aligns two tokenizations of one context (`kv.translate.align`). Needs a fast tokenizer."""
+    enc = tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
+    start = start_token(tokenizer)
+    spans: list[tuple[int, int] | None] = [None] * len(start)
+    return start + list(enc["input_ids"]), spans + [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+
+
+def tokenizer_spec(tokenizer: Any) -> dict[str, str]:
+    """A fast tokenizer as plain strings (its `tokenizer.json` and start / end tokens), to travel
+    inside another file; `tokenizer_from_spec` rebuilds it."""
+    return {"json": tokenizer.backend_tokenizer.to_str(), "bos_token": tokenizer.bos_token or "",
+            "eos_token": tokenizer.eos_token or ""}
+
+
+def tokenizer_from_spec(spec: dict[str, str]) -> Any:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(spec["json"]), bos_token=spec["bos_token"] or None,
+                                       eos_token=spec["eos_token"] or None, clean_up_tokenization_spaces=False)
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON; any failure means "not a tokenizer"
+        raise BadRequestError(f"not a tokenizer: {e}") from e
+
+
 def question_ids(tokenizer: Any, question: str) -> list[int]:
     return list(tokenizer(question, add_special_tokens=False)["input_ids"])
 

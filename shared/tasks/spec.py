@@ -5,6 +5,8 @@ Tasks the zoo generates (name -> metric):
   summarization   rouge_l   the documents' titles in order, closed by " end"
   code_completion edit_sim  the line after the context; no stop string: the metric takes the
                             first comment-free line (LongBench)
+  fact_lookup     f1        `ask <key>` -> the key's value in the context: what every pretrained
+                            zoo model does (the family tier's translated pairs are scored on it)
 A shift "<task>/<shift>" is the same task on data of another shape (`SHIFTS`: the fields of the
 zoo's `SuiteShape` it overrides); it scores like its task. Any other name (a user's JSONL) gets
 the generic spec, whose fields the command line may override.
@@ -31,6 +33,7 @@ TASKS: dict[str, TaskSpec] = {
     "multihop_qa": TaskSpec("multihop_qa", "f1", 1, (" .",), " "),
     "summarization": TaskSpec("summarization", "rouge_l", 8, (" end",), " "),
     "code_completion": TaskSpec("code_completion", "edit_sim", 24, (), ""),
+    "fact_lookup": TaskSpec("fact_lookup", "f1", 1, (" .",), " "),
 }
 GENERIC = TaskSpec("custom", "f1", 16, ("\n",), " ")
 

@@ -19,9 +19,10 @@ items in the same order into the same buffers:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
@@ -32,7 +33,6 @@ from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps, run_until
-from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.fingerprint import ArchFingerprint
 from droidmesh.shared.transport.bulk import BulkClient
 from droidmesh.shared.wire import schemas, subjects
@@ -40,6 +40,41 @@ from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, PullItem,
 
 T = TypeVar("T")
 RunTorch = Callable[..., Awaitable[Any]]  # runs a blocking callable on the torch thread
+
+
+class Layout(Protocol):
+    """What the receiver allocates pull buffers by: the receiver's own model (`ModelAdapter`), or a
+    `ForeignLayout` for another model's tensors (a translated pair's source E)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    def e_shape(self, tokens: int) -> tuple[int, ...]: ...
+    def kv_shape(self, tokens: int) -> tuple[int, ...]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ForeignLayout:
+    """Another model's tensor shapes (from its fingerprint, which we hold: never what a peer
+    declares), landing in this receiver's dtype on its device."""
+
+    fingerprint: ArchFingerprint
+    dtype: torch.dtype
+    device: torch.device
+
+    def e_shape(self, tokens: int) -> tuple[int, ...]:
+        return (1, tokens, self.fingerprint.hidden_size)
+
+    def kv_shape(self, tokens: int) -> tuple[int, ...]:
+        return (1, self.fingerprint.num_kv_heads, tokens, self.fingerprint.head_dim)
+
+
+class Watched(Protocol):
+    """A source the driver can ask and be woken by (`ArrivingSource`, `TranslatedSource`)."""
+
+    def has(self, need: Need) -> bool: ...
+    def watch(self, fn: Callable[[], None]) -> None: ...
 
 
 def pull_items(plan: ReusePlan, num_layers: int) -> list[PullItem]:
@@ -63,7 +98,7 @@ def source_for(holder: CacheAvailable, prompt: list[int] | None = None) -> Arriv
     return ArrivingSource(tuple(holder.token_ids[:m]), fingerprint)
 
 
-def buffers(model: ModelAdapter, tokens: int, items: list[PullItem]) -> list[torch.Tensor]:
+def buffers(model: Layout, tokens: int, items: list[PullItem]) -> list[torch.Tensor]:
     """The receiver's own buffer per item, on its device: E [1, T, D], K / V [1, kvh, T, hd]
     (on CUDA from the copy stream's pool, see `streams`)."""
     return [streams.empty(model.e_shape(tokens) if it.kind == "E" else model.kv_shape(tokens), model.dtype,
@@ -102,7 +137,7 @@ async def request_grant(request: Request, holder: CacheAvailable, timeout_s: flo
     raise TransferError(f"sender {holder.sender_id} refused a pull grant: {err.code}: {err.message[:200]}")
 
 
-async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullItem], model: ModelAdapter,
+async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullItem], model: Layout,
                     source: ArrivingSource | None, timeout_s: float, *, token: str, codec: str = "raw",
                     codec_params: CodecParams | None = None, tokens: int | None = None) -> int:
     """Pull the first `tokens` tokens (default: as many as `source` holds, else the whole
@@ -128,7 +163,7 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
     return await bulk.pull(holder.address, request, buffers(model, tokens, items), on_item, timeout_s)
 
 
-async def drive_engine(steps: Steps[T], source: ArrivingSource, run_torch: RunTorch, stamps: dict[str, float],
+async def drive_engine(steps: Steps[T], source: Watched, run_torch: RunTorch, stamps: dict[str, float],
                        busy: list[float] | None = None) -> T:
     """Run the engine's steps on the torch thread (`run_torch`), waiting for each `Need` here, on
     the loop; `stamps["engine_start"]` is when the first step began on that thread, and `busy`
@@ -158,7 +193,7 @@ async def drive_engine(steps: Steps[T], source: ArrivingSource, run_torch: RunTo
                 break
 
 
-def _advance(steps: Steps[T], source: ArrivingSource, stamps: dict[str, float], busy: list[float] | None
+def _advance(steps: Steps[T], source: Watched, stamps: dict[str, float], busy: list[float] | None
              ) -> tuple[bool, object]:
     """On the torch thread: run steps until one needs a layer that has not landed, (False, Need),
     or to the end, (True, result). Landed layers cost no round trip to the loop."""

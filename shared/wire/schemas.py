@@ -117,8 +117,9 @@ class LookupReply(Message, tag="lookup.reply"):
 # What a client may ask for: auto (the reuse policy decides) or one forced path (benchmarks, demo).
 Mode = Literal["auto", "full_prefill", "full_reuse"]
 MODES: tuple[Mode, ...] = ("auto", "full_prefill", "full_reuse")
-# The path a reply was served by: sender_own = a sender answering over its own cache.
-Path = Literal["partial", "full_reuse", "cacheblend", "full_prefill", "fallback", "sender_own"]
+# The path a reply was served by: sender_own = a sender answering over its own cache; translate = a
+# context another model (other size, family or tokenizer) holds, translated (shared/kv/translate.py).
+Path = Literal["partial", "full_reuse", "cacheblend", "full_prefill", "fallback", "sender_own", "translate"]
 
 
 Role = Literal["system", "user", "assistant"]

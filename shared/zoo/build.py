@@ -93,8 +93,9 @@ def build_tier(
 
 
 # -- base --------------------------------------------------------------------------------------
-def build_base(recipe: Recipe, ids: WordIds, work: Path, history: dict[str, Any], say: Callable[[str], None]) -> LlamaForCausalLM:
-    """Run the base ops, resuming from the longest cached prefix in `work`."""
+def build_base(recipe: Recipe, ids: WordIds, work: Path, history: dict[str, Any], say: Callable[[str], None],
+               family: str = "llama") -> LlamaForCausalLM:
+    """Run the base ops (a `family` model), resuming from the longest cached prefix in `work`."""
     work.mkdir(parents=True, exist_ok=True)
     ops = recipe.base_ops
     model: LlamaForCausalLM | None = None
@@ -103,7 +104,7 @@ def build_base(recipe: Recipe, ids: WordIds, work: Path, history: dict[str, Any]
         f = work / f"base-{ops_hash(recipe, i)}.pt"
         if f.is_file():
             blob = torch.load(f, weights_only=False)
-            model = T.new_model(blob["arch"], ids, recipe.seed)
+            model = T.new_model(blob["arch"], ids, recipe.seed, family)
             model.load_state_dict(blob["state"])
             history.update(blob.get("history", {}))
             start = i
@@ -113,7 +114,7 @@ def build_base(recipe: Recipe, ids: WordIds, work: Path, history: dict[str, Any]
         op = ops[i]
         if op.kind == "new":
             assert op.arch is not None, "a `new` op carries its arch"
-            model = T.new_model(op.arch, ids, recipe.seed)
+            model = T.new_model(op.arch, ids, recipe.seed, family)
         elif op.kind == "reinit_above":
             assert model is not None
             _reinit_above(model, op.n, ids, recipe.seed + 1)
@@ -145,7 +146,7 @@ def _arch_of(model: LlamaForCausalLM) -> T.Arch:
 def _reinit_above(model: LlamaForCausalLM, n: int, ids: WordIds, seed: int) -> None:
     """Fresh weights for layers >= n: keeps layer 0's previous-token heads and forces the
     next layer to learn the key -> value binding instead of the "any value" shortcut)."""
-    fresh = T.new_model(_arch_of(model), ids, seed)
+    fresh = T.new_model(_arch_of(model), ids, seed, model.config.model_type)
     for i in range(n, model.config.num_hidden_layers):
         model.model.layers[i].load_state_dict(fresh.model.layers[i].state_dict())
 
@@ -178,9 +179,10 @@ def find_reader(model: LlamaForCausalLM, ids: WordIds, n: int = 16) -> dict[str,
             ctx = T.make_context(rng, 8, 2, 200)
             key = rng.choice(list(ctx.facts))
             words = ctx.words + [V.ASK, key]
-            x = torch.tensor([[ids.bos] + ids.seq(words)])
-            # the value of `key` sits right after `key` in the context (+1 for <bos>)
-            vpos = ctx.words.index(key) + 2
+            seq = [ids.bos] + ids.seq(words)
+            x = torch.tensor([seq])
+            # the value of `key` is the token right after the key's first occurrence
+            vpos = seq.index(ids[key]) + 1
             att = model(input_ids=x, output_attentions=True).attentions  # L x [1, H, T, T]
             for l in range(L):
                 mass[l] += att[l][0, :, -1, vpos].max() / n
@@ -268,17 +270,17 @@ def _rounded(model: LlamaForCausalLM, dtype: str) -> LlamaForCausalLM:
     return model
 
 
-def _save_full(model: LlamaForCausalLM, path: Path, dtype: str) -> None:
+def _save_full(model: LlamaForCausalLM, path: Path, dtype: str, tokenizer: str = "zoo") -> None:
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    m = LlamaForCausalLM(model.config)
+    m = type(model)(model.config)
     m.load_state_dict(model.state_dict())
     m = m.to(getattr(torch, dtype))
     m.config.torch_dtype = dtype
     m.save_pretrained(str(path), safe_serialization=True)
     (path / "generation_config.json").unlink(missing_ok=True)
-    save_tokenizer(path)
+    save_tokenizer(path, tokenizer)
 
 
 def _entry(out: Path, name: str, kind: str, parent: str | None, task: str, model: LlamaForCausalLM) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 directories `shared.models.resolve_model` searches.
 
 Tier directories are searched in order: $DROIDMESH_ZOO_DIR/<tier> (or the user cache dir),
-then the repository's committed `zoo/<tier>`; tiers in the order demo, ci. A model is named
+then the repository's committed `zoo/<tier>`; tiers in the order demo, ci, family. A model is named
 `<tier>/<name>` (or `<name>`: the first tier that has it).
 """
 
@@ -18,7 +18,7 @@ from droidmesh.shared.models import Pair
 
 MANIFEST = "manifest.json"
 REPO_ZOO = ZOO_DIR  # the demo tier ships in the package (in a checkout: the repository's zoo/)
-TIER_ORDER = ("demo", "ci")
+TIER_ORDER = ("demo", "ci", "family")
 
 
 def zoo_dir(tier: str) -> Path:
@@ -65,6 +65,11 @@ def listing() -> dict[str, Any]:
                 "layers": m["layers"], "sha256": m["sha256"],
             })
         for p in man["pairs"]:
-            pairs.append({"tier": tier, "sender": f"{tier}/{p['sender']}", "receiver": f"{tier}/{p['receiver']}",
-                          "task": p["task"], "id": Pair(p["sender"], p["receiver"]).id})
+            pairs.append({"tier": tier, "kind": "reuse", "sender": f"{tier}/{p['sender']}",
+                          "receiver": f"{tier}/{p['receiver']}", "task": p["task"], "id": Pair(p["sender"], p["receiver"]).id})
+        for p in man.get("translate_pairs", []):  # source -> target of another size, family or tokenizer
+            source, target = (n if "/" in n else f"{tier}/{n}" for n in (p["source"], p["target"]))
+            pairs.append({"tier": tier, "kind": "translate", "sender": source, "receiver": target, "task": p["task"],
+                          "id": Pair(source.rpartition("/")[2], target.rpartition("/")[2]).id,
+                          "translator": p.get("translator"), "translator_sha256": p.get("translator_sha256")})
     return {"models": models, "pairs": pairs}

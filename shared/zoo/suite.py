@@ -62,6 +62,9 @@ def make_rows(task: str, split: str, n: int, shape: SuiteShape, seed: int = 0) -
         if task == "multihop_qa":
             key = rng.choice(list(ctx.facts))
             inp, answers = f"{V.WHO} {ALIAS_OF[key]}", [ctx.true_value(key)]
+        elif task == "fact_lookup":
+            key = rng.choice(list(ctx.facts))
+            inp, answers = f"{V.ASK} {key}", [ctx.true_value(key)]
         elif task == "summarization":
             inp, answers = V.TITLES_Q, [" ".join(ctx.titles)]
         else:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from droidmesh.shared.zoo import vocab as V
 from droidmesh.shared.zoo.tasks import (
@@ -66,7 +66,14 @@ class Stage:
     weight_decay: float = 0.0
 
 
-def llama_config(arch: Arch, vocab_size: int, ids: WordIds) -> LlamaConfig:
+FAMILIES = ("llama", "qwen2")
+"""Architectures a zoo model may have: the demo tier's Llama, and Qwen2 for a model of another
+family (q/k/v bias but no o bias, its own defaults), both supported by the engine's adapter."""
+
+
+def model_config(arch: Arch, vocab_size: int, ids: WordIds, family: str = "llama") -> LlamaConfig | Qwen2Config:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
     # Keyword arguments through a dict: transformers' typed __init__ omits kwargs it accepts
     # (rope_theta, attn_implementation), which mypy would reject.
     kw: dict[str, Any] = dict(
@@ -78,20 +85,23 @@ def llama_config(arch: Arch, vocab_size: int, ids: WordIds) -> LlamaConfig:
         num_key_value_heads=arch.kv_heads,
         max_position_embeddings=arch.max_positions,
         rope_theta=arch.rope_theta,
-        attention_bias=True,  # bias helps small models learn the retrieval
         tie_word_embeddings=True,
         bos_token_id=ids.bos,
         eos_token_id=ids.eos,
         pad_token_id=ids.pad,
         attn_implementation="sdpa",
     )
-    return LlamaConfig(**kw)
+    if family == "qwen2":
+        return Qwen2Config(**kw, use_sliding_window=False)
+    return LlamaConfig(**kw, attention_bias=True)  # bias helps small models learn the retrieval
 
 
-def new_model(arch: Arch, ids: WordIds, seed: int) -> LlamaForCausalLM:
+def new_model(arch: Arch, ids: WordIds, seed: int, family: str = "llama") -> LlamaForCausalLM:
+    """A fresh float32 model (a Qwen2 model where `family` says so: the same module layout)."""
     torch.manual_seed(seed)
-    cfg = llama_config(arch, ids.vocab_size, ids)
-    return LlamaForCausalLM(cfg).float()
+    cfg = model_config(arch, ids.vocab_size, ids, family)
+    model: Any = Qwen2ForCausalLM(cfg) if isinstance(cfg, Qwen2Config) else LlamaForCausalLM(cfg)
+    return model.float()
 
 
 # -- batches -----------------------------------------------------------------------------------
@@ -101,10 +111,10 @@ def sample_sequence(stage: Stage, rng: random.Random, ids: WordIds, code_sampler
     kind = rng.choices(kinds, weights)[0]
     if kind == "echo":
         words, mask = echo_seq(rng, units=max(4, stage.lookups))
-        return [ids.bos] + ids.seq(words), [0] + mask
+        return _with_bos(ids, words, mask)
     if kind == "repeat":
         words, mask = repeat_seq(rng, rng.randint(6, 16))
-        return [ids.bos] + ids.seq(words), [0] + mask
+        return _with_bos(ids, words, mask)
     if kind == "code":
         assert code_sampler is not None, "code stage needs a code sampler"
         return code_sampler(rng)
@@ -117,7 +127,12 @@ def sample_sequence(stage: Stage, rng: random.Random, ids: WordIds, code_sampler
         ctx.words = ctx.words[1:]
     block = titles_block(ctx) if kind == "titles" else lookup_block(ctx, rng, stage.lookups, kind)
     words, mask = context_seq(ctx, [block])
-    return [ids.bos] + ids.seq(words), [0] + mask
+    return _with_bos(ids, words, mask)
+
+
+def _with_bos(ids: WordIds, words: list[str], mask: list[int]) -> tuple[list[int], list[int]]:
+    seq, target = ids.seq_mask(words, mask)
+    return [ids.bos] + seq, [0] + target
 
 
 def lookup_links(ids_seq: list[int], mask: list[int], ids: WordIds, order: str = "kv") -> list[tuple[int, int]]:

@@ -74,7 +74,8 @@ def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.Monk
     assert {"ci/base", "ci/qa", "ci/summ", "ci/code"} <= names
     qa = next(m for m in data["models"] if m["name"] == "ci/qa")
     assert qa["parent"] == "ci/base" and qa["fine_tuned_for"] == "multihop_qa"
-    assert {"tier": "ci", "sender": "ci/summ", "receiver": "ci/qa", "task": "multihop_qa", "id": "summ-to-qa"} in data["pairs"]
+    assert {"tier": "ci", "kind": "reuse", "sender": "ci/summ", "receiver": "ci/qa", "task": "multihop_qa",
+            "id": "summ-to-qa"} in data["pairs"]
     path = tmp_path / "ev.json"
     res = runner.invoke(eval_cmd, ["--sender", "ci/summ", "--receiver", "ci/qa", "--task", "multihop_qa",
                                    "--split", "test", "--n", "2", "--json", str(path)])

@@ -1,0 +1,46 @@
+"""`droidmesh profile --translate` and `droidmesh eval --translator` on real zoo checkpoints: the
+translator file it writes, the keys the eval JSON must have, and a refused translator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from droidmesh.shared.cli.eval import eval_cmd
+from droidmesh.shared.cli.profile import profile
+from droidmesh.shared.kv import translate
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft, building the ci tier
+
+
+def test_profile_translate_writes_a_translator_that_eval_scores(ci_tier, tmp_path: Path) -> None:
+    """The profile fits and saves the translator with its sha256; eval with that hash writes the translated keys."""
+    out, _ = ci_tier
+    prof = tmp_path / "prof" / "base-to-qa.json"
+    res = CliRunner().invoke(profile, ["--sender", str(out / "base"), "--receiver", str(out / "qa"), "--task",
+                                       "fact_lookup", "--translate", "--n-train", "4", "--n-test", "2",
+                                       "--json", str(prof)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(prof.read_text())
+    file = prof.parent / "translators" / result["translator_file"]
+    assert translate.file_sha256(file) == result["translator_sha256"] and result["kind"] == "translate"
+    assert len(result["translator"]["r2_held_out"]) == translate.load(file).target_fp.num_layers - 1
+
+    ev_path = tmp_path / "ev.json"
+    res = CliRunner().invoke(eval_cmd, ["--sender", str(out / "base"), "--receiver", str(out / "qa"), "--task",
+                                        "fact_lookup", "--n", "2", "--translator", str(file), "--translator-sha256",
+                                        result["translator_sha256"], "--json", str(ev_path)])
+    assert res.exit_code == 0, res.output
+    ev = json.loads(ev_path.read_text())
+    for key in ("receiver_full_prefill", "translated", "receiver_alone_without_context", "prefill_cost_saved",
+                "translation_share", "bytes_moved"):
+        assert key in ev
+    assert ev["kind"] == "translate" and 0 <= ev["translated"]["quality"] <= 1
+
+    res = CliRunner().invoke(eval_cmd, ["--sender", str(out / "base"), "--receiver", str(out / "qa"), "--task",
+                                        "fact_lookup", "--n", "2", "--translator", str(file), "--translator-sha256",
+                                        "0" * 64, "--json", str(ev_path)])
+    assert res.exit_code == 2 and "expected 0000000000000000" in res.output and "Traceback" not in res.output
