@@ -15,9 +15,9 @@ import structlog
 from droidmesh.services.receiver import audit
 from droidmesh.services.receiver.pipeline import (
     ReuseOutcome,
+    align_target,
     check_translatable,
     reuse_generate,
-    tokenize_for,
     translate_generate,
 )
 from droidmesh.shared import maps_store
@@ -298,17 +298,24 @@ def _maps_missing(s: ReceiverState, decision: policy.Decision) -> policy.Reason 
 async def _translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,
                      deadline: float) -> tuple[schemas.CacheAvailable, ReuseOutcome] | None:
     """The translated path: the first source model with a loaded translator whose holder caches
-    this context (looked up in the source's own tokens) answers; None when none does. A refused
-    translator is the reason when no loaded one could serve (`TranslatorMismatchError`)."""
+    this context (looked up in the source's own tokens) answers; None when no holder exists. Why
+    a found holder could not be used is raised (`ReuseError`) when no other one served; so is why
+    the translators were refused, when none loaded. Tokenizing runs off the event loop."""
+    unusable: ReuseError | None = None
     for model_id, t in s.translations.items():
-        tokenized = tokenize_for(t, s.model.tokenizer, req.context)
-        if tokenized.target_ids + text.question_ids(s.model.tokenizer, req.question) != prompt:
-            continue  # a prompt not of the context + question shape (never from `prompt_ids`)
-        holder, _ = await _lookup_in(s, tokenized.source_ids, t.translator.source_fp.id, [model_id])
+        s_ids, s_spans = await asyncio.to_thread(text.context_spans, t.source_tokenizer, req.context)
+        holder, _ = await _lookup_in(s, s_ids, t.translator.source_fp.id, [model_id])
         _check_deadline(deadline, "after the translated lookup")
         if holder is None:
             continue
-        check_translatable(holder, t.translator, tokenized)  # a holder we cannot use is no fault of its sender
+        try:
+            check_translatable(holder, t.translator, s_ids, s.model, s.bulk.transport)
+            tokenized = await asyncio.to_thread(align_target, s.model.tokenizer, req.context, s_ids, s_spans)
+        except ReuseError as e:
+            unusable = e
+            continue
+        if tokenized.target_ids + text.question_ids(s.model.tokenizer, req.question) != prompt:
+            continue  # a prompt not of the context + question shape (never from `prompt_ids`)
         if not s.breaker.allow(holder.sender_id):
             continue
         out = await _pulled(s, holder, translate_generate(
@@ -316,7 +323,9 @@ async def _translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: lis
             timeout_s=max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.monotonic())), sampler=_sampler(s, req),
             on_token=stream.on_token, deadline=deadline))
         return holder, out
-    if s.translator_failures:
+    if unusable is not None:
+        raise unusable
+    if not s.translations and s.translator_failures:
         raise TranslatorMismatchError("; ".join(s.translator_failures))
     return None
 

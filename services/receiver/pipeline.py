@@ -29,9 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from droidmesh.shared.errors import DroidMeshError, MissingLayerError, ReuseError, TransferError
+from droidmesh.shared.device import dtype_name
+from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, MissingLayerError, ReuseError, TransferError
+from droidmesh.shared.hashing import common_prefix
 from droidmesh.shared.kv import translate
-from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Decision
@@ -39,6 +40,7 @@ from droidmesh.shared.kv.sources import ArrivingSource, Steps
 from droidmesh.shared.kv.translate import TranslatedSource, Translator, TranslatorMismatchError, align
 from droidmesh.shared.maps_store import MapsStore
 from droidmesh.shared.model import text
+from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.fingerprint import require_compatible
 from droidmesh.shared.model.sampling import Sampler
 from droidmesh.shared.transport.pull import (
@@ -66,29 +68,46 @@ class Translation:
     source_tokenizer: Any
 
 
-async def load_translators(entries: tuple[str, ...], store: MapsStore) -> tuple[dict[str, Translation], list[str]]:
+async def load_translators(entries: tuple[str, ...], store: MapsStore, model: ModelAdapter, model_sha256: str,
+                           timeout_s: float) -> tuple[dict[str, Translation], list[str]]:
     """The translators `entries` name ('FILE@SHA256' read here, or a bare 'SHA256' fetched from
-    the maps bucket, where `droidmesh profile --translate --publish` put it), by source model, and
-    one line per entry that could not be loaded (missing, another hash, not a translator, no source
-    tokenizer). Never raises: a refused translator costs only the requests that would use it."""
+    the maps bucket within `timeout_s`, where `droidmesh profile --translate --publish` put it), by
+    source model, on `model`'s device, and one line per entry that could not be loaded (missing,
+    another hash, not a translator, for another receiver model, no source tokenizer). Never raises:
+    a refused translator costs only the requests that would use it."""
     loaded: dict[str, Translation] = {}
     failures: list[str] = []
     for entry in entries:
         path, _, sha = entry.rpartition("@")
         name = Path(path).name if path else f"{sha[:12]}... (maps bucket)"
         try:
-            tr = translate.load(path, sha) if path else translate.from_bytes(await store.get(sha), sha, name)
-            if not tr.source_tokenizer:
-                raise TranslatorMismatchError(f"translator {name} keeps no source tokenizer")
-            loaded[tr.source_model] = Translation(tr, text.tokenizer_from_spec(tr.source_tokenizer))
+            if path:
+                tr = translate.load(path, sha)
+            else:
+                async with asyncio.timeout(timeout_s):
+                    tr = translate.from_bytes(await store.get(sha), sha, name)
+            tr.check_models(tr.source_fp, model.fingerprint)
+            if tr.target_sha256 and tr.target_sha256 != model_sha256:
+                raise TranslatorMismatchError(f"translator {name} was fit for other {model.name} weights")
+            if not tr.source_tokenizer or not getattr(model.tokenizer, "is_fast", False):
+                raise TranslatorMismatchError(f"translator {name}: aligning needs the source's tokenizer in the file and "
+                                              "a fast tokenizer here")
+            loaded[tr.source_model] = Translation(tr.to(model.device), text.tokenizer_from_spec(tr.source_tokenizer))
         except DroidMeshError as e:
             failures.append(f"{e.code}: {name}: {e}")
+        except Exception as e:  # the bucket's own errors (NATS, JetStream, a timeout): this entry only
+            failures.append(f"translator_unavailable: {name}: {type(e).__name__}: {e}")
     return loaded, failures
 
 
 def tokenize_for(t: Translation, target_tokenizer: Any, context: str) -> Tokenized:
-    """`context` in the source's and the receiver's tokens, aligned."""
+    """`context` in the source's and the receiver's tokens, aligned (blocking: tokenizes twice)."""
     s_ids, s_spans = text.context_spans(t.source_tokenizer, context)
+    return align_target(target_tokenizer, context, s_ids, s_spans)
+
+
+def align_target(target_tokenizer: Any, context: str, s_ids: list[int], s_spans: list[Any]) -> Tokenized:
+    """The receiver's side of `tokenize_for`, once the source's tokens found a holder."""
     t_ids, t_spans = text.context_spans(target_tokenizer, context)
     return Tokenized(s_ids, t_ids, align(s_spans, t_spans))
 
@@ -148,17 +167,25 @@ async def translate_generate(
     return await _pull_and_run(s, holder, items, layout, arriving, translated, steps, timeout_s, deadline, "raw", {})
 
 
-def check_translatable(holder: schemas.CacheAvailable, translator: Translator, tokenized: Tokenized) -> None:
-    """Raise (a `ReuseError`, before any pull) unless `holder` caches the whole context in the
-    source's tokens, under the translator's source fingerprint, with E of every layer it reads."""
-    if holder.fingerprint_id != translator.source_fp.id:
-        raise TranslatorMismatchError(f"holder's model fingerprint {holder.fingerprint_id} is not the translator's source")
-    if reusable_prefix(holder.token_ids, tokenized.source_ids) != len(tokenized.source_ids):
+def check_translatable(holder: schemas.CacheAvailable, translator: Translator, source_ids: list[int],
+                       model: ModelAdapter, transport: str) -> None:
+    """Raise (a `ReuseError`, before any pull: no fault of the holder's sender) unless `holder` is
+    the translator's source model (its weights, when the translator is bound to them) caching the
+    whole context in the source's tokens, with E of every layer the translator reads, in our dtype
+    over our bulk channel."""
+    if holder.model_id != translator.source_model or holder.fingerprint_id != translator.source_fp.id:
+        raise TranslatorMismatchError(f"holder's model {holder.model_id} is not the translator's source {translator.source_model}")
+    if translator.source_sha256 and holder.model_sha256 != translator.source_sha256:
+        raise TranslatorMismatchError(f"holder's {holder.model_id} weights are not those the translator was fit on")
+    if common_prefix(holder.token_ids, source_ids) != len(source_ids):
         raise ReuseError("the holder's cache does not cover the whole context in the source's tokens")
     missing = sorted(set(translator.source_layers) - set(holder.e_layers))
     if missing:
         raise MissingLayerError(f"the holder keeps E of layers {holder.e_layers}; the translator reads {missing} too "
                                 f"(start its sender with --e-layers covering {translator.source_layers})")
+    if holder.dtype != dtype_name(model.dtype) or holder.transport != transport:
+        raise CacheLayoutError(f"holder serves {holder.dtype} over {holder.transport}; this receiver runs "
+                               f"{dtype_name(model.dtype)} over {transport}")
 
 
 async def _pull_and_run(s: ReceiverState, holder: schemas.CacheAvailable, items: list[PullItem], layout: Layout,

@@ -43,7 +43,8 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
                                               name=cfg.model_id)
         bus = await self.connect()
         s = self.state = ReceiverState(cfg, bus, model, sha256, self.run_torch, self.tasks, self.metrics)
-        s.translations, s.translator_failures = await load_translators(cfg.translators, bus.maps_store())
+        s.translations, s.translator_failures = await load_translators(cfg.translators, bus.maps_store(), model, sha256,
+                                                                       cfg.lookup_timeout_s * 20)
         for why in s.translator_failures:
             log.warning("translator_unavailable", reason=why)
         board = self._board or bus.config_board()

@@ -185,7 +185,8 @@ def _profile_translated(sender, receiver, task: str, json_path: str, n_train: in
         test = make_rows(task, "test", n_test, SuiteShape())
         source = load_model(sender.path, device=device, dtype=dtype)
         target = load_model(receiver.path, device=device, dtype=dtype)
-        result = profile_translated(source, target, train, test, spec, out.parent / "translators" / f"{pair.id}.safetensors")
+        result = profile_translated(source, target, train, test, spec, out.parent / "translators" / f"{pair.id}.safetensors",
+                                    weights=(sender.sha256, receiver.sha256))
     except (DroidMeshError, ValueError) as e:
         raise click.UsageError(str(e)) from None
     result["models"] = {"sender": sender.label, "receiver": receiver.label, "sender_sha256": sender.sha256,

@@ -1,17 +1,24 @@
 """Translated KV (paper 002): a target model of another size, architecture or tokenizer reads a
 context that a source model prefilled.
 
-Sequence on the target (the fit that learns the maps is offline, `fit.py`):
+Sequence on the target (the fit that learns the maps is offline, `shared/profiling/translate_fit.py`):
   1. align: every target token's characters are covered by a contiguous span of source tokens
      (`align`, by character offsets; the start tokens map to each other);
   2. pool: per target token, the mean of the source's E over its span   [T_s, Ds] -> [T_t, Ds];
-  3. map: target layer l's E is an affine map of the source E entering layer `layers[l]`:
-     Ê_l = pooled @ W_l + b_l                                              [T_t, Ds] -> [T_t, Dt]
-     E_0 is the target's own embedding of its own tokens (exact, and free);
-     the start token's E is the target's own (`start_e`: causal, it depends on nothing else);
-  4. project: KV_l = the target's own layer-l K/V projections of Ê_l (RoPE at the target's
-     positions), so an exact Ê gives exactly the target's own KV, and a recompute group that
-     starts at l reads Ê_l as its E.
+  3. features: the source's E entering each layer in `sources`, RMS-normalised per token with
+     that source layer's own input norm (`source_norm`, kept in the file: the receiver has no
+     source model), pooled; per target token its own row and the previous target token's row
+     (a two-tap window: what a lookup binds is "this token after that one")
+     f = [p_s(t), p_s(t-1) for s in sources]                      [T_t, 2 * |sources| * Ds]
+  4. map, in attention-input space (where K and V are made from), per target layer l >= 1:
+     x̂_l = f @ W_l + b_l                                                   -> [T_t, Dt]
+     Layer 0 reads the target's own embedding of its own tokens (exact, and free); the start
+     token's input is the target's own (`start_x`: causal, it depends on nothing else);
+  5. project: KV_l = the target's own layer-l K/V projections of x̂_l (RoPE at the target's
+     positions), so an exact x̂ gives exactly the target's own KV.
+On the zoo (family/large -> family/small, the small model's reader layer 2), held-out R² of the
+reader layer's input: 0.70 from one source layer's E, 0.82 from two, 0.92 with the previous
+token's row too. A translated context has no E past layer 0: a recompute group over it starts at 0.
 `TranslatedSource` is a `LayerSource` doing 2-4 per layer as the source's E lands (each target
 layer waits only for the one source layer it maps from). A `Translator` is one file (safetensors
 with its metadata) that the mesh publishes by sha256; `load` refuses a file whose hash or shapes
@@ -32,7 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save_file
 
-from droidmesh.shared.errors import CacheLayoutError, IntegrityError, ReuseError
+from droidmesh.shared.errors import CacheLayoutError, IntegrityError, MissingLayerError, ReuseError
 from droidmesh.shared.kv.blocks import KVBlock, check_values
 from droidmesh.shared.kv.sources import LayerSource, Need
 from droidmesh.shared.model.adapter import ModelAdapter
@@ -52,7 +59,7 @@ def align(source: Sequence[Span], target: Sequence[Span]) -> list[tuple[int, int
     """For each target token, the source tokens [a, b) it reads: specials map to the source's
     special of the same rank; a text token to every source token overlapping its characters (a
     contiguous run, since both sides cover the text in order), else to the last source token that
-    ends at or before it (a token of whitespace alone overlaps nothing)."""
+    ends at or before it (a token of whitespace alone overlaps nothing), or before any, the first."""
     specials = [i for i, s in enumerate(source) if s is None]
     texts = [(i, s) for i, s in enumerate(source) if s is not None]
     out: list[tuple[int, int]] = []
@@ -74,51 +81,77 @@ def align(source: Sequence[Span], target: Sequence[Span]) -> list[tuple[int, int
             out.append((texts[j][0], texts[k - 1][0] + 1))
         elif j > 0:
             out.append((texts[j - 1][0], texts[j - 1][0] + 1))
+        elif texts:
+            out.append((texts[0][0], texts[0][0] + 1))
         else:
-            raise ReuseError(f"target characters {span} precede every source token")
+            raise ReuseError("the source has no text tokens to read")
     return out
 
 
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm of Llama-style models (the adapter's families), in its own order of operations:
+    h [..., D] -> weight * h / sqrt(mean(h²) + eps), computed in float32."""
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * x.to(h.dtype).float()
+
+
 def pool(states: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Mean of `states` [T_s, D] over each span -> [len(spans), D] (float32)."""
-    x = states.float()
+    """Mean of `states` [T_s, D] over each span -> [len(spans), D] (float32). The running sum is
+    float64: a difference of two long float32 sums would cancel away the few tokens in between."""
+    x = states.double()
     csum = torch.cat([x.new_zeros(1, x.shape[1]), x.cumsum(0)])  # [T_s + 1, D]
     a = torch.tensor([s for s, _ in spans], device=x.device)
     b = torch.tensor([e for _, e in spans], device=x.device)
-    return (csum[b] - csum[a]) / (b - a).unsqueeze(1).to(x.dtype)  # [T_t, D]
+    return ((csum[b] - csum[a]) / (b - a).unsqueeze(1).to(x.dtype)).float()  # [T_t, D]
 
 
 @dataclasses.dataclass(frozen=True)
 class Translator:
-    """Per target layer l >= 1: E_l ≈ pooled source E_{layers[l]} @ W[l] + b[l]."""
+    """Per target layer l >= 1: x_l ≈ features(pooled rms_norm(source E of `sources`)) @ W[l] + b[l]."""
 
     source_model: str
     target_model: str
     source_fp: ArchFingerprint
     target_fp: ArchFingerprint
-    layers: tuple[int, ...]          # source layer per target layer; layers[0] is -1 (own embedding)
-    w: tuple[torch.Tensor, ...]      # per target layer >= 1: [Ds, Dt] float32
+    sources: tuple[int, ...]         # the source layers whose E the features read, ascending
+    w: tuple[torch.Tensor, ...]      # per target layer >= 1: [2 * |sources| * Ds, Dt] float32
     b: tuple[torch.Tensor, ...]      # per target layer >= 1: [Dt] float32
-    start_e: torch.Tensor            # [Lt, Dt] float32: the target's own E of its start token
+    start_x: torch.Tensor            # [Lt, Dt] float32: the target's own attention input at its start token
     start_id: int                    # that start token (position 0 of every context; -1: none)
+    source_norm: torch.Tensor        # [Ls, Ds] float32: each source layer's input RMSNorm weight
+    source_eps: float                # and its epsilon
     info: dict[str, Any] = dataclasses.field(default_factory=dict)  # fit statistics
     # the source's tokenizer (`text.tokenizer_spec`): a target finds the source's cache of a text
     # by the source's token ids, which only the source's tokenizer gives ({}: none kept)
     source_tokenizer: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the weights it was fit on (sha256; "": not bound): a holder or receiver of other weights with
+    # the same architecture must not use it
+    source_sha256: str = ""
+    target_sha256: str = ""
 
     @property
     def source_layers(self) -> list[int]:
         """The source E layers a translation reads (what a sender must keep for it)."""
-        return sorted(set(self.layers[1:]))
+        return list(self.sources)
 
     @staticmethod
-    def identity(model: ModelAdapter, start_e: torch.Tensor, start_id: int) -> Translator:
+    def identity(model: ModelAdapter, start_x: torch.Tensor, start_id: int) -> Translator:
         """source = target, every layer mapped to itself by the identity: the path is exact."""
         d, n = model.config.hidden_size, model.num_layers
-        return Translator(model.name, model.name, model.fingerprint, model.fingerprint, (-1, *range(1, n)),
-                          tuple(torch.eye(d) for _ in range(1, n)), tuple(torch.zeros(d) for _ in range(1, n)),
-                          start_e.float().cpu(), start_id,
-                          {"kind": "identity"})
+        norms = [model.attn_norm(l) for l in range(n)]
+        w = [torch.zeros(2 * n * d, d) for _ in range(1, n)]
+        for l in range(1, n):
+            w[l - 1][2 * l * d:(2 * l + 1) * d] = torch.eye(d)  # layer l's own row, current token
+        return Translator(model.name, model.name, model.fingerprint, model.fingerprint, tuple(range(n)),
+                          tuple(w), tuple(torch.zeros(d) for _ in range(1, n)),
+                          start_x.float().cpu(), start_id, torch.stack([w.float().cpu() for w, _ in norms]),
+                          norms[0][1], {"kind": "identity"})
+
+    def to(self, device: torch.device) -> Translator:
+        """This translator with its maps on `device` (once per receiver, not per request)."""
+        return dataclasses.replace(self, w=tuple(w.to(device) for w in self.w), b=tuple(b.to(device) for b in self.b),
+                                   start_x=self.start_x.to(device), source_norm=self.source_norm.to(device))
 
     def check_models(self, source_fp: ArchFingerprint, target_fp: ArchFingerprint) -> None:
         """Raise unless this translator maps `source_fp`'s states into `target_fp`'s."""
@@ -130,11 +163,13 @@ class Translator:
         """Write the file; return its sha256 (what the mesh publishes)."""
         tensors = {f"w.{l}": w.contiguous() for l, w in enumerate(self.w, start=1)}
         tensors |= {f"b.{l}": b.contiguous() for l, b in enumerate(self.b, start=1)}
-        tensors["start_e"] = self.start_e.contiguous()
+        tensors["start_x"] = self.start_x.contiguous()
+        tensors["source_norm"] = self.source_norm.contiguous()
         meta = {"format": FORMAT, "source_model": self.source_model, "target_model": self.target_model,
                 "source_fp": self.source_fp.to_dict(), "target_fp": self.target_fp.to_dict(),
-                "layers": list(self.layers), "start_id": self.start_id, "info": self.info,
-                "source_tokenizer": self.source_tokenizer}
+                "sources": list(self.sources), "start_id": self.start_id, "source_eps": self.source_eps, "info": self.info,
+                "source_tokenizer": self.source_tokenizer, "source_sha256": self.source_sha256,
+                "target_sha256": self.target_sha256}
         save_file(tensors, str(path), metadata={"translator": json.dumps(meta, sort_keys=True)})
         return file_sha256(path)
 
@@ -154,39 +189,75 @@ def load(path: str | Path, sha256: str | None = None) -> Translator:
 
 def from_bytes(data: bytes, sha256: str | None = None, name: str = "translator") -> Translator:
     """A translator from its file's bytes, refused unless their sha256 is `sha256` (when given)
-    and every tensor has the shape its metadata implies (`IntegrityError`)."""
+    and every field and tensor is what its metadata implies (`IntegrityError`: nothing else
+    escapes, whatever the bytes)."""
     if sha256 is not None and (got := hashlib.sha256(data).hexdigest()) != sha256:
         raise TranslatorMismatchError(f"translator {name} has sha256 {got[:16]}, expected {sha256[:16]}")
     try:
-        head = int.from_bytes(data[:8], "little")  # safetensors: u64 header length, then its JSON
-        if not 0 < head <= len(data) - 8:
-            raise ValueError("bad safetensors header length")
-        meta = json.loads(json.loads(data[8:8 + head])["__metadata__"]["translator"])
-        tensors = load_bytes(data)
-        src, tgt = ArchFingerprint.from_dict(meta["source_fp"]), ArchFingerprint.from_dict(meta["target_fp"])
-        layers = tuple(int(l) for l in meta["layers"])
-    except (KeyError, ValueError, TypeError, SafetensorError) as e:
+        return _parse(data)
+    except IntegrityError as e:
         raise IntegrityError(f"not a translator file: {name}: {e}") from e
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError, RecursionError, SafetensorError) as e:
+        raise IntegrityError(f"not a translator file: {name}: {type(e).__name__}: {e}") from e
+
+
+def _parse(data: bytes) -> Translator:
+    head = int.from_bytes(data[:8], "little")  # safetensors: u64 header length, then its JSON
+    if not 0 < head <= len(data) - 8:
+        raise IntegrityError("bad safetensors header length")
+    meta = json.loads(json.loads(data[8:8 + head])["__metadata__"]["translator"])
     if meta.get("format") != FORMAT:
-        raise IntegrityError(f"translator format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise IntegrityError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+    src, tgt = ArchFingerprint.from_dict(meta["source_fp"]), ArchFingerprint.from_dict(meta["target_fp"])
+    for fp in (src, tgt):
+        sizes = (fp.num_layers, fp.hidden_size, fp.num_heads, fp.num_kv_heads, fp.head_dim)
+        if not all(type(v) is int and 0 < v <= 1 << 20 for v in sizes):
+            raise IntegrityError(f"fingerprint sizes {sizes} are not positive integers")
+    sources = tuple(int(l) for l in meta["sources"])
     n, ds, dt = tgt.num_layers, src.hidden_size, tgt.hidden_size
-    if len(layers) != n or layers[0] != -1 or any(not 0 <= l < src.num_layers for l in layers[1:]):
-        raise IntegrityError(f"translator layer map {layers} does not fit {src.num_layers} -> {n} layers")
-    want = {f"w.{l}": (ds, dt) for l in range(1, n)} | {f"b.{l}": (dt,) for l in range(1, n)} | {"start_e": (n, dt)}
-    got_shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-    if got_shapes != want or any(v.dtype != torch.float32 for v in tensors.values()):
-        raise IntegrityError("translator tensors do not have the shapes and dtype its models imply")
+    if not sources or list(sources) != sorted(set(sources)) or not 0 <= sources[0] <= sources[-1] < src.num_layers:
+        raise IntegrityError(f"source layers {sources} are not ascending layers of a {src.num_layers}-layer source")
+    tensors = load_bytes(data)
+    want = ({f"w.{l}": (2 * len(sources) * ds, dt) for l in range(1, n)} | {f"b.{l}": (dt,) for l in range(1, n)}
+            | {"start_x": (n, dt), "source_norm": (src.num_layers, ds)})
+    eps = meta["source_eps"]
+    if type(eps) is not float or not 0 < eps < 1:
+        raise IntegrityError(f"source_eps {eps!r} is not a small positive float")
+    if {k: tuple(v.shape) for k, v in tensors.items()} != want or any(v.dtype != torch.float32 for v in tensors.values()):
+        raise IntegrityError("tensors do not have the shapes and dtype its models imply")
     for key, t in tensors.items():
         check_values(f"translator {key}", t)
-    return Translator(meta["source_model"], meta["target_model"], src, tgt, layers,
+    texts = {k: meta.get(k, "") for k in ("source_model", "target_model", "source_sha256", "target_sha256")}
+    tok = meta.get("source_tokenizer", {})
+    if not all(isinstance(v, str) for v in texts.values()) or not isinstance(tok, dict) or not isinstance(meta.get("info", {}), dict):
+        raise IntegrityError("metadata fields of the wrong type")
+    return Translator(texts["source_model"], texts["target_model"], src, tgt, sources,
                       tuple(tensors[f"w.{l}"] for l in range(1, n)), tuple(tensors[f"b.{l}"] for l in range(1, n)),
-                      tensors["start_e"], int(meta["start_id"]), meta.get("info", {}), meta.get("source_tokenizer", {}))
+                      tensors["start_x"], int(meta["start_id"]), tensors["source_norm"], eps, meta.get("info", {}),
+                      tok, texts["source_sha256"], texts["target_sha256"])
+
+
+def features(pooled: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per target token, each pooled source layer's row and the previous token's (zeros before
+    the first): [T_t, Ds] per source layer -> [T_t, 2 * layers * Ds]."""
+    parts = []
+    for p in pooled:
+        prev = torch.cat([p.new_zeros(1, p.shape[1]), p[:-1]])  # [T_t, Ds], row t = p[t - 1]
+        parts += [p, prev]
+    return torch.cat(parts, 1)
+
+
+def pooled_inputs(e: torch.Tensor, norm: torch.Tensor, eps: float, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """A source layer's E [T_s, Ds] -> normalised with its input norm, pooled onto target tokens [T_t, Ds]."""
+    return pool(rms_norm(e, norm.to(e.device), eps), spans)
 
 
 class TranslatedSource:
     """A `LayerSource` for the target over a source of the source model's E (see the module's
-    sequence). Called from the engine's thread like any source; `kv` and `e` block on the inner
-    source's E for the one source layer they map from."""
+    sequence). Called from the engine's thread like any source; the first translated layer
+    blocks on the inner source's E of every layer in `sources` (the lowest layers a pull sends
+    first), later ones reuse the features. The maps run where that E landed (the receiver keeps
+    its translator there: `Translator.to`)."""
 
     def __init__(self, inner: LayerSource, translator: Translator, target: ModelAdapter,
                  token_ids: Sequence[int], spans: Sequence[tuple[int, int]], source_fp: ArchFingerprint):
@@ -198,44 +269,44 @@ class TranslatedSource:
         self.inner, self.tr, self.target = inner, translator, target
         self.token_ids, self.fingerprint = tuple(token_ids), target.fingerprint
         self.spans = list(spans)
-        self._e: dict[int, torch.Tensor] = {}       # target layer -> Ê
-        self._pooled: dict[int, torch.Tensor] = {}  # source layer -> pooled E [T_t, Ds] (several targets may read one)
+        self._features: torch.Tensor | None = None  # [T_t, F], once every source layer landed
 
     def e(self, layer: int, deadline: float) -> torch.Tensor:
-        """Ê_layer [1, T_t, Dt] in the target's dtype."""
-        if layer not in self._e:
-            self._e[layer] = self._translate(layer, deadline)
-        return self._e[layer]
+        """E_0, the target's own embedding [1, T_t, Dt]; past layer 0 a translation has no E."""
+        if layer != 0:
+            raise MissingLayerError(f"a translated context has no E of layer {layer}: recompute groups start at 0")
+        with torch.inference_mode():
+            return self.target.embed(self.target.token_tensor(self.token_ids))  # [1, T_t, Dt]
 
     def kv(self, layer: int, deadline: float) -> KVBlock:
-        """The target's own K/V projections of Ê_layer."""
+        """The target's own K/V projections of x̂_layer."""
         with torch.inference_mode():
-            x = self.target.attn_input(self.e(layer, deadline), layer)  # [1, T_t, Dt]
-            k, v = self.target.project_kv(x, layer)  # each [1, kvh, T_t, hd]
+            k, v = self.target.project_kv(self._attn_input(layer, deadline), layer)  # each [1, kvh, T_t, hd]
         return KVBlock(layer, k, v)
+
+    def _attn_input(self, layer: int, deadline: float) -> torch.Tensor:
+        """x̂_layer [1, T_t, Dt] in the target's dtype (module sequence, steps 2-4)."""
+        t = self.target
+        if layer == 0:
+            return t.attn_input(self.e(0, deadline), 0)
+        if self._features is None:
+            tr = self.tr
+            self._features = features([pooled_inputs(self.inner.e(s, deadline)[0], tr.source_norm[s], tr.source_eps,
+                                                     self.spans) for s in tr.sources])  # [T_t, F]
+        f = self._features
+        x = f @ self.tr.w[layer - 1].to(f.device) + self.tr.b[layer - 1].to(f.device)  # [T_t, Dt]
+        if self.token_ids and self.token_ids[0] == self.tr.start_id:
+            x[0] = self.tr.start_x[layer].to(x.device)
+        return x.to(device=t.device, dtype=t.dtype).unsqueeze(0)  # [1, T_t, Dt]
 
     def has(self, need: Need) -> bool:
         """Whether `need` can be served without waiting (drivers ask before the engine reads)."""
         has: Callable[[Need], bool] | None = getattr(self.inner, "has", None)
-        if need.kind == "turn" or need.layer == 0 or has is None:
+        if need.kind == "turn" or need.layer == 0 or has is None or self._features is not None:
             return True
-        return has(dataclasses.replace(need, kind="e", layer=self.tr.layers[need.layer]))
+        return all(has(dataclasses.replace(need, kind="e", layer=s)) for s in self.tr.sources)
 
     def watch(self, fn: Callable[[], None]) -> None:
         watch: Callable[[Callable[[], None]], None] | None = getattr(self.inner, "watch", None)
         if watch is not None:
             watch(fn)
-
-    def _translate(self, layer: int, deadline: float) -> torch.Tensor:
-        t = self.target
-        with torch.inference_mode():
-            if layer == 0:
-                return t.embed(t.token_tensor(self.token_ids))  # [1, T_t, Dt]
-            s = self.tr.layers[layer]
-            if s not in self._pooled:
-                src = self.inner.e(s, deadline)  # [1, T_s, Ds]
-                self._pooled[s] = pool(src[0].to(self.tr.w[layer - 1].device), self.spans)  # [T_t, Ds]
-            e = self._pooled[s] @ self.tr.w[layer - 1] + self.tr.b[layer - 1]  # [T_t, Dt]
-            if self.token_ids and self.token_ids[0] == self.tr.start_id:
-                e[0] = self.tr.start_e[layer]
-            return e.to(device=t.device, dtype=t.dtype).unsqueeze(0)  # [1, T_t, Dt]

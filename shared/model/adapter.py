@@ -136,6 +136,11 @@ class ModelAdapter:
         """E_layer [1, T, D] -> layer `layer`'s normalized attention input [1, T, D]."""
         return self.model.model.layers[layer].input_layernorm(h)
 
+    def attn_norm(self, layer: int) -> tuple[torch.Tensor, float]:
+        """(weight [D], epsilon) of layer `layer`'s input RMSNorm (what `attn_input` applies)."""
+        norm = self.model.model.layers[layer].input_layernorm
+        return norm.weight.detach(), float(norm.variance_epsilon)
+
     def project_kv(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A normalized attention input x [1, T, D] at positions 0..T-1 -> layer `layer`'s K, V
         [1, kv_heads, T, head_dim], by the same operations as the layer's own forward (K/V

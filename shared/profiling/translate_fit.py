@@ -4,17 +4,19 @@ profile --translate`: a translated pair's profile is its translator).
 Sequence:
   1. per context: both models tokenize it (`text.context_spans`), `translate.align` maps target
      tokens to source spans, both prefill it keeping E at every layer;
-  2. per source layer s, the source E pooled onto the target's tokens is X_s [T_t, Ds] (the start
-     token left out: the target keeps its own); per target layer l the labels are the target's
-     own E_l [T_t, Dt];
+  2. features: for each candidate source layer (the lowest `CANDIDATES`), its E normalised by that
+     layer's input RMSNorm and pooled onto the target's tokens, with the previous target token's
+     row (`translate.features`) [T_t, 2 * candidates * Ds]; labels: per target layer l >= 1 the
+     target's own normalised attention input x_l [T_t, Dt] (what its K/V projections read); the
+     start token is left out (the target keeps its own);
   3. only sufficient statistics are kept, per fold (the last `holdout` share of contexts is held
-     out): G_s = X̃_sᵀX̃_s, C_sl = X̃_sᵀY_l with X̃ = [X, 1], and Y's sums, so memory does not grow
-     with the number of tokens;
-  4. per target layer l >= 1: for every source layer s and ridge strength λ, solve on the train
-     fold, score R² on the held-out fold; keep the best (s, λ) ("layer correspondence by fit"),
-     refit on both folds.
-The ridge penalty is λ·n·var(x_j) on feature j's weights, so λ does not depend on the scale of the
-source's hidden states.
+     out): G = X̃ᵀX̃, C = X̃ᵀY with X̃ = [X, 1], and Y's sums, so memory does not grow with tokens;
+  4. source layers are chosen greedily (up to `MAX_SOURCES`, while the held-out R² averaged over
+     target layers gains): each candidate set is one solve on the sub-statistics of its features,
+     for every target layer at once; each target layer then keeps its own ridge strength λ, and
+     the maps are refit on both folds.
+The ridge penalty is λ·n·var(x_j) on feature j's weights, so λ does not depend on the scale of
+the source's states.
 """
 
 from __future__ import annotations
@@ -29,115 +31,152 @@ from tqdm import tqdm
 
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.capture import capture_prefill
-from droidmesh.shared.kv.translate import Translator, align, pool
+from droidmesh.shared.kv.translate import Translator, align, features, pooled_inputs
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.text import context_spans, tokenizer_spec
 from droidmesh.shared.tasks.spec import TaskSpec
 from droidmesh.shared.tasks.translated import evaluate_translated
 
 LAMBDAS = (1e-4, 1e-3, 1e-2, 1e-1)
+CANDIDATES = 8    # lowest source layers considered: what a lookup binds on sits low; bounds the statistics
+MAX_SOURCES = 3   # source layers a translator reads at most (the bytes a receiver pulls)
+MIN_GAIN = 0.002  # held-out R² a further source layer must add
 
 
 class _Stats:
-    """Sufficient statistics of one fold, float64."""
+    """Sufficient statistics of one fold, float64 (target layers 1..; layer 0 is never mapped)."""
 
-    def __init__(self, ls: int, lt: int, ds: int, dt: int):
-        self.g = torch.zeros(ls, ds + 1, ds + 1, dtype=torch.float64)        # [Ls, Ds+1, Ds+1]
-        self.c = torch.zeros(ls, lt, ds + 1, dt, dtype=torch.float64)        # [Ls, Lt, Ds+1, Dt]
-        self.yy = torch.zeros(lt, dtype=torch.float64)                       # Σ ||y||² per target layer
-        self.ysum = torch.zeros(lt, dt, dtype=torch.float64)                 # Σ y per target layer
+    def __init__(self, f: int, lt: int, dt: int):
+        self.g = torch.zeros(f + 1, f + 1, dtype=torch.float64)           # [F+1, F+1]
+        self.c = torch.zeros(f + 1, lt - 1, dt, dtype=torch.float64)      # [F+1, Lt-1, Dt]
+        self.yy = torch.zeros(lt - 1, dtype=torch.float64)                # Σ ||y||² per target layer
+        self.ysum = torch.zeros(lt - 1, dt, dtype=torch.float64)          # Σ y per target layer
         self.n = 0
 
-    def add(self, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
-        """xs: per source layer [N, Ds]; ys: per target layer [N, Dt]."""
-        y = torch.stack(ys).double()  # [Lt, N, Dt]
-        for s, x in enumerate(xs):
-            xt = torch.cat([x.double(), x.new_ones(x.shape[0], 1, dtype=torch.float64)], 1)  # [N, Ds+1]
-            self.g[s] += xt.T @ xt
-            self.c[s] += torch.einsum("nd,lnt->ldt", xt, y)
+    def add(self, x: torch.Tensor, ys: list[torch.Tensor]) -> None:
+        """x: features [N, F]; ys: per target layer >= 1, [N, Dt]."""
+        xt = torch.cat([x.double(), x.new_ones(x.shape[0], 1, dtype=torch.float64)], 1)  # [N, F+1]
+        y = torch.stack(ys).double()  # [Lt-1, N, Dt]
+        self.g += xt.T @ xt
+        self.c += torch.einsum("nd,lnt->dlt", xt, y)
         self.yy += (y * y).sum((1, 2))
         self.ysum += y.sum(1)
         self.n += y.shape[1]
 
-    def merged(self, other: _Stats) -> _Stats:
-        out = _Stats(1, 1, 1, 1)
-        out.g, out.c, out.yy, out.ysum, out.n = (self.g + other.g, self.c + other.c, self.yy + other.yy,
-                                                 self.ysum + other.ysum, self.n + other.n)
-        return out
+    def absorb(self, other: _Stats) -> None:
+        """Add `other`'s statistics into these (the refit on both folds)."""
+        self.g += other.g
+        self.c += other.c
+        self.yy += other.yy
+        self.ysum += other.ysum
+        self.n += other.n
 
 
-def _solve(g: torch.Tensor, c: torch.Tensor, n: int, lam: float) -> torch.Tensor:
-    """Ridge weights W̃ [Ds+1, Dt] (bias last) from G [Ds+1, Ds+1], C [Ds+1, Dt]."""
-    mean = g[-1, :-1] / n
-    var = (torch.diagonal(g)[:-1] / n - mean * mean).clamp_min(1e-12)
-    penalty = torch.cat([lam * n * var, var.new_zeros(1)])
-    return torch.linalg.solve(g + torch.diag(penalty), c)
+def _columns(layers: Sequence[int], ds: int) -> torch.Tensor:
+    """Feature columns of candidate source layers `layers` (ascending), then the bias column."""
+    cols = [c for s in layers for c in range(2 * s * ds, 2 * (s + 1) * ds)]
+    return torch.tensor(cols + [-1])
 
 
-def _r2(w: torch.Tensor, st: _Stats, s: int, l: int) -> float:
-    """1 - SSE/SST of W̃ on a fold, from its statistics alone."""
-    sse = st.yy[l] - 2 * (w * st.c[s, l]).sum() + (w * (st.g[s] @ w)).sum()
-    sst = st.yy[l] - (st.ysum[l] ** 2).sum() / st.n
-    return float(1 - sse / sst)
+def _solve(st: _Stats, cols: torch.Tensor, lam: float) -> torch.Tensor:
+    """Ridge weights W̃ [k+1, Lt-1, Dt] (bias row last) on the feature columns `cols`: one
+    factorisation for every target layer at once."""
+    g = st.g[cols][:, cols]
+    mean = g[-1, :-1] / st.n
+    var = (torch.diagonal(g)[:-1] / st.n - mean * mean).clamp_min(1e-12)
+    penalty = torch.cat([lam * st.n * var, var.new_zeros(1)])
+    c = st.c[cols]
+    return torch.linalg.solve(g + torch.diag(penalty), c.reshape(c.shape[0], -1)).reshape(c.shape)
+
+
+def _r2(w: torch.Tensor, st: _Stats, cols: torch.Tensor) -> torch.Tensor:
+    """Per target layer 1 - SSE/SST of W̃ on a fold, from its statistics alone: [Lt-1]."""
+    gw = torch.einsum("de,elt->dlt", st.g[cols][:, cols], w)
+    sse = st.yy - 2 * (w * st.c[cols]).sum((0, 2)) + (w * gw).sum((0, 2))
+    sst = st.yy - (st.ysum ** 2).sum(1) / st.n
+    return 1 - sse / sst
+
+
+def _scores(train: _Stats, held: _Stats, layers: Sequence[int], ds: int, lambdas: Sequence[float]) -> torch.Tensor:
+    """Held-out R² [len(lambdas), Lt-1] of the maps from source layers `layers`."""
+    cols = _columns(sorted(layers), ds)
+    return torch.stack([_r2(_solve(train, cols, lam), held, cols) for lam in lambdas])
 
 
 def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, holdout: float = 0.25,
-        lambdas: Sequence[float] = LAMBDAS, progress: Callable[[int], None] | None = None) -> Translator:
-    """A translator from `source`'s E to `target`'s, fit on `contexts` (texts); `progress` is
-    called with the number of contexts done."""
+        lambdas: Sequence[float] = LAMBDAS, progress: Callable[[int], None] | None = None,
+        weights: tuple[str, str] = ("", "")) -> Translator:
+    """A translator from `source`'s E to `target`'s attention inputs, fit on `contexts` (texts);
+    `progress` is called with the number of contexts done; `weights`: the (source, target)
+    weights' sha256 it is bound to ("": unbound).
+
+    Memory: (2 * candidates * Ds)² + 2 * candidates * Ds * (Lt-1) * Dt float64 per fold: ~0.1 GB
+    for the zoo, ~8 GB per fold for two 4096-wide models at 8 candidates; real pairs need fewer
+    candidates or a low-rank map (not built)."""
     if source.tokenizer is None or target.tokenizer is None:
         raise BadRequestError("fitting a translator needs both models' tokenizers")
     n_hold = max(1, int(len(contexts) * holdout))
     if len(contexts) - n_hold < 1:
         raise BadRequestError(f"need at least 2 calibration contexts, got {len(contexts)}")
     t0 = time.perf_counter()
-    ls, lt = source.num_layers, target.num_layers
-    ds, dt = source.config.hidden_size, target.config.hidden_size
-    folds = [_Stats(ls, lt, ds, dt), _Stats(ls, lt, ds, dt)]
-    start_e: torch.Tensor | None = None
+    lt, ds, dt = target.num_layers, source.config.hidden_size, target.config.hidden_size
+    candidates = range(min(CANDIDATES, source.num_layers))
+    folds = [_Stats(2 * len(candidates) * ds, lt, dt), _Stats(2 * len(candidates) * ds, lt, dt)]
+    start_x: torch.Tensor | None = None
     start_id = -1
+    norms = [source.attn_norm(l) for l in range(source.num_layers)]
     for i, text in enumerate(contexts):
         s_ids, s_spans = context_spans(source.tokenizer, text)
         t_ids, t_spans = context_spans(target.tokenizer, text)
         spans = align(s_spans, t_spans)
-        s_cap = capture_prefill(source, s_ids, e_layers=range(ls))
+        s_cap = capture_prefill(source, s_ids, e_layers=candidates)
         t_cap = capture_prefill(target, t_ids, e_layers=range(lt))
         rows = slice(1, None) if t_spans and t_spans[0] is None else slice(0, None)
-        if start_e is None and rows.start == 1:
-            start_e, start_id = torch.stack([t_cap.e[l][0, 0].float().cpu() for l in range(lt)]), t_ids[0]
-        xs = [pool(s_cap.e[s][0].cpu(), spans)[rows] for s in range(ls)]  # per s: [N, Ds]
-        ys = [t_cap.e[l][0, rows].float().cpu() for l in range(lt)]  # per l: [N, Dt]
-        folds[int(i >= len(contexts) - n_hold)].add(xs, ys)
+        with torch.inference_mode():
+            labels = [target.attn_input(t_cap.e[l], l)[0].float().cpu() for l in range(lt)]  # per l: [T_t, Dt]
+            x = features([pooled_inputs(s_cap.e[s][0], norms[s][0], norms[s][1], spans).cpu() for s in candidates])
+        if start_x is None and rows.start == 1:
+            start_x, start_id = torch.stack([y[0] for y in labels]), t_ids[0]
+        folds[int(i >= len(contexts) - n_hold)].add(x[rows], [y[rows] for y in labels[1:]])
         if progress is not None:
             progress(i + 1)
     train, held = folds
-    both = train.merged(held)
-    chosen: list[tuple[int, float, float]] = []  # per target layer >= 1: (source layer, λ, held-out R²)
+    chosen: list[int] = []
+    best = torch.full((len(lambdas), lt - 1), -float("inf"), dtype=torch.float64)
+    while len(chosen) < min(MAX_SOURCES, len(candidates)):
+        tried = {s: _scores(train, held, [*chosen, s], ds, lambdas) for s in candidates if s not in chosen}
+        s, sc = max(tried.items(), key=lambda kv: float(kv[1].max(0).values.mean()))
+        if chosen and float(sc.max(0).values.mean()) < float(best.max(0).values.mean()) + MIN_GAIN:
+            break
+        chosen.append(s)
+        best = sc
+    sources = sorted(chosen)
+    lam_of = [lambdas[int(i)] for i in best.argmax(0)]  # per target layer >= 1
+    train.absorb(held)
+    cols = _columns(sources, ds)
     ws, bs = [], []
-    for l in range(1, lt):
-        best = max(((s, lam, _r2(_solve(train.g[s], train.c[s, l], train.n, lam), held, s, l))
-                    for s in range(ls) for lam in lambdas), key=lambda t: t[2])
-        chosen.append(best)
-        w = _solve(both.g[best[0]], both.c[best[0], l], both.n, best[1]).float()  # [Ds+1, Dt]
+    for l, lam in enumerate(lam_of):
+        w = _solve(train, cols, lam)[:, l].float()  # [k+1, Dt]
         ws.append(w[:-1].contiguous())
         bs.append(w[-1].contiguous())
     info: dict[str, Any] = {
-        "kind": "ridge", "contexts": len(contexts), "held_out_contexts": n_hold, "tokens": both.n,
-        "r2_held_out": [round(r, 4) for _, _, r in chosen], "lambda": [lam for _, lam, _ in chosen],
+        "kind": "ridge", "contexts": len(contexts), "held_out_contexts": n_hold, "tokens": train.n,
+        "r2_held_out": [round(float(r), 4) for r in best.max(0).values], "lambda": lam_of,
         "fit_s": round(time.perf_counter() - t0, 2),
     }
-    return Translator(source.name, target.name, source.fingerprint, target.fingerprint,
-                      (-1, *(s for s, _, _ in chosen)), tuple(ws), tuple(bs),
-                      start_e if start_e is not None else torch.zeros(lt, dt), start_id, info,
-                      tokenizer_spec(source.tokenizer))
+    return Translator(source.name, target.name, source.fingerprint, target.fingerprint, tuple(sources),
+                      tuple(ws), tuple(bs), start_x if start_x is not None else torch.zeros(lt, dt), start_id,
+                      torch.stack([w.float().cpu() for w, _ in norms]), norms[0][1], info,
+                      tokenizer_spec(source.tokenizer), *weights)
 
 
 def profile_translated(source: ModelAdapter, target: ModelAdapter, train_contexts: Sequence[str],
-                       test_rows: Sequence[dict[str, Any]], spec: TaskSpec, translator_path: Path) -> dict[str, Any]:
+                       test_rows: Sequence[dict[str, Any]], spec: TaskSpec, translator_path: Path,
+                       weights: tuple[str, str] = ("", "")) -> dict[str, Any]:
     """`droidmesh profile --translate`: fit on `train_contexts` (progress bar), save the
     translator at `translator_path`, score it on `test_rows` (`tasks.translated`)."""
     with tqdm(total=len(train_contexts), desc="fit translator", unit="context") as bar:
-        translator = fit(source, target, train_contexts, progress=lambda n: bar.update(n - bar.n))
+        translator = fit(source, target, train_contexts, progress=lambda n: bar.update(n - bar.n), weights=weights)
     translator_path.parent.mkdir(parents=True, exist_ok=True)
     sha = translator.save(translator_path)
     result = evaluate_translated(source, target, translator, test_rows, spec)

@@ -51,6 +51,7 @@ def evaluate_translated(source: ModelAdapter, target: ModelAdapter, translator: 
                         spec: TaskSpec, ks: Sequence[int] = (1, 2), progress: bool = True) -> dict[str, Any]:
     """The eval JSON of a translated pair (module docstring)."""
     translator.check_models(source.fingerprint, target.fingerprint)
+    translator = translator.to(target.device)
     plans = {"translated": ReusePlan.full_reuse()} | {
         f"translated_recompute_[0,{k})": ReusePlan.recompute(0, k) for k in ks if 0 < k < target.num_layers}
     scores: dict[str, list[float]] = {name: [] for name in ["receiver_full_prefill", "sender_alone",
@@ -103,4 +104,6 @@ def _translation_time(translator: Translator, target: ModelAdapter, captured: An
     start = time.perf_counter()
     for layer in range(target.num_layers):
         src.kv(layer, float("inf"))
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
     return time.perf_counter() - start

@@ -86,7 +86,9 @@ def relative_hash(rel: Relative, index: int) -> str:
 
 
 def recipe_hash() -> str:
-    blob = {"version": RECIPE_VERSION, "relatives": [dataclasses.asdict(r) for r in RELATIVES],
+    """The tier's: every model's recipe, the pairs, and the demo base a translator reads."""
+    demo = json.loads((demo_dir() / MANIFEST).read_text())["models"]["base"]["sha256"]
+    blob = {"version": RECIPE_VERSION, "relatives": [dataclasses.asdict(r) for r in RELATIVES], "demo_base": demo,
             "recipes": [dataclasses.asdict(relative_recipe(r, i)) for i, r in enumerate(RELATIVES)],
             "pairs": TRANSLATE_PAIRS}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
@@ -173,7 +175,9 @@ def build_translators(out: Path, say: Callable[[str], None]) -> list[dict[str, A
             path = out / "translators" / f"{pair.id}.safetensors"
             path.parent.mkdir(parents=True, exist_ok=True)
             say(f"fitting translator {pair.id} on {len(contexts)} contexts")
-            tr = fit(load_model(s_dir, name=source.rpartition("/")[2]), load_model(out / target, name=target), contexts)
+            weights = (B.sha256_file(s_dir / "model.safetensors"), B.sha256_file(out / target / "model.safetensors"))
+            tr = fit(load_model(s_dir, name=source.rpartition("/")[2]), load_model(out / target, name=target), contexts,
+                     weights=weights)
             entries.append({"source": source, "target": target, "task": TASK, "translator": f"translators/{path.name}",
                             "translator_sha256": tr.save(path), "fit": tr.info})
     finally:

@@ -308,7 +308,7 @@ def grow(model: LlamaForCausalLM, placement: list[int | None], ids: WordIds, see
     old = model.config
     arch = Arch(len(placement), old.hidden_size, old.num_attention_heads, old.num_key_value_heads or old.num_attention_heads,
                 old.intermediate_size, old.max_position_embeddings, _rope_theta(old))
-    new = new_model(arch, ids, seed)
+    new = new_model(arch, ids, seed, model.config.model_type)
     new.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
     new.model.norm.weight.copy_(model.model.norm.weight)
     for i, src in enumerate(placement):

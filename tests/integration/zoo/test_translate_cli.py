@@ -44,3 +44,12 @@ def test_profile_translate_writes_a_translator_that_eval_scores(ci_tier, tmp_pat
                                         "fact_lookup", "--n", "2", "--translator", str(file), "--translator-sha256",
                                         "0" * 64, "--json", str(ev_path)])
     assert res.exit_code == 2 and "expected 0000000000000000" in res.output and "Traceback" not in res.output
+
+
+def test_zoo_list_names_the_family_tiers_translated_pairs() -> None:
+    """The committed family tier's pairs are listed with kind "translate", each with its translator's sha256."""
+    from droidmesh.shared.zoo.manifest import listing
+
+    pairs = [p for p in listing()["pairs"] if p["kind"] == "translate"]
+    assert {(p["sender"], p["receiver"]) for p in pairs} >= {("family/large", "family/small"), ("family/small", "family/other")}
+    assert all(len(p["translator_sha256"]) == 64 and p["task"] == "fact_lookup" for p in pairs)

@@ -3,10 +3,12 @@ exactness against full prefill, and the translator file's refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from droidmesh.shared.errors import IntegrityError, ReuseError
+from droidmesh.shared.errors import IntegrityError, MissingLayerError, ReuseError
 from droidmesh.shared.kv import translate
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill
@@ -51,15 +53,17 @@ def test_align_across_the_zoo_and_split_tokenizers_covers_the_text_in_order():
     assert all(x[0] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
 
 
-@pytest.mark.parametrize("plan", [ReusePlan.full_reuse(), ReusePlan.recompute(2, 4)], ids=lambda p: p.label())
+@pytest.mark.parametrize("plan", [ReusePlan.full_reuse(), ReusePlan.recompute(0, 2)], ids=lambda p: p.label())
 def test_identity_translator_is_exact_against_full_prefill(family, plan):
-    """source = target with identity maps: translated KV and E give full prefill's logits and tokens."""
+    """source = target with identity maps: translated KV (and layer 0's E) give full prefill's logits and tokens."""
     model = random_model(family, seed=0, name="m", **FAMILIES[family])
     g = torch.Generator().manual_seed(3)
     ctx, q = torch.randint(3, 97, (40,), generator=g).tolist(), torch.randint(3, 97, (5,), generator=g).tolist()
     ctx = [1, *ctx]  # a start token at position 0
     captured = capture_prefill(model, ctx, e_layers=range(model.num_layers))
-    identity = Translator.identity(model, torch.stack([captured.e[l][0, 0] for l in range(model.num_layers)]), 1)
+    with torch.inference_mode():
+        start_x = torch.stack([model.attn_input(captured.e[l], l)[0, 0] for l in range(model.num_layers)])
+    identity = Translator.identity(model, start_x, 1)
     source = TranslatedSource(CapturedSource(captured), identity, model, ctx, [(i, i + 1) for i in range(len(ctx))],
                               model.fingerprint)
     full = prefill(model, ctx + q, ReusePlan.full_prefill(), logits_for=len(q)).logits
@@ -81,7 +85,7 @@ def test_a_translator_with_the_published_hash_loads_and_one_with_another_is_refu
     """The right sha256 loads the same maps; a wrong hash or an altered byte is refused."""
     model, path, sha = saved
     tr = translate.load(path, sha)
-    assert tr.layers == (-1, *range(1, model.num_layers)) and torch.equal(tr.w[0], torch.eye(64))
+    assert tr.sources == tuple(range(model.num_layers)) and torch.equal(tr.w[0][128:192], torch.eye(64))
     with pytest.raises(TranslatorMismatchError):
         translate.load(path, "0" * 64)
     raw = bytearray(path.read_bytes())
@@ -98,8 +102,7 @@ def test_a_translator_for_other_models_or_with_wrong_shapes_is_refused(saved, tm
     tr = translate.load(path)
     with pytest.raises(TranslatorMismatchError):
         tr.check_models(model.fingerprint, other.fingerprint)
-    bad = Translator(tr.source_model, tr.target_model, tr.source_fp, tr.target_fp, tr.layers,
-                     (torch.eye(32),) + tr.w[1:], tr.b, tr.start_e, tr.start_id)
+    bad = dataclasses.replace(tr, w=(torch.eye(64),) + tr.w[1:])
     bad.save(tmp_path / "bad.translator")
     with pytest.raises(IntegrityError):
         translate.load(tmp_path / "bad.translator")
@@ -110,3 +113,25 @@ def test_bytes_that_are_not_a_translator_are_refused_in_one_error(garbage):
     """Truncated or foreign bytes raise IntegrityError, never something else."""
     with pytest.raises(IntegrityError):
         translate.from_bytes(garbage)
+
+
+def test_a_translated_context_has_no_e_past_layer_0():
+    """Recompute groups over a translated context start at layer 0: E of a later layer is refused, not guessed."""
+    model = random_model("llama", seed=0, name="m", **FAMILIES["llama"])
+    ctx = [1, *range(3, 20)]
+    captured = capture_prefill(model, ctx, e_layers=range(model.num_layers))
+    tr = Translator.identity(model, torch.zeros(model.num_layers, model.config.hidden_size), 1)
+    source = TranslatedSource(CapturedSource(captured), tr, model, ctx, [(i, i + 1) for i in range(len(ctx))],
+                              model.fingerprint)
+    assert source.e(0, float("inf")).shape == (1, len(ctx), model.config.hidden_size)
+    with pytest.raises(MissingLayerError):
+        source.e(2, float("inf"))
+
+
+def test_features_hold_each_tokens_row_and_the_previous_ones():
+    """Per source layer [row t, row t-1], zeros before the first token, layers in the order given."""
+    a, b = torch.arange(6.0).reshape(3, 2), 10 + torch.arange(6.0).reshape(3, 2)
+    f = translate.features([a, b])
+    assert f.shape == (3, 8)
+    assert f[0].tolist() == [0, 1, 0, 0, 10, 11, 0, 0]
+    assert f[2].tolist() == [4, 5, 2, 3, 14, 15, 12, 13]
