@@ -100,14 +100,9 @@ async def load_translators(entries: tuple[str, ...], store: MapsStore, model: Mo
     return loaded, failures
 
 
-def tokenize_for(t: Translation, target_tokenizer: Any, context: str) -> Tokenized:
-    """`context` in the source's and the receiver's tokens, aligned (blocking: tokenizes twice)."""
-    s_ids, s_spans = text.context_spans(t.source_tokenizer, context)
-    return align_target(target_tokenizer, context, s_ids, s_spans)
-
-
 def align_target(target_tokenizer: Any, context: str, s_ids: list[int], s_spans: list[Any]) -> Tokenized:
-    """The receiver's side of `tokenize_for`, once the source's tokens found a holder."""
+    """`context` in the receiver's tokens, aligned to the source's (`s_ids`, `s_spans`: the
+    source's tokenizer's, once they found a holder). Blocking: it tokenizes."""
     t_ids, t_spans = text.context_spans(target_tokenizer, context)
     return Tokenized(s_ids, t_ids, align(s_spans, t_spans))
 

@@ -8,8 +8,7 @@ stages; its own architecture, seed and reader layer), so each really reads its c
   small   Llama, 6 layers, hidden 96, 3 heads of 32: the demo family, smaller; zoo tokenizer
   other   Qwen2, 6 layers, hidden 144, 4 heads of 36 over 2 KV heads (GQA 2:1), RoPE base 1e4,
           and the `split` tokenizer: another vocabulary over the same text (a filler word is two
-          tokens), so moving a cache to or from it needs token alignment (a first try with 8 layers
-          and 3 heads over 1 KV head never learned the lookup in the recipe's steps)
+          tokens), so moving a cache to or from it needs token alignment
 The demo tier's `base` (12 layers, hidden 128) sits between large and small.
 
 Sequence: per model, `build.build_base` with the demo ops rewritten for its arch and reader
@@ -189,8 +188,3 @@ def demo_dir() -> Path:
     from droidmesh.shared.zoo.manifest import REPO_ZOO
 
     return REPO_ZOO / "demo"
-
-
-def translate_pairs(manifest: dict[str, Any]) -> list[Pair]:
-    """The tier's intended translated pairs as `Pair(source, target, task)`."""
-    return [Pair(p["source"], p["target"], p["task"]) for p in manifest.get("translate_pairs", [])]

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from droidmesh.services.receiver.config import ReceiverConfig
-from droidmesh.services.receiver.pipeline import load_translators, tokenize_for
+from droidmesh.services.receiver.pipeline import align_target, load_translators
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.kv.translate import Translator
 from droidmesh.shared.maps_store import InMemoryMapsStore
 from droidmesh.shared.model.adapter import ModelAdapter, random_model
-from droidmesh.shared.model.text import tokenizer_spec
+from droidmesh.shared.model.text import context_spans, tokenizer_spec
 from droidmesh.shared.zoo.tokenizer import hf_tokenizer
 from tests.conftest import FAMILIES
 
@@ -74,6 +74,7 @@ def test_a_context_is_tokenized_for_both_models_and_aligned(published, model):
     """The source's ids come from the tokenizer inside the translator file, the receiver's from its own."""
     path, sha = published
     loaded, _ = _load((f"{path}@{sha}",), model)
-    tok = tokenize_for(loaded["m"], hf_tokenizer("split"), "doc north the old road")
+    text = "doc north the old road"
+    tok = align_target(hf_tokenizer("split"), text, *context_spans(loaded["m"].source_tokenizer, text))
     assert tok.source_ids == [1, *hf_tokenizer("zoo")("doc north the old road", add_special_tokens=False)["input_ids"]]
     assert len(tok.target_ids) == len(tok.spans) > len(tok.source_ids)
