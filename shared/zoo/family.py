@@ -13,7 +13,8 @@ The demo tier's `base` (12 layers, hidden 128) sits between large and small.
 
 Sequence: per model, `build.build_base` with the demo ops rewritten for its arch and reader
 (intermediate states cached in `.work/`, so separate processes may build separate models:
-`--only`), saved in bf16 with its tokenizer; the manifest is written once every model is built.
+`--only`), saved in bf16 with its tokenizer; once every model is built, the translators of the
+intended pairs are fit (`build_translators`) and the manifest names them all with their sha256.
 """
 
 from __future__ import annotations
