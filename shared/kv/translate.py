@@ -10,8 +10,10 @@ Sequence on the target (the fit that learns the maps is offline, `shared/profili
      source model), pooled; per target token its own row and the previous target token's row
      (a two-tap window: what a lookup binds is "this token after that one")
      f = [p_s(t), p_s(t-1) for s in sources]                      [T_t, 2 * |sources| * Ds]
-  4. map, in attention-input space (where K and V are made from), per target layer l >= 1:
-     x̂_l = f @ W_l + b_l                                                   -> [T_t, Dt]
+  4. map, in attention-input space (where K and V are made from), per target layer l >= 1, through
+     a shared projection P (when the fit kept one: each layer's map then reads r numbers, not F)
+     z = [f, 1] @ P                                                        [T_t, F] -> [T_t, r]
+     x̂_l = z @ W_l + b_l                                                   -> [T_t, Dt]
      Layer 0 reads the target's own embedding of its own tokens (exact, and free); the start
      token's input is the target's own (`start_x`: causal, it depends on nothing else);
   5. project: KV_l = the target's own layer-l K/V projections of x̂_l (RoPE at the target's
@@ -115,8 +117,9 @@ class Translator:
     source_fp: ArchFingerprint
     target_fp: ArchFingerprint
     sources: tuple[int, ...]         # the source layers whose E the features read, ascending
-    w: tuple[torch.Tensor, ...]      # per target layer >= 1: [2 * |sources| * Ds, Dt] float32
+    w: tuple[torch.Tensor, ...]      # per target layer >= 1: [F or r, Dt] float32
     b: tuple[torch.Tensor, ...]      # per target layer >= 1: [Dt] float32
+    proj: torch.Tensor | None        # [F + 1, r] float32: features -> r shared scores (last row: offset), or None
     start_x: torch.Tensor            # [Lt, Dt] float32: the target's own attention input at its start token
     start_id: int                    # that start token (position 0 of every context; -1: none)
     source_norm: torch.Tensor        # [Ls, Ds] float32: each source layer's input RMSNorm weight
@@ -144,13 +147,14 @@ class Translator:
         for l in range(1, n):
             w[l - 1][2 * l * d:(2 * l + 1) * d] = torch.eye(d)  # layer l's own row, current token
         return Translator(model.name, model.name, model.fingerprint, model.fingerprint, tuple(range(n)),
-                          tuple(w), tuple(torch.zeros(d) for _ in range(1, n)),
+                          tuple(w), tuple(torch.zeros(d) for _ in range(1, n)), None,
                           start_x.float().cpu(), start_id, torch.stack([w.float().cpu() for w, _ in norms]),
                           norms[0][1], {"kind": "identity"})
 
     def to(self, device: torch.device) -> Translator:
         """This translator with its maps on `device` (once per receiver, not per request)."""
         return dataclasses.replace(self, w=tuple(w.to(device) for w in self.w), b=tuple(b.to(device) for b in self.b),
+                                   proj=None if self.proj is None else self.proj.to(device),
                                    start_x=self.start_x.to(device), source_norm=self.source_norm.to(device))
 
     def check_models(self, source_fp: ArchFingerprint, target_fp: ArchFingerprint) -> None:
@@ -164,6 +168,8 @@ class Translator:
         tensors = {f"w.{l}": w.contiguous() for l, w in enumerate(self.w, start=1)}
         tensors |= {f"b.{l}": b.contiguous() for l, b in enumerate(self.b, start=1)}
         tensors["start_x"] = self.start_x.contiguous()
+        if self.proj is not None:
+            tensors["proj"] = self.proj.contiguous()
         tensors["source_norm"] = self.source_norm.contiguous()
         meta = {"format": FORMAT, "source_model": self.source_model, "target_model": self.target_model,
                 "source_fp": self.source_fp.to_dict(), "target_fp": self.target_fp.to_dict(),
@@ -218,8 +224,12 @@ def _parse(data: bytes) -> Translator:
     if not sources or list(sources) != sorted(set(sources)) or not 0 <= sources[0] <= sources[-1] < src.num_layers:
         raise IntegrityError(f"source layers {sources} are not ascending layers of a {src.num_layers}-layer source")
     tensors = load_bytes(data)
-    want = ({f"w.{l}": (2 * len(sources) * ds, dt) for l in range(1, n)} | {f"b.{l}": (dt,) for l in range(1, n)}
-            | {"start_x": (n, dt), "source_norm": (src.num_layers, ds)})
+    f = 2 * len(sources) * ds
+    rank = tensors["proj"].shape[-1] if "proj" in tensors else None
+    if rank is not None and not 0 < rank <= f:
+        raise IntegrityError(f"projection rank {rank} outside 1..{f}")
+    want = ({f"w.{l}": (rank or f, dt) for l in range(1, n)} | {f"b.{l}": (dt,) for l in range(1, n)}
+            | ({"proj": (f + 1, rank)} if rank else {}) | {"start_x": (n, dt), "source_norm": (src.num_layers, ds)})
     eps = meta["source_eps"]
     if type(eps) is not float or not 0 < eps < 1:
         raise IntegrityError(f"source_eps {eps!r} is not a small positive float")
@@ -233,7 +243,7 @@ def _parse(data: bytes) -> Translator:
         raise IntegrityError("metadata fields of the wrong type")
     return Translator(texts["source_model"], texts["target_model"], src, tgt, sources,
                       tuple(tensors[f"w.{l}"] for l in range(1, n)), tuple(tensors[f"b.{l}"] for l in range(1, n)),
-                      tensors["start_x"], int(meta["start_id"]), tensors["source_norm"], eps, meta.get("info", {}),
+                      tensors.get("proj"), tensors["start_x"], int(meta["start_id"]), tensors["source_norm"], eps, meta.get("info", {}),
                       tok, texts["source_sha256"], texts["target_sha256"])
 
 
@@ -291,8 +301,12 @@ class TranslatedSource:
             return t.attn_input(self.e(0, deadline), 0)
         if self._features is None:
             tr = self.tr
-            self._features = features([pooled_inputs(self.inner.e(s, deadline)[0], tr.source_norm[s], tr.source_eps,
-                                                     self.spans) for s in tr.sources])  # [T_t, F]
+            f = features([pooled_inputs(self.inner.e(s, deadline)[0], tr.source_norm[s], tr.source_eps, self.spans)
+                          for s in tr.sources])  # [T_t, F]
+            if tr.proj is not None:
+                proj = tr.proj.to(f.device)
+                f = f @ proj[:-1] + proj[-1]  # [T_t, r]
+            self._features = f
         f = self._features
         x = f @ self.tr.w[layer - 1].to(f.device) + self.tr.b[layer - 1].to(f.device)  # [T_t, Dt]
         if self.token_ids and self.token_ids[0] == self.tr.start_id:

@@ -135,3 +135,21 @@ def test_features_hold_each_tokens_row_and_the_previous_ones():
     assert f.shape == (3, 8)
     assert f[0].tolist() == [0, 1, 0, 0, 10, 11, 0, 0]
     assert f[2].tolist() == [4, 5, 2, 3, 14, 15, 12, 13]
+
+
+def test_a_translator_with_a_shared_bottleneck_round_trips_and_translates(tmp_path):
+    """Maps through a rank-r projection: the file keeps it, and the translated KV has the target's layout."""
+    model = random_model("llama", seed=0, name="m", **FAMILIES["llama"])
+    d, n, r = model.config.hidden_size, model.num_layers, 8
+    g = torch.Generator().manual_seed(0)
+    tr = dataclasses.replace(Translator.identity(model, torch.zeros(n, d), 1), sources=(0, 1),
+                             proj=torch.randn(4 * d + 1, r, generator=g),
+                             w=tuple(torch.randn(r, d, generator=g) for _ in range(1, n)))
+    tr.save(tmp_path / "t.safetensors")
+    back = translate.load(tmp_path / "t.safetensors")
+    assert torch.equal(back.proj, tr.proj) and back.w[0].shape == (r, d)
+    ctx = [1, *range(3, 20)]
+    source = TranslatedSource(CapturedSource(capture_prefill(model, ctx, e_layers=(0, 1))), back, model, ctx,
+                              [(i, i + 1) for i in range(len(ctx))], model.fingerprint)
+    block = source.kv(3, float("inf"))
+    assert tuple(block.k.shape) == model.kv_shape(len(ctx)) and torch.isfinite(block.v).all()
