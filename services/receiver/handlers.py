@@ -314,8 +314,8 @@ async def _translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: lis
         except ReuseError as e:
             unusable = e
             continue
-        if tokenized.target_ids + text.question_ids(s.model.tokenizer, req.question) != prompt:
-            continue  # a prompt not of the context + question shape (never from `prompt_ids`)
+        if prompt[:len(tokenized.target_ids)] != tokenized.target_ids:
+            continue  # the receiver's context tokens, with offsets, must be the prompt's own prefix
         if not s.breaker.allow(holder.sender_id):
             continue
         out = await _pulled(s, holder, translate_generate(

@@ -114,14 +114,18 @@ def _scores(train: _Stats, held: _Stats, cols: torch.Tensor, lambdas: Sequence[f
     return torch.stack([_r2(_solve(g, c, train.n, lam), hg, hc, held) for lam in lambdas])
 
 
-def _reduced(g: torch.Tensor, c: torch.Tensor, n: int, lams: Sequence[float], rank: int | None
+def _maps(g: torch.Tensor, c: torch.Tensor, n: int, lams: Sequence[float]) -> torch.Tensor:
+    """Each target layer's full-rank ridge map with its own λ: W̃ [k+1, Lt-1, Dt] (bias row last)."""
+    return torch.stack([_solve(g, c[:, l:l + 1], n, lam)[:, 0] for l, lam in enumerate(lams)], 1)
+
+
+def _reduced(w: torch.Tensor, g: torch.Tensor, n: int, rank: int | None
              ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
-    """Each target layer's ridge map (its own λ), all through one shared rank-`rank` bottleneck
-    (reduced-rank regression: the top directions of the fitted outputs' covariance; None: full
-    rank). Returns the equivalent full maps W̃ [k+1, Lt-1, Dt] (to score them), the projection
-    [k+1, rank] of the augmented features onto the bottleneck (None: full rank), and per target
-    layer the map [rank or k, Dt] and bias [Dt] the translator applies."""
-    w = torch.stack([_solve(g, c[:, l:l + 1], n, lam)[:, 0] for l, lam in enumerate(lams)], 1)  # [k+1, Lt-1, Dt]
+    """The full-rank maps `w` (`_maps`) through one shared rank-`rank` bottleneck (reduced-rank
+    regression: the top directions of the fitted outputs' covariance; None: full rank). Returns
+    the equivalent full maps W̃ [k+1, Lt-1, Dt] (to score them), the projection [k+1, rank] of the
+    augmented features onto the bottleneck (None: full rank), and per target layer the map
+    [rank or k, Dt] and bias [Dt] the translator applies."""
     layers, dt = w.shape[1], w.shape[2]
     if rank is None:
         return w, None, [w[:-1, l] for l in range(layers)], [w[-1, l] for l in range(layers)]
@@ -194,15 +198,16 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
     full = best.max(0).values  # [Lt-1]
     rank = None  # the smallest shared bottleneck that keeps every target layer's held-out R²
     by_rank = {"full": round(float(full.mean()), 4)}  # mean held-out R² per rank tried
+    w = _maps(g, c, train.n, lam_of)
     for r in (q for q in RANKS if q < min(len(cols) - 1, (lt - 1) * dt)):
-        scored = _r2(_reduced(g, c, train.n, lam_of, r)[0], hg, hc, held)  # [Lt-1]
+        scored = _r2(_reduced(w, g, train.n, r)[0], hg, hc, held)  # [Lt-1]
         by_rank[str(r)] = round(float(scored.mean()), 4)
         if bool((scored >= full - MAX_RANK_LOSS).all()):
             rank = r
             break
     train.absorb(held)
     g, c = _sub(train, cols)
-    _, proj, maps, biases = _reduced(g, c, train.n, lam_of, rank)
+    _, proj, maps, biases = _reduced(_maps(g, c, train.n, lam_of), g, train.n, rank)
     ws, bs = [m.float().contiguous() for m in maps], [b.float().contiguous() for b in biases]
     info: dict[str, Any] = {
         "kind": "ridge", "contexts": len(contexts), "held_out_contexts": n_hold, "tokens": train.n,

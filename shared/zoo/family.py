@@ -86,12 +86,10 @@ def relative_hash(rel: Relative, index: int) -> str:
 
 
 def recipe_hash() -> str:
-    """The tier's: every model's recipe, the pairs, and the demo base a translator reads."""
+    """The tier's: every model's own hash, the pairs, and the demo base a translator reads."""
     demo = json.loads((demo_dir() / MANIFEST).read_text())["models"]["base"]["sha256"]
-    blob = {"version": RECIPE_VERSION, "relatives": [dataclasses.asdict(r) for r in RELATIVES], "demo_base": demo,
-            "recipes": [dataclasses.asdict(relative_recipe(r, i)) for i, r in enumerate(RELATIVES)],
-            "pairs": TRANSLATE_PAIRS}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
+    blob = {"models": [relative_hash(r, i) for i, r in enumerate(RELATIVES)], "demo_base": demo, "pairs": TRANSLATE_PAIRS}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
 def build_family(out_dir: str | Path | None = None, *, only: Iterable[str] | None = None, force: bool = False,

@@ -22,6 +22,7 @@ from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.zoo.manifest import read_manifest
 from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+from tests.system.conftest import until_indexed
 
 pytestmark = pytest.mark.system
 
@@ -47,14 +48,11 @@ def _start(services, url: str, translator: str) -> None:
                                                "translators": [translator]}, url, env=THREADS))
 
 
-async def _prefill_and_ask(url: str, source_tokenizer, source_fp: str):
+async def _prefill_and_ask(url: str, source):
     client = await MeshClient.connect(url)
     try:
         await client.prefill(SOURCE, ROW["context"])
-        ids = text.context_ids(source_tokenizer, ROW["context"])
-        for _ in range(2000):  # the availability event may trail the prefill's reply
-            if (await client.lookup(ids, source_fp)).holder is not None:
-                break
+        await until_indexed(client, source, ROW["context"])  # indexed in the source's own tokens
         return await client.ask(TARGET, ROW["context"], ROW["input"], max_new_tokens=MAX_NEW)
     finally:
         await client.close()
@@ -65,7 +63,7 @@ def test_receiver_of_another_family_answers_from_a_translated_context(nats, serv
     path, sha = _translator()
     _start(services, nats[1], f"{path}@{sha}")
     source, target = load_model(FAMILY / SOURCE, name=SOURCE), load_model(FAMILY / TARGET, name=TARGET)
-    reply = asyncio.run(_prefill_and_ask(nats[1], source.tokenizer, source.fingerprint.id))
+    reply = asyncio.run(_prefill_and_ask(nats[1], source))
     assert reply.path == "translate", (reply.path, reply.fallback_reason)
     assert reply.plan == f"translated from {SOURCE}" and reply.bytes_pulled > 0 and reply.sender_id
 
@@ -84,7 +82,7 @@ def test_a_translator_with_another_hash_means_the_receivers_own_prefill_with_the
     path, _ = _translator()
     _start(services, nats[1], f"{path}@{'0' * 64}")
     source, target = load_model(FAMILY / SOURCE, name=SOURCE), load_model(FAMILY / TARGET, name=TARGET)
-    reply = asyncio.run(_prefill_and_ask(nats[1], source.tokenizer, source.fingerprint.id))
+    reply = asyncio.run(_prefill_and_ask(nats[1], source))
     assert reply.path == "fallback" and "translator_mismatch" in (reply.fallback_reason or ""), reply
     ctx, q = text.prompt_ids(target.tokenizer, ROW["context"], ROW["input"])
     own = generate(target, ctx + q, ReusePlan.full_prefill(), max_new_tokens=MAX_NEW,
