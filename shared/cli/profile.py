@@ -195,7 +195,7 @@ def _profile_translated(sender, receiver, task: str, json_path: str, n_train: in
     out.write_text(json.dumps(result, indent=2) + "\n")
     info = result["translator"]
     click.echo(f"{pair.id} on {task}: translator fit on {info['contexts']} contexts ({info['tokens']} tokens) in "
-               f"{info['fit_s']:.1f}s, {result['translator_bytes'] / 1e6:.2f} MB, sha256 {result['translator_sha256'][:16]}")
+               f"{result['fit_s']:.1f}s, {result['translator_bytes'] / 1e6:.2f} MB, sha256 {result['translator_sha256'][:16]}")
     click.echo(format_translated(result))
     if publish is not None:
         from droidmesh.shared.maps_store import NatsMapsStore

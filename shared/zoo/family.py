@@ -174,10 +174,11 @@ def build_translators(out: Path, say: Callable[[str], None]) -> list[dict[str, A
             path.parent.mkdir(parents=True, exist_ok=True)
             say(f"fitting translator {pair.id} on {len(contexts)} contexts")
             weights = (B.sha256_file(s_dir / "model.safetensors"), B.sha256_file(out / target / "model.safetensors"))
+            t0 = time.time()
             tr = fit(load_model(s_dir, name=source.rpartition("/")[2]), load_model(out / target, name=target), contexts,
                      weights=weights)
             entries.append({"source": source, "target": target, "task": TASK, "translator": f"translators/{path.name}",
-                            "translator_sha256": tr.save(path), "fit": tr.info})
+                            "translator_sha256": tr.save(path), "fit": tr.info, "fit_s": round(time.time() - t0, 1)})
     finally:
         torch.set_num_threads(threads)
     return entries

@@ -53,3 +53,16 @@ def test_zoo_list_names_the_family_tiers_translated_pairs() -> None:
     pairs = [p for p in listing()["pairs"] if p["kind"] == "translate"]
     assert {(p["sender"], p["receiver"]) for p in pairs} >= {("family/large", "family/small"), ("family/small", "family/other")}
     assert all(len(p["translator_sha256"]) == 64 and p["task"] == "fact_lookup" for p in pairs)
+
+
+def test_the_same_calibration_gives_the_same_translator_file(ci_tier, tmp_path: Path) -> None:
+    """A translator file is a function of its models and contexts: fit twice, the same sha256."""
+    from droidmesh.shared.model.adapter import load_model
+    from droidmesh.shared.profiling.translate_fit import fit
+    from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+
+    out, _ = ci_tier
+    source, target = load_model(out / "base"), load_model(out / "qa")
+    contexts = [r["context"] for r in make_rows("fact_lookup", "train", 3, SuiteShape(filler=(20, 40)))]
+    shas = {fit(source, target, contexts).save(tmp_path / f"t{i}.safetensors") for i in range(2)}
+    assert len(shas) == 1
