@@ -6,7 +6,7 @@ import sys
 
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.service import BrokerService
-from droidmesh.shared.runtime import main
+from droidmesh.shared.service.runtime import main
 
 if __name__ == "__main__":
     main(BrokerConfig, "cache_broker", BrokerService, sys.argv[1:])

@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from droidmesh.shared.errors import ConfigError
-from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.service.settings import BusSettings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import structlog
-
 from droidmesh.services.cache_broker.index import CacheIndex, Refused
 from droidmesh.shared.errors import BadRequestError, DroidMeshError
-from droidmesh.shared.metrics import alarm
+from droidmesh.shared.service.metrics import alarm
 from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("broker")

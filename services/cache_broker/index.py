@@ -24,8 +24,7 @@ from collections import defaultdict
 from collections.abc import Collection
 
 import xxhash
-
-from droidmesh.shared.hashing import common_prefix
+from droidmesh.shared.wire.hashing import common_prefix
 from droidmesh.shared.wire.schemas import CacheAvailable, SenderHeartbeat
 
 BLOCK = 16

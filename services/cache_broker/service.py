@@ -13,13 +13,12 @@ import asyncio
 import functools
 
 import structlog
-
 from droidmesh.services.cache_broker import handlers
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.index import CacheIndex, Limits
-from droidmesh.shared.bus import Bus
-from droidmesh.shared.runtime import ServiceRuntime
-from droidmesh.shared.service_kit import rpc
+from droidmesh.shared.mesh.bus import Bus
+from droidmesh.shared.service.runtime import ServiceRuntime
+from droidmesh.shared.service.wrappers import rpc
 from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("broker")

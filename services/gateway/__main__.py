@@ -6,7 +6,7 @@ import sys
 
 from droidmesh.services.gateway.config import GatewayConfig
 from droidmesh.services.gateway.service import GatewayService
-from droidmesh.shared.runtime import main
+from droidmesh.shared.service.runtime import main
 
 if __name__ == "__main__":
     main(GatewayConfig, "gateway", GatewayService, sys.argv[1:])

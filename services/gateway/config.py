@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from droidmesh.shared.errors import ConfigError
-from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.service.settings import BusSettings
 from droidmesh.shared.wire.schemas import MAX_MESSAGE_BYTES
 
 # A request body becomes one GenerateRequest on the bus: keep room for the envelope under

@@ -27,7 +27,6 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-
 from droidmesh.services.gateway import openai
 from droidmesh.services.gateway.state import GatewayState
 from droidmesh.shared.wire import schemas

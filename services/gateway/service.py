@@ -16,13 +16,12 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-
 from droidmesh.services.gateway import handlers
 from droidmesh.services.gateway.config import GatewayConfig
 from droidmesh.services.gateway.state import GatewayState, Mesh
-from droidmesh.shared.bus import Bus
-from droidmesh.shared.client import MeshClient
-from droidmesh.shared.runtime import ServiceRuntime
+from droidmesh.shared.mesh.bus import Bus
+from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.service.runtime import ServiceRuntime
 
 log = structlog.get_logger("gateway")
 

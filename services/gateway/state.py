@@ -10,8 +10,8 @@ from typing import Protocol
 
 from droidmesh.services.gateway import openai
 from droidmesh.services.gateway.config import GatewayConfig
-from droidmesh.shared import discovery
-from droidmesh.shared.metrics import Metrics
+from droidmesh.shared.mesh import discovery
+from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas
 
 MAX_REMEMBERED_MODELS = 4096  # ids ever seen (404 vs 503); bounded against a peer inventing names

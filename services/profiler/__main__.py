@@ -6,7 +6,7 @@ import sys
 
 from droidmesh.services.profiler.config import ProfilerConfig
 from droidmesh.services.profiler.service import ProfilerService
-from droidmesh.shared.runtime import main
+from droidmesh.shared.service.runtime import main
 
 if __name__ == "__main__":
     main(ProfilerConfig, "profiler", ProfilerService, sys.argv[1:])

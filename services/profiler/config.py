@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from droidmesh.shared.device import DTYPES, check_device_name, default_dtype_name
 from droidmesh.shared.errors import ConfigError
-from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.model.device import DTYPES, check_device_name, default_dtype_name
+from droidmesh.shared.service.settings import BusSettings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
-
-from droidmesh.shared.config_board import validate
 from droidmesh.shared.errors import BadRequestError
-from droidmesh.shared.maps_store import referenced
-from droidmesh.shared.models import ModelRef, Pair, resolve_model, weights_sha256
+from droidmesh.shared.mesh.config_board import validate
+from droidmesh.shared.mesh.maps_store import referenced
+from droidmesh.shared.model.names import ModelRef, Pair, resolve_model, weights_sha256
 from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
 from droidmesh.shared.tasks.jsonl import write_jsonl
 from droidmesh.shared.wire import schemas

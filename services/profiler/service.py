@@ -7,14 +7,13 @@ from __future__ import annotations
 import functools
 
 import structlog
-
 from droidmesh.services.profiler import handlers
 from droidmesh.services.profiler.config import ProfilerConfig
 from droidmesh.services.profiler.state import ProfilerState
-from droidmesh.shared.bus import Bus
-from droidmesh.shared.config_board import ConfigBoard
-from droidmesh.shared.runtime import ServiceRuntime
-from droidmesh.shared.service_kit import rpc
+from droidmesh.shared.mesh.bus import Bus
+from droidmesh.shared.mesh.config_board import ConfigBoard
+from droidmesh.shared.service.runtime import ServiceRuntime
+from droidmesh.shared.service.wrappers import rpc
 from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("profiler")

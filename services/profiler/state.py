@@ -6,8 +6,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from droidmesh.services.profiler.config import ProfilerConfig
-from droidmesh.shared.config_board import ConfigBoard
-from droidmesh.shared.maps_store import MapsStore
+from droidmesh.shared.mesh.config_board import ConfigBoard
+from droidmesh.shared.mesh.maps_store import MapsStore
 
 
 class ProfilerState:

@@ -6,7 +6,7 @@ import sys
 
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.service import ReceiverService
-from droidmesh.shared.runtime import main
+from droidmesh.shared.service.runtime import main
 
 if __name__ == "__main__":
     main(ReceiverConfig, "receiver", ReceiverService, sys.argv[1:])

@@ -30,8 +30,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import structlog
-
-from droidmesh.shared.audit import reusable_bucket
+from droidmesh.shared.audit.relay import reusable_bucket
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.partial import Generation, generate_steps

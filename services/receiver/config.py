@@ -7,9 +7,9 @@ import os
 import re
 from pathlib import Path
 
-from droidmesh.shared.device import DTYPES, check_device_name, default_dtype_name
 from droidmesh.shared.errors import ConfigError
-from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.model.device import DTYPES, check_device_name, default_dtype_name
+from droidmesh.shared.service.settings import BusSettings
 from droidmesh.shared.transport.bulk import TRANSPORTS
 
 

@@ -11,8 +11,8 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import structlog
-
 from droidmesh.services.receiver import audit
+from droidmesh.services.receiver.answer_stream import AnswerStream
 from droidmesh.services.receiver.pipeline import (
     ReuseOutcome,
     align_target,
@@ -20,8 +20,6 @@ from droidmesh.services.receiver.pipeline import (
     reuse_generate,
     translate_generate,
 )
-from droidmesh.shared import maps_store
-from droidmesh.shared.answer_stream import AnswerStream
 from droidmesh.shared.errors import (
     BadRequestError,
     DeadlineExceededError,
@@ -37,6 +35,7 @@ from droidmesh.shared.kv.partial import generate as engine_generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Reason
 from droidmesh.shared.kv.translate import TranslatorMismatchError
+from droidmesh.shared.mesh import maps_store
 from droidmesh.shared.model import sampling, text
 from droidmesh.shared.model.sampling import Sampler, make_sampler
 from droidmesh.shared.transport import codecs
@@ -81,7 +80,7 @@ async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.Ge
 
     The request is checked first (`check`); tokens are chosen by its sampling and the
     answer ends before its first stop string; with a `stream_subject` the answer is also
-    published there as it is decoded (`shared/answer_stream.py`), every chunk before the reply.
+    published there as it is decoded (`services/receiver/answer_stream.py`), every chunk before the reply.
     Duplicates (a client's retry, or NATS redelivering after a reconnect: the same id and the same
     bytes) share one answer: the first copy computes it (and streams it), later copies await the
     same result. Another request that reuses a known id is a different key: it gets its own answer.

@@ -29,18 +29,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, MissingLayerError, ReuseError, TransferError
-from droidmesh.shared.hashing import common_prefix
 from droidmesh.shared.kv import translate
 from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Decision
 from droidmesh.shared.kv.sources import ArrivingSource, Steps
 from droidmesh.shared.kv.translate import TranslatedSource, Translator, TranslatorMismatchError, align
-from droidmesh.shared.maps_store import MapsStore
+from droidmesh.shared.mesh.maps_store import MapsStore
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.model.fingerprint import require_compatible
 from droidmesh.shared.model.sampling import Sampler
 from droidmesh.shared.transport.pull import (
@@ -54,6 +53,7 @@ from droidmesh.shared.transport.pull import (
     source_for,
 )
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.hashing import common_prefix
 from droidmesh.shared.wire.schemas import PullItem
 
 if TYPE_CHECKING:

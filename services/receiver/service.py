@@ -12,17 +12,16 @@ from __future__ import annotations
 import functools
 
 import structlog
-
 from droidmesh.services.receiver import handlers
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import load_translators
 from droidmesh.services.receiver.state import ReceiverState
-from droidmesh.shared import discovery
-from droidmesh.shared.bus import Bus
-from droidmesh.shared.config_board import ConfigBoard
+from droidmesh.shared.mesh import discovery
+from droidmesh.shared.mesh.bus import Bus
+from droidmesh.shared.mesh.config_board import ConfigBoard
 from droidmesh.shared.model.adapter import ModelAdapter
-from droidmesh.shared.runtime import ServiceRuntime
-from droidmesh.shared.service_kit import event, rpc
+from droidmesh.shared.service.runtime import ServiceRuntime
+from droidmesh.shared.service.wrappers import event, rpc
 from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("receiver")

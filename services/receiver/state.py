@@ -11,17 +11,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
-
 from droidmesh.services.receiver.audit import QualityWatch
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import Translation
-from droidmesh.shared.bus import Bus
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.kv import policy
-from droidmesh.shared.metrics import Metrics
+from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
-from droidmesh.shared.runtime import Supervisor
+from droidmesh.shared.service.metrics import Metrics
+from droidmesh.shared.service.runtime import Supervisor
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.wire import schemas
 

@@ -6,7 +6,7 @@ import sys
 
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.service import SenderService
-from droidmesh.shared.runtime import main
+from droidmesh.shared.service.runtime import main
 
 if __name__ == "__main__":
     main(SenderConfig, "sender", SenderService, sys.argv[1:])

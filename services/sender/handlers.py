@@ -8,21 +8,20 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
-
-from droidmesh.shared import maps_store
-from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, TransferError
-from droidmesh.shared.hashing import context_id
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.blocks import CapturedContext, tensor_nbytes
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate as engine_generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.mesh import maps_store
 from droidmesh.shared.model import text
+from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.model.sampling import make_sampler
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.hashing import context_id
 
 if TYPE_CHECKING:
     from droidmesh.services.sender.state import SenderState

@@ -13,15 +13,14 @@ import functools
 import time
 
 import structlog
-
 from droidmesh.services.sender import handlers
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.state import SenderState
-from droidmesh.shared.bus import Bus
-from droidmesh.shared.config_board import ConfigBoard
+from droidmesh.shared.mesh.bus import Bus
+from droidmesh.shared.mesh.config_board import ConfigBoard
 from droidmesh.shared.model.adapter import ModelAdapter
-from droidmesh.shared.runtime import ServiceRuntime
-from droidmesh.shared.service_kit import event, rpc
+from droidmesh.shared.service.runtime import ServiceRuntime
+from droidmesh.shared.service.wrappers import event, rpc
 from droidmesh.shared.transport.bulk import BulkServer, make_server
 from droidmesh.shared.wire import schemas, subjects
 

@@ -7,12 +7,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
-
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.store import CacheStore
-from droidmesh.shared.bus import Bus
-from droidmesh.shared.metrics import Metrics
+from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.wire.schemas import Transport
 

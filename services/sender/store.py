@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-
 from droidmesh.shared.errors import BadRequestError, TransferError
 from droidmesh.shared.kv.blocks import CapturedContext
 

@@ -187,9 +187,8 @@ def codec_seconds(sender: Any, cs: Sequence[Config], maps: dict[str, tuple[str, 
     `repeats` after a warm-up. Lowrank items are prepared first, as a sender does when it stores a
     context (`LowRankCodec.prepare`), so the per-pull encode is what a pull then costs."""
     import torch
-
-    from droidmesh.shared.device import dtype_name
     from droidmesh.shared.kv.capture import capture_prefill
+    from droidmesh.shared.model.device import dtype_name
     from droidmesh.shared.transport import codecs as wire_codecs
     from droidmesh.shared.transport.pull import pull_items
     from droidmesh.shared.wire.schemas import TensorHeader
@@ -279,9 +278,8 @@ async def publish(url: str, config_path: str, maps_files: Sequence[str]) -> None
     """Put the maps files in the mesh's maps store, then the pair config on the config board."""
     import msgspec
     import nats
-
-    from droidmesh.shared.config_board import NatsConfigBoard, validate
-    from droidmesh.shared.maps_store import NatsMapsStore
+    from droidmesh.shared.mesh.config_board import NatsConfigBoard, validate
+    from droidmesh.shared.mesh.maps_store import NatsMapsStore
     from droidmesh.shared.wire import schemas
 
     nc = await nats.connect(url)
@@ -302,7 +300,6 @@ def plot(rows: Sequence[dict[str, Any]], path: str, link_gbit: float, tokens: in
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from droidmesh.shared.bench import report
 
     markers = dict(zip(FAMILIES, ("s", "v", "o", "^", "<", "*", "P"), strict=True))

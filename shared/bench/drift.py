@@ -25,10 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from droidmesh.shared.client import MeshClient
-from droidmesh.shared.demo import THREADS, start_control_plane
-from droidmesh.shared.launch import Proc, start_service
-from droidmesh.shared.models import ModelRef
+from droidmesh.shared.apps.demo import THREADS, start_control_plane
+from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.model.names import ModelRef
+from droidmesh.shared.service.launch import Proc, start_service
 from droidmesh.shared.tasks.scorer import score_text
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.wire import schemas, subjects

@@ -33,15 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from droidmesh.shared.bench import report, ttft
-from droidmesh.shared.device import dtype_name
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, CapturedSource
 from droidmesh.shared.model import shapes
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import codecs, pull
 from droidmesh.shared.transport.bulk import Landing
 from droidmesh.shared.wire.schemas import TensorHeader

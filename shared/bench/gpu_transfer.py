@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from droidmesh.shared.bench.tensor_server import one_line
 from droidmesh.shared.bench.transfer import MIB, TensorServer, pull_rates, ucx_protocol_for, ucx_tables
 from droidmesh.shared.transport import capabilities

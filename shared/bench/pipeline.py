@@ -32,12 +32,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from droidmesh.shared.device import DEVICE_ENV
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.kv.partial import generate, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource
 from droidmesh.shared.model.adapter import load_model
+from droidmesh.shared.model.device import DEVICE_ENV
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.transport.pull import drive_engine, pull_into, pull_items, request_grant, requester, source_for
 from droidmesh.shared.wire import schemas, subjects
@@ -49,7 +49,6 @@ QUESTION = " who"
 async def probe(url: str, model_path: str, sender: str, tokens: int, group: tuple[int, int], repeats: int,
                 device: str = "cpu") -> dict[str, Any]:
     import nats
-
     from droidmesh.shared.zoo import vocab
 
     model = load_model(model_path, dtype="bfloat16", device=device)
@@ -160,7 +159,6 @@ async def probe_configs(url: str, model_path: str, sender: str, tokens: list[int
     """Per context length and config: TTFT (median of `repeats`, the first round dropped), every
     round's time, and the payload bytes the pull moved; a config that fails gets its error."""
     import nats
-
     from droidmesh.shared.kv import scd
     from droidmesh.shared.transport import codecs
 

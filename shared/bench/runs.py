@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
-
 from droidmesh.shared.bench import netns
 from droidmesh.shared.bench.transfer import (
     KIB,
@@ -27,9 +25,10 @@ from droidmesh.shared.bench.transfer import (
     ucx_protocol_for,
     ucx_tables,
 )
-from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV
-from droidmesh.shared.launch import Proc, start_nats, start_service
+from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV
+from droidmesh.shared.service.launch import Proc, start_nats, start_service
 from droidmesh.shared.wire.schemas import Mode
+from tqdm import tqdm
 
 THREADS = {"OMP_NUM_THREADS": "1"}
 
@@ -246,7 +245,6 @@ def transfer(sizes: list[int], repeats: int, transports: list[str] | None = None
 # -- control plane ------------------------------------------------------------------------------
 async def _control(url: str, n: int) -> dict[str, Any]:
     import nats
-
     from droidmesh.shared.wire import schemas, subjects
 
     nc = await nats.connect(url)
@@ -294,7 +292,7 @@ def control(n: int) -> dict[str, Any]:
 # -- load ---------------------------------------------------------------------------------------
 async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, seconds: float, mode: Mode,
                      slo_s: float, seed: int) -> dict[str, Any]:
-    from droidmesh.shared.client import MeshClient
+    from droidmesh.shared.mesh.client import MeshClient
 
     client = await MeshClient.connect(url)
     rng = np.random.default_rng(seed)
@@ -331,7 +329,7 @@ async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, 
 def load(sender_path: str, receiver_path: str, group: tuple[int, int], tokens: int, rates: list[float],
          seconds: float, slo_s: float, copies: list[int], device: str = DEFAULT_DEVICE) -> list[dict[str, Any]]:
     """Poisson load against 1..N receiver copies, DroidMesh (auto) vs full prefill."""
-    from droidmesh.shared.client import MeshClient
+    from droidmesh.shared.mesh.client import MeshClient
     from droidmesh.shared.zoo import vocab
 
     rng = np.random.default_rng(0)
@@ -382,7 +380,7 @@ def codecs(pairs: list[dict[str, Any]], tokens: list[int], rates_gbit: list[floa
     from droidmesh.shared.bench import codecs as bc
     from droidmesh.shared.kv.plan import ReusePlan
     from droidmesh.shared.model.adapter import load_model
-    from droidmesh.shared.models import weights_sha256
+    from droidmesh.shared.model.names import weights_sha256
     from droidmesh.shared.profiling import scd_fit
     from droidmesh.shared.profiling.profile import load_rows
     from droidmesh.shared.tasks.rows import encode_row

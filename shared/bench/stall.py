@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from droidmesh.shared.client import MeshClient
-from droidmesh.shared.demo import THREADS
-from droidmesh.shared.launch import Proc, start_nats, start_service
+from droidmesh.shared.apps.demo import THREADS
+from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.service.launch import Proc, start_nats, start_service
 from droidmesh.shared.wire import schemas
 
 WARM_TRIES = 50  # requests per context before it must have been reused

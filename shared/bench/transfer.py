@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 import torch
-
 from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX
 
 KIB, MIB = 1 << 10, 1 << 20

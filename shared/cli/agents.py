@@ -30,8 +30,8 @@ def agents(rows: int, log_dir: str | None, holdout_share: float, blind_share: fl
     """Run agents on the demo tier's base, qa and code models (each a receiver and a sender of its
     outputs) that extend, rewrite or ignore each other's context; print per-agent TTFT, path mix,
     holders and quality."""
-    from droidmesh.shared.agents import demo_tier, run_agents, table
-    from droidmesh.shared.audit import read_relay_policy
+    from droidmesh.shared.apps.agents import demo_tier, run_agents, table
+    from droidmesh.shared.audit.relay import read_relay_policy
     from droidmesh.shared.errors import BadRequestError
     from droidmesh.shared.zoo.tiers import get_recipe
 

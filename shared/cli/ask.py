@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import click
-
 from droidmesh.shared.cli.connect import Conn, nats_options
 from droidmesh.shared.cli.params import read_text
 from droidmesh.shared.errors import BadRequestError
@@ -21,7 +20,7 @@ WINDOW_HELP = "Seconds to collect discovery answers (part of --timeout)."
 
 
 async def _receivers(nc: Any, window_s: float) -> list:
-    from droidmesh.shared.discovery import receivers
+    from droidmesh.shared.mesh.discovery import receivers
 
     return await receivers(nc, window_s)
 
@@ -46,9 +45,9 @@ async def _only_receiver(nc: Any, window_s: float) -> str:
 
 
 def _client(nc: Any) -> Any:
-    from droidmesh.shared.bus import NatsBus
-    from droidmesh.shared.client import MeshClient
-    from droidmesh.shared.runtime import VERSION
+    from droidmesh.shared.mesh.bus import NatsBus
+    from droidmesh.shared.mesh.client import MeshClient
+    from droidmesh.shared.service.runtime import VERSION
 
     return MeshClient(NatsBus(nc, "droidmesh-client", VERSION))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import click
-
 from droidmesh.shared.bench import report
 from droidmesh.shared.cli import bench_data_plane
 from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, save
@@ -118,8 +117,8 @@ def _load_agents(json_path: str | None, rates: list[float], n_rows: int, log_dir
     import tempfile
     from pathlib import Path
 
-    from droidmesh.shared.agents import demo_tier, run_agents, table
-    from droidmesh.shared.audit import read_relay_policy
+    from droidmesh.shared.apps.agents import demo_tier, run_agents, table
+    from droidmesh.shared.audit.relay import read_relay_policy
     from droidmesh.shared.zoo.tiers import get_recipe
 
     models, profiles = demo_tier()
@@ -176,7 +175,7 @@ def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype)
 
     from droidmesh.shared.bench import quality as suite
     from droidmesh.shared.model.adapter import load_model
-    from droidmesh.shared.models import Pair, resolve_model
+    from droidmesh.shared.model.names import Pair, resolve_model
     from droidmesh.shared.profiling.profile import load_rows
     from droidmesh.shared.tasks.scorer import PairScorer
     from droidmesh.shared.tasks.spec import task_spec
@@ -219,7 +218,7 @@ def _codec_pairs(value: str) -> list[dict[str, Any]]:
     tier (the group: the saved profile's chosen one, else `DEFAULT_GROUPS`)."""
     import json
 
-    from droidmesh.shared.models import Pair, resolve_model
+    from droidmesh.shared.model.names import Pair, resolve_model
     from droidmesh.shared.zoo.manifest import find_tiers, profile_file
 
     tiers = find_tiers()
@@ -329,7 +328,7 @@ def drift(json_path, plot_path, log_dir, before, after, n_before, n_settled, max
 
     from droidmesh.shared.bench import drift as suite
     from droidmesh.shared.errors import BadRequestError
-    from droidmesh.shared.models import tier_models
+    from droidmesh.shared.model.names import tier_models
     from droidmesh.shared.zoo.manifest import REPO_ZOO, read_manifest
     from droidmesh.shared.zoo.tiers import get_recipe
 

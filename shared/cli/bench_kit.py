@@ -4,11 +4,10 @@ services, the zoo's demo pair they measure, and how a suite's JSON is written.""
 from __future__ import annotations
 
 import click
-
 from droidmesh.shared.bench import report
 from droidmesh.shared.cli.params import check_group, checkpoint_layers
-from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
 from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
 
 
 def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -30,7 +29,7 @@ GROUP_HELP = "Recompute group START:END (layers [START, END); START may be 0)."
 def demo_pair(group: tuple[int, int] | None = None) -> tuple[str, str]:
     """(sender, receiver) checkpoint paths of the zoo's first demo pair (ci tier if absent);
     `group` must fit the receiver."""
-    from droidmesh.shared.models import resolve_model
+    from droidmesh.shared.model.names import resolve_model
     from droidmesh.shared.zoo.manifest import find_tiers
 
     for tier, _dir, man in find_tiers():

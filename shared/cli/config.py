@@ -17,7 +17,6 @@ from typing import Any
 
 import click
 import msgspec
-
 from droidmesh.shared.cli.connect import Conn, nats_options
 from droidmesh.shared.cli.models import MODEL_HELP
 from droidmesh.shared.errors import BadRequestError, DroidMeshError
@@ -44,7 +43,7 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def _from_profile(path: str, data: dict[str, Any], sender: str | None, receiver: str | None,
                   version: int) -> schemas.RecomputeConfig:
-    from droidmesh.shared.models import resolve_model
+    from droidmesh.shared.model.names import resolve_model
     from droidmesh.shared.profiling.profile import recompute_config
 
     missing = [k for k in PROFILE_KEYS if k not in data]
@@ -71,7 +70,7 @@ def _from_profile(path: str, data: dict[str, Any], sender: str | None, receiver:
 def load_config(path: str, sender: str | None = None, receiver: str | None = None,
                 version: int | None = None) -> schemas.RecomputeConfig:
     """The validated RecomputeConfig a file holds (a profile JSON or a RecomputeConfig JSON)."""
-    from droidmesh.shared.config_board import validate
+    from droidmesh.shared.mesh.config_board import validate
 
     data = _read_json(path)
     if data.get("type") == "recompute.config" or "sender_model" in data:
@@ -96,7 +95,7 @@ def maps_files(path: str, cfg: schemas.RecomputeConfig) -> dict[str, bytes]:
     against their names; `BadRequestError` for one missing or altered."""
     import hashlib
 
-    from droidmesh.shared.maps_store import referenced
+    from droidmesh.shared.mesh.maps_store import referenced
 
     found = {}
     for sha in sorted(referenced([*cfg.frontier, cfg.chosen])):
@@ -129,8 +128,8 @@ def publish(file: str, sender: str | None, receiver: str | None, version: int | 
         return
 
     async def body(nc: Any) -> None:
-        from droidmesh.shared.config_board import NatsConfigBoard
-        from droidmesh.shared.maps_store import NatsMapsStore
+        from droidmesh.shared.mesh.config_board import NatsConfigBoard
+        from droidmesh.shared.mesh.maps_store import NatsMapsStore
 
         store = NatsMapsStore(nc)
         for data in maps.values():  # first: a service that sees the config can fetch its maps at once
@@ -155,7 +154,7 @@ def _plan(p: schemas.FrontierPoint) -> str:
 @nats_options(default_timeout=10.0)
 def show(sender: str | None, receiver: str | None, as_json: bool, conn: Conn) -> None:
     """List the pair configs in the bucket (newest version per pair; every version with --sender and --receiver)."""
-    from droidmesh.shared.config_board import NatsConfigBoard
+    from droidmesh.shared.mesh.config_board import NatsConfigBoard
 
     async def body(nc: Any) -> dict[str, schemas.RecomputeConfig | str] | None:
         return await NatsConfigBoard(nc).snapshot()
@@ -198,8 +197,8 @@ def relay_policy(file: str, sender: str | None, receiver: str | None, dry_run: b
     """Apply the relay audit's policy FILE (`droidmesh audit --policy`) to the newest config of each
     pair: republished under a new version, running receivers load it without a restart and stop
     relaying where the audit found relaying slower (NATS role: profiler or admin)."""
-    from droidmesh.shared.audit import relay_buckets, with_relay
-    from droidmesh.shared.config_board import NatsConfigBoard, validate
+    from droidmesh.shared.audit.relay import relay_buckets, with_relay
+    from droidmesh.shared.mesh.config_board import NatsConfigBoard, validate
 
     buckets = relay_buckets(_read_json(file), file)
 

@@ -18,9 +18,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import click
-
 from droidmesh.shared.errors import ConfigError, DroidMeshError
-from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.service.settings import BusSettings
 
 T = TypeVar("T")
 CLIENT_NAME = "droidmesh-cli"

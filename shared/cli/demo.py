@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import click
-
 from droidmesh.shared.cli.models import device_options
 
 
@@ -21,8 +20,8 @@ def demo(rows: int, tier: str, json_path: str | None, log_dir: str | None, devic
     """Start nats-server, a broker, senders and receivers; ask; print TTFT and quality per path.
 
     Every service loads its model on --device (passed to them as DM_DEVICE; with --dtype, DM_DTYPE)."""
-    from droidmesh.shared.demo import run_demo, table
-    from droidmesh.shared.models import Pair, tier_models
+    from droidmesh.shared.apps.demo import run_demo, table
+    from droidmesh.shared.model.names import Pair, tier_models
     from droidmesh.shared.zoo.build import build_tier
     from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest, zoo_dir
     from droidmesh.shared.zoo.tiers import get_recipe

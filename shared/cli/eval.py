@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import click
-
 from droidmesh.shared.cli.models import MODEL_HELP, device_options, model_arg
 from droidmesh.shared.tasks.spec import METRIC_NAMES
 

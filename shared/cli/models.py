@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-
-from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES, check_device_name
 from droidmesh.shared.errors import ConfigError, DroidMeshError
-from droidmesh.shared.models import WEIGHT_SUFFIXES, ModelRef, resolve_model
+from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES, check_device_name
+from droidmesh.shared.model.names import WEIGHT_SUFFIXES, ModelRef, resolve_model
 
 MODEL_HELP = "a zoo model as `droidmesh zoo list` names it (demo/base), or a local checkpoint directory"
 

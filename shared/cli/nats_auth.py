@@ -1,4 +1,4 @@
-"""`droidmesh nats-auth`: write nats-server's users and permissions for a roster (shared/nats_auth.py)."""
+"""`droidmesh nats-auth`: write nats-server's users and permissions for a roster (shared/mesh/nats_auth.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def nats_auth(senders: tuple[tuple[str, str], ...], receivers: tuple[str, ...], 
     """Render nats-auth.conf: each sender pinned to its own id, each model's receivers to its queue
     group, plus the broker, profiler, client, gateway and admin users. Without --sender and
     --receiver: the shipped roster (infra/nats/nats-auth.conf)."""
-    from droidmesh.shared.nats_auth import DEFAULT_ROSTER, Roster, render
+    from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, Roster, render
 
     roster = Roster(senders, receivers) if senders or receivers else DEFAULT_ROSTER
     text = render(roster)

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-
 from droidmesh.shared.cli.connect import Conn, nats_options
 from droidmesh.shared.cli.models import MODEL_HELP, device_options, model_arg
 from droidmesh.shared.tasks.spec import METRIC_NAMES
@@ -88,7 +87,7 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
     choice to mean anything: fewer than 20 test rows, or full reuse losing less than the
     sampling noise 1/sqrt(test rows) against full prefill on the test split."""
     from droidmesh.shared.errors import DroidMeshError
-    from droidmesh.shared.models import Pair
+    from droidmesh.shared.model.names import Pair
     from droidmesh.shared.profiling.plot import frontier_png, transfer_png
     from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
     from droidmesh.shared.tasks.jsonl import read_jsonl
@@ -149,8 +148,8 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
     if "transfer" in result:
         _echo_transfer(result["transfer"])
     if publish:
-        from droidmesh.shared.config_board import NatsConfigBoard, validate
-        from droidmesh.shared.maps_store import NatsMapsStore, referenced
+        from droidmesh.shared.mesh.config_board import NatsConfigBoard, validate
+        from droidmesh.shared.mesh.maps_store import NatsMapsStore, referenced
 
         board_cfg = validate(cfg)
         files = [maps[sha] for sha in sorted(referenced(board_cfg.frontier))]
@@ -172,7 +171,7 @@ def _profile_translated(sender, receiver, task: str, json_path: str, n_train: in
     from droidmesh.shared.cli.eval import format_translated
     from droidmesh.shared.errors import DroidMeshError
     from droidmesh.shared.model.adapter import load_model
-    from droidmesh.shared.models import Pair
+    from droidmesh.shared.model.names import Pair
     from droidmesh.shared.profiling.translate_fit import profile_translated
     from droidmesh.shared.tasks.spec import task_spec
     from droidmesh.shared.zoo.suite import SuiteShape, make_rows
@@ -198,7 +197,7 @@ def _profile_translated(sender, receiver, task: str, json_path: str, n_train: in
                f"{result['fit_s']:.1f}s, {result['translator_bytes'] / 1e6:.2f} MB, sha256 {result['translator_sha256'][:16]}")
     click.echo(format_translated(result))
     if publish is not None:
-        from droidmesh.shared.maps_store import NatsMapsStore
+        from droidmesh.shared.mesh.maps_store import NatsMapsStore
 
         data = (out.parent / "translators" / result["translator_file"]).read_bytes()
 

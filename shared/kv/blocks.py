@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
-from droidmesh.shared.device import same_device
 from droidmesh.shared.errors import BadRequestError, CacheLayoutError, IntegrityError
-from droidmesh.shared.hashing import common_prefix
+from droidmesh.shared.model.device import same_device
 from droidmesh.shared.model.fingerprint import ArchFingerprint
+from droidmesh.shared.wire.hashing import common_prefix
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import prefill
 from droidmesh.shared.kv.plan import ReusePlan

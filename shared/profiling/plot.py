@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from droidmesh.shared.bench.report import label_bars, label_points
-from droidmesh.shared.models import Pair
+from droidmesh.shared.model.names import Pair
 
 
 def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, Any]] | None = None) -> None:

@@ -20,16 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from tqdm import tqdm
-
-from droidmesh.shared.device import DEFAULT_DEVICE
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.models import ModelRef, Pair
+from droidmesh.shared.model.device import DEFAULT_DEVICE
+from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling import latency, search, transfer
 from droidmesh.shared.profiling.search import Evaluate, Memo
 from droidmesh.shared.wire import schemas
+from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,10 +51,9 @@ from typing import NamedTuple, Protocol
 
 import structlog
 import torch
-
-from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import BadMessageError, DroidMeshError, IntegrityError, TransferError
 from droidmesh.shared.kv import streams
+from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
 

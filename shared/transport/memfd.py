@@ -24,7 +24,6 @@ import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
-
 from droidmesh.shared.errors import IntegrityError
 
 ALIGN = 64

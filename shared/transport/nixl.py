@@ -52,7 +52,6 @@ from typing import Any, TypeVar
 import numpy as np
 import structlog
 import torch
-
 from droidmesh.shared.errors import BadMessageError, DroidMeshError, TransferError
 from droidmesh.shared.transport.bulk import (
     MAX_REQUEST_BYTES,

@@ -26,13 +26,12 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
-
-from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, ReuseError, TransferError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps, run_until
+from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.model.fingerprint import ArchFingerprint
 from droidmesh.shared.transport.bulk import BulkClient
 from droidmesh.shared.wire import schemas, subjects

@@ -47,9 +47,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 import structlog
 import torch
-
-from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import DroidMeshError, IntegrityError, TransferError
+from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import memfd, shm_io
 from droidmesh.shared.transport.bulk import (
     MAX_REQUEST_BYTES,

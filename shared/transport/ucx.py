@@ -48,7 +48,6 @@ from typing import Any
 import msgspec
 import structlog
 import torch
-
 from droidmesh.shared.errors import BadMessageError, DroidMeshError, PeerUnreachableError, TransferError
 from droidmesh.shared.transport import capabilities, codecs
 from droidmesh.shared.transport.bulk import (

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 import msgspec
-
 from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 
 SCHEMA_VERSION = 2
@@ -40,7 +39,7 @@ Transport = Literal["ucx", "inproc", "nixl", "shm"]  # bulk channels (shared/tra
 ItemKind = Literal["K", "V", "E"]
 CodecParams = dict[str, int | float | str]
 LOWRANK_CODEC = "lowrank"  # SCD codes (shared/transport/codecs.py); its plans name their maps file:
-MAPS_PARAM = "maps"  # codec param: the maps' sha256 (shared/maps_store.py)
+MAPS_PARAM = "maps"  # codec param: the maps' sha256 (shared/mesh/maps_store.py)
 
 
 class CacheAvailable(Message, tag="cache.available"):

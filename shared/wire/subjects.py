@@ -33,7 +33,7 @@ SENDER_GRANT_ALL = f"{SENDER_GRANT}.*"  # any sender's grants (receivers ask whi
 RECEIVER_GENERATE_ALL = f"{PREFIX}.receiver.*.generate"  # any model's receivers (clients, the gateway)
 
 CONFIG_BUCKET = "dm_recompute_configs"
-MAPS_BUCKET = "dm_scd_maps"  # SCD maps files named by sha256, chunked (shared/maps_store.py)
+MAPS_BUCKET = "dm_scd_maps"  # SCD maps files named by sha256, chunked (shared/mesh/maps_store.py)
 
 BROKER_QUEUE = "broker"
 PROFILER_QUEUE = "profiler"
@@ -47,7 +47,7 @@ def model_token(model_id: str) -> str:
 
 
 def agent_work(agent: str) -> str:
-    """Where `droidmesh agents` hands an agent its work (shared/agents.py)."""
+    """Where `droidmesh agents` hands an agent its work (shared/apps/agents.py)."""
     return f"{PREFIX}.agents.{model_token(agent)}"
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM
 
-from droidmesh.shared.models import sha256_file
+from droidmesh.shared.model.names import sha256_file
 from droidmesh.shared.zoo import train as T
 from droidmesh.shared.zoo import vocab as V
 from droidmesh.shared.zoo.manifest import MANIFEST, read_manifest, zoo_dir

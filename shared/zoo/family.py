@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from droidmesh.shared.errors import BadRequestError
-from droidmesh.shared.models import Pair
+from droidmesh.shared.model.names import Pair
 from droidmesh.shared.zoo import build as B
 from droidmesh.shared.zoo.manifest import MANIFEST, read_manifest, zoo_dir
 from droidmesh.shared.zoo.recipe import RECIPE_VERSION, Recipe

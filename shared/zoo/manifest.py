@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from droidmesh import ZOO_DIR
-from droidmesh.shared.models import Pair
+from droidmesh.shared import ZOO_DIR
+from droidmesh.shared.model.names import Pair
 
 MANIFEST = "manifest.json"
 REPO_ZOO = ZOO_DIR  # the demo tier ships in the package (in a checkout: the repository's zoo/)

@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import Any
 
-from droidmesh.shared.models import Pair
+from droidmesh.shared.model.names import Pair
 from droidmesh.shared.zoo.suite import SuiteShape
 from droidmesh.shared.zoo.train import Arch, Stage
 

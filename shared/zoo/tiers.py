@@ -17,7 +17,7 @@ Both share one shape (the zoo README says why each piece is there):
 from __future__ import annotations
 
 from droidmesh.shared.errors import BadRequestError
-from droidmesh.shared.models import Pair
+from droidmesh.shared.model.names import Pair
 from droidmesh.shared.zoo.recipe import Derivative, Op, Recipe
 from droidmesh.shared.zoo.suite import SuiteShape
 from droidmesh.shared.zoo.train import Arch, Stage

@@ -10,7 +10,6 @@ import importlib
 import msgspec
 import pytest
 import torch
-
 from droidmesh.shared.errors import IntegrityError, TransferError
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.tokens import TokenIssuer
@@ -144,6 +143,7 @@ def _stored_context(tokens: int = 33, layers: int = 3):
     from droidmesh.services.sender.store import CacheStore
     from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
     from droidmesh.shared.model.adapter import random_model
+
     from tests.conftest import FAMILIES
 
     fp = random_model("llama", **FAMILIES["llama"]).fingerprint
@@ -279,11 +279,11 @@ def test_ucx_server_listens_only_on_the_configured_host():
 def test_poisoned_kv_pulled_over_a_channel_is_an_integrity_error(receiver, prompt):
     """NaN KV with a valid checksum, pulled over inproc into the receiver's prefix buffers, fails the engine's read (fallback)."""
     from droidmesh.services.sender.store import CacheStore
-    from droidmesh.shared.device import dtype_name
     from droidmesh.shared.errors import IntegrityError
     from droidmesh.shared.kv.capture import capture_prefill
     from droidmesh.shared.kv.partial import prefill
     from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.model.device import dtype_name
     from droidmesh.shared.transport.pull import pull_into, pull_items, source_for
     from droidmesh.shared.wire import schemas
 

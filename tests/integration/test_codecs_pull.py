@@ -20,15 +20,14 @@ import math
 import msgspec
 import pytest
 import torch
-
 from droidmesh.services.sender.store import CacheStore
-from droidmesh.shared.device import dtype_name
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import quant
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import Generation, generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource
+from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.profiling import scd_fit
 from droidmesh.shared.transport import codecs, inproc
 from droidmesh.shared.transport.bulk import make_client, make_server

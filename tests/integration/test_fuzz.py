@@ -7,9 +7,6 @@ import asyncio
 import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.service import BrokerService
 from droidmesh.services.profiler.config import ProfilerConfig
@@ -18,10 +15,12 @@ from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.service import ReceiverService
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.service import SenderService
-from droidmesh.shared.bus import InProcessBus
-from droidmesh.shared.config_board import InMemoryConfigBoard
 from droidmesh.shared.errors import BadMessageError
+from droidmesh.shared.mesh.bus import InProcessBus
+from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.wire import schemas, subjects
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.fuzz
 

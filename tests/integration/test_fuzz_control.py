@@ -10,19 +10,19 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
-
 from droidmesh.services.cache_broker import handlers as broker
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.index import CacheIndex, Limits
 from droidmesh.services.cache_broker.service import BrokerService
 from droidmesh.services.receiver import handlers as receiver
 from droidmesh.services.sender import handlers as sender
-from droidmesh.shared.bus import InProcessBus
-from droidmesh.shared.config_board import InMemoryConfigBoard
-from droidmesh.shared.metrics import Metrics, alarms
+from droidmesh.shared.mesh.bus import InProcessBus
+from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
+from droidmesh.shared.service.metrics import Metrics, alarms
 from droidmesh.shared.wire import schemas, subjects
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
 from tests.unit.test_runtime import until
 
 pytestmark = pytest.mark.fuzz

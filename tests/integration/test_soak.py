@@ -7,11 +7,10 @@ import random
 import time
 
 import pytest
-
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.service import SenderService
-from droidmesh.shared.bus import InProcessBus
-from droidmesh.shared.config_board import InMemoryConfigBoard
+from droidmesh.shared.mesh.bus import InProcessBus
+from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.wire import schemas, subjects
 
 pytestmark = pytest.mark.soak

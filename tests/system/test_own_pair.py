@@ -24,21 +24,21 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from openai import OpenAI
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-from droidmesh import ZOO_DIR
+from droidmesh.shared import ZOO_DIR
 from droidmesh.shared.cli.main import main as droidmesh_main
-from droidmesh.shared.client import MeshClient
 from droidmesh.shared.kv.policy import plan_of
-from droidmesh.shared.launch import Proc, start_service
+from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model.adapter import load_model
-from droidmesh.shared.models import weights_sha256
+from droidmesh.shared.model.names import weights_sha256
+from droidmesh.shared.service.launch import Proc, start_service
 from droidmesh.shared.tasks.jsonl import write_jsonl
 from droidmesh.shared.tasks.scorer import PairScorer
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.zoo import vocab
+from openai import OpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
 from tests.system.conftest import until_indexed
 
 pytestmark = [pytest.mark.system,

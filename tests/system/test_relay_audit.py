@@ -11,14 +11,14 @@ import time
 
 import msgspec
 import pytest
-
-from droidmesh.shared.client import MeshClient
-from droidmesh.shared.config_board import NatsConfigBoard
-from droidmesh.shared.launch import start_service
-from droidmesh.shared.models import weights_sha256
+from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.mesh.config_board import NatsConfigBoard
+from droidmesh.shared.model.names import weights_sha256
+from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.zoo.suite import make_rows
 from droidmesh.shared.zoo.tiers import get_recipe
+
 from tests.system.conftest import until_indexed
 
 pytestmark = pytest.mark.system

@@ -9,19 +9,19 @@ import time
 from pathlib import Path
 
 import pytest
-
-from droidmesh.shared.client import MeshClient
 from droidmesh.shared.kv import policy, scd
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.launch import start_service
+from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
-from droidmesh.shared.models import weights_sha256
+from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.profiling import scd_fit
+from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.wire import schemas
+
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system

@@ -16,10 +16,9 @@ from urllib.parse import urlsplit
 import nats
 import pytest
 import trustme
-
-from droidmesh.shared.client import MeshClient
-from droidmesh.shared.launch import start_nats, start_service
-from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.service.launch import start_nats, start_service
+from droidmesh.shared.service.settings import BusSettings
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
 INFRA = Path(__file__).resolve().parents[2] / "infra"

@@ -8,20 +8,20 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from droidmesh import ZOO_DIR
-from droidmesh.shared.client import MeshClient
+from droidmesh.shared import ZOO_DIR
 from droidmesh.shared.kv import translate
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.kv.translate import TranslatedSource, align
-from droidmesh.shared.launch import start_service
+from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import load_model
+from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.zoo.manifest import read_manifest
 from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+
 from tests.system.conftest import until_indexed
 
 pytestmark = pytest.mark.system

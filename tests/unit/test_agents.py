@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from droidmesh.shared.agents import AGENTS, BY_NAME, prompt, summarize
-from droidmesh.shared.hashing import common_prefix
+from droidmesh.shared.apps.agents import AGENTS, BY_NAME, prompt, summarize
+from droidmesh.shared.wire.hashing import common_prefix
 
 CONTEXT = " ".join(f"w{i}" for i in range(100))
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
-from droidmesh.shared import audit as A
+from droidmesh.shared.audit import relay as A
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.wire.schemas import FrontierPoint, PlanSpec, RecomputeConfig, RelayBucket
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-
-from droidmesh.shared.device import (
+from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.model.device import (
     DTYPES,
     check_device_name,
     default_dtype_name,
@@ -17,7 +17,6 @@ from droidmesh.shared.device import (
     resolve_dtype,
     same_device,
 )
-from droidmesh.shared.errors import ConfigError
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "cuda:0", "cuda:12"])
@@ -75,7 +74,7 @@ def test_same_device_compares_type_and_index():
 
 def test_checking_names_loads_no_torch():
     """Device and dtype names are checked without importing torch (a CLI command starts fast)."""
-    code = ("import sys; from droidmesh.shared.device import check_device_name, DTYPES, default_dtype_name; "
+    code = ("import sys; from droidmesh.shared.model.device import check_device_name, DTYPES, default_dtype_name; "
             "check_device_name('cuda:1'); default_dtype_name('cuda'); import droidmesh.shared.cli.main; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

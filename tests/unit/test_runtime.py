@@ -9,10 +9,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 
-from droidmesh.shared.bus import InProcessBus
 from droidmesh.shared.errors import ConfigError
-from droidmesh.shared.runtime import ServiceRuntime, Supervisor, run_until_signalled
-from droidmesh.shared.settings import BusSettings
+from droidmesh.shared.mesh.bus import InProcessBus
+from droidmesh.shared.service.runtime import ServiceRuntime, Supervisor, run_until_signalled
+from droidmesh.shared.service.settings import BusSettings
 
 DEADLINE_S = 30.0  # a bound on waits, not a timing expectation
 

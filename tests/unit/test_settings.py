@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
-
 from droidmesh.services.cache_broker.config import BrokerConfig
-from droidmesh.shared import settings
 from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.service import settings
 
 
 def _toml(tmp_path, text: str) -> str:

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from droidmesh.shared.model.adapter import load_model
-from droidmesh.shared.models import resolve_model, sha256_file
+from droidmesh.shared.model.names import resolve_model, sha256_file
 from droidmesh.shared.zoo import build_tier
 
 pytestmark = pytest.mark.slow

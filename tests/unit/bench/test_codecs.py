@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from droidmesh.shared.bench import codecs as bc
 
 

@@ -12,7 +12,6 @@ import socket
 
 import pytest
 from click.testing import CliRunner
-
 from droidmesh.shared.cli.main import main
 
 

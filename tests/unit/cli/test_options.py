@@ -7,7 +7,6 @@ import json
 import click
 import msgspec
 import pytest
-
 from droidmesh.shared.cli.config import load_config
 from droidmesh.shared.cli.params import GROUP, check_group
 from droidmesh.shared.cli.profile import sample_warning
@@ -103,7 +102,7 @@ def test_default_receiver(monkeypatch, models, expect):
     import asyncio
 
     from droidmesh.shared.cli import ask
-    from droidmesh.shared.discovery import ReceiverModel
+    from droidmesh.shared.mesh.discovery import ReceiverModel
 
     async def fake(_nc, _window):
         return [ReceiverModel(m, ("i",), "0.1.0") for m in models]

@@ -17,9 +17,8 @@ import kubernetes_validate
 import pytest
 import yaml
 from cryptography import x509
-
-from droidmesh.shared.metrics import Metrics
-from droidmesh.shared.nats_auth import DEFAULT_ROSTER, receiver_user, sender_user
+from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, receiver_user, sender_user
+from droidmesh.shared.service.metrics import Metrics
 
 INFRA = Path(__file__).resolve().parents[3] / "infra"
 SERVICES = ("sender", "receiver", "cache_broker", "profiler", "gateway")

@@ -1,4 +1,4 @@
-"""The NATS roster renderer (shared/nats_auth.py), `droidmesh nats-auth`, and the shipped conf they make."""
+"""The NATS roster renderer (shared/mesh/nats_auth.py), `droidmesh nats-auth`, and the shipped conf they make."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from droidmesh.shared.cli.main import main
-from droidmesh.shared.nats_auth import DEFAULT_ROSTER, Roster, password_env, render
+from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, Roster, password_env, render
 from droidmesh.shared.wire import subjects
 
 SHIPPED = Path(__file__).resolve().parents[3] / "infra" / "nats" / "nats-auth.conf"

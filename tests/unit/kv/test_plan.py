@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.plan import ReusePlan
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.models import ModelRef, Pair
+from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling import search
 from droidmesh.shared.profiling.profile import ProfileSettings, recompute_config, run, split_rows
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from droidmesh.shared.config_board import validate
 from droidmesh.shared.kv import policy, scd
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.models import ModelRef, Pair
+from droidmesh.shared.mesh.config_board import validate
+from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling import scd_fit, transfer
 from droidmesh.shared.profiling.profile import ProfileSettings, recompute_config, run
 from droidmesh.shared.tasks.scorer import Wire

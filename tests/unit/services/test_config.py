@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from droidmesh.services.receiver.config import ReceiverConfig
-from droidmesh.shared import settings
 from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.service import settings
 
 
 @pytest.fixture

@@ -7,10 +7,9 @@ import json
 import msgspec
 import pytest
 from aiohttp import web
-
 from droidmesh.services.gateway import openai as oa
-from droidmesh.shared.client import MeshError
 from droidmesh.shared.errors import DeadlineExceededError
+from droidmesh.shared.mesh.client import MeshError
 from droidmesh.shared.wire import schemas
 
 LIMITS = oa.Limits(default_max_tokens=16, max_tokens_limit=64)

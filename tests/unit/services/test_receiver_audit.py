@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from droidmesh.services.receiver.audit import QualityWatch
 from droidmesh.shared.wire.schemas import ProfileRow
 
@@ -57,7 +56,7 @@ def test_a_relay_slower_than_its_predicted_own_prefill_counts_as_lost_time():
     from droidmesh.services.receiver.audit import count_relay
     from droidmesh.shared.kv import policy
     from droidmesh.shared.kv.plan import ReusePlan
-    from droidmesh.shared.metrics import Metrics
+    from droidmesh.shared.service.metrics import Metrics
 
     s = SimpleNamespace(metrics=Metrics("receiver"))
     d = policy.Decision(ReusePlan.recompute(2, 4), "partial", predicted_s={policy.PREFILL_OPTION: 0.1}, predicted_ttft_s=0.05)
@@ -78,7 +77,8 @@ def test_a_shadow_runs_a_layer_at_a_time_and_never_while_a_request_is_in_the_rec
     from types import SimpleNamespace
 
     from droidmesh.services.receiver import audit
-    from droidmesh.shared.metrics import Metrics
+    from droidmesh.shared.service.metrics import Metrics
+
     from tests.conftest import reference_greedy
 
     monkeypatch.setattr(audit, "SHADOW_POLL_S", 0.0)
@@ -136,7 +136,8 @@ def test_shadows_run_one_at_a_time(receiver, prompt, monkeypatch):
     from types import SimpleNamespace
 
     from droidmesh.services.receiver import audit
-    from droidmesh.shared.metrics import Metrics
+    from droidmesh.shared.service.metrics import Metrics
+
     from tests.conftest import reference_greedy
 
     monkeypatch.setattr(audit, "SHADOW_POLL_S", 0.0)

@@ -8,14 +8,14 @@ import dataclasses
 import time
 
 import pytest
-
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.handlers import check_positions, deadline_of, unreachable
-from droidmesh.shared.client import MeshClient, MeshError
 from droidmesh.shared.errors import BadRequestError, MissingLayerError, PeerUnreachableError, TransferError
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.wire import schemas
+
 from tests.unit.services.test_receiver_reuse import CONTEXT, QUESTION, mesh
 
 

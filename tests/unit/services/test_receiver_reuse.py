@@ -11,21 +11,20 @@ import time
 import msgspec
 import pytest
 import torch
-
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.service import BrokerService
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.service import ReceiverService
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.service import SenderService
-from droidmesh.shared.bus import InProcessBus
-from droidmesh.shared.config_board import InMemoryConfigBoard
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.mesh.bus import InProcessBus
+from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.model import text
-from droidmesh.shared.models import weights_sha256
+from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.bulk import BulkClient
 from droidmesh.shared.wire import schemas, subjects

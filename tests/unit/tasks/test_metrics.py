@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from droidmesh.shared.tasks import metrics as M
 
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from droidmesh.shared.cli.main import main as cli
 from droidmesh.shared.errors import CheckpointNotFoundError
-from droidmesh.shared.models import Pair, resolve_model
+from droidmesh.shared.model.names import Pair, resolve_model
 from droidmesh.shared.zoo.manifest import listing, profile_file
 
 

@@ -10,9 +10,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from droidmesh.shared import discovery
-from droidmesh.shared.bus import Bus, NatsBus
 from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.mesh import discovery
+from droidmesh.shared.mesh.bus import Bus, NatsBus
 from droidmesh.shared.wire import schemas, subjects
 
 MAX_BUFFERED_CHUNKS = 4096  # chunks held while an earlier index is missing (bounds a flooded inbox)

@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
+from droidmesh.shared.apps.demo import THREADS, start_control_plane
 from droidmesh.shared.bench.report import format_table
-from droidmesh.shared.client import MeshClient, MeshError
-from droidmesh.shared.demo import THREADS, start_control_plane
-from droidmesh.shared.launch import Proc, start_service
-from droidmesh.shared.models import ModelRef, Pair
+from droidmesh.shared.mesh.client import MeshClient, MeshError
+from droidmesh.shared.model.names import ModelRef, Pair
+from droidmesh.shared.service.launch import Proc, start_service
 from droidmesh.shared.tasks.scorer import score_text
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.wire import subjects
@@ -234,7 +233,7 @@ def demo_tier() -> tuple[dict[str, ModelRef], dict[str, dict[str, Any]]]:
     """The committed demo tier's models and the agents' pairs' saved profiles (`BadRequestError`
     when the tier is not there)."""
     from droidmesh.shared.errors import BadRequestError
-    from droidmesh.shared.models import tier_models
+    from droidmesh.shared.model.names import tier_models
     from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest
 
     root = REPO_ZOO / "demo"

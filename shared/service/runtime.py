@@ -34,12 +34,11 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 from urllib.parse import urlsplit
 
 import structlog
-
-from droidmesh.shared import settings
-from droidmesh.shared.bus import Bus, NatsBus
 from droidmesh.shared.errors import ConfigError, DroidMeshError
-from droidmesh.shared.log import configure_logging
-from droidmesh.shared.metrics import HealthServer, Metrics
+from droidmesh.shared.mesh.bus import Bus, NatsBus
+from droidmesh.shared.service import settings
+from droidmesh.shared.service.log import configure_logging
+from droidmesh.shared.service.metrics import HealthServer, Metrics
 
 if TYPE_CHECKING:
     from droidmesh.shared.model.adapter import ModelAdapter
@@ -150,7 +149,7 @@ class ServiceRuntime(Generic[C]):
         """The model this copy serves text with (`given`, or loaded from `path` on the torch thread)
         and the sha256 of its weights, which pair configs are bound to."""
         from droidmesh.shared.model.adapter import load_model  # here, not at import: the broker never loads torch
-        from droidmesh.shared.models import weights_sha256
+        from droidmesh.shared.model.names import weights_sha256
 
         self.phase = "loading_model"
         model = given or await self.run_torch(functools.partial(load_model, path, device=device, dtype=dtype, name=name))

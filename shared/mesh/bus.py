@@ -24,9 +24,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
-
-from droidmesh.shared.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
-from droidmesh.shared.maps_store import InMemoryMapsStore, MapsStore, NatsMapsStore
+from droidmesh.shared.mesh.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
+from droidmesh.shared.mesh.maps_store import InMemoryMapsStore, MapsStore, NatsMapsStore
 
 RequestHandler = Callable[[bytes], Coroutine[Any, Any, bytes]]
 EventHandler = Callable[[bytes], Coroutine[Any, Any, None]]
@@ -126,7 +125,7 @@ class NatsBus:
     async def serve(self, subject: str, handler: RequestHandler, queue: str,
                     metadata: dict[str, str] | None = None) -> None:
         """Answer `subject` in queue group `queue`; `metadata` is published with the endpoint's
-        `$SRV.INFO` (see `shared/discovery.py`)."""
+        `$SRV.INFO` (see `shared/mesh/discovery.py`)."""
         from nats import micro
 
         if self._micro is None:

@@ -64,9 +64,8 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
-from droidmesh.shared.config_board import MAX_RELAY_BUCKETS
 from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.mesh.config_board import MAX_RELAY_BUCKETS
 from droidmesh.shared.wire.schemas import RecomputeConfig, RelayBucket
 
 SUFFIXES = (".log", ".jsonl", ".txt")
@@ -464,7 +463,6 @@ def plot_png(result: dict[str, Any], path: str | Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from droidmesh.shared.bench.report import label_bars
 
     rows = [result["overall"], *result["strata"]]

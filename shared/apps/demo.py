@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
 from droidmesh.shared.bench.report import format_table
-from droidmesh.shared.client import MeshClient
-from droidmesh.shared.device import DEFAULT_DEVICE, DEVICE_ENV
-from droidmesh.shared.launch import Proc, start_nats, start_service
-from droidmesh.shared.models import ModelRef, Pair
+from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV
+from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling.profile import recompute_config
+from droidmesh.shared.service.launch import Proc, start_nats, start_service
 from droidmesh.shared.tasks.scorer import score_text
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.wire import schemas

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from droidmesh import NATS_CONFIG_DIR
+from droidmesh.shared import NATS_CONFIG_DIR
 
 NATS_CONF = NATS_CONFIG_DIR / "nats.conf"
 NATS_AUTH_CONF = NATS_CONFIG_DIR / "nats-auth.conf"

@@ -14,10 +14,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import structlog
-
-from droidmesh.shared.bus import EventHandler, RequestHandler
 from droidmesh.shared.errors import DroidMeshError
-from droidmesh.shared.metrics import alarm
+from droidmesh.shared.mesh.bus import EventHandler, RequestHandler
+from droidmesh.shared.service.metrics import alarm
 from droidmesh.shared.wire import schemas
 
 log = structlog.get_logger("service")

@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 
 import structlog
-
-from droidmesh.shared.bus import Bus
+from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.text import TextStream
 from droidmesh.shared.wire import schemas
 

@@ -1,0 +1,1 @@
+"""Local applications over the mesh: the demo (the main job) and the agents workload."""

@@ -1,0 +1,1 @@
+"""The causal audit of KV relay: what relaying did, measured against a randomized holdout."""
