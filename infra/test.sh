@@ -4,5 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash infra/bootstrap.sh
 .venv/bin/ruff check shared services tests
-.venv/bin/mypy
+.venv/bin/python infra/typecheck.py
+.venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
 exec .venv/bin/python -m pytest -q "$@"

@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
-from droidmesh.services.receiver.audit import QualityWatch
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import Translation
+from droidmesh.services.receiver.relay_watch import QualityWatch
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.mesh.bus import Bus
@@ -54,7 +54,7 @@ class ReceiverState:
         self.queue_wait = policy.QueueWait()  # how long a request holds the compute thread, recently
         self.rng = random.Random()  # the audit's assignments
         self.shadow_agreements: deque[float] = deque(maxlen=1024)  # recent shadow token agreements
-        self.shadow_lock = asyncio.Lock()  # one shadow runs at a time (audit.shadow)
+        self.shadow_lock = asyncio.Lock()  # one shadow runs at a time (relay_watch.shadow)
         self.watch = QualityWatch(cfg.quality_window, min_samples=max(1, cfg.quality_window // 2),
                                   threshold=cfg.quality_threshold)
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None

@@ -64,7 +64,7 @@ def _test_rows(task: str, n_test: int, data: str | None, data_test: str | None) 
 @click.option("--exhaustive/--guided-only", default=True, show_default=True,
               help="Also run the O((L/g)^2) search to compare with the guided one.")
 @click.option("--robustness/--no-robustness", default=True, show_default=True,
-              help="Apply the chosen config to the test split of other tasks (DroidSpeak §5.4).")
+              help="Apply the chosen config to the test split of other tasks (does the choice transfer?).")
 @click.option("--other-task", "other_tasks", multiple=True,
               help="A zoo task or shift (e.g. multihop_qa/long), or a JSONL file, to check robustness on "
                    "(repeatable; default: for a zoo task, its shifts and every other zoo task).")

@@ -24,7 +24,7 @@ its KV closer to the receiver's own prefill, so quality holds and the cost is th
   - nothing queued: the most recomputation whose estimate still meets the request's SLO (quality
     for free), else the lowest estimated TTFT.
 A slow link pushes the choice towards recomputing more layers (fewer bytes to pull).
-Relay or not (paper 004's decision): with a latency fit, the chosen point's predicted TTFT is set
+Relay or not (the causal audit's decision): with a latency fit, the chosen point's predicted TTFT is set
 against the receiver's own full prefill of the prompt, and the faster one serves. The reuse
 prediction counts what reuse really covers: the holder's reusable prefix m of the prompt's T
 tokens (recompute over m tokens, the other T - m tokens through every layer), m tokens' bytes at the

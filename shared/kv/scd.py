@@ -1,4 +1,4 @@
-"""SCD (Semantic Cache Distillation, paper 001): a pair's learned maps and how tensors travel as codes.
+"""SCD (Semantic Cache Distillation): a pair's learned maps and how tensors travel as codes.
 
 A `Maps` belongs to one sender -> receiver pair (both weights' sha256s in its metadata) and holds
 one `LinearCode` per coded item, keyed by (layer, kind):

@@ -1,4 +1,4 @@
-"""Translated KV (paper 002): a target model of another size, architecture or tokenizer reads a
+"""Translated KV: a target model of another size, architecture or tokenizer reads a
 context that a source model prefilled.
 
 Sequence on the target (the fit that learns the maps is offline, `shared/profiling/translate_fit.py`):

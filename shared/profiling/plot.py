@@ -52,7 +52,7 @@ def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, A
 
 
 def _robustness_bars(ax, rows: list[dict[str, Any]], chosen: dict[str, Any]) -> None:
-    """Per task or shift (test split): full prefill, the chosen config, full reuse (DroidSpeak §5.4)."""
+    """Per task or shift (test split): full prefill, the chosen config, full reuse (does the config chosen on one split hold on others?)."""
     import numpy as np
 
     y = np.arange(len(rows))[::-1]  # first row (the profiled task) on top

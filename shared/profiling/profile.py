@@ -4,7 +4,7 @@ then (optionally) how the chosen plan's tensors should travel.
 Input: two quality oracles over the same pair (the task's train split, where the choice is
 made, and its test split, where it is checked), optionally more oracles for other data (shifted
 suites, other tasks, a user's other files: the chosen config is applied to them unchanged,
-DroidSpeak §5.4), plus the receiver for the latency fit, and for the transfer search
+the transfer check), plus the receiver for the latency fit, and for the transfer search
 (`transfer.py`) the sender and the train contexts. Output: the profile JSON (schema in `run`'s
 docstring) and the SCD maps files it names; `recompute_config` turns the JSON into the
 published `RecomputeConfig`.
@@ -159,7 +159,7 @@ def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRe
 
 def robustness(result: dict[str, Any], plan: ReusePlan, test: Evaluate,
                others: dict[str, Evaluate]) -> list[dict[str, Any]]:
-    """DroidSpeak §5.4: the config chosen on one task's train split, applied unchanged to its test
+    """The transfer check: the config chosen on one task's train split, applied unchanged to its test
     split and to other tasks. `difference` = chosen - receiver's full prefill on that data (0: the
     profile transfers; negative: it loses quality there), `relative` = difference / full prefill
     (None where full prefill scores 0: the receiver cannot do that task at all)."""

@@ -1,4 +1,4 @@
-"""Offline search for a pair's recompute group (DroidSpeak §4.2), over any quality oracle.
+"""Offline search for a pair's recompute group (a contiguous group of layers recomputed from the sender's E), over any quality oracle.
 
 `evaluate(plan) -> quality in [0, 1]` is the only thing the search needs (the profiler backs it
 with the receiver's task score on a train split). Memoised: a plan is never evaluated twice, and
@@ -112,7 +112,7 @@ def choose(front: list[Point], full_prefill: float, tolerance: float) -> Point:
 
 def scattered(critical: list[int]) -> ReusePlan:
     """Recompute only the critical layers: one group per run of adjacent critical layers, each
-    starting from its own sender E (the configuration DroidSpeak §4.1 argues against)."""
+    starting from its own sender E (each start of a group injects the sender's deviation, so scattered groups cost quality)."""
     groups: list[tuple[int, int]] = []
     for l in critical:
         if groups and groups[-1][1] == l:
@@ -124,5 +124,5 @@ def scattered(critical: list[int]) -> ReusePlan:
 
 def split(start: int, end: int) -> ReusePlan:
     """The group [start, end) recomputed as one-layer groups, each from its own sender E: the
-    same compute, more transitions (DroidSpeak §4.1: each one injects the sender's deviation)."""
+    same compute, more transitions (each one injects the sender's deviation)."""
     return ReusePlan.recompute_groups((l, l + 1) for l in range(start, end))

@@ -38,7 +38,7 @@ TASKS: dict[str, TaskSpec] = {
 GENERIC = TaskSpec("custom", "f1", 16, ("\n",), " ")
 
 # Shifted suites of a task, named "<task>/<shift>": data the task's profile was not made on, to
-# check that a config chosen on the train split transfers (DroidSpeak §5.4 profiles on one
+# check that a config chosen on the train split transfers (a pair is profiled on one
 # dataset and applies the result to others). Each entry overrides fields of the zoo's
 # `SuiteShape`; fields a task does not use (coded_frac outside multihop_qa, the context shape
 # for code) leave that task unchanged, so only listed ones apply.

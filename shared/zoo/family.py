@@ -1,5 +1,5 @@
 """The family tier: models that differ from the demo family the way real families differ, the
-sources and targets of translated KV (paper 002).
+sources and targets of translated KV (a target of another size, architecture or tokenizer).
 
 Each is pretrained from scratch with the demo base's ops (the same data, steps, rates and
 stages; its own architecture, seed and reader layer), so each really reads its context (its

@@ -1,4 +1,4 @@
-"""Translated KV through the mesh (paper 002): a receiver of another family (Qwen2, its own
+"""Translated KV through the mesh : a receiver of another family (Qwen2, its own
 tokenizer) answers over a context a Llama sender of the zoo's family tier holds, the sender's E
 pulled over UCX and translated as it lands; and a translator whose hash is not the published one
 costs only those requests: the receiver's own prefill, with the reason."""

@@ -149,7 +149,7 @@ def test_estimated_ttft_uses_the_profiled_wire_bytes():
     assert policy.estimated_ttft(CFG, coded, 4000, None, reused=4000) == pytest.approx(0.008)  # unknown bandwidth: compute only
 
 
-# -- relay or not (paper 004): reuse only when it is predicted faster than the receiver's own prefill
+# -- relay or not (the causal audit's decision): reuse only when it is predicted faster than the receiver's own prefill
 CODED = FrontierPoint(PlanSpec(groups=[(2, 4)], codec="lowrank", codec_params={"maps": "a" * 64}), 2, 0.96,
                       wire_bytes_per_token=1200)
 CODED_CFG = RecomputeConfig(**{**{f: getattr(CFG, f) for f in CFG.__struct_fields__}, "frontier": [*FRONTIER, CODED]})

@@ -14,7 +14,7 @@ CRITICAL = {4, 6}  # reusing either loses quality; layer 5 between them is harml
 
 def oracle(plan: ReusePlan) -> float:
     """1.0 minus 0.3 per critical layer reused, minus 0.02 per extra reuse->recompute transition
-    (each injects the sender's E deviation, as DroidSpeak §4.1 describes)."""
+    (each injects the sender's E deviation, which is why groups are contiguous)."""
     if plan.mode == "full_prefill":
         return 1.0
     recomputed = set(plan.recomputed_layers(L))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from droidmesh.services.receiver.audit import QualityWatch
+from droidmesh.services.receiver.relay_watch import QualityWatch
 from droidmesh.shared.wire.schemas import ProfileRow
 
 
@@ -53,7 +53,7 @@ def test_a_relay_slower_than_its_predicted_own_prefill_counts_as_lost_time():
     counted in its bucket; the faster one saves. (Counters only grow: a negative benefit once crashed the request.)"""
     from types import SimpleNamespace
 
-    from droidmesh.services.receiver.audit import count_relay
+    from droidmesh.services.receiver.relay_watch import count_relay
     from droidmesh.shared.kv import policy
     from droidmesh.shared.kv.plan import ReusePlan
     from droidmesh.shared.service.metrics import Metrics
@@ -76,7 +76,7 @@ def test_a_shadow_runs_a_layer_at_a_time_and_never_while_a_request_is_in_the_rec
     import asyncio
     from types import SimpleNamespace
 
-    from droidmesh.services.receiver import audit
+    from droidmesh.services.receiver import relay_watch as audit
     from droidmesh.shared.service.metrics import Metrics
 
     from tests.conftest import reference_greedy
@@ -116,7 +116,7 @@ def test_a_shadow_runs_a_layer_at_a_time_and_never_while_a_request_is_in_the_rec
 
 def test_a_holder_on_a_same_host_channel_is_same_host_topology():
     """shm and inproc holders, and loopback addresses, are the audit's same_host stratum; others remote."""
-    from droidmesh.services.receiver.handlers import _topology
+    from droidmesh.services.receiver.reply import _topology
     from droidmesh.shared.wire import schemas
 
     def holder(transport: str, address: str) -> schemas.CacheAvailable:
@@ -135,7 +135,7 @@ def test_shadows_run_one_at_a_time(receiver, prompt, monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
-    from droidmesh.services.receiver import audit
+    from droidmesh.services.receiver import relay_watch as audit
     from droidmesh.shared.service.metrics import Metrics
 
     from tests.conftest import reference_greedy

@@ -9,7 +9,8 @@ import time
 
 import pytest
 from droidmesh.services.receiver.breaker import Breaker
-from droidmesh.services.receiver.handlers import check_positions, deadline_of, unreachable
+from droidmesh.services.receiver.checks import check_positions, deadline_of
+from droidmesh.services.receiver.holders import unreachable
 from droidmesh.shared.errors import BadRequestError, MissingLayerError, PeerUnreachableError, TransferError
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan

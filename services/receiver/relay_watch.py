@@ -1,7 +1,10 @@
-"""The receiver's side of the relay audit (paper 004): who is held out, what the dashboard and the
-calibration learn from each request, and the quality watch (shadows, drift, re-profiling).
+"""The receiver's side of the relay audit: whether relaying helps and does no harm, measured in
+the receiver. Who is held out (a random share of the requests the policy would relay is served by
+the receiver's own prefill instead, a control group to measure relaying's benefit against), what
+the dashboard and the policy's calibration learn from each request, and the quality watch
+(shadows, drift, re-profiling).
 
-Per request (the handler calls them, on the loop, none blocks): `assign` randomizes the holdout,
+Per request (`answer.py` and `reply.py` call them, on the loop, none blocks): `assign` randomizes the holdout,
 `calibrate` feeds the measured TTFT back to the policy's calibration, `count_relay` counts the
 outcome, the benefit and the prediction error for the dashboard.
 The quality watch, per relayed request the audit picks for a shadow (`shadow`, a supervised background task):
@@ -97,7 +100,7 @@ class QualityWatch:
 
 
 def assign(s: ReceiverState, decision: policy.Decision, mode: str) -> tuple[policy.Decision, str]:
-    """The randomized audit (paper 004). A request where relaying was possible and weighed (its
+    """The randomized audit's assignment. A request where relaying was possible and weighed (its
     decision either way) is, with probability `holdout_share`, served by full prefill ("control");
     with probability `blind_share`, relayed whatever the policy chose ("blind": what relaying
     itself does, also where the policy would not relay); else as the policy chose ("treatment").

@@ -1,0 +1,102 @@
+"""What a generate request may ask of a receiver, checked before any work, its prompt and its deadline.
+
+Called by `handlers.generate` (and `answer.py` for `check_deadline`), on the event loop; nothing
+here blocks except `prompt_ids`, which tokenizes (the handler calls it inline: prompts are bounded
+by `max_prompt_chars` first). Nothing the client sent is trusted: every check raises
+`BadRequestError` with a one-line message naming the first bad field (the client gets it as an
+ErrorReply); `check_deadline` raises `DeadlineExceededError`.
+
+The limits bound what one request can cost: decode steps (`max_new_tokens_limit`), tokenization
+(`max_prompt_chars`), positions (the model's `max_position_embeddings`), stop matching (4 strings
+of 64 characters) and where chunks may go (an inbox subject only: a request can never make a
+receiver publish onto a mesh subject such as `dm.cache.available`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import TYPE_CHECKING
+
+from droidmesh.shared.errors import BadRequestError, DeadlineExceededError
+from droidmesh.shared.model import sampling, text
+from droidmesh.shared.wire import schemas, subjects
+
+if TYPE_CHECKING:
+    from droidmesh.services.receiver.config import ReceiverConfig
+
+MAX_CHAT_MESSAGES = 64
+MAX_STREAM_SUBJECT = 128
+
+# `_INBOX.` + tokens, or a user's own `_INBOX_<user>.` + tokens (subjects.inbox_prefix); no
+# wildcards or spaces. Which user's inbox a receiver may publish into is NATS permissions' call.
+_STREAM_SUBJECT = re.compile(rf"^{subjects.INBOX_PREFIX}(_[A-Za-z0-9_-]+)?(\.[^.*> \t\r\n]+)+$")
+
+
+def check(req: schemas.GenerateRequest, cfg: ReceiverConfig) -> None:
+    limit = cfg.max_new_tokens_limit
+    if not 1 <= req.max_new_tokens <= limit:
+        raise BadRequestError(f"max_new_tokens must be in [1, {limit}] (max_new_tokens_limit), got {req.max_new_tokens}")
+    sampling.check_sampling(req.sampling.temperature, req.sampling.top_p, req.sampling.seed)
+    text.check_stop(req.sampling.stop)
+    check_stream_subject(req.stream_subject)
+    chars = len(req.context) + len(req.question)
+    if req.chat is not None:
+        if not 1 <= len(req.chat) <= MAX_CHAT_MESSAGES:
+            raise BadRequestError(f"chat must hold 1..{MAX_CHAT_MESSAGES} messages, got {len(req.chat)}")
+        if req.context or req.question:
+            raise BadRequestError("a chat request carries its text in chat; context and question must be empty")
+        chars = sum(len(m.content) for m in req.chat)
+    if chars > cfg.max_prompt_chars:
+        raise BadRequestError(f"prompt of {chars} characters exceeds max_prompt_chars={cfg.max_prompt_chars}")
+
+
+def check_positions(model: object, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse up front a prompt the model has no positions for (`max_position_embeddings`):
+    prompt + new tokens must fit, else the request would only run long and fail late."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt_tokens + max_new_tokens > limit:
+        raise BadRequestError(f"prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                              f"model's {limit} positions (max_position_embeddings); shorten the context")
+
+
+def check_stream_subject(subject: str) -> None:
+    """"" (no streaming) or a concrete inbox subject (see `_STREAM_SUBJECT`)."""
+    if not subject:
+        return
+    if len(subject) > MAX_STREAM_SUBJECT:
+        raise BadRequestError(f"stream_subject longer than {MAX_STREAM_SUBJECT} characters")
+    if not _STREAM_SUBJECT.match(subject):
+        raise BadRequestError(f"stream_subject must be an inbox subject (_INBOX. or _INBOX_<user>.), got {subject[:64]!r}")
+
+
+def prompt_ids(tokenizer: object, req: schemas.GenerateRequest) -> list[int]:
+    """The request's prompt tokens: the chat rendered (`text.chat_prompt_ids`), or context +
+    question (a completions-style prompt is `context=prompt, question=""`: its ids are exactly
+    `context_ids(prompt)`, so a sender's cache of any token prefix of it is found)."""
+    if req.chat is not None:
+        return text.chat_prompt_ids(tokenizer, req.chat)
+    ctx_ids, q_ids = text.prompt_ids(tokenizer, req.context, req.question)
+    return ctx_ids + q_ids
+
+
+def deadline_of(req: schemas.GenerateRequest, arrived: float, default_s: float) -> float:
+    """The request's deadline on this host's monotonic clock: `budget_s` after it arrived (immune
+    to clock skew between client and receiver), else its absolute `deadline`, else the default."""
+    if not math.isfinite(req.budget_s) or req.budget_s < 0:
+        raise BadRequestError(f"budget_s must be a finite number of seconds >= 0, got {req.budget_s}")
+    if req.budget_s > 0:
+        return arrived + req.budget_s
+    if req.deadline:
+        if not math.isfinite(req.deadline):
+            raise BadRequestError(f"deadline must be finite unix seconds, got {req.deadline}")
+        return arrived + (req.deadline - time.time())
+    return arrived + default_s
+
+
+def check_deadline(deadline: float, stage: str) -> None:
+    """Drop the request once `deadline` (time.monotonic()) has passed: nobody waits for its answer."""
+    late = time.monotonic() - deadline
+    if late >= 0:
+        raise DeadlineExceededError(f"deadline passed {late:.3f}s {stage}; dropped")

@@ -1,0 +1,175 @@
+"""Finding a holder of a prompt's cache and pulling from it: the broker lookup, the reuse and
+translated pulls under the per-holder circuit breaker, and why a plan's codes cannot be decoded.
+
+Called by `answer.py` on the event loop, once per request and attempt. Lookups and pulls await
+the bus and the bulk channel (bounded by `lookup_timeout_s`, `reuse_timeout_s` and the request's
+deadline); the engine runs on the torch thread (`pipeline.py`); tokenizing for a translated pair
+runs in `asyncio.to_thread`. The broker's reply is decoded like any message; the holder it names
+is not trusted to serve: its fingerprint, layers and tokens are checked before or during the pull,
+and a holder that cannot serve raises a `ReuseError` (counted by the breaker), which the caller
+turns into a fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from droidmesh.services.receiver.checks import check_deadline
+from droidmesh.services.receiver.pipeline import (
+    ReuseOutcome,
+    Tokenized,
+    Translation,
+    align_target,
+    check_translatable,
+    reuse_generate,
+    translate_generate,
+)
+from droidmesh.shared.errors import DroidMeshError, PeerUnreachableError, ReuseError
+from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.policy import Reason
+from droidmesh.shared.kv.translate import TranslatorMismatchError
+from droidmesh.shared.model import text
+from droidmesh.shared.model.sampling import Sampler, make_sampler
+from droidmesh.shared.transport import codecs
+from droidmesh.shared.wire import schemas, subjects
+
+if TYPE_CHECKING:
+    from droidmesh.services.receiver.answer_stream import AnswerStream
+    from droidmesh.services.receiver.state import ReceiverState
+
+log = structlog.get_logger("receiver")
+
+
+async def lookup(s: ReceiverState, prompt: list[int], mode: schemas.Mode
+                 ) -> tuple[schemas.CacheAvailable | None, Reason | None]:
+    """The broker's best holder for `prompt` (under the policy, of a model it has a config for or
+    its own, when it has one: a default group can use any), or (None, why not)."""
+    usable = [] if mode != "auto" or s.cfg.default_group else sorted({*s.configs, s.cfg.model_id})
+    return await lookup_in(s, prompt, s.model.fingerprint.id, usable)
+
+
+async def lookup_in(s: ReceiverState, token_ids: list[int], fingerprint_id: str, models: list[str]
+                    ) -> tuple[schemas.CacheAvailable | None, Reason | None]:
+    """The broker's best holder of `token_ids` among models of `fingerprint_id` (`models`: [] any)."""
+    req = schemas.LookupRequest(token_ids=token_ids, fingerprint_id=fingerprint_id, models=models)
+    try:
+        data = await s.bus.request(subjects.BROKER_LOOKUP, schemas.encode(req), timeout=s.cfg.lookup_timeout_s)
+    except TimeoutError as e:
+        return None, ("broker_unavailable", f"broker: {e}")
+    try:
+        reply = schemas.decode(data, schemas.LookupReply)
+    except DroidMeshError:
+        err = schemas.decode(data, schemas.ErrorReply)
+        return None, ("broker_error", f"broker error {err.code}: {err.message}")
+    s.metrics.lookups.labels("hit" if reply.holder is not None else "miss").inc()
+    if reply.holder is None:
+        return None, ("no_cache", "no cached prefix")
+    return reply.holder, None
+
+
+def maps_missing(s: ReceiverState, decision: policy.Decision) -> policy.Reason | None:
+    """Why `decision`'s lowrank codes cannot be decoded here (their maps not loaded), or None."""
+    if decision.plan.mode == "full_prefill" or decision.codec != codecs.LOWRANK.name:
+        return None
+    sha = str(decision.codec_params.get(codecs.MAPS_PARAM, ""))
+    if codecs.LOWRANK.has_maps(sha):
+        return None
+    why = s.maps_failures.get(sha, "not fetched yet")
+    return "maps_unavailable", f"maps_unavailable: SCD maps {sha[:12]}... not loaded ({why})"
+
+
+def sampler_for(s: ReceiverState, req: schemas.GenerateRequest) -> Sampler:
+    """A fresh sampler per attempt: a fallback after a failed reuse replays the same draws."""
+    sp = req.sampling
+    return make_sampler(sp.temperature, sp.top_p, sp.seed, device=s.model.device)
+
+
+async def reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision, prompt: list[int],
+                req: schemas.GenerateRequest, stream: AnswerStream, deadline: float) -> ReuseOutcome:
+    """`reuse_generate`, its outcome counted by the holder's circuit breaker: a pull that fails
+    (any `ReuseError`) is a failure, one that cannot even connect opens the circuit at once."""
+    return await _pulled(s, holder, reuse_generate(
+        s, holder, decision, prompt, req.max_new_tokens, timeout_s=_timeout_s(s, deadline),
+        sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline))
+
+
+async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,
+                    deadline: float) -> tuple[schemas.CacheAvailable, ReuseOutcome] | None:
+    """The translated path: the first source model with a loaded translator whose holder caches
+    this context (looked up in the source's own tokens) answers; None when no holder exists. Why
+    a found holder could not be used is raised (`ReuseError`) when no other one served; so is why
+    the translators were refused, when none loaded. Tokenizing runs off the event loop."""
+    unusable: ReuseError | None = None
+    for model_id, t in s.translations.items():
+        s_ids, s_spans = await asyncio.to_thread(text.context_spans, t.source_tokenizer, req.context)
+        holder, _ = await lookup_in(s, s_ids, t.translator.source_fp.id, [model_id])
+        check_deadline(deadline, "after the translated lookup")
+        if holder is None:
+            continue
+        try:
+            tokenized = await _aligned(s, holder, t, req.context, s_ids, s_spans)
+        except ReuseError as e:
+            unusable = e
+            continue
+        # The receiver's context tokens, with offsets, must be the prompt's own prefix.
+        if prompt[:len(tokenized.target_ids)] != tokenized.target_ids or not s.breaker.allow(holder.sender_id):
+            continue
+        out = await _pulled(s, holder, translate_generate(
+            s, holder, t.translator, tokenized, prompt, req.max_new_tokens, timeout_s=_timeout_s(s, deadline),
+            sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline))
+        return holder, out
+    if unusable is not None:
+        raise unusable
+    if not s.translations and s.translator_failures:
+        raise TranslatorMismatchError("; ".join(s.translator_failures))
+    return None
+
+
+async def _aligned(s: ReceiverState, holder: schemas.CacheAvailable, t: Translation, context: str,
+                   s_ids: list[int], s_spans: list[Any]) -> Tokenized:
+    """`context` in both tokenizations, once `holder` is known to serve the translator (else a
+    `ReuseError`, before any pull). The receiver's tokenizing runs off the event loop."""
+    check_translatable(holder, t.translator, s_ids, s.model, s.bulk.transport)
+    return await asyncio.to_thread(align_target, s.model.tokenizer, context, s_ids, s_spans)
+
+
+def _timeout_s(s: ReceiverState, deadline: float) -> float:
+    """A pull's bound: `reuse_timeout_s`, cut to what is left of the request's deadline."""
+    return max(0.01, min(s.cfg.reuse_timeout_s, deadline - time.monotonic()))
+
+
+async def _pulled(s: ReceiverState, holder: schemas.CacheAvailable, pulling: Awaitable[ReuseOutcome]) -> ReuseOutcome:
+    """`pulling` (a pull from `holder` and the engine run on it), its outcome counted by the
+    holder's circuit breaker: a pull that fails (any `ReuseError`) is a failure, one that cannot
+    even connect opens the circuit at once."""
+    sid = holder.sender_id
+    try:
+        out = await pulling
+    except ReuseError as e:
+        if s.breaker.failure(sid, hard=unreachable(e)):
+            s.metrics.requests.labels("breaker", "holder_open_circuit").inc()
+            log.warning("holder_circuit_open", sender_id=sid, reason="holder_open_circuit", error=f"{e.code}: {e}",
+                        cooldown_s=s.cfg.breaker_cooldown_s)
+        raise
+    except BaseException:
+        s.breaker.release(sid)  # cancelled or dropped: says nothing about the holder
+        raise
+    s.breaker.success(sid)
+    return out
+
+
+def unreachable(e: BaseException) -> bool:
+    """Whether a failed reuse could not even reach its holder: a `PeerUnreachableError` itself, or
+    as the cause of what the engine raised (a layer that will not arrive because the pull never connected)."""
+    seen: BaseException | None = e
+    for _ in range(8):  # a cause chain is short; never loop on a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, PeerUnreachableError):
+            return True
+        seen = seen.__cause__
+    return False
