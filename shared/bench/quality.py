@@ -1,4 +1,5 @@
-"""`droidmesh bench quality` (DroidSpeak Fig. 14): receiver TTFT vs quality per path, one pair.
+"""`droidmesh bench quality`: receiver TTFT vs quality per path (full prefill, full reuse,
+CacheBlend-style selective recompute, DroidMesh groups), one pair.
 
 Quality: the task metric on the test split through each path (`PairScorer`, the one scorer). TTFT: the
 receiver's compute for that path in process (the sender's cache already local; transfer costs

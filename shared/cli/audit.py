@@ -1,4 +1,4 @@
-"""`droidmesh audit`: the causal audit of KV relay from receivers' request logs (paper 004)."""
+"""`droidmesh audit`: the causal audit of KV relay from receivers' request logs."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ import click
 def audit(logs_dir: str, json_path: str | None, plot_path: str | None, policy_path: str | None, n_boot: int,
           seed: int) -> None:
     """Effect of relaying (treatment) vs the randomized full-prefill holdout (control), overall and per stratum."""
-    from droidmesh.shared.audit.relay import format_report, plot_png, policy_proposal, run_audit
+    from droidmesh.shared.audit.estimate import run_audit
+    from droidmesh.shared.audit.relay import policy_proposal
+    from droidmesh.shared.audit.render import format_report, plot_png
 
     result = run_audit(logs_dir, n_boot=n_boot, seed=seed)
     for path, payload in ((json_path, result), (policy_path, policy_proposal(result) if policy_path else None)):

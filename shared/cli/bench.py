@@ -93,13 +93,13 @@ def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, workl
          device) -> None:
     """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill
     (`--workload agents`: the agents pipeline at each rate, its audit's randomized arms)."""
-    from droidmesh.shared.bench import runs
+    from droidmesh.shared.bench.load import run_load
 
     if workload == "agents":
         _load_agents(json_path, rates, n_rows, log_dir, policy_path)
         return
     sender, receiver = demo_pair(group)
-    rows = runs.load(sender, receiver, group, tokens, rates, seconds, slo, copies, device)
+    rows = run_load(sender, receiver, group, tokens, rates, seconds, slo, copies, device)
     cols = ["receivers", "rate", "mode", "requests", "ttft_p50", "ttft_p99", "tbt_p50", "e2e_p50", "e2e_p99", "goodput"]
     click.echo(report.format_table(rows, cols))
     best = {m: max((r["goodput"] for r in rows if r["mode"] == m), default=0.0) for m in ("auto", "full_prefill")}
@@ -169,7 +169,7 @@ def _plot_load(rows: list[dict], path: str, slo: float) -> None:
               help="A `droidmesh profile` JSON whose frontier to sweep (default: the zoo's, if saved).")
 @device_options
 def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype) -> None:
-    """Fig. 14: TTFT vs quality for full prefill, full reuse, CacheBlend and DroidMesh groups."""
+    """TTFT vs quality for full prefill, full reuse, CacheBlend and DroidMesh groups."""
     import json
     from pathlib import Path
 
@@ -265,18 +265,18 @@ CODECS_COLUMNS = ["pair", "tokens", "link_gbit", "config", "bytes_on_wire", "qua
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Maps files, configs (default: a temporary directory).")
 @launched_device_option
 def codecs(json_path, plot_dir, table_path, pairs, task, rates, tokens, repeats, rows, target_rate, work_dir, device) -> None:
-    """Issue 13: quality, wire bytes, encode/decode time and TTFT over a rate-limited link per wire
+    """Codecs: quality, wire bytes, encode/decode time and TTFT over a rate-limited link per wire
     codec / SCD config (baselines included), both demo pairs; targets for base->qa."""
     import tempfile
     from pathlib import Path
 
-    from droidmesh.shared.bench import codecs as suite
-    from droidmesh.shared.bench import runs
+    from droidmesh.shared.bench import codec_tradeoff as suite
+    from droidmesh.shared.bench.codec_sweep import run_codecs
 
     pair_list = _codec_pairs(pairs)
     work = work_dir or tempfile.mkdtemp(prefix="dm-bench-codecs-")
     try:
-        r = runs.codecs(pair_list, tokens, rates, repeats, rows, work, task=task, device=device)
+        r = run_codecs(pair_list, tokens, rates, repeats, rows, work, task=task, device=device)
     except RuntimeError as e:
         click.echo(str(e), err=True)
         save(json_path, "codecs", {"skipped": str(e)})

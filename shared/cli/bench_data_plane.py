@@ -18,11 +18,11 @@ from droidmesh.shared.cli.params import GROUP, float_list, int_list
               help="Bulk channel between the sender and the probe (both on this host).")
 @launched_device_option
 def pipeline(json_path, tokens, group, repeats, transport, device) -> None:
-    """Fig. 13: load-all vs load-reused vs pipelined, over a bulk channel between processes."""
-    from droidmesh.shared.bench import runs
+    """Pipelining: load-all vs load-reused vs pipelined, over a bulk channel between processes."""
+    from droidmesh.shared.bench.pipelining import run_pipeline
 
     sender, receiver = demo_pair(group)
-    r = runs.pipeline(sender, receiver, tokens, group, repeats, device, transport)
+    r = run_pipeline(sender, receiver, tokens, group, repeats, device, transport)
     rows = [{"mode": m, "seconds": s, "vs_piped": s / r["seconds"]["piped"]} for m, s in r["seconds"].items()]
     click.echo(report.format_table(rows, ["mode", "seconds", "vs_piped"]))
     click.echo(f"pipeline_overhead = TTFT(piped) / max(recompute, transfer) = {r['pipeline_overhead']:.3f}")
@@ -46,13 +46,13 @@ def pipeline(json_path, tokens, group, repeats, transport, device) -> None:
                    "own. An UCX_TLS in the environment wins.")
 @launched_device_option
 def bandwidth(json_path, plot_path, tokens, group, rates, repeats, transport, ucx_tls, device) -> None:
-    """Fig. 20: sender and receiver in their own namespaces over a tc-limited veth link."""
-    from droidmesh.shared.bench import runs
+    """Link rate: sender and receiver in their own namespaces over a tc-limited veth link."""
+    from droidmesh.shared.bench.bandwidth import run_bandwidth
 
     sender, receiver = demo_pair(group)
     rate_list = [r or None for r in rates]
     try:
-        rows = runs.bandwidth(sender, receiver, tokens, group, repeats, rate_list, device, transport, ucx_tls or None)
+        rows = run_bandwidth(sender, receiver, tokens, group, repeats, rate_list, device, transport, ucx_tls or None)
     except RuntimeError as e:
         click.echo(str(e), err=True)
         save(json_path, "bandwidth", {"skipped": str(e)})
@@ -108,16 +108,16 @@ def _transport_list(_ctx: click.Context, _param: click.Parameter, value: tuple[s
 def transfer(json_path, sizes, repeats, transports, shm_lanes) -> None:
     """Data plane: pulls over each bulk channel between two processes vs a memcpy of the same bytes
     (warm and out of cache, one thread); ratio = throughput / warm memcpy."""
-    from droidmesh.shared.bench import runs
+    from droidmesh.shared.bench.bulk_transfer import RATIO_FROM_BYTES, run_transfer
 
-    r = runs.transfer(sizes, repeats, transports, shm_lanes)
+    r = run_transfer(sizes, repeats, transports, shm_lanes)
     columns = ["bytes", "transport", "throughput_gb_s", "memcpy_gb_s", "memcpy_cold_gb_s", "ratio", "ucx_transports"]
     if any("unavailable" in row for row in r["rows"]):
         columns.append("unavailable")
     click.echo(report.format_table(r["rows"], columns))
     for transport, ratio in r["over_memcpy"].items():
         if ratio is not None:
-            click.echo(f"{transport}: smallest throughput / memcpy from {runs.RATIO_FROM_BYTES >> 20} MiB up = {ratio:.3f}")
+            click.echo(f"{transport}: smallest throughput / memcpy from {RATIO_FROM_BYTES >> 20} MiB up = {ratio:.3f}")
     save(json_path, "transfer", r)
 
 
@@ -153,9 +153,9 @@ def stall(json_path, group, transport, n, k, words, log_dir) -> None:
 @click.option("--events", default=1000, show_default=True, type=click.IntRange(10, 100000))
 def control(json_path, events) -> None:
     """Control plane: availability event -> visible in the broker index; lookup round trip."""
-    from droidmesh.shared.bench import runs
+    from droidmesh.shared.bench.control_plane import run_control
 
-    r = runs.control(events)
+    r = run_control(events)
     click.echo(report.format_table([r], list(r)))
     save(json_path, "control", r)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from droidmesh.shared.audit import relay as audit
+from droidmesh.shared.audit import estimate, logs, relay
 from droidmesh.shared.cli.main import main
 from droidmesh.shared.service.launch import Proc, start_nats, start_service
 
@@ -81,7 +81,7 @@ def mesh(zoo_ci: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
     """(NATS url, scratch dir): nats-server, a broker, the ci tier's `summ` sender and `qa` receiver."""
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "context.txt").write_text(words(120))
-    (tmp / "policy.json").write_text(json.dumps(audit.policy_proposal(audit.run_audit(AUDIT_LOGS, n_boot=100))))
+    (tmp / "policy.json").write_text(json.dumps(relay.policy_proposal(estimate.run_audit(AUDIT_LOGS, n_boot=100))))
     nats, url = start_nats(store_dir=str(tmp / "js"))
     procs: list[Proc] = [nats]
     try:
@@ -113,7 +113,7 @@ def test_command_runs(command, argv, mesh, zoo_ci, monkeypatch):
     if command == "agents":  # every agent is also a sender: its model's sender took its output
         for model in ("qa", "code"):
             lines = (tmp / "agents" / f"sender-{model}.log").read_text().splitlines()
-            held = [r for r in map(audit.parse_line, lines) if r is not None and r.get("event") == "request"]
+            held = [r for r in map(logs.parse_line, lines) if r is not None and r.get("event") == "request"]
             assert held and all(r["tokens"] > 0 for r in held)
     if command == "ask":  # no --receiver: the one receiver model up answered
         assert "path:" in result.stdout

@@ -1,4 +1,4 @@
-"""The causal audit of KV relay (paper 004) on synthetic receiver logs whose answers are known."""
+"""The causal audit of KV relay on synthetic receiver logs whose answers are known."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from droidmesh.shared.audit import relay as A
+from droidmesh.shared.audit import estimate, relay, render
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.wire.schemas import FrontierPoint, PlanSpec, RecomputeConfig, RelayBucket
 
@@ -48,7 +48,7 @@ def write(tmp_path: Path, records: list, name: str = "receiver.log") -> Path:
 
 
 def run(tmp_path: Path, records: list, **kw) -> dict:
-    return A.run_audit(write(tmp_path, records), n_boot=kw.pop("n_boot", N_BOOT), **kw)
+    return estimate.run_audit(write(tmp_path, records), n_boot=kw.pop("n_boot", N_BOOT), **kw)
 
 
 def row(result: dict, name: str) -> dict:
@@ -106,7 +106,7 @@ def test_files_are_found_recursively_and_duplicates_count_once(tmp_path):
     write(tmp_path, lines[4:], "b/c/r2.jsonl")
     write(tmp_path, lines[:2], "copy.txt")
     write(tmp_path, arms(50, 1.0, 50, 1.0, request_id="z"), "ignored.json")
-    res = A.run_audit(tmp_path, n_boot=50)
+    res = estimate.run_audit(tmp_path, n_boot=50)
     assert res["files"] == 3 and res["requests_used"] == 8 and res["duplicate_request_lines"] == 2
 
 
@@ -161,13 +161,13 @@ def test_policy_file_relay_decisions(tmp_path):
              + arms(20, 200.0, 20, 200.0, jitter=40.0, reusable_fraction=0.8)  # [0.7,0.85): no difference
              + arms(20, 500.0, 20, 200.0, reusable_fraction=0.3))  # <0.7: slower
     res = run(tmp_path, lines)
-    pol = A.policy_proposal(res)
-    assert pol["schema"] == A.POLICY_SCHEMA
+    pol = relay.policy_proposal(res)
+    assert pol["schema"] == relay.POLICY_SCHEMA
     assert [(b["label"], b["relay"]) for b in pol["buckets"]] == [
         ("[0.95,1]", True), ("[0.85,0.95)", True), ("[0.7,0.85)", None), ("<0.7", False)]
     assert pol["min_reusable_fraction"] == 0.85
     assert pol["buckets"][0]["reusable_fraction"] == [0.95, 1.0] and pol["buckets"][3]["reusable_fraction"] == [0.0, 0.7]
-    thin = A.policy_proposal(run(tmp_path / "thin", arms(20, 100.0, 3, 400.0)))
+    thin = relay.policy_proposal(run(tmp_path / "thin", arms(20, 100.0, 3, 400.0)))
     assert thin["buckets"][0]["relay"] is None and thin["min_reusable_fraction"] is None
 
 
@@ -180,9 +180,9 @@ def test_the_blind_arm_measures_relaying_where_the_policy_does_not_relay(tmp_pat
     row_low = row(res, "reusable=<0.7")
     assert row_low["blind"] == 20 and row_low["blind_ci_low"] > 0.1 and row_low["blind_p50_ttft_s"] == pytest.approx(0.352)
     assert res["blind_worst_stratum_ratio"] == pytest.approx(0.352 / 0.2) and res["worst_stratum_ratio"] < 1.1
-    low_bucket = A.policy_proposal(res)["buckets"][3]
+    low_bucket = relay.policy_proposal(res)["buckets"][3]
     assert (low_bucket["relay"], low_bucket["evidence"], low_bucket["treatment"]) == (False, "blind", 20)
-    top_bucket = A.policy_proposal(res)["buckets"][0]
+    top_bucket = relay.policy_proposal(res)["buckets"][0]
     assert (top_bucket["relay"], top_bucket["evidence"]) == (True, "treatment")
 
 
@@ -199,35 +199,35 @@ def test_decision_overhead_p99_is_the_nearest_rank(tmp_path):
 def test_a_policy_file_becomes_relay_buckets_and_a_veto_outlives_an_undecided_audit():
     """The proposal's buckets load as RelayBuckets; applied to a config that already vetoes
     [0, 0.7), an undecided (null) verdict there keeps the veto, a decided one replaces it."""
-    pol = {"schema": A.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.95, 1.0], "relay": True},
+    pol = {"schema": relay.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.95, 1.0], "relay": True},
                                                   {"reusable_fraction": [0.0, 0.7], "relay": None}]}
-    buckets = A.relay_buckets(pol)
+    buckets = relay.relay_buckets(pol)
     assert buckets == [RelayBucket(0.95, 1.0, True), RelayBucket(0.0, 0.7, None)]
     cfg = msgspec.structs.replace(TINY_CFG, relay=[RelayBucket(0.0, 0.7, False)])
-    kept = A.with_relay(cfg, buckets, 7)
+    kept = relay.with_relay(cfg, buckets, 7)
     assert kept.profile_version == 7 and kept.relay == [RelayBucket(0.95, 1.0, True), RelayBucket(0.0, 0.7, False)]
-    lifted = A.with_relay(cfg, [RelayBucket(0.0, 0.7, True)], 8)
+    lifted = relay.with_relay(cfg, [RelayBucket(0.0, 0.7, True)], 8)
     assert lifted.relay == [RelayBucket(0.0, 0.7, True)]
 
 
 @pytest.mark.parametrize("policy, match", [
     ({"schema": "other", "buckets": []}, "not a relay policy"),
-    ({"schema": A.POLICY_SCHEMA, "buckets": []}, "1 to 16"),
-    ({"schema": A.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.7, 0.2], "relay": False}]}, "bucket 0"),
-    ({"schema": A.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.0, 0.5], "relay": "no"}]}, "bucket 0"),
-    ({"schema": A.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0, 1]}] * 17}, "1 to 16"),
+    ({"schema": relay.POLICY_SCHEMA, "buckets": []}, "1 to 16"),
+    ({"schema": relay.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.7, 0.2], "relay": False}]}, "bucket 0"),
+    ({"schema": relay.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0.0, 0.5], "relay": "no"}]}, "bucket 0"),
+    ({"schema": relay.POLICY_SCHEMA, "buckets": [{"reusable_fraction": [0, 1]}] * 17}, "1 to 16"),
     ([1, 2], "not a relay policy"),
 ])
 def test_a_malformed_policy_file_is_refused(policy, match):
     """Wrong schema, empty or too many buckets, inverted ranges and non-boolean verdicts are bad requests."""
     with pytest.raises(BadRequestError, match=match):
-        A.relay_buckets(policy)
+        relay.relay_buckets(policy)
 
 
 def test_bootstrap_is_seeded(tmp_path):
     """The same seed gives the same intervals; another seed different ones."""
     d = write(tmp_path, arms(15, 100.0, 15, 300.0, jitter=50.0))
-    a, b, c = (A.run_audit(d, n_boot=200, seed=s) for s in (1, 1, 2))
+    a, b, c = (estimate.run_audit(d, n_boot=200, seed=s) for s in (1, 1, 2))
     assert row(a, "reusable=[0.95,1]")["ci_low"] == row(b, "reusable=[0.95,1]")["ci_low"]
     assert row(a, "reusable=[0.95,1]")["ci_low"] != row(c, "reusable=[0.95,1]")["ci_low"]
     assert a["overall"]["ci_low"] == a["overall"]["effects"]["ttft_s"]["ci_low"]
@@ -241,14 +241,14 @@ def test_bootstrap_is_seeded(tmp_path):
 def test_unusable_input_is_a_bad_request(tmp_path, setup, match):
     """A missing directory, no log files, or no treatment/control lines: BadRequestError."""
     with pytest.raises(BadRequestError, match=match):
-        A.run_audit(setup(tmp_path))
+        estimate.run_audit(setup(tmp_path))
 
 
 def test_report_and_plot(tmp_path):
     """The printed table lists overall and every stratum; the plot is a PNG."""
     res = run(tmp_path, arms(10, 100.0, 10, 400.0) + arms(3, 100.0, 0, 0.0, reusable_fraction=0.5))
-    text = A.format_report(res)
+    text = render.format_report(res)
     assert text.splitlines()[0].split()[:2] == ["stratum", "requests"]
     assert all(r["stratum"] in text for r in res["strata"]) and "overall" in text
-    A.plot_png(res, tmp_path / "out" / "audit.png")
+    render.plot_png(res, tmp_path / "out" / "audit.png")
     assert (tmp_path / "out" / "audit.png").read_bytes()[:4] == b"\x89PNG"

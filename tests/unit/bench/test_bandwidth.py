@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from droidmesh.shared.bench import runs
+from droidmesh.shared.bench import bandwidth
 
 SEND = """\
 [1.0] [vm:1:0]   | ucp_context_0 inter-node cfg#2 | tagged message by ucp_tag_send* from host memory       |
@@ -18,17 +18,17 @@ GET = """\
 
 def test_bandwidth_env_sets_the_channel_on_both_ends_and_keeps_shared_memory_off(monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)
-    env = runs.bandwidth_env("nixl", runs.CROSS_HOST_UCX_TLS)
+    env = bandwidth.bandwidth_env("nixl", bandwidth.CROSS_HOST_UCX_TLS)
     assert env["DM_SENDER_TRANSPORT"] == env["DM_RECEIVER_TRANSPORT"] == "nixl"
     assert env["UCX_TLS"] == "tcp,self" and env["UCX_PROTO_INFO"] == "y"
-    assert "UCX_TLS" not in runs.bandwidth_env("ucx", None)
+    assert "UCX_TLS" not in bandwidth.bandwidth_env("ucx", None)
     monkeypatch.setenv("UCX_TLS", "rc,self")
-    assert runs.bandwidth_env("ucx", "tcp,self")["UCX_TLS"] == "rc,self"  # the operator's wins
+    assert bandwidth.bandwidth_env("ucx", "tcp,self")["UCX_TLS"] == "rc,self"  # the operator's wins
 
 
 def test_row_transport_ucx_from_the_sender_nixl_from_the_probe():
     tcp = "tcp/veth-snd: rendezvous zero-copy fenced write to remote"
-    assert runs._row_ucx_transport("ucx", SEND, [], None) == tcp
-    assert runs._row_ucx_transport("ucx", [], [], tcp) == tcp  # no new table: the endpoint's earlier one
-    assert runs._row_ucx_transport("nixl", SEND, GET, None) == "tcp/veth-rcv: zero-copy"
-    assert runs._row_ucx_transport("nixl", [], SEND, None) is None
+    assert bandwidth._row_ucx_transport("ucx", SEND, [], None) == tcp
+    assert bandwidth._row_ucx_transport("ucx", [], [], tcp) == tcp  # no new table: the endpoint's earlier one
+    assert bandwidth._row_ucx_transport("nixl", SEND, GET, None) == "tcp/veth-rcv: zero-copy"
+    assert bandwidth._row_ucx_transport("nixl", [], SEND, None) is None

@@ -1,8 +1,10 @@
-"""Receiver-side probe for the pipelining ablation (DroidSpeak Fig. 13) and the bandwidth sweep.
+"""The receiver-side probe of `droidmesh bench pipeline`, `bench bandwidth` and `bench codecs`.
 
-Runs as its own process (`python -m droidmesh.shared.bench.pipeline ...`, possibly inside a network
-namespace): asks a running sender to prefill a context of about `tokens` tokens, takes the
-availability event, then times, for a recompute group [s, e):
+Runs as its own process (`python -m droidmesh.shared.bench.probe ...`, launched by
+`harness.run_probe` or `codec_sweep`, possibly inside a network namespace) and prints one line,
+"PROBE " and its JSON result. It asks a running sender to prefill a context of about `tokens`
+tokens, takes the availability event, then times, for a recompute group [s, e), whether
+overlapping the pull with the compute pays:
   transfer    pull E_s + the reused KV only, no compute
   recompute   the engine with every tensor already local
   (a) all     pull E_s + every layer's KV, then compute

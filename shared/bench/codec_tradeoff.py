@@ -1,4 +1,5 @@
-"""`droidmesh bench codecs` (issue 13): how each wire codec / SCD config trades quality for TTFT.
+"""`droidmesh bench codecs`: how each wire codec / SCD config trades quality for TTFT; the pieces
+of the run (`codec_sweep.run_codecs`), its targets and plots, and the publisher it launches.
 
 Per demo pair (sender -> receiver on one task, the pair's profiled recompute group G), every
 config of `configs` (the baselines, then the transfer search's candidates for G:
@@ -9,14 +10,19 @@ config of `configs` (the baselines, then the transfer search's candidates for G:
                the config pulls, at each bench context length, CPU, one torch thread; for lowrank
                also `prepare_s`, the encode a sender does once when it stores a context, after
                which a pull's encode is a slice of the prepared codes (`codec_seconds`)
-  TTFT, bytes  over the mesh (`runs.codecs`): sender and receiver processes in two network
+  TTFT, bytes  over the mesh (`codec_sweep`): sender and receiver processes in two network
                namespaces, UCX over a tc-limited veth; the pipelined pull under the config's codec
-               plus the engine to the first token (`pipeline.probe_configs`), and the payload bytes
+               plus the engine to the first token (`probe.probe_configs`), and the payload bytes
                the pull moved
 `choose` picks the SCD config the targets are about (`CHOSEN_RULE`); `targets` computes them;
 `pareto_front` marks the plots. The rest of this module runs in the `bench codecs` process
 (quality, codec timings, the maps files) or publishes maps and the pair config to the mesh
-(`python -m droidmesh.shared.bench.codecs publish ...`, run inside the receiver's namespace).
+(`python -m droidmesh.shared.bench.codec_tradeoff publish ...`, run inside the receiver's namespace).
+
+Called by `codec_sweep` (configs, maps, scoring, timings, the probe's and the mesh's forms of a
+config) and `shared/cli/bench.py` (targets, plots). Scoring and timing block on the CPU for as
+long as the rows and context lengths take; `publish` blocks on NATS and checks the pair config
+it is given (`config_board.validate`) before putting it on the board.
 """
 
 from __future__ import annotations
@@ -90,7 +96,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def targets(rows: Sequence[dict[str, Any]], pair: str, link_gbit: float, tokens: int,
             tolerance: float = TOLERANCE, saved_link_gbit: float = 1.0) -> dict[str, Any]:
-    """Issue 13's figures for `pair` at `link_gbit` and target context length `tokens`:
+    """The suite's target figures for `pair` at `link_gbit` and target context length `tokens`:
     speedups of the chosen SCD config vs full prefill and vs the raw profiled group (TTFT),
     its quality / full prefill's, its wire bytes / all layers raw (full reuse), and its
     encode + decode seconds / the transfer time it saves against the raw group at `saved_link_gbit`."""
@@ -242,7 +248,7 @@ def codec_seconds(sender: Any, cs: Sequence[Config], maps: dict[str, tuple[str, 
 
 
 def probe_config(c: Config, maps: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    """The probe's form of a config (`pipeline.load_probe_configs`)."""
+    """The probe's form of a config (`probe.load_probe_configs`)."""
     sha, path = maps.get(c.name, (None, None))
     return {"name": c.name, "plan": c.plan.to_dict(), "codec": c.codec,
             "codec_params": dict(wire_of(c, sha).params), "maps_file": path}

@@ -1,6 +1,9 @@
-"""Pulls between two processes over a bulk channel, and the references they are held against:
-the pieces `droidmesh bench transfer` (`runs.transfer`) and the GPU transfer check
-(`gpu_transfer`) share.
+"""`droidmesh bench transfer`: pulls between two processes over each bulk channel, against a
+memcpy of the same bytes; its pieces are also the GPU transfer check's (`gpu_transfer`).
+
+Called by `shared/cli/bench_data_plane.py` (`run_transfer`) and `gpu_transfer`. Blocks: a tensor
+server takes up to `SERVER_START_S` to listen, each size is pulled `repeats` + 1 times. It trusts
+UCX's own protocol tables (UCX_PROTO_INFO=y on stdout) to say which transport carried a payload.
 
 Sequence of a measurement:
   1. the reference first, while no other process competes for the cores: `memcpy_reference`
@@ -13,10 +16,13 @@ Sequence of a measurement:
      checksum);
   4. `ucx_tables` / `ucx_protocol_for`: which UCX transport and protocol carried a payload of a
      given size, from the tables the server (or a reading client) printed.
+`run_transfer` does 1. for every size, then 2.-4. per channel, and reduces the rows to ratios.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 import re
 import statistics
@@ -27,9 +33,12 @@ import time
 from typing import Any
 
 import torch
-from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX
+from droidmesh.shared.bench.harness import THREADS
+from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX, one_line, start_server, tensors_for
 
 KIB, MIB = 1 << 10, 1 << 20
+TRANSFER_SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+RATIO_FROM_BYTES = 16 * MIB  # `over_memcpy` / `ucx_over_memcpy`: the smallest ratio from this size up
 SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
 # UCX prints the tables of the protocols it selected (one per endpoint configuration and
 # operation) on stdout when UCX_PROTO_INFO=y: each titled "<context> <cfg#N> | <operation>", then
@@ -222,3 +231,93 @@ def ucx_tables(lines: list[str], operation: str = UCX_TAG_SEND) -> dict[str, Pro
 def ucx_protocol_for(nbytes: int, protocols: Protocols) -> str | None:
     """"transport: protocol" of the range holding `nbytes`; None if no range does."""
     return next((p for low, high, p in protocols if low <= nbytes <= high), None)
+
+
+# -- the suite ----------------------------------------------------------------------------------
+def bench_transports() -> list[str]:
+    """`bench transfer`'s default: every bulk channel that runs between processes (all of
+    `bulk.TRANSPORTS` but inproc), so a channel added there is measured without a change here."""
+    from droidmesh.shared.transport.bulk import TRANSPORTS
+
+    return [t for t in TRANSPORTS if t != "inproc"]
+
+
+async def _pull_inproc(sizes: list[int], repeats: int) -> dict[int, float]:
+    """The in-process channel (no second process: the protocol's own cost, checksums included)."""
+    server = start_server("inproc", tensors_for(sizes), name="bench-transfer")
+    address = await server.start()
+    try:
+        return await pull_rates("inproc", address, sizes, repeats)
+    finally:
+        await server.close()
+
+
+def _measure(transport: str, sizes: list[int], repeats: int, shm_lanes: int
+             ) -> tuple[dict[int, float], dict[int, str | None], str | None]:
+    """(GB/s per size, how each size travelled (UCX's transport and protocol; the shm copy; None
+    where the channel does not say), None) or ({}, {}, reason)."""
+    if transport == "inproc":
+        try:
+            return asyncio.run(_pull_inproc(sizes, repeats)), dict.fromkeys(sizes), None
+        except Exception as e:
+            return {}, {}, one_line(e)
+    server = TensorServer(transport, sizes, env=THREADS)
+    rates: dict[int, float] = {}
+    reason = None
+    try:
+        server.wait_ready()
+        if server.address is None:
+            reason = server.error or "tensor server gave no address"
+        else:
+            rates = asyncio.run(pull_rates(transport, server.address, sizes, repeats, lanes=shm_lanes))
+    except Exception as e:
+        reason = one_line(e)
+    finally:
+        lines = server.stop()
+    if reason is not None:
+        return {}, {}, reason
+    if transport == "shm":
+        return rates, dict.fromkeys(sizes, f"memfd: preadv on {shm_lanes} lane(s)"), None
+    if transport != "ucx":
+        return rates, dict.fromkeys(sizes), None
+    protocols = ucx_tables(lines).get("host memory", [])
+    return rates, {n: ucx_protocol_for(n, protocols) or "unknown" for n in sizes}, None
+
+
+def run_transfer(sizes: list[int], repeats: int, transports: list[str] | None = None, shm_lanes: int = 2) -> dict[str, Any]:
+    """Pulls over each bulk channel between two processes (a tensor server and this one) against
+    a memcpy of the same bytes (warm and out of cache). Returns `rows` (one per transport and
+    size; a transport that cannot start is one row with `unavailable` and the reason),
+    `over_memcpy` (per transport, the smallest ratio from 16 MiB up), `ucx_over_memcpy` and
+    `memcpy` (how the reference was taken)."""
+    transports = transports or bench_transports()
+    llc = llc_bytes()
+    refs = {}
+    for n in sizes:  # before any server runs, so no other process competes for the cores
+        refs[n] = memcpy_reference(n, repeats, llc)
+        gc.collect()
+    rows: list[dict[str, Any]] = []
+    for transport in transports:
+        rates, chosen, reason = _measure(transport, sizes, repeats, shm_lanes)
+        if reason is not None:
+            rows.append({"bytes": None, "transport": transport, "throughput_gb_s": None, "memcpy_gb_s": None,
+                         "memcpy_cold_gb_s": None, "ratio": None, "ucx_transports": None, "unavailable": reason})
+            continue
+        for n in sizes:
+            ref = refs[n]
+            rows.append({"bytes": n, "transport": transport, "throughput_gb_s": rates[n], "memcpy_gb_s": ref["memcpy_gb_s"],
+                         "memcpy_cold_gb_s": ref["memcpy_cold_gb_s"], "ratio": rates[n] / ref["memcpy_gb_s"],
+                         "ucx_transports": chosen.get(n)})
+    over: dict[str, float | None] = {}
+    for transport in transports:
+        ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
+                  and r["bytes"] >= RATIO_FROM_BYTES]
+        over[transport] = min(ratios) if ratios else None
+    from droidmesh.shared.transport.memfd import shmem_thp
+    from droidmesh.shared.transport.ucx import ucx_options
+
+    return {"rows": rows, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over, "shm_lanes": shm_lanes, "shmem_thp": shmem_thp(),
+            "memcpy": {"method": "torch.Tensor.copy_ into a preallocated destination, 1 thread, median of repeats",
+                       "llc_bytes": llc, "cold_pairs": {str(n): refs[n]["cold_pairs"] for n in sizes}},
+            "ucx_options": {**{f"UCX_{k}": v for k, v in ucx_options().items()},
+                            **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}}

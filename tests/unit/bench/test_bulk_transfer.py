@@ -1,5 +1,5 @@
-"""`shared/bench/transfer.py` (the memcpy reference, UCX protocol-table parsing) and `bench
-transfer` built on it: the tensor server's one-line refusal, and a whole run over the
+"""`shared/bench/bulk_transfer.py`: the memcpy reference, UCX protocol-table parsing and `bench
+transfer` built on them: the tensor server's one-line refusal, and a whole run over the
 in-process channel (structure only; no timing assertions)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from droidmesh.shared.bench import runs, tensor_server, transfer
+from droidmesh.shared.bench import bulk_transfer, tensor_server
 
 # Two tag-send tables as UCX_PROTO_INFO=y prints them (log prefix kept); the last one counts.
 PROTO_LINES = """\
@@ -25,7 +25,7 @@ PROTO_LINES = """\
 
 
 def test_memcpy_reference_reports_warm_and_cold():
-    ref = transfer.memcpy_reference(64 << 10, repeats=2, llc=1 << 20)
+    ref = bulk_transfer.memcpy_reference(64 << 10, repeats=2, llc=1 << 20)
     assert ref["bytes"] == 64 << 10
     assert ref["cold_pairs"] == 2 * (1 << 20) // (64 << 10) + 1  # (pairs - 1) x 2 x 64 KiB >= 2 x LLC
     for key in ("memcpy_gb_s", "memcpy_cold_gb_s"):
@@ -33,13 +33,13 @@ def test_memcpy_reference_reports_warm_and_cold():
 
 
 def test_ucx_tables_take_the_last_tag_send_table():
-    tables = transfer.ucx_tables(PROTO_LINES)
+    tables = bulk_transfer.ucx_tables(PROTO_LINES)
     assert list(tables) == ["host memory"]  # the active-message table is another operation's
     protocols = tables["host memory"]
     assert protocols[0] == (0, 92, "sysv/memory: eager short")
     assert protocols[-1] == (8192, math.inf, "sysv/memory: rendezvous fragmented copy-in copy-out")
-    assert transfer.ucx_protocol_for(16 << 20, protocols) == "sysv/memory: rendezvous fragmented copy-in copy-out"
-    assert transfer.ucx_protocol_for(1, []) is None
+    assert bulk_transfer.ucx_protocol_for(16 << 20, protocols) == "sysv/memory: rendezvous fragmented copy-in copy-out"
+    assert bulk_transfer.ucx_protocol_for(1, []) is None
 
 
 def test_ucx_tables_per_memory_type():
@@ -48,9 +48,9 @@ def test_ucx_tables_per_memory_type():
              "[1] [vm:1:0]   |                        8K..inf | rendezvous zero-copy read from remote | cma/memory |",
              "[1] [vm:1:0]   | ucp_context_0 intra-node cfg#2 | tagged message by ucp_tag_send* from cuda/GPU0 |",
              "[1] [vm:1:0]   |                         0..inf | (?) rendezvous zero-copy read from remote | cuda_ipc/cuda |"]
-    tables = transfer.ucx_tables(lines)
-    assert transfer.ucx_protocol_for(1 << 20, tables["host memory"]) == "cma/memory: rendezvous zero-copy read from remote"
-    assert transfer.ucx_protocol_for(64, tables["cuda/GPU0"]) == "cuda_ipc/cuda: rendezvous zero-copy read from remote"
+    tables = bulk_transfer.ucx_tables(lines)
+    assert bulk_transfer.ucx_protocol_for(1 << 20, tables["host memory"]) == "cma/memory: rendezvous zero-copy read from remote"
+    assert bulk_transfer.ucx_protocol_for(64, tables["cuda/GPU0"]) == "cuda_ipc/cuda: rendezvous zero-copy read from remote"
 
 
 def test_ucx_tables_order_keys_by_their_last_table():
@@ -58,13 +58,13 @@ def test_ucx_tables_order_keys_by_their_last_table():
     lines = [f"| ctx cfg#1 | {get}host memory |", "| 0..inf | zero-copy | tcp/lo |",
              f"| ctx cfg#2 | {get}cuda/GPU0 |", "| 0..inf | zero-copy | cuda_ipc/cuda |",
              f"| ctx cfg#3 | {get}host memory |", "| 0..inf | zero-copy | sysv/memory |"]
-    tables = transfer.ucx_tables(lines, transfer.UCX_GET)
+    tables = bulk_transfer.ucx_tables(lines, bulk_transfer.UCX_GET)
     assert list(tables) == ["cuda/GPU0", "host memory"]
     assert tables["host memory"] == [(0, math.inf, "sysv/memory: zero-copy")]
 
 
 def test_default_transports_are_the_ones_between_processes():
-    assert "ucx" in runs.bench_transports() and "inproc" not in runs.bench_transports()
+    assert "ucx" in bulk_transfer.bench_transports() and "inproc" not in bulk_transfer.bench_transports()
 
 
 def test_tensor_server_refuses_an_unknown_transport_in_one_line(capsys):
@@ -74,7 +74,7 @@ def test_tensor_server_refuses_an_unknown_transport_in_one_line(capsys):
 
 
 def test_transfer_rows_over_the_inproc_channel():
-    r = runs.transfer([4096, 8192], repeats=1, transports=["inproc"])
+    r = bulk_transfer.run_transfer([4096, 8192], repeats=1, transports=["inproc"])
     assert [row["bytes"] for row in r["rows"]] == [4096, 8192]
     for row in r["rows"]:
         assert row["transport"] == "inproc" and row["ucx_transports"] is None

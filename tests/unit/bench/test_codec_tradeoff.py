@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from droidmesh.shared.bench import codecs as bc
+from droidmesh.shared.bench import codec_tradeoff as bc
 
 
 def _row(config, family, ttft, quality, bytes_per_token, *, pair="base->qa", link=0.25, tokens=4096, enc=0.0, dec=0.0):
@@ -48,7 +48,7 @@ def test_choose_skips_unmeasured_ttft_and_breaks_ties_on_bytes():
 
 
 def test_targets_ratios_against_full_prefill_raw_group_and_raw_all_layers():
-    """The issue's figures for the chosen config, and the encode+decode share of the saved transfer at 1 Gbit/s."""
+    """The target figures for the chosen config, and the encode+decode share of the saved transfer at 1 Gbit/s."""
     other = [_row("full prefill", "full prefill", 9.0, 0.1, 0, link=1.0), _row("x", "lowrank", 0.01, 0.9, 1, pair="summ->qa")]
     t = bc.targets(ROWS + other, "base->qa", 0.25, 4096)
     assert t["chosen"] == "lowrank s0.9 [4,6)"
@@ -80,7 +80,7 @@ def test_configs_baselines_first_then_every_family_of_the_transfer_candidates():
 
 def test_probe_plans_round_trip_through_their_dict_form():
     """The probe rebuilds each plan, patch layers included, from `ReusePlan.to_dict`."""
-    from droidmesh.shared.bench.pipeline import plan_from_dict
+    from droidmesh.shared.bench.probe import plan_from_dict
     from droidmesh.shared.kv.plan import ReusePlan
 
     for plan in (ReusePlan.full_prefill(), ReusePlan.full_reuse().patched([4, 5]),

@@ -1,0 +1,25 @@
+"""`droidmesh bench pipeline`: does overlapping the pull with the compute pay, on one host?
+
+Called by `shared/cli/bench_data_plane.py`. Starts a nats-server and one sender process serving
+over `transport`, then runs the probe (`shared/bench/probe.py`) as the receiver in a child
+process: it pulls over the channel the sender announces and times loading every layer's KV then
+computing, loading the reused KV then computing, and computing while the reused KV streams in.
+Blocks until the probe is done; every process is stopped on the way out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from droidmesh.shared.bench.harness import launched_env, mesh, run_probe
+from droidmesh.shared.model.device import DEFAULT_DEVICE
+from droidmesh.shared.service.launch import start_service
+
+
+def run_pipeline(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int,
+                 device: str = DEFAULT_DEVICE, transport: str = "ucx") -> dict[str, Any]:
+    """The probe's figures (`seconds` per mode, `pipeline_overhead`, ...) plus `transport`."""
+    with mesh() as (url, procs):
+        procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender", "dtype": "bfloat16",
+                                              "e_layers": [group[0]], "transport": transport}, url, env=launched_env(device)))
+        return {**run_probe(url, receiver_path, "bench-sender", tokens, group, repeats, device), "transport": transport}
