@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 from droidmesh.shared.apps.demo import THREADS, start_control_plane
-from droidmesh.shared.bench.report import format_table
+from droidmesh.shared.bench.output import format_table
 from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.service.launch import Proc, start_service

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from droidmesh.shared.bench.report import format_table
+from droidmesh.shared.bench.output import format_table
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV
 from droidmesh.shared.model.names import ModelRef, Pair

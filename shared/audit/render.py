@@ -19,7 +19,7 @@ COLUMNS = ("stratum", "requests", "treatment", "control", "ate_ttft_s", "ci_low"
 
 
 def format_report(result: dict[str, Any]) -> str:
-    from droidmesh.shared.bench.report import format_table
+    from droidmesh.shared.bench.output import format_table
 
     o = result["overall"]
     lines = [format_table([o, *result["strata"]], COLUMNS), ""]
@@ -47,7 +47,7 @@ def plot_png(result: dict[str, Any], path: str | Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from droidmesh.shared.bench.report import label_bars
+    from droidmesh.shared.bench.output import label_bars
 
     rows = [result["overall"], *result["strata"]]
     y = np.arange(len(rows))[::-1]

@@ -168,7 +168,7 @@ def quality(scorer: Any, cs: Sequence[Config], maps: dict[str, tuple[str, str]],
             ) -> dict[str, dict[str, float]]:
     """Per config name: mean task score, gold-answer NLL, KL and top-1 agreement vs the receiver's
     full prefill, over the scorer's rows (full prefill itself: KL 0)."""
-    from droidmesh.shared.tasks import metrics
+    from droidmesh.shared.tasks import measures
 
     plans = {c.name: c.plan for c in cs if c.family != "full prefill"}
     wires = {c.name: wire_of(c, maps.get(c.name, (None,))[0]) for c in cs if c.family != "full prefill"}
@@ -181,8 +181,8 @@ def quality(scorer: Any, cs: Sequence[Config], maps: dict[str, tuple[str, str]],
             a = acc[name]
             a["quality"].append(r.quality)
             a["nll"].append(r.nll)
-            a["kl"].append(metrics.kl_divergence(ref.logits, r.logits))
-            a["top1"].append(metrics.top1_agreement(ref.logits, r.logits))
+            a["kl"].append(measures.kl_divergence(ref.logits, r.logits))
+            a["top1"].append(measures.top1_agreement(ref.logits, r.logits))
     return {name: {k: statistics.fmean(v) for k, v in a.items()} for name, a in acc.items()}
 
 
@@ -306,7 +306,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str, link_gbit: float, tokens: in
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from droidmesh.shared.bench import report
+    from droidmesh.shared.bench import output
 
     markers = dict(zip(FAMILIES, ("s", "v", "o", "^", "<", "*", "P"), strict=True))
     here = [r for r in rows if r["link_gbit"] == link_gbit and r["target_tokens"] == tokens]
@@ -326,7 +326,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str, link_gbit: float, tokens: in
             ax.step(xs, ys, where="post", color=colors.get(pair), lw=1, ls="--")
             ax.scatter(xs, ys, s=150, facecolors="none", edgecolors=colors.get(pair), lw=1.2,
                        label=f"{pair}: Pareto front (ringed)")
-            report.label_points(ax, xs, ys, "{:.2f}")
+            output.label_points(ax, xs, ys, "{:.2f}")
     ax.set_xscale("log")
     ax.set_xlabel(f"TTFT (s, ~{tokens} context tokens, {link_gbit:g} Gbit/s link, median)")
     ax.set_ylabel("quality (test split, task metric)")

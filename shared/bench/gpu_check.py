@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from droidmesh.shared.bench import report, ttft
+from droidmesh.shared.bench import output, ttft
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill
 from droidmesh.shared.kv.plan import ReusePlan
@@ -182,10 +182,10 @@ def main(argv: list[str]) -> int:
     exact = exactness(model, min(contexts))
     rows, blend_s = measure(model, contexts, args.repeats)
     overlapped = overlap(model, contexts[len(contexts) // 2], args.repeats)
-    out = {"suite": "gpu_check", "machine": report.machine(), "shape": shape, "device": str(model.device),
+    out = {"suite": "gpu_check", "machine": output.machine(), "shape": shape, "device": str(model.device),
            "dtype": str(model.dtype).removeprefix("torch."), "rows": rows, "targets": targets(model, rows),
            "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped}
-    print(report.format_table(rows, COLUMNS))
+    print(output.format_table(rows, COLUMNS))
     print(json.dumps({"targets": out["targets"], "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped},
                      indent=1))
     if args.out:

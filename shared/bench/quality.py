@@ -14,7 +14,7 @@ import statistics
 from typing import Any
 
 import torch
-from droidmesh.shared.bench import report
+from droidmesh.shared.bench import output
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
@@ -76,7 +76,7 @@ def plot(result: dict[str, Any], path: str, title: str) -> None:
         rs = [r for r in result["rows"] if r["mode"] == mode]
         xs, ys = [r["ttft_s"] * 1e3 for r in rs], [r["quality"] for r in rs]
         ax.scatter(xs, ys, marker=marker, s=40, label=label)
-        report.label_points(ax, xs, ys, "{:.2f}")  # a quality of 0 reads as a value, not a missing point
+        output.label_points(ax, xs, ys, "{:.2f}")  # a quality of 0 reads as a value, not a missing point
     ax.axhline(result["sender_alone"], c="0.5", ls=":", label="sender alone")
     ax.set_xlabel(f"receiver TTFT (ms, {result['context_tokens']}-token contexts)")
     ax.set_ylabel("quality (test split)")

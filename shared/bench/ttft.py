@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from droidmesh.shared.bench import report
+from droidmesh.shared.bench import output
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
@@ -111,7 +111,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         part = [r for r in rows if r["context_tokens"] == n and r["mode"] == "partial"]
         xs, ys = [r["recomputed_layers"] for r in part], [r["speedup"] for r in part]
         ax.plot(xs, ys, "o-", label=f"{n} tokens")
-        report.label_points(ax, xs, ys, "{:.2f}")
+        output.label_points(ax, xs, ys, "{:.2f}")
     if part:
         ks = [r["recomputed_layers"] for r in part]
         ax.plot(ks, [part[0]["total_layers"] / k for k in ks], "k--", label="ideal L/k")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from droidmesh.shared.bench import report
+from droidmesh.shared.bench import output
 from droidmesh.shared.cli import bench_data_plane
 from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, save
-from droidmesh.shared.cli.models import device_options
+from droidmesh.shared.cli.model_options import device_options
 from droidmesh.shared.cli.params import GROUP, check_group, checkpoint_layers, float_list, int_list
 from droidmesh.shared.errors import DroidMeshError
 
@@ -62,8 +62,8 @@ def ttft(json_path, plot_path, model_path, shape, contexts, repeats, device, dty
         raise click.UsageError(str(e)) from None
     rows = suite.measure(model, contexts, repeats)
     cols = ["context_tokens", "mode", "recomputed_layers", "total_layers", "ttft_s", "speedup", "ideal_speedup"]
-    click.echo(report.format_table(rows, cols))
-    report.write_json(json_path, {"suite": "ttft", "machine": report.machine(), "model": report.model_record(model),
+    click.echo(output.format_table(rows, cols))
+    output.write_json(json_path, {"suite": "ttft", "machine": output.machine(), "model": output.model_record(model),
                                   "rows": rows})
     if plot_path:
         suite.plot(rows, plot_path)
@@ -101,7 +101,7 @@ def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, workl
     sender, receiver = demo_pair(group)
     rows = run_load(sender, receiver, group, tokens, rates, seconds, slo, copies, device)
     cols = ["receivers", "rate", "mode", "requests", "ttft_p50", "ttft_p99", "tbt_p50", "e2e_p50", "e2e_p99", "goodput"]
-    click.echo(report.format_table(rows, cols))
+    click.echo(output.format_table(rows, cols))
     best = {m: max((r["goodput"] for r in rows if r["mode"] == m), default=0.0) for m in ("auto", "full_prefill")}
     ratio = best["auto"] / best["full_prefill"] if best["full_prefill"] else None
     click.echo(f"goodput_ratio (best DroidMesh / best full prefill at TTFT <= {slo}s) = {ratio}")
@@ -145,8 +145,8 @@ def _plot_load(rows: list[dict], path: str, slo: float) -> None:
             label = f"{'DroidMesh' if mode == 'auto' else 'full prefill'} x{n}"
             a.plot([r["rate"] for r in rs], [r["ttft_p99"] for r in rs], style, label=label)
             b.plot([r["rate"] for r in rs], [r["goodput"] for r in rs], style, label=label)
-            report.label_points(a, [r["rate"] for r in rs], [r["ttft_p99"] for r in rs])
-            report.label_points(b, [r["rate"] for r in rs], [r["goodput"] for r in rs])
+            output.label_points(a, [r["rate"] for r in rs], [r["ttft_p99"] for r in rs])
+            output.label_points(b, [r["rate"] for r in rs], [r["goodput"] for r in rs])
     a.axhline(slo, c="k", ls=":", label="SLO")
     a.set_xlabel("arrival rate (req/s)")
     a.set_ylabel("TTFT p99 (s)")
@@ -202,10 +202,10 @@ def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype)
     prof = Path(profile_path) if profile_path else profile_file(root, names)
     frontier = json.loads(prof.read_text())["frontier"] if prof.is_file() else None
     result = suite.measure(sender, receiver, ev, frontier)
-    click.echo(report.format_table(result["rows"], ["config", "recomputed_layers", "quality", "ttft_s", "speedup",
+    click.echo(output.format_table(result["rows"], ["config", "recomputed_layers", "quality", "ttft_s", "speedup",
                                                     "ttft_4k_s", "speedup_4k"]))
     click.echo(f"sender alone: {result['sender_alone']:.3f}; speedup_at_5pct (4K tokens): {result['speedup_at_5pct']}")
-    save(json_path, "quality", {"pair": pair, "tier": tier, "model": report.model_record(receiver), **result})
+    save(json_path, "quality", {"pair": pair, "tier": tier, "model": output.model_record(receiver), **result})
     if plot_path:
         suite.plot(result, plot_path, f"{names.id} ({pair['task']})")
 
@@ -282,7 +282,7 @@ def codecs(json_path, plot_dir, table_path, pairs, task, rates, tokens, repeats,
         save(json_path, "codecs", {"skipped": str(e)})
         return
     table_rows = [{**row, "tokens": row["target_tokens"]} for row in r["rows"]]
-    table = report.format_table(table_rows, CODECS_COLUMNS)
+    table = output.format_table(table_rows, CODECS_COLUMNS)
     long = 4096 if 4096 in tokens else max(tokens)
     first = pair_list[0]["name"]
     tg = suite.targets(r["rows"], first, target_rate, long)
@@ -340,7 +340,7 @@ def drift(json_path, plot_path, log_dir, before, after, n_before, n_settled, max
     result = suite.run_drift(tier_models(root, manifest), get_recipe("demo").suite, logs, lambda s: click.echo(s, err=True),
                              before=before, after=after, n_before=n_before, n_settled=n_settled, max_shifted=max_shifted,
                              n_profile=profile_rows, threshold=threshold, window=window)
-    click.echo(report.format_table(result["rows"], suite.COLUMNS))
+    click.echo(output.format_table(result["rows"], suite.COLUMNS))
     click.echo(f"alarm {result['requests_to_alarm']} and new config {result['requests_to_new_config']} requests after "
                f"the shift; plan {result.get('old_plan')} -> {result.get('new_plan')}; re-profile took "
                f"{result['reprofile_s']} s; logs in {logs}")

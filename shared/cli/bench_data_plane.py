@@ -4,7 +4,7 @@ stalled sender, the control plane (registered on the `bench` group by `shared/cl
 from __future__ import annotations
 
 import click
-from droidmesh.shared.bench import report
+from droidmesh.shared.bench import output
 from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, save
 from droidmesh.shared.cli.params import GROUP, float_list, int_list
 
@@ -24,7 +24,7 @@ def pipeline(json_path, tokens, group, repeats, transport, device) -> None:
     sender, receiver = demo_pair(group)
     r = run_pipeline(sender, receiver, tokens, group, repeats, device, transport)
     rows = [{"mode": m, "seconds": s, "vs_piped": s / r["seconds"]["piped"]} for m, s in r["seconds"].items()]
-    click.echo(report.format_table(rows, ["mode", "seconds", "vs_piped"]))
+    click.echo(output.format_table(rows, ["mode", "seconds", "vs_piped"]))
     click.echo(f"pipeline_overhead = TTFT(piped) / max(recompute, transfer) = {r['pipeline_overhead']:.3f}")
     save(json_path, "pipeline", r)
 
@@ -61,7 +61,7 @@ def bandwidth(json_path, plot_path, tokens, group, rates, repeats, transport, uc
               "ucx_transports": r["ucx_transports"], "achieved_gbit_s": r["achieved_gbit_s"],
               "link_efficiency": r["link_efficiency"], **{k: r["seconds"][k] for k in ("piped", "reused", "all", "prefill")}}
              for r in rows]
-    click.echo(report.format_table(table, list(table[0])))
+    click.echo(output.format_table(table, list(table[0])))
     effs = [r["link_efficiency"] for r in rows if r["link_efficiency"]]
     save(json_path, "bandwidth", {"rows": rows, "link_efficiency": min(effs) if effs else None,
                                    "transport": transport, "ucx_tls": rows[0]["ucx_tls"] if rows else None,
@@ -81,7 +81,7 @@ def _plot_bandwidth(table: list[dict], path: str) -> None:
     for key, label in (("piped", "pipelined"), ("reused", "load reused, then compute"), ("all", "load all, then compute"),
                        ("prefill", "full prefill")):
         ax.plot(xs, [r[key] for r in table], "o-", label=label)
-        report.label_points(ax, xs, [r[key] for r in table])
+        output.label_points(ax, xs, [r[key] for r in table])
     ax.set_xscale("log")
     ax.set_xlabel("link rate (Gbit/s; rightmost = unlimited)")
     ax.set_ylabel("TTFT (s)")
@@ -114,7 +114,7 @@ def transfer(json_path, sizes, repeats, transports, shm_lanes) -> None:
     columns = ["bytes", "transport", "throughput_gb_s", "memcpy_gb_s", "memcpy_cold_gb_s", "ratio", "ucx_transports"]
     if any("unavailable" in row for row in r["rows"]):
         columns.append("unavailable")
-    click.echo(report.format_table(r["rows"], columns))
+    click.echo(output.format_table(r["rows"], columns))
     for transport, ratio in r["over_memcpy"].items():
         if ratio is not None:
             click.echo(f"{transport}: smallest throughput / memcpy from {RATIO_FROM_BYTES >> 20} MiB up = {ratio:.3f}")
@@ -142,7 +142,7 @@ def stall(json_path, group, transport, n, k, words, log_dir) -> None:
     sender, receiver = demo_pair(group)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-stall-"))
     r = suite.run_stall(sender, receiver, group, logs, transport=transport, n=n, k=k, words=words)
-    click.echo(report.format_table(r["rows"], suite.COLUMNS))
+    click.echo(output.format_table(r["rows"], suite.COLUMNS))
     click.echo(f"stall_ratio = TTFT p50 while a sender stalls / before = {r['stall_ratio']:.3f} "
                f"({r['still_waiting_after_series']} of {k} stalled requests still waiting at the end)")
     save(json_path, "stall", r)
@@ -156,7 +156,7 @@ def control(json_path, events) -> None:
     from droidmesh.shared.bench.control_plane import run_control
 
     r = run_control(events)
-    click.echo(report.format_table([r], list(r)))
+    click.echo(output.format_table([r], list(r)))
     save(json_path, "control", r)
 
 

@@ -4,7 +4,7 @@ services, the zoo's demo pair they measure, and how a suite's JSON is written.""
 from __future__ import annotations
 
 import click
-from droidmesh.shared.bench import report
+from droidmesh.shared.bench import output
 from droidmesh.shared.cli.params import check_group, checkpoint_layers
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
@@ -42,5 +42,5 @@ def demo_pair(group: tuple[int, int] | None = None) -> tuple[str, str]:
 
 
 def save(json_path: str | None, suite: str, payload: dict) -> None:
-    report.write_json(json_path, {"suite": suite, "machine": report.machine(), **payload})
+    output.write_json(json_path, {"suite": suite, "machine": output.machine(), **payload})
 

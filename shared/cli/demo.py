@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import click
-from droidmesh.shared.cli.models import device_options
+from droidmesh.shared.cli.model_options import device_options
 
 
 @click.command()

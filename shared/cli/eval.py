@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import click
-from droidmesh.shared.cli.models import MODEL_HELP, device_options, model_arg
+from droidmesh.shared.cli.model_options import MODEL_HELP, device_options, model_arg
 from droidmesh.shared.tasks.spec import METRIC_NAMES
 
 
@@ -37,8 +37,8 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
     from droidmesh.shared.errors import DroidMeshError
     from droidmesh.shared.kv import translate
     from droidmesh.shared.model.adapter import load_model
+    from droidmesh.shared.tasks.evaluation import evaluate_pair
     from droidmesh.shared.tasks.jsonl import read_jsonl
-    from droidmesh.shared.tasks.report import evaluate_pair
     from droidmesh.shared.tasks.spec import task_spec
     from droidmesh.shared.tasks.translated import evaluate_translated
     from droidmesh.shared.zoo.suite import SuiteShape, make_rows

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 from droidmesh.shared.cli.connect import Conn, nats_options
-from droidmesh.shared.cli.models import MODEL_HELP, device_options, model_arg
+from droidmesh.shared.cli.model_options import MODEL_HELP, device_options, model_arg
 from droidmesh.shared.tasks.spec import METRIC_NAMES
 
 # When a profile's choice means nothing: fewer test rows than this, or a gap between full prefill

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from droidmesh.shared.bench.report import label_bars, label_points
+from droidmesh.shared.bench.output import label_bars, label_points
 from droidmesh.shared.model.names import Pair
 
 

@@ -35,7 +35,7 @@ from droidmesh.shared.kv.partial import prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter
-from droidmesh.shared.tasks import metrics
+from droidmesh.shared.tasks import measures
 from droidmesh.shared.tasks.rows import answer_text, decode_answer, encode_row
 from droidmesh.shared.tasks.spec import TaskSpec
 from droidmesh.shared.transport.inproc import CodedSource
@@ -94,7 +94,7 @@ def per_layer_plan(layer: int, num_layers: int) -> ReusePlan:
 
 def score_text(spec: TaskSpec, text: str, answers: Sequence[str]) -> float:
     """The task score of a generated text (cut and stripped as the task says)."""
-    return metrics.score(spec.metric, answer_text(text, spec), answers)
+    return measures.score(spec.metric, answer_text(text, spec), answers)
 
 
 class PairScorer:
@@ -155,7 +155,7 @@ class PairScorer:
         row = self.rows[i]
         pre = prefill(model, row.prompt, plan, _source(plan, capture, wire, row))
         tokens = _greedy(model, pre.cache, int(pre.logits[-1].argmax()), len(row.prompt), self.spec.max_new_tokens)
-        return metrics.score(self.spec.metric, decode_answer(model.tokenizer, tokens, self.spec), row.answers)
+        return measures.score(self.spec.metric, decode_answer(model.tokenizer, tokens, self.spec), row.answers)
 
     @torch.inference_mode()
     def _path(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None,
@@ -170,11 +170,11 @@ class PairScorer:
             ids = torch.tensor([row.answer[:-1]], device=model.device)
             h = model.run_layers(model.embed(ids), 0, model.num_layers, pre.cache, past=len(row.prompt))
             ans_logits = torch.cat([ans_logits, model.logits(h)[0]])  # [A, vocab]
-        nll = metrics.answer_nll(ans_logits, row.answer)
+        nll = measures.answer_nll(ans_logits, row.answer)
         tokens = _greedy(model, gen_cache, int(pre.logits[-1].argmax()), len(row.prompt), self.spec.max_new_tokens)
         pred = decode_answer(model.tokenizer, tokens, self.spec)
         logits = torch.cat([pre.logits[-row.suffix:], ans_logits[1:]])
-        return PathResult(pred, metrics.score(self.spec.metric, pred, row.answers), nll, logits)
+        return PathResult(pred, measures.score(self.spec.metric, pred, row.answers), nll, logits)
 
 
 def _source(plan: ReusePlan, capture: CapturedContext | None, wire: Wire, row: Encoded

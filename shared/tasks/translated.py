@@ -32,7 +32,7 @@ from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.kv.translate import TranslatedSource, Translator, align
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.text import context_spans, question_ids
-from droidmesh.shared.tasks import metrics
+from droidmesh.shared.tasks import measures
 from droidmesh.shared.tasks.rows import decode_answer
 from droidmesh.shared.tasks.spec import TaskSpec
 from tqdm import tqdm
@@ -43,7 +43,7 @@ def _answer(model: ModelAdapter, prompt: list[int], plan: ReusePlan, source: Any
     """(task score, TTFT seconds) of `model` answering `prompt` per `plan`."""
     gen = generate(model, prompt, plan, source, max_new_tokens=spec.max_new_tokens,
                    eos_token_id=getattr(model.tokenizer, "eos_token_id", None))
-    return metrics.score(spec.metric, decode_answer(model.tokenizer, gen.tokens, spec), answers), gen.ttft_s
+    return measures.score(spec.metric, decode_answer(model.tokenizer, gen.tokens, spec), answers), gen.ttft_s
 
 
 def evaluate_translated(source: ModelAdapter, target: ModelAdapter, translator: Translator, rows: Sequence[dict[str, Any]],

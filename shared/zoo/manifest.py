@@ -1,5 +1,5 @@
 """Where built tiers live and what their manifests say: `droidmesh zoo list`, and the tier
-directories `shared.models.resolve_model` searches.
+directories `shared.model.names.resolve_model` searches.
 
 Tier directories are searched in order: $DROIDMESH_ZOO_DIR/<tier> (or the user cache dir),
 then the repository's committed `zoo/<tier>`; tiers in the order demo, ci, family. A model is named

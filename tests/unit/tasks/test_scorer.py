@@ -8,7 +8,7 @@ import pytest
 import torch
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter, random_model
-from droidmesh.shared.tasks.report import all_groups, evaluate_pair, must_show
+from droidmesh.shared.tasks.evaluation import all_groups, evaluate_pair, must_show
 from droidmesh.shared.tasks.scorer import PairScorer, per_layer_plan, score_text
 from droidmesh.shared.tasks.spec import TASKS, task_spec
 from droidmesh.shared.zoo.suite import SuiteShape, make_rows

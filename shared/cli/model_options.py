@@ -1,5 +1,5 @@
 """Model options shared by commands: which model (a zoo name or a checkpoint path, resolved by
-`shared.models.resolve_model`), on which device, in which dtype."""
+`shared.model.names.resolve_model`), on which device, in which dtype."""
 
 from __future__ import annotations
 

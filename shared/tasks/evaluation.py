@@ -18,7 +18,7 @@ from typing import Any
 
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter
-from droidmesh.shared.tasks import metrics
+from droidmesh.shared.tasks import measures
 from droidmesh.shared.tasks.scorer import PairScorer, PathResult, per_layer_plan
 from droidmesh.shared.tasks.spec import TaskSpec
 
@@ -42,8 +42,8 @@ class _Acc:
     def add(self, r: PathResult, ref: PathResult) -> None:
         self.q.append(r.quality)
         self.nll.append(r.nll)
-        self.kl.append(metrics.kl_divergence(ref.logits, r.logits))
-        self.top1.append(metrics.top1_agreement(ref.logits, r.logits))
+        self.kl.append(measures.kl_divergence(ref.logits, r.logits))
+        self.top1.append(measures.top1_agreement(ref.logits, r.logits))
 
     def summary(self) -> dict[str, float]:
         def mean(xs):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from droidmesh.shared.tasks import metrics as M
+from droidmesh.shared.tasks import measures as M
 
 
 def test_normalize_answer_drops_case_punctuation_articles() -> None:
