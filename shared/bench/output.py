@@ -40,7 +40,7 @@ def model_record(adapter: Any) -> dict[str, Any]:
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A plain fixed-width table (also pasted into the README as is)."""
+    """A plain fixed-width table (pasted into the docs as is)."""
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731

@@ -1,6 +1,6 @@
 """Every user mistake ends in one `Error:` line on stderr and a non-zero exit, never a traceback.
 
-`BAD_INPUT` is the table the README's note is made from: (case id, argv). Files named in an
+`BAD_INPUT` is the table the CLI reference's note (docs/reference/cli.md) is made from: (case id, argv). Files named in an
 argv as `{name}` are made by the `files` fixture. No NATS runs here: the NATS commands point at
 a closed port and must fail fast in one line instead of hanging.
 """
