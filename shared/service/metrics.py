@@ -107,12 +107,13 @@ class Metrics:
 
 
 class HealthServer:
-    def __init__(self, metrics: Metrics, port: int, ready: Callable[[], bool], stall_s: float = 10.0):
+    def __init__(self, metrics: Metrics, port: int, ready: Callable[[], bool], stall_s: float = 10.0, host: str = "127.0.0.1"):
         self.metrics = metrics
         self._ready = ready  # called from the health thread: reads flags only, never blocks
         self._stall_s = stall_s
         self._tick = time.monotonic()
-        self._httpd = ThreadingHTTPServer(("0.0.0.0", port), self._handler())
+        # the configured host only: metrics name models and pairs, so they are not for every interface
+        self._httpd = ThreadingHTTPServer((host, port), self._handler())
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="health", daemon=True)
         self._ticker: asyncio.Task | None = None

@@ -171,7 +171,7 @@ class ServiceRuntime(Generic[C]):
 
     async def __aenter__(self) -> Self:
         self.phase = "starting"
-        self.health = _start_health(self.metrics, self.cfg.metrics_port, lambda: self.ready)
+        self.health = _start_health(self.metrics, self.cfg.metrics_host, self.cfg.metrics_port, lambda: self.ready)
         try:
             await self.start()
         except BaseException:  # failed or cancelled (a signal while connecting): clean up, re-raise
@@ -206,13 +206,13 @@ def _quiet_transformers() -> None:
         hf_logging.disable_progress_bar()
 
 
-def _start_health(metrics: Metrics, port: int, ready: Callable[[], bool]) -> HealthServer | None:
-    """Serve /metrics /livez /readyz on `port` (0: any free port, logged; -1: off)."""
+def _start_health(metrics: Metrics, host: str, port: int, ready: Callable[[], bool]) -> HealthServer | None:
+    """Serve /metrics /livez /readyz on `host`:`port` (0: any free port, logged; -1: off)."""
     if port < 0:
         return None
-    health = HealthServer(metrics, port, ready)
+    health = HealthServer(metrics, port, ready, host=host)
     health.start()
-    log.info("health_listening", port=health.port)
+    log.info("health_listening", host=host, port=health.port)
     return health
 
 

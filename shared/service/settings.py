@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import tomllib
 import typing
@@ -135,6 +136,8 @@ class BusSettings:
     nats_tls_cert: str = dataclasses.field(default="", metadata={"help": "client certificate (mutual TLS)"})
     nats_tls_key: str = dataclasses.field(default="", metadata={"help": "client key (mutual TLS)"})
     metrics_port: int = dataclasses.field(default=-1, metadata={"help": "HTTP port for /metrics /livez /readyz (0: any, -1: off)"})
+    metrics_host: str = dataclasses.field(
+        default="127.0.0.1", metadata={"help": "address the health port binds (0.0.0.0 only where probes come from outside)"})
     log_level: str = dataclasses.field(default="info", metadata={"help": "debug|info|warning|error"})
 
     def __post_init__(self) -> None:
@@ -149,6 +152,10 @@ class BusSettings:
             raise ConfigError("nats_tls_cert and nats_tls_key go together")
         if not -1 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port {self.metrics_port} out of range")
+        try:
+            ipaddress.ip_address(self.metrics_host)
+        except ValueError:
+            raise ConfigError(f"metrics_host {self.metrics_host!r} is not an IP address") from None
 
     def nats_options(self) -> dict[str, Any]:
         """Keyword arguments for `nats.connect` (servers, credentials, TLS)."""

@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 
+import pytest
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.mesh.bus import InProcessBus
 from droidmesh.shared.service.runtime import ServiceRuntime, Supervisor, run_until_signalled
@@ -197,3 +198,19 @@ def test_supervisor_close_cancels_supervised_loops():
 
     assert asyncio.run(run()) is True
     assert runs == [1]
+
+
+def test_the_health_port_binds_the_configured_host_only():
+    """Metrics name models and pairs: by default they answer on loopback, not every interface."""
+    from droidmesh.shared.service.metrics import HealthServer, Metrics
+
+    local = HealthServer(Metrics("toy"), 0, lambda: True)
+    wide = HealthServer(Metrics("toy"), 0, lambda: True, host="0.0.0.0")
+    try:
+        assert local._httpd.server_address[0] == "127.0.0.1"
+        assert wide._httpd.server_address[0] == "0.0.0.0"
+    finally:
+        local._httpd.server_close()
+        wide._httpd.server_close()
+    with pytest.raises(ConfigError, match="metrics_host"):
+        BusSettings(metrics_host="example.org")
