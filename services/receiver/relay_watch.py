@@ -224,11 +224,14 @@ async def reprofile(s: ReceiverState, sender_model: str) -> None:
         request_id=f"reprofile-{uuid.uuid4().hex[:12]}", sender_path=sender_model, receiver_path=s.cfg.model_id,
         task=cfg.task, sender_model=sender_model, receiver_model=s.cfg.model_id, n_train=len(rows), n_test=len(rows),
         tolerance=cfg.tolerance, exhaustive=False, other_tasks=[], rows=rows, sender_sha256=cfg.sender_sha256,
-        receiver_sha256=cfg.receiver_sha256, relay=list(cfg.relay))
+        receiver_sha256=cfg.receiver_sha256)
     log.info("reprofile_requested", request_id=req.request_id, sender_model=sender_model, rows=len(rows),
              version=cfg.profile_version)
     try:
-        data = await s.bus.request(subjects.PROFILER_PROFILE, schemas.encode(req), timeout=s.cfg.reprofile_timeout_s)
+        # the receiver-only subject of this model: the profiler keeps the pair's relay buckets and
+        # chooses the version itself, so a receiver can only ask for its own pair, with rows
+        data = await s.bus.request(subjects.profiler_reprofile(s.cfg.model_id), schemas.encode(req),
+                                   timeout=s.cfg.reprofile_timeout_s)
         try:
             reply = schemas.decode(data, schemas.ProfileReply)
         except DroidMeshError:

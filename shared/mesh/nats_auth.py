@@ -3,7 +3,8 @@
 A sender is pinned to its own id: it may publish events only under its own token
 (`dm.cache.<kind>.<id>`) and take grant requests only on `dm.grant.<id>`, so it can neither
 announce, refresh nor withdraw another sender's contexts. A receiver is pinned to its model: it may
-join only that model's queue group (`dm.receiver.<model>.generate` in `receivers-<model>`). Users
+join only that model's queue group (`dm.receiver.<model>.generate` in `receivers-<model>`) and ask
+re-profiles only on that model's subject (`dm.profiler.reprofile.<model>`). Users
 are `sender-<id>` and `receiver-<model>`; the other roles (broker, profiler, client, gateway,
 admin) are one user each. Every subject comes from `shared.wire.subjects`, so the conf cannot
 drift from what the services use; `droidmesh nats-auth` writes it, and the checked-in file is
@@ -95,8 +96,8 @@ def _sender(sender_id: str, model_id: str) -> tuple[str, str, dict[str, list[str
 def _receiver(model_id: str) -> tuple[str, str, dict[str, list[str]]]:
     user = receiver_user(model_id)
     return (user, f"Receivers of {model_id}: its queue group only; streamed chunks go to the asker's inbox; "
-                  "re-profile requests (quality watch).", {
-        "publish": [subjects.BROKER_LOOKUP, subjects.SENDER_GRANT_ALL, subjects.PROFILER_PROFILE, _SRV,
+                  "re-profile requests (quality watch) on its own model's subject only.", {
+        "publish": [subjects.BROKER_LOOKUP, subjects.SENDER_GRANT_ALL, subjects.profiler_reprofile(model_id), _SRV,
                     *(_inbox(r) for r in ("client", "gateway", "admin")), *_KV_READ],
         "subscribe": [f"{subjects.receiver_generate(model_id)} {subjects.receiver_queue(model_id)}",
                       subjects.CACHE_AVAILABLE_ALL, _inbox(user), _SRV]})
@@ -108,9 +109,10 @@ def _fixed() -> list[tuple[str, str, dict[str, list[str]] | None]]:
         ("broker", "Brokers: every sender's events (checked against the subject's id), lookups.", {
             "publish": [subjects.BROKER_HELLO, _SRV],
             "subscribe": [subjects.CACHE_EVENTS, subjects.BROKER_LOOKUP, _inbox("broker"), _SRV]}),
-        ("profiler", "Profilers: write the config and maps buckets.", {
-            "publish": ["$JS.API.>", *kv, _SRV],
-            "subscribe": [subjects.PROFILER_PROFILE, _inbox("profiler"), _SRV]}),
+        ("profiler", "Profilers: write the config and maps buckets, watch the configs (versions, relay buckets).", {
+            # $JS.FC: the flow-control answers of the ordered consumer that watches the config bucket
+            "publish": ["$JS.API.>", f"$JS.FC.KV_{subjects.CONFIG_BUCKET}.>", *kv, _SRV],
+            "subscribe": [subjects.PROFILER_PROFILE, subjects.PROFILER_REPROFILE_ALL, _inbox("profiler"), _SRV]}),
         ("client", "Clients may only ask receivers; replies and streamed chunks arrive on their own inboxes.", {
             "publish": [subjects.RECEIVER_GENERATE_ALL], "subscribe": [_inbox("client")]}),
         ("gateway", "The OpenAI gateway: asks receivers, discovers them ($SRV.INFO of their micro service).", {
@@ -159,6 +161,9 @@ HEADER = """\
 #   so scaling senders means one more roster entry (id, user, password) per copy.
 # * Receivers: user receiver-<model> may join only that model's queue group (subject + queue).
 #   NATS cannot tell two processes of one user apart: copies of one model trust each other.
+# * Re-profiles: user receiver-<model> may ask the profiler only on dm.profiler.reprofile.<model>, which
+#   tells the profiler who asks (it limits such requests to calibration rows, per receiver model);
+#   dm.profiler.profile, where a request may name data files, versions and relay buckets, is admin's.
 # * Filling a sender's store (prefill, and generate, which captures its context) is for operators
 #   (admin) only: clients may ask receivers, nothing else.
 server_name: droidmesh

@@ -12,7 +12,9 @@ Requests (request / reply):
   BROKER_LOOKUP                broker answers (queue group: any broker copy)
   receiver_generate(model)     receivers of `model` answer (queue group: one copy per request)
   sender_generate(model), sender_prefill(model)   senders of `model` answer
-  PROFILER_PROFILE             profilers answer
+  PROFILER_PROFILE             profilers answer operators (admin)
+  profiler_reprofile(model)    profilers answer the receivers of `model` (drift re-profiles): only
+    user receiver-<model> may publish there, so the subject tells the profiler who is asking
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ SENDER_GRANT = f"{PREFIX}.grant"
 BROKER_LOOKUP = f"{PREFIX}.broker.lookup"
 BROKER_HELLO = f"{PREFIX}.broker.hello"  # a (re)started broker asks senders to re-announce
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
+PROFILER_REPROFILE = f"{PREFIX}.profiler.reprofile"
 CACHE_EVENTS = f"{PREFIX}.cache.*.*"  # every sender's events (the broker)
 CACHE_AVAILABLE_ALL = f"{CACHE_AVAILABLE}.*"  # every sender's availability events (receivers' warm-up)
 SENDER_GRANT_ALL = f"{SENDER_GRANT}.*"  # any sender's grants (receivers ask whichever holds a context)
 RECEIVER_GENERATE_ALL = f"{PREFIX}.receiver.*.generate"  # any model's receivers (clients, the gateway)
+PROFILER_REPROFILE_ALL = f"{PROFILER_REPROFILE}.*"  # every model's receivers' re-profiles (the profiler)
 
 CONFIG_BUCKET = "dm_recompute_configs"
 MAPS_BUCKET = "dm_scd_maps"  # SCD maps files named by sha256, chunked (shared/mesh/maps_store.py)
@@ -57,6 +61,11 @@ def receiver_generate(model_id: str) -> str:
 
 def receiver_queue(model_id: str) -> str:
     return f"receivers-{model_token(model_id)}"
+
+
+def profiler_reprofile(model_id: str) -> str:
+    """Where the receivers of `model_id` ask the profiler for a re-profile of their pairs."""
+    return f"{PROFILER_REPROFILE}.{model_token(model_id)}"
 
 
 def sender_generate(model_id: str) -> str:
