@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.system import venvs
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.system
@@ -42,22 +42,13 @@ def test_wheel_installs_one_namespace_with_its_data(wheel: Path):
 
 def test_demo_runs_from_the_wheel_outside_the_checkout(wheel: Path, tmp_path: Path):
     """`droidmesh demo --rows 1` from the installed wheel in a directory outside the checkout."""
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True, text=True, timeout=300)
-    # The dependencies come from this venv's site-packages as a plain path entry: its .pth files
-    # (among them the editable install of the checkout) are not processed, so `droidmesh` can only
-    # come from the wheel.
-    deps = sysconfig.get_paths()["purelib"]
-    env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{deps}",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # A fresh venv with the dependencies of this one but not its editable install of the checkout
+    # (tests/system/venvs.py): `droidmesh` can only come from the wheel.
+    venv = venvs.isolated_venv(tmp_path / "venv")
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
-    probe = subprocess.run([sys.executable, "-S", "-c", "import droidmesh; print(droidmesh.__file__)"],
-                           cwd=run_dir, env=env, capture_output=True, text=True, timeout=60)
-    assert probe.returncode == 0, probe.stderr
-    assert Path(probe.stdout.strip()).is_relative_to(target)
-    demo = subprocess.run([sys.executable, "-S", "-m", "droidmesh.shared.cli.main", "demo", "--rows", "1"],
-                          cwd=run_dir, env=env, capture_output=True, text=True, timeout=420)
+    venvs.install(venv, wheel, cwd=run_dir)
+    venvs.assert_installed_here(venv, run_dir)
+    demo = venvs.run_demo(venv, run_dir)
     assert demo.returncode == 0, demo.stderr[-2000:]
     assert "base-to-qa" in demo.stdout and "partial" in demo.stdout
