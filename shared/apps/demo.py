@@ -30,6 +30,8 @@ from droidmesh.shared.zoo.suite import SuiteShape, make_rows
 
 PATHS: tuple[schemas.Mode, ...] = ("full_prefill", "full_reuse", "auto")
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# The local mesh's services run many to a host: none takes the health port an image sets for its one service.
+NO_HEALTH_PORT = {"DM_METRICS_PORT": "-1"}
 
 
 async def _workload(url: str, pairs: list[Pair], rows: dict[str, list[dict[str, Any]]], say: Callable[[str], None]
@@ -80,7 +82,7 @@ def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profil
     a default group)."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="droidmesh-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**THREADS, DEVICE_ENV: device, **({"DM_DTYPE": dtype} if dtype else {})}
+    env = {**THREADS, **NO_HEALTH_PORT, DEVICE_ENV: device, **({"DM_DTYPE": dtype} if dtype else {})}
     procs: list[Proc] = []
     try:
         say(f"starting nats-server (logs in {log_dir})")
@@ -119,7 +121,7 @@ def start_control_plane(pairs: Sequence[Pair], models: dict[str, ModelRef], prof
     configs = [msgspec.structs.replace(recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1),
                                        relay=list(relay)) for p in pairs if p.id in profiles]
     asyncio.run(publish_configs(configs, url))
-    procs.append(start_service("cache_broker", {}, url, env=THREADS, log_dir=log_dir))
+    procs.append(start_service("cache_broker", {}, url, env={**THREADS, **NO_HEALTH_PORT}, log_dir=log_dir))
     return url
 
 
