@@ -11,10 +11,11 @@ Two narrow roles, each a coroutine API on the owning service's event loop (none 
                            items, in order, into the caller's buffers `into` (their shape, dtype and
                            device say what the receiver expects) and calls `on_item(item, tensor)`
                            on the loop as each one lands; `warm(address)`; `close()`.
-Implementations: `ucx` (`shared/transport/ucx.py`), `nixl` (`nixl.py`) and `shm` (`shm.py`, one
-host) between real processes, and `inproc` (`inproc.py`, one process, no sockets: tests drive
-the receiver with it).
-`make_server` / `make_client` pick one by name; the UCX module is imported only when asked for.
+Implementations: `ucx` (`shared/transport/ucx/`), `nixl` (`nixl/`) and `shm` (`shm/`, one host)
+between real processes, and `inproc` (`inproc.py`, one process, no sockets: tests drive the
+receiver with it). The networked clients share one skeleton (`client.py`).
+`make_server` / `make_client` (`registry.py`, re-exported here) pick one by name and import only
+that channel's module.
 
 Every channel runs the same protocol, so its checks live here, once:
   1. the client sends one `PullRequest` (items in the order it wants them: E first);
@@ -43,10 +44,9 @@ Peers are not trusted, so neither side allocates from what the other declares:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import structlog
@@ -55,6 +55,9 @@ from droidmesh.shared.errors import BadMessageError, DroidMeshError, IntegrityEr
 from droidmesh.shared.kv import streams
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport.registry import TRANSPORTS as TRANSPORTS  # the factories live there; callers import them here
+from droidmesh.shared.transport.registry import make_client as make_client
+from droidmesh.shared.transport.registry import make_server as make_server
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
 
 log = structlog.get_logger("bulk")
@@ -114,56 +117,9 @@ class BulkClient(Protocol):
     async def close(self) -> None: ...
 
 
-TRANSPORTS: tuple[Transport, ...] = ("ucx", "inproc", "nixl", "shm")
-
-
 def as_is(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`BulkServer.place` of a channel that serves tensors from wherever they are."""
     return list(tensors)
-
-
-def make_server(transport: str, lookup: TensorLookup, authorize: Authorize | None, *, host: str = "127.0.0.1",
-                port: int = 0, name: str = "", pin: Pin | None = None) -> BulkServer:
-    """The sender's server for `transport` (ucx, nixl listen on host:port; shm on a Unix socket of
-    its own; inproc registers `name`);
-    `pin` holds what each pull sends against the store's budgets (None: nothing is counted)."""
-    if transport == "ucx":
-        from droidmesh.shared.transport.ucx import UcxBulkServer
-
-        return UcxBulkServer(lookup, authorize, host=host, port=port, pin=pin)
-    if transport == "nixl":
-        from droidmesh.shared.transport.nixl import NixlBulkServer
-
-        return NixlBulkServer(lookup, authorize, host=host, port=port, pin=pin)
-    if transport == "shm":
-        from droidmesh.shared.transport.shm import ShmBulkServer
-
-        return ShmBulkServer(lookup, authorize, pin=pin)
-    if transport == "inproc":
-        from droidmesh.shared.transport.inproc import InProcessBulkServer
-
-        return InProcessBulkServer(lookup, authorize, name=name, pin=pin)
-    raise TransferError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
-
-
-def make_client(transport: str) -> BulkClient:
-    if transport == "ucx":
-        from droidmesh.shared.transport.ucx import UcxBulkClient
-
-        return UcxBulkClient()
-    if transport == "nixl":
-        from droidmesh.shared.transport.nixl import NixlBulkClient
-
-        return NixlBulkClient()
-    if transport == "shm":
-        from droidmesh.shared.transport.shm import ShmBulkClient
-
-        return ShmBulkClient()
-    if transport == "inproc":
-        from droidmesh.shared.transport.inproc import InProcessBulkClient
-
-        return InProcessBulkClient()
-    raise TransferError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
 
 
 # -- server side ------------------------------------------------------------------------------
@@ -361,25 +317,3 @@ def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.
             raise IntegrityError(f"layer {item.layer} {item.kind}: a device payload this receiver did not ask for")
         out.append(Landing(item, header, codec, buf, codecs.receive_buffer(codec, header, buf)))
     return out
-
-
-async def guarded_pull(address: str, timeout_s: float, lock: asyncio.Lock, pull: Callable[[], Awaitable[int]],
-                       drop: Callable[[], Awaitable[None]]) -> int:
-    """The error contract of every networked `BulkClient.pull`: one pull at a time per address
-    (`lock`), `timeout_s` over all of it (the wait for the lock included), and on any error `drop`
-    the connection before the lock passes on (never reused half-read). DroidMesh errors pass as
-    they are; the deadline and anything else become a `TransferError` naming the address."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with lock:
-                try:
-                    return await pull()
-                except BaseException:
-                    await drop()
-                    raise
-    except (DroidMeshError, asyncio.CancelledError):
-        raise
-    except TimeoutError:
-        raise TransferError(f"pull from {address} exceeded {timeout_s:.3g}s") from None
-    except Exception as e:
-        raise TransferError(f"pull from {address} failed: {type(e).__name__}: {e}") from e

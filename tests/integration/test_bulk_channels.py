@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 from droidmesh.shared.errors import IntegrityError, TransferError
+from droidmesh.shared.transport import registry
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
@@ -115,7 +116,7 @@ def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypa
         asyncio.run(_session(transport, issuer, _pull_one(token), lookup=lambda c, l, k: wrong.get((l, k))))
     if transport == "shm":
         return  # no wire, no checksum: sealed memory instead (tests/integration/test_shm_channel.py)
-    module = importlib.import_module(f"droidmesh.shared.transport.{transport}")
+    module = importlib.import_module(registry.channel(transport).server.partition(":")[0])  # where the server answers
     real = module.answer
 
     def corrupt(*a):

@@ -1,0 +1,191 @@
+"""The NIXL channel's receiver side (`NixlBulkClient`): one-sided reads of the sender's registered
+memory, which the receiver's agent performs straight into its own buffers.
+
+Per connection (within CONNECT_S): `NixlConnect` -> `NixlAgentInfo`; its metadata is checked
+(`metadata.check_agent_info`: the sender's name and UCX worker address, nothing else) before the
+agent loads it and connects ahead of the first pull. Per pull: `PullRequest` -> `NixlGrant`; the
+headers are checked (`bulk.landings`), the grant's metadata too (`metadata.check_grant`: that
+sender's host-memory descriptors, each remote key as UCX will walk it), then the agent loads it,
+registers the landing buffers (the caller's own for raw on the CPU) and READs one transfer per run
+of consecutive same-layer items (a layer's K and V together; E items lead the request, so each
+goes alone unless its layer's K/V follow it), all queued at once; as each completes, in request
+order, its items are verified, decoded and handed to `on_item`. `NixlDone` then lets the sender
+release the pull. A grant's metadata stays loaded while its connection lives (capability is
+checked when a pull is granted, not per READ); dropping the connection forgets it.
+
+With UCX on one host a READ is a CMA copy done inside the post call with the GIL released, so the
+bytes never run on the event loop; where a post returns in progress (a network transport), the
+loop polls the state with short sleeps (`_POLL_S`). NIXL's own descriptor serialization is pickle;
+nothing here unpickles a peer's bytes (regions travel as typed fields).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import torch
+from droidmesh.shared.errors import BadMessageError, TransferError
+from droidmesh.shared.transport.address import on_this_host, parse_host_port
+from droidmesh.shared.transport.bulk import Landing, OnItem, landings
+from droidmesh.shared.transport.client import ChannelClient
+from droidmesh.shared.transport.nixl import frames, metadata
+from droidmesh.shared.transport.nixl.agent import Agent
+from droidmesh.shared.transport.ucp_address import LocalView
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import NixlAgentInfo, NixlConnect, NixlDone, NixlGrant, NixlRegion, PullRequest, Transport
+
+log = structlog.get_logger("nixl")
+CONNECT_S = 10.0  # dialling a sender, its agent info, and connecting the agents
+_POLL_S = (0.00005, 0.001)  # in-progress transfer: first and longest sleep between state checks
+
+
+class _Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: metadata.PeerAgent):
+        self.reader, self.writer, self.peer = reader, writer, peer
+
+
+def _release_reads(agent: Agent, handles: list[Any], registered: Any) -> None:
+    """On the agent's thread: release a pull's remaining transfers, then its landing buffers."""
+    try:
+        for handle in handles:
+            agent.release(handle)
+    finally:
+        if registered is not None:
+            agent.deregister(registered)
+
+
+class NixlBulkClient(ChannelClient[_Connection]):
+    """Pulls over cached connections (one per sender address, one pull at a time each)."""
+
+    transport: Transport = "nixl"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._agent: Agent | None = None
+        self._local: LocalView | None = None  # what our agent's UCX pairs a sender's address with
+
+    async def _pull_on(self, conn: _Connection, request: PullRequest, into: Sequence[torch.Tensor],
+                       on_item: OnItem) -> int:
+        await frames.send(conn.writer, request)
+        grant = schemas.decode(await frames.read_frame(conn.reader), NixlGrant)
+        lands = landings(request, grant.response, into)
+        if [r.nbytes for r in grant.regions] != [land.header.nbytes for land in lands]:
+            raise TransferError(f"grant regions {[r.nbytes for r in grant.regions]} do not match the headers")
+        agent = self._agent
+        assert agent is not None
+        moving = [(land, region) for land, region in zip(lands, grant.regions, strict=True) if region.nbytes]
+        local = [(land.recv.data_ptr(), land.recv.numel()) for land, _ in moving]
+        if local:
+            metadata.check_grant(grant.metadata, conn.peer)
+
+        def register() -> Any:
+            if not local:
+                return None
+            agent.load(grant.metadata)  # the grant's regions join what is loaded for the sender
+            return agent.register(local)
+
+        registered = await agent.call(register)
+        in_flight: list[Any] = []  # transfer handles posted but not done when posted
+        try:
+            await self._read(agent, conn.peer.name, lands, grant.regions, on_item, in_flight)
+        finally:  # queued behind every post on the agent's thread, so it runs after them all
+            await asyncio.shield(agent.call(_release_reads, agent, in_flight, registered))
+        await frames.send(conn.writer, NixlDone())
+        return sum(land.header.nbytes for land in lands)
+
+    async def _read(self, agent: Agent, peer: str, lands: list[Landing], regions: list[NixlRegion],
+                    on_item: OnItem, in_flight: list[Any]) -> None:
+        """READ each run of same-layer items as one transfer, all posted in order on the agent's
+        thread; deliver each run's items as its transfer completes."""
+        runs = [list(run) for _, run in itertools.groupby(zip(lands, regions, strict=True),
+                                                          key=lambda lr: lr[0].item.layer)]
+        abandoned = False
+
+        def post(run: list[tuple[Landing, NixlRegion]]) -> tuple[Any, str]:
+            moving = [(land, r) for land, r in run if r.nbytes]
+            if abandoned or not moving:
+                return None, "DONE"
+            handle, state = agent.read([(land.recv.data_ptr(), r.nbytes) for land, r in moving],
+                                       [(r.addr, r.nbytes) for _, r in moving], peer)
+            if state == "PROC":
+                in_flight.append(handle)
+                return handle, state
+            agent.release(handle)  # a same-host READ is done by now: one hop saved
+            return None, state
+
+        posts = [asyncio.wrap_future(agent.submit(post, run)) for run in runs]
+        try:
+            for run, posted in zip(runs, posts, strict=True):
+                await self._complete(agent, *await posted)
+                for land, _ in run:
+                    on_item(land.item, land.land())
+        finally:
+            abandoned = True  # posts still queued do nothing
+            await asyncio.shield(asyncio.gather(*posts, return_exceptions=True))
+
+    @staticmethod
+    async def _complete(agent: Agent, handle: Any, state: str) -> None:
+        delay = _POLL_S[0]
+        while state == "PROC":
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _POLL_S[1])
+            state = await agent.call(agent.state, handle)
+        if state != "DONE":
+            raise TransferError(f"NIXL read failed ({state})")
+
+    def _alive(self, conn: _Connection) -> bool:
+        return not conn.reader.at_eof()
+
+    async def _connect(self, address: str) -> _Connection:
+        host, port = parse_host_port(address, "nixl")
+        if self._agent is None:
+            agent = Agent("nixl-receiver")
+            await agent.start()
+            self._agent = agent
+            own = await agent.call(agent.metadata, [], True)
+            self._local = LocalView.of(metadata.own_address(own))
+        agent, local = self._agent, self._local
+        assert local is not None
+        async with asyncio.timeout(CONNECT_S):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                await frames.send(writer, NixlConnect())
+                info = schemas.decode(await frames.read_frame(reader), NixlAgentInfo)
+                try:
+                    peer = metadata.check_agent_info(info.metadata, local,
+                                                     on_this_host(writer.get_extra_info("peername")))
+                except BadMessageError as e:
+                    log.warning("nixl_peer_refused", address=address, reason=str(e))
+                    raise
+
+                def connect() -> str:
+                    name = agent.load(info.metadata)
+                    agent.connect(name)  # the first READ would otherwise wait for this
+                    return name
+
+                if await agent.call(connect) != peer.name:
+                    raise BadMessageError(f"NIXL loaded an agent other than {peer.name!r}")
+            except BaseException:
+                writer.close()
+                raise
+        return _Connection(reader, writer, peer)
+
+    async def _disconnect(self, address: str, conn: _Connection) -> None:
+        """Close the connection (the sender releases its grants) and forget the sender agent's
+        metadata, so nothing it granted stays readable."""
+        conn.writer.close()
+        agent = self._agent
+        if agent is not None:
+            try:
+                await asyncio.shield(agent.call(agent.forget, conn.peer.name))
+            except Exception as e:  # already gone on the agent's side: nothing left to forget
+                log.debug("nixl_remove_remote_failed", peer=conn.peer.name, error=str(e))
+
+    async def _shutdown(self) -> None:
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None

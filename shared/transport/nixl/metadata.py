@@ -1,0 +1,126 @@
+"""A sender's NIXL agent metadata, checked before the receiver's agent loads it.
+
+`nixlAgent::loadRemoteMD` hands what it finds to its UCX backend: the connection info is the
+sender's UCX worker address (`ucp_ep_create` parses it, and aborts the process on a malformed
+one), and every memory descriptor carries a packed UCP remote key (`ucp_ep_rkey_unpack` walks it
+without a length). So the receiver walks the whole blob here first, exactly as NIXL serialises
+it (nixlSerDes: "nixlSerDes|", then per field its tag, a little-endian u64 length, the bytes and
+"|"), and accepts only the two shapes a DroidMesh sender produces:
+  `check_agent_info`  NixlAgentInfo: the agent's name, one UCX connection (its worker address
+                      checked by `ucp_address.check_peer`), no memory;
+  `check_grant`       NixlGrant: that same agent's name, no connection, one UCX section of host
+                      memory descriptors, each remote key checked by `ucp_address.check_rkey`
+                      against the sender's worker address.
+Anything else is `BadMessageError`, before NIXL sees a byte. Pure functions of bytes, called on
+the receiver's event loop by `client.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+from droidmesh.shared.errors import BadMessageError
+from droidmesh.shared.transport.bulk import MAX_ITEMS
+from droidmesh.shared.transport.ucp_address import LocalView, WorkerAddress, check_peer, check_rkey
+
+MAGIC = b"nixlSerDes|"
+MAX_AGENT_NAME = 256
+DRAM_SEG = 0  # nixl_mem_t of host memory: the only kind this channel registers
+_DESC = struct.Struct("<QQQ")  # nixlBasicDesc: address, length, device id
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerAgent:
+    """A sender's agent as its checked `NixlAgentInfo` describes it."""
+
+    name: str
+    address: WorkerAddress  # its UCX worker address, parsed
+
+
+class _Fields:
+    def __init__(self, blob: bytes):
+        if not blob.startswith(MAGIC):
+            raise BadMessageError("NIXL metadata without its nixlSerDes tag")
+        self.blob, self.at = blob, len(MAGIC)
+
+    def get(self, tag: bytes, size: int | None = None) -> bytes:
+        """The next field, which must be tagged `tag` (and `size` bytes long when given)."""
+        head = self.at + len(tag) + 8
+        if self.blob[self.at:self.at + len(tag)] != tag or head > len(self.blob):
+            raise BadMessageError(f"NIXL metadata: no {tag.decode()!r} field at {self.at}")
+        n = int.from_bytes(self.blob[head - 8:head], "little")
+        if n > len(self.blob) - head - 1 or self.blob[head + n:head + n + 1] != b"|" or size not in (None, n):
+            raise BadMessageError(f"NIXL metadata: field {tag.decode()!r} of {n} bytes does not fit")
+        self.at = head + n + 1
+        return self.blob[head:head + n]
+
+    def count(self, tag: bytes, most: int) -> int:
+        n = int.from_bytes(self.get(tag, 8), "little")
+        if n > most:
+            raise BadMessageError(f"NIXL metadata: {n} {tag.decode()!r}; at most {most}")
+        return n
+
+    def done(self) -> None:
+        if self.at != len(self.blob):
+            raise BadMessageError(f"NIXL metadata has {len(self.blob) - self.at} bytes after its end")
+
+
+def _head(blob: bytes, conns: int) -> tuple[_Fields, str, list[bytes]]:
+    """The agent's name and its `conns` UCX connection infos (exactly that many)."""
+    f = _Fields(blob)
+    try:
+        name = f.get(b"Agent").decode()
+    except UnicodeDecodeError:
+        raise BadMessageError("NIXL metadata: an agent name that is not UTF-8") from None
+    if not 0 < len(name) <= MAX_AGENT_NAME:
+        raise BadMessageError(f"NIXL metadata: a {len(name)}-character agent name")
+    if f.count(b"Conns", conns) != conns:
+        raise BadMessageError(f"NIXL metadata: not {conns} connections")
+    infos = []
+    for _ in range(conns):
+        if f.get(b"t") != b"UCX":
+            raise BadMessageError("NIXL metadata: a connection of a backend other than UCX")
+        infos.append(f.get(b"c"))
+    if f.get(b"") != b"MemSection":
+        raise BadMessageError("NIXL metadata: no memory section")
+    return f, name, infos
+
+
+def own_address(blob: bytes) -> bytes:
+    """The UCX worker address in our own agent's connection metadata (the reference a sender's
+    is checked against)."""
+    _, _, (info,) = _head(blob, 1)
+    return info
+
+
+def check_agent_info(blob: bytes, local: LocalView, peer_on_this_host: bool) -> PeerAgent:
+    """A sender's connection metadata: its name and UCX worker address, no memory."""
+    f, name, (info,) = _head(blob, 1)
+    if f.count(b"nixlSecElms", 0):
+        raise BadMessageError("NIXL connection metadata describing memory")
+    f.done()
+    return PeerAgent(name, check_peer(info, local, peer_on_this_host))
+
+
+def check_grant(blob: bytes, peer: PeerAgent) -> int:
+    """A grant's metadata: host-memory descriptors of `peer`'s agent, nothing else; returns how
+    many it describes."""
+    f, name, _ = _head(blob, 0)
+    if name != peer.name:
+        raise BadMessageError(f"NIXL grant metadata of agent {name[:80]!r}, not of the connected {peer.name!r}")
+    if f.count(b"nixlSecElms", 1) != 1 or f.get(b"bknd") != b"UCX" or f.get(b"nixlDList") != b"nixlSDList":
+        raise BadMessageError("NIXL grant metadata: not one UCX section of descriptors")
+    if int.from_bytes(f.get(b"t", 4), "little") != DRAM_SEG:
+        raise BadMessageError("NIXL grant metadata: descriptors of memory other than the host's")
+    n = f.count(b"n", MAX_ITEMS)
+    for _ in range(n):
+        desc = f.get(b"")
+        if len(desc) < _DESC.size:
+            raise BadMessageError(f"NIXL grant metadata: a {len(desc)}-byte descriptor")
+        _, length, device = _DESC.unpack_from(desc)
+        if device != 0 or length == 0:
+            raise BadMessageError(f"NIXL grant metadata: a descriptor of {length} bytes on device {device}")
+        check_rkey(desc[_DESC.size:], peer.address)
+    f.done()
+    return n

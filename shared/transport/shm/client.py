@@ -1,0 +1,176 @@
+"""The shm channel's receiver side (`ShmBulkClient`): pulls out of a sender's sealed memfds.
+
+Per connection: the receiver dials the sender's Unix socket (the address is its path; within
+CONNECT_S: a full backlog would wait forever). Per pull: the `PullRequest` frame, then the
+`ShmGrant` frame and its memfds (at most MAX_FDS; the kernel closes any beyond). Before a byte is
+read the receiver checks the headers against its own buffers (`bulk.landings`), every memfd
+(sealed against write and shrink: no byte changes and no page vanishes under a read, which would
+short it) and every region against its memfd's sealed size; rows and their length come from the
+receiver's own buffers, never the peer. Then `preadv` reads each layer's rows straight into its
+buffers on the client's copy lanes (threads; the GIL is released), every layer queued at once, in
+order; as a layer's reads finish, its items are delivered on the loop. `ShmDone` ends the pull.
+
+A receiver closes the memfds when the pull ends; one it kept could reread that context's sealed
+bytes, which it was granted already. Headers carry no checksum here: the bytes are the sender's
+own sealed memory, copied by the kernel, with no wire to corrupt them and no writer to change them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Sequence
+
+import torch
+from droidmesh.shared.errors import IntegrityError
+from droidmesh.shared.transport import memfd, shm_io
+from droidmesh.shared.transport.address import check_unix_path
+from droidmesh.shared.transport.bulk import Landing, OnItem, landings
+from droidmesh.shared.transport.client import ChannelClient
+from droidmesh.shared.transport.shm.layout import MAX_FDS, rows
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import PullRequest, ShmDone, ShmGrant, ShmRegion, Transport
+
+CONNECT_S = 10.0
+LANES = 2  # copy threads: one core's copy from a memfd reaches about half of memcpy
+PIECE = 4 << 20  # bytes one lane reads per task: a big layer spreads over the lanes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    fd: int
+    offset: int
+    into: memoryview
+
+
+def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int]) -> list[_Read]:
+    """The preadv calls that fill `land`'s receive buffer from `region`, checked against the
+    memfd's sealed size first. Rows and their length come from our own buffer, never the peer."""
+    if land.header.codec != "raw":
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: codec {land.header.codec} over shm (raw only)")
+    n, row = rows(land.header.shape, land.item.kind, land.out.element_size())
+    if n * row != land.header.nbytes or land.recv.numel() != land.header.nbytes:
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: {land.header.nbytes} bytes for {n} x {row}")
+    if not 0 <= region.fd < len(fds) or region.offset < 0 or (n > 1 and region.stride < row):
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: bad region {region}")
+    if n and row and region.offset + (n - 1) * region.stride + row > sizes[region.fd]:
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: region {region} ends past its memfd "
+                             f"({sizes[region.fd]} bytes)")
+    dest = land.recv.numpy().data
+    if n * row == 0:
+        return []
+    if region.stride == row:  # rows back to back (a whole stored tensor, E, a per-pull copy): one read
+        n, row = 1, n * row
+    return [_Read(fds[region.fd], region.offset + r * region.stride, dest[r * row:(r + 1) * row]) for r in range(n)]
+
+
+def _pieces(reads: list[_Read]) -> list[list[_Read]]:
+    """`reads` in lane tasks of about PIECE bytes (a long read split, short ones grouped)."""
+    split = [_Read(r.fd, r.offset + o, r.into[o:o + PIECE]) for r in reads for o in range(0, len(r.into), PIECE)]
+    tasks: list[list[_Read]] = [[]]
+    size = 0  # bytes in tasks[-1]
+    for r in split:
+        if tasks[-1] and size + len(r.into) > PIECE:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(r)
+        size += len(r.into)
+    return [t for t in tasks if t]
+
+
+def _read(task: list[_Read]) -> None:
+    """On a lane: the reads of one task (preadv releases the GIL)."""
+    for r in task:
+        if os.preadv(r.fd, [r.into], r.offset) != len(r.into):
+            raise IntegrityError(f"short read of a sealed memfd at {r.offset}")
+
+
+def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -> list[concurrent.futures.Future]:
+    """Cancel the lane tasks not started and close `fds` once the running ones finish (a lane
+    never reads a closed, possibly reused, descriptor number); return the running ones."""
+    running = [f for f in futures if not f.cancel() and not f.done()]
+    if not running:
+        for fd in fds:
+            os.close(fd)
+        return running
+    left, lock = [len(running)], threading.Lock()
+
+    def one_done(_: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            for fd in fds:
+                os.close(fd)
+
+    for f in running:
+        f.add_done_callback(one_done)
+    return running
+
+
+class ShmBulkClient(ChannelClient[socket.socket]):
+    """Pulls over cached connections (one per sender socket, one pull at a time each)."""
+
+    transport: Transport = "shm"
+
+    def __init__(self, lanes: int = LANES) -> None:
+        super().__init__()
+        self._lanes = concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="shm-lane")
+
+
+    async def _pull_on(self, sock: socket.socket, request: PullRequest, into: Sequence[torch.Tensor],
+                       on_item: OnItem) -> int:
+        await shm_io.send_frame(sock, schemas.encode(request))
+        data, fds = await shm_io.recv_frame(sock, schemas.MAX_MESSAGE_BYTES, MAX_FDS)
+        futures: list[concurrent.futures.Future] = []
+        ok = False
+        try:
+            grant = schemas.decode(data, ShmGrant)
+            lands = landings(request, grant.response, into)
+            if grant.fds != len(fds) or len(grant.regions) != len(lands):
+                raise IntegrityError(f"grant of {len(grant.regions)} regions and {grant.fds} memfds; "
+                                     f"{len(lands)} items and {len(fds)} memfds arrived")
+            sizes = [memfd.sealed_size(fd) for fd in fds]
+            runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
+                                                              key=lambda lr: lr[0].item.layer)]
+            tasks = [[_reads(land, region, fds, sizes) for land, region in run] for run in runs]
+            queued = [[self._lanes.submit(_read, t) for t in _pieces([r for reads in run for r in reads])] for run in tasks]
+            futures = [f for run in queued for f in run]
+            for run, run_futures in zip(runs, queued, strict=True):
+                for f in run_futures:
+                    await asyncio.wrap_future(f)
+                for land, _ in run:
+                    on_item(land.item, land.land(verify=False))  # raw: in place, or from host staging
+            ok = True
+        finally:
+            running = _close_when_done(fds, futures)
+            if not ok and running:  # the caller's buffers are written no more once the pull has failed
+                await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, running), return_exceptions=True))
+        await shm_io.send_frame(sock, schemas.encode(ShmDone()))
+        return sum(land.header.nbytes for land in lands)
+
+    def _alive(self, sock: socket.socket) -> bool:
+        return shm_io.alive(sock)
+
+    async def _connect(self, address: str) -> socket.socket:
+        check_unix_path(address, "shm")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(CONNECT_S):
+                await asyncio.get_running_loop().sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _disconnect(self, address: str, sock: socket.socket) -> None:
+        sock.close()
+
+    async def _shutdown(self) -> None:
+        await asyncio.to_thread(self._lanes.shutdown, wait=True, cancel_futures=True)

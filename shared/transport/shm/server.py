@@ -1,0 +1,206 @@
+"""The shm channel's sender side (`ShmBulkServer`): grants pulls as sealed memfds over a Unix socket.
+
+`place` (`memfd.place`; the sender's torch thread, once per context it stores) moves the context
+into one sealed memfd, mapped read-only, so the store keeps the only copy and nothing changes it.
+`start` listens on a Unix socket in a fresh directory only the sender's user may enter (mode 0700);
+per connection (its own task on the sender's event loop, at most MAX_CONNECTIONS at once):
+  1. a `PullRequest` frame (within IDLE_S; bounded before it is read) -> a `ShmGrant` frame with
+     its memfds attached (SCM_RIGHTS). The sender starts like every channel (`bulk.admit`:
+     bounds, grant, lookups, hold); an item whose stored tensor lies in a placed memfd is granted
+     where it lies (zero copy); any other (a CUDA store, a tensor never placed) is copied into one
+     per-pull memfd, sealed the same way and charged to the pull budget. A refusal carries no memfd;
+  2. `ShmDone` (the whole grant within HOLD_S): the pull's hold is released. A dropped connection
+     releases the same. A receiver's frames carry no descriptors we keep (`shm_io` takes none),
+     and a bad one ends that connection (logged), never the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable
+
+import msgspec
+import structlog
+import torch
+from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.model.device import dtype_name
+from droidmesh.shared.transport import memfd, shm_io
+from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, PullHold, TensorLookup, admit, refusal
+from droidmesh.shared.transport.shm.layout import rows
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import PullRequest, ShmDone, ShmGrant, ShmRegion, TensorHeader, Transport
+
+log = structlog.get_logger("shm")
+IDLE_S = 600.0  # an idle connection's next PullRequest
+HOLD_S = 120.0  # the longest a grant is held, from its send to its ShmDone
+MAX_CONNECTIONS = 256  # connections served at once per sender (more are closed on arrival)
+
+
+class ShmBulkServer:
+    """Grants `PullRequest`s from a tensor lookup (the sender's store) as sealed memfds."""
+
+    transport: Transport = "shm"
+
+    def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, pin: Pin | None = None,
+                 max_connections: int = MAX_CONNECTIONS):
+        self._lookup, self._authorize, self._pin, self._max = lookup, authorize, pin, max_connections
+        self._dir = ""
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._conns: set[asyncio.Task] = set()
+
+    place = staticmethod(memfd.place)
+
+    async def start(self) -> str:
+        """Listen on a Unix socket in a fresh directory of mode 0700; return its path."""
+        _raise_fd_limit()  # each placed context holds two descriptors (its memfd, its mapping's)
+        self._dir = tempfile.mkdtemp(prefix="droidmesh-shm-")
+        path = os.path.join(self._dir, "bulk.sock")
+        sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._accepting = asyncio.create_task(self._accept(sock))
+        thp = memfd.shmem_thp()
+        log.info("shm_server_started", path=path, shmem_thp=thp)
+        if thp in ("never", "deny"):
+            log.warning("shm_small_pages", shmem_thp=thp,
+                        hint=f"placed contexts use 4 KiB pages; `echo advise > {memfd.THP_SETTING}` lets them use 2 MiB "
+                             "pages, which makes pulls faster (README: same-host data plane)")
+        return path
+
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except Exception as e:  # out of fds, say: this accept fails, the listener goes on
+                log.warning("shm_accept_failed", error=f"{type(e).__name__}: {e}")
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._conns) >= self._max:
+                log.warning("shm_connection_refused", reason=f"{self._max} connections already served")
+                conn.close()
+                continue
+            conn.setblocking(False)
+            task = asyncio.create_task(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                async with asyncio.timeout(IDLE_S):
+                    data, _ = await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0)
+                grant, fds, release = await self._grant(data)
+                try:
+                    async with asyncio.timeout(HOLD_S):  # a receiver that stops reading holds nothing longer
+                        await shm_io.send_frame(conn, schemas.encode(grant), fds)
+                        if not grant.response.error:
+                            schemas.decode((await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0))[0], ShmDone)
+                finally:
+                    release()
+        except (EOFError, ConnectionError):
+            pass  # the receiver closed or dropped the connection: what it held is released above
+        except Exception as e:  # a bad peer ends this connection, never the server
+            log.warning("shm_connection_dropped", error=f"{type(e).__name__}: {e}")
+        finally:
+            conn.close()
+
+    async def _grant(self, data: bytes) -> tuple[ShmGrant, list[int], Callable[[], None]]:
+        """The grant for one request, the memfds it passes and the release of what it holds."""
+        try:
+            request = schemas.decode(data, PullRequest)
+            stored, views, hold = admit(request, self._lookup, self._authorize, self._pin)
+        except DroidMeshError as e:
+            return ShmGrant(response=refusal(e)), [], _nothing
+        scratch: list[int] = []
+
+        def release() -> None:  # keeps `stored` (so every placed memfd granted stays open) until the pull ends
+            for fd in scratch:
+                os.close(fd)
+            hold.release()
+            stored.clear()
+
+        try:
+            return (*await self._regions(request, stored, views, hold, scratch), release)
+        except DroidMeshError as e:
+            release()
+            return ShmGrant(response=refusal(e)), [], _nothing
+        except BaseException:
+            release()
+            raise
+
+    async def _regions(self, request: PullRequest, stored: list[torch.Tensor], views: list[torch.Tensor],
+                       hold: PullHold, scratch: list[int]) -> tuple[ShmGrant, list[int]]:
+        """Each item where it lies in a placed memfd, or in the per-pull memfd (fd -1 until it exists)."""
+        fds: list[int] = []
+        regions: list[ShmRegion] = []
+        copies: list[tuple[int, torch.Tensor]] = []  # (offset in the per-pull memfd, view)
+        copy_bytes = 0
+        for item, t, view in zip(request.items, stored, views, strict=True):
+            found = memfd.placed(t)
+            if found is not None:
+                seg, offset = found
+                if seg.fd not in fds:
+                    fds.append(seg.fd)
+                n, _ = rows(t.shape, item.kind, t.element_size())
+                regions.append(ShmRegion(fd=fds.index(seg.fd), offset=offset,
+                                         stride=t.numel() * t.element_size() // max(n, 1)))
+            else:  # copied contiguous: row r right after row r - 1
+                _, row = rows(view.shape, item.kind, view.element_size())
+                regions.append(ShmRegion(fd=-1, offset=copy_bytes, stride=row))
+                copies.append((copy_bytes, view))
+                copy_bytes += -(-view.numel() * view.element_size() // memfd.ALIGN) * memfd.ALIGN
+        if copies:
+            hold.charge(copy_bytes)  # counted before the copy exists
+            fd = await _off_loop(memfd.sealed_memfd, copy_bytes, copies)
+            scratch.append(fd)
+            fds.append(fd)
+            regions = [msgspec.structs.replace(r, fd=len(fds) - 1) if r.fd < 0 else r for r in regions]
+        headers = [TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind, shape=list(v.shape),
+                                dtype=dtype_name(v.dtype), codec="raw", codec_params={},
+                                nbytes=v.numel() * v.element_size(), checksum="")
+                   for item, v in zip(request.items, views, strict=True)]
+        return ShmGrant(response=schemas.PullResponse(headers=headers), regions=regions, fds=len(fds)), fds
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        for task in list(self._conns):
+            task.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _nothing() -> None:
+    """The release of a grant that holds nothing."""
+
+
+async def _off_loop(make: Callable[..., int], *args: object) -> int:
+    """A descriptor made on a worker thread; if the caller is cancelled first, it is closed once made."""
+    future = asyncio.get_running_loop().run_in_executor(None, make, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else os.close(f.result()))
+        raise
+
+
+def _raise_fd_limit() -> None:
+    """Lift this process's soft descriptor limit to its hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("shm_fd_limit_raised", soft=soft, now=hard)
+

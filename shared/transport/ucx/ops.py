@@ -1,0 +1,105 @@
+"""UCX operations on an endpoint with the buffer lifetime UCX needs, and the channel's framing.
+
+A UCX operation writes into (or reads from) its buffer until UCX completes or cancels it, which
+cancelling the Python task awaiting it does not do. So every buffer handed to UCX is kept
+referenced (`_IN_FLIGHT`) by the task running its operation, never cancelled, until that
+operation ends: on an error or a cancelled pull the endpoint is aborted (`abort`), which makes UCX
+cancel what it still has posted, and only when those operations report back are the buffers let
+go. Freeing a buffer earlier lets a resumed sender's bytes land in freed memory.
+
+All on the event loop of the service that owns the endpoint; `abort` may hold that loop for at
+most ABORT_NS. A peer's declared frame length is checked before anything is allocated for it.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import torch
+from droidmesh.shared.errors import BadMessageError
+
+log = structlog.get_logger("ucx")
+ABORT_NS = 200_000_000  # how long an abort may hold the event loop (ucxx's default is 10 s per attempt)
+_IN_FLIGHT: set[asyncio.Task] = set()
+
+
+def ucx_buffer(t: torch.Tensor) -> Any:
+    """What ucxx sends from or receives into: a CUDA tensor as itself (`__cuda_array_interface__`),
+    host memory as a numpy view."""
+    return t if t.device.type == "cuda" else t.numpy()
+
+
+async def settle(buffers: Sequence[torch.Tensor]) -> None:
+    """Wait, on a worker thread, for the work queued so far on each CUDA buffer's current stream:
+    the caching allocator may hand out memory that kernels queued before the pull still use, and
+    UCX's copies are not ordered with that stream."""
+    for device in {b.device for b in buffers if b.device.type == "cuda"}:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        await asyncio.to_thread(done.synchronize)
+
+
+def op(coro: Any) -> asyncio.Task:
+    """Run one UCX operation (its coroutine holds its buffer) as a task nobody cancels: it ends
+    when UCX completes or cancels the operation (after an abort), and stays referenced till then."""
+    task = asyncio.ensure_future(coro)
+    _IN_FLIGHT.add(task)
+    task.add_done_callback(_op_done)
+    return task
+
+
+def _op_done(task: asyncio.Task) -> None:
+    _IN_FLIGHT.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: an aborted operation's error is expected, not worth a warning
+
+
+def in_flight() -> int:
+    """UCX operations still holding a buffer (tests: 0 once every aborted endpoint has reported back)."""
+    return len(_IN_FLIGHT)
+
+
+async def recv(ep: Any, buffer: Any) -> Any:
+    """`ep.recv(buffer)`; cancelling the caller leaves the receive (and `buffer`) to `op`."""
+    return await asyncio.shield(op(ep.recv(buffer)))
+
+
+async def send(ep: Any, buffer: Any) -> Any:
+    return await asyncio.shield(op(ep.send(buffer)))
+
+
+async def send_obj(ep: Any, data: bytes) -> None:
+    """`ep.send_obj(data)` (length, then bytes), each buffer kept alive as `send` does."""
+    await send(ep, array.array("Q", [len(data)]))
+    await send(ep, bytearray(data))
+
+
+async def recv_frame(ep: Any, cap: int) -> bytes:
+    """One `send_obj` message (an 8-byte length, then the bytes), its length checked against
+    `cap` before a buffer is allocated for it (ucxx's `recv_obj` allocates whatever the peer
+    declares). A message longer than a posted buffer fails in UCX, which allocates nothing."""
+    size = array.array("Q", [0])
+    await recv(ep, size)
+    n = size[0]
+    if not 0 < n <= cap:
+        raise BadMessageError(f"peer declared a {n}-byte message; at most {cap}")
+    data = bytearray(n)
+    await recv(ep, data)
+    return bytes(data)
+
+
+def abort(ep: Any) -> None:
+    """Abort `ep` (UCX cancels what it has posted; those operations then report back and let go of
+    their buffers), waiting at most ABORT_NS on the loop; its TCP lifeline closes with it."""
+    if ep is not None and getattr(ep, "_ep", None) is not None:
+        try:
+            ep.abort(period=ABORT_NS)
+        except Exception as e:  # an endpoint already torn down by an error: nothing left to abort
+            log.debug("ucx_abort_failed", error=repr(e))
+    link = getattr(ep, "_droidmesh_link", None)
+    if link is not None:
+        link.close()  # the peer's lifeline ends with the endpoint

@@ -1,0 +1,107 @@
+"""A sender's NIXL metadata is walked as NIXL serialises it and accepted only in the two shapes a
+DroidMesh sender produces; its UCX worker address and remote keys are checked on the way."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from droidmesh.shared.errors import BadMessageError
+from droidmesh.shared.transport.nixl import metadata
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.transport.test_ucp_address import LOCAL, rkey, theirs
+
+
+def field(tag: bytes, data: bytes) -> bytes:
+    return tag + len(data).to_bytes(8, "little") + data + b"|"
+
+
+def u64(n: int) -> bytes:
+    return n.to_bytes(8, "little")
+
+
+def blob(name: bytes = b"droidmesh-nixl-sender-1", conns: list[bytes] | None = None, sections: bytes = field(b"nixlSecElms", u64(0)),
+         backend: bytes = b"UCX") -> bytes:
+    conns = [theirs()] if conns is None else conns
+    out = metadata.MAGIC + field(b"Agent", name) + field(b"Conns", u64(len(conns)))
+    for c in conns:
+        out += field(b"t", backend) + field(b"c", c)
+    return out + field(b"", b"MemSection") + sections
+
+
+def section(descs: list[bytes], mem: int = 0, backend: bytes = b"UCX") -> bytes:
+    return (field(b"nixlSecElms", u64(1)) + field(b"bknd", backend) + field(b"nixlDList", b"nixlSDList")
+            + field(b"t", mem.to_bytes(4, "little")) + field(b"n", u64(len(descs))) + b"".join(field(b"", d) for d in descs))
+
+
+def desc(key: bytes = rkey(), length: int = 2112, device: int = 0) -> bytes:
+    return struct.pack("<QQQ", 0x7F0000001000, length, device) + key
+
+
+PEER = metadata.check_agent_info(blob(), LOCAL, peer_on_this_host=False)
+
+
+def test_a_senders_agent_info_and_grant_pass():
+    assert PEER.name == "droidmesh-nixl-sender-1"
+    assert metadata.check_grant(blob(conns=[], sections=section([desc(), desc()])), PEER) == 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (b"\x02" + theirs()[1:], "unknown version"),  # UCX aborts on this one
+    (theirs()[:-3], "UCX worker address"),
+])
+def test_an_agent_info_whose_worker_address_ucx_would_abort_on_is_refused(bad, match):
+    with pytest.raises(BadMessageError, match=match):
+        metadata.check_agent_info(blob(conns=[bad]), LOCAL, peer_on_this_host=False)
+
+
+@pytest.mark.parametrize("bad", [
+    blob(conns=[]),  # no connection
+    blob(conns=[theirs()] * 2),  # two
+    blob(backend=b"GDS"),
+    blob(name=b""),
+    blob(name=b"\xff\xfe"),
+    blob(sections=section([desc()])),  # connection metadata describing memory
+    blob()[:-1],
+    blob() + b"x",
+    b"nixlSerDez|" + blob()[11:],
+])
+def test_agent_infos_of_another_shape_are_refused(bad):
+    with pytest.raises(BadMessageError):
+        metadata.check_agent_info(bad, LOCAL, peer_on_this_host=False)
+
+
+@pytest.mark.parametrize("bad", [
+    blob(name=b"someone-else", conns=[], sections=section([desc()])),
+    blob(sections=section([desc()])),  # a grant carrying a connection
+    blob(conns=[], sections=section([desc()], mem=1)),  # device memory
+    blob(conns=[], sections=section([desc()], backend=b"POSIX")),
+    blob(conns=[], sections=section([desc(device=1)])),
+    blob(conns=[], sections=section([desc(length=0)])),
+    blob(conns=[], sections=section([desc(key=rkey(mem_type=2))])),
+    blob(conns=[], sections=section([desc(key=rkey(md_map=1 << 3))])),  # posix's FIFO domain
+    blob(conns=[], sections=section([desc()[:20]])),
+    blob(conns=[], sections=field(b"nixlSecElms", u64(2**63))),
+    blob(conns=[], sections=section([desc()]))[:-2],
+])
+def test_grants_of_another_shape_are_refused(bad):
+    with pytest.raises(BadMessageError):
+        metadata.check_grant(bad, PEER)
+
+
+@pytest.mark.fuzz
+@settings(max_examples=300, deadline=None)
+@given(cut=st.integers(0, 600), junk=st.binary(max_size=12))
+def test_mangled_metadata_parses_or_raises_bad_message(cut, junk):
+    grant = blob(conns=[], sections=section([desc(), desc()]))
+    for data in (blob()[:cut] + junk + blob()[cut + len(junk):], grant[:cut] + junk + grant[cut + len(junk):]):
+        try:
+            metadata.check_agent_info(data, LOCAL, peer_on_this_host=False)
+        except BadMessageError:
+            pass
+        try:
+            metadata.check_grant(data, PEER)
+        except BadMessageError:
+            pass
