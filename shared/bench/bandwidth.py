@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 # Two hosts share no memory: unless told otherwise, the bandwidth sweep's processes run UCX
 # without its shared-memory transports. In two network namespaces of one kernel UCX still finds
-# the peer on "this host" and, with CMA allowed (`shared/transport/ucx.py`), reads the sender's
+# the peer on "this host" and, with CMA allowed (`shared/transport/ucx/`), reads the sender's
 # memory with process_vm_readv: the bytes never cross the veth and the tc limit measures nothing
 # (the "achieved" rate far above the configured one). An operator's UCX_TLS still wins.
 CROSS_HOST_UCX_TLS = "tcp,self"
