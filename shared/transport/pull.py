@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
-from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, ReuseError, TransferError
+from droidmesh.shared.errors import BadMessageError, CacheLayoutError, DroidMeshError, ReuseError, TransferError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.plan import ReusePlan
@@ -159,7 +159,12 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
         if source is not None:
             source.put(item.kind, item.layer, t)
 
-    return await bulk.pull(holder.address, request, buffers(model, tokens, items), on_item, timeout_s)
+    try:
+        return await bulk.pull(holder.address, request, buffers(model, tokens, items), on_item, timeout_s)
+    except BadMessageError as e:
+        # malformed bytes from the holder are the holder's fault, not the request's: the caller
+        # falls back to its own prefill instead of refusing the client
+        raise TransferError(f"sender {holder.sender_id} sent a malformed reply: {e}") from None
 
 
 async def drive_engine(steps: Steps[T], source: Watched, run_torch: RunTorch, stamps: dict[str, float],

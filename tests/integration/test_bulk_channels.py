@@ -327,3 +327,31 @@ def tuple_numel(shape) -> int:
     for d in shape:
         out *= d
     return out
+
+
+def test_malformed_bytes_from_a_holder_mean_fallback_not_a_bad_request(receiver, prompt):
+    """A channel that raises `BadMessageError` (what the nixl and shm clients raise on a peer's
+    malformed frame) surfaces from `pull_into` as a `TransferError`, a `ReuseError`: the receiver
+    falls back to its own prefill instead of answering its client that the request was bad."""
+    from droidmesh.shared.errors import BadMessageError, ReuseError
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.model.device import dtype_name
+    from droidmesh.shared.transport.pull import pull_into, pull_items
+    from droidmesh.shared.wire import schemas
+
+    class Hostile:
+        transport = "inproc"
+
+        async def pull(self, *args, **kwargs):
+            raise BadMessageError("frame header: 7 items announced, 2 asked for")
+
+    ctx, _ = prompt
+    fp = receiver.fingerprint
+    holder = schemas.CacheAvailable(
+        sender_id="s", model_id="m", model_sha256="", fingerprint=schemas.fingerprint_to_wire(fp), fingerprint_id=fp.id,
+        context_id="ctx", token_ids=list(ctx), dtype=dtype_name(receiver.dtype), kv_nbytes=0, e_layers=[], e_nbytes=0,
+        transport="inproc", address="x", published_at=0.0)
+    with pytest.raises(TransferError, match="sender s sent a malformed reply") as raised:
+        asyncio.run(pull_into(Hostile(), holder, pull_items(ReusePlan.full_reuse(), receiver.num_layers), receiver,
+                              None, 10, token="t"))
+    assert isinstance(raised.value, ReuseError)
