@@ -18,6 +18,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from droidmesh.shared.transport import slots
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
@@ -46,6 +47,12 @@ class _AlarmCollector:
         for (kind, reason), n in sorted(alarms().items()):
             family.add_metric([kind, reason], n)
         yield family
+        dropped = CounterMetricFamily("dm_bulk_connections_dropped",
+                                      "Bulk-channel connections let go or refused, by channel and reason",
+                                      labels=["channel", "reason"])
+        for (channel, reason), n in sorted(slots.dropped().items()):
+            dropped.add_metric([channel, reason], n)
+        yield dropped
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -92,6 +99,12 @@ class Metrics:
         self.expired_senders = Counter("dm_expired_senders", "Senders dropped for missing heartbeats", registry=r)
         self.index_senders = Gauge("dm_index_senders", "Senders the broker tracks", registry=r)
         self.swept_holders = Counter("dm_swept_holders", "Holders dropped for a stale announcement", registry=r)
+        self.index_bytes = Gauge("dm_index_bytes", "Bytes the broker index charges its holders (tokens, block keys, "
+                                 "metadata)", registry=r)
+        self.over_budget = Counter("dm_broker_over_budget", "Sender events over a broker budget, by what befell them "
+                                   "(deferred, dropped, evicted holders, dropped heartbeats)", ["reason"], registry=r)
+        self.queued_events = Gauge("dm_broker_queued_events", "Sender events deferred for their sender's budget",
+                                   registry=r)
         r.register(_AlarmCollector())
         # gateway
         self.gateway_requests = Counter("dm_gateway_requests", "Gateway HTTP requests by route and status",

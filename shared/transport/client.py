@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 import torch
 from droidmesh.shared.errors import DroidMeshError, TransferError
 from droidmesh.shared.transport.bulk import OnItem
-from droidmesh.shared.wire.schemas import PullRequest, Transport
+from droidmesh.shared.wire.schemas import PullItem, PullRequest, Transport
 
 C = TypeVar("C")
 
@@ -64,8 +64,27 @@ class ChannelClient(Generic[C]):
         Raises `TransferError` (peer gone, refused, deadline, protocol violation) or
         `IntegrityError` (header, checksum or region mismatch). On any error the connection is
         dropped (which releases what the sender held for it), never reused half-read."""
+        landed = False
+
+        def counted(item: PullItem, t: torch.Tensor) -> None:
+            nonlocal landed
+            landed = True
+            on_item(item, t)
+
         async def pull() -> int:
-            return await self._pull_on(await self._connection(address), request, into, on_item)
+            reused = address in self._conns
+            try:
+                return await self._pull_on(await self._connection(address), request, into, counted)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                # A cached connection the sender closed as idle just as this pull began fails
+                # before anything lands: one fresh connection, under the same deadline. Anything
+                # the peer sent wrong (integrity, malformed) is never retried.
+                if not reused or landed or (isinstance(e, DroidMeshError) and not isinstance(e, TransferError)):
+                    raise
+                await self._drop(address)
+                return await self._pull_on(await self._connection(address), request, into, counted)
 
         # The per-address lock is waited for under the pull's own deadline (`guarded_pull`): pulls
         # queued behind a stalled one fail at their own deadline, not one timeout after another.

@@ -5,9 +5,12 @@ server's `start` and `close`, on the event loop:
   - `start(host, port)` binds the host's first address only (one socket, so one port even when
     the port is 0: ephemeral) and returns ("host:port" with the configured host, the bound
     (address, port)); it never binds the wildcard address.
-  - each accepted connection runs `handler(reader, writer)` as its own task; at most
-    `max_connections` run at once, and one more is closed on arrival, before a byte is read;
-    the writer is closed when the handler returns (whatever the handler did first stays first).
+  - each accepted connection is admitted to the server's slots first (`slots.py`: per source
+    address and in all, an idle connection's slot given to the newcomer when needed), before a
+    byte is read; a refused one is closed at once. An admitted one runs `handler(reader, writer,
+    slot)` as its own task, which marks its waits and pulls on the slot; `SlotEnded` (its
+    deadline passed, or its slot was taken) ends it quietly (counted and logged by the slots).
+    The writer is closed when the handler returns (whatever the handler did first stays first).
   - `close()` stops listening, cancels the connections' tasks and waits for them.
 """
 
@@ -17,17 +20,15 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 
-import structlog
+from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits, Slots
 
-log = structlog.get_logger("transport")
-
-MAX_CONNECTIONS = 256  # control connections served at once per sender (more are closed on arrival)
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, Slot], Awaitable[None]]
 
 
 class ControlListener:
-    def __init__(self, name: str, handler: Handler, max_connections: int = MAX_CONNECTIONS):
-        self._name, self._handler, self._max = name, handler, max_connections
+    def __init__(self, name: str, handler: Handler, limits: SlotLimits | None = None):
+        self._handler = handler
+        self.slots = Slots(name, limits)
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task] = set()
 
@@ -40,14 +41,18 @@ class ControlListener:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None  # a stream server callback always runs as a task
-        if len(self._conns) >= self._max:
-            log.warning(f"{self._name}_connection_refused", reason=f"{self._max} connections already served")
+        peer = writer.get_extra_info("peername")
+        slot = self.slots.admit(str(peer[0]) if isinstance(peer, tuple) else str(peer), task)
+        if slot is None:
             writer.close()
             return
         self._conns.add(task)
         try:
-            await self._handler(reader, writer)
+            await self._handler(reader, writer, slot)
+        except SlotEnded:
+            pass  # counted and logged where it ended
         finally:
+            self.slots.release(slot)
             self._conns.discard(task)
             writer.close()
 

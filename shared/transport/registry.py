@@ -20,6 +20,7 @@ from droidmesh.shared.errors import TransferError
 
 if TYPE_CHECKING:
     from droidmesh.shared.transport.bulk import Authorize, BulkClient, BulkServer, Pin, TensorLookup
+    from droidmesh.shared.transport.slots import SlotLimits
     from droidmesh.shared.wire.schemas import Transport
 
 
@@ -38,10 +39,10 @@ def register(name: str, server: str, client: str, server_options: tuple[str, ...
 
 
 _T = "droidmesh.shared.transport"
-register("ucx", f"{_T}.ucx.server:UcxBulkServer", f"{_T}.ucx.client:UcxBulkClient", ("host", "port"))
+register("ucx", f"{_T}.ucx.server:UcxBulkServer", f"{_T}.ucx.client:UcxBulkClient", ("host", "port", "limits"))
 register("inproc", f"{_T}.inproc:InProcessBulkServer", f"{_T}.inproc:InProcessBulkClient", ("name",))
-register("nixl", f"{_T}.nixl.server:NixlBulkServer", f"{_T}.nixl.client:NixlBulkClient", ("host", "port"))
-register("shm", f"{_T}.shm.server:ShmBulkServer", f"{_T}.shm.client:ShmBulkClient")
+register("nixl", f"{_T}.nixl.server:NixlBulkServer", f"{_T}.nixl.client:NixlBulkClient", ("host", "port", "limits"))
+register("shm", f"{_T}.shm.server:ShmBulkServer", f"{_T}.shm.client:ShmBulkClient", ("limits",))
 
 TRANSPORTS: tuple[Transport, ...] = ("ucx", "inproc", "nixl", "shm")
 
@@ -60,12 +61,13 @@ def load(target: str) -> Any:
 
 
 def make_server(transport: str, lookup: TensorLookup, authorize: Authorize | None, *, host: str = "127.0.0.1",
-                port: int = 0, name: str = "", pin: Pin | None = None) -> BulkServer:
+                port: int = 0, name: str = "", pin: Pin | None = None, limits: SlotLimits | None = None) -> BulkServer:
     """The sender's server for `transport` (ucx, nixl listen on host:port; shm on a Unix socket of
     its own; inproc registers `name`);
-    `pin` holds what each pull sends against the store's budgets (None: nothing is counted)."""
+    `pin` holds what each pull sends against the store's budgets (None: nothing is counted);
+    `limits` bounds the connections a networked channel holds (`slots.py`; None: the defaults)."""
     found = channel(transport)
-    given = {"host": host, "port": port, "name": name}
+    given = {"host": host, "port": port, "name": name, "limits": limits}
     server: BulkServer = load(found.server)(lookup, authorize, pin=pin,
                                             **{k: given[k] for k in found.server_options})
     return server

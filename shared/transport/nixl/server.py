@@ -1,14 +1,18 @@
 """The NIXL channel's sender side (`NixlBulkServer`): grants pulls as NIXL metadata the receiver's
 agent reads from.
 
-Per connection (its own task on the sender's event loop, `ControlListener`):
+Per connection (its own task on the sender's event loop, `ControlListener`, which admits it to a
+slot first: `slots.py`):
   1. `NixlConnect` (within HANDSHAKE_S) -> `NixlAgentInfo`: this agent's connection info, no memory;
-  2. per pull, `PullRequest` (within IDLE_S) -> `NixlGrant`. The sender authorizes and answers
+  2. per pull, `PullRequest` -> `NixlGrant` (the wait for it bounded by the slot: the setup
+     deadline from the connect until a pull completes, then the idle timeout; an idle connection's
+     slot may go to a newcomer meanwhile). The sender authorizes and answers
      (`bulk.answer`), registers each payload's memory (a stored tensor's once, reused across pulls)
      and grants NIXL metadata for exactly those registrations plus one region per item. A refusal
      carries no metadata and no regions: nothing of the sender's memory is reachable without one;
   3. `NixlDone` (within HOLD_S) releases what the pull held (per-pull registrations, payload
-     copies). A dropped connection releases the same.
+     copies) and, after a grant, proves the connection (`Slot.pulled`). A dropped connection
+     releases the same.
 The sender never loads anything a receiver sends into its agent: a receiver's frames are msgpack
 messages, bounded before they are read, and a bad one ends that connection (logged), never the
 server.
@@ -34,12 +38,12 @@ from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, T
 from droidmesh.shared.transport.control import ControlListener
 from droidmesh.shared.transport.nixl import frames
 from droidmesh.shared.transport.nixl.agent import Agent
+from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import NixlAgentInfo, NixlConnect, NixlDone, NixlGrant, NixlRegion, PullRequest, PullResponse, Transport
 
 log = structlog.get_logger("nixl")
-HANDSHAKE_S = 10.0  # a new connection's NixlConnect
-IDLE_S = 600.0  # an idle connection's next PullRequest
+HANDSHAKE_S = 10.0  # a new connection's NixlConnect (within the slot's setup deadline too)
 HOLD_S = 120.0  # the longest a grant is held before its NixlDone
 
 
@@ -61,11 +65,12 @@ class NixlBulkServer:
     transport: Transport = "nixl"
 
     def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, host: str, port: int = 0,
-                 pin: Pin | None = None):
+                 pin: Pin | None = None, limits: SlotLimits | None = None):
         self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self._host, self._port = host, port
         self._agent: Agent | None = None
-        self._listener = ControlListener("nixl", self._serve_connection)
+        self._listener = ControlListener("nixl", self._serve_connection, limits)
+        self.slots = self._listener.slots
         self._regs: dict[tuple[int, int], _Registration] = {}  # stored tensors' regions
         self._regs_lock = asyncio.Lock()
 
@@ -79,21 +84,23 @@ class NixlBulkServer:
         log.info("nixl_server_started", agent=self._agent.name, bound=bound[0], port=bound[1])
         return address
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot) -> None:
         agent = self._agent
         assert agent is not None  # connections are accepted only after start()
         try:
-            await frames.recv(reader, NixlConnect, HANDSHAKE_S)
+            async with slot.waiting():
+                await frames.recv(reader, NixlConnect, HANDSHAKE_S)
             info = await agent.call(agent.metadata, [], True)  # connection info, no memory
             await frames.send(writer, NixlAgentInfo(metadata=info))
             while True:
-                async with asyncio.timeout(IDLE_S):
+                async with slot.waiting():
                     data = await frames.read_frame(reader, MAX_REQUEST_BYTES)
                 grant, held, payloads, release = await self._grant(data)
                 try:
                     await frames.send(writer, grant)
                     if not grant.response.error:
                         await frames.recv(reader, NixlDone, HOLD_S)
+                        slot.pulled()
                 finally:
                     try:
                         await self._release(held)  # while `payloads` (per-pull copies) still live
@@ -101,6 +108,8 @@ class NixlBulkServer:
                         release()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the receiver closed or dropped the connection: what it held is released above
+        except SlotEnded:
+            raise  # its deadline passed or a newcomer took its slot: counted and logged there
         except Exception as e:  # a bad peer or a NIXL failure ends this connection, never the server
             log.warning("nixl_connection_dropped", peer=str(writer.get_extra_info("peername")),
                         error=f"{type(e).__name__}: {e}")

@@ -3,13 +3,17 @@
 `place` (`memfd.place`; the sender's torch thread, once per context it stores) moves the context
 into one sealed memfd, mapped read-only, so the store keeps the only copy and nothing changes it.
 `start` listens on a Unix socket in a fresh directory only the sender's user may enter (mode 0700);
-per connection (its own task on the sender's event loop, at most MAX_CONNECTIONS at once):
-  1. a `PullRequest` frame (within IDLE_S; bounded before it is read) -> a `ShmGrant` frame with
+per connection (its own task on the sender's event loop), admitted to a slot before a byte is read
+(`slots.py`; the peer capped is the connecting process, as the kernel names it: SO_PEERCRED):
+  1. a `PullRequest` frame (bounded before it is read; the wait bounded by the slot: the setup
+     deadline from the connect until a pull completes, then the idle timeout; an idle
+     connection's slot may go to a newcomer meanwhile) -> a `ShmGrant` frame with
      its memfds attached (SCM_RIGHTS). The sender starts like every channel (`bulk.admit`:
      bounds, grant, lookups, hold); an item whose stored tensor lies in a placed memfd is granted
      where it lies (zero copy); any other (a CUDA store, a tensor never placed) is copied into one
      per-pull memfd, sealed the same way and charged to the pull budget. A refusal carries no memfd;
-  2. `ShmDone` (the whole grant within HOLD_S): the pull's hold is released. A dropped connection
+  2. `ShmDone` (the whole grant within HOLD_S): the pull's hold is released and, after a grant,
+     the connection is proven (`Slot.pulled`). A dropped connection
      releases the same. A receiver's frames carry no descriptors we keep (`shm_io` takes none),
      and a bad one ends that connection (logged), never the server.
 """
@@ -21,6 +25,7 @@ import os
 import resource
 import shutil
 import socket
+import struct
 import tempfile
 from collections.abc import Callable
 
@@ -32,13 +37,13 @@ from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import memfd, shm_io
 from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, PullHold, TensorLookup, admit, refusal
 from droidmesh.shared.transport.shm.layout import rows
+from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits, Slots
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import PullRequest, ShmDone, ShmGrant, ShmRegion, TensorHeader, Transport
 
 log = structlog.get_logger("shm")
-IDLE_S = 600.0  # an idle connection's next PullRequest
 HOLD_S = 120.0  # the longest a grant is held, from its send to its ShmDone
-MAX_CONNECTIONS = 256  # connections served at once per sender (more are closed on arrival)
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
 class ShmBulkServer:
@@ -47,8 +52,9 @@ class ShmBulkServer:
     transport: Transport = "shm"
 
     def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, pin: Pin | None = None,
-                 max_connections: int = MAX_CONNECTIONS):
-        self._lookup, self._authorize, self._pin, self._max = lookup, authorize, pin, max_connections
+                 limits: SlotLimits | None = None):
+        self._lookup, self._authorize, self._pin = lookup, authorize, pin
+        self.slots = Slots("shm", limits)
         self._dir = ""
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
@@ -83,19 +89,17 @@ class ShmBulkServer:
                 log.warning("shm_accept_failed", error=f"{type(e).__name__}: {e}")
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._conns) >= self._max:
-                log.warning("shm_connection_refused", reason=f"{self._max} connections already served")
-                conn.close()
-                continue
             conn.setblocking(False)
             task = asyncio.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
+        slot: Slot | None = None
         try:
-            while True:
-                async with asyncio.timeout(IDLE_S):
+            slot = self.slots.admit(_peer(conn))  # before a byte is read; None: refused (logged)
+            while slot is not None:
+                async with slot.waiting():
                     data, _ = await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0)
                 grant, fds, release = await self._grant(data)
                 try:
@@ -103,13 +107,16 @@ class ShmBulkServer:
                         await shm_io.send_frame(conn, schemas.encode(grant), fds)
                         if not grant.response.error:
                             schemas.decode((await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0))[0], ShmDone)
+                            slot.pulled()
                 finally:
                     release()
-        except (EOFError, ConnectionError):
-            pass  # the receiver closed or dropped the connection: what it held is released above
+        except (EOFError, ConnectionError, SlotEnded):
+            pass  # the receiver went, or its slot ended (counted and logged there): what it held is released above
         except Exception as e:  # a bad peer ends this connection, never the server
             log.warning("shm_connection_dropped", error=f"{type(e).__name__}: {e}")
         finally:
+            if slot is not None:
+                self.slots.release(slot)
             conn.close()
 
     async def _grant(self, data: bytes) -> tuple[ShmGrant, list[int], Callable[[], None]]:
@@ -185,6 +192,13 @@ class ShmBulkServer:
 
 def _nothing() -> None:
     """The release of a grant that holds nothing."""
+
+
+def _peer(conn: socket.socket) -> str:
+    """The connecting process as the kernel names it (its pid: a Unix socket has no address, and
+    only the sender's own user can reach this one, so the uid tells receivers apart nowhere)."""
+    pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return f"pid {pid} uid {uid}"
 
 
 async def _off_loop(make: Callable[..., int], *args: object) -> int:

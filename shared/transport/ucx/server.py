@@ -4,10 +4,13 @@ Per connection (its own task on the sender's event loop, `ControlListener`): the
 (`wireup.py`: the client's hello checked, ours sent, an endpoint made), then a loop of one request
 frame -> one `PullResponse` and the payloads, each a tagged message, all posted at once in order.
 What reaches the port meets the limits below before anything is allocated:
-  - IDLE_S: a connection waits at most this for its next request;
+  - its slot (`slots.py`, through `ControlListener`): until it completes a pull, a connection
+    lives at most the setup deadline (its hello and first request included); after, it waits at
+    most the idle timeout for each next request; per source address and in all, at most the
+    configured connections, an idle one's slot going to a newcomer when needed;
+  - `wireup.HELLO_S`: the hello must arrive within this (and within the setup deadline);
   - SEND_S: a pull's response and payloads must be taken within it, else the endpoint is
-    aborted and the pull's hold on the store released;
-  - `control.MAX_CONNECTIONS` connections are served at once (more are closed on arrival).
+    aborted and the pull's hold on the store released.
 Per connection the server holds one request frame (<= MAX_REQUEST_BYTES) and one pull's payloads
 (stored tensors, or copies charged to the store's pull budget). A bad peer ends its own
 connection, with the reason logged, never the server.
@@ -27,12 +30,12 @@ import structlog
 from droidmesh.shared.errors import BadMessageError, DroidMeshError
 from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, Served, TensorLookup, answer, as_is
 from droidmesh.shared.transport.control import ControlListener
+from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits
 from droidmesh.shared.transport.ucx import ops, runtime, wireup
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 log = structlog.get_logger("ucx")
-IDLE_S = 600.0
 SEND_S = 120.0
 
 
@@ -43,10 +46,11 @@ class UcxBulkServer:
     transport: Transport = "ucx"
 
     def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, host: str, port: int = 0,
-                 pin: Pin | None = None):
+                 pin: Pin | None = None, limits: SlotLimits | None = None):
         self._lookup, self._authorize, self._pin = lookup, authorize, pin
         self._host, self._port = host, port
-        self._listener = ControlListener("ucx", self._serve_connection)
+        self._listener = ControlListener("ucx", self._serve_connection, limits)
+        self.slots = self._listener.slots
 
     place = staticmethod(as_is)
 
@@ -58,18 +62,20 @@ class UcxBulkServer:
         log.info("ucx_server_started", bound=bound[0], port=bound[1], net_devices=runtime.net_devices())
         return address
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot) -> None:
         ep: Any = None
         peer = writer.get_extra_info("peername")
         try:
             try:
-                async with asyncio.timeout(wireup.HELLO_S):
+                async with slot.waiting(), asyncio.timeout(wireup.HELLO_S):
                     hello = await wireup.read_hello(reader, writer)
                 tag = secrets.randbits(64)
                 writer.write(wireup.hello(tag))
                 async with asyncio.timeout(wireup.HELLO_S):
                     await writer.drain()
                 ep = await wireup.endpoint_to(hello, tag, writer)
+            except SlotEnded:
+                raise
             except BadMessageError as e:
                 log.warning("ucx_connection_dropped", peer=str(peer), reason=str(e))
                 return
@@ -80,32 +86,33 @@ class UcxBulkServer:
                 log.info("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
                 return
             ep._droidmesh_watch = asyncio.ensure_future(wireup.watch(reader, ep))
-            await self._serve_endpoint(ep)
+            await self._serve_endpoint(ep, slot)
         finally:
             ops.abort(ep)  # closes the TCP connection too, which ends the watch
 
-    async def _serve_endpoint(self, ep: Any) -> None:
+    async def _serve_endpoint(self, ep: Any, slot: Slot) -> None:
+        """Requests until the peer goes, breaks the protocol, or its slot ends (`SlotEnded`)."""
         try:
             while True:
                 try:
-                    async with asyncio.timeout(IDLE_S):
+                    async with slot.waiting():
                         data = await ops.recv_frame(ep, MAX_REQUEST_BYTES)
-                except TimeoutError:
-                    log.info("ucx_connection_idle", idle_s=IDLE_S)
-                    return
+                except SlotEnded:
+                    raise
                 except BadMessageError as e:
                     log.warning("ucx_connection_dropped", reason=str(e))
                     return
                 except Exception:  # peer closed or died: this endpoint's loop ends, others go on
                     return
-                if not await self._serve_request(ep, data):
+                if not await self._serve_request(ep, data, slot):
                     return
         finally:
             ops.abort(ep)
 
-    async def _serve_request(self, ep: Any, data: bytes) -> bool:
-        """Answer one request; False when the connection must end (a send failed or timed out:
-        the endpoint is aborted before the pull's payloads are let go)."""
+    async def _serve_request(self, ep: Any, data: bytes, slot: Slot) -> bool:
+        """Answer one request (a pull sent in full proves the connection: `slot.pulled`); False
+        when the connection must end (a send failed or timed out: the endpoint is aborted before
+        the pull's payloads are let go)."""
         try:
             request = schemas.decode(data, PullRequest)
         except DroidMeshError as e:
@@ -117,6 +124,8 @@ class UcxBulkServer:
             async with asyncio.timeout(SEND_S):
                 await ops.send_obj(ep, schemas.encode(response))
                 await asyncio.gather(*(ops.send(ep, ops.ucx_buffer(p)) for p in payloads))
+            if not response.error:
+                slot.pulled()
             return True
         except BaseException as e:
             if not isinstance(e, asyncio.CancelledError):
