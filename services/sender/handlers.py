@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
+from droidmesh.services.sender import grants
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, TransferError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.blocks import CapturedContext, tensor_nbytes
@@ -133,9 +134,12 @@ async def prefill(s: SenderState, req: schemas.PrefillRequest) -> schemas.Prefil
     return schemas.PrefillReply(request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
 
 
-async def grant(s: SenderState, req: schemas.GrantRequest) -> schemas.GrantReply:
+async def grant(s: SenderState, reply: str, req: schemas.GrantRequest) -> schemas.GrantReply:
     """One pull of a context this sender holds, for the receiver that asked (the reply reaches
-    only its inbox): a single-use grant that lapses after `grant_ttl_s`."""
+    only its inbox): a single-use grant that lapses after `grant_ttl_s`. Only for readers of this
+    sender's model (`grants.check`, by the inbox `reply` names), checked first: an asker that may
+    not read learns nothing of what the store holds."""
+    grants.check(s.readers, reply, authenticated=bool(s.cfg.nats_user))
     if s.store.get(req.context_id) is None:
         raise TransferError(f"sender {s.cfg.sender_id} does not hold context {req.context_id[:80]}")
     token, expires = s.tokens.issue(req.context_id)
@@ -159,8 +163,14 @@ async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:
 async def on_config(s: SenderState, cfg: schemas.RecomputeConfig) -> None:
     """A profile of this model's exact weights as sender: keep E for every group start and patch
     layer it may use, and load the SCD maps its coded plans name (a failure only costs those plans:
-    the receiver's pull under them is refused and it falls back)."""
-    if cfg.sender_model != s.cfg.model_id or cfg.sender_sha256 != s.model_sha256:
+    the receiver's pull under them is refused and it falls back). A config naming this sender's
+    model with a receiver model, whatever weights it profiled, makes that model a reader
+    (`grants`): the pair is declared; a config's removal is not seen until a restart."""
+    if cfg.sender_model != s.cfg.model_id:
+        return
+    if s.readers.pair(cfg.receiver_model):
+        log.info("reader_paired", receiver_model=cfg.receiver_model)
+    if cfg.sender_sha256 != s.model_sha256:
         return
     points = (*cfg.frontier, cfg.chosen)
     starts = {l for p in points for l in policy.plan_of(p.plan).e_layers}

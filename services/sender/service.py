@@ -1,7 +1,8 @@
 """Sender service: hosts one model, prefills contexts, serves their KV/E over its bulk channel.
 
 Start: load the model (worker thread) -> connect -> start the bulk server (UCX: ephemeral port by
-default) -> serve generate/prefill requests -> heart-beat and follow the config board (both
+default) -> serve generate/prefill requests and pull grants (to readers of this model only,
+`grants.py`) -> heart-beat and follow the config board (both
 supervised: a crashed loop is restarted, the sender not ready until it is). Stop: withdraw every
 cache (eviction events) while the bus is open, drain the bus, close the bulk server.
 """
@@ -13,7 +14,7 @@ import functools
 import time
 
 import structlog
-from droidmesh.services.sender import handlers
+from droidmesh.services.sender import grants, handlers
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.state import SenderState
 from droidmesh.shared.mesh.bus import Bus
@@ -44,15 +45,16 @@ class SenderService(ServiceRuntime[SenderConfig]):
         bus = await self.connect()
         s = self.state = SenderState(cfg, bus, model, sha256, self.run_torch, self.metrics)
         self._server = make_server(cfg.transport, s.store.tensor, functools.partial(handlers.authorize, s),
-                                   host=cfg.ucx_host, port=cfg.ucx_port, name=cfg.sender_id, pin=s.store.hold)
+                                   host=cfg.ucx_host, port=cfg.ucx_port, name=cfg.sender_id, pin=s.store.hold,
+                                   limits=cfg.slot_limits())
         s.bulk_transport, s.bulk_address = self._server.transport, await self._server.start()
         s.place = self._server.place
         await bus.serve(subjects.sender_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")
         await bus.serve(subjects.sender_prefill(cfg.model_id),
                         rpc(schemas.PrefillRequest, functools.partial(handlers.prefill, s)), queue="senders")
-        await bus.serve(subjects.sender_grant(cfg.sender_id),
-                        rpc(schemas.GrantRequest, functools.partial(handlers.grant, s)), queue="grants")
+        await grants.serve(bus, subjects.sender_grant(cfg.sender_id),
+                           lambda reply: rpc(schemas.GrantRequest, functools.partial(handlers.grant, s, reply)))
         await bus.subscribe(subjects.BROKER_HELLO, event(schemas.BrokerHello, functools.partial(handlers.broker_hello, s)))
         self.tasks.supervise("heartbeat", functools.partial(self._heartbeat, s))
         board = self._board or bus.config_board()

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from droidmesh.services.sender.config import SenderConfig
+from droidmesh.services.sender.grants import Readers
 from droidmesh.services.sender.store import CacheStore
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
@@ -34,6 +35,7 @@ class SenderState:
         self.place: Callable[[list[torch.Tensor]], list[torch.Tensor]] = list
         self.profiled_e_layers: dict[str, set[int]] = {}  # receiver model -> group starts it may use
         self.tokens = TokenIssuer(cfg.grant_ttl_s)
+        self.readers = Readers(cfg.model_id, cfg.readers)  # receiver models granted pulls (grants.py)
 
     def e_layers(self) -> list[int]:
         """Configured E layers plus every group start a profiled receiver may choose online."""

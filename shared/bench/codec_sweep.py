@@ -31,7 +31,7 @@ from droidmesh.shared.bench import netns
 from droidmesh.shared.bench.bandwidth import CROSS_HOST_UCX_TLS, bandwidth_env
 from droidmesh.shared.bench.harness import PROBE_MODULE, launched_env, mesh, probe_result
 from droidmesh.shared.model.device import DEFAULT_DEVICE
-from droidmesh.shared.service.launch import start_service
+from droidmesh.shared.service.launch import dies_with_parent, start_service
 from tqdm import tqdm
 
 
@@ -96,7 +96,7 @@ def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit
             seen = len(sproc.lines)
             pub = subprocess.run([*rcv, sys.executable, "-m", "droidmesh.shared.bench.codec_tradeoff", "publish", "--nats",
                                   url, "--config", str(cfg_path), "--maps", *sorted({f for _, f in prep["maps"].values()})],
-                                 capture_output=True, text=True, timeout=300)
+                                 capture_output=True, text=True, timeout=300, preexec_fn=dies_with_parent())
             if pub.returncode != 0:
                 raise RuntimeError(f"publishing {name}'s maps and config failed:\n{pub.stderr[-3000:]}")
             sproc.wait_for(lambda l: '"event": "config_loaded"' in l, 120, "the pair config loaded")
@@ -108,7 +108,7 @@ def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit
                 argv = [*rcv, sys.executable, "-m", PROBE_MODULE, "--nats", url, "--model",
                         p["receiver"], "--sender", prep["config"]["sender_model"], "--tokens",
                         ",".join(map(str, tokens)), "--repeats", str(repeats), "--configs", str(probe_path)]
-                out = subprocess.run(argv, capture_output=True, text=True, timeout=3600,
+                out = subprocess.run(argv, capture_output=True, text=True, timeout=3600, preexec_fn=dies_with_parent(),
                                      env={**os.environ, **launched_env(device), **env})
                 result = probe_result(out.stdout)
                 if result is None:

@@ -164,6 +164,9 @@ HEADER = """\
 # * Re-profiles: user receiver-<model> may ask the profiler only on dm.profiler.reprofile.<model>, which
 #   tells the profiler who asks (it limits such requests to calibration rows, per receiver model);
 #   dm.profiler.profile, where a request may name data files, versions and relay buckets, is admin's.
+# * Pull grants: a sender sends a grant only to the inbox of receivers whose model may read its own
+#   (the same model, one a pair config on the board names with it, or one in its DM_SENDER_READERS),
+#   which only that receiver user can read; a receiver of another model is refused.
 # * Filling a sender's store (prefill, and generate, which captures its context) is for operators
 #   (admin) only: clients may ask receivers, nothing else.
 server_name: droidmesh

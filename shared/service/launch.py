@@ -3,13 +3,23 @@
 Used by `droidmesh demo`, the benchmarks and the system tests. Readiness is read from each
 process's own log (nats-server's "Server is ready", a service's `"event": "ready"` line), never
 guessed with sleeps; stop is SIGTERM, then SIGKILL after a grace period.
+
+Every child dies with this process, however it ends (a SIGKILL from a timeout included): each is
+started with the parent-death signal (Linux `PR_SET_PDEATHSIG`, SIGKILL). The kernel sends it when
+the *thread* that forked the child exits, not the process, so every child is forked by one
+long-lived thread (`_Spawner`), never by the caller's thread (a pool worker that retires would
+take its children along). Processes a child starts in turn are its own business.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
 import json
 import os
+import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +53,74 @@ def nats_server_binary() -> str:
     return found
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+SPAWN_TIMEOUT_S = 60.0  # a fork + exec; only a machine out of memory or processes takes long
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, resolved here in the parent: a forked child must not load or look anything up."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).prctl  # the interpreter's own libc
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_ulong], ctypes.c_int
+    return fn
+
+
+_PRCTL = _prctl()
+
+
+def dies_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child get SIGKILL when the thread forking it exits (None where
+    the platform has no parent-death signal). If the parent is already gone when it runs, the child
+    exits at once: the signal would never come."""
+    prctl, parent = _PRCTL, os.getpid()
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+class _Spawner:
+    """The one thread that forks every child (see the module docstring); it lives as long as the
+    process. A process forked from this one gets its own on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future, list[str], dict]] = queue.SimpleQueue()
+        self._pid = -1
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:  # the thread (and maybe a holder of the lock) stayed in the parent
+        self._lock, self._pid = threading.Lock(), -1
+
+    def popen(self, argv: list[str], **kwargs: object) -> subprocess.Popen:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(self._jobs,), daemon=True, name="launch-spawner").start()
+                self._pid = os.getpid()
+        job: concurrent.futures.Future[subprocess.Popen] = concurrent.futures.Future()
+        self._jobs.put((job, argv, kwargs))
+        return job.result(timeout=SPAWN_TIMEOUT_S)  # Popen returns once the child has exec'd (or raises why not)
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        while True:
+            job, argv, kwargs = jobs.get()
+            try:
+                job.set_result(subprocess.Popen(argv, preexec_fn=dies_with_parent(), **kwargs))
+            except BaseException as e:  # handed to the caller, who raises it
+                job.set_exception(e)
+
+
+_SPAWNER = _Spawner()
+
+
 class Proc:
     """A child process whose combined output is captured line by line (and kept in `lines`)."""
 
@@ -52,7 +130,7 @@ class Proc:
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
+        self.popen = _SPAWNER.popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
             start_new_session=True,
         )

@@ -103,7 +103,8 @@ def build_base(recipe: Recipe, ids: WordIds, work: Path, history: dict[str, Any]
     for i in range(len(ops), 0, -1):
         f = work / f"base-{ops_hash(recipe, i)}.pt"
         if f.is_file():
-            blob = torch.load(f, weights_only=False)
+            with torch.serialization.safe_globals([T.Arch]):  # tensors, plain data and the arch: nothing runs
+                blob = torch.load(f, weights_only=True)
             model = T.new_model(blob["arch"], ids, recipe.seed, family)
             model.load_state_dict(blob["state"])
             history.update(blob.get("history", {}))

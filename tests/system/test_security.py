@@ -46,7 +46,9 @@ def mesh(tmp_path_factory, tiny_pair):
         procs.append(start_service("profiler", {}, url, env=_user_env("profiler", passwords)))
         procs.append(start_service("cache_broker", {}, url, env=_user_env("broker", passwords)))
         procs.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [2],
-                                              "sender_id": "victim"}, url, env=_user_env(VICTIM, passwords)))
+                                              "sender_id": "victim",
+                                              # a default group: no config declares the pair
+                                              "readers": ["receiver"]}, url, env=_user_env(VICTIM, passwords)))
         procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
                                                 "default_group": [2, 4]}, url, env=_user_env(RECEIVER, passwords)))
         yield url, passwords
