@@ -104,6 +104,15 @@ def check_receiver(req: schemas.ProfileRequest, model_id: str, model_ids: set[st
                               "sender_model empty or that id")
 
 
+def check_paired(newest: schemas.RecomputeConfig | None, sender_model: str, receiver_model: str) -> None:
+    """A receiver re-profiles only a pair that already has a config: publishing one for a new pair
+    would make it a reader of that sender's cache (a config names the pair), which only an
+    operator's profile may do."""
+    if newest is None:
+        raise BadRequestError(f"no config for {sender_model} -> {receiver_model}: receivers re-profile only pairs an "
+                              "operator profiled")
+
+
 def next_version(newest: int | None, now: float) -> int:
     """The version of a config the profiler publishes for a pair whose newest one is `newest`:
     unix seconds, above `newest` (so it outranks it), never far ahead of `now`."""

@@ -43,6 +43,7 @@ async def reprofile(s: ProfilerState, model_id: str, req: schemas.ProfileRequest
     who = checks.receiver(model_id)
     checks.check_receiver(req, model_id, set(s.cfg.model_paths()), min(s.cfg.max_rows, s.cfg.reprofile_rows),
                           s.cfg.rows_bytes)
+    checks.check_paired(s.newest(req.sender_path, model_id), req.sender_path, model_id)
     async with s.admission.slot(who):
         return await _profile(s, who, req)
 

@@ -186,3 +186,11 @@ def test_a_cancelled_waiter_gives_its_place_back_and_the_next_one_runs():
         return order
 
     assert asyncio.run(run()) == ["first", "later"]
+
+
+def test_a_receiver_reprofiles_only_a_pair_that_has_a_config():
+    """Otherwise its re-profile would publish a config for a new pair, and the pair's sender would
+    then grant this receiver's model pulls of its cache."""
+    with pytest.raises(BadRequestError, match="receivers re-profile only pairs an operator profiled"):
+        checks.check_paired(None, "summ", "qa")
+    checks.check_paired(object(), "summ", "qa")  # type: ignore[arg-type]  # any config on the board
