@@ -28,6 +28,17 @@ class GatewayConfig(BusSettings):
     models_ttl_s: float = dataclasses.field(default=5.0, metadata={"help": "how long a receiver discovery is reused"})
     discovery_window_s: float = dataclasses.field(default=0.25, metadata={"help": "how long a discovery collects answers"})
     shutdown_grace_s: float = dataclasses.field(default=30.0, metadata={"help": "how long a stop waits for requests in flight"})
+    header_timeout_s: float = dataclasses.field(default=10.0, metadata={
+        "help": "how long a connection may take to send a complete request head, from its start or its previous "
+                "response (idle keep-alive connections close after it too)"})
+    body_timeout_s: float = dataclasses.field(default=30.0, metadata={"help": "how long reading a request body may take (408 after)"})
+    max_connections: int = dataclasses.field(default=512, metadata={
+        "help": "open client connections at once (kept below the descriptor limit): at the cap the longest-idle "
+                "connection is closed for a new one, or the new one gets a 503 when all have requests in flight"})
+    max_inflight_per_client: int = dataclasses.field(default=8, metadata={
+        "help": "requests one client (peer address + API key) may have in flight (429 above; 0: no limit)"})
+    max_inflight_per_peer: int = dataclasses.field(default=32, metadata={
+        "help": "requests one peer address may have in flight whatever keys it sends (429 above; 0: no limit)"})
     gateway_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: gateway-pid)"})
 
     def __post_init__(self) -> None:
@@ -36,9 +47,15 @@ class GatewayConfig(BusSettings):
             raise ConfigError(f"http_port {self.http_port} out of range")
         if not self.http_host:
             raise ConfigError("http_host must not be empty")
-        for name in ("request_timeout_s", "models_ttl_s", "discovery_window_s", "shutdown_grace_s"):
-            if getattr(self, name) <= 0:
+        for name in ("request_timeout_s", "models_ttl_s", "discovery_window_s", "shutdown_grace_s", "header_timeout_s",
+                     "body_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be positive")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be >= 1")
+        for name in ("max_inflight_per_client", "max_inflight_per_peer"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: no limit)")
         if not 1 <= self.max_body_bytes <= MAX_BODY_CEILING:
             raise ConfigError(f"max_body_bytes must be in [1, {MAX_BODY_CEILING}] (one bus message)")
         if self.max_tokens_limit < 1:

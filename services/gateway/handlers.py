@@ -10,7 +10,11 @@ echoed in the response header and every log line; the mesh is always called with
 client-chosen id must never return another request's answer. The response's `id` uses it too.
 
 Deadline: `request_timeout_s` from the config; a client may lower it (never raise it) with the
-header `x-request-timeout: <seconds>`.
+header `x-request-timeout: <seconds>`. The body must arrive within `body_timeout_s` (408).
+
+Admission: while a request runs its connection is busy (`guard.ConnectionGuard`: idle ones are
+what the connection cap closes first) and it counts against its client's in-flight limits
+(`fairness.ClientLimits`: 429 above). A response is sent in full before its connection is idle.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from droidmesh.services.gateway import openai
+from droidmesh.services.gateway import fairness, openai
 from droidmesh.services.gateway.state import GatewayState
 from droidmesh.shared.wire import schemas
 
@@ -72,10 +76,13 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     route = resource.canonical if resource is not None else "other"  # bounded label values
     began = time.monotonic()
     state.metrics.gateway_inflight.inc()
+    state.guard.busy(request.protocol)
+    peer = fairness.peer_of(request.remote)
     failure: BaseException | None = None
     with structlog.contextvars.bound_contextvars(request_id=rid):
         try:
-            resp = await handler(request)
+            with state.clients.admit(peer, fairness.key_digest(request.headers.get("authorization", ""))):
+                resp = await handler(request)
         except Exception as e:
             failure = e
             status, body = openai.to_http(e, rid)
@@ -86,6 +93,13 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
             CURRENT.reset(reset)
         if not resp.prepared:  # a stream set it before its first byte
             resp.headers["x-request-id"] = rid
+        try:  # sent in full here (aiohttp then finds it sent), so the connection is idle only after it
+            await resp.prepare(request)
+            await resp.write_eof()
+        except ConnectionResetError:
+            ctx.facts["client_gone"] = True
+        finally:
+            state.guard.idle(request.protocol)
         seconds = time.monotonic() - began
         state.metrics.gateway_requests.labels(route, str(resp.status)).inc()
         state.metrics.gateway_seconds.labels(route).observe(seconds)
@@ -117,14 +131,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, openai.parse_chat)
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:  # refuse before reading a byte of it
         raise openai.BodyTooLargeError(f"request body of {declared} bytes exceeds the limit of {limit}")
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout_s):  # a body trickled in byte by byte holds a connection no longer
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise openai.BodyTooLargeError(f"request body exceeds the limit of {limit} bytes") from None
+    except TimeoutError:
+        raise openai.BodyTimeoutError(f"the request body did not arrive within {timeout_s:g}s") from None
 
 
 def _timeout(request: web.Request, default: float) -> float:
@@ -144,7 +161,7 @@ def _timeout(request: web.Request, default: float) -> float:
 async def _generate(request: web.Request, parse: Callable[[bytes, openai.Limits], openai.MeshCall]) -> web.StreamResponse:
     state, ctx = request.app[STATE], CURRENT.get()
     facts = ctx.facts
-    call = parse(await _read_body(request, state.cfg.max_body_bytes), state.limits)
+    call = parse(await _read_body(request, state.cfg.max_body_bytes, state.cfg.body_timeout_s), state.limits)
     facts.update(model=call.model, kind=call.kind, stream=call.stream, max_new_tokens=call.max_new_tokens)
     timeout = _timeout(request, state.cfg.request_timeout_s)
     async with asyncio.timeout(timeout):  # discovery counts against the deadline too

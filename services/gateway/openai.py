@@ -26,6 +26,9 @@ from droidmesh.shared.wire import schemas
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 StopList = Annotated[list[Text], msgspec.Meta(min_length=1, max_length=4)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+# Receivers' seed range (`shared.model.sampling.MAX_SEED`, not imported: that module loads torch);
+# an unbounded JSON integer would pass decoding here and then fail the bus's msgpack encoding.
+MAX_SEED = 2**63 - 1
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -63,11 +66,23 @@ class MeshUnavailableError(ApiError):
     code = "service_unavailable"
 
 
+class RateLimitedError(ApiError):
+    """A client (or its address) already has as many requests in flight as it may (`fairness.py`)."""
+
+    code = "rate_limit_exceeded"
+
+
+class BodyTimeoutError(ApiError):
+    """The request body did not arrive within `body_timeout_s`."""
+
+    code = "request_timeout"
+
+
 # Error code -> HTTP status; every code not listed (the mesh's `internal`, ...) is a 500.
 STATUS = {
     "invalid_value": 400, "invalid_json": 400, "unsupported_parameter": 400,
     "bad_request": 400, "bad_message": 400, "schema_version": 400,  # the mesh refused the request itself
-    "model_not_found": 404, "request_too_large": 413,
+    "model_not_found": 404, "request_timeout": 408, "request_too_large": 413, "rate_limit_exceeded": 429,
     "service_unavailable": 503, "overloaded": 503,  # a receiver shedding load: retry later (not a server fault)
     "deadline_exceeded": 504,
 }
@@ -108,7 +123,7 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
     stop: Text | StopList | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -215,11 +230,28 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
+def _fits_bus(call: MeshCall) -> MeshCall:
+    """`call` as the bus will carry it (a GenerateRequest) must encode within one message: a value
+    that passed every check above but not msgpack is a 400 now, never a 500 from the mesh client."""
+    probe = schemas.GenerateRequest(request_id="", context=call.context, question=call.question,
+                                    max_new_tokens=call.max_new_tokens, sampling=call.sampling, chat=call.chat)
+    try:
+        size = len(schemas.encode(probe))
+    except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+        raise InvalidRequestError(f"a request field cannot be carried to the mesh: {str(e).splitlines()[0][:200]}") from None
+    if size > schemas.MAX_MESSAGE_BYTES - BUS_ENVELOPE_BYTES:
+        raise BodyTooLargeError(f"the request is {size} bytes on the bus, over its {schemas.MAX_MESSAGE_BYTES}-byte messages")
+    return call
+
+
+BUS_ENVELOPE_BYTES = 1024  # what the mesh client adds to the probe (request id, deadline, stream inbox)
+
+
 def parse_completion(body: bytes, limits: Limits) -> MeshCall:
     """POST /v1/completions: the prompt is sent as the context (question empty)."""
     req = _decode(body, CompletionRequest)
-    return MeshCall(kind="completion", context=req.prompt, question="", chat=None,
-                    **_common(req, limits, req.max_tokens, "max_tokens"))
+    return _fits_bus(MeshCall(kind="completion", context=req.prompt, question="", chat=None,
+                              **_common(req, limits, req.max_tokens, "max_tokens")))
 
 
 def parse_chat(body: bytes, limits: Limits) -> MeshCall:
@@ -230,7 +262,7 @@ def parse_chat(body: bytes, limits: Limits) -> MeshCall:
             for m in req.messages]
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return MeshCall(kind="chat", context="", question="", chat=chat, **_common(req, limits, limit, param))
+    return _fits_bus(MeshCall(kind="chat", context="", question="", chat=chat, **_common(req, limits, limit, param)))
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -5,7 +5,12 @@ server and no second loop or thread, so a handler awaits the mesh client directl
 runtime's lifecycle (signals, health, drain) covers the API as it does every other service.
 The API listens on `http_host:http_port`; /livez /readyz /metrics stay on the metrics port.
 
-Start: connect -> the mesh client -> listen (port 0: any free one, logged in `gateway_started`).
+Start: listen (port 0: any free one, logged in `gateway_started`) -> join the mesh in the
+background. The port answers before NATS does: until the gateway's connection is up (nats-py
+retries every 0.5 s, forever) every request that needs the mesh is a one-line 503, never a
+refused connection; `gateway_mesh_joined` is logged once it is up.
+The API listens through `guard.py` (its own accept loop, the connection cap) with aiohttp's
+keep-alive timeout set to `header_timeout_s` (the head deadline, see `guard.py`).
 Stop: not ready -> `withdraw()` stops listening and lets requests in flight finish (up to
 `shutdown_grace_s`) while the bus is still open -> the bus drains. The gateway imports no torch.
 """
@@ -18,12 +23,14 @@ import structlog
 from aiohttp import web
 from droidmesh.services.gateway import handlers
 from droidmesh.services.gateway.config import GatewayConfig
-from droidmesh.services.gateway.state import GatewayState, Mesh
+from droidmesh.services.gateway.guard import ConnectionGuard, GuardedSite, connection_cap
+from droidmesh.services.gateway.state import NOT_CONNECTED, GatewayState, Mesh
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.runtime import ServiceRuntime
 
 log = structlog.get_logger("gateway")
+LINGER_S = 1.0  # aiohttp's default (10 s) would let a refused body trickle on that long
 
 
 class GatewayService(ServiceRuntime[GatewayConfig]):
@@ -38,18 +45,37 @@ class GatewayService(ServiceRuntime[GatewayConfig]):
 
     async def start(self) -> None:
         cfg = self.cfg
-        bus = await self.connect()
-        nc: Any = getattr(bus, "nc", None)  # a NatsBus: requests fail fast (503) while it reconnects
-        self.state = GatewayState(cfg, self._client or MeshClient(bus), self.metrics,
-                                  mesh_up=(lambda: nc.is_connected) if nc is not None else (lambda: True))
+        cap = connection_cap(cfg.max_connections)
+        self.state = state = GatewayState(cfg, NOT_CONNECTED, self.metrics, mesh_up=lambda: False,
+                                          guard=ConnectionGuard(cap))
         self.phase = "listening"
-        # access_log off: the middleware writes one canonical line per request instead.
-        self._runner = web.AppRunner(handlers.make_app(self.state), access_log=None, shutdown_timeout=cfg.shutdown_grace_s)
+        # access_log off: the middleware writes one canonical line per request instead. The
+        # keep-alive timeout also bounds a connection that never completes a request head;
+        # lingering: how long a refused request's unread body may still be drained.
+        self._runner = web.AppRunner(handlers.make_app(state), access_log=None, shutdown_timeout=cfg.shutdown_grace_s,
+                                     keepalive_timeout=cfg.header_timeout_s, lingering_time=LINGER_S)
         await self._runner.setup()
-        await web.TCPSite(self._runner, cfg.http_host, cfg.http_port).start()
+        await GuardedSite(self._runner, cfg.http_host, cfg.http_port, state.guard).start()
         self.http_port = self._runner.addresses[0][1]
         log.info("gateway_started", gateway_id=cfg.gateway_id, http_host=cfg.http_host, http_port=self.http_port,
-                 max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)
+                 max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit, max_connections=cap,
+                 header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
+                 max_inflight_per_client=cfg.max_inflight_per_client, max_inflight_per_peer=cfg.max_inflight_per_peer)
+        if self._given_bus is not None:  # in-process wiring (tests): the mesh is there already
+            await self._join_mesh()
+        else:
+            self.tasks.spawn(self._join_mesh(), "join-mesh")
+
+    async def _join_mesh(self) -> None:
+        """Connect (the runtime's `connect`, retried until NATS answers), then serve through it."""
+        bus = await self.connect()
+        nc: Any = getattr(bus, "nc", None)  # a NatsBus: requests fail fast (503) while it reconnects
+        assert self.state is not None  # set before this runs
+        self.state.client = self._client or MeshClient(bus)
+        self.state.mesh_up = (lambda: nc.is_connected) if nc is not None else (lambda: True)
+        if self._started:
+            self.phase = "serving"  # `connect` named its own phase meanwhile
+        log.info("gateway_mesh_joined")
 
     async def withdraw(self) -> None:
         if self._runner is not None:

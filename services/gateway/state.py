@@ -1,5 +1,7 @@
-"""What the gateway's handlers share (`GatewayState`): config, the mesh client, metrics and the
-receiver models discovered, apart from the service that builds it (`service.py`)."""
+"""What the gateway's handlers share (`GatewayState`): config, the mesh client, metrics, the
+receiver models discovered and the admission state (connections, per-client limits), apart from
+the service that builds it (`service.py`). Until the service has joined the mesh, `client` is
+`NOT_CONNECTED` and `mesh_up()` is false: every request that needs the mesh is a 503."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Protocol
 
 from droidmesh.services.gateway import openai
 from droidmesh.services.gateway.config import GatewayConfig
+from droidmesh.services.gateway.fairness import ClientLimits
+from droidmesh.services.gateway.guard import ConnectionGuard
 from droidmesh.shared.mesh import discovery
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas
@@ -33,10 +37,34 @@ class Mesh(Protocol):
     async def receivers(self, window_s: float = ...) -> list[discovery.ReceiverModel]: ...
 
 
+class _NotConnected:
+    """The mesh before the gateway has joined it: never reached (`mesh_up()` is false), but a
+    request that got past the check meanwhile fails as the mesh being unavailable."""
+
+    def _down(self) -> openai.MeshUnavailableError:
+        return openai.MeshUnavailableError("the mesh's control plane (NATS) is not connected yet")
+
+    async def ask(self, *args: object, **kwargs: object) -> schemas.GenerateReply:
+        raise self._down()
+
+    async def stream(self, *args: object, **kwargs: object) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]:
+        raise self._down()
+        yield  # an async generator, as MeshClient.stream is
+
+    async def receivers(self, window_s: float = 0.5) -> list[discovery.ReceiverModel]:
+        raise self._down()
+
+
+NOT_CONNECTED: Mesh = _NotConnected()
+
+
 class GatewayState:
-    def __init__(self, cfg: GatewayConfig, client: Mesh, metrics: Metrics, mesh_up: Callable[[], bool] = lambda: True):
+    def __init__(self, cfg: GatewayConfig, client: Mesh, metrics: Metrics, mesh_up: Callable[[], bool] = lambda: True,
+                 guard: ConnectionGuard | None = None):
         self.cfg, self.client, self.metrics, self.mesh_up = cfg, client, metrics, mesh_up
         self.limits = openai.Limits(cfg.default_max_tokens, cfg.max_tokens_limit)
+        self.guard = guard or ConnectionGuard(cfg.max_connections)  # the service's, when it listens through one
+        self.clients = ClientLimits(cfg.max_inflight_per_client, cfg.max_inflight_per_peer)
         self.first_seen: dict[str, int] = {}  # model id -> unix time first discovered ("created")
         self._models: list[discovery.ReceiverModel] = []
         self._fetched: float | None = None  # monotonic time of the last discovery

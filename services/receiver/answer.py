@@ -11,7 +11,9 @@ tried is fixed:
      first token falls back, one after it fails the request (chunks may be out);
   3. `_try_translate`: when the lookup left no holder (a miss, or one skipped), a translated pair's;
   4. `_own_prefill`: whatever is left, the receiver's own full prefill;
-then `reply.finish` records, feeds the audit and builds the reply.
+then `reply.finish` records, feeds the audit and builds the reply. A streamed request whose
+listener left meanwhile (`answer_stream.ListenerWatch`) stopped decoding early: it is recorded
+and logged as cancelled, then fails `client_gone` instead of being answered.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 from droidmesh.services.receiver import holders, relay_watch, reply
+from droidmesh.services.receiver.answer_stream import ClientGoneError
 from droidmesh.services.receiver.checks import check_deadline
 from droidmesh.shared.errors import ReuseError
 from droidmesh.shared.kv import policy
@@ -90,7 +93,11 @@ async def answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[in
         await _try_translate(s, job, served)
     gen = served.gen if served.gen is not None else await _own_prefill(s, job, served)
     text = await stream.close()  # every chunk is published before the reply goes out
-    return reply.finish(s, job, route, served, gen, text)
+    out = reply.finish(s, job, route, served, gen, text)
+    if stream.gone:  # logged as cancelled above; no answer is remembered for a retry to share
+        raise ClientGoneError(f"the stream's listener left; decoding stopped after {len(gen.tokens)} of "
+                              f"{req.max_new_tokens} tokens")
+    return out
 
 
 async def _route(s: ReceiverState, job: Job) -> Route:

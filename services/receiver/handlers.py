@@ -5,7 +5,8 @@
 (`answer.py`). `on_config` (the config board) keeps the newest recompute config per sender model
 and fetches the codec maps it names; `on_available` (availability events) warms bulk channels.
 Nothing here blocks the loop but `checks.prompt_ids`, which tokenizes a prompt bounded by
-`max_prompt_chars`; the rest awaits the bus, the maps bucket and the torch thread.
+`max_prompt_chars` and `checks.check_room` (one the model's positions could not hold is refused
+before tokenizing); the rest awaits the bus, the maps bucket and the torch thread.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from typing import TYPE_CHECKING
 import structlog
 from droidmesh.services.receiver import answer
 from droidmesh.services.receiver.answer_stream import AnswerStream
-from droidmesh.services.receiver.checks import check, check_deadline, check_positions, deadline_of, prompt_ids
+from droidmesh.services.receiver.checks import (
+    check,
+    check_deadline,
+    check_positions,
+    check_room,
+    deadline_of,
+    prompt_chars,
+    prompt_ids,
+)
 from droidmesh.shared.errors import DroidMeshError, OverloadedError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.mesh import maps_store
@@ -71,9 +80,10 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest, arrived: flo
     deadline = deadline_of(req, arrived, s.cfg.request_timeout_s)
     check_deadline(deadline, "before start")
     check(req, s.cfg)
+    check_room(s.model, prompt_chars(req), req.max_new_tokens)  # before tokenizing: O(1)
     prompt = prompt_ids(s.model.tokenizer, req)
     check_positions(s.model, len(prompt), req.max_new_tokens)
-    stream = AnswerStream(s.bus, s.model.tokenizer, req)
+    stream = AnswerStream(s.bus, s.model.tokenizer, req, s.listeners)
     try:
         return await answer.answer(s, req, prompt, stream, deadline, t0)
     finally:

@@ -85,7 +85,7 @@ def _feed_audit(s: ReceiverState, job: Job, route: Route, served: Served, gen: G
     s.queue_wait.observe(served.held)
     relay_watch.calibrate(s, route.decision, path, holder, ttft_ms / 1e3 - waited)
     relay_watch.count_relay(s, route.decision, route.assignment, path, route.online, ttft_ms / 1e3)
-    shadowed = (route.assignment in ("treatment", "blind") and path in ("partial", "full_reuse")
+    shadowed = (route.assignment in ("treatment", "blind") and path in ("partial", "full_reuse") and not job.stream.gone
                 and s.cfg.shadow_share > 0 and req.sampling.temperature == 0 and s.rng.random() < s.cfg.shadow_share)
     if shadowed:
         s.background(relay_watch.shadow(s, req.request_id, holder.model_id if holder else "", req.context,
@@ -106,7 +106,8 @@ def _log_request(s: ReceiverState, job: Job, route: Route, served: Served, gen: 
              context_tokens=len(holder.token_ids) if holder else 0, queued=online.queued,
              topology=_topology(holder) if holder else None,
              prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=served.bytes_pulled,
-             new_tokens=len(gen.tokens), finish_reason=summary.finish, chunks=job.stream.published,
+             new_tokens=len(gen.tokens), max_new_tokens=job.req.max_new_tokens, cancelled=job.stream.gone,
+             finish_reason=summary.finish, chunks=job.stream.published,
              chunk_failures=job.stream.failed, ttft_ms=round(summary.ttft_ms, 3), stages_ms=summary.stages_ms)
 
 

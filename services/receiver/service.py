@@ -13,6 +13,7 @@ import functools
 
 import structlog
 from droidmesh.services.receiver import handlers
+from droidmesh.services.receiver.answer_stream import ListenerWatch
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import load_translators
 from droidmesh.services.receiver.state import ReceiverState
@@ -42,6 +43,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
                                               name=cfg.model_id)
         bus = await self.connect()
         s = self.state = ReceiverState(cfg, bus, model, sha256, self.run_torch, self.tasks, self.metrics)
+        s.listeners = await ListenerWatch.open(bus)  # streams whose client left stop decoding
         s.translations, s.translator_failures = await load_translators(cfg.translators, bus.maps_store(), model, sha256,
                                                                        cfg.lookup_timeout_s * 20)
         for why in s.translator_failures:

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+from droidmesh.services.receiver.answer_stream import ListenerWatch
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import Translation
@@ -63,6 +64,7 @@ class ReceiverState:
         # shares the first copy's answer; another request reusing a known id gets its own.
         self.replies: OrderedDict[tuple[str, bytes], asyncio.Future] = OrderedDict()
         self.breaker = Breaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
+        self.listeners: ListenerWatch | None = None  # set by the service once connected (None: in-process bus)
 
     def remember(self, key: tuple[str, bytes], fut: asyncio.Future, keep: int = 4096) -> None:
         self.replies[key] = fut

@@ -91,7 +91,13 @@ class MeshClient:
         Chunks ride a fresh inbox; the reply rides the request's own inbox. The receiver publishes
         every chunk before its reply over one connection, and NATS keeps one publisher's order, so
         when the reply is in, every chunk has been delivered into this inbox: draining what is
-        pending then loses none, without waiting."""
+        pending then loses none, without waiting.
+
+        Closing the iterator early (or losing the connection) unsubscribes the inbox, and that is
+        what cancels the request: the receiver publishes each chunk with a reply subject of its
+        own, NATS answers a chunk nobody receives with "no responders", and the receiver stops
+        decoding there (`services/receiver/answer_stream.py`). No cancel message is needed, so a
+        client that died mid-stream cancels too."""
         inbox = await _Inbox.open(self.bus)
         try:
             req = self._generate_request(context, question, max_new_tokens=max_new_tokens, mode=mode,
