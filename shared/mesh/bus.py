@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ EventHandler = Callable[[bytes], Coroutine[Any, Any, None]]
 SubjectHandler = Callable[[str, bytes], Coroutine[Any, Any, None]]
 
 log = structlog.get_logger("bus")
+ERROR_LOG_EVERY_S = 10.0  # at most one nats_error line this often (the rest are counted)
 
 
 class Bus(Protocol):
@@ -78,8 +80,17 @@ class NatsBus:
                 at["server"] = f"{now.hostname}:{now.port}"  # never the credentials a URL may carry
             return at.get("server", "?")
 
+        errors = {"last": 0.0, "skipped": 0}
+
         async def on_error(e: Exception) -> None:
-            log.warning("nats_error", error=str(e))
+            # while NATS is down the client retries every reconnect_time_wait and reports each
+            # failure: one line per ERROR_LOG_EVERY_S, with how many were left out
+            now = time.monotonic()
+            if now - errors["last"] < ERROR_LOG_EVERY_S:
+                errors["skipped"] += 1
+                return
+            log.warning("nats_error", error=str(e), skipped=errors["skipped"])
+            errors["last"], errors["skipped"] = now, 0
 
         async def on_disconnected() -> None:
             if "nc" in at and not at["nc"].is_closed:  # lost, not closed by its owner
