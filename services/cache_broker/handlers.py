@@ -1,10 +1,13 @@
 """Broker handlers: one function per subject, all on the event loop (the index is in memory).
 
 Sender events arrive on per-sender subjects (`dm.cache.<kind>.<sender>`); NATS permissions pin a
-sender's user to its own token, and `on_sender_event` refuses an event whose `sender_id` is not
-the subject's, so no principal can announce, refresh or withdraw another sender's contexts. A
-refused event (forged, malformed, another schema version, over a cap) raises an alarm
-(`dm_control_rejected_total`) and a log line; nothing a message says reaches past this module.
+sender's user to its own token, and every event whose `sender_id` is not the subject's is
+refused, so no principal can announce, refresh or withdraw another sender's contexts. A refused
+event (forged, malformed, another schema version, over a cap) raises an alarm
+(`dm_control_rejected_total`) and a log line (one per kind and reason an interval: a flood of
+refused events must not become a flood of log lines); nothing a message says reaches past this
+module. How much of the loop each sender's events get is `intake.py`'s business; these functions
+handle one event each.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import structlog
+from droidmesh.services.cache_broker.budget import LogThrottle
 from droidmesh.services.cache_broker.index import CacheIndex, Refused
 from droidmesh.shared.errors import BadRequestError, DroidMeshError
 from droidmesh.shared.service.metrics import alarm
@@ -19,47 +23,72 @@ from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("broker")
 
-_KINDS: dict[str, type[schemas.CacheAvailable | schemas.CacheEvicted | schemas.SenderHeartbeat]] = {
+SenderMessage = schemas.CacheAvailable | schemas.CacheEvicted | schemas.SenderHeartbeat
+_KINDS: dict[str, type[SenderMessage]] = {
     "available": schemas.CacheAvailable, "evicted": schemas.CacheEvicted, "heartbeat": schemas.SenderHeartbeat}
+REFUSAL_LOG_S = 10.0
+_refusals = LogThrottle(REFUSAL_LOG_S)
 
 
 def _refuse(kind: str, reason: str, detail: str) -> None:
     alarm(kind, reason)
-    log.warning("event_refused", kind=kind, reason=reason, detail=detail[:200])
+    if events := _refusals.due((kind, reason)):
+        log.warning("event_refused", kind=kind, reason=reason, detail=detail[:200], events=events,
+                    interval_s=REFUSAL_LOG_S)
 
 
 Hello = Callable[[str], Awaitable[None]]  # ask one sender to re-announce its contexts
 
 
-async def on_sender_event(index: CacheIndex, hello: Hello, subject: str, data: bytes) -> None:
-    """An event on `dm.cache.<kind>.<sender>`: decode, check the speaker, apply. Never raises."""
+def event_kind(subject: str) -> str:
+    """`available`, `evicted` or `heartbeat` for a sender event subject; "" for any other."""
     parts = subject.split(".")
-    kind = parts[2] if len(parts) == 4 else ""
-    if kind not in _KINDS:
-        return _refuse("cache.event", "bad_subject", subject)
+    return parts[2] if len(parts) == 4 and parts[2] in _KINDS else ""
+
+
+def _decode(subject: str, data: bytes) -> SenderMessage | None:
+    """The event on `subject`, if well-formed and spoken by the subject's sender (else refused)."""
+    kind = event_kind(subject)
+    if not kind:
+        _refuse("cache.event", "bad_subject", subject)
+        return None
     try:
         msg = schemas.decode(data, _KINDS[kind])
     except DroidMeshError as e:
-        return _refuse(f"cache.{kind}", e.code, str(e))
+        _refuse(f"cache.{kind}", e.code, str(e))
+        return None
     if subjects.sender_token(subject) != subjects.model_token(msg.sender_id):
-        return _refuse(f"cache.{kind}", "forged_sender", f"{msg.sender_id!r} on {subject}")
+        _refuse(f"cache.{kind}", "forged_sender", f"{msg.sender_id!r} on {subject}")
+        return None
+    return msg
+
+
+def apply_sender_event(index: CacheIndex, subject: str, data: bytes) -> int:
+    """An availability or eviction event on `dm.cache.<kind>.<sender>`: decode, check the speaker,
+    apply. Never raises, never suspends. Returns how many of the sender's holders went to keep it
+    within its byte budget."""
+    msg = _decode(subject, data)
     try:
         if isinstance(msg, schemas.CacheAvailable):
-            await on_available(index, msg)
-        elif isinstance(msg, schemas.CacheEvicted):
-            await on_evicted(index, msg)
-        else:
-            await on_heartbeat(index, hello, msg)
+            return index.add(msg)
+        if isinstance(msg, schemas.CacheEvicted):
+            index.remove(msg.sender_id, msg.context_id)
     except Refused as e:
-        _refuse(f"cache.{kind}", e.reason, str(e))
+        _refuse(f"cache.{event_kind(subject)}", e.reason, str(e))
+    return 0
 
 
-async def on_available(index: CacheIndex, ev: schemas.CacheAvailable) -> None:
-    index.add(ev)
-
-
-async def on_evicted(index: CacheIndex, ev: schemas.CacheEvicted) -> None:
-    index.remove(ev.sender_id, ev.context_id)
+async def on_sender_event(index: CacheIndex, hello: Hello, subject: str, data: bytes) -> None:
+    """Any event on `dm.cache.<kind>.<sender>`, handled now, whatever its sender's budget. Never raises."""
+    if event_kind(subject) != "heartbeat":
+        apply_sender_event(index, subject, data)
+        return
+    msg = _decode(subject, data)
+    if isinstance(msg, schemas.SenderHeartbeat):
+        try:
+            await on_heartbeat(index, hello, msg)
+        except Refused as e:
+            _refuse("cache.heartbeat", e.reason, str(e))
 
 
 async def on_heartbeat(index: CacheIndex, hello: Hello, hb: schemas.SenderHeartbeat) -> None:

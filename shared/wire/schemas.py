@@ -275,7 +275,10 @@ class ProfileRow(msgspec.Struct):
 
 
 class ProfileRequest(Message, tag="profile.request"):
-    """Profile a pair offline and publish its config (checkpoint paths local to the profiler)."""
+    """Profile a pair offline and publish its config (checkpoint paths local to the profiler).
+    Operators may set every field; a receiver's re-profile (its own subject) only the pair's model
+    ids, task, row counts, granularity, tolerance, rows and sha256s, with exhaustive false
+    (services/profiler/checks.py)."""
 
     request_id: str
     sender_path: str
@@ -288,15 +291,15 @@ class ProfileRequest(Message, tag="profile.request"):
     granularity: int = 2
     tolerance: float = 0.05
     exhaustive: bool = True
-    data_train: str | None = None  # LongBench-style JSONL instead of the zoo's generated split
+    data_train: str | None = None  # LongBench-style JSONL instead of the zoo's generated split: a file under the profiler's data root
     data_test: str | None = None
-    version: int = 0  # 0: a time-based version
-    other_tasks: list[str] | None = None  # robustness check tasks (None: every other zoo task)
+    version: int = 0  # 0: the profiler picks one (unix seconds, above the pair's newest); never far ahead of its clock
+    other_tasks: list[str] | None = None  # robustness check tasks or data files (None: every other zoo task)
     transfer: bool = False  # also search codecs / SCD maps (shared/profiling/transfer.py); maps published too
     rows: list[ProfileRow] = []  # profile on these (split in two) instead of the task's rows or files
     sender_sha256: str = ""  # the weights the asker holds a config for: a profiler with others refuses ("": any)
     receiver_sha256: str = ""
-    relay: list[RelayBucket] = []  # the audit's verdicts the new config keeps (a re-profile carries its config's)
+    relay: list[RelayBucket] = []  # the audit's verdicts the new config gets (a re-profile keeps its pair's newest config's)
 
 
 class ProfileReply(Message, tag="profile.reply"):
