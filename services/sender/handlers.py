@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from droidmesh.services.sender.state import SenderState
 
 log = structlog.get_logger("sender")
+REANNOUNCE_GAP_S = 0.01  # 100 events/s: half the broker's default sender_events_per_s
 
 
 async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, CapturedContext]:
@@ -157,6 +159,9 @@ async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:
         return
     for cid, captured in s.store.items():
         await announce(s, cid, captured)
+        # paced under the broker's per-sender event budget, so a large store is indexed whole
+        # instead of overflowing the queue the broker keeps for an over-budget sender
+        await asyncio.sleep(REANNOUNCE_GAP_S)
     log.info("reannounced", broker_id=msg.broker_id, contexts=len(s.store.ids()))
 
 
