@@ -92,7 +92,8 @@ class TransferError(ReuseError):
 
 
 class IntegrityError(ReuseError):
-    """A transferred tensor's checksum, shape or dtype did not match its header."""
+    """A transferred tensor's checksum, shape or dtype did not match its header, a value is not
+    finite or out of range, or it fails the receiver's statistics screen (`shared/kv/screen.py`)."""
 
     code = "integrity"
 

@@ -40,6 +40,10 @@ class ReceiverConfig(BusSettings):
         default=3, metadata={"help": "consecutive failed pulls from one sender that open its circuit (no pulls from it for a cool-down)"})
     breaker_cooldown_s: float = dataclasses.field(
         default=10.0, metadata={"help": "how long an open circuit skips its sender before one request probes it again"})
+    kv_screen: bool = dataclasses.field(default=True, metadata={
+        "help": "screen every pulled K/V/E against this model's own statistics, measured once on a fixed text "
+                "(per tensor its scale and common offset, per request the offsets' direction): a failure makes the "
+                "request fall back (reason 'integrity: screen: ...'); off: only the range checks"})
     shadow_share: float = dataclasses.field(default=0.0, metadata={
         "help": "randomized audit: share of relayed greedy requests also answered by full prefill when the receiver "
                 "is idle, off the critical path; the token agreement is logged (event 'shadow')"})

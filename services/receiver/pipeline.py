@@ -12,6 +12,11 @@ included (stalled pulls hold slots only until their own timeout, and full-prefil
 none), and by the request's `deadline`: a step still queued for the torch thread when it passes is
 dropped (`DeadlineExceededError`), and decoding stops there.
 
+Every tensor the engine reads from a pull is screened (`shared/kv/screen.py`, unless the
+`kv_screen` knob is off) against this receiver's own statistics, built once on first use (or at
+start: `screen_for`): finite garbage (zeros, sign-flipped, noise at the right scale) fails it
+with an `IntegrityError`, so the request falls back like any other integrity failure.
+
 `translate_generate` is the same pull-while-computing for a translated pair: it pulls the source
 model's E at the layers the translator reads (into buffers shaped by the source's fingerprint,
 `ForeignLayout`), and the engine reads a `TranslatedSource` over them, so each target layer is
@@ -25,16 +30,19 @@ import asyncio
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, MissingLayerError, ReuseError, TransferError
 from droidmesh.shared.kv import translate
 from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Decision
-from droidmesh.shared.kv.sources import ArrivingSource, Steps
+from droidmesh.shared.kv.screen import Screen, ScreenedSource
+from droidmesh.shared.kv.sources import ArrivingSource, LayerSource, Steps
 from droidmesh.shared.kv.translate import TranslatedSource, Translator, TranslatorMismatchError, align
 from droidmesh.shared.mesh.maps_store import MapsStore
 from droidmesh.shared.model import text
@@ -58,6 +66,11 @@ from droidmesh.shared.wire.schemas import PullItem
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.state import ReceiverState
+
+log = structlog.get_logger("receiver")
+# Each receiver's screen, built once on the torch thread (one capturing prefill of
+# screen.REFERENCE_TEXT); concurrent first requests await the same build.
+_screens: weakref.WeakKeyDictionary[ReceiverState, asyncio.Task[Screen | None]] = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,10 +148,37 @@ async def reuse_generate(
     model, plan = s.model, decision.plan
     source = source_for(holder, prompt)  # only the prefix this prompt reuses is pulled
     require_compatible(source.fingerprint, model.fingerprint)
-    steps = generate_steps(model, prompt, plan, source, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
+    items = pull_items(plan, model.num_layers)
+    screen = await screen_for(s)
+    read: LayerSource = source if screen is None else ScreenedSource(
+        source, screen, model, [(i.kind, i.layer) for i in items], plan.patch)
+    steps = generate_steps(model, prompt, plan, read, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
                            timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline)
-    return await _pull_and_run(s, holder, pull_items(plan, model.num_layers), model, source, source, steps, timeout_s,
-                               deadline, decision.codec, decision.codec_params)
+    return await _pull_and_run(s, holder, items, model, source, source, steps, timeout_s, deadline, decision.codec,
+                               decision.codec_params)
+
+
+async def screen_for(s: ReceiverState) -> Screen | None:
+    """This receiver's KV screen (None: the `kv_screen` knob is off, or the model has no tokenizer
+    to build the reference with; pulled tensors then get only the range checks). Built once, on
+    the torch thread; a build that failed is tried again by the next request."""
+    if not s.cfg.kv_screen:
+        return None
+    task = _screens.get(s)
+    if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+        task = _screens[s] = asyncio.get_running_loop().create_task(_build_screen(s))
+    return await asyncio.shield(task)  # a request that gives up leaves the build running for the next
+
+
+async def _build_screen(s: ReceiverState) -> Screen | None:
+    t0 = time.perf_counter()
+    screen: Screen | None = await s.run_torch(Screen.of_model, s.model)
+    if screen is None:
+        log.warning("kv_screen_unavailable", reason=f"{s.model.name} has no tokenizer to build the reference with")
+    else:
+        log.info("kv_screen_ready", ms=round((time.perf_counter() - t0) * 1e3, 1), no_direction_test=screen.coverage(),
+                 structure_test_from_tokens=screen.structure_tokens())
+    return screen
 
 
 async def translate_generate(

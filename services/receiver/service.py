@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import structlog
-from droidmesh.services.receiver import handlers
+from droidmesh.services.receiver import handlers, pipeline
 from droidmesh.services.receiver.answer_stream import ListenerWatch
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import load_translators
@@ -48,6 +48,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
                                                                        cfg.lookup_timeout_s * 20)
         for why in s.translator_failures:
             log.warning("translator_unavailable", reason=why)
+        await pipeline.screen_for(s)  # the KV screen's reference, built before the first request waits on it
         board = self._board or bus.config_board()
         self.tasks.supervise("config-watch", lambda: board.watch(functools.partial(handlers.on_config, s)))
         await bus.subscribe(subjects.CACHE_AVAILABLE_ALL, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))
