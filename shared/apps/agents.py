@@ -20,7 +20,9 @@ and shadows relayed answers, and writes one `request` line per request into `--l
 `droidmesh audit --logs DIR` reads. Rows enter one at a time (`rate` None) or as Poisson
 arrivals at `rate` rows per second (`bench load --workload agents`: several rows in flight).
 The mesh (nats-server, broker, a sender per model, the `qa` and `code` receivers, the committed
-profiles published) is started here and stopped at the end, as `droidmesh demo` does.
+profiles published) is started here and stopped at the end, as `droidmesh demo` does, under the
+same per-role NATS users: the pipeline itself (prefills, the planner's generate, the work
+subjects) runs as an operator (admin), the agents' questions as a client.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from droidmesh.shared.apps.demo import THREADS, start_control_plane
+from droidmesh.shared.apps.demo import THREADS, connect_as, start_control_plane, start_sender
 from droidmesh.shared.bench.output import format_table
-from droidmesh.shared.mesh.client import MeshClient, MeshError
+from droidmesh.shared.mesh.client import MeshError
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user
 from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.service.launch import Proc, start_service
 from droidmesh.shared.tasks.scorer import score_text
@@ -90,19 +93,19 @@ def prompt(agent: Agent, work: dict[str, Any]) -> tuple[str, str]:
     return rewrite(base, agent.keep, insert), agent.question if agent.question is not None else work["question"]
 
 
-async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], None], rate: float | None = None,
-                    seed: int = 0) -> list[dict[str, Any]]:
+async def _pipeline(access: MeshAccess, rows: list[dict[str, Any]], say: Callable[[str], None],
+                    rate: float | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Run every row through the planner and the agents over NATS subjects; one record per
     receiver request. `rate` None: one row in flight; else Poisson arrivals at `rate` per second."""
     spec = task_spec(TASK)
-    client = await MeshClient.connect(url)
+    ops, client = await connect_as(access, "admin", "client")
     records: list[dict[str, Any]] = []
     done: asyncio.Queue[int | BaseException] = asyncio.Queue()  # a finished row, or what broke a work item
     inbox: dict[str, asyncio.Queue[dict[str, Any]]] = {a.name: asyncio.Queue() for a in AGENTS}
     running: set[asyncio.Task[None]] = set()
 
     for a in AGENTS:
-        await client.bus.subscribe(subjects.agent_work(a.name), functools.partial(_deliver, inbox[a.name]))
+        await ops.bus.subscribe(subjects.agent_work(a.name), functools.partial(_deliver, inbox[a.name]))
 
     async def handle(agent: Agent, work: dict[str, Any]) -> None:
         context, question = prompt(agent, work)
@@ -120,7 +123,7 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
                           prompt_tokens=r.prompt_tokens, quality=quality, reason=r.fallback_reason)
             answer, output = r.text, context + question + r.text
             try:  # the output is held by the agent's own model's sender before the next agent reads it
-                await client.prefill(agent.model, output, timeout=120)
+                await ops.prefill(agent.model, output, timeout=120)
             except (MeshError, TimeoutError) as e:  # the answer stands; the next agent finds no holder
                 record["hold_error"] = str(e)
                 say(f"  row {work['row'] + 1}: {agent.name}'s output not held: {e}")
@@ -131,7 +134,7 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
         if i + 1 == len(AGENTS):
             await done.put(work["row"])
         else:
-            await client.bus.publish(subjects.agent_work(AGENTS[i + 1].name), json.dumps(work).encode())
+            await ops.bus.publish(subjects.agent_work(AGENTS[i + 1].name), json.dumps(work).encode())
 
     def finished(task: asyncio.Task[None]) -> None:
         running.discard(task)
@@ -152,7 +155,7 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
         """The planner: the sender answers over C, capturing it; then the work goes to the first
         agent. A planner that fails ends its row (the agents would find nothing held)."""
         try:
-            await client.sender_generate("base", row["context"], row["input"], max_new_tokens=spec.max_new_tokens)
+            await ops.sender_generate("base", row["context"], row["input"], max_new_tokens=spec.max_new_tokens)
         except (MeshError, TimeoutError) as e:
             records.append({"row": i, "agent": "planner", "model": "base", "rate": rate, "path": "error",
                             "reason": str(e)})
@@ -161,7 +164,7 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
             return
         work = {"row": i, "context": row["context"], "question": row["input"], "answers": row["answers"],
                 "answers_by": {}, "outputs": {}}
-        await client.bus.publish(subjects.agent_work(AGENTS[0].name), json.dumps(work).encode())
+        await ops.bus.publish(subjects.agent_work(AGENTS[0].name), json.dumps(work).encode())
 
     def start(coro: Coroutine[Any, Any, None]) -> None:
         """A supervised task: cancelled with the run; a bug in it ends the run (through `done`)."""
@@ -187,11 +190,13 @@ async def _pipeline(url: str, rows: list[dict[str, Any]], say: Callable[[str], N
             t.cancel()
         await asyncio.gather(*tasks, *running, return_exceptions=True)
         await client.close()
+        await ops.close()
     return records
 
 
 def _sender_model(sender_id: str | None) -> str | None:
-    """The model of a holder's sender id (`<model>-<pid>`, the senders' default here)."""
+    """The model of a holder's sender id: `<model>` here (`start_sender`), or `<model>-<pid>`
+    (a sender's default id)."""
     return sender_id.rsplit("-", 1)[0] if sender_id else None
 
 
@@ -255,24 +260,27 @@ def run_agents(models: dict[str, ModelRef], profiles: dict[str, dict[str, Any]],
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
-        url = start_control_plane(PAIRS, models, profiles, log_dir, procs, relay)
+        receivers = sorted({a.model for a in AGENTS})
+        access = start_control_plane(PAIRS, models, profiles, log_dir, procs, relay, Roster.local(MODELS, receivers))
         starts = sorted({profiles[p.id]["chosen"]["start"] for p in PAIRS if p.id in profiles} | {0})
         say(f"starting senders {', '.join(MODELS)}; receivers qa and code")
         for model in MODELS:  # base holds the planner's contexts; qa and code their agents' outputs
-            procs.append(start_service("sender", {"model_path": models[model].path, "model_id": model,
-                                                  "e_layers": starts if model == "base" else [0], "transport": transport},
-                                       url, name=f"sender-{model}", env=THREADS, log_dir=log_dir))
-        for model in sorted({a.model for a in AGENTS}):
+            # each grants to its own model's receivers, base also to its pairs' (their configs)
+            procs.append(start_sender(access, models[model], model, starts if model == "base" else [0], log_dir, THREADS,
+                                      paired=[p.receiver for p in PAIRS if p.sender == model and p.id in profiles],
+                                      transport=transport))
+        for model in receivers:
             procs.append(start_service("receiver", {"model_path": models[model].path, "model_id": model,
                                                     "holdout_share": holdout_share, "shadow_share": shadow_share,
                                                     "blind_share": blind_share, "transport": transport},
-                                       url, name=f"receiver-{model}", env=THREADS, log_dir=log_dir))
+                                       access.url, name=f"receiver-{model}",
+                                       env={**THREADS, **access.env_for(receiver_user(model))}, log_dir=log_dir))
         rows = make_rows(TASK, "test", n_rows * len(rates), shape)
         records: list[dict[str, Any]] = []
         for k, rate in enumerate(rates):  # fresh rows per rate: nothing is held from an earlier one
             if rate is not None:
                 say(f"rows arriving at {rate:g}/s")
-            records += asyncio.run(_pipeline(url, rows[k * n_rows:(k + 1) * n_rows], say, rate, seed=k))
+            records += asyncio.run(_pipeline(access, rows[k * n_rows:(k + 1) * n_rows], say, rate, seed=k))
         (log_dir / "agents.json").write_text(json.dumps(records, indent=1))
         return summarize(records), records
     finally:

@@ -4,25 +4,32 @@ small workload over two zoo pairs, with TTFT and quality per path.
 For each pair and each test row: the sender answers its own question over the context (which
 captures and announces the context), then the receiver is asked the row's question three ways —
 full prefill, full reuse of the sender's KV, and the profiled (or default) partial recompute.
+
+The mesh runs as a deployment does: nats-server under the roster's users and permissions
+(`start_secure_nats`, fresh passwords), every service and client logged in as its role. Senders
+grant pulls to the receivers of their pairs: a published pair config declares a profiled pair,
+the sender's `readers` setting a pair on a default group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from droidmesh.shared.bench.output import format_table
 from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV
 from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling.profile import recompute_config
-from droidmesh.shared.service.launch import Proc, start_nats, start_service
+from droidmesh.shared.service.launch import Proc, start_secure_nats, start_service
 from droidmesh.shared.tasks.scorer import score_text
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.wire import schemas
@@ -34,15 +41,29 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 NO_HEALTH_PORT = {"DM_METRICS_PORT": "-1"}
 
 
-async def _workload(url: str, pairs: list[Pair], rows: dict[str, list[dict[str, Any]]], say: Callable[[str], None]
-                    ) -> list[dict[str, Any]]:
-    client = await MeshClient.connect(url)
+async def connect_as(access: MeshAccess, *users: str) -> list[MeshClient]:
+    """One client per user, in order (those already open are closed if a later one fails)."""
+    clients: list[MeshClient] = []
+    try:
+        for user in users:
+            clients.append(await MeshClient.connect(access.url, **access.options(user)))
+    except BaseException:
+        for c in clients:
+            await c.close()
+        raise
+    return clients
+
+
+async def _workload(access: MeshAccess, pairs: list[Pair], rows: dict[str, list[dict[str, Any]]],
+                    say: Callable[[str], None]) -> list[dict[str, Any]]:
+    # A sender's generate fills its store: an operator's job. The questions are a client's.
+    ops, client = await connect_as(access, "admin", "client")
     out = []
     try:
         for pair in pairs:
             spec = task_spec(pair.task)
             for i, row in enumerate(rows[pair.task]):
-                await client.sender_generate(pair.sender, row["context"], row["input"], max_new_tokens=spec.max_new_tokens)
+                await ops.sender_generate(pair.sender, row["context"], row["input"], max_new_tokens=spec.max_new_tokens)
                 for mode in PATHS:
                     r = await client.ask(pair.receiver, row["context"], row["input"], mode=mode,
                                          max_new_tokens=spec.max_new_tokens, timeout=120)
@@ -53,6 +74,7 @@ async def _workload(url: str, pairs: list[Pair], rows: dict[str, list[dict[str, 
                 say(f"  {pair.id}: row {i + 1}/{len(rows[pair.task])} done")
     finally:
         await client.close()
+        await ops.close()
     return out
 
 
@@ -86,24 +108,26 @@ def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profil
     procs: list[Proc] = []
     try:
         say(f"starting nats-server (logs in {log_dir})")
-        url = start_control_plane(pairs, models, profiles, log_dir, procs)
+        access = start_control_plane(pairs, models, profiles, log_dir, procs)
+        say(f"nats-server on {access.url}: a user per role, fresh passwords, anonymous connections refused")
         default_group = (0, max(1, round(0.25 * num_layers)))
         for name in dict.fromkeys(p.sender for p in pairs):
-            starts = {profiles[p.id]["chosen"]["start"] for p in pairs if p.sender == name and p.id in profiles}
+            mine = [p for p in pairs if p.sender == name]
+            starts = {profiles[p.id]["chosen"]["start"] for p in mine if p.id in profiles}
             say(f"starting sender {name}")
-            procs.append(start_service("sender", {"model_path": models[name].path, "model_id": name,
-                                                  "e_layers": sorted(starts | {default_group[0]})},
-                                       url, name=f"sender-{name}", env=env, log_dir=log_dir))
+            procs.append(start_sender(access, models[name], name, sorted(starts | {default_group[0]}), log_dir, env,
+                                      paired=[p.receiver for p in mine if p.id in profiles],
+                                      readers=[p.receiver for p in mine if p.id not in profiles]))
         for pair in pairs:
             args: dict[str, object] = {"model_path": models[pair.receiver].path, "model_id": pair.receiver}
             if pair.id not in profiles:
                 args["default_group"] = list(default_group)
             say(f"starting receiver {pair.receiver} ({'profiled' if 'default_group' not in args else 'default'} group)")
-            procs.append(start_service("receiver", args, url, name=f"receiver-{pair.receiver}", env=env,
-                                       log_dir=log_dir))
+            procs.append(start_service("receiver", args, access.url, name=f"receiver-{pair.receiver}",
+                                       env={**env, **access.env_for(receiver_user(pair.receiver))}, log_dir=log_dir))
         rows = {p.task: make_rows(p.task, "test", n_rows, shape) for p in pairs}
         say(f"workload: {n_rows} contexts per pair x {len(PATHS)} paths")
-        records = asyncio.run(_workload(url, pairs, rows, say))
+        records = asyncio.run(_workload(access, pairs, rows, say))
         (log_dir / "records.json").write_text(json.dumps(records, indent=1))
         return summarize(records)
     finally:
@@ -113,22 +137,57 @@ def run_demo(pairs: list[Pair], models: dict[str, ModelRef], n_rows: int, profil
 
 
 def start_control_plane(pairs: Sequence[Pair], models: dict[str, ModelRef], profiles: dict[str, dict[str, Any]],
-                        log_dir: Path, procs: list[Proc], relay: Sequence[schemas.RelayBucket] = ()) -> str:
-    """nats-server, the pairs' saved profiles published as configs (with the relay audit's
-    `relay` buckets), a broker (each appended to `procs`, logs in `log_dir`); the NATS url."""
-    nats, url = start_nats(log_dir=log_dir)
+                        log_dir: Path, procs: list[Proc], relay: Sequence[schemas.RelayBucket] = (),
+                        roster: Roster | None = None) -> MeshAccess:
+    """nats-server under `roster`'s users (default: a sender per pair's sender model, the pairs'
+    receivers), the pairs' saved profiles published as configs (with the relay audit's `relay`
+    buckets), a broker (each appended to `procs`, logs in `log_dir`); the mesh's logins."""
+    roster = roster or Roster.local((p.sender for p in pairs), (p.receiver for p in pairs))
+    nats, access = start_secure_nats(roster, log_dir=log_dir)
     procs.append(nats)
     configs = [msgspec.structs.replace(recompute_config(profiles[p.id], models[p.sender], models[p.receiver], 1),
                                        relay=list(relay)) for p in pairs if p.id in profiles]
-    asyncio.run(publish_configs(configs, url))
-    procs.append(start_service("cache_broker", {}, url, env={**THREADS, **NO_HEALTH_PORT}, log_dir=log_dir))
-    return url
+    asyncio.run(publish_configs(configs, access))
+    procs.append(start_service("cache_broker", {}, access.url, env={**THREADS, **NO_HEALTH_PORT,
+                                                                    **access.env_for("broker")}, log_dir=log_dir))
+    return access
 
 
-async def publish_configs(configs: list[schemas.RecomputeConfig], url: str) -> None:
+def start_sender(access: MeshAccess, model: ModelRef, model_id: str, e_layers: Sequence[int], log_dir: Path,
+                 env: dict[str, str], paired: Iterable[str] = (), readers: Sequence[str] = (),
+                 **args: object) -> Proc:
+    """A sender of `model_id` whose id is its model's (its roster entry, `Roster.local`). It grants
+    pulls to `readers` (receivers on a default group) and to the receivers of published pair
+    configs; it is returned once it has read the configs of `paired` (its `reader_paired` log),
+    so that no first request is refused for a pair it has not seen yet."""
+    more = {"readers": list(readers)} if readers else {}
+    proc = start_service("sender", {"model_path": model.path, "model_id": model_id, "sender_id": model_id,
+                                    "e_layers": list(e_layers), **more, **args}, access.url,
+                         name=f"sender-{model_id}", env={**env, **access.env_for(sender_user(model_id))},
+                         log_dir=log_dir)
+    try:
+        for receiver in dict.fromkeys(paired):
+            proc.wait_for(functools.partial(_paired, receiver), 60, f"the {model_id}-to-{receiver} pair config")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def _paired(receiver: str, line: str) -> bool:
+    if not (line.startswith("{") and '"reader_paired"' in line):
+        return False
+    try:
+        return json.loads(line).get("receiver_model") == receiver
+    except ValueError:  # a line of other output that merely looks like JSON
+        return False
+
+
+async def publish_configs(configs: list[schemas.RecomputeConfig], access: MeshAccess) -> None:
+    """Put `configs` on the config board as the profiler, the role that writes it."""
     if not configs:
         return
-    client = await MeshClient.connect(url)
+    client = await MeshClient.connect(access.url, **access.options("profiler"))
     try:
         board = client.bus.config_board()
         for cfg in configs:

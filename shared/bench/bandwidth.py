@@ -16,6 +16,7 @@ from typing import Any
 from droidmesh.shared.bench import netns
 from droidmesh.shared.bench.bulk_transfer import UCX_GET, ucx_protocol_for, ucx_tables
 from droidmesh.shared.bench.harness import launched_env, mesh, run_probe
+from droidmesh.shared.mesh.nats_auth import Roster, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import start_service
 from tqdm import tqdm
@@ -68,16 +69,19 @@ def run_bandwidth(sender_path: str, receiver_path: str, tokens: int, group: tupl
         raise RuntimeError(f"bandwidth sweep skipped: {why}")
     env = bandwidth_env(transport, ucx_tls)
     rows = []
-    with netns.link() as (snd, rcv), mesh(host=netns.SND_IP, wrap=snd) as (url, procs):
+    roster = Roster.local(["bench-sender"], [])
+    with netns.link() as (snd, rcv), mesh(roster, host=netns.SND_IP, wrap=snd) as (access, procs):
+        login = access.env_for(sender_user("bench-sender"))
         sender = start_service("sender", {"model_path": sender_path, "model_id": "bench-sender",
-                                          "dtype": "bfloat16", "e_layers": [group[0]],
-                                          "ucx_host": netns.SND_IP}, url, env={**launched_env(device), **env}, wrap=snd)
+                                          "sender_id": "bench-sender", "dtype": "bfloat16", "e_layers": [group[0]],
+                                          "ucx_host": netns.SND_IP}, access.url,
+                               env={**launched_env(device), **env, **login}, wrap=snd)
         procs.append(sender)
         chosen: str | None = None
         for rate in tqdm(rates_mbit, desc="bandwidth", unit="rate"):
             netns.set_rate(rate)
             seen, probe_lines = len(sender.lines), list[str]()
-            r = run_probe(url, receiver_path, "bench-sender", tokens, group, repeats, device, wrap=rcv, env=env,
+            r = run_probe(access, receiver_path, "bench-sender", tokens, group, repeats, device, wrap=rcv, env=env,
                           lines=probe_lines)
             chosen = _row_ucx_transport(transport, sender.lines[seen:], probe_lines, chosen)
             r["configured_gbit_s"] = rate / 1000 if rate else None

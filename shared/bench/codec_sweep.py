@@ -29,7 +29,8 @@ from typing import Any
 
 from droidmesh.shared.bench import netns
 from droidmesh.shared.bench.bandwidth import CROSS_HOST_UCX_TLS, bandwidth_env
-from droidmesh.shared.bench.harness import PROBE_MODULE, launched_env, mesh, probe_result
+from droidmesh.shared.bench.harness import PROBE_MODULE, launched_env, mesh, probe_env, probe_result
+from droidmesh.shared.mesh.nats_auth import Roster, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import dies_with_parent, start_service
 from tqdm import tqdm
@@ -80,15 +81,19 @@ def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit
 
     env = bandwidth_env("ucx", ucx_tls)
     found: dict[tuple[str, int, float, str], dict[str, Any]] = {}
-    with netns.link() as (snd, rcv), mesh(host=netns.SND_IP, wrap=snd) as (url, procs):
+    senders = [prep["config"]["sender_model"] for prep in prepared]  # a sender per pair, its model's id its own
+    with netns.link() as (snd, rcv), mesh(Roster.local(senders, []), host=netns.SND_IP, wrap=snd) as (access, procs):
+        url = access.url
         bar = tqdm(total=len(prepared) * len(rates_gbit), desc="codecs over the mesh", unit="rate")
         for prep in prepared:
             p, cs = prep["pair"], prep["configs"]
             name = p["name"]
             e_layers = sorted({l for c in cs for l in c.plan.e_layers} | {0})
-            sproc = start_service("sender", {"model_path": p["sender"], "model_id": prep["config"]["sender_model"],
-                                              "dtype": "bfloat16", "e_layers": e_layers,
-                                              "ucx_host": netns.SND_IP}, url, env={**launched_env(device), **env}, wrap=snd)
+            model_id = prep["config"]["sender_model"]
+            sproc = start_service("sender", {"model_path": p["sender"], "model_id": model_id, "sender_id": model_id,
+                                              "dtype": "bfloat16", "e_layers": e_layers, "ucx_host": netns.SND_IP},
+                                  url, env={**launched_env(device), **env, **access.env_for(sender_user(model_id))},
+                                  wrap=snd)
             procs.append(sproc)
             tag = name.replace(">", "")
             cfg_path = work / f"config-{tag}.json"
@@ -96,7 +101,8 @@ def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit
             seen = len(sproc.lines)
             pub = subprocess.run([*rcv, sys.executable, "-m", "droidmesh.shared.bench.codec_tradeoff", "publish", "--nats",
                                   url, "--config", str(cfg_path), "--maps", *sorted({f for _, f in prep["maps"].values()})],
-                                 capture_output=True, text=True, timeout=300, preexec_fn=dies_with_parent())
+                                 capture_output=True, text=True, timeout=300, preexec_fn=dies_with_parent(),
+                                 env={**os.environ, **access.env_for("profiler")})  # the role that writes both
             if pub.returncode != 0:
                 raise RuntimeError(f"publishing {name}'s maps and config failed:\n{pub.stderr[-3000:]}")
             sproc.wait_for(lambda l: '"event": "config_loaded"' in l, 120, "the pair config loaded")
@@ -109,7 +115,7 @@ def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit
                         p["receiver"], "--sender", prep["config"]["sender_model"], "--tokens",
                         ",".join(map(str, tokens)), "--repeats", str(repeats), "--configs", str(probe_path)]
                 out = subprocess.run(argv, capture_output=True, text=True, timeout=3600, preexec_fn=dies_with_parent(),
-                                     env={**os.environ, **launched_env(device), **env})
+                                     env={**os.environ, **launched_env(device), **env, **probe_env(access)})
                 result = probe_result(out.stdout)
                 if result is None:
                     failures.append(f"{name} at {rate:g} Gbit/s: probe failed ({out.returncode}): {out.stderr[-1500:]}")

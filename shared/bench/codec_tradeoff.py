@@ -281,14 +281,16 @@ def pair_config(cs: Sequence[Config], maps: dict[str, tuple[str, str]], q: dict[
 
 
 async def publish(url: str, config_path: str, maps_files: Sequence[str]) -> None:
-    """Put the maps files in the mesh's maps store, then the pair config on the config board."""
+    """Put the maps files in the mesh's maps store, then the pair config on the config board (as
+    the user `DM_NATS_USER` names, if any: the profiler, the role that writes both)."""
     import msgspec
     import nats
     from droidmesh.shared.mesh.config_board import NatsConfigBoard, validate
     from droidmesh.shared.mesh.maps_store import NatsMapsStore
+    from droidmesh.shared.mesh.nats_auth import env_login
     from droidmesh.shared.wire import schemas
 
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **env_login())
     try:
         store = NatsMapsStore(nc)
         for f in maps_files:

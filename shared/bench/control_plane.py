@@ -2,7 +2,8 @@
 
 Called by `shared/cli/bench_data_plane.py`. Starts a nats-server and a cache broker, then from
 this process publishes `n` synthetic availability events (no sender, no tensors: the address is a
-placeholder nobody pulls from) and polls the broker's lookup until each is indexed. Blocks for
+placeholder nobody pulls from) as the sender `bench` and polls the broker's lookup as a receiver
+of model `bench` until each is indexed, each over its own connection as that role's user. Blocks for
 the whole run; both processes are stopped on the way out. The broker is trusted to answer every
 lookup within 5 s.
 """
@@ -15,15 +16,19 @@ from typing import Any
 
 import numpy as np
 from droidmesh.shared.bench.harness import THREADS, mesh
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
 from droidmesh.shared.service.launch import start_service
 from tqdm import tqdm
 
+ROSTER = Roster.local(["bench"], ["bench"])
 
-async def _control(url: str, n: int) -> dict[str, Any]:
+
+async def _control(access: MeshAccess, n: int) -> dict[str, Any]:
     import nats
     from droidmesh.shared.wire import schemas, subjects
 
-    nc = await nats.connect(url)
+    nc = await nats.connect(access.url, **access.options(sender_user("bench")))  # publishes the events
+    asker = await nats.connect(access.url, **access.options(receiver_user("bench")))  # asks the broker
     fp = schemas.Fingerprint("llama", 12, 128, 4, 4, 32, "{}", "bench")
     hb = schemas.SenderHeartbeat(sender_id="bench", model_id="bench", context_ids=[], interval_s=3600, sent_at=time.time())
     await nc.publish(subjects.sender_heartbeat(hb.sender_id), schemas.encode(hb))
@@ -40,13 +45,14 @@ async def _control(url: str, n: int) -> dict[str, Any]:
         await nc.publish(subjects.cache_available(ev.sender_id), schemas.encode(ev))
         while True:  # poll until the broker's index answers with it: an upper bound of event->index
             t1 = time.perf_counter()
-            reply = schemas.decode((await nc.request(subjects.BROKER_LOOKUP, lookup, timeout=5)).data,
+            reply = schemas.decode((await asker.request(subjects.BROKER_LOOKUP, lookup, timeout=5)).data,
                                    schemas.LookupReply)
             t2 = time.perf_counter()
             if reply.holder is not None and reply.holder.context_id == f"c{i}":
                 visible.append(t2 - t0)
                 rtt.append(t2 - t1)
                 break
+    await asker.close()
     await nc.close()
     ms = lambda xs, q: float(np.percentile(np.array(xs) * 1e3, q))  # noqa: E731
     return {"events": n, "event_to_index_p50_ms": ms(visible, 50), "event_to_index_p99_ms": ms(visible, 99),
@@ -56,6 +62,6 @@ async def _control(url: str, n: int) -> dict[str, Any]:
 def run_control(n: int) -> dict[str, Any]:
     """Availability event -> visible in the broker's index, and the lookup round trip: p50 and
     p99 in milliseconds over `n` events."""
-    with mesh() as (url, procs):
-        procs.append(start_service("cache_broker", {}, url, env=THREADS))
-        return asyncio.run(_control(url, n))
+    with mesh(ROSTER) as (access, procs):
+        procs.append(start_service("cache_broker", {}, access.url, env={**THREADS, **access.env_for("broker")}))
+        return asyncio.run(_control(access, n))

@@ -25,8 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from droidmesh.shared.apps.demo import THREADS, start_control_plane
+from droidmesh.shared.apps.demo import THREADS, connect_as, start_control_plane, start_sender
 from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user
 from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.service.launch import Proc, start_service
 from droidmesh.shared.tasks.scorer import score_text
@@ -61,15 +62,17 @@ async def _profile(client: MeshClient, task: str, n: int) -> schemas.RecomputeCo
     return schemas.decode(data, schemas.ProfileReply).config
 
 
-async def _stream(url: str, receiver: Proc, before: str, after: str, n_before: int, n_settled: int, max_shifted: int,
-                  n_profile: int, shape: SuiteShape, say: Callable[[str], None]) -> tuple[list[dict[str, Any]], dict]:
-    client = await MeshClient.connect(url)
+async def _stream(access: MeshAccess, receiver: Proc, before: str, after: str, n_before: int, n_settled: int,
+                  max_shifted: int, n_profile: int, shape: SuiteShape, say: Callable[[str], None]
+                  ) -> tuple[list[dict[str, Any]], dict]:
+    # profile requests and prefills are an operator's (admin); the questions a client's
+    ops, client = await connect_as(access, "admin", "client")
     records: list[dict[str, Any]] = []
     marks: dict[str, Any] = {}
     try:
         say(f"profiling {SENDER} -> {RECEIVER} on {before} ({n_profile} + {n_profile} rows) in the profiler service")
         t0 = time.perf_counter()
-        old = await _profile(client, before, n_profile)
+        old = await _profile(ops, before, n_profile)
         marks.update(old_version=old.profile_version, old_plan=old.chosen.plan.groups,
                      profile_s=round(time.perf_counter() - t0, 1))
         await asyncio.to_thread(receiver.wait_for, lambda line: '"config_loaded"' in line
@@ -79,7 +82,7 @@ async def _stream(url: str, receiver: Proc, before: str, after: str, n_before: i
         settled_at = None
         for i, (task, row) in enumerate(rows):
             spec = task_spec(task)
-            await client.prefill(SENDER, row["context"])
+            await ops.prefill(SENDER, row["context"])
             r = await client.ask(RECEIVER, row["context"], row["input"], max_new_tokens=spec.max_new_tokens, timeout=300)
             ref = await client.ask(RECEIVER, row["context"], row["input"], max_new_tokens=spec.max_new_tokens,
                                    mode="full_prefill", timeout=300)
@@ -101,6 +104,7 @@ async def _stream(url: str, receiver: Proc, before: str, after: str, n_before: i
                 break
     finally:
         await client.close()
+        await ops.close()
     return records, marks
 
 
@@ -138,19 +142,20 @@ def run_drift(models: dict[str, ModelRef], shape: SuiteShape, log_dir: Path, say
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
-        url = start_control_plane([], models, {}, log_dir, procs)
+        access = start_control_plane([], models, {}, log_dir, procs, roster=Roster.local([SENDER], [RECEIVER]))
         paths = [f"{m}={models[m].path}" for m in (SENDER, RECEIVER)]
         say("starting profiler, sender base and receiver qa (every relayed request shadowed)")
-        procs.append(start_service("profiler", {"models": paths}, url, env=THREADS, log_dir=log_dir))
-        procs.append(start_service("sender", {"model_path": models[SENDER].path, "model_id": SENDER,
-                                              "e_layers": [0, 2, 4]}, url, name=f"sender-{SENDER}", env=THREADS,
-                                   log_dir=log_dir))
+        procs.append(start_service("profiler", {"models": paths}, access.url,
+                                   env={**THREADS, **access.env_for("profiler")}, log_dir=log_dir))
+        # The profiler declares the pair only once the run is under way: until the sender has
+        # read that config, its `readers` setting lets the receiver pull.
+        procs.append(start_sender(access, models[SENDER], SENDER, [0, 2, 4], log_dir, THREADS, readers=[RECEIVER]))
         receiver = start_service("receiver", {"model_path": models[RECEIVER].path, "model_id": RECEIVER,
                                               "shadow_share": 1.0, "quality_threshold": threshold,
-                                              "quality_window": window}, url, name=f"receiver-{RECEIVER}",
-                                 env=THREADS, log_dir=log_dir)
+                                              "quality_window": window}, access.url, name=f"receiver-{RECEIVER}",
+                                 env={**THREADS, **access.env_for(receiver_user(RECEIVER))}, log_dir=log_dir)
         procs.append(receiver)
-        records, marks = asyncio.run(_stream(url, receiver, before, after, n_before, n_settled, max_shifted,
+        records, marks = asyncio.run(_stream(access, receiver, before, after, n_before, n_settled, max_shifted,
                                              n_profile, shape, say))
         agreements = {e["request_id"]: e["agreement"] for e in _events(receiver, "shadow")}
         for r in records:

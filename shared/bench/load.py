@@ -17,17 +17,18 @@ from typing import Any
 
 import numpy as np
 from droidmesh.shared.bench.harness import THREADS, launched_env, mesh
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.wire.schemas import Mode
 from tqdm import tqdm
 
 
-async def _load_rate(url: str, receiver: str, contexts: list[str], rate: float, seconds: float, mode: Mode,
+async def _load_rate(access: MeshAccess, receiver: str, contexts: list[str], rate: float, seconds: float, mode: Mode,
                      slo_s: float, seed: int) -> dict[str, Any]:
     from droidmesh.shared.mesh.client import MeshClient
 
-    client = await MeshClient.connect(url)
+    client = await MeshClient.connect(access.url, **access.options("client"))
     rng = np.random.default_rng(seed)
     records: list[tuple[float, float, Any]] = []
 
@@ -70,27 +71,36 @@ def run_load(sender_path: str, receiver_path: str, group: tuple[int, int], token
     contexts = [" ".join(rng.choice(vocab.FILLER, tokens).tolist()) for _ in range(4)]
     rows = []
     for n in copies:
-        with mesh() as (url, procs):
-            procs.append(start_service("cache_broker", {}, url, env=THREADS))
+        with mesh(Roster.local(["load-sender"], ["load-receiver"])) as (access, procs):
+            url = access.url
+            procs.append(start_service("cache_broker", {}, url, env={**THREADS, **access.env_for("broker")}))
+            # the receivers reuse it on a default group: a reader by setting
             procs.append(start_service("sender", {"model_path": sender_path, "model_id": "load-sender",
+                                                  "sender_id": "load-sender", "readers": ["load-receiver"],
                                                   "dtype": "bfloat16", "e_layers": [group[0]]}, url,
-                                       env=launched_env(device)))
+                                       env={**launched_env(device), **access.env_for(sender_user("load-sender"))}))
             for k in range(n):
                 procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": "load-receiver",
                                                         "dtype": "bfloat16", "default_group": list(group)}, url,
-                                           name=f"receiver{k}", env=launched_env(device)))
+                                           name=f"receiver{k}",
+                                           env={**launched_env(device), **access.env_for(receiver_user("load-receiver"))}))
 
-            async def prefill_all(url: str = url) -> None:
-                client = await MeshClient.connect(url)
-                for c in contexts:
-                    await client.prefill("load-sender", c, timeout=300)
-                for c in contexts:  # once per receiver copy's endpoint warm-up and until the broker sees them
-                    await client.ask("load-receiver", c, " who", max_new_tokens=1, timeout=300)
-                await client.close()
+            async def prefill_all(access: MeshAccess = access) -> None:
+                ops = await MeshClient.connect(access.url, **access.options("admin"))  # filling a store: an operator's
+                client = await MeshClient.connect(access.url, **access.options("client"))
+                try:
+                    for c in contexts:
+                        await ops.prefill("load-sender", c, timeout=300)
+                    for c in contexts:  # once per receiver copy's endpoint warm-up and until the broker sees them
+                        await client.ask("load-receiver", c, " who", max_new_tokens=1, timeout=300)
+                finally:
+                    await client.close()
+                    await ops.close()
 
             asyncio.run(prefill_all())
             for rate in tqdm(rates, desc=f"load x{n}", unit="rate"):
                 for mode in ("auto", "full_prefill"):
-                    r = asyncio.run(_load_rate(url, "load-receiver", contexts, rate, seconds, mode, slo_s, seed=int(rate * 7)))
+                    r = asyncio.run(_load_rate(access, "load-receiver", contexts, rate, seconds, mode, slo_s,
+                                               seed=int(rate * 7)))
                     rows.append({"receivers": n, **r})
     return rows

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from droidmesh.shared.bench.harness import launched_env, mesh, run_probe
+from droidmesh.shared.mesh.nats_auth import Roster, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import start_service
 
@@ -19,7 +20,8 @@ from droidmesh.shared.service.launch import start_service
 def run_pipeline(sender_path: str, receiver_path: str, tokens: int, group: tuple[int, int], repeats: int,
                  device: str = DEFAULT_DEVICE, transport: str = "ucx") -> dict[str, Any]:
     """The probe's figures (`seconds` per mode, `pipeline_overhead`, ...) plus `transport`."""
-    with mesh() as (url, procs):
+    with mesh(Roster.local(["bench-sender"], [])) as (access, procs):
         procs.append(start_service("sender", {"model_path": sender_path, "model_id": "bench-sender", "dtype": "bfloat16",
-                                              "e_layers": [group[0]], "transport": transport}, url, env=launched_env(device)))
-        return {**run_probe(url, receiver_path, "bench-sender", tokens, group, repeats, device), "transport": transport}
+                                              "sender_id": "bench-sender", "e_layers": [group[0]], "transport": transport},
+                                   access.url, env={**launched_env(device), **access.env_for(sender_user("bench-sender"))}))
+        return {**run_probe(access, receiver_path, "bench-sender", tokens, group, repeats, device), "transport": transport}

@@ -2,7 +2,8 @@
 
 Runs as its own process (`python -m droidmesh.shared.bench.probe ...`, launched by
 `harness.run_probe` or `codec_sweep`, possibly inside a network namespace) and prints one line,
-"PROBE " and its JSON result. It asks a running sender to prefill a context of about `tokens`
+"PROBE " and its JSON result. It logs in as the harness says (`DM_NATS_USER` / `DM_NATS_PASSWORD`:
+an operator, which may fill a sender's store and take its pull grants). It asks a running sender to prefill a context of about `tokens`
 tokens, takes the availability event, then times, for a recompute group [s, e), whether
 overlapping the pull with the compute pays:
   transfer    pull E_s + the reused KV only, no compute
@@ -38,6 +39,7 @@ from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.kv.partial import generate, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource
+from droidmesh.shared.mesh.nats_auth import env_login
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.model.device import DEVICE_ENV
 from droidmesh.shared.transport.bulk import make_client
@@ -54,7 +56,7 @@ async def probe(url: str, model_path: str, sender: str, tokens: int, group: tupl
     from droidmesh.shared.zoo import vocab
 
     model = load_model(model_path, dtype="bfloat16", device=device)
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **env_login())  # the login the harness gave this process, if any
     events: asyncio.Queue = asyncio.Queue()
 
     async def on_available(msg: Any) -> None:
@@ -171,7 +173,7 @@ async def probe_configs(url: str, model_path: str, sender: str, tokens: list[int
         if c.get("maps_file"):
             with open(c["maps_file"], "rb") as f:
                 codecs.LOWRANK.add_maps(scd.Maps.from_bytes(f.read(), c["codec_params"][codecs.MAPS_PARAM]))
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **env_login())  # the login the harness gave this process, if any
     events: asyncio.Queue = asyncio.Queue()
 
     async def on_available(msg: Any) -> None:

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from droidmesh.shared.apps.demo import THREADS
+from droidmesh.shared.apps.demo import THREADS, connect_as
 from droidmesh.shared.mesh.client import MeshClient
-from droidmesh.shared.service.launch import Proc, start_nats, start_service
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
+from droidmesh.shared.service.launch import Proc, start_secure_nats, start_service
 from droidmesh.shared.wire import schemas
 
 WARM_TRIES = 50  # requests per context before it must have been reused
@@ -55,13 +56,14 @@ async def _series(client: MeshClient, text: str, n: int, tag: str) -> list[schem
             for i in range(n)]
 
 
-async def _run(url: str, b: Proc, n: int, k: int, words: int) -> tuple[dict[str, list[schemas.GenerateReply]], int]:
+async def _run(access: MeshAccess, b: Proc, n: int, k: int, words: int
+               ) -> tuple[dict[str, list[schemas.GenerateReply]], int]:
     """The replies per phase, and how many stalled requests were still waiting when a's series ended."""
     ctx_a, ctx_b = context(1, words), context(2, words)
-    client = await MeshClient.connect(url)
+    ops, client = await connect_as(access, "admin", "client")  # prefills are an operator's, questions a client's
     try:
-        await client.prefill("stall-a", ctx_a, timeout=120)
-        await client.prefill("stall-b", ctx_b, timeout=120)
+        await ops.prefill("stall-a", ctx_a, timeout=120)
+        await ops.prefill("stall-b", ctx_b, timeout=120)
         await _warm(client, ctx_a)
         await _warm(client, ctx_b)
         baseline = await _series(client, ctx_a, n, "baseline")
@@ -82,6 +84,7 @@ async def _run(url: str, b: Proc, n: int, k: int, words: int) -> tuple[dict[str,
         return {"baseline": baseline, "during_stall": during, "stalled": [t.result() for t in stalled]}, waiting
     finally:
         await client.close()
+        await ops.close()
 
 
 def _row(phase: str, replies: list[schemas.GenerateReply]) -> dict[str, Any]:
@@ -97,20 +100,25 @@ def run_stall(sender_path: str, receiver_path: str, group: tuple[int, int], log_
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
-        nats, url = start_nats(log_dir=log_dir)
+        roster = Roster(senders=(("a", "stall-a"), ("b", "stall-b")), receivers=("bench-receiver",))
+        nats, access = start_secure_nats(roster, log_dir=log_dir)
         procs.append(nats)
-        procs.append(start_service("cache_broker", {}, url, env=THREADS, log_dir=log_dir))
+        url = access.url
+        procs.append(start_service("cache_broker", {}, url, env={**THREADS, **access.env_for("broker")},
+                                   log_dir=log_dir))
         senders = {}
-        for sid in ("a", "b"):
+        for sid in ("a", "b"):  # the receiver reuses them on a default group: readers by setting
             senders[sid] = start_service("sender", {"model_path": sender_path, "model_id": f"stall-{sid}", "sender_id": sid,
-                                                    "e_layers": [group[0]], "transport": transport}, url,
-                                         name=f"sender-{sid}", env=THREADS, log_dir=log_dir)
+                                                    "e_layers": [group[0]], "transport": transport,
+                                                    "readers": ["bench-receiver"]}, url,
+                                         name=f"sender-{sid}", env={**THREADS, **access.env_for(sender_user(sid))},
+                                         log_dir=log_dir)
             procs.append(senders[sid])
         procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": "bench-receiver",
                                                 "default_group": list(group), "reuse_timeout_s": timeout_s,
                                                 "breaker_failures": 1000, "transport": transport}, url,
-                                   env=THREADS, log_dir=log_dir))
-        got, waiting = asyncio.run(_run(url, senders["b"], n, k, words))
+                                   env={**THREADS, **access.env_for(receiver_user("bench-receiver"))}, log_dir=log_dir))
+        got, waiting = asyncio.run(_run(access, senders["b"], n, k, words))
     finally:
         for p in reversed(procs):
             p.stop()

@@ -19,7 +19,9 @@ from droidmesh.shared.cli.model_options import device_options
 def demo(rows: int, tier: str, json_path: str | None, log_dir: str | None, device: str, dtype: str | None) -> None:
     """Start nats-server, a broker, senders and receivers; ask; print TTFT and quality per path.
 
-    Every service loads its model on --device (passed to them as DM_DEVICE; with --dtype, DM_DTYPE)."""
+    NATS runs as in a deployment: a user per role with a fresh random password each, anonymous
+    connections refused. Every service loads its model on --device (passed to them as DM_DEVICE;
+    with --dtype, DM_DTYPE)."""
     from droidmesh.shared.apps.demo import run_demo, table
     from droidmesh.shared.model.names import Pair, tier_models
     from droidmesh.shared.zoo.build import build_tier

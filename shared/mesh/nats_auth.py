@@ -9,13 +9,22 @@ are `sender-<id>` and `receiver-<model>`; the other roles (broker, profiler, cli
 admin) are one user each. Every subject comes from `shared.wire.subjects`, so the conf cannot
 drift from what the services use; `droidmesh nats-auth` writes it, and the checked-in file is
 `render(DEFAULT_ROSTER)` (a unit test holds them equal).
+
+A local mesh (`droidmesh demo`, `droidmesh agents`, the benchmarks) runs the same conf for its own
+roster (`Roster.local`) with a fresh random password per user: `MeshAccess` holds them and hands
+each process only its own user's login (`env_for`, `options`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import secrets
+import string
 import textwrap
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from droidmesh.shared.mesh.discovery import RECEIVER_SERVICE
 from droidmesh.shared.wire import subjects
@@ -59,9 +68,70 @@ class Roster:
         return [*(sender_user(s) for s, _ in self.senders), *(receiver_user(m) for m in self.receivers), *FIXED_ROLES]
 
 
+    @classmethod
+    def local(cls, senders: Iterable[str], receivers: Iterable[str]) -> Roster:
+        """A local mesh's roster: one sender per model in `senders`, each with its model's name as
+        its id (run it with `sender_id` = that name), and the receivers of `receivers`; repeats
+        are one entry."""
+        return cls(senders=tuple((m, m) for m in dict.fromkeys(senders)), receivers=tuple(dict.fromkeys(receivers)))
+
+
 # The shipped deployment (infra/compose.yaml, infra/k8s): one sender of /models/summ with
 # DM_SENDER_SENDER_ID=summ, and the receivers of /models/qa.
 DEFAULT_ROSTER = Roster(senders=(("summ", "summ"),), receivers=("qa",))
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def fresh_password() -> str:
+    """32 random letters and digits (about 190 bits), a letter first: nats-server reads a
+    `$VARIABLE`'s value as it would a conf value, so one that begins like a number (a size such as
+    `12k`) could become one."""
+    return secrets.choice(string.ascii_letters) + "".join(secrets.choice(_ALNUM) for _ in range(31))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAccess:
+    """The logins of a nats-server that runs `render(roster)`: its `url` and a password per user.
+    The server gets them all (`server_env`); every other process gets only its own user's login
+    (`env_for` for a launched service, `options` for a client in this process)."""
+
+    url: str
+    roster: Roster
+    passwords: Mapping[str, str] = dataclasses.field(repr=False)  # user -> password; kept out of logs
+
+    @classmethod
+    def fresh(cls, roster: Roster, url: str = "") -> MeshAccess:
+        """A new random password for every user of `roster` (`secrets`, never reused across meshes)."""
+        return cls(url, roster, {u: fresh_password() for u in roster.users})
+
+    def password(self, user: str) -> str:
+        if user not in self.passwords:
+            raise ValueError(f"{user!r} is not a user of this mesh's roster: {', '.join(self.roster.users)}")
+        return self.passwords[user]
+
+    def server_env(self) -> dict[str, str]:
+        """nats-server's environment: the `$DM_NATS_PASSWORD_<USER>` variables the conf names."""
+        return {password_env(u): p for u, p in self.passwords.items()}
+
+    def env_for(self, user: str) -> dict[str, str]:
+        """A launched service's login as `user` (its `DM_NATS_USER` / `DM_NATS_PASSWORD` settings)."""
+        return {"DM_NATS_USER": user, "DM_NATS_PASSWORD": self.password(user)}
+
+    def options(self, user: str) -> dict[str, Any]:
+        """`nats.connect` / `MeshClient.connect` keywords for `user`, replies under its own inbox."""
+        return {"user": user, "password": self.password(user), "inbox_prefix": subjects.inbox_prefix(user)}
+
+
+def env_login() -> dict[str, Any]:
+    """`nats.connect` keywords for the login `MeshAccess.env_for` put in this process's environment
+    (a benchmark's helper process); {} when it has none (an anonymous server)."""
+    user = os.environ.get("DM_NATS_USER", "")
+    if not user:
+        return {}
+    return {"user": user, "password": os.environ.get("DM_NATS_PASSWORD", ""),
+            "inbox_prefix": subjects.inbox_prefix(user)}
 
 
 def _inbox(user: str) -> str:

@@ -1,6 +1,7 @@
 """Start and stop real processes for a local mesh: nats-server and `python -m droidmesh.services.<name>`.
 
-Used by `droidmesh demo`, the benchmarks and the system tests. Readiness is read from each
+Used by `droidmesh demo`, the benchmarks and the system tests. `start_secure_nats` runs the NATS
+server as deployments do, under per-role users and permissions with fresh passwords. Readiness is read from each
 process's own log (nats-server's "Server is ready", a service's `"event": "ready"` line), never
 guessed with sleeps; stop is SIGTERM, then SIGKILL after a grace period.
 
@@ -28,10 +29,11 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from droidmesh.shared import NATS_CONFIG_DIR
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, render
 
 NATS_CONF = NATS_CONFIG_DIR / "nats.conf"
 NATS_AUTH_CONF = NATS_CONFIG_DIR / "nats-auth.conf"
@@ -215,6 +217,23 @@ def start_nats(port: int | None = None, store_dir: str | None = None, extra: lis
     proc = Proc("nats", argv, env=env, log_path=log_dir / "nats.log" if log_dir else None)
     proc.wait_for(lambda l: "Server is ready" in l, 30, "readiness")
     return proc, f"nats://{host}:{port}"
+
+
+def start_secure_nats(roster: Roster, port: int | None = None, store_dir: str | None = None,
+                      log_dir: Path | None = None, host: str = "127.0.0.1",
+                      wrap: list[str] | None = None) -> tuple[Proc, MeshAccess]:
+    """`start_nats` under `roster`'s users and permissions (the conf `nats_auth.render` writes, as
+    deployments run it), each user with a fresh random password; anonymous connections are
+    refused. Returns (process, access): start each service with `access.env_for(its user)` and
+    connect each client with `access.options(its user)`. The conf (no secrets: passwords reach
+    nats-server through its environment only) is written beside the logs, or to a temporary dir."""
+    where = log_dir or Path(tempfile.mkdtemp(prefix="dm-nats-auth-"))
+    where.mkdir(parents=True, exist_ok=True)
+    conf = where / "nats-auth.conf"
+    conf.write_text(render(roster))
+    access = MeshAccess.fresh(roster)
+    proc, url = start_nats(port, store_dir, log_dir=log_dir, conf=conf, env=access.server_env(), host=host, wrap=wrap)
+    return proc, replace(access, url=url)
 
 
 @dataclass
