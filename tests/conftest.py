@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from droidmesh.shared.model.adapter import ModelAdapter, load_model, random_model
 from droidmesh.shared.zoo.tokenizer import hf_tokenizer
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import structlog
+
 from droidmesh.services.cache_broker.budget import LogThrottle
 from droidmesh.services.cache_broker.index import CacheIndex, Refused
 from droidmesh.shared.errors import BadRequestError, DroidMeshError

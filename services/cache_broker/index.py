@@ -39,6 +39,7 @@ from collections.abc import Collection, Sequence
 import msgspec
 import numpy as np
 import xxhash
+
 from droidmesh.shared.wire.schemas import CacheAvailable, SenderHeartbeat
 
 BLOCK = 16  # tokens per block; a block key hashes their ids as 4 bytes each

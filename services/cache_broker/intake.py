@@ -30,10 +30,11 @@ from collections import deque
 from collections.abc import Callable
 
 import structlog
+from prometheus_client import Counter
+
 from droidmesh.services.cache_broker import handlers
 from droidmesh.services.cache_broker.budget import Bucket, LogThrottle
 from droidmesh.services.cache_broker.index import CacheIndex
-from prometheus_client import Counter
 
 log = structlog.get_logger("broker")
 

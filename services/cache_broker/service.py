@@ -15,6 +15,7 @@ import asyncio
 import functools
 
 import structlog
+
 from droidmesh.services.cache_broker import handlers
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.index import CacheIndex, Limits

@@ -31,6 +31,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+
 from droidmesh.services.gateway import fairness, openai
 from droidmesh.services.gateway.state import GatewayState
 from droidmesh.shared.wire import schemas

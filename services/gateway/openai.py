@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from aiohttp import web
+
 from droidmesh.shared.errors import BadRequestError, DroidMeshError
 from droidmesh.shared.wire import schemas
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+
 from droidmesh.services.gateway import handlers
 from droidmesh.services.gateway.config import GatewayConfig
 from droidmesh.services.gateway.guard import ConnectionGuard, GuardedSite, connection_cap

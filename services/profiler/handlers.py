@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
+
 from droidmesh.services.profiler import checks, datafiles
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.mesh.config_board import validate

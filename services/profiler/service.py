@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import structlog
+
 from droidmesh.services.profiler import handlers
 from droidmesh.services.profiler.config import ProfilerConfig
 from droidmesh.services.profiler.state import ProfilerState

@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
+
 from droidmesh.services.receiver import holders, relay_watch, reply
 from droidmesh.services.receiver.answer_stream import ClientGoneError
 from droidmesh.services.receiver.checks import check_deadline

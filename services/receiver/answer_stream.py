@@ -22,6 +22,7 @@ import itertools
 from typing import Any
 
 import structlog
+
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.text import TextStream

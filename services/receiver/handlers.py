@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
+
 from droidmesh.services.receiver import answer
 from droidmesh.services.receiver.answer_stream import AnswerStream
 from droidmesh.services.receiver.checks import (

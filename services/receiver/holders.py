@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
 from droidmesh.services.receiver.checks import check_deadline
 from droidmesh.services.receiver.pipeline import (
     ReuseOutcome,

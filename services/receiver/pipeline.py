@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
 from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, MissingLayerError, ReuseError, TransferError
 from droidmesh.shared.kv import translate
 from droidmesh.shared.kv.partial import Generation, generate_steps

@@ -33,6 +33,7 @@ from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import structlog
+
 from droidmesh.shared.audit.relay import reusable_bucket
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
+
 from droidmesh.services.receiver import relay_watch
 from droidmesh.shared.kv.partial import Generation
 from droidmesh.shared.wire import schemas

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import structlog
+
 from droidmesh.services.receiver import handlers, pipeline
 from droidmesh.services.receiver.answer_stream import ListenerWatch
 from droidmesh.services.receiver.config import ReceiverConfig

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+
 from droidmesh.services.receiver.answer_stream import ListenerWatch
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.config import ReceiverConfig

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
+
 from droidmesh.shared.errors import UnauthorizedError
 from droidmesh.shared.mesh.bus import Bus, NatsBus, RequestHandler
 from droidmesh.shared.mesh.nats_auth import receiver_user

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
+
 from droidmesh.services.sender import grants
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, TransferError
 from droidmesh.shared.kv import policy

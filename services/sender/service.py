@@ -14,6 +14,7 @@ import functools
 import time
 
 import structlog
+
 from droidmesh.services.sender import grants, handlers
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.state import SenderState

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
+
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.grants import Readers
 from droidmesh.services.sender.store import CacheStore

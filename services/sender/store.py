@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+
 from droidmesh.shared.errors import BadRequestError, TransferError
 from droidmesh.shared.kv.blocks import CapturedContext
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from droidmesh.shared.apps.demo import THREADS, connect_as, start_control_plane, start_sender
 from droidmesh.shared.bench.output import format_table
 from droidmesh.shared.mesh.client import MeshError

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from droidmesh.shared.bench.output import format_table
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user

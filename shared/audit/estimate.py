@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from droidmesh.shared.audit.logs import SUFFIXES, Logs, Request, read_logs
 from droidmesh.shared.audit.relay import REUSABLE_BUCKETS, bucket_label
 from droidmesh.shared.errors import BadRequestError

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.mesh.config_board import MAX_RELAY_BUCKETS
 from droidmesh.shared.wire.schemas import RecomputeConfig, RelayBucket

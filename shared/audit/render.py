@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from droidmesh.shared.audit.estimate import CI_LEVEL
 from droidmesh.shared.audit.relay import relay_decision
 
@@ -47,6 +48,7 @@ def plot_png(result: dict[str, Any], path: str | Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from droidmesh.shared.bench.output import label_bars
 
     rows = [result["overall"], *result["strata"]]

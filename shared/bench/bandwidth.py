@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tqdm import tqdm
+
 from droidmesh.shared.bench import netns
 from droidmesh.shared.bench.bulk_transfer import UCX_GET, ucx_protocol_for, ucx_tables
 from droidmesh.shared.bench.harness import launched_env, mesh, run_probe
 from droidmesh.shared.mesh.nats_auth import Roster, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import start_service
-from tqdm import tqdm
 
 # Two hosts share no memory: unless told otherwise, the bandwidth sweep's processes run UCX
 # without its shared-memory transports. In two network namespaces of one kernel UCX still finds

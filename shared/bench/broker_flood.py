@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+
 from droidmesh.shared.mesh.nats_auth import Roster, password_env, receiver_user, render, sender_user
 from droidmesh.shared.service.launch import Proc, start_nats, start_service
 from droidmesh.shared.wire import schemas, subjects

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import torch
+
 from droidmesh.shared.bench.harness import THREADS
 from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX, one_line, start_server, tensors_for
 

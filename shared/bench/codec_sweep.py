@@ -27,13 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from droidmesh.shared.bench import netns
 from droidmesh.shared.bench.bandwidth import CROSS_HOST_UCX_TLS, bandwidth_env
 from droidmesh.shared.bench.harness import PROBE_MODULE, launched_env, mesh, probe_env, probe_result
 from droidmesh.shared.mesh.nats_auth import Roster, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import dies_with_parent, start_service
-from tqdm import tqdm
 
 
 def _in_process(pairs: list[dict[str, Any]], tokens: list[int], rows: int, work: Path, task: str,

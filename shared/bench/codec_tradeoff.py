@@ -193,6 +193,7 @@ def codec_seconds(sender: Any, cs: Sequence[Config], maps: dict[str, tuple[str, 
     `repeats` after a warm-up. Lowrank items are prepared first, as a sender does when it stores a
     context (`LowRankCodec.prepare`), so the per-pull encode is what a pull then costs."""
     import torch
+
     from droidmesh.shared.kv.capture import capture_prefill
     from droidmesh.shared.model.device import dtype_name
     from droidmesh.shared.transport import codecs as wire_codecs
@@ -285,6 +286,7 @@ async def publish(url: str, config_path: str, maps_files: Sequence[str]) -> None
     the user `DM_NATS_USER` names, if any: the profiler, the role that writes both)."""
     import msgspec
     import nats
+
     from droidmesh.shared.mesh.config_board import NatsConfigBoard, validate
     from droidmesh.shared.mesh.maps_store import NatsMapsStore
     from droidmesh.shared.mesh.nats_auth import env_login
@@ -308,6 +310,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str, link_gbit: float, tokens: in
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from droidmesh.shared.bench import output
 
     markers = dict(zip(FAMILIES, ("s", "v", "o", "^", "<", "*", "P"), strict=True))

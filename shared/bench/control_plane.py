@@ -15,16 +15,18 @@ import time
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
+
 from droidmesh.shared.bench.harness import THREADS, mesh
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
 from droidmesh.shared.service.launch import start_service
-from tqdm import tqdm
 
 ROSTER = Roster.local(["bench"], ["bench"])
 
 
 async def _control(access: MeshAccess, n: int) -> dict[str, Any]:
     import nats
+
     from droidmesh.shared.wire import schemas, subjects
 
     nc = await nats.connect(access.url, **access.options(sender_user("bench")))  # publishes the events

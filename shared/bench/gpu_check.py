@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from droidmesh.shared.bench import output, ttft
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from droidmesh.shared.bench.bulk_transfer import MIB, TensorServer, pull_rates, ucx_protocol_for, ucx_tables
 from droidmesh.shared.bench.tensor_server import one_line
 from droidmesh.shared.transport import capabilities

@@ -16,12 +16,13 @@ import time
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
+
 from droidmesh.shared.bench.harness import THREADS, launched_env, mesh
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.wire.schemas import Mode
-from tqdm import tqdm
 
 
 async def _load_rate(access: MeshAccess, receiver: str, contexts: list[str], rate: float, seconds: float, mode: Mode,

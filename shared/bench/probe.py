@@ -53,6 +53,7 @@ QUESTION = " who"
 async def probe(url: str, model_path: str, sender: str, tokens: int, group: tuple[int, int], repeats: int,
                 device: str = "cpu") -> dict[str, Any]:
     import nats
+
     from droidmesh.shared.zoo import vocab
 
     model = load_model(model_path, dtype="bfloat16", device=device)
@@ -163,6 +164,7 @@ async def probe_configs(url: str, model_path: str, sender: str, tokens: list[int
     """Per context length and config: TTFT (median of `repeats`, the first round dropped), every
     round's time, and the payload bytes the pull moved; a config that fails gets its error."""
     import nats
+
     from droidmesh.shared.kv import scd
     from droidmesh.shared.transport import codecs
 

@@ -14,6 +14,8 @@ import statistics
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
 from droidmesh.shared.bench import output
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
@@ -21,7 +23,6 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.tasks.scorer import PairScorer
-from tqdm import tqdm
 
 BLEND_RATIOS = (0.1, 0.2, 0.4, 0.6)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from droidmesh.shared.apps.demo import THREADS, connect_as
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user

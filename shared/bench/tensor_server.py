@@ -18,6 +18,7 @@ import signal
 import sys
 
 import torch
+
 from droidmesh.shared.model.device import resolve_device
 from droidmesh.shared.transport.bulk import BulkServer, make_server
 

@@ -13,13 +13,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
 from droidmesh.shared.bench import output
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter
-from tqdm import tqdm
 
 QUESTION_TOKENS = 32
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import click
+
 from droidmesh.shared.cli.connect import Conn, nats_options
 from droidmesh.shared.cli.params import read_text
 from droidmesh.shared.errors import BadRequestError

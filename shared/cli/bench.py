@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import click
+
 from droidmesh.shared.bench import output
 from droidmesh.shared.cli import bench_data_plane
 from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, save

@@ -4,6 +4,7 @@ stalled sender, the control plane (registered on the `bench` group by `shared/cl
 from __future__ import annotations
 
 import click
+
 from droidmesh.shared.bench import output
 from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, save
 from droidmesh.shared.cli.params import GROUP, float_list, int_list

@@ -4,6 +4,7 @@ services, the zoo's demo pair they measure, and how a suite's JSON is written.""
 from __future__ import annotations
 
 import click
+
 from droidmesh.shared.bench import output
 from droidmesh.shared.cli.params import check_group, checkpoint_layers
 from droidmesh.shared.errors import ConfigError

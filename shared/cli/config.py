@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 import msgspec
+
 from droidmesh.shared.cli.connect import Conn, nats_options
 from droidmesh.shared.cli.model_options import MODEL_HELP
 from droidmesh.shared.errors import BadRequestError, DroidMeshError

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import click
+
 from droidmesh.shared.errors import ConfigError, DroidMeshError
 from droidmesh.shared.service.settings import BusSettings
 

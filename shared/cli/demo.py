@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+
 from droidmesh.shared.cli.model_options import device_options
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import click
+
 from droidmesh.shared.cli.model_options import MODEL_HELP, device_options, model_arg
 from droidmesh.shared.tasks.spec import METRIC_NAMES
 

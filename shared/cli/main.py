@@ -13,6 +13,7 @@ import sys
 from typing import Any, NoReturn
 
 import click
+
 from droidmesh.shared.cli.agents import agents
 from droidmesh.shared.cli.ask import ask, prefill, receivers
 from droidmesh.shared.cli.audit import audit

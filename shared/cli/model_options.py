@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+
 from droidmesh.shared.errors import ConfigError, DroidMeshError
 from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES, check_device_name
 from droidmesh.shared.model.names import WEIGHT_SUFFIXES, ModelRef, resolve_model

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+
 from droidmesh.shared.errors import BadRequestError
 
 _GROUP = re.compile(r"^\s*\[?\s*(-?\d+)\s*[,:]\s*(-?\d+)\s*\)?\s*$")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+
 from droidmesh.shared.cli.connect import Conn, nats_options
 from droidmesh.shared.cli.model_options import MODEL_HELP, device_options, model_arg
 from droidmesh.shared.tasks.spec import METRIC_NAMES

@@ -7,6 +7,7 @@ import sys
 import time
 
 import click
+
 from droidmesh.shared.tasks.spec import known_tasks
 
 SHAPED_TIERS = ("ci", "demo")  # tiers whose recipe shapes task data

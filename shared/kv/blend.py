@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import torch
+
 from droidmesh.shared.kv.blocks import check_kv
 from droidmesh.shared.kv.sources import LayerSource, Need, Steps
 from droidmesh.shared.model import hf_cache

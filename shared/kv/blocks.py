@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
 from droidmesh.shared.errors import BadRequestError, CacheLayoutError, IntegrityError
 from droidmesh.shared.model.device import same_device
 from droidmesh.shared.model.fingerprint import ArchFingerprint

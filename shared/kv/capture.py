@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
 from droidmesh.shared.model import hf_cache

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
+
 from droidmesh.shared.errors import BadRequestError, ReuseError
 from droidmesh.shared.kv.blend import blend_steps
 from droidmesh.shared.kv.blocks import check_kv, check_tensor, reusable_prefix

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from droidmesh.shared.errors import IntegrityError
 
 KINDS = ("K", "V", "E")

@@ -26,9 +26,10 @@ import hashlib
 import json
 
 import torch
-from droidmesh.shared.errors import IntegrityError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from droidmesh.shared.errors import IntegrityError
 
 FORMAT = "droidmesh-scd-1"
 

@@ -41,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
+
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv.blocks import KVBlock
 from droidmesh.shared.kv.capture import capture_prefill

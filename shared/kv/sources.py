@@ -28,6 +28,7 @@ from collections.abc import Callable, Generator
 from typing import Literal, Protocol, TypeVar
 
 import torch
+
 from droidmesh.shared.errors import MissingLayerError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock

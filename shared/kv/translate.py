@@ -37,14 +37,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save_file
+
 from droidmesh.shared.errors import CacheLayoutError, IntegrityError, MissingLayerError, ReuseError
 from droidmesh.shared.kv.blocks import KVBlock, check_values
 from droidmesh.shared.kv.sources import LayerSource, Need
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.fingerprint import ArchFingerprint
-from safetensors import SafetensorError
-from safetensors.torch import load as load_bytes
-from safetensors.torch import save_file
 
 FORMAT = "droidmesh-translator/1"
 Span = tuple[int, int] | None  # a token's [start, end) characters in its text; None: a special token

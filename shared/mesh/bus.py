@@ -25,6 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
+
 from droidmesh.shared.mesh.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
 from droidmesh.shared.mesh.maps_store import InMemoryMapsStore, MapsStore, NatsMapsStore
 

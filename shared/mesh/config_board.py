@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
+
 from droidmesh.shared.errors import BadRequestError, DroidMeshError
 from droidmesh.shared.service.metrics import alarm
 from droidmesh.shared.wire import schemas, subjects

@@ -19,6 +19,7 @@ import json
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import structlog
+
 from droidmesh.shared.errors import IntegrityError, MapsNotFoundError
 from droidmesh.shared.wire import subjects
 from droidmesh.shared.wire.schemas import LOWRANK_CODEC, MAPS_PARAM

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
 from droidmesh.shared.errors import BadRequestError, CheckpointNotFoundError, UnsupportedModelError
 from droidmesh.shared.model import attention, hf_cache
 from droidmesh.shared.model.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
 from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_IMPLEMENTATIONS = (attention.NAME, "sdpa", "eager")

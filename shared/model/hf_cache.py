@@ -11,9 +11,10 @@ import inspect
 from typing import Any
 
 import torch
-from droidmesh.shared.errors import UnsupportedModelError
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from droidmesh.shared.errors import UnsupportedModelError
 
 
 def new_cache(config: Any, capacity: int | None = None) -> DynamicCache:

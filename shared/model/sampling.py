@@ -18,6 +18,7 @@ import secrets
 from collections.abc import Callable
 
 import torch
+
 from droidmesh.shared.errors import BadRequestError
 
 Sampler = Callable[[torch.Tensor], int]

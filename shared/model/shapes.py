@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 import transformers
+from transformers import AutoModelForCausalLM
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.model import attention
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.device import resolve_device, resolve_dtype
-from transformers import AutoModelForCausalLM
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import prefill
 from droidmesh.shared.kv.plan import ReusePlan

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from tqdm import tqdm
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
@@ -28,7 +30,6 @@ from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling import latency, search, transfer
 from droidmesh.shared.profiling.search import Evaluate, Memo
 from droidmesh.shared.wire import schemas
-from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)

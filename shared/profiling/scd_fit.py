@@ -20,11 +20,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+from tqdm import tqdm
+
 from droidmesh.shared.kv import scd
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter
-from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)

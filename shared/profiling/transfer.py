@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter
@@ -37,7 +39,6 @@ from droidmesh.shared.profiling import scd_fit
 from droidmesh.shared.tasks.scorer import RAW, Wire
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire.schemas import LatencyFit
-from tqdm import tqdm
 
 Score = Callable[[ReusePlan, Wire], float]  # mean task quality of a plan sent under a wire
 

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.translate import Translator, align, features, pooled_inputs
@@ -39,7 +41,6 @@ from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.text import context_spans, tokenizer_spec
 from droidmesh.shared.tasks.spec import TaskSpec
 from droidmesh.shared.tasks.translated import evaluate_translated
-from tqdm import tqdm
 
 LAMBDAS = (1e-4, 1e-3, 1e-2, 1e-1)
 CANDIDATES = 8    # lowest source layers considered: what a lookup binds on sits low; bounds the statistics

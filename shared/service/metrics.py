@@ -18,9 +18,10 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from droidmesh.shared.transport import slots
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
+
+from droidmesh.shared.transport import slots
 
 # Control-plane alarms: a message refused for what it says (forged sender, over a cap, another
 # schema version, a hostile config). Process-wide so code without a `Metrics` at hand (the config

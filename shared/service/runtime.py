@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 from urllib.parse import urlsplit
 
 import structlog
+
 from droidmesh.shared.errors import ConfigError, DroidMeshError
 from droidmesh.shared.mesh.bus import Bus, NatsBus
 from droidmesh.shared.service import settings

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import structlog
+
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.mesh.bus import EventHandler, RequestHandler
 from droidmesh.shared.service.metrics import alarm

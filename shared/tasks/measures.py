@@ -19,9 +19,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from droidmesh.shared.tasks.spec import METRIC_NAMES
 from rapidfuzz import fuzz
 from rouge_score import rouge_scorer
+
+from droidmesh.shared.tasks.spec import METRIC_NAMES
 
 _PUNCT = set(string.punctuation)
 _ROUGE = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)

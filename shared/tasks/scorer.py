@@ -29,6 +29,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
 from droidmesh.shared.kv.blocks import CapturedContext
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import prefill
@@ -40,7 +42,6 @@ from droidmesh.shared.tasks.rows import answer_text, decode_answer, encode_row
 from droidmesh.shared.tasks.spec import TaskSpec
 from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.wire.schemas import CodecParams
-from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)

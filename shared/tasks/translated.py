@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
@@ -35,7 +37,6 @@ from droidmesh.shared.model.text import context_spans, question_ids
 from droidmesh.shared.tasks import measures
 from droidmesh.shared.tasks.rows import decode_answer
 from droidmesh.shared.tasks.spec import TaskSpec
-from tqdm import tqdm
 
 
 def _answer(model: ModelAdapter, prompt: list[int], plan: ReusePlan, source: Any, spec: TaskSpec,

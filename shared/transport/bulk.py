@@ -51,6 +51,7 @@ from typing import NamedTuple, Protocol
 
 import structlog
 import torch
+
 from droidmesh.shared.errors import BadMessageError, DroidMeshError, IntegrityError, TransferError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.model.device import dtype_name

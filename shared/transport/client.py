@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 import torch
+
 from droidmesh.shared.errors import DroidMeshError, TransferError
 from droidmesh.shared.transport.bulk import OnItem
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, Transport

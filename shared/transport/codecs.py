@@ -72,6 +72,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 import xxhash
+
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import quant, scd, streams
 from droidmesh.shared.wire import schemas

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
+
 from droidmesh.shared.errors import MissingLayerError, TransferError
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
 from droidmesh.shared.transport.bulk import Authorize, OnItem, Pin, TensorLookup, answer, as_is, landings

@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 
 import torch
+
 from droidmesh.shared.errors import IntegrityError
 
 ALIGN = 64

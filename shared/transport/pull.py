@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
+
 from droidmesh.shared.errors import BadMessageError, CacheLayoutError, DroidMeshError, ReuseError, TransferError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import reusable_prefix

@@ -30,6 +30,7 @@ import time
 from types import TracebackType
 
 import structlog
+
 from droidmesh.shared.errors import ConfigError
 
 log = structlog.get_logger("transport")

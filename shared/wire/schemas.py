@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 import msgspec
+
 from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 
 SCHEMA_VERSION = 2

@@ -10,6 +10,7 @@ import importlib
 import msgspec
 import pytest
 import torch
+
 from droidmesh.shared.errors import IntegrityError, TransferError
 from droidmesh.shared.transport import registry
 from droidmesh.shared.transport.bulk import make_client, make_server
@@ -144,7 +145,6 @@ def _stored_context(tokens: int = 33, layers: int = 3):
     from droidmesh.services.sender.store import CacheStore
     from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
     from droidmesh.shared.model.adapter import random_model
-
     from tests.conftest import FAMILIES
 
     fp = random_model("llama", **FAMILIES["llama"]).fingerprint

@@ -20,6 +20,7 @@ import math
 import msgspec
 import pytest
 import torch
+
 from droidmesh.services.sender.store import CacheStore
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import quant

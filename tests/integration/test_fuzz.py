@@ -7,6 +7,9 @@ import asyncio
 import msgspec
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.service import BrokerService
 from droidmesh.services.profiler.config import ProfilerConfig
@@ -19,8 +22,6 @@ from droidmesh.shared.errors import BadMessageError
 from droidmesh.shared.mesh.bus import InProcessBus
 from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.wire import schemas, subjects
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 pytestmark = pytest.mark.fuzz
 

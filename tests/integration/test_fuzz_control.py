@@ -10,6 +10,9 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
 from droidmesh.services.cache_broker import handlers as broker
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.index import CacheIndex, Limits
@@ -20,9 +23,6 @@ from droidmesh.shared.mesh.bus import InProcessBus
 from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.service.metrics import Metrics, alarms
 from droidmesh.shared.wire import schemas, subjects
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
-
 from tests.unit.test_runtime import until
 
 pytestmark = pytest.mark.fuzz

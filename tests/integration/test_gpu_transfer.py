@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from droidmesh.shared.bench import gpu_transfer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,6 +8,7 @@ import gc
 
 import pytest
 import torch
+
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.tokens import TokenIssuer

@@ -14,6 +14,7 @@ import tempfile
 import msgspec
 import pytest
 import torch
+
 from droidmesh.shared.errors import BadMessageError, IntegrityError
 from droidmesh.shared.transport import memfd, shm, shm_io
 from droidmesh.shared.transport.bulk import make_client, make_server

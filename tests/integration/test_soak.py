@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.service import SenderService
 from droidmesh.shared.mesh.bus import InProcessBus

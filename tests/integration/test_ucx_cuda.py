@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, TensorHeader

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
 from droidmesh.shared.service.launch import Proc, start_nats
 from droidmesh.shared.zoo import vocab

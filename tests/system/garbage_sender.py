@@ -15,6 +15,7 @@ import runpy
 import sys
 
 import torch
+
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
 
 KINDS = ("zeros", "flipped", "random")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from droidmesh.shared.bench.broker_flood import FLOOD, HONEST, Flood, run_against, secured_nats, start_broker
 
 pytestmark = [pytest.mark.system, pytest.mark.security]

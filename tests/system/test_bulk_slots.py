@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+
 from droidmesh.shared.service.launch import Proc
 from droidmesh.shared.transport import slots
 from droidmesh.shared.transport.bulk import make_client

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.launch import Proc, start_service
-
 from tests.system.conftest import words
 
 pytestmark = [pytest.mark.system, pytest.mark.fault]

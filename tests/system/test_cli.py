@@ -16,10 +16,10 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+
 from droidmesh.shared.audit import estimate, logs, relay
 from droidmesh.shared.cli.main import main
 from droidmesh.shared.service.launch import Proc, start_nats, start_service
-
 from tests.system.conftest import words
 
 pytestmark = pytest.mark.system

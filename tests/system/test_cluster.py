@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.config_board import CLUSTER_REPLICAS, config_key
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.service.launch import NatsCluster, start_nats_cluster, start_service
 from droidmesh.shared.wire import schemas, subjects
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.fault]

@@ -6,12 +6,12 @@ import asyncio
 import time
 
 import pytest
+
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import start_nats, start_service
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.fault]

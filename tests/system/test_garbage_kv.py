@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from droidmesh.shared.mesh.client import MeshClient
 
+from droidmesh.shared.mesh.client import MeshClient
 from tests.system.conftest import until_indexed
 from tests.system.garbage_sender import KINDS
 from tests.system.test_hostile_senders import CONTEXT, RECEIVER_ARGS, _mesh

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import openai
 import pytest
+
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, password_env, receiver_user
 from droidmesh.shared.service.launch import NATS_AUTH_CONF, Proc, start_nats, start_service
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.launch import Proc, free_port, start_nats, start_service
 from droidmesh.shared.wire import schemas, subjects
-
 from tests.system.conftest import health_port, words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.wire import schemas, subjects
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+
 from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX
 from droidmesh.shared.service.launch import Proc
 from droidmesh.shared.transport.bulk import make_client

@@ -13,11 +13,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from droidmesh.shared.bench import netns
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.launch import Proc, free_port, start_nats, start_service
 from droidmesh.shared.wire import schemas
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.fault]

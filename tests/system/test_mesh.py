@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
@@ -13,7 +14,6 @@ from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import start_service
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from droidmesh.shared.mesh.client import MeshClient
-from droidmesh.shared.service.launch import start_service
 from prometheus_client.parser import text_string_to_metric_families
 
+from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.service.launch import start_service
 from tests.system.conftest import health_port, http_get, until_indexed, words
 
 pytestmark = pytest.mark.system

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
+
 from droidmesh.shared.bench import netns
 
 pytestmark = pytest.mark.system

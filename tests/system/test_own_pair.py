@@ -25,6 +25,9 @@ import msgspec
 import pytest
 import torch
 from click.testing import CliRunner
+from openai import OpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
 from droidmesh.shared import ZOO_DIR
 from droidmesh.shared.cli.main import main as droidmesh_main
 from droidmesh.shared.kv.policy import eligible, option_label, plan_of
@@ -37,9 +40,6 @@ from droidmesh.shared.tasks.scorer import PairScorer
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.zoo import vocab
-from openai import OpenAI
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
 from tests.system.conftest import until_indexed
 
 pytestmark = [pytest.mark.system,

@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
+
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.wire import schemas
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system

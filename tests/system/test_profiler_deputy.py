@@ -15,6 +15,7 @@ import time
 import msgspec
 import nats
 import pytest
+
 from droidmesh.services.profiler.datafiles import NOT_ALLOWED
 from droidmesh.shared.errors import BadMessageError
 from droidmesh.shared.mesh.config_board import NatsConfigBoard

@@ -11,6 +11,7 @@ import time
 
 import msgspec
 import pytest
+
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.config_board import NatsConfigBoard
 from droidmesh.shared.model.names import weights_sha256
@@ -18,7 +19,6 @@ from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.zoo.suite import make_rows
 from droidmesh.shared.zoo.tiers import get_recipe
-
 from tests.system.conftest import until_indexed
 
 pytestmark = pytest.mark.system

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from droidmesh.shared.kv import policy, scd
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
@@ -21,7 +22,6 @@ from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.wire import schemas
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = pytest.mark.system

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import nats
 import pytest
+
 from droidmesh.shared.mesh.nats_auth import Roster, password_env, receiver_user, sender_user
 from droidmesh.shared.service.launch import Proc, start_secure_nats
-
 from tests.system.venvs import PIN_RELAY
 
 pytestmark = [pytest.mark.system, pytest.mark.security]

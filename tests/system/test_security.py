@@ -12,6 +12,7 @@ import msgspec
 import nats
 import pytest
 import torch
+
 from droidmesh.shared.errors import DroidMeshError, TransferError
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import Roster, password_env, receiver_user, render, sender_user
@@ -20,7 +21,6 @@ from droidmesh.shared.service.launch import start_nats, start_service
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.transport.pull import request_grant, requester
 from droidmesh.shared.wire import schemas, subjects
-
 from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]

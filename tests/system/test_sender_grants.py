@@ -11,6 +11,7 @@ import time
 
 import nats
 import pytest
+
 from droidmesh.shared import ZOO_DIR
 from droidmesh.shared.errors import TransferError
 from droidmesh.shared.mesh.client import MeshClient
@@ -19,7 +20,6 @@ from droidmesh.shared.mesh.nats_auth import Roster, password_env, receiver_user,
 from droidmesh.shared.service.launch import start_nats, start_service
 from droidmesh.shared.transport.pull import request_grant, requester
 from droidmesh.shared.wire import schemas, subjects
-
 from tests.system.conftest import words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]

@@ -6,8 +6,8 @@ import signal
 import sys
 
 import pytest
-from droidmesh.shared.service.launch import Proc, free_port
 
+from droidmesh.shared.service.launch import Proc, free_port
 from tests.system.conftest import health_port, http_get
 
 pytestmark = pytest.mark.system

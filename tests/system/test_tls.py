@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import nats
 import pytest
 import trustme
+
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.launch import start_nats, start_service
 from droidmesh.shared.service.settings import BusSettings

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from droidmesh.shared import ZOO_DIR
 from droidmesh.shared.kv import translate
 from droidmesh.shared.kv.capture import capture_prefill
@@ -21,7 +22,6 @@ from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.zoo.manifest import read_manifest
 from droidmesh.shared.zoo.suite import SuiteShape, make_rows
-
 from tests.system.conftest import until_indexed
 
 pytestmark = pytest.mark.system

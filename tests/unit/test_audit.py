@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from droidmesh.shared.audit import estimate, relay, render
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.wire.schemas import FrontierPoint, PlanSpec, RecomputeConfig, RelayBucket

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.model.device import (
     DTYPES,

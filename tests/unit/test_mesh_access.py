@@ -4,6 +4,7 @@ user, each process handed only its own, none in a repr."""
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.shared.mesh.nats_auth import (
     MeshAccess,
     Roster,

@@ -10,6 +10,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 
 import pytest
+
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.mesh.bus import InProcessBus
 from droidmesh.shared.service.runtime import ServiceRuntime, Supervisor, run_until_signalled

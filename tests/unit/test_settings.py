@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.service import settings

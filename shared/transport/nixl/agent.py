@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+
 from droidmesh.shared.errors import TransferError
 
 T = TypeVar("T")

@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from droidmesh.shared.errors import BadMessageError, TransferError
 from droidmesh.shared.transport.address import on_this_host, parse_host_port
 from droidmesh.shared.transport.bulk import Landing, OnItem, landings

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import structlog
 import torch
+
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, TensorLookup, answer, as_is
 from droidmesh.shared.transport.control import ControlListener

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
+
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.transport import memfd, shm_io
 from droidmesh.shared.transport.address import check_unix_path

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import msgspec
 import structlog
 import torch
+
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import memfd, shm_io

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from droidmesh.shared.errors import PeerUnreachableError
 from droidmesh.shared.transport.address import parse_host_port
 from droidmesh.shared.transport.bulk import OnItem, landings

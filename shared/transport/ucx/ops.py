@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from droidmesh.shared.errors import BadMessageError
 
 log = structlog.get_logger("ucx")

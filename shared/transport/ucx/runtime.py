@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import structlog
 import torch
+
 from droidmesh.shared.transport import capabilities, codecs
 from droidmesh.shared.transport.address import local_ipv4s
 from droidmesh.shared.transport.ucp_address import LocalView

@@ -27,6 +27,7 @@ import secrets
 from typing import Any
 
 import structlog
+
 from droidmesh.shared.errors import BadMessageError, DroidMeshError
 from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, Served, TensorLookup, answer, as_is
 from droidmesh.shared.transport.control import ControlListener

@@ -25,6 +25,7 @@ import struct
 from typing import Any
 
 import structlog
+
 from droidmesh.shared.errors import BadMessageError
 from droidmesh.shared.transport.address import on_this_host, parse_host_port
 from droidmesh.shared.transport.ucp_address import MAX_WORKER_ADDRESS, check_peer

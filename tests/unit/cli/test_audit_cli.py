@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
+
 from droidmesh.shared.audit.relay import POLICY_SCHEMA
 from droidmesh.shared.cli.main import main
 

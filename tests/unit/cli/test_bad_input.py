@@ -12,6 +12,7 @@ import socket
 
 import pytest
 from click.testing import CliRunner
+
 from droidmesh.shared.cli.main import main
 
 

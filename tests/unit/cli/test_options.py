@@ -7,6 +7,7 @@ import json
 import click
 import msgspec
 import pytest
+
 from droidmesh.shared.cli.config import load_config
 from droidmesh.shared.cli.params import GROUP, check_group
 from droidmesh.shared.cli.profile import sample_warning

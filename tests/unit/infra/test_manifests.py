@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from cryptography import x509
+
 from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, receiver_user, sender_user
 from droidmesh.shared.service.metrics import Metrics
 

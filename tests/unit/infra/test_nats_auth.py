@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from droidmesh.shared.cli.main import main
 from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, Roster, password_env, render
 from droidmesh.shared.wire import subjects

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import (
     BadRequestError,
     CacheLayoutError,
@@ -20,7 +21,6 @@ from droidmesh.shared.kv.partial import prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import random_model
-
 from tests.conftest import FAMILIES
 
 

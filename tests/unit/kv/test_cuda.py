@@ -12,12 +12,12 @@ import copy
 
 import pytest
 import torch
+
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter, load_model, random_model
-
 from tests.conftest import FAMILIES, perturbed_copy, reference_greedy, reference_logits
 
 pytestmark = pytest.mark.gpu

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.sampling import make_sampler
-
 from tests.conftest import reference_greedy
 
 CPU = torch.device("cpu")

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import MissingLayerError
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter
-
 from tests.conftest import ATOL, perturbed_copy
 
 L = 6

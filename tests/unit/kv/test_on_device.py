@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import CacheLayoutError
 from droidmesh.shared.kv.blend import blend_visibility, token_deviation
 from droidmesh.shared.kv.blocks import KVBlock, check_kv, check_tensor

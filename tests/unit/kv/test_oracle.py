@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
-
 from tests.conftest import ATOL, perturbed_copy, reference_logits
 
 L = 6
@@ -35,6 +35,7 @@ def test_group_from_layer_zero_uses_the_receivers_own_embeddings(receiver, promp
     import copy
 
     import torch
+
     from droidmesh.shared.model.adapter import ModelAdapter
 
     ctx, q = prompt

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate, prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
-
 from tests.conftest import ATOL, reference_greedy, reference_logits
 
 L = 6

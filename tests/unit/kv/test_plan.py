@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.plan import ReusePlan
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.wire.schemas import CacheAvailable, Fingerprint, FrontierPoint, LatencyFit, PlanSpec, RecomputeConfig, RelayBucket

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import quant
 from droidmesh.shared.kv.capture import capture_prefill

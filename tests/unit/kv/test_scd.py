@@ -7,13 +7,13 @@ import hashlib
 
 import pytest
 import torch
+from safetensors.torch import save as st_save
+
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import scd
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.model.adapter import random_model
 from droidmesh.shared.profiling import scd_fit
-from safetensors.torch import save as st_save
-
 from tests.conftest import TINY
 
 # float32 end to end (fit in float64, codes and decode in float32): the identity map at full

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import CacheLayoutError, IntegrityError
 from droidmesh.shared.kv import screen as S
 from droidmesh.shared.kv.blocks import KVBlock
@@ -25,7 +26,6 @@ from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.transport.pull import pull_items
 from droidmesh.shared.zoo.manifest import REPO_ZOO
 from droidmesh.shared.zoo.suite import SuiteShape, make_rows
-
 from tests.system.garbage_sender import KINDS, garble
 
 DEMO = REPO_ZOO / "demo"

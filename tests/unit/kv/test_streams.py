@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import KVBlock
 from droidmesh.shared.kv.sources import ArrivingSource

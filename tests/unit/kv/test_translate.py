@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import IntegrityError, MissingLayerError, ReuseError
 from droidmesh.shared.kv import translate
 from droidmesh.shared.kv.capture import capture_prefill
@@ -17,7 +18,6 @@ from droidmesh.shared.kv.translate import TranslatedSource, Translator, Translat
 from droidmesh.shared.model.adapter import random_model
 from droidmesh.shared.model.text import context_spans
 from droidmesh.shared.zoo.tokenizer import hf_tokenizer
-
 from tests.conftest import ATOL, FAMILIES
 
 TEXT = "doc north the old road anna amber . busy market bruno basil . ask anna"

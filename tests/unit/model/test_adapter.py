@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import CheckpointNotFoundError, ConfigError, UnsupportedModelError
 from droidmesh.shared.model.adapter import load_model, random_model
-
 from tests.conftest import FAMILIES
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from droidmesh.shared.model import attention
 from droidmesh.shared.model.adapter import random_model
-
 from tests.conftest import FAMILIES
 
 ATOL = 1e-5

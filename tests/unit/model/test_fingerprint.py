@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from droidmesh.shared.errors import IncompatibleModelsError
 from droidmesh.shared.model.adapter import random_model
 from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of, require_compatible
-
 from tests.conftest import FAMILIES
 
 

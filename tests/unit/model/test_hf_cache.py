@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import UnsupportedModelError
 from droidmesh.shared.model.hf_cache import WriteOnceLayer
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.model.sampling import check_sampling, greedy, make_sampler
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.model import text
 from droidmesh.shared.model.text import TextStream, chat_prompt_ids, context_ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling import search

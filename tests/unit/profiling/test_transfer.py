@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from droidmesh.shared.kv import policy, scd
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.config_board import validate

@@ -10,6 +10,7 @@ import tracemalloc
 
 import pytest
 import xxhash
+
 from droidmesh.services.cache_broker.index import BLOCK, CacheIndex, Limits, Refused, block_keys
 from droidmesh.shared.wire import schemas
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from structlog.testing import capture_logs
+
 from droidmesh.services.cache_broker.budget import Bucket, LogThrottle
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.index import CacheIndex
@@ -14,7 +16,6 @@ from droidmesh.services.cache_broker.intake import QUEUED_OVERHEAD, Budgets, Int
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas, subjects
-from structlog.testing import capture_logs
 
 FP = schemas.Fingerprint("llama", 2, 8, 2, 2, 4, "{}", "v")
 

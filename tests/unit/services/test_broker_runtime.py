@@ -9,7 +9,6 @@ import sys
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.service import BrokerService
 from droidmesh.shared.mesh.bus import InProcessBus
-
 from tests.unit.test_runtime import until
 
 

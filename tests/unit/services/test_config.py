@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.service import settings

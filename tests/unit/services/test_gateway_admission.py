@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
+
 from droidmesh.services.gateway import fairness
 from droidmesh.services.gateway import openai as oa
 from droidmesh.services.gateway.config import GatewayConfig
@@ -21,7 +22,6 @@ from droidmesh.services.gateway.guard import connection_cap, refusal_bytes
 from droidmesh.services.gateway.service import GatewayService
 from droidmesh.services.gateway.state import NOT_CONNECTED
 from droidmesh.shared.mesh.bus import InProcessBus
-
 from tests.unit.services.test_gateway_handlers import CHAT, FakeMesh, _state, serve
 
 DEADLINE_S = 30.0  # every wait below ends by then
@@ -207,6 +207,7 @@ def test_running_out_of_descriptors_pauses_accepting_with_one_line(monkeypatch):
 
     import structlog
     from aiohttp import web
+
     from droidmesh.services.gateway import guard
 
     monkeypatch.setattr(guard, "ACCEPT_PAUSE_S", 3600.0)

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+
 from droidmesh.services.gateway.config import GatewayConfig
 from droidmesh.services.gateway.handlers import make_app
 from droidmesh.services.gateway.service import GatewayService
@@ -23,7 +24,6 @@ from droidmesh.shared.mesh.client import MeshError
 from droidmesh.shared.service import settings
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas
-
 from tests.unit.services.test_gateway_openai import NoRespondersError, reply
 
 CHAT = {"model": "qa", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}

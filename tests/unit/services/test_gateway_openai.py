@@ -7,6 +7,7 @@ import json
 import msgspec
 import pytest
 from aiohttp import web
+
 from droidmesh.services.gateway import openai as oa
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.mesh.client import MeshError

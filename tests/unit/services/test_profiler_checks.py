@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from droidmesh.services.profiler import checks
 from droidmesh.services.profiler.admission import Admission
 from droidmesh.services.profiler.config import ProfilerConfig

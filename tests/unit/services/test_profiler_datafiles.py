@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from droidmesh.services.profiler import datafiles
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.tasks.jsonl import JsonlError, read_jsonl

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.services.receiver.relay_watch import QualityWatch
 from droidmesh.shared.wire.schemas import ProfileRow
 
@@ -78,7 +79,6 @@ def test_a_shadow_runs_a_layer_at_a_time_and_never_while_a_request_is_in_the_rec
 
     from droidmesh.services.receiver import relay_watch as audit
     from droidmesh.shared.service.metrics import Metrics
-
     from tests.conftest import reference_greedy
 
     monkeypatch.setattr(audit, "SHADOW_POLL_S", 0.0)
@@ -137,7 +137,6 @@ def test_shadows_run_one_at_a_time(receiver, prompt, monkeypatch):
 
     from droidmesh.services.receiver import relay_watch as audit
     from droidmesh.shared.service.metrics import Metrics
-
     from tests.conftest import reference_greedy
 
     monkeypatch.setattr(audit, "SHADOW_POLL_S", 0.0)

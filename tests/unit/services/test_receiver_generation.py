@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.model import text
 from droidmesh.shared.wire import schemas, subjects
-
 from tests.unit.services.test_receiver_reuse import CONTEXT, QUESTION, mesh
 
 RECEIVER = "receiver"

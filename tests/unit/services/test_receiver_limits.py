@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 import pytest
+
 from droidmesh.services.receiver.breaker import Breaker
 from droidmesh.services.receiver.checks import check_positions, deadline_of
 from droidmesh.services.receiver.holders import unreachable
@@ -16,7 +17,6 @@ from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.wire import schemas
-
 from tests.unit.services.test_receiver_reuse import CONTEXT, QUESTION, mesh
 
 

@@ -11,6 +11,7 @@ import time
 import msgspec
 import pytest
 import torch
+
 from droidmesh.services.cache_broker.config import BrokerConfig
 from droidmesh.services.cache_broker.service import BrokerService
 from droidmesh.services.receiver.config import ReceiverConfig

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import align_target, load_translators
 from droidmesh.shared.errors import ConfigError
@@ -16,7 +17,6 @@ from droidmesh.shared.mesh.maps_store import InMemoryMapsStore
 from droidmesh.shared.model.adapter import ModelAdapter, random_model
 from droidmesh.shared.model.text import context_spans, tokenizer_spec
 from droidmesh.shared.zoo.tokenizer import hf_tokenizer
-
 from tests.conftest import FAMILIES
 
 

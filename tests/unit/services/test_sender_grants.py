@@ -4,6 +4,7 @@ the receiver models that may read the sender's model."""
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.grants import Readers, check
 from droidmesh.shared import ZOO_DIR

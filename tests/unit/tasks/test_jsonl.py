@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from droidmesh.shared.tasks.jsonl import JsonlError, read_jsonl, write_jsonl
 
 GOOD = {"context": "anna amber .", "input": "ask anna", "answers": ["amber"]}

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from droidmesh.shared.tasks import measures as M
 
 

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter, random_model
 from droidmesh.shared.tasks.evaluation import all_groups, evaluate_pair, must_show

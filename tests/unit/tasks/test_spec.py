@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.shared.tasks.rows import answer_text, encode_row
 from droidmesh.shared.tasks.spec import GENERIC, TASKS, known_tasks, shifts_of, task_spec
 from droidmesh.shared.zoo.suite import SuiteShape, make_rows

@@ -10,6 +10,7 @@ import pytest
 import structlog
 import torch
 import xxhash
+
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.transport import capabilities, codecs, ucx
 from droidmesh.shared.transport.capabilities import CudaFacts, CudaSupport, decide

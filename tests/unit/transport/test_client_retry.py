@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import IntegrityError, TransferError
 from droidmesh.shared.transport.client import ChannelClient
 from droidmesh.shared.wire.schemas import PullItem, PullRequest

@@ -8,6 +8,7 @@ import math
 import msgspec
 import pytest
 import torch
+
 from droidmesh.shared.errors import IntegrityError, TransferError
 from droidmesh.shared.kv import quant
 from droidmesh.shared.transport import codecs, inproc

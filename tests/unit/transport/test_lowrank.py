@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 import torch
+
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import scd
 from droidmesh.shared.kv.capture import capture_prefill
@@ -15,7 +16,6 @@ from droidmesh.shared.model.adapter import random_model
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
-
 from tests.conftest import TINY
 
 H, HD, T, R = 4, 16, 12, 3  # kv heads, head_dim, tokens, rank

@@ -7,6 +7,7 @@ import gc
 import os
 
 import torch
+
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
@@ -14,7 +15,6 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import random_model
 from droidmesh.shared.transport import memfd
-
 from tests.conftest import FAMILIES
 
 

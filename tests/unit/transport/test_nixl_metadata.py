@@ -6,11 +6,11 @@ from __future__ import annotations
 import struct
 
 import pytest
-from droidmesh.shared.errors import BadMessageError
-from droidmesh.shared.transport.nixl import metadata
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from droidmesh.shared.errors import BadMessageError
+from droidmesh.shared.transport.nixl import metadata
 from tests.unit.transport.test_ucp_address import LOCAL, rkey, theirs
 
 

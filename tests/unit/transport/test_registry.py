@@ -8,6 +8,7 @@ import sys
 from typing import get_args
 
 import pytest
+
 from droidmesh.shared.errors import TransferError
 from droidmesh.shared.transport import bulk, registry
 from droidmesh.shared.wire.schemas import Transport

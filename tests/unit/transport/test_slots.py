@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from structlog.testing import capture_logs
+
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.transport import slots
 from droidmesh.shared.transport.control import ControlListener
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits, Slots
-from structlog.testing import capture_logs
 
 DEADLINE_S = 10.0  # the longest any wait here may take
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from droidmesh.shared.errors import OverloadedError, UnauthorizedError
 from droidmesh.shared.transport.tokens import TokenIssuer
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import struct
 
 import pytest
-from droidmesh.shared.errors import BadMessageError
-from droidmesh.shared.transport import ucp_address as ua
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from droidmesh.shared.errors import BadMessageError
+from droidmesh.shared.transport import ucp_address as ua
 
 HOST = bytes.fromhex("bda8b9e9fdcd1a16")  # a host id without a namespace
 OTHER_HOST = bytes.fromhex("0102030405060716")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 from droidmesh.shared.wire import schemas
 
