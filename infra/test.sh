@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash infra/bootstrap.sh
 .venv/bin/ruff check shared services tests
 .venv/bin/python infra/typecheck.py
-.venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
 exec .venv/bin/python -m pytest -q "$@"
