@@ -30,7 +30,6 @@ import asyncio
 import dataclasses
 import functools
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,9 +68,6 @@ if TYPE_CHECKING:
     from droidmesh.services.receiver.state import ReceiverState
 
 log = structlog.get_logger("receiver")
-# Each receiver's screen, built once on the torch thread (one capturing prefill of
-# screen.REFERENCE_TEXT); concurrent first requests await the same build.
-_screens: weakref.WeakKeyDictionary[ReceiverState, asyncio.Task[Screen | None]] = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +161,9 @@ async def screen_for(s: ReceiverState) -> Screen | None:
     the torch thread; a build that failed is tried again by the next request."""
     if not s.cfg.kv_screen:
         return None
-    task = _screens.get(s)
+    task = s.screen_build
     if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-        task = _screens[s] = asyncio.get_running_loop().create_task(_build_screen(s))
+        task = s.screen_build = asyncio.get_running_loop().create_task(_build_screen(s))
     return await asyncio.shield(task)  # a request that gives up leaves the build running for the next
 
 

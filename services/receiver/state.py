@@ -19,6 +19,7 @@ from droidmesh.services.receiver.pipeline import Translation
 from droidmesh.services.receiver.relay_watch import QualityWatch
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.screen import Screen
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.service.metrics import Metrics
@@ -48,6 +49,9 @@ class ReceiverState:
         # (filled at start: `pipeline.load_translators`)
         self.translations: dict[str, Translation] = {}
         self.translator_failures: list[str] = []
+        # the KV screen's reference (`pipeline.screen_for`): built once on the torch thread (one
+        # capturing prefill of a fixed text); concurrent first requests await the same build
+        self.screen_build: asyncio.Task[Screen | None] | None = None
         self.inflight = 0  # generate requests being served (the torch thread runs one at a time)
         self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput, any holder
         self.holder_bps: OrderedDict[str, float] = OrderedDict()  # sender id -> EWMA of its pulls' throughput
