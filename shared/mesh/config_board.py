@@ -165,8 +165,22 @@ class NatsConfigBoard:
             log.warning("config_bucket_unreplicated", wanted=replicas, error=str(e))
             return await js.create_key_value(bucket=subjects.CONFIG_BUCKET, history=5)
 
-    async def put(self, config: schemas.RecomputeConfig) -> None:
-        await (await self._bucket(create=True)).put(config_key(config), schemas.encode(config))
+    async def put(self, config: schemas.RecomputeConfig, deadline_s: float = 30.0) -> None:
+        """Publish `config`. While a cluster elects a leader after losing a node, JetStream answers
+        503 or times out; those are retried, paced by `retry_s`, until `deadline_s` has passed."""
+        from nats.errors import TimeoutError as NatsTimeout
+        from nats.js.errors import ServiceUnavailableError
+
+        end = asyncio.get_running_loop().time() + deadline_s
+        while True:
+            try:
+                await (await self._bucket(create=True)).put(config_key(config), schemas.encode(config))
+                return
+            except (NatsTimeout, ServiceUnavailableError) as e:
+                if asyncio.get_running_loop().time() + self._retry_s > end:
+                    raise
+                log.info("config_bucket_unavailable", error=repr(e), retry_s=self._retry_s)
+                await asyncio.sleep(self._retry_s)
 
     async def snapshot(self) -> dict[str, schemas.RecomputeConfig | str] | None:
         """What the bucket holds now, by key: each config, or why its entry does not decode;

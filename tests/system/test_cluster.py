@@ -48,29 +48,37 @@ def _loaded(version: int):
     return lambda line: '"config_loaded"' in line and f'"version": {version}' in line
 
 
-async def _lead_from(client: MeshClient, node: str, tries: int = 200) -> None:
+async def _lead_from(client: MeshClient, node: str, deadline_s: float = 90.0) -> None:
     """Move the config bucket's stream leader to `node` (a JetStream step-down with a preferred
-    placement), so that losing `node` also forces a leader election for the bucket."""
+    placement), so that losing `node` also forces a leader election for the bucket. A step-down
+    starts an election that can take seconds on a busy machine (API calls time out or answer 503
+    meanwhile): ask again, paced, until the deadline."""
     js, stream = client.bus.nc.jetstream(), f"KV_{subjects.CONFIG_BUCKET}"  # type: ignore[attr-defined]
-    for _ in range(tries):
-        try:  # JetStream API calls time out while the stream has no leader (a step-down electing): ask again
+    end, answers = time.monotonic() + deadline_s, []
+    while time.monotonic() < end:
+        try:
             if (await js.stream_info(stream)).cluster.leader == node:
                 return
-            await client.bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",  # type: ignore[attr-defined]
-                                        json.dumps({"placement": {"preferred": node}}).encode(), timeout=5)
-        except Exception:
-            pass
-    raise TimeoutError(f"the config bucket's leader never moved to {node}")
+            reply = await client.bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",  # type: ignore[attr-defined]
+                                                json.dumps({"placement": {"preferred": node}}).encode(), timeout=5)
+            answers.append(reply.data[:200])
+        except Exception as e:
+            answers.append(repr(e)[:200])
+        await asyncio.sleep(1.0)
+    raise TimeoutError(f"the config bucket's leader never moved to {node}: {answers[-3:]}")
 
 
-async def _entry(client: MeshClient, key: str, tries: int = 10) -> tuple[int, bytes, int, str, list[str]]:
+async def _entry(client: MeshClient, key: str, deadline_s: float = 60.0) -> tuple[int, bytes, int, str, list[str]]:
     """`key`'s (revision, value) in the config bucket, the bucket's replicas, its leader node and the
-    other nodes holding it; JetStream API calls time out while the bucket elects a leader: ask again."""
+    other nodes holding it. While the cluster elects a leader (for the bucket, or JetStream's own
+    meta leader after a node is lost), API calls time out or answer 503: ask again, paced, until
+    the deadline; a busy machine can stretch an election to seconds."""
     from nats.errors import TimeoutError as NatsTimeout
     from nats.js.errors import ServiceUnavailableError
 
     js = client.bus.nc.jetstream()  # type: ignore[attr-defined]
-    for left in range(tries, 0, -1):
+    end = time.monotonic() + deadline_s
+    while True:
         try:
             entry = await (await js.key_value(subjects.CONFIG_BUCKET)).get(key)
             info = await js.stream_info(f"KV_{subjects.CONFIG_BUCKET}")
@@ -78,9 +86,11 @@ async def _entry(client: MeshClient, key: str, tries: int = 10) -> tuple[int, by
                 return (entry.revision, entry.value, info.config.num_replicas, info.cluster.leader,
                         [r.name for r in info.cluster.replicas or []])
         except (NatsTimeout, ServiceUnavailableError):
-            if left == 1:
+            if time.monotonic() > end:
                 raise
-    raise AssertionError("the config bucket has no leader")
+        if time.monotonic() > end:
+            raise AssertionError("the config bucket has no leader")
+        await asyncio.sleep(0.5)
 
 
 def test_killing_the_connected_node_loses_no_request(cluster, services, tiny_pair, tiny_models):
