@@ -124,13 +124,11 @@ def check_stream_subject(subject: str) -> None:
 
 
 def prompt_ids(tokenizer: object, req: schemas.GenerateRequest) -> list[int]:
-    """The request's prompt tokens: the chat rendered (`text.chat_prompt_ids`), or context +
-    question (a completions-style prompt is `context=prompt, question=""`: its ids are exactly
-    `context_ids(prompt)`, so a sender's cache of any token prefix of it is found)."""
-    if req.chat is not None:
-        return text.chat_prompt_ids(tokenizer, req.chat)
-    ctx_ids, q_ids = text.prompt_ids(tokenizer, req.context, req.question)
-    return ctx_ids + q_ids
+    """The request's prompt tokens by the one rule every path uses (`text.request_ids`): the chat
+    rendered, or context + question (a completions-style prompt is `context=prompt, question=""`:
+    its ids are exactly `context_ids(prompt)`, so a sender's cache of any token prefix of it is
+    found; a chat finds what `prefill --as-chat` cached of its opening)."""
+    return text.request_ids(tokenizer, req.context, req.question, req.chat)
 
 
 def deadline_of(req: schemas.GenerateRequest, arrived: float, default_s: float) -> float:

@@ -127,9 +127,25 @@ async def generate(s: SenderState, req: schemas.GenerateRequest) -> schemas.Gene
     )
 
 
+MAX_CHAT_MESSAGES = 64  # as a receiver's generate request (receiver/checks.py)
+
+
+def prefill_ids(tokenizer: object, req: schemas.PrefillRequest) -> list[int]:
+    """What a prefill request caches: the context's ids, or the chat opening's prefix, by the rule
+    the receiver tokenizes requests with (`text.request_ids`), so they find it."""
+    if req.chat is not None:
+        if not 1 <= len(req.chat) <= MAX_CHAT_MESSAGES:
+            raise BadRequestError(f"chat must hold 1..{MAX_CHAT_MESSAGES} messages, got {len(req.chat)}")
+        if req.context:
+            raise BadRequestError("a chat prefill carries its text in chat; context must be empty")
+    elif not req.context:
+        raise BadRequestError("empty context")
+    return text.request_ids(tokenizer, req.context, chat=req.chat, prefix=True)
+
+
 async def prefill(s: SenderState, req: schemas.PrefillRequest) -> schemas.PrefillReply:
     """A prefill-only job: capture and announce a context so receivers can reuse it."""
-    ctx_ids = text.context_ids(s.model.tokenizer, req.context)
+    ctx_ids = prefill_ids(s.model.tokenizer, req)
     if not ctx_ids:
         raise BadRequestError("empty context")
     cid, captured = await _ensure_captured(s, ctx_ids)

@@ -45,6 +45,28 @@ async def _only_receiver(nc: Any, window_s: float) -> str:
     return str(up[0].model_id)
 
 
+def document_chat(document: str, system: str | None = None, question: str | None = None) -> list[schemas.ChatMessage]:
+    """A document as a chat's first user turn, as an OpenAI client sends it through the gateway:
+    after `system` when given (else the chat template writes its default system turn), and the
+    question, if any, as the next user turn. `prefill --as-chat` caches the prefix of this chat's
+    tokens that every such chat shares; `ask --as-chat` asks it."""
+    chat = [schemas.ChatMessage("system", system)] if system is not None else []
+    chat.append(schemas.ChatMessage("user", document))
+    if question is not None:
+        chat.append(schemas.ChatMessage("user", question))
+    return chat
+
+
+def _chat_options(as_chat: bool, system: str | None) -> None:
+    if system is not None and not as_chat:
+        raise click.UsageError("--system needs --as-chat (a plain context has no system turn)")
+
+
+AS_CHAT_HELP = ("Send the context as a chat's first user turn, rendered by the model's chat template (its default "
+                "system turn included), as chat requests through the gateway arrive.")
+SYSTEM_HELP = "With --as-chat: this system message instead of the chat template's default one."
+
+
 def _client(nc: Any) -> Any:
     from droidmesh.shared.mesh.bus import NatsBus
     from droidmesh.shared.mesh.client import MeshClient
@@ -61,21 +83,26 @@ def _client(nc: Any) -> Any:
 @click.option("--mode", type=click.Choice(schemas.MODES), default="auto", show_default=True)
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--window", default=0.5, show_default=True, type=click.FloatRange(0.05, 30), help=WINDOW_HELP)
+@click.option("--as-chat", is_flag=True, help=AS_CHAT_HELP + " The question is the next user turn.")
+@click.option("--system", default=None, help=SYSTEM_HELP)
 @nats_options(default_timeout=60.0)
 def ask(context_file: str, question: str, receiver: str | None, mode: schemas.Mode, max_new_tokens: int,
-        window: float, conn: Conn) -> None:
+        window: float, as_chat: bool, system: str | None, conn: Conn) -> None:
     """Ask a receiver a question over a context; print the answer, the path taken and its timings.
 
     NATS role: `client` (with --receiver) or `admin` (discovery needs $SRV.INFO)."""
+    _chat_options(as_chat, system)
     context = read_text(context_file)
     if not question.strip():
         raise BadRequestError("--question is empty")
+    chat = document_chat(context, system, question) if as_chat else None
 
     async def body(nc: Any) -> schemas.GenerateReply:
         model = receiver or await _only_receiver(nc, window)
         # The request's own deadline is what is left of --timeout once connected (Conn enforces it).
-        return await _client(nc).ask(model, context, question, max_new_tokens=max_new_tokens, mode=mode,
-                                     timeout=conn.timeout)
+        # A chat carries all its text in `chat`, as the gateway's chat requests do.
+        return await _client(nc).ask(model, "" if chat else context, "" if chat else question, chat=chat,
+                                     max_new_tokens=max_new_tokens, mode=mode, timeout=conn.timeout)
 
     reply = conn.run(body, "asking")
     click.echo(reply.text)
@@ -92,18 +119,25 @@ def ask(context_file: str, question: str, receiver: str | None, mode: schemas.Mo
 @click.option("--sender", required=True, help="Sender model id (the id the sender serves under, e.g. base).")
 @click.option("--context", "context_file", required=True, type=click.Path(exists=True, dir_okay=False),
               help="File holding the context to prefill (UTF-8 text).")
+@click.option("--as-chat", is_flag=True, help=AS_CHAT_HELP + " Chats whose first user message is the context "
+              "then reuse the cache; a plain prefill serves completions and plain `ask`.")
+@click.option("--system", default=None, help=SYSTEM_HELP)
 @nats_options(default_timeout=60.0)
-def prefill(sender: str, context_file: str, conn: Conn) -> None:
+def prefill(sender: str, context_file: str, as_chat: bool, system: str | None, conn: Conn) -> None:
     """Have SENDER prefill a context and announce its KV cache to the mesh.
 
     NATS role: `admin` only (infra/nats/nats-auth.conf lets no other user publish to
     dm.sender.*.prefill; a `client` login times out with a permissions violation)."""
+    _chat_options(as_chat, system)
     context = read_text(context_file)
+    chat = document_chat(context, system) if as_chat else None
 
     async def body(nc: Any) -> schemas.PrefillReply:
-        return await _client(nc).prefill(sender, context, timeout=conn.timeout)
+        return await _client(nc).prefill(sender, "" if chat else context, chat=chat, timeout=conn.timeout)
 
     reply = conn.run(body, "prefilling")
+    if chat and reply.tokens <= 1:  # a sender older than PrefillRequest.chat cached its start token alone
+        raise BadRequestError(f"sender {sender} ignored --as-chat (it predates chat prefills); upgrade it")
     click.echo(f"context_id: {reply.context_id}")
     click.echo(f"tokens: {reply.tokens}")
     click.echo(f"bytes: {reply.nbytes:,}")

@@ -143,8 +143,11 @@ class MeshClient:
                                       max_new_tokens=max_new_tokens, deadline=time.time() + timeout)
         return await self._call(subjects.sender_generate(sender), req, schemas.GenerateReply, timeout)
 
-    async def prefill(self, sender: str, context: str, *, timeout: float = 60.0) -> schemas.PrefillReply:
-        req = schemas.PrefillRequest(request_id=uuid.uuid4().hex[:12], context=context)
+    async def prefill(self, sender: str, context: str, *, timeout: float = 60.0,
+                      chat: list[schemas.ChatMessage] | None = None) -> schemas.PrefillReply:
+        """Have `sender` cache `context`, or with `chat` (context "") the token prefix every chat
+        opening with those messages shares (`schemas.PrefillRequest`)."""
+        req = schemas.PrefillRequest(request_id=uuid.uuid4().hex[:12], context=context, chat=chat)
         return await self._call(subjects.sender_prefill(sender), req, schemas.PrefillReply, timeout)
 
     async def lookup(self, token_ids: list[int], fingerprint_id: str, timeout: float = 5.0) -> schemas.LookupReply:

@@ -6,12 +6,16 @@ context's ids are a prefix of every prompt over it, whatever the question, which
 a sender's cache reusable. The zoo's task suite encodes rows by the same rule.
 
 A chat is rendered by the tokenizer's chat template, or, without one, by a plain rendering that
-keeps the same prefix property for its first message (`chat_prompt_ids`). Answers are decoded
+keeps the same prefix property for its first message (`chat_prompt_ids`); what a sender caches so
+that chats opening with a document reuse it is `chat_prefix_ids`. `request_ids` is the one entry
+every path tokenizes through: the gateway's and `droidmesh ask`'s requests on a receiver
+(`services/receiver/checks.prompt_ids`), `droidmesh prefill`'s on a sender. Answers are decoded
 incrementally, ending before any stop sequence (`TextStream`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -103,11 +107,94 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatTurn]) -> list[int]:
     if not messages:
         raise BadRequestError("chat needs at least one message")
     if has_chat_template(tokenizer):
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return [int(t) for t in ids]
+        return _templated(tokenizer, [messages])[0]
     rest = "".join(f"\n{m.role}: {m.content}" for m in messages[1:]) + ASSISTANT_CUE
     return context_ids(tokenizer, messages[0].content) + question_ids(tokenizer, rest)
+
+
+def _templated(tokenizer: Any, conversations: Sequence[Sequence[ChatTurn]]) -> list[list[int]]:
+    """Each conversation rendered by the chat template with the generation prompt, tokenized in one
+    batch. transformers tokenizes the rendered text with `add_special_tokens=False`: a start token
+    is there only if the template writes one (`{{ bos_token }}`), never added twice."""
+    batch = [[{"role": m.role, "content": m.content} for m in c] for c in conversations]
+    out = tokenizer.apply_chat_template(batch, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [[int(t) for t in ids] for ids in out]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Turn:
+    role: str
+    content: str
+
+
+# Continuations a chat over the opening turns may have: the answer's cue alone, or a turn of each
+# role a request may send (`schemas.Role`). They differ right after the next turn's opening marker
+# (its role), so the ids all of them share end where any continuation's own text begins. Where a
+# template refuses some (roles must alternate), the rest still hold every role it accepts there.
+_PROBES: tuple[tuple[_Turn, ...], ...] = ((), (_Turn("user", "?"),), (_Turn("assistant", "!"),), (_Turn("system", ";"),))
+
+
+def chat_prefix_ids(tokenizer: Any, messages: Sequence[ChatTurn]) -> list[int]:
+    """The token ids every chat that opens with `messages` starts with, whatever follows: what a
+    sender prefills so that such chats reuse its cache (`droidmesh prefill --as-chat`).
+
+    Without a chat template: `context_ids` of the first message, the plain rendering's prefix
+    (`chat_prompt_ids`; later opening messages are tokenized with the rest, so add nothing sure).
+
+    With one: the longest common prefix of the opening rendered with each of `_PROBES` after it
+    (and the generation prompt). Why that is a prefix of every real continuation too: a chat
+    template renders turn by turn (SmolLM2's adds its default system turn from `messages[0]` alone),
+    so the opening's text is a text prefix of any longer conversation's; and the turn markers of
+    real chat tokenizers are special tokens, which the tokenizer splits out before BPE, so no
+    merge crosses a turn's end and the text prefix is a token prefix up to the next turn's role,
+    where the probes part. A template that renders earlier turns depending on later ones, or
+    markers that are plain text, make the probes part sooner (a shorter prefix); and a
+    chat that still departs from the cached ids somewhere is not served wrong, it reuses less: the
+    broker matches the longest shared prefix token by token. A probe the template refuses (one
+    demanding alternating roles) is a chat that cannot arrive, and is skipped."""
+    if not messages:
+        raise BadRequestError("a chat prefix needs at least one message")
+    if not has_chat_template(tokenizer):
+        return context_ids(tokenizer, messages[0].content)
+    from jinja2 import TemplateError  # transformers' template engine; raise_exception() raises it
+
+    opened: list[ChatTurn] = list(messages)
+    chats: list[list[ChatTurn]] = [opened + list(probe) for probe in _PROBES]
+    try:
+        rendered = _templated(tokenizer, chats)  # one batch: the document is tokenized in parallel
+    except TemplateError:
+        rendered = []
+        for chat in chats:
+            try:
+                rendered += _templated(tokenizer, [chat])
+            except TemplateError:
+                continue
+    if not rendered:
+        raise BadRequestError("the model's chat template refuses every conversation that opens with these messages")
+    return rendered[0][: _common_prefix(rendered)]
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != seqs[0][i] for s in seqs[1:]):
+            return i
+    return n
+
+
+def request_ids(tokenizer: Any, context: str = "", question: str = "", chat: Sequence[ChatTurn] | None = None,
+                *, prefix: bool = False) -> list[int]:
+    """A request's text -> its token ids: the one rule for the gateway, `ask` and `prefill`.
+
+    `chat` None: `context_ids(context) + question_ids(question)` (a completion is context=prompt,
+    question=""; `ask` sends its context and question as they are). With `chat`: the rendered
+    chat (`chat_prompt_ids`; then context and question are unused). `prefix=True` asks what a
+    sender caches for such requests: `context_ids(context)`, or `chat_prefix_ids(chat)`."""
+    if chat is not None:
+        return chat_prefix_ids(tokenizer, chat) if prefix else chat_prompt_ids(tokenizer, chat)
+    if prefix:
+        return context_ids(tokenizer, context)
+    return context_ids(tokenizer, context) + question_ids(tokenizer, question)
 
 
 # -- streaming detokenization with stop sequences ---------------------------------------------

@@ -190,8 +190,15 @@ class GenerateReply(Message, tag="generate.reply"):
 
 
 class PrefillRequest(Message, tag="prefill.request"):
+    """Prefill `context` as completions and `ask` will send it, or, with `chat`, the token prefix
+    every chat opening with these messages shares (`text.chat_prefix_ids`: the chat template's
+    default system turn included; then `context` is empty). A sender that predates `chat` ignores
+    it and caches the empty context, its start token alone: a reply of 1 token tells (`prefill`
+    says so)."""
+
     request_id: str
     context: str
+    chat: list[ChatMessage] | None = None
 
 
 class PrefillReply(Message, tag="prefill.reply"):
@@ -264,6 +271,12 @@ class RecomputeConfig(Message, tag="recompute.config"):
     latency: LatencyFit | None = None
     created_at: float = 0.0
     relay: list[RelayBucket] = []  # the audit's policy file, when one was applied (`droidmesh config relay-policy`)
+    # The chosen plan checked on the profile's test split, never used to choose (None: a config
+    # made without one). passes_test: chosen_quality_test >= (1 - tolerance) x
+    # full_prefill_quality_test; `droidmesh config publish` refuses a False without --force.
+    chosen_quality_test: float | None = None
+    full_prefill_quality_test: float | None = None
+    passes_test: bool | None = None
 
 
 class ProfileRow(msgspec.Struct):

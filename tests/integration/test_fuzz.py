@@ -92,7 +92,8 @@ requests = st.one_of(
     st.builds(schemas.GenerateRequest, request_id=texts, context=texts, question=texts,
               max_new_tokens=st.integers(-3, 4), deadline=st.sampled_from([0.0, 1.0, 1e12]),
               mode=st.sampled_from([*schemas.MODES, "bogus"]), ttft_slo_ms=st.floats(0, 1e4)),
-    st.builds(schemas.PrefillRequest, request_id=texts, context=texts),
+    st.builds(schemas.PrefillRequest, request_id=texts, context=texts, chat=st.none() | st.lists(
+        st.builds(schemas.ChatMessage, role=st.sampled_from(["system", "user", "assistant"]), content=texts), max_size=70)),
     st.builds(schemas.ProfileRequest, request_id=texts, sender_path=texts, receiver_path=texts, task=texts,
               n_train=st.integers(-1, 3), n_test=st.integers(-1, 3), granularity=st.integers(-1, 3)),
 )

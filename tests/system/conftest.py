@@ -58,12 +58,12 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 2000) -> None:
-    """Return once the broker's index answers `context` for `model` (events are asynchronous:
-    a sender's prefill reply can beat its availability event to the broker)."""
+async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 2000, ids: list[int] | None = None) -> None:
+    """Return once the broker's index answers `context` (or token `ids`) for `model` (events are
+    asynchronous: a sender's prefill reply can beat its availability event to the broker)."""
     from droidmesh.shared.model import text
 
-    ids = text.context_ids(model.tokenizer, context)
+    ids = text.context_ids(model.tokenizer, context) if ids is None else ids
     for _ in range(tries):
         if (await client.lookup(ids, model.fingerprint.id)).holder is not None:
             return

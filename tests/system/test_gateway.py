@@ -6,17 +6,24 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
+from click.testing import CliRunner
+from transformers import AutoTokenizer
 
+from droidmesh.shared.cli.ask import prefill as prefill_cmd
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, password_env, receiver_user
+from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import NATS_AUTH_CONF, Proc, start_nats, start_service
+from droidmesh.shared.wire.schemas import ChatMessage
 from tests.system.conftest import until_indexed, words
+from tests.unit.model.test_chat_prefix import SMOL_TEMPLATE
 
 pytestmark = pytest.mark.system
 
@@ -35,14 +42,29 @@ class Mesh:
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """One mesh for the module: nats, broker, sender `summ`, receiver `qa` (group [1, 2)), gateway on a free port."""
+def chat_pair(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The pair's checkpoints with SmolLM2-Instruct's chat template (and its default system turn), as
+    a real instruct model's tokenizer carries one; the zoo's vocabulary has no room for its markers,
+    so they are spelled in bytes (`chat_prefix_ids` holds either way)."""
+    out = tmp_path_factory.mktemp("chat")
+    for src in tiny_pair:
+        shutil.copytree(src, out / src.name)
+        tok = AutoTokenizer.from_pretrained(out / src.name)
+        tok.chat_template = SMOL_TEMPLATE
+        tok.save_pretrained(out / src.name)
+    return out / tiny_pair[0].name, out / tiny_pair[1].name
+
+
+@pytest.fixture(scope="module")
+def mesh(chat_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """One mesh for the module: nats, broker, sender `summ`, receiver `qa` (group [1, 2)), gateway on a
+    free port; the models' tokenizers carry a chat template (`chat_pair`)."""
     nats, url = start_nats(store_dir=str(tmp_path_factory.mktemp("js")))
     procs: list[Proc] = [nats]
     try:
         procs.append(start_service("cache_broker", {}, url, env=THREADS))
-        procs.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "summ", "e_layers": [1]}, url, env=THREADS))
-        procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa", "default_group": [1, 2]}, url,
+        procs.append(start_service("sender", {"model_path": chat_pair[0], "model_id": "summ", "e_layers": [1]}, url, env=THREADS))
+        procs.append(start_service("receiver", {"model_path": chat_pair[1], "model_id": "qa", "default_group": [1, 2]}, url,
                                    env=THREADS))
         procs.append(start_service("gateway", {"http_port": 0, "max_tokens_limit": 64, "default_max_tokens": 8}, url))
         yield Mesh(url, procs[-1])
@@ -95,6 +117,32 @@ def test_prompt_over_a_prefilled_context_reuses_the_senders_cache(mesh, tiny_mod
     comp = mesh.client.completions.create(model="qa", prompt=CONTEXT + QUESTION, max_tokens=4, temperature=0)
     ext = (comp.model_extra or {})["droidmesh"]
     assert ext["path"] != "full_prefill" and ext["bytes_pulled"] > 0 and ext["reused_tokens"] > 0, ext
+
+
+def test_chat_over_a_document_prefilled_as_chat_reuses_it(mesh, chat_pair, tiny_models, tmp_path):
+    """`droidmesh prefill --as-chat` caches a document as a chat's first user turn (after the
+    template's default system turn); a chat through the gateway that opens with it, a question as
+    the next turn, is served from that cache, the whole prefix reused."""
+    doc = words(120, offset=5)
+    (tmp_path / "doc.txt").write_text(doc)
+    out = CliRunner().invoke(prefill_cmd, ["--sender", "summ", "--context", str(tmp_path / "doc.txt"), "--as-chat",
+                                           "--nats", mesh.url])
+    assert out.exit_code == 0, out.output
+    prefix = text.chat_prefix_ids(AutoTokenizer.from_pretrained(chat_pair[1]), [ChatMessage("user", doc)])
+    assert f"tokens: {len(prefix)}" in out.output
+
+    async def indexed() -> None:
+        client = await MeshClient.connect(mesh.url)
+        try:
+            await until_indexed(client, tiny_models[1], "", ids=prefix)
+        finally:
+            await client.close()
+
+    asyncio.run(indexed())
+    chat = mesh.client.chat.completions.create(model="qa", max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": doc}, {"role": "user", "content": QUESTION}])
+    ext = (chat.model_extra or {})["droidmesh"]
+    assert ext["path"] != "full_prefill" and ext["bytes_pulled"] > 0 and ext["reused_tokens"] == len(prefix), ext
 
 
 def test_errors_are_openai_errors(mesh):
