@@ -38,6 +38,13 @@ class BadRequestError(DroidMeshError, ValueError):
     code = "bad_request"
 
 
+class NoSignalError(BadRequestError):
+    """Profile rows that cannot support a choice: the receiver's own full prefill scores near
+    zero on them, or the metric scores every path alike (`shared/profiling/evidence.py`)."""
+
+    code = "no_signal"
+
+
 class ReuseError(DroidMeshError):
     """Reusing another model's cache is not possible; the caller falls back to full prefill."""
 

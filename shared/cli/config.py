@@ -117,11 +117,17 @@ def maps_files(path: str, cfg: schemas.RecomputeConfig) -> dict[str, bytes]:
 @click.option("--version", type=click.IntRange(0), default=None,
               help="profile_version to publish under (default: a profile's is the current time, a config's its own).")
 @click.option("--dry-run", is_flag=True, help="Validate and print the config; do not connect.")
+@click.option("--force", is_flag=True, help="Publish even a config whose chosen plan fails the test split's rule.")
 @nats_options(default_timeout=10.0)
-def publish(file: str, sender: str | None, receiver: str | None, version: int | None, dry_run: bool, conn: Conn) -> None:
+def publish(file: str, sender: str | None, receiver: str | None, version: int | None, dry_run: bool, force: bool,
+            conn: Conn) -> None:
     """Validate FILE and publish it to the config bucket (NATS role: profiler or admin), with the
-    SCD maps files its lowrank plans name (read from maps/<sha256>.safetensors next to FILE)."""
+    SCD maps files its lowrank plans name (read from maps/<sha256>.safetensors next to FILE).
+    A config whose chosen plan fails the tolerance rule on the profile's test split is refused
+    (also with --dry-run) unless --force: receivers would serve a plan the held-out rows reject."""
     cfg = load_config(file, sender, receiver, version)
+    if cfg.passes_test is False and not force:
+        raise BadRequestError(f"{file}: {_test_failure(cfg)}; publish anyway with --force")
     maps = maps_files(file, cfg)
     key = f"{subjects.config_key(cfg.sender_model, cfg.receiver_model)}.v{cfg.profile_version}"
     if dry_run:
@@ -146,6 +152,22 @@ def publish(file: str, sender: str | None, receiver: str | None, version: int | 
 
 def _plan(p: schemas.FrontierPoint) -> str:
     return " ".join(f"[{s},{e})" for s, e in p.plan.groups) or "full reuse"
+
+
+def _q(q: float | None) -> str:
+    return "-" if q is None else f"{q:.3f}"
+
+
+def _test_failure(cfg: schemas.RecomputeConfig) -> str:
+    return (f"the chosen plan fails the test split (test {_q(cfg.chosen_quality_test)} < {1 - cfg.tolerance:g} x "
+            f"full prefill {_q(cfg.full_prefill_quality_test)})")
+
+
+def _quality(c: schemas.RecomputeConfig) -> str:
+    """Train and test quality side by side: the choice was made on train, the test split checks it."""
+    return (f"quality train {c.chosen.quality:.3f} test {_q(c.chosen_quality_test)} vs full prefill "
+            f"train {c.full_prefill_quality:.3f} test {_q(c.full_prefill_quality_test)}"
+            + (", FAILS on test" if c.passes_test is False else ""))
 
 
 @config.command()
@@ -183,8 +205,7 @@ def show(sender: str | None, receiver: str | None, as_json: bool, conn: Conn) ->
         click.echo("no matching config")
     for c in configs:
         click.echo(f"{subjects.config_key(c.sender_model, c.receiver_model)}.v{c.profile_version}  task {c.task}  "
-                   f"chosen {_plan(c.chosen)} ({c.chosen.recomputed_layers}/{c.total_layers} layers, "
-                   f"quality {c.chosen.quality:.3f} vs full prefill {c.full_prefill_quality:.3f})  "
+                   f"chosen {_plan(c.chosen)} ({c.chosen.recomputed_layers}/{c.total_layers} layers, {_quality(c)})  "
                    f"frontier {len(c.frontier)} points  sha256 {c.sender_sha256[:8]}->{c.receiver_sha256[:8]}")
 
 

@@ -31,13 +31,13 @@ def sample_warning(result: dict, n_test_rows: int) -> str | None:
     return None
 
 
-def _test_rows(task: str, n_test: int, data: str | None, data_test: str | None) -> int:
-    """How many test rows the profile scored (a user's file may hold fewer than --n-test)."""
-    from droidmesh.shared.profiling.profile import load_rows
-
-    if not (data or data_test):
-        return n_test  # the zoo generates as many as asked
-    return len(load_rows(task, "test", n_test, data or data_test, split_data=bool(data)))
+def test_rule_warning(result: dict) -> str | None:
+    """Why the chosen plan must not be published as it is, or None when it holds on the test split."""
+    ch, fp, tol = result["chosen"], result["full_prefill"], result["tolerance"]
+    if ch.get("passes_test", True):
+        return None
+    return (f"the chosen group fails the {tol:.0%} rule on the test split: test {ch['quality_test']:.3f} < "
+            f"{1 - tol:g} x full prefill {fp['quality_test']:.3f}; `droidmesh config publish` refuses it without --force")
 
 
 @click.command()
@@ -62,8 +62,18 @@ def _test_rows(task: str, n_test: int, data: str | None, data_test: str | None) 
               help="Cut answers at this string (repeatable; default: the zoo task's; a newline for your own task).")
 @click.option("--granularity", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option("--tolerance", default=0.05, show_default=True, type=click.FloatRange(0, 1, max_open=True))
-@click.option("--exhaustive/--guided-only", default=True, show_default=True,
-              help="Also run the O((L/g)^2) search to compare with the guided one.")
+@click.option("--search", "search_kind", type=click.Choice(["guided", "coarse"]), default="guided", show_default=True,
+              help="guided: sensitivity pass + one window per group size, O(L) plans; coarse: a 4-block grid, "
+                   "then binary search on the group's ends, O(log L) plans.")
+@click.option("--exhaustive/--guided-only", default=False, show_default=True,
+              help="Also run the O((L/g)^2) search to compare with the chosen one (120 more plans at 30 layers, g=2).")
+@click.option("--budget", type=click.FloatRange(0, min_open=True), default=None, metavar="MINUTES",
+              help="Fit the profile in this many minutes (measured before it starts): drop the exhaustive "
+                   "comparison, robustness, the guided search for the coarse one, the transfer search, then rows; "
+                   "refuse when even that does not fit.")
+@click.option("--allow-no-signal", is_flag=True,
+              help="Write a profile even where the rows cannot support a choice (the receiver's full prefill "
+                   "scores near 0, or every path alike): untrained plumbing models only.")
 @click.option("--robustness/--no-robustness", default=True, show_default=True,
               help="Apply the chosen config to the test split of other tasks (does the choice transfer?).")
 @click.option("--other-task", "other_tasks", multiple=True,
@@ -80,15 +90,20 @@ def _test_rows(task: str, n_test: int, data: str | None, data_test: str | None) 
               help="Also publish the config to the bucket of the NATS server --nats names (role profiler or admin).")
 @nats_options(default_timeout=30.0)
 def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data, data_train, data_test, metric,
-            max_new_tokens, stop, granularity, tolerance, exhaustive, robustness, other_tasks, transfer_search, translate,
-            device, dtype, publish: bool, conn: Conn) -> None:
+            max_new_tokens, stop, granularity, tolerance, search_kind, exhaustive, budget, allow_no_signal, robustness,
+            other_tasks, transfer_search, translate, device, dtype, publish: bool, conn: Conn) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config.
 
+    Says its estimated cost on stderr before it starts (one row-evaluation timed, times the
+    plans and rows it will score); `--budget` cuts the work to fit, or refuses. Fails before
+    the search on rows where the receiver's full prefill scores near 0 or every path alike.
     Warns (stderr, and `sample_warning` in the JSON) when the sample is too small for the
     choice to mean anything: fewer than 20 test rows, or full reuse losing less than the
-    sampling noise 1/sqrt(test rows) against full prefill on the test split."""
-    from droidmesh.shared.errors import DroidMeshError
+    sampling noise 1/sqrt(test rows) against full prefill on the test split; and when the
+    chosen group fails the tolerance rule on the test split (then publishing needs --force)."""
+    from droidmesh.shared.errors import BadRequestError, DroidMeshError, NoSignalError
     from droidmesh.shared.model.names import Pair
+    from droidmesh.shared.profiling import cost
     from droidmesh.shared.profiling.plot import frontier_png, transfer_png
     from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
     from droidmesh.shared.tasks.jsonl import read_jsonl
@@ -96,7 +111,8 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
     if translate:
         _profile_translated(sender, receiver, task, json_path, n_train, n_test, device, dtype, conn if publish else None)
         return
-    settings = ProfileSettings(granularity=granularity, tolerance=tolerance, exhaustive=exhaustive)
+    settings = ProfileSettings(granularity=granularity, tolerance=tolerance, search=search_kind, exhaustive=exhaustive,
+                               require_signal=not allow_no_signal, budget_s=budget * 60 if budget else None)
     maps: dict[str, bytes] = {}  # sha256 -> SCD maps file
     try:
         for path in (data, data_train, data_test):  # a bad file fails now, not after the models load
@@ -106,17 +122,21 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
                                           data_train=data_train, data_test=data_test, metric=metric,
                                           max_new_tokens=max_new_tokens, stop=tuple(stop) or None, device=device,
                                           dtype=dtype, other_tasks=(list(other_tasks) or None) if robustness else [],
-                                          transfer_search=transfer_search, maps_out=maps)
-    except DroidMeshError as e:  # bad arguments (an unknown --other-task, a bad JSONL row, no GPU): one line
+                                          transfer_search=transfer_search, maps_out=maps,
+                                          say=lambda line: click.echo(line, err=True))
+    except NoSignalError:  # the rows, not the arguments: `Error: ...`, exit 1
+        raise
+    except DroidMeshError as e:  # bad arguments (an unknown --other-task, a bad JSONL row, no GPU, --budget): one line
         raise click.UsageError(str(e)) from None
     # Which weights were profiled, so `droidmesh config publish` binds the file to exactly them.
     # A checkpoint path is recorded absolute: `config publish` may run from another directory.
     result["models"] = {role: ref.label if ref.tier else str(Path(ref.path).resolve())
                         for role, ref in (("sender", sender), ("receiver", receiver))}
     result["models"].update(sender_sha256=sender.sha256, receiver_sha256=receiver.sha256)
-    result["sample_warning"] = sample_warning(result, _test_rows(task, n_test, data, data_test))
-    if result["sample_warning"]:
-        click.echo(f"warning: {result['sample_warning']}", err=True)
+    result["sample_warning"] = sample_warning(result, result["rows"]["test"])
+    for warning in (result["sample_warning"], test_rule_warning(result)):
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     for sha, data in maps.items():  # named as the JSON's transfer configs name them (maps_file)
@@ -132,22 +152,29 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
     click.echo(f"  full prefill  train {fp['quality_train']:.3f}  test {fp['quality_test']:.3f}")
     click.echo(f"  full reuse    train {fr['quality_train']:.3f}  test {fr['quality_test']:.3f}")
     click.echo(f"  chosen [{ch['start']},{ch['end']}) ({ch['recomputed_layers']} layers)  "
-               f"train {ch['quality_train']:.3f}  test {ch['quality_test']:.3f}")
+               f"train {ch['quality_train']:.3f}  test {ch['quality_test']:.3f}  "
+               + ("holds on test" if ch["passes_test"] else "FAILS on test"))
     sc = result["scattered_critical"]
-    click.echo(f"  critical layers {result['critical_layers']}  recomputed alone: train {sc['quality_train']:.3f}"
-               f"  test {sc['quality_test']:.3f}")
+    if sc is not None:  # a coarse search runs no sensitivity pass
+        click.echo(f"  critical layers {result['critical_layers']}  recomputed alone: train {sc['quality_train']:.3f}"
+                   f"  test {sc['quality_test']:.3f}")
     sp = result["chosen_split"]
     click.echo(f"  chosen layers as {len(sp['groups'])} one-layer groups ({sp['e_transitions']} E transitions): "
                f"train {sp['quality_train']:.3f}  test {sp['quality_test']:.3f}")
-    ev = result["evaluations"]
-    click.echo(f"  searches agree: {result['searches_agree']}  (exhaustive {ev['exhaustive']} configs, "
-               f"guided {ev['guided']} + {ev['sensitivity']} sensitivity)")
+    ev, kind = result["evaluations"], result["search"]
+    click.echo(f"  {kind} search: {ev[kind]} configs + {ev['sensitivity']} sensitivity"
+               + (f"; agrees with the exhaustive one ({ev['exhaustive']} configs): {result['searches_agree']}"
+                  if ev["exhaustive"] else "")
+               + f"; {cost.duration(result['cost']['elapsed_s'])} (estimated {cost.duration(result['cost']['estimated_s'])})")
     for r in result["robustness"]:
         click.echo(f"  robustness {r['task']:<22} full prefill {r['full_prefill']:.3f}  chosen {r['chosen']:.3f}  "
                    f"difference {r['difference']:+.3f}"
                    + (f" ({r['relative']:+.1%})" if r["relative"] is not None else " (receiver scores 0 here)"))
     if "transfer" in result:
         _echo_transfer(result["transfer"])
+    if publish and cfg.passes_test is False:  # the JSON is written: the user may still publish it, knowingly
+        raise BadRequestError(f"not published: the chosen group fails the test split; publish {json_path} anyway "
+                              "with `droidmesh config publish --force`")
     if publish:
         from droidmesh.shared.mesh.config_board import NatsConfigBoard, validate
         from droidmesh.shared.mesh.maps_store import NatsMapsStore, referenced

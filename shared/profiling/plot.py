@@ -34,7 +34,7 @@ def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, A
     ax.scatter([ch["recomputed_layers"]], [ch["quality_train"]], s=120, facecolors="none", edgecolors="k", zorder=5,
                label=f"chosen [{ch['start']},{ch['end']})")
     sc = result["scattered_critical"]
-    if sc["recomputed_layers"]:
+    if sc and sc["recomputed_layers"]:  # None after a coarse search (no sensitivity pass)
         ax.scatter([sc["recomputed_layers"]], [sc["quality_train"]], marker="x", c="C1", s=60, zorder=5,
                    label="critical layers only")
     sp = result.get("chosen_split")

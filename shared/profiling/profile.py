@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.model.names import ModelRef, Pair
-from droidmesh.shared.profiling import latency, search, transfer
+from droidmesh.shared.profiling import cost, evidence, latency, search, transfer
 from droidmesh.shared.profiling.search import Evaluate, Memo
 from droidmesh.shared.wire import schemas
 
@@ -37,7 +37,14 @@ class ProfileSettings:
     granularity: int = 2
     tolerance: float = 0.05
     critical_threshold: float = 0.05
-    exhaustive: bool = True  # also run the O((L/g)^2) search to compare with the guided one
+    # "guided" (sensitivity + one window per group size: O(L) plans, the default) or "coarse"
+    # (coarse grid, then binary search on the group's ends: O(log L), for a tight budget)
+    search: str = "guided"
+    exhaustive: bool = False  # also run the O((L/g)^2) search to compare (120 more plans at L=30, g=2)
+    # Rows on which the receiver's full prefill scores near zero, or every path alike, are an
+    # error before the search (evidence.py) rather than a profile whose choice means nothing.
+    require_signal: bool = True
+    budget_s: float | None = None  # `profile_checkpoints` cuts the work to fit (cost.fit), or refuses
     latency_tokens: tuple[int, ...] = (256, 512, 1024)
     transfer_settings: transfer.Settings = transfer.Settings()  # used when `run` gets transfer inputs
 
@@ -56,64 +63,82 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         receiver: Any = None, pair: Pair | None = None, others: Mapping[str, Evaluate] | None = None,
         transfer_inputs: transfer.Inputs | None = None, maps_out: dict[str, bytes] | None = None,
         ) -> dict[str, Any]:
-    """Profile a pair. JSON keys: sender, receiver, task, total_layers, full_prefill /
-    full_reuse / chosen (with quality_train, quality_test), sensitivity, critical_layers,
-    frontier, evaluations {exhaustive, guided}, searches_agree, scattered_critical and
+    """Profile a pair. JSON keys: sender, receiver, task, total_layers, search (guided or
+    coarse), full_prefill / full_reuse / chosen (with quality_train, quality_test; chosen also
+    passes_test: the rule on the test split), sensitivity (empty after a coarse search),
+    critical_layers, frontier, evaluations {exhaustive, guided, coarse, sensitivity},
+    <search>_choice, searches_agree, scattered_critical (None after a coarse search) and
     chosen_split (train/test), robustness (the chosen config on the test split and on each of
     `others`' data), latency_fit (when `receiver` is given), transfer (with `receiver` and
-    `transfer_inputs`: `transfer.search`'s section; its maps files go into `maps_out`, by sha256)."""
+    `transfer_inputs`: `transfer.search`'s section; its maps files go into `maps_out`, by sha256).
+    With `settings.require_signal`, rows that cannot support any choice raise `NoSignalError`
+    after the first plans, before the search (evidence.py)."""
     pair = pair or Pair("", "")
+    if settings.search not in ("guided", "coarse"):
+        raise BadRequestError(f"search {settings.search!r}: guided or coarse")
     L, g = num_layers, settings.granularity
-    cuts = len(search.grid(L, g))
-    budget = 2 + L + (cuts - 1) + ((cuts - 1) * cuts // 2 if settings.exhaustive else 0)
-    bar = tqdm(total=budget, desc=f"profile {pair.id}", unit="config")
-    memo = Memo(train)
-    ev = _progress(memo, bar)
-    full_prefill = ev(ReusePlan.full_prefill())
-    full_reuse = ev(ReusePlan.full_reuse())
-    sens = search.sensitivity(ev, L)
-    critical = search.critical_layers(sens, full_prefill, settings.critical_threshold)
-    before = memo.seen
-    guided_pts = search.guided(ev, sens, full_prefill, L, g)
-    guided_cost = memo.seen - before  # plans the guided search added beyond the shared sensitivity pass
-    guided_choice = search.choose(search.frontier(guided_pts, full_reuse), full_prefill, settings.tolerance)
-    # The exhaustive search is charged every grid group it covers (memo hits included), as if run alone.
-    points = search.exhaustive(ev, L, g) if settings.exhaustive else guided_pts
-    exhaustive_cost = len(points) if settings.exhaustive else 0
-    bar.close()
-    front = search.frontier(points + guided_pts, full_reuse)
-    chosen = search.choose(front, full_prefill, settings.tolerance)
-    scattered = search.scattered(critical)
-    split = search.split(chosen.start, chosen.end)
-    test_memo = Memo(test)
-    result: dict[str, Any] = {
-        "sender": pair.sender, "receiver": pair.receiver, "task": pair.task, "total_layers": L,
-        "granularity": g, "tolerance": settings.tolerance,
-        "full_prefill": {"quality_train": full_prefill, "quality_test": test_memo(ReusePlan.full_prefill())},
-        "full_reuse": {"quality_train": full_reuse, "quality_test": test_memo(ReusePlan.full_reuse())},
-        "chosen": {"start": chosen.start, "end": chosen.end, "recomputed_layers": chosen.layers,
-                   "quality_train": chosen.quality, "quality_test": test_memo(chosen.plan())},
-        "sensitivity": [{"layer": l, "quality": q} for l, q in enumerate(sens)],
-        "sensitivity_probe": "only layer l's KV from the sender, every other layer the receiver's own (no E)",
-        "evaluated": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
-                      for p in points],
-        "critical_layers": critical,
-        "frontier": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
-                     for p in front],
-        "evaluations": {"exhaustive": exhaustive_cost, "guided": guided_cost, "sensitivity": L},
-        "guided_choice": {"start": guided_choice.start, "end": guided_choice.end, "quality": guided_choice.quality},
-        "searches_agree": (guided_choice.start, guided_choice.end) == (chosen.start, chosen.end),
-        "scattered_critical": {
-            "groups": [list(gr) for gr in scattered.groups], "recomputed_layers": len(critical),
-            "quality_train": memo(scattered), "quality_test": test_memo(scattered),
-            "e_transitions": len(scattered.e_layers),
-        },
-        # The same layers as the chosen group, but one transition (own sender E) per layer.
-        "chosen_split": {
-            "groups": [list(gr) for gr in split.groups], "recomputed_layers": chosen.layers,
-            "quality_train": memo(split), "quality_test": test_memo(split), "e_transitions": len(split.e_layers),
-        },
-    }
+    plans = cost.train_evaluations(cost.Work(settings.search, settings.exhaustive, 0, 0), L, g)
+    with tqdm(total=plans, desc=f"profile {pair.id}", unit="config") as bar:  # closed on an error too
+        memo, test_memo = Memo(train), Memo(test)
+        ev = _progress(memo, bar)
+        full_prefill = ev(ReusePlan.full_prefill())
+        if settings.require_signal:  # the cheapest plans first: can these rows support any choice?
+            evidence.require_scores("train", full_prefill)
+            evidence.require_scores("test", test_memo(ReusePlan.full_prefill()))
+        full_reuse = ev(ReusePlan.full_reuse())
+        if settings.require_signal:
+            evidence.require_paths_differ("train", train)
+        sens: list[float] = []
+        critical: list[int] = []
+        if settings.search == "guided":
+            sens = search.sensitivity(ev, L)
+            critical = search.critical_layers(sens, full_prefill, settings.critical_threshold)
+            before = memo.seen
+            searched = search.guided(ev, sens, full_prefill, L, g)
+        else:
+            before = memo.seen
+            searched = search.coarse(ev, L, g, full_prefill, settings.tolerance)
+        search_cost = memo.seen - before  # plans the search added (beyond the shared sensitivity pass)
+        search_choice = search.choose(search.frontier(searched, full_reuse), full_prefill, settings.tolerance)
+        # The exhaustive search is charged every grid group it covers (memo hits included), as if run alone.
+        points = search.exhaustive(ev, L, g) if settings.exhaustive else searched
+        exhaustive_cost = len(points) if settings.exhaustive else 0
+        front = search.frontier(points + searched, full_reuse)
+        chosen = search.choose(front, full_prefill, settings.tolerance)
+        split = search.split(chosen.start, chosen.end)
+        scattered = search.scattered(critical) if settings.search == "guided" else None
+        full_prefill_test, chosen_test = test_memo(ReusePlan.full_prefill()), test_memo(chosen.plan())
+        result: dict[str, Any] = {
+            "sender": pair.sender, "receiver": pair.receiver, "task": pair.task, "total_layers": L,
+            "granularity": g, "tolerance": settings.tolerance, "search": settings.search,
+            "full_prefill": {"quality_train": full_prefill, "quality_test": full_prefill_test},
+            "full_reuse": {"quality_train": full_reuse, "quality_test": test_memo(ReusePlan.full_reuse())},
+            "chosen": {"start": chosen.start, "end": chosen.end, "recomputed_layers": chosen.layers,
+                       "quality_train": chosen.quality, "quality_test": chosen_test,
+                       "passes_test": evidence.passes_test(chosen_test, full_prefill_test, settings.tolerance)},
+            "sensitivity": [{"layer": l, "quality": q} for l, q in enumerate(sens)],
+            "sensitivity_probe": "only layer l's KV from the sender, every other layer the receiver's own (no E)",
+            "evaluated": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
+                          for p in points],
+            "critical_layers": critical,
+            "frontier": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
+                         for p in front],
+            "evaluations": {"exhaustive": exhaustive_cost, "guided": search_cost if settings.search == "guided" else 0,
+                            "coarse": search_cost if settings.search == "coarse" else 0, "sensitivity": len(sens)},
+            f"{settings.search}_choice": {"start": search_choice.start, "end": search_choice.end,
+                                          "quality": search_choice.quality},
+            "searches_agree": (search_choice.start, search_choice.end) == (chosen.start, chosen.end),
+            "scattered_critical": None if scattered is None else {
+                "groups": [list(gr) for gr in scattered.groups], "recomputed_layers": len(critical),
+                "quality_train": ev(scattered), "quality_test": test_memo(scattered),
+                "e_transitions": len(scattered.e_layers),
+            },
+            # The same layers as the chosen group, but one transition (own sender E) per layer.
+            "chosen_split": {
+                "groups": [list(gr) for gr in split.groups], "recomputed_layers": chosen.layers,
+                "quality_train": ev(split), "quality_test": test_memo(split), "e_transitions": len(split.e_layers),
+            },
+        }
     result["robustness"] = robustness(result, chosen.plan(), test, dict(others or {}))
     if receiver is not None:
         ks = sorted({0, max(1, L // 4), L // 2, L})
@@ -148,6 +173,9 @@ def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRe
     extra = [coded(c) for c in (result.get("transfer") or {}).get("configs", []) if c["meets_rule"] and c["codec"] != "raw"]
 
     fit = result.get("latency_fit")
+    # The test split's check travels with the config (recomputed, not read: a profile JSON
+    # written before the check existed has both qualities too).
+    chosen_test, full_prefill_test = result["chosen"].get("quality_test"), result["full_prefill"].get("quality_test")
     return schemas.RecomputeConfig(
         sender_model=sender.name, receiver_model=receiver.name, sender_sha256=sender.sha256,
         receiver_sha256=receiver.sha256, profile_version=version, task=result["task"],
@@ -155,6 +183,9 @@ def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRe
         frontier=[point(p) for p in result["frontier"]] + extra, full_prefill_quality=result["full_prefill"]["quality_train"],
         full_reuse_quality=result["full_reuse"]["quality_train"], total_layers=result["total_layers"],
         latency=schemas.LatencyFit(**fit) if fit else None, created_at=time.time(),
+        chosen_quality_test=chosen_test, full_prefill_quality_test=full_prefill_test,
+        passes_test=None if chosen_test is None or full_prefill_test is None
+        else evidence.passes_test(chosen_test, full_prefill_test, result["tolerance"]),
     )
 
 
@@ -213,7 +244,7 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
                         max_new_tokens: int | None = None, stop: tuple[str, ...] | None = None,
                         version: int | None = None, device: str = DEFAULT_DEVICE, dtype: str | None = None,
                         other_tasks: Sequence[str] | None = None, transfer_search: bool = False,
-                        maps_out: dict[str, bytes] | None = None,
+                        maps_out: dict[str, bytes] | None = None, say: Callable[[str], None] = lambda line: None,
                         ) -> tuple[dict[str, Any], schemas.RecomputeConfig]:
     """Load both checkpoints on `device`, score plans on the train split, check on the test split
     and on `other_tasks` (zoo tasks / shifts, or JSONL files). Rows: the zoo's generated `task`,
@@ -221,7 +252,9 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     task's spec as `metric` / `max_new_tokens` / `stop` override it. `other_tasks` None: the
     task's shifts and every other zoo task when profiling a zoo task's own rows, else none.
     `transfer_search`: also run the transfer search (SCD maps calibrated on the train contexts);
-    its maps files go into `maps_out` (sha256 -> bytes), which the published config names."""
+    its maps files go into `maps_out` (sha256 -> bytes), which the published config names.
+    Before the profile starts, `say` gets its estimated cost (cost.py) and, with
+    `settings.budget_s`, what was cut to fit it; a budget nothing fits is a BadRequestError then."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.model.fingerprint import require_compatible
     from droidmesh.shared.tasks.scorer import PairScorer
@@ -242,22 +275,40 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     overrides: dict[str, Any] = {"metric": metric, "max_new_tokens": max_new_tokens, "stop": stop}
     spec = task_spec(task, **overrides)
     pair = Pair(sender.name, receiver.name, task)
+    train_rows = load_rows(task, "train", n_train, data or data_train, split_data=bool(data))
+    test_rows = load_rows(task, "test", n_test, data or data_test, split_data=bool(data))
+    if not (train_rows and test_rows):
+        raise BadRequestError(f"no rows to profile on ({len(train_rows)} train, {len(test_rows)} test)")
+    other_rows = {t: (load_rows(t, "test", n_test), task_spec(t)) if t in known_tasks()
+                  # a user's file: scored like the profiled data
+                  else (load_rows(t, "test", n_test, t), task_spec(Path(t).stem, **overrides)) for t in other_tasks}
     s_model = load_model(sender.path, device=device, dtype=dtype, name=sender.name)
     r_model = load_model(receiver.path, device=device, dtype=dtype, name=receiver.name)
     require_compatible(s_model.fingerprint, r_model.fingerprint)
-    train = PairScorer(s_model, r_model, load_rows(task, "train", n_train, data or data_train, split_data=bool(data)),
-                       spec)
-    test = PairScorer(s_model, r_model, load_rows(task, "test", n_test, data or data_test, split_data=bool(data)), spec)
-    others = {}
-    for t in other_tasks:
-        if t in known_tasks():
-            others[t] = PairScorer(s_model, r_model, load_rows(t, "test", n_test), task_spec(t))
-        else:  # a user's file: scored like the profiled data
-            others[t] = PairScorer(s_model, r_model, load_rows(t, "test", n_test, t), task_spec(Path(t).stem, **overrides))
+    # The cost, measured and said before anything long runs; cut to the budget, or refused.
+    L, g = r_model.num_layers, settings.granularity
+    work = cost.Work(settings.search, settings.exhaustive, len(train_rows), len(test_rows),
+                     tuple(len(rows) for rows, _ in other_rows.values()), transfer_search)
+    timing = cost.measure(s_model, r_model, train_rows[0], spec)
+    cut: list[str] = []
+    if settings.budget_s is not None:
+        work, cut = cost.fit(work, L, g, timing, settings.budget_s)
+    say(cost.announce(work, L, g, timing))
+    if cut:
+        say(f"profile: cut to fit --budget {(settings.budget_s or 0) / 60:g} min: {'; '.join(cut)}")
+    settings = dataclasses.replace(settings, search=work.search, exhaustive=work.exhaustive)
+    train = PairScorer(s_model, r_model, train_rows[:work.n_train], spec)
+    test = PairScorer(s_model, r_model, test_rows[:work.n_test], spec)
+    others = {t: PairScorer(s_model, r_model, rows, t_spec) for t, (rows, t_spec) in other_rows.items()} if work.others else {}
     xfer = transfer.Inputs(s_model, [r.context for r in train.rows], train.quality, test.quality,
-                           {"sender_sha256": sender.sha256, "receiver_sha256": receiver.sha256}) if transfer_search else None
-    result = run(train, test, r_model.num_layers, settings, receiver=r_model, pair=pair, others=others,
+                           {"sender_sha256": sender.sha256, "receiver_sha256": receiver.sha256}) if work.transfer else None
+    t0 = time.perf_counter()
+    result = run(train, test, L, settings, receiver=r_model, pair=pair, others=others,
                  transfer_inputs=xfer, maps_out=maps_out)
     result["sender_alone"] = {"quality_train": train.sender_alone(), "quality_test": test.sender_alone()}
+    result["rows"] = {"train": len(train.rows), "test": len(test.rows)}
+    result["cost"] = {"measured_s": dataclasses.asdict(timing), "row_evaluations": cost.row_evaluations(work, L, g)[1],
+                      "estimated_s": cost.seconds(work, L, g, timing), "elapsed_s": time.perf_counter() - t0,
+                      "budget_s": settings.budget_s, "cut": cut}
     cfg = recompute_config(result, sender, receiver, version if version is not None else int(time.time()))
     return result, cfg

@@ -10,6 +10,9 @@ with the receiver's task score on a train split). Memoised: a plan is never eval
   critical      layers whose reuse alone drops quality by more than `threshold` x full prefill
   exhaustive    every group [s, e) on a granularity-g grid: O((L/g)^2) evaluations
   guided        per size k, only the window [s, s+k) holding the most sensitivity loss: O(L/g)
+                (after the sensitivity pass's L: the default, linear in L)
+  coarse        every group on a grid of ~4 blocks, then the chosen group's ends moved in by
+                binary search on the g grid: O(log(L/g)) evaluations (for a tight --budget)
   frontier      best quality per recomputed-layer count; `choose` takes the fewest layers whose
                 quality is within `tolerance` of full prefill
 """
@@ -17,6 +20,7 @@ with the receiver's task score on a train split). Memoised: a plan is never eval
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from droidmesh.shared.kv.plan import ReusePlan
@@ -85,6 +89,64 @@ def guided(evaluate: Evaluate, sens: list[float], full_prefill: float, num_layer
         s, e = max(windows, key=lambda w: (sum(loss[w[0] : w[1]]), -w[0]))
         points.append(Point(s, e, evaluate(ReusePlan.recompute(s, e))))
     return points
+
+
+def guided_evaluations(num_layers: int, g: int) -> int:
+    """Plans `guided` evaluates: one per group size on the grid."""
+    cuts = grid(num_layers, g)
+    return len({e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1 :]})
+
+
+COARSE_BLOCKS = 4  # the coarse grid's blocks: at most 10 groups, whatever L is
+
+
+def coarse_step(num_layers: int, g: int, blocks: int = COARSE_BLOCKS) -> int:
+    """The coarse grid's step: a multiple of g (so its cuts are fine-grid cuts) near L / blocks."""
+    return g * max(1, math.ceil(num_layers / (blocks * g)))
+
+
+def coarse_evaluations(num_layers: int, g: int) -> int:
+    """At most the plans `coarse` evaluates: every coarse group, then two binary searches."""
+    n = len(grid(num_layers, coarse_step(num_layers, g)))
+    return n * (n - 1) // 2 + 2 * math.ceil(math.log2(len(grid(num_layers, g))))
+
+
+def coarse(evaluate: Evaluate, num_layers: int, g: int, full_prefill: float, tolerance: float) -> list[Point]:
+    """Coarse to fine: every group on a grid of about COARSE_BLOCKS blocks; then, from the
+    fewest-layer one within `tolerance` of full prefill, the start moved as late and then the
+    end as early as the group stays within it, each by binary search on the g grid. Binary
+    search assumes quality falls as the group shrinks from either end (what the frontier
+    expresses); a landscape that is not monotone may hide a smaller group, which `guided`'s
+    sensitivity pass would find. Returns every point evaluated (the frontier takes them all)."""
+    points = exhaustive(evaluate, num_layers, coarse_step(num_layers, g))
+    target = (1.0 - tolerance) * full_prefill
+    ok = [p for p in points if p.quality >= target]
+    if not ok:  # nothing to refine towards: the frontier's best point is the choice
+        return points
+    best = min(ok, key=lambda p: (p.layers, -p.quality, p.start))
+    cuts = grid(num_layers, g)
+
+    def probe(s: int, e: int) -> bool:
+        p = Point(s, e, evaluate(ReusePlan.recompute(s, e)))
+        points.append(p)
+        return p.quality >= target
+
+    start = _last_ok([c for c in cuts if best.start <= c < best.end], lambda s: probe(s, best.end))
+    _last_ok([c for c in reversed(cuts) if start < c <= best.end], lambda e: probe(start, e))
+    return points  # the refined group is among them: `best` itself, or a probe that held
+
+
+def _last_ok(candidates: list[int], ok: Callable[[int], bool]) -> int:
+    """The last candidate for which `ok` holds, `ok` assumed true up to some index and false after;
+    candidates[0] is known to hold. ceil(log2(len)) probes."""
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(candidates[mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return candidates[lo]
 
 
 def frontier(points: list[Point], full_reuse: float) -> list[Point]:

@@ -85,6 +85,7 @@ class PathResult:
     quality: float
     nll: float
     logits: torch.Tensor
+    tokens: tuple[int, ...] = ()  # the greedy answer's token ids (fidelity: agreement with full prefill's)
 
 
 def per_layer_plan(layer: int, num_layers: int) -> ReusePlan:
@@ -108,25 +109,36 @@ class PairScorer:
         self.rows = [Encoded(*encode_row(receiver.tokenizer, r, spec), tuple(r["answers"])) for r in rows]
         self.ids = [r.get("_id") for r in rows]
         self._captured: dict[int, CapturedContext] = {}
-        self._quality: dict[tuple[ReusePlan, Wire], float] = {}
+        # per-row scores, not only their mean: the profiler asks whether paths differ on any row
+        self._scores: dict[tuple[ReusePlan, Wire], list[float]] = {}
+        self._sender: list[float] | None = None
 
     @property
     def num_layers(self) -> int:
         return self.receiver.num_layers
 
+    def scores(self, plan: ReusePlan, wire: Wire = RAW) -> list[float]:
+        """The receiver's task score under `plan` on each row, in order; memoised per (plan, wire)."""
+        if (plan, wire) not in self._scores:
+            self._scores[(plan, wire)] = [self._score(self.receiver, i, plan, self._kept_capture(i), wire)
+                                          for i in range(len(self.rows))]
+        return self._scores[(plan, wire)]
+
     def quality(self, plan: ReusePlan, wire: Wire = RAW) -> float:
         """Mean task score of the receiver under `plan` (in [0, 1]), reused tensors sent under `wire`; memoised."""
-        if (plan, wire) not in self._quality:
-            self._quality[(plan, wire)] = statistics.fmean(
-                self._score(self.receiver, i, plan, self._kept_capture(i), wire) for i in range(len(self.rows)))
-        return self._quality[(plan, wire)]
+        return statistics.fmean(self.scores(plan, wire))
 
     __call__ = quality
 
+    def sender_scores(self) -> list[float]:
+        """The sender's own task score on each row (its full prefill); memoised."""
+        if self._sender is None:
+            self._sender = [self._score(self.sender, i, ReusePlan.full_prefill(), None) for i in range(len(self.rows))]
+        return self._sender
+
     def sender_alone(self) -> float:
         """The sender answering the receiver's task by itself (its own full prefill)."""
-        return statistics.fmean(self._score(self.sender, i, ReusePlan.full_prefill(), None)
-                                for i in range(len(self.rows)))
+        return statistics.fmean(self.sender_scores())
 
     def paths(self, plans: Mapping[str, ReusePlan], *, progress: bool = False, wires: Mapping[str, Wire] | None = None,
               ) -> Iterator[dict[str, PathResult]]:
@@ -175,7 +187,7 @@ class PairScorer:
         tokens = _greedy(model, gen_cache, int(pre.logits[-1].argmax()), len(row.prompt), self.spec.max_new_tokens)
         pred = decode_answer(model.tokenizer, tokens, self.spec)
         logits = torch.cat([pre.logits[-row.suffix:], ans_logits[1:]])
-        return PathResult(pred, measures.score(self.spec.metric, pred, row.answers), nll, logits)
+        return PathResult(pred, measures.score(self.spec.metric, pred, row.answers), nll, logits, tuple(tokens))
 
 
 def _source(plan: ReusePlan, capture: CapturedContext | None, wire: Wire, row: Encoded

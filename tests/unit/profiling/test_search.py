@@ -31,7 +31,7 @@ def test_sensitivity_finds_the_critical_layers():
 
 def test_exhaustive_and_guided_agree_and_guided_is_cheaper():
     """Both searches choose the same contiguous group; guided evaluates O(L/g) plans."""
-    result = run(oracle, oracle, L, ProfileSettings(granularity=2))
+    result = run(oracle, oracle, L, ProfileSettings(granularity=2, exhaustive=True))
     assert result["searches_agree"]
     assert (result["chosen"]["start"], result["chosen"]["end"]) == (4, 8)
     assert result["evaluations"]["guided"] < result["evaluations"]["exhaustive"] == 10

@@ -1,0 +1,63 @@
+"""Whether a profile's rows can support a choice at all, and whether the choice holds on the test split.
+
+A profile chooses the fewest recomputed layers within `tolerance` of the receiver's full
+prefill. Two kinds of rows make that choice empty, however long the search runs:
+
+  near zero        the receiver's own full prefill scores below MIN_FULL_PREFILL: there is no
+                   quality to preserve, so every plan is "within 5 %" (the rows, the metric or
+                   the answer length do not measure this task for this receiver);
+  indistinguishable  the receiver's full prefill, full reuse of the sender's KV and the sender
+                   answering alone score the same on every row: the metric cannot tell paths
+                   apart, so no group can be shown to matter.
+
+Both are checked on the first plans a profile scores, before the search (`require_signal`),
+and are errors, not results. The test split then checks the choice (`passes_test`): it is
+reported and carried in the published config, which `droidmesh config publish` refuses
+without `--force` when it fails.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from droidmesh.shared.errors import NoSignalError
+from droidmesh.shared.kv.plan import ReusePlan
+
+MIN_FULL_PREFILL = 0.05  # mean task score in [0, 1]; below it the receiver cannot do the task on these rows
+SAME = 1e-9  # scores closer than this are the same score (floating-point means of equal answers)
+
+
+@runtime_checkable
+class RowScores(Protocol):
+    """A quality oracle that also gives per-row scores (`tasks.scorer.PairScorer`)."""
+
+    def scores(self, plan: ReusePlan) -> list[float]: ...
+
+    def sender_scores(self) -> list[float]: ...
+
+
+def require_scores(split: str, full_prefill: float) -> None:
+    """NoSignalError when the receiver's full prefill on `split` scores near zero."""
+    if full_prefill < MIN_FULL_PREFILL:
+        raise NoSignalError(
+            f"the receiver's own full prefill scores {full_prefill:.3f} on the {split} rows (< {MIN_FULL_PREFILL}): "
+            "there is no quality to preserve, any plan would pass; check the rows, --metric and --max-new-tokens")
+
+
+def require_paths_differ(split: str, oracle: object) -> None:
+    """NoSignalError when full prefill, full reuse and the sender alone score alike on every row
+    of `split`. Only an oracle with per-row scores is checked (means may agree by chance)."""
+    if not isinstance(oracle, RowScores):
+        return
+    rows = zip(oracle.scores(ReusePlan.full_prefill()), oracle.scores(ReusePlan.full_reuse()),
+               oracle.sender_scores(), strict=True)
+    if all(max(r) - min(r) <= SAME for r in rows):
+        raise NoSignalError(
+            f"the metric scores the receiver's full prefill, full reuse and the sender alone the same on every "
+            f"{split} row: it cannot tell paths apart, so no layer group can be shown to matter; use other rows "
+            "or another --metric")
+
+
+def passes_test(chosen_test: float, full_prefill_test: float, tolerance: float) -> bool:
+    """The profile's rule, on the test split: the chosen plan within `tolerance` of full prefill."""
+    return chosen_test >= (1.0 - tolerance) * full_prefill_test
