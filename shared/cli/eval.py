@@ -22,6 +22,10 @@ from droidmesh.shared.tasks.spec import METRIC_NAMES
               help="Metric for a --data task the zoo does not know (default f1).")
 @click.option("--n", "n_rows", type=click.IntRange(1, 100000), default=None, help="Rows to evaluate (default: the tier's).")
 @click.option("--group-sizes", default=None, help="Comma-separated recompute-group sizes (default: all).")
+@click.option("--group-stride", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="Groups start every N layers (the topmost start is always included).")
+@click.option("--layer-stride", type=click.IntRange(0, 1000), default=1, show_default=True,
+              help="Per-layer probes every N layers; 0: none (each recomputes all but one layer).")
 @device_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the eval JSON here.")
 @click.option("--predictions", is_flag=True, help="Include per-row predictions in the JSON.")
@@ -30,8 +34,8 @@ from droidmesh.shared.tasks.spec import METRIC_NAMES
                    "`droidmesh profile --translate` wrote; scores translated KV instead of reused KV.")
 @click.option("--translator-sha256", default=None, help="Refuse the translator unless its file has this sha256.")
 def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, metric: str | None,
-             n_rows: int | None, group_sizes: str | None, device: str, dtype: str | None, json_path: str,
-             predictions: bool, translator_path: str | None, translator_sha256: str | None) -> None:
+             n_rows: int | None, group_sizes: str | None, group_stride: int, layer_stride: int, device: str,
+             dtype: str | None, json_path: str, predictions: bool, translator_path: str | None, translator_sha256: str | None) -> None:
     """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups
     (with --translator: receiver full prefill, translated, translated with layers [0, k)
     recomputed, the receiver without the context, and the prefill cost saved)."""
@@ -67,7 +71,8 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
             raise click.UsageError(str(e)) from None
         table = format_translated(ev)
     else:
-        ev = evaluate_pair(s_model, r_model, rows, spec, group_sizes=sizes, keep_predictions=predictions)
+        ev = evaluate_pair(s_model, r_model, rows, spec, group_sizes=sizes, group_stride=group_stride,
+                           layer_stride=layer_stride, keep_predictions=predictions)
         table = format_table(ev)
     ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo"})
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -79,9 +84,10 @@ def format_table(ev: dict) -> str:
     """A short text table of the headline paths and the must-show summary."""
     fp = ev["receiver_full_prefill"]["quality"]
     lines = [f"{ev['task']} ({ev['metric']}, {ev['rows']} rows, {ev['total_layers']} layers)",
-             f"{'path':28s} {'quality':>8s} {'nll':>8s} {'kl':>8s} {'top1':>6s}"]
+             f"{'path':28s} {'quality':>8s} {'nll':>8s} {'kl':>8s} {'top1':>6s} {'greedy':>6s}"]
     def row(name, r):
-        return f"{name:28s} {r['quality']:8.4f} {r['answer_nll']:8.4f} {r['kl']:8.4f} {r['top1_agreement']:6.3f}"
+        return (f"{name:28s} {r['quality']:8.4f} {r['answer_nll']:8.4f} {r['kl']:8.4f} {r['top1_agreement']:6.3f} "
+                f"{r.get('greedy_agreement', float('nan')):6.3f}")
     lines += [row("sender alone", ev["sender_alone"]), row("receiver full prefill", ev["receiver_full_prefill"]),
               row("receiver full reuse", ev["receiver_full_reuse"])]
     lines += [row(f"reuse only layer {p['layer']}", p) for p in ev["per_layer_reuse"]]

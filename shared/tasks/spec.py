@@ -7,6 +7,9 @@ Tasks the zoo generates (name -> metric):
                             first comment-free line (LongBench)
   fact_lookup     f1        `ask <key>` -> the key's value in the context: what every pretrained
                             zoo model does (the family tier's translated pairs are scored on it)
+Tasks of the real tier (real text, `shared.zoo.realtext`):
+  doc_qa          f1        which function a quoted docstring sentence documents; one line
+  doc_summary     rouge_l   a manual page's NAME description (what `whatis` prints); one line
 A shift "<task>/<shift>" is the same task on data of another shape (`SHIFTS`: the fields of the
 zoo's `SuiteShape` it overrides); it scores like its task. Any other name (a user's JSONL) gets
 the generic spec, whose fields the command line may override.
@@ -34,6 +37,8 @@ TASKS: dict[str, TaskSpec] = {
     "summarization": TaskSpec("summarization", "rouge_l", 8, (" end",), " "),
     "code_completion": TaskSpec("code_completion", "edit_sim", 24, (), ""),
     "fact_lookup": TaskSpec("fact_lookup", "f1", 1, (" .",), " "),
+    "doc_qa": TaskSpec("doc_qa", "f1", 12, ("\n",), " "),
+    "doc_summary": TaskSpec("doc_summary", "rouge_l", 20, ("\n",), " "),
 }
 GENERIC = TaskSpec("custom", "f1", 16, ("\n",), " ")
 
@@ -52,7 +57,8 @@ SHIFTS: dict[str, dict[str, dict[str, Any]]] = {
         "long": _LONG,
     },
     "summarization": {"short": _SHORT, "long": _LONG},
-    "code_completion": {"short": {"code_tokens": 300}, "long": {"code_tokens": 2000}},
+    "code_completion": {"short": {"code_tokens": 300}, "long": {"code_tokens": 2000},
+                        "real": {}},  # the real tier's rows (`shared.zoo.realtext`), contexts sized in characters
 }
 
 

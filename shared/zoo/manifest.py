@@ -2,7 +2,7 @@
 directories `shared.model.names.resolve_model` searches.
 
 Tier directories are searched in order: $DROIDMESH_ZOO_DIR/<tier> (or the user cache dir),
-then the repository's committed `zoo/<tier>`; tiers in the order demo, ci, family. A model is named
+then the repository's committed `zoo/<tier>`; tiers in the order demo, ci, family, real. A model is named
 `<tier>/<name>` (or `<name>`: the first tier that has it).
 """
 
@@ -18,7 +18,7 @@ from droidmesh.shared.model.names import Pair
 
 MANIFEST = "manifest.json"
 REPO_ZOO = ZOO_DIR  # the demo tier ships in the package (in a checkout: the repository's zoo/)
-TIER_ORDER = ("demo", "ci", "family")
+TIER_ORDER = ("demo", "ci", "family", "real")
 
 
 def zoo_dir(tier: str) -> Path:

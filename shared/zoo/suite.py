@@ -46,6 +46,10 @@ def _split_seed(task: str, split: str, seed: int) -> random.Random:
 def make_rows(task: str, split: str, n: int, shape: SuiteShape, seed: int = 0) -> list[dict[str, Any]]:
     """`n` rows of `task` (or a shift "<task>/<shift>") for `split` (train/test), deterministic
     in (task, split, seed)."""
+    from droidmesh.shared.zoo.realtext import REAL_TASKS, make_real_rows
+
+    if task in REAL_TASKS:  # the real tier's tasks: cut from real text, not shaped by a tier
+        return make_real_rows(task, split, n, seed=seed)
     rng = _split_seed(task, split, seed)
     name = task
     if "/" in task:

@@ -100,3 +100,12 @@ def test_metric_names_are_the_metrics() -> None:
     from droidmesh.shared.tasks.spec import METRIC_NAMES
 
     assert tuple(M.METRICS) == METRIC_NAMES
+
+
+def test_greedy_agreement_counts_positions_of_the_longer_answer() -> None:
+    from droidmesh.shared.tasks.measures import greedy_agreement
+
+    assert greedy_agreement([1, 2, 3], [1, 2, 3]) == 1.0
+    assert greedy_agreement([1, 2, 3, 4], [1, 2]) == 0.5  # two answer tokens missing
+    assert greedy_agreement([1, 2], [1, 9, 9, 9]) == 0.25
+    assert greedy_agreement([], []) == 1.0

@@ -61,13 +61,25 @@ def test_eval_json_has_required_keys_and_consistent_paths(pair) -> None:
     assert [p["layer"] for p in ev["per_layer_reuse"]] == list(range(L))
     assert [g["recomputed_layers"] for g in ev["best_groups"]] == list(range(1, L + 1))
     fp = ev["receiver_full_prefill"]
-    assert fp["kl"] == 0.0 and fp["top1_agreement"] == 1.0
+    assert fp["kl"] == 0.0 and fp["top1_agreement"] == 1.0 and fp["greedy_agreement"] == 1.0
     g12 = next(g for g in ev["groups"] if (g["start"], g["end"]) == (1, L))
-    assert g12["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert g12["kl"] == pytest.approx(0.0, abs=1e-6) and g12["greedy_agreement"] == 1.0
     assert g12["answer_nll"] == pytest.approx(fp["answer_nll"], abs=1e-4)
     assert ev["per_layer_reuse"][0]["kl"] == pytest.approx(0.0, abs=1e-6)  # layer 0 is identical
     for path in [ev["sender_alone"], ev["receiver_full_reuse"], *ev["per_layer_reuse"]]:
         assert 0.0 <= path["quality"] <= 1.0
+
+
+def test_strided_eval_keeps_the_top_group_and_skips_probes(pair) -> None:
+    """A 30-layer model cannot afford every group on a CPU: strides thin them, the topmost start stays."""
+    from droidmesh.shared.tasks.evaluation import all_groups
+
+    assert all_groups(30, [6], stride=6) == [(0, 6), (6, 12), (12, 18), (18, 24), (24, 30)]
+    assert all_groups(30, [3], stride=6)[-1] == (27, 30)
+    send, recv = pair
+    ev = evaluate_pair(send, recv, make_rows("multihop_qa", "test", 1, SHAPE), TASKS["multihop_qa"], group_sizes=[2],
+                       group_stride=3, layer_stride=0, progress=False)
+    assert ev["per_layer_reuse"] == [] and [(g["start"], g["end"]) for g in ev["groups"]] == [(0, 2), (L - 2, L)]
 
 
 def test_must_show_summary_known_answer() -> None:

@@ -38,6 +38,14 @@ def test_answer_text_cuts_at_the_earliest_stop_string() -> None:
     assert answer_text("\n  x = 1", task_spec("code_completion")) == "  x = 1"
 
 
+def test_leading_blank_lines_do_not_empty_the_answer() -> None:
+    """Real instruct models open answers with blank lines: the stop string "\n" (the generic
+    spec's default) ends the answer after them, not before (every answer scored empty)."""
+    assert answer_text("\n\nThe capital is Paris.\nMore text", task_spec("my_docs")) == "The capital is Paris."
+    assert answer_text("\n\n make_dataclass\n", task_spec("doc_qa")) == "make_dataclass"
+    assert answer_text("\n\n    return x\n    y", task_spec("code_completion", stop=("\n",))) == "    return x"
+
+
 def test_encode_row_tokenizes_answer_in_place() -> None:
     """Context gets <bos>; the gold answer ids are what follows the prompt in the joined text."""
     ids = WordIds()

@@ -1,0 +1,59 @@
+"""The real tier's rows: real text only, split by source so no test context is ever trained on."""
+
+from __future__ import annotations
+
+import pytest
+
+from droidmesh.shared.tasks.rows import encode_row
+from droidmesh.shared.tasks.spec import task_spec
+from droidmesh.shared.zoo.realtext import REAL_TASKS, make_real_rows, man_pages, split_of
+from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+
+
+@pytest.mark.parametrize("task", REAL_TASKS)
+def test_train_and_test_rows_come_from_disjoint_sources(task: str) -> None:
+    if task == "doc_summary" and not man_pages()["test"]:
+        pytest.skip("no manual pages installed on this machine")
+    train, test = make_real_rows(task, "train", 12), make_real_rows(task, "test", 12)
+    assert {r["source_file"] for r in train}.isdisjoint({r["source_file"] for r in test})
+    assert all(split_of(r["source_file"]) == r["split"] for r in train + test)
+    assert not {r["context"] for r in train} & {r["context"] for r in test}
+    assert make_real_rows(task, "test", 12) == test  # deterministic
+    assert make_rows(task, "test", 12, SuiteShape()) == test  # the zoo's one entry point dispatches here
+
+
+def test_doc_qa_answer_is_the_documented_name_and_its_sentence_is_in_the_context() -> None:
+    for row in make_real_rows("doc_qa", "test", 8):
+        sentence = row["input"].split('"')[1]
+        name = row["answers"][0]
+        entry = next(e for e in row["context"].split("\n\n") if sentence.split()[0] in e and name.split(".")[-1] in e)
+        assert entry  # the quoted docstring is in the context, under the name that answers
+        assert f"{name}(" in row["context"]
+
+
+def test_doc_summary_context_lacks_its_name_section() -> None:
+    if not man_pages()["test"]:
+        pytest.skip("no manual pages installed on this machine")
+    for row in make_real_rows("doc_summary", "test", 6):
+        assert "NAME" not in row["context"].split("\n", 3)[:3]
+        assert row["answers"][0] and "\\f" not in row["context"]  # roff font escapes are gone
+
+
+def test_real_rows_encode_with_an_answer() -> None:
+    """Every row yields context, question and a non-empty gold answer through the one row encoder."""
+    from droidmesh.shared.zoo.tokenizer import WordIds
+
+    ids = WordIds()
+    for task in REAL_TASKS:
+        if task == "doc_summary" and not man_pages()["test"]:
+            continue
+        row = make_real_rows(task, "test", 1)[0]
+        ctx, _, ans = encode_row(ids, row, task_spec(task))
+        assert len(ctx) > 100 and ans
+
+
+def test_unknown_task_or_split_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown real-text task"):
+        make_real_rows("poetry", "test", 1)
+    with pytest.raises(ValueError, match="split"):
+        make_real_rows("doc_qa", "dev", 1)
