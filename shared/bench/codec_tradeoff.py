@@ -1,7 +1,7 @@
 """`droidmesh bench codecs`: how each wire codec / SCD config trades quality for TTFT; the pieces
 of the run (`codec_sweep.run_codecs`), its targets and plots, and the publisher it launches.
 
-Per demo pair (sender -> receiver on one task, the pair's profiled recompute group G), every
+Per pair (sender -> receiver on one task, any tier, the pair's profiled recompute group G), every
 config of `configs` (the baselines, then the transfer search's candidates for G:
 `shared/profiling/transfer.py::candidates`):
   quality      in process, on the test split, through the scorer's wires (`PairScorer.paths`):
@@ -9,13 +9,17 @@ config of `configs` (the baselines, then the transfer search's candidates for G:
   encode/decode  seconds per context to encode (sender, per pull) and decode (receiver) every item
                the config pulls, at each bench context length, CPU, one torch thread; for lowrank
                also `prepare_s`, the encode a sender does once when it stores a context, after
-               which a pull's encode is a slice of the prepared codes (`codec_seconds`)
+               which a pull's encode is a slice of the prepared codes (`codec_seconds`); and the
+               payload bytes those items encode to (`wire_bytes`; against every layer's K/V sent raw,
+               as full reuse does: `bytes_vs_raw`; against the profiled group's plan sent raw:
+               `bytes_vs_raw_group`; no mesh needed)
   TTFT, bytes  over the mesh (`codec_sweep`): sender and receiver processes in two network
                namespaces, UCX over a tc-limited veth; the pipelined pull under the config's codec
                plus the engine to the first token (`probe.probe_configs`), and the payload bytes
                the pull moved
 `choose` picks the SCD config the targets are about (`CHOSEN_RULE`); `targets` computes them;
-`pareto_front` marks the plots. The rest of this module runs in the `bench codecs` process
+`scd_target` checks wire bytes <= 1/4 of raw at >= 95 % of full prefill's quality (`SCD_TARGET_RULE`,
+TTFT not needed); `pareto_front` marks the plots. The rest of this module runs in the `bench codecs` process
 (quality, codec timings, the maps files) or publishes maps and the pair config to the mesh
 (`python -m droidmesh.shared.bench.codec_tradeoff publish ...`, run inside the receiver's namespace).
 
@@ -57,19 +61,31 @@ class Config:
     patch_share: float | None = None  # lowrank: patch layers' E variance kept
 
 
-def configs(group: Any, num_layers: int) -> list[Config]:
+# `--codecs` choices -> the config family each selects (the baselines, full prefill and full reuse raw, always run)
+CODEC_CHOICES = {"raw": "raw", "int8": "int8", "int4": "int4", "scd": "lowrank", "scd-patch": "lowrank patch"}
+
+
+def configs(group: Any, num_layers: int, codecs: Sequence[str] = tuple(CODEC_CHOICES),
+            shares: Sequence[float] | None = None) -> list[Config]:
     """Every config measured for a pair whose profiled group is `group` (a ReusePlan): the
     receiver's full prefill, full reuse (raw), then the transfer search's candidates for the group
-    (raw, int8, int4, lowrank at each share, patch configs). One function, so the list can change
-    in one place."""
+    (raw, int8, int4, lowrank at each share, patch configs), those of the families `codecs`
+    names (`CODEC_CHOICES`) only; `shares`: the lowrank K/V shares (default the transfer
+    search's). One function, so the list can change in one place."""
     from droidmesh.shared.kv.plan import ReusePlan
     from droidmesh.shared.profiling import transfer
 
+    unknown = sorted(set(codecs) - set(CODEC_CHOICES))
+    if unknown:
+        raise ValueError(f"unknown codec choice(s) {unknown}; expected some of {list(CODEC_CHOICES)}")
+    families = {CODEC_CHOICES[c] for c in codecs}
+    settings = transfer.Settings() if shares is None else dataclasses.replace(transfer.Settings(), shares=tuple(shares))
     out = [Config("full prefill", "full prefill", ReusePlan.full_prefill()),
            Config("full reuse raw", "full reuse", ReusePlan.full_reuse())]
-    for c in transfer.candidates(group, num_layers, transfer.Settings()):
+    for c in transfer.candidates(group, num_layers, settings):
         family = "lowrank patch" if c.codec == "lowrank" and c.plan.patch else c.codec
-        out.append(Config(c.name, family, c.plan, c.codec, c.share, c.patch_share))
+        if family in families:
+            out.append(Config(c.name, family, c.plan, c.codec, c.share, c.patch_share))
     return out
 
 
@@ -94,7 +110,49 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def targets(rows: Sequence[dict[str, Any]], pair: str, link_gbit: float, tokens: int,
+MAX_BYTES_VS_RAW = 0.25
+SCD_TARGET_RULE = ("SCD target: among the lowrank configs (family 'lowrank' or 'lowrank patch'), the one with the fewest "
+                   "wire bytes whose test quality >= (1 - 0.05) x the receiver's full prefill test quality; met when its "
+                   "wire bytes <= 1/4 of every layer's K/V sent raw (bytes_vs_raw, full reuse raw: the SCD target's "
+                   "raw; bytes_vs_raw_group: against the profiled group's plan sent raw, reported). Bytes: the encoded "
+                   "payload at the context length, per token; no TTFT needed")
+
+
+def scd_target(rows: Sequence[dict[str, Any]], pair: str, tokens: int, tolerance: float = TOLERANCE,
+               max_bytes_vs_raw: float = MAX_BYTES_VS_RAW) -> dict[str, Any]:
+    """`SCD_TARGET_RULE` for `pair` at target context length `tokens` (quality and bytes do not
+    depend on the link rate: the first row per config is taken). Rows need `bytes_vs_raw`,
+    `bytes_vs_raw_group` and `quality` (`codec_sweep.run_codecs`' rows)."""
+    here: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["pair"] == pair and r["target_tokens"] == tokens:
+            here.setdefault(r["config"], r)
+    out: dict[str, Any] = {"rule": SCD_TARGET_RULE, "pair": pair, "tokens": tokens, "tolerance": tolerance,
+                           "max_bytes_vs_raw": max_bytes_vs_raw, "chosen": None, "met": False}
+    full = next((r for r in here.values() if r["family"] == "full prefill"), None)
+    if full is None or full.get("quality") is None:
+        out["why_none"] = "no full prefill row"
+        return out
+    out["full_prefill_quality"] = full["quality"]
+    scd = [r for r in here.values() if r["family"] in LOWRANK_FAMILIES and r.get("bytes_vs_raw") is not None]
+    if not scd:
+        out["why_none"] = "no lowrank config measured (--codecs scd or scd-patch)"
+        return out
+    ok = [r for r in scd if r.get("quality") is not None and r["quality"] >= (1 - tolerance) * full["quality"]]
+    best = max(scd, key=lambda r: (r.get("quality") or 0.0, -r["bytes_vs_raw"]))
+    out["best_quality"] = {"config": best["config"], "quality_vs_full": best.get("quality_vs_full"),
+                           "bytes_vs_raw": best["bytes_vs_raw"]}
+    if not ok:
+        out["why_none"] = f"no lowrank config within {tolerance:g} of full prefill's quality"
+        return out
+    c = min(ok, key=lambda r: (r["bytes_vs_raw"], -(r.get("quality") or 0.0)))
+    out.update(chosen=c["config"], plan=c.get("plan"), quality=c["quality"], quality_vs_full=c.get("quality_vs_full"),
+               kl=c.get("kl"), top1=c.get("top1"), wire_bytes=c.get("wire_bytes"), bytes_vs_raw=c["bytes_vs_raw"],
+               bytes_vs_raw_group=c.get("bytes_vs_raw_group"), met=c["bytes_vs_raw"] <= max_bytes_vs_raw)
+    return out
+
+
+def targets(rows: Sequence[dict[str, Any]], pair: str, link_gbit: float | None, tokens: int,
             tolerance: float = TOLERANCE, saved_link_gbit: float = 1.0) -> dict[str, Any]:
     """The suite's target figures for `pair` at `link_gbit` and target context length `tokens`:
     speedups of the chosen SCD config vs full prefill and vs the raw profiled group (TTFT),
@@ -174,7 +232,7 @@ def quality(scorer: Any, cs: Sequence[Config], maps: dict[str, tuple[str, str]],
     wires = {c.name: wire_of(c, maps.get(c.name, (None,))[0]) for c in cs if c.family != "full prefill"}
     acc: dict[str, dict[str, list[float]]] = {c.name: {"quality": [], "nll": [], "kl": [], "top1": []} for c in cs}
     full_name = next(c.name for c in cs if c.family == "full prefill")
-    for res in scorer.paths(plans, wires=wires, progress=progress):
+    for res in scorer.paths(plans, wires=wires, progress=progress, sender_alone=False):
         ref = res["receiver_full_prefill"]
         for name in acc:
             r = ref if name == full_name else res[name]
@@ -187,11 +245,12 @@ def quality(scorer: Any, cs: Sequence[Config], maps: dict[str, tuple[str, str]],
 
 
 def codec_seconds(sender: Any, cs: Sequence[Config], maps: dict[str, tuple[str, str]], tokens: int,
-                  repeats: int = 3) -> dict[str, tuple[float, float, float]]:
+                  repeats: int = 3) -> dict[str, tuple[float, float, float, int]]:
     """Per config name: (encode per pull, decode, prepare once) seconds per context of `tokens`
     tokens over every item the config pulls (`pull_items`), CPU, one torch thread, median of
-    `repeats` after a warm-up. Lowrank items are prepared first, as a sender does when it stores a
-    context (`LowRankCodec.prepare`), so the per-pull encode is what a pull then costs."""
+    `repeats` after a warm-up, and the payload bytes those items encode to (what a pull moves).
+    Lowrank items are prepared first, as a sender does when it stores a context
+    (`LowRankCodec.prepare`), so the per-pull encode is what a pull then costs."""
     import torch
 
     from droidmesh.shared.kv.capture import capture_prefill
@@ -207,10 +266,10 @@ def codec_seconds(sender: Any, cs: Sequence[Config], maps: dict[str, tuple[str, 
     torch.set_num_threads(1)
     try:
         captured = capture_prefill(sender, ids, e_layers=range(L))
-        out: dict[str, tuple[float, float, float]] = {}
+        out: dict[str, tuple[float, float, float, int]] = {}
         for c in cs:
             if c.family == "full prefill":
-                out[c.name] = (0.0, 0.0, 0.0)
+                out[c.name] = (0.0, 0.0, 0.0, 0)
                 continue
             codec = wire_codecs.get(c.codec)
             params = dict(wire_of(c, maps.get(c.name, (None,))[0]).params)
@@ -226,6 +285,7 @@ def codec_seconds(sender: Any, cs: Sequence[Config], maps: dict[str, tuple[str, 
                 kept = [wire_codecs.LOWRANK.prepare(t, it.layer, it.kind, m) for it, t in items]
                 prepare_s = time.perf_counter() - t0
             enc, dec = [], []
+            nbytes = 0
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
                 encoded = [(it, t, *codec.encode(t, {**params, wire_codecs.KIND_PARAM: it.kind,
@@ -241,7 +301,8 @@ def codec_seconds(sender: Any, cs: Sequence[Config], maps: dict[str, tuple[str, 
                 t3 = time.perf_counter()
                 enc.append(t1 - t0)
                 dec.append(t3 - t2)
-            out[c.name] = (statistics.median(enc[1:]), statistics.median(dec[1:]), prepare_s)
+                nbytes = sum(payload.numel() * payload.element_size() for _, _, payload, _ in encoded)
+            out[c.name] = (statistics.median(enc[1:]), statistics.median(dec[1:]), prepare_s, nbytes)
             del kept
         return out
     finally:

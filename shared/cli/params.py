@@ -48,8 +48,14 @@ def check_group(group: tuple[int, int], num_layers: int, what: str = "--group") 
 
 
 def checkpoint_layers(path: str | Path) -> int:
-    """A checkpoint's layer count, from its config.json (without loading the weights)."""
-    return int(json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"])
+    """A checkpoint's layer count, from its config.json (without loading the weights); a PEFT
+    adapter's (no config.json of its own) from its base's."""
+    p = Path(path)
+    if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
+        from droidmesh.shared.model.adapter import lora_base  # torch: only adapters pay for the import
+
+        p = lora_base(p) or p
+    return int(json.loads((p / "config.json").read_text())["num_hidden_layers"])
 
 
 def int_list(_ctx: click.Context | None, param: click.Parameter | None, value: str) -> list[int]:

@@ -245,7 +245,7 @@ def _load_lora(p: Path, kw: dict[str, Any]) -> PreTrainedModel:
         raise UnsupportedModelError(
             f"adapter {p}: peft type {kind} adds virtual tokens and cannot be merged into its base; "
             "use an adapter peft merges (LoRA, DoRA, IA3, LoHa, LoKr, ...)")
-    base_path = _lora_base(p)
+    base_path = lora_base(p)
     assert base_path is not None  # adapter_config.json exists
     model_type = AutoConfig.from_pretrained(base_path, local_files_only=True).model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -260,13 +260,13 @@ def _load_lora(p: Path, kw: dict[str, Any]) -> PreTrainedModel:
 
 
 def _load_tokenizer(p: Path) -> Any | None:
-    for candidate in (p, _lora_base(p)):
+    for candidate in (p, lora_base(p)):
         if candidate is not None and (candidate / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(candidate, local_files_only=True)
     return None
 
 
-def _lora_base(p: Path) -> Path | None:
+def lora_base(p: Path) -> Path | None:
     """The base checkpoint of the adapter in `p` (None: `p` is no adapter).
 
     `base_model_name_or_path` is what peft's `save_pretrained` wrote: a local directory,

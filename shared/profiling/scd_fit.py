@@ -40,22 +40,31 @@ class PairFits:
 
 @torch.inference_mode()
 def calibrate(sender: ModelAdapter, receiver: ModelAdapter, contexts: Sequence[Sequence[int]], *,
-              ridge: float = 1e-3, meta: dict[str, str] | None = None, progress: bool = True) -> PairFits:
-    """Fit every layer's K, V and E maps for sender -> receiver on `contexts` (token ids); blocks."""
+              ridge: float = 1e-3, meta: dict[str, str] | None = None, progress: bool = True,
+              kinds: Sequence[str] = ("K", "V", "E")) -> PairFits:
+    """Fit every layer's maps of `kinds` (default K, V and E; without "E" no patch plan can have
+    maps, and the hidden-size moments and solves, the fit's largest, are skipped) for sender ->
+    receiver on `contexts` (token ids); blocks."""
     if sender.fingerprint != receiver.fingerprint:
         raise ValueError("SCD maps need the same architecture on both sides")
+    if not set(kinds) <= {"K", "V", "E"}:
+        raise ValueError(f"kinds {list(kinds)}: expected some of K, V, E")
     t0 = time.perf_counter()
     rope = scd.Rope(*receiver.rope_tables())
     L = receiver.num_layers
+    e_layers = range(L) if "E" in kinds else ()
     moments: dict[tuple[int, str], scd.Moments] = defaultdict(scd.Moments)
     tokens = 0
     for ids in tqdm(contexts, desc="scd calibrate", unit="context", disable=not progress):
-        cs, cr = capture_prefill(sender, ids, range(L)), capture_prefill(receiver, ids, range(L))
+        cs, cr = capture_prefill(sender, ids, e_layers), capture_prefill(receiver, ids, e_layers)
         tokens += len(ids)
         for l in range(L):
-            moments[(l, "K")].add(rope.unrotate(cs.kv[l].k[0].float()), rope.unrotate(cr.kv[l].k[0].float()))  # [H, T, hd]
-            moments[(l, "V")].add(cs.kv[l].v[0].float(), cr.kv[l].v[0].float())  # [H, T, hd]
-            moments[(l, "E")].add(cs.e[l].float(), receiver.attn_input(cr.e[l], l).float())  # [1, T, D]
+            if "K" in kinds:
+                moments[(l, "K")].add(rope.unrotate(cs.kv[l].k[0].float()), rope.unrotate(cr.kv[l].k[0].float()))  # [H, T, hd]
+            if "V" in kinds:
+                moments[(l, "V")].add(cs.kv[l].v[0].float(), cr.kv[l].v[0].float())  # [H, T, hd]
+            if "E" in kinds:
+                moments[(l, "E")].add(cs.e[l].float(), receiver.attn_input(cr.e[l], l).float())  # [1, T, D]
     fits = {key: m.fit(ridge) for key, m in moments.items()}
     info = {**(meta or {}), "ridge": repr(ridge), "calibration_tokens": str(tokens)}
     return PairFits(fits, rope, L, tokens, time.perf_counter() - t0, info)
@@ -72,6 +81,8 @@ def maps_for(pair: PairFits, plan: ReusePlan, share: float, patch_share: float |
             fit = pair.fits[(l, kind)]
             codes[(l, kind)] = fit.truncate(fit.rank_for(share))
     for l in plan.patch:
+        if (l, "E") not in pair.fits:
+            raise ValueError(f"plan {plan.label()} patches layer {l}: calibrate with kinds including 'E'")
         fit = pair.fits[(l, "E")]
         codes[(l, "E")] = fit.truncate(fit.rank_for(patch_share if patch_share is not None else share))
     meta = {**pair.meta, "share": repr(share), "patch_share": repr(patch_share), "plan": plan.label()}

@@ -141,14 +141,16 @@ class PairScorer:
         return statistics.fmean(self.sender_scores())
 
     def paths(self, plans: Mapping[str, ReusePlan], *, progress: bool = False, wires: Mapping[str, Wire] | None = None,
-              ) -> Iterator[dict[str, PathResult]]:
+              sender_alone: bool = True) -> Iterator[dict[str, PathResult]]:
         """Per row, in order: {"receiver_full_prefill", "sender_alone", *plans} -> PathResult
-        (`wires[name]`: that plan's wire; raw otherwise)."""
+        (`wires[name]`: that plan's wire; raw otherwise; `sender_alone=False`: that path is not
+        run, nor in the dict)."""
         for i in tqdm(range(len(self.rows)), desc=f"eval {self.spec.name}", unit="row", disable=not progress):
             capture = self._captured.get(i) or self._capture(i)
             full = ReusePlan.full_prefill()
-            res = {"receiver_full_prefill": self._path(self.receiver, i, full, None),
-                   "sender_alone": self._path(self.sender, i, full, None)}
+            res = {"receiver_full_prefill": self._path(self.receiver, i, full, None)}
+            if sender_alone:
+                res["sender_alone"] = self._path(self.sender, i, full, None)
             for name, plan in plans.items():
                 res[name] = self._path(self.receiver, i, plan, capture, (wires or {}).get(name, RAW))
             yield res

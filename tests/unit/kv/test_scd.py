@@ -63,6 +63,26 @@ def test_full_rank_identity_is_exact_on_real_kv():
             assert rel_err(roundtrip(t, kind, fits.fits[(layer, kind)].truncate(hd), fits.rope), t) < RTOL
 
 
+def test_calibrating_kv_only_gives_the_same_kv_fits_and_refuses_patch_maps():
+    """kinds=("K", "V") skips E (the hidden-size fits): K/V fits equal the full calibration's, and
+    a patch plan's maps need the E fits it did not make."""
+    from droidmesh.shared.kv.plan import ReusePlan
+
+    model = random_model("llama", seed=0, **TINY, num_key_value_heads=4)
+    g = torch.Generator().manual_seed(4)
+    contexts = [torch.randint(0, 97, (24,), generator=g).tolist() for _ in range(2)]
+    full = scd_fit.calibrate(model, model, contexts, progress=False)
+    kv = scd_fit.calibrate(model, model, contexts, progress=False, kinds=("K", "V"))
+    assert {k for _, k in kv.fits} == {"K", "V"} and {k for _, k in full.fits} == {"K", "V", "E"}
+    for key, fit in kv.fits.items():
+        torch.testing.assert_close(fit.coef, full.fits[key].coef)
+    scd_fit.maps_for(kv, ReusePlan.recompute(0, 1), 0.9)
+    with pytest.raises(ValueError, match="kinds including 'E'"):
+        scd_fit.maps_for(kv, ReusePlan.full_reuse().patched([1]), 0.9, 0.99)
+    with pytest.raises(ValueError, match="kinds"):
+        scd_fit.calibrate(model, model, contexts, progress=False, kinds=("Q",))
+
+
 def test_rope_unrotate_inverts_rotate():
     """Un-rotating a rotated tensor gives it back, attention scaling included."""
     x = torch.randn(2, 33, 8, generator=torch.Generator().manual_seed(2))
