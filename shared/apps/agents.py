@@ -297,7 +297,7 @@ def load_tier(tier: AgentTier, say: Callable[[str], None] = lambda s: None
     adapters and profiles), as `droidmesh demo --tier real` does."""
     from droidmesh.shared.errors import BadRequestError
     from droidmesh.shared.model.names import tier_models
-    from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest, zoo_dir
+    from droidmesh.shared.zoo.manifest import REPO_ZOO, read_manifest, servable_profiles, zoo_dir
 
     manifest: dict[str, Any] | None
     if tier.name == "real":
@@ -311,8 +311,7 @@ def load_tier(tier: AgentTier, say: Callable[[str], None] = lambda s: None
     if manifest is None:
         raise BadRequestError(f"no committed {tier.name} tier at {root}; "
                               f"run `droidmesh zoo build --tier {tier.name} --out {root}`")
-    profiles = {p.id: json.loads(profile_file(root, p).read_text()) for p in tier.pairs
-                if profile_file(root, p).is_file()}
+    profiles = servable_profiles(root, tier.pairs, say)
     layers = min(manifest["models"][m]["layers"] for m in tier.receivers)
     return tier_models(root, manifest), profiles, layers
 

@@ -27,7 +27,7 @@ def demo(rows: int, tier: str, json_path: str | None, log_dir: str | None, devic
     from droidmesh.shared.apps.demo import run_demo, table
     from droidmesh.shared.model.names import Pair, tier_models
     from droidmesh.shared.zoo.build import build_tier
-    from droidmesh.shared.zoo.manifest import REPO_ZOO, profile_file, read_manifest, zoo_dir
+    from droidmesh.shared.zoo.manifest import REPO_ZOO, read_manifest, servable_profiles, zoo_dir
     from droidmesh.shared.zoo.suite import SuiteShape
     from droidmesh.shared.zoo.tiers import get_recipe
 
@@ -48,7 +48,7 @@ def demo(rows: int, tier: str, json_path: str | None, log_dir: str | None, devic
     shape = get_recipe(tier_name).suite if tier_name != "real" else SuiteShape()  # real rows are cut from text
     models = tier_models(root, manifest)
     pairs = [Pair(p["sender"], p["receiver"], p["task"]) for p in manifest["pairs"][:2]]
-    profiles = {p.id: json.loads(profile_file(root, p).read_text()) for p in pairs if profile_file(root, p).is_file()}
+    profiles = servable_profiles(root, pairs, lambda s: click.echo(s, err=True))
     layers = manifest["models"][pairs[0].receiver]["layers"]
     click.echo(f"DroidMesh demo: tier {tier_name}, pairs " + ", ".join(f"{p.id} ({p.task})" for p in pairs))
     summary = run_demo(pairs, models, rows, profiles, shape, layers, lambda s: click.echo(s, err=True),

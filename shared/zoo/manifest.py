@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,24 @@ def find_tiers() -> list[tuple[str, Path, dict[str, Any]]]:
 def profile_file(tier_dir: Path, pair: Pair, suffix: str = ".json") -> Path:
     """Where a tier keeps a pair's saved `droidmesh profile` output (`.json`, `.png`)."""
     return tier_dir / "profiles" / f"{pair.id}{suffix}"
+
+
+def servable_profiles(tier_dir: Path, pairs: Iterable[Pair], say: Callable[[str], None] = lambda s: None
+                      ) -> dict[str, dict[str, Any]]:
+    """Pair id -> its saved profile, for the pairs a local mesh (demo, agents) serves by profile. A
+    profile whose choice fails its test split is left out (with a line through `say`), as
+    `droidmesh config publish` refuses it: such a pair is served on the default group instead."""
+    out = {}
+    for p in pairs:
+        f = profile_file(tier_dir, p)
+        if not f.is_file():
+            continue
+        prof = json.loads(f.read_text())
+        if prof.get("chosen", {}).get("passes_test") is False:
+            say(f"{p.id}: its profile's choice fails the test split; serving the default group instead")
+            continue
+        out[p.id] = prof
+    return out
 
 
 def listing() -> dict[str, Any]:

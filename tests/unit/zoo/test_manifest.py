@@ -71,3 +71,21 @@ def test_one_pair_id_everywhere(fake_tier: Path) -> None:
     assert {p["id"] for p in listing()["pairs"] if p["tier"] == "ci"} == {"base-to-mini"}
     assert profile_file(fake_tier, pair).name == "base-to-qa.json"
     assert profile_file(fake_tier, pair, ".png").name == "base-to-qa.png"
+
+
+def test_a_profile_failing_its_test_split_is_not_served(tmp_path) -> None:
+    """demo and agents serve a saved profile only when its choice passes the test split (as
+    `config publish` refuses it otherwise); the pair then runs on the default group."""
+    import json
+
+    from droidmesh.shared.model.names import Pair
+    from droidmesh.shared.zoo.manifest import profile_file, servable_profiles
+
+    good, bad, missing = Pair("base", "qa", "t"), Pair("base", "summ", "t"), Pair("base", "code", "t")
+    for pair, passes in ((good, True), (bad, False)):
+        f = profile_file(tmp_path, pair)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"chosen": {"start": 0, "end": 2, "passes_test": passes}}))
+    said: list[str] = []
+    got = servable_profiles(tmp_path, [good, bad, missing], said.append)
+    assert list(got) == [good.id] and len(said) == 1 and bad.id in said[0]
