@@ -30,9 +30,12 @@ class Clock:
 
 
 def _available(sender: str, cid: str, n: int = 64) -> tuple[str, bytes]:
+    # Token ids fixed per context and all in [1000, 61000): each encodes to the same number of bytes,
+    # so every event has one size (queue budgets count bytes). A salted `hash()` made sizes, and the
+    # number of events a byte budget holds, vary from run to run.
     ev = schemas.CacheAvailable(
         sender_id=sender, model_id="m", fingerprint=FP, fingerprint_id="fp", context_id=cid,
-        token_ids=[hash((cid, i)) & 0xFFFF for i in range(n)], model_sha256="x", dtype="float32", kv_nbytes=[1],
+        token_ids=[1000 + (sum(map(ord, cid)) * 131 + i * 7919) % 60000 for i in range(n)], model_sha256="x", dtype="float32", kv_nbytes=[1],
         e_layers=[0], e_nbytes=1, transport="ucx", address="h:1", published_at=0.0)
     return subjects.cache_available(sender), schemas.encode(ev)
 
