@@ -35,7 +35,8 @@ def _available(sender: str, cid: str, n: int = 64) -> tuple[str, bytes]:
     # number of events a byte budget holds, vary from run to run.
     ev = schemas.CacheAvailable(
         sender_id=sender, model_id="m", fingerprint=FP, fingerprint_id="fp", context_id=cid,
-        token_ids=[1000 + (sum(map(ord, cid)) * 131 + i * 7919) % 60000 for i in range(n)], model_sha256="x", dtype="float32", kv_nbytes=[1],
+        token_ids=[1000 + (sum(map(ord, cid)) * 131 + i * 7919) % 60000 for i in range(n)],
+        model_sha256="x", dtype="float32", kv_nbytes=[1],
         e_layers=[0], e_nbytes=1, transport="ucx", address="h:1", published_at=0.0)
     return subjects.cache_available(sender), schemas.encode(ev)
 
