@@ -22,7 +22,6 @@ import gzip
 import hashlib
 import random
 import re
-import sysconfig
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -67,14 +66,11 @@ def make_real_rows(task: str, split: str, n: int, *, chars: tuple[int, int] = (3
 
 
 # -- Python docstrings --------------------------------------------------------------------------
-@lru_cache(maxsize=1)
 def stdlib_modules() -> dict[str, tuple[str, ...]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out: dict[str, list[str]] = {"train": [], "test": []}
-    for p in sorted(root.glob("*.py")):
-        if p.stat().st_size >= 4000:
-            out[split_of(p.name)].append(str(p))
-    return {k: tuple(v) for k, v in out.items()}
+    """The zoo's split of the stdlib's modules (`suite.stdlib_files`: the same hash rule as `split_of`)."""
+    from droidmesh.shared.zoo.suite import stdlib_files
+
+    return stdlib_files()
 
 
 @lru_cache(maxsize=256)
