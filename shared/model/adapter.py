@@ -12,11 +12,23 @@ A manual layer loop matches the model's own forward exactly when the causal patt
 non-empty cache is lower-right aligned (with transformers' sdpa, `attention_mask=None` there
 silently aligns it top-left). The default attention (`shared/model/attention.py`) aligns it from
 the lengths, with no mask and no K/V head expansion; `sdpa` and `eager` get an explicit mask.
+
+Families: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (`gemma3_text`, transformers'
+`Gemma3ForCausalLM`). What Gemma 3 does differently lives in its own modules (q/k norms, the
+(1 + w) RMSNorm, `query_pre_attn_scalar`, the embedding scaled by sqrt(hidden), tied
+embeddings); the adapter supplies what a layer is handed from outside: the RoPE of its layer
+type (local and global layers rotate by different bases) and, for its sliding-window layers,
+the window's visibility. Sliding-window layers: the engine's cache keeps the K/V of *every*
+position for them, as for full layers (`hf_cache.new_cache`), and the attention masks each query
+to its window (`windows[l]`); so a captured context, and what a pull moves, is every layer's K/V
+of every context token, [1, kv_heads, T, head_dim], sliding layers included (only their last
+W-1 tokens are read by a suffix; moving fewer is not done yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import warnings
@@ -28,12 +40,12 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from droidmesh.shared.errors import BadRequestError, CheckpointNotFoundError, UnsupportedModelError
+from droidmesh.shared.errors import CheckpointNotFoundError, UnsupportedModelError
 from droidmesh.shared.model import attention, hf_cache
 from droidmesh.shared.model.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
-from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of
+from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of, layer_windows
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTN_IMPLEMENTATIONS = (attention.NAME, "sdpa", "eager")
 attention.register()
 
@@ -55,11 +67,15 @@ class ModelAdapter:
         impl = cfg._attn_implementation
         if impl not in ATTN_IMPLEMENTATIONS:
             raise UnsupportedModelError(f"attention implementation {impl!r}; use one of {ATTN_IMPLEMENTATIONS}")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise UnsupportedModelError(f"{cfg.model_type} with bidirectional attention is an encoder, not a causal LM")
         self.model.eval()
         self.fingerprint: ArchFingerprint = fingerprint_of(cfg, self.tokenizer)
-        # Sliding-window layers keep only the last W tokens; within W they equal full attention,
-        # which is the only regime the engine accepts (checked per call in `check_length`).
-        self.window: int | None = getattr(cfg, "sliding_window", None) if _has_sliding(cfg) else None
+        # Per layer: its sliding window (None: full attention), and the key of its RoPE table
+        # (Gemma 3's rotary module takes the layer type; None: one table for every layer).
+        self.windows: tuple[int | None, ...] = layer_windows(cfg)
+        per_type = "layer_type" in inspect.signature(type(self.model.model.rotary_emb).forward).parameters
+        self.rope_kinds: tuple[str | None, ...] = tuple(cfg.layer_types) if per_type else (None,) * cfg.num_hidden_layers
 
     # -- facts -----------------------------------------------------------------------------
     @property
@@ -88,8 +104,9 @@ class ModelAdapter:
         return (1, tokens, self.fingerprint.hidden_size)
 
     def check_length(self, tokens: int) -> None:
-        if self.window is not None and tokens >= self.window:
-            raise BadRequestError(f"{tokens} tokens exceed the sliding window {self.window} of {self.name}")
+        """Every length is served: sliding-window layers keep every token and are masked to their
+        window (nothing is dropped that a longer prompt would need). Kept as the one place a
+        per-model length limit would go."""
 
     def new_cache(self, capacity: int | None = None) -> Any:
         """An empty cache; `capacity`: the tokens it will hold (prompt + decoded), written once."""
@@ -112,10 +129,15 @@ class ModelAdapter:
         """
         t = h.shape[1]
         positions = torch.arange(past, past + t, device=h.device)[None]  # [1, T]
-        cos, sin = self.model.model.rotary_emb(h, positions)  # each [1, T, head_dim]
-        mask = self._mask(past, t, h.dtype, h.device)
-        for layer in self.model.model.layers[start:end]:
-            h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind, computed once
+        masks: dict[int | None, torch.Tensor | None] = {}  # per window, built once
+        for l in range(start, end):
+            layer = self.model.model.layers[l]
+            if (kind := self.rope_kinds[l]) not in tables:
+                tables[kind] = self._rope(h, positions, l)  # each [1, T, head_dim]
+            if (window := self.windows[l]) not in masks:
+                masks[window] = self._mask(past, t, window, h.dtype, h.device)
+            h = layer(h, attention_mask=masks[window], position_ids=positions, position_embeddings=tables[kind],
                       **hf_cache.layer_kwargs(layer, cache))
         return h
 
@@ -124,8 +146,13 @@ class ModelAdapter:
     ) -> torch.Tensor:
         """Run one layer on tokens at arbitrary `positions` [1, n] (h [1, n, D]) with an explicit
         boolean visibility `allowed` [1, 1, n, past+n] over (cache contents + these tokens).
-        Used by token-level recompute, where the recomputed tokens are scattered."""
-        cos, sin = self.model.model.rotary_emb(h, positions)  # each [1, n, head_dim]
+        Used by token-level recompute, where the recomputed tokens are scattered. The cache holds
+        positions 0..past-1 in order; a sliding-window layer further limits `allowed` to its window."""
+        cos, sin = self._rope(h, positions, layer)  # each [1, n, head_dim]
+        if (window := self.windows[layer]) is not None:
+            past = allowed.shape[-1] - positions.shape[1]
+            keys = torch.cat([torch.arange(past, device=positions.device), positions[0]])  # [past + n] key positions
+            allowed = allowed & attention.visible(positions[0], keys, window)  # [1, 1, n, past + n]
         impl = self.config._attn_implementation
         mask = allowed if impl in ("sdpa", attention.NAME) else _additive(allowed, h.dtype)
         block = self.model.model.layers[layer]
@@ -137,14 +164,21 @@ class ModelAdapter:
         return self.model.model.layers[layer].input_layernorm(h)
 
     def attn_norm(self, layer: int) -> tuple[torch.Tensor, float]:
-        """(weight [D], epsilon) of layer `layer`'s input RMSNorm (what `attn_input` applies)."""
+        """(weight [D], epsilon) of layer `layer`'s input RMSNorm (what `attn_input` applies), in
+        the form weight * x / sqrt(mean(x²) + eps). Gemma stores the weight as an offset from 1
+        (its norm scales by 1 + w): the weight returned is that 1 + w."""
         norm = self.model.model.layers[layer].input_layernorm
-        return norm.weight.detach(), float(norm.variance_epsilon)
+        weight = norm.weight.detach()
+        if self.config.model_type == "gemma3_text":
+            weight = 1.0 + weight.float()  # float32, as Gemma's norm computes it
+        eps = getattr(norm, "variance_epsilon", None)
+        return weight, float(eps if eps is not None else norm.eps)
 
     def project_kv(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A normalized attention input x [1, T, D] at positions 0..T-1 -> layer `layer`'s K, V
         [1, kv_heads, T, head_dim], by the same operations as the layer's own forward (K/V
-        projections, Qwen3's per-head K norm, RoPE), so the true input gives the layer's own KV."""
+        projections, the per-head K norm of Qwen3 and Gemma 3, the layer's RoPE), so the true input
+        gives the layer's own KV."""
         attn = self.model.model.layers[layer].self_attn
         t, hd = x.shape[1], self.fingerprint.head_dim
         k = attn.k_proj(x).view(1, t, -1, hd)  # [1, T, kvh, hd]
@@ -153,50 +187,69 @@ class ModelAdapter:
         k = k.transpose(1, 2)  # [1, kvh, T, hd]
         v = attn.v_proj(x).view(1, t, -1, hd).transpose(1, 2)  # [1, kvh, T, hd]
         positions = torch.arange(t, device=x.device)[None]  # [1, T]
-        cos, sin = self.model.model.rotary_emb(x, positions)  # each [1, T, hd]
+        cos, sin = self._rope(x, positions, layer)  # each [1, T, hd]
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, hd]
         half = hd // 2
         rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)  # rotate_half(k)
         return k * cos + rotated * sin, v
 
-    def rope_tables(self) -> tuple[torch.Tensor, float]:
-        """(inv_freq [head_dim / 2] float32 on the CPU, attention scaling): the model's RoPE."""
+    def rope_tables(self, layer: int | None = None) -> tuple[torch.Tensor, float]:
+        """(inv_freq [head_dim / 2] float32 on the CPU, attention scaling): layer `layer`'s RoPE.
+        Without a layer: the RoPE every layer shares; a model whose RoPE differs per layer type
+        (Gemma 3) refuses that, so no caller silently rotates a global layer by the local base."""
         rot = self.model.model.rotary_emb
-        return rot.inv_freq.detach().float().cpu(), float(rot.attention_scaling)
+        if layer is None:
+            if len(set(self.rope_kinds)) > 1:
+                raise UnsupportedModelError(f"{self.name}: RoPE differs per layer type; ask for it per layer")
+            layer = 0
+        kind = self.rope_kinds[layer]
+        prefix = "" if kind is None else f"{kind}_"  # Gemma 3 keeps `{layer_type}_inv_freq` per type
+        return getattr(rot, f"{prefix}inv_freq").detach().float().cpu(), float(getattr(rot, f"{prefix}attention_scaling"))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """E_L [1, T, D] -> logits [1, T, vocab] (final norm, LM head), in float32."""
-        return self.model.lm_head(self.model.model.norm(h)).float()
+        """E_L [1, T, D] -> logits [1, T, vocab] (final norm, LM head, the final soft cap where the
+        config has one), in float32."""
+        logits = self.model.lm_head(self.model.model.norm(h))  # [1, T, vocab]
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:  # as the model's own forward: cap * tanh(logits / cap), in the model's dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _mask(self, past: int, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [1, T, head_dim], of layer `layer`'s RoPE at `positions` [1, T]."""
+        kind = self.rope_kinds[layer]
+        rot = self.model.model.rotary_emb
+        return rot(x, positions) if kind is None else rot(x, positions, kind)
+
+    def _mask(self, past: int, t: int, window: int | None, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor | None:
         impl = self.config._attn_implementation
-        if impl == attention.NAME and self.window is None:
-            return None  # the kernel takes causality from the lengths (`shared/model/attention.py`)
-        if past == 0 and impl in ("sdpa", attention.NAME):
+        if impl == attention.NAME:
+            return None  # the kernel takes causality and the window from the lengths (`shared/model/attention.py`)
+        if window is not None and past + t <= window:
+            window = None  # no key is out of any query's window: plain causal
+        if past == 0 and window is None and impl == "sdpa":
             return None  # plain causal over an empty cache: sdpa's is_causal path is exact and fast
-        return causal_mask(past, t, impl, dtype, device)
+        return causal_mask(past, t, impl, dtype, device, window)
 
 
-def causal_mask(past: int, t: int, impl: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Mask [1, 1, T, past+T] letting query i (position past+i) see keys 0..past+i.
+def causal_mask(past: int, t: int, impl: str, dtype: torch.dtype, device: torch.device,
+                window: int | None = None) -> torch.Tensor:
+    """Mask [1, 1, T, past+T] letting query i (position past+i) see keys 0..past+i (with a
+    sliding `window` W, only the last W of them: past+i-W+1..past+i).
 
     sdpa takes a boolean mask (True = attend); eager takes an additive float mask.
     """
-    q = torch.arange(past, past + t, device=device)[:, None]  # [T, 1]
-    k = torch.arange(past + t, device=device)[None, :]  # [1, past+T]
-    allowed = (k <= q)[None, None]  # [1, 1, T, past+T]
+    q = torch.arange(past, past + t, device=device)  # [T]
+    k = torch.arange(past + t, device=device)  # [past+T]
+    allowed = attention.visible(q, k, window)[None, None]  # [1, 1, T, past+T]
     return allowed if impl in ("sdpa", attention.NAME) else _additive(allowed, dtype)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean visibility -> eager attention's additive mask (0 where visible, -inf-ish elsewhere)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def _has_sliding(cfg: Any) -> bool:
-    types = getattr(cfg, "layer_types", None) or []
-    return "sliding_attention" in types
 
 
 def load_model(

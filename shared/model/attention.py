@@ -5,9 +5,19 @@ K/V to every query head (`repeat_kv`: a copy of the whole cache per layer, per c
 the materialized [T, past+T] mask, which keeps SDPA off its fused kernels. Here the causal
 pattern follows from the lengths alone: T new queries over past+T keys see keys up to their own
 position (lower-right causal; `torch.nn.attention.bias.causal_lower_right`), one new query sees
-every key, and GQA runs in the kernel (`enable_gqa`). Anything else (an explicit mask from
-token-level recompute, a sliding window) goes to transformers' own sdpa path unchanged.
-`register()` (idempotent) makes the name loadable; `load_model` uses it by default.
+every key, and GQA runs in the kernel (`enable_gqa`).
+
+A sliding-window layer (the module passes `sliding_window` W; Gemma 3's local layers, Mistral)
+also follows from the lengths: the query at position p sees keys p-W+1..p, as transformers'
+`sliding_window_overlay` defines it. Keys before every query's window are not read at all, so
+one new token reads exactly its W keys with no mask; several read a [T, T+W-1] window mask.
+The cache holds every position (the engine keeps full K/V for sliding layers), so key column j
+is position j. transformers builds no mask for a registered kernel, so its own forward through
+this kernel is masked the same way.
+
+Anything with an explicit mask (token-level recompute, transformers' sdpa / eager callers) goes
+to transformers' own sdpa path unchanged. `register()` (idempotent) makes the name loadable;
+`load_model` uses it by default.
 """
 
 from __future__ import annotations
@@ -27,12 +37,21 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [B, H, T, hd], key / value [B, kvH, past+T, hd] -> ([B, T, H, hd], None)."""
-    if attention_mask is not None or kwargs.get("sliding_window") or dropout:
+    if attention_mask is not None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     t, total = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
-    if t == 1:  # one new token sees every key
+    window = kwargs.get("sliding_window")
+    if window and total > window:  # some key lies outside some query's window
+        start = max(0, total - t - window + 1)  # the first query's window starts here: earlier keys are never read
+        key, value = key[:, :, start:], value[:, :, start:]  # [B, kvH, total - start, hd] views
+        mask = None
+        if t > 1:  # one query sees exactly the `window` keys left; more need the band
+            positions = torch.arange(start, total, device=query.device)  # [total - start]
+            mask = visible(positions[-t:], positions, window)  # [T, total - start]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    elif t == 1:  # one new token sees every key
         out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
     elif t == total:  # no past: plain causal
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -40,6 +59,14 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(t, total), scale=scaling,
                                              enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None  # [B, H, T, hd] -> [B, T, H, hd]
+
+
+def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Which key each query attends to: q_positions [T], k_positions [S] -> bool [T, S], True where
+    the key is at or before the query and, with a sliding `window` W, fewer than W positions back."""
+    q, k = q_positions[:, None], k_positions[None, :]  # [T, 1], [1, S]
+    seen = k <= q  # [T, S]
+    return seen & (k > q - window) if window is not None else seen
 
 
 def register() -> None:

@@ -4,6 +4,11 @@ Two models may share KV only if every field here is equal: the layer count and t
 K/V layout (kv heads × head dim), the hidden size (E tensors), RoPE (keys are stored after
 rotation, so positions must encode identically) and the tokenizer (token ids must mean the same
 text). Weights are deliberately *not* part of it: differing weights are the whole point.
+
+Models with sliding-window layers (Gemma 3's interleaved local and global layers, Mistral) add
+to the `rope` field which layer is which and its window: a key means the same to a layer
+reading it only under the same rotation base (Gemma 3's differs per layer type) and the same
+view. Models without any keep the plain RoPE JSON, so their ids are unchanged.
 """
 
 from __future__ import annotations
@@ -53,12 +58,27 @@ def require_compatible(sender: ArchFingerprint, receiver: ArchFingerprint) -> No
         raise IncompatibleModelsError(diff)
 
 
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Per decoder layer, its sliding window W (the query at position p sees keys p-W+1..p), or
+    None for full attention; as transformers' models decide it: by `layer_types` where the config
+    has them (Gemma 3, Qwen2/3), else one `sliding_window` for every layer (Mistral)."""
+    n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return (window,) * n
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
 def _rope_params(config: Any) -> str:
-    # transformers 5 keeps RoPE settings in `rope_parameters` (type, theta, scaling...).
+    # transformers 5 keeps RoPE settings in `rope_parameters` (type, theta, scaling...); Gemma 3
+    # keys them by layer type.
     params = getattr(config, "rope_parameters", None) or {
         "rope_theta": getattr(config, "rope_theta", None),
         "rope_scaling": getattr(config, "rope_scaling", None),
     }
+    windows = layer_windows(config)
+    if any(w is not None for w in windows):
+        params = {"rope": params, "layer_types": getattr(config, "layer_types", None), "windows": windows}
     return json.dumps(params, sort_keys=True, default=str)
 
 

@@ -2,7 +2,8 @@
 
 Everything else sees a cache as an opaque object plus these functions. Layout invariant: per
 layer, keys and values are `[B, kv_heads, T, head_dim]`, keys stored *after* RoPE, so a reused
-context must occupy the same positions in the receiver as it did in the sender.
+context must occupy the same positions in the receiver as it did in the sender. Every layer,
+sliding-window layers included, holds positions 0..T-1 (`new_cache`).
 """
 
 from __future__ import annotations
@@ -12,20 +13,29 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from droidmesh.shared.errors import UnsupportedModelError
 
 
 def new_cache(config: Any, capacity: int | None = None) -> DynamicCache:
     """An empty cache with one (lazily initialised) layer per decoder layer of `config`. With
-    `capacity` (tokens: the prompt plus what decoding may append) every full-attention layer is a
+    `capacity` (tokens: the prompt plus what decoding may append) every attention layer is a
     `WriteOnceLayer` of that capacity, so each token's K/V is written once; without, transformers'
-    own layers, which grow by concatenation (a copy of the whole layer per update)."""
+    full layer, which grows by concatenation (a copy of the whole layer per update).
+
+    Sliding-window layers are full layers here too: transformers' `DynamicSlidingWindowLayer`
+    keeps only the last W-1 tokens, and then its K/V no longer start at position 0, which every
+    reader of a layer (capture, a pull, token-level recompute) assumes. Keeping every token costs
+    memory past the window, never exactness: the attention masks each query to its window."""
     cache = DynamicCache(config=config)
-    if capacity is not None:
-        cache.layers = [WriteOnceLayer(capacity) if type(entry) is DynamicLayer else entry for entry in cache.layers]
+    cache.layers = [_full_layer(capacity) if type(entry) in (DynamicLayer, DynamicSlidingWindowLayer) else entry
+                    for entry in cache.layers]
     return cache
+
+
+def _full_layer(capacity: int | None) -> DynamicLayer:
+    return DynamicLayer() if capacity is None else WriteOnceLayer(capacity)
 
 
 class WriteOnceLayer(DynamicLayer):
