@@ -43,7 +43,7 @@ from droidmesh.shared.service.launch import dies_with_parent, start_service
 
 def _in_process(pairs: list[dict[str, Any]], tokens: list[int], rows: int, work: Path, task: str,
                 calibration_rows: int, stage_s: dict[str, float], codecs: Sequence[str] | None = None,
-                shares: Sequence[float] | None = None) -> list[dict[str, Any]]:
+                shares: Sequence[float] | None = None, dtype: str = "bfloat16") -> list[dict[str, Any]]:
     """Stage 1: per pair its configs, maps, quality, codec timings and bytes, pair config (None
     without lowrank configs) and calibration."""
     from droidmesh.shared.bench import codec_tradeoff as bc
@@ -63,7 +63,7 @@ def _in_process(pairs: list[dict[str, Any]], tokens: list[int], rows: int, work:
     for p in pairs:
         name = p["name"]
         t0 = time.perf_counter()
-        sender, receiver = (load_model(p[k], dtype="bfloat16") for k in ("sender", "receiver"))
+        sender, receiver = (load_model(p[k], dtype=dtype) for k in ("sender", "receiver"))
         shas = {"sender_sha256": weights_sha256(Path(p["sender"])), "receiver_sha256": weights_sha256(Path(p["receiver"]))}
         L = receiver.num_layers
         group = ReusePlan.recompute(*p["group"])
@@ -101,7 +101,7 @@ def _in_process(pairs: list[dict[str, Any]], tokens: list[int], rows: int, work:
 
 
 def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit: list[float], repeats: int,
-                   work: Path, device: str, ucx_tls: str | None, failures: list[str]
+                   work: Path, device: str, ucx_tls: str | None, failures: list[str], dtype: str = "bfloat16"
                    ) -> dict[tuple[str, int, float, str], dict[str, Any]]:
     """Stage 2: the probe's row per (pair, target tokens, link rate, config name)."""
     from droidmesh.shared.bench import codec_tradeoff as bc
@@ -118,7 +118,7 @@ def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit
             e_layers = sorted({l for c in cs for l in c.plan.e_layers} | {0})
             model_id = prep["sender_model"]
             sproc = start_service("sender", {"model_path": p["sender"], "model_id": model_id, "sender_id": model_id,
-                                              "dtype": "bfloat16", "e_layers": e_layers, "ucx_host": netns.SND_IP},
+                                              "dtype": dtype, "e_layers": e_layers, "ucx_host": netns.SND_IP},
                                   url, env={**launched_env(device), **env, **access.env_for(sender_user(model_id))},
                                   wrap=snd)
             procs.append(sproc)
@@ -161,13 +161,15 @@ def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit
 def run_codecs(pairs: list[dict[str, Any]], tokens: list[int], rates_gbit: list[float], repeats: int, rows: int,
                work_dir: str, task: str = "multihop_qa", calibration_rows: int = 16, device: str = DEFAULT_DEVICE,
                ucx_tls: str | None = CROSS_HOST_UCX_TLS, codecs: Sequence[str] | None = None,
-               shares: Sequence[float] | None = None, over_mesh: bool = True) -> dict[str, Any]:
+               shares: Sequence[float] | None = None, over_mesh: bool = True, dtype: str = "bfloat16"
+               ) -> dict[str, Any]:
     """Per pair ({"name", "sender", "receiver", "group"}: checkpoint paths and the profiled
     recompute group), the configs of `codec_tradeoff.configs` (`codecs`, `shares`: which) through
     the three stages; `over_mesh=False` skips the mesh (no TTFT, no namespaces needed: rows have
-    link_gbit None). Returns {"rows", "failures", "stage_seconds", "seconds", "pairs"}; rows carry
-    every figure. Raises RuntimeError when the mesh stage is asked for and namespaces are not
-    available."""
+    link_gbit None). `dtype`: the models' and so the wire's (bfloat16, as a sender serves on a GPU;
+    float32 to compare with `droidmesh eval`, which scores in the CPU's float32). Returns {"rows",
+    "failures", "stage_seconds", "seconds", "pairs"}; rows carry every figure. Raises
+    RuntimeError when the mesh stage is asked for and namespaces are not available."""
     from droidmesh.shared.bench import codec_tradeoff as bc
 
     why = netns.available() if over_mesh else None
@@ -177,12 +179,12 @@ def run_codecs(pairs: list[dict[str, Any]], tokens: list[int], rates_gbit: list[
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     stage_s: dict[str, float] = {}
-    prepared = _in_process(pairs, tokens, rows, work, task, calibration_rows, stage_s, codecs, shares)
+    prepared = _in_process(pairs, tokens, rows, work, task, calibration_rows, stage_s, codecs, shares, dtype)
     failures: list[str] = []
     measured: dict[tuple[str, int, float, str], dict[str, Any]] = {}
     if over_mesh:
         t0 = time.perf_counter()
-        measured = _over_the_mesh(prepared, tokens, rates_gbit, repeats, work, device, ucx_tls, failures)
+        measured = _over_the_mesh(prepared, tokens, rates_gbit, repeats, work, device, ucx_tls, failures, dtype)
         stage_s["mesh"] = time.perf_counter() - t0
     out_rows = []
     for prep in prepared:

@@ -232,21 +232,28 @@ def _split_pair(spec: str) -> tuple[str, str]:
 
 def _pair_group(tier: str | None, sender: str, receiver: str) -> tuple[tuple[int, int], str]:
     """The pair's group and where it comes from: the saved profile's chosen group (in any of the
-    tier's directories, e.g. zoo/real/profiles/base-to-docqa.json), else the demo pairs' known
-    group, else `DEFAULT_GROUP`."""
+    tier's directories, e.g. zoo/real/profiles/base-to-docqa.json) where it is a group (not full
+    reuse) that holds on its test split, else the demo pairs' known group, else `DEFAULT_GROUP`."""
     import json
 
     from droidmesh.shared.model.names import Pair
     from droidmesh.shared.zoo.manifest import profile_file, tier_dirs
 
+    why_not = "no profile saved"
     for d in tier_dirs(tier) if tier else []:
         prof = profile_file(d, Pair(sender, receiver))
         chosen = json.loads(prof.read_text()).get("chosen") if prof.is_file() else None
-        if chosen:
+        if not chosen:
+            continue
+        if chosen.get("passes_test") is False:
+            why_not = f"profile {prof} chose a plan that fails its test split"
+        elif int(chosen["end"]) <= int(chosen["start"]):
+            why_not = f"profile {prof} chose full reuse"
+        else:
             return (int(chosen["start"]), int(chosen["end"])), f"profile {prof}"
     if tier == "demo" and sender in DEFAULT_GROUPS:
-        return DEFAULT_GROUPS[sender], "the demo pair's profiled group (no profile saved)"
-    return DEFAULT_GROUP, "default (no profile saved; --group sets it)"
+        return DEFAULT_GROUPS[sender], f"the demo pair's profiled group ({why_not})"
+    return DEFAULT_GROUP, f"default ({why_not}; --group sets it)"
 
 
 def _codec_pairs(value: str, group: tuple[int, int] | None = None) -> list[dict[str, Any]]:
@@ -338,9 +345,12 @@ NO_MESH_COLUMNS = [c for c in CODECS_COLUMNS if c not in ("link_gbit", "bytes_on
 @click.option("--threads", default=None, type=click.IntRange(1, 256),
               help="torch threads of the in-process stage (default: torch's; launched processes use one).")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Maps files, configs (default: a temporary directory).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+              help="The models' dtype, and so the wire's: bfloat16 as a sender serves; float32 scores as `droidmesh eval` "
+                   "does on a CPU (reuse paths differ between the two by more than the rows' noise on the real tier).")
 @launched_device_option
 def codecs(json_path, plot_dir, table_path, pairs, group, task, codec_names, shares, rates, tokens, repeats, rows,
-           calibration_rows, target_rate, no_mesh, threads, work_dir, device) -> None:
+           calibration_rows, target_rate, no_mesh, threads, work_dir, dtype, device) -> None:
     """Codecs: quality, wire bytes, encode/decode time and TTFT over a rate-limited link per wire
     codec / SCD config (baselines included) of each pair; targets for the first pair."""
     import tempfile
@@ -357,7 +367,7 @@ def codecs(json_path, plot_dir, table_path, pairs, group, task, codec_names, sha
     work = work_dir or tempfile.mkdtemp(prefix="dm-bench-codecs-")
     try:
         r = run_codecs(pair_list, tokens, rates, repeats, rows, work, task=task, calibration_rows=calibration_rows,
-                       device=device, codecs=codec_names, shares=shares, over_mesh=not no_mesh)
+                       device=device, codecs=codec_names, shares=shares, over_mesh=not no_mesh, dtype=dtype)
     except RuntimeError as e:
         click.echo(str(e), err=True)
         save(json_path, "codecs", {"skipped": str(e)})
@@ -395,7 +405,7 @@ def codecs(json_path, plot_dir, table_path, pairs, group, task, codec_names, sha
         Path(table_path).parent.mkdir(parents=True, exist_ok=True)
         Path(table_path).write_text(text + "\n")
     save(json_path, "codecs", {"task": task, "tokens": tokens, "rates_gbit": None if no_mesh else rates,
-                                "repeats": repeats, "rows_scored": rows, "calibration_rows": calibration_rows,
+                                "repeats": repeats, "rows_scored": rows, "calibration_rows": calibration_rows, "dtype": dtype,
                                 "codecs": codec_names, "shares": shares, "mesh": not no_mesh,
                                 "chosen_rule": suite.CHOSEN_RULE, "targets": tg, "scd_target": st, "work_dir": work, **r})
     if plot_dir and no_mesh:

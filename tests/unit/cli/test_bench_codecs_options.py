@@ -173,9 +173,29 @@ def test_codecs_command_passes_its_options_and_reports_the_target(zoo, monkeypat
     assert res.exit_code == 0, res.output
     assert seen["over_mesh"] is False and seen["codecs"] == ["raw", "int8", "int4", "scd"]
     assert seen["shares"] == [0.9, 0.95] and seen["calibration_rows"] == 4 and seen["task"] == "doc_qa"
-    assert seen["pairs"][0]["group"] == (6, 12) and seen["rows"] == 2
+    assert seen["pairs"][0]["group"] == (6, 12) and seen["rows"] == 2 and seen["dtype"] == "bfloat16"
     assert "bytes_vs_raw" in res.output and "quality_vs_full" in res.output and "ttft_s" not in res.output
     assert "plan recompute [6,12)" in res.output and "30 layers, 3 KV heads x 64" in res.output
     assert "MET by lowrank s0.9 [6,12)" in res.output
     data = json.loads(out.read_text())
     assert data["scd_target"]["met"] is True and data["mesh"] is False and data["codecs"] == ["raw", "int8", "int4", "scd"]
+    res = CliRunner().invoke(cli.bench, ["codecs", "--pairs", "real/base:real/docqa", "--task", "doc_qa", "--no-mesh",
+                                         "--dtype", "float32", "--tokens", "1024", "--json", str(out),
+                                         "--work-dir", str(tmp_path / "work")])
+    assert res.exit_code == 0, res.output
+    assert seen["dtype"] == "float32" and json.loads(out.read_text())["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("chosen,why", [
+    ({"start": 0, "end": 0, "passes_test": True}, "chose full reuse"),
+    ({"start": 6, "end": 12, "passes_test": False}, "fails its test split"),
+])
+def test_a_profile_that_chose_no_group_or_fails_its_test_is_not_the_codecs_group(zoo, chosen, why):
+    """A saved profile that chose full reuse (an empty group, which no plan can recompute) or whose
+    choice fails its test split gives way to the default group, and the source says why."""
+    (zoo / "real" / "profiles").mkdir()
+    (zoo / "real" / "profiles" / "base-to-docqa.json").write_text(json.dumps({"chosen": chosen}))
+    [pair] = cli._codec_pairs("real/base:real/docqa")
+    assert pair["group"] == tuple(cli.DEFAULT_GROUP) and why in pair["group_source"]
+    (zoo / "real" / "profiles" / "base-to-docqa.json").write_text(json.dumps({"chosen": {"start": 3, "end": 9}}))
+    assert cli._codec_pairs("real/base:real/docqa")[0]["group"] == (3, 9)
