@@ -26,6 +26,8 @@ from droidmesh.shared.errors import BadMessageError
 log = structlog.get_logger("ucx")
 ABORT_NS = 200_000_000  # how long an abort may hold the event loop (ucxx's default is 10 s per attempt)
 _IN_FLIGHT: set[asyncio.Task] = set()
+IDLE_SPIN_S = 0.002  # how long a server waits for a peer's next request as tightly as ucxx would
+IDLE_PAUSE_S = 0.02  # the longest pause between probes of an idle connection
 
 
 def ucx_buffer(t: torch.Tensor) -> Any:
@@ -91,6 +93,31 @@ async def recv_frame(ep: Any, cap: int) -> bytes:
     data = bytearray(n)
     await recv(ep, data)
     return bytes(data)
+
+
+async def wait_for_message(ep: Any) -> None:
+    """Return once a message for `ep` has arrived, or the endpoint closed or failed (the receive
+    that follows then raises). An awaited ucxx receive polls its request with `asyncio.sleep(0)`,
+    so a receive posted for an idle peer's next request kept the event loop, and a core, busy for
+    as long as the connection lived. Here the loop yields as tightly for the first IDLE_SPIN_S
+    (a pull's next request usually follows within that), then probes with pauses doubling up to
+    IDLE_PAUSE_S: an idle connection costs ~100 wake-ups a second, a request after a pause waits
+    at most that long."""
+    from ucxx.types import Tag
+
+    worker, tag = ep._ctx.worker, Tag(ep._tags["msg_recv"])
+    loop = asyncio.get_running_loop()
+    spin_until, pause = loop.time() + IDLE_SPIN_S, IDLE_PAUSE_S / 16
+    while not ep.closed and not worker.tag_probe(tag).matched:
+        try:
+            ep._ep.raise_on_error()
+        except Exception:  # a failed endpoint: the receive reports it
+            return
+        if loop.time() < spin_until:
+            await asyncio.sleep(0)
+        else:
+            await asyncio.sleep(pause)
+            pause = min(IDLE_PAUSE_S, pause * 2)
 
 
 def abort(ep: Any) -> None:

@@ -97,6 +97,7 @@ class UcxBulkServer:
             while True:
                 try:
                     async with slot.waiting():
+                        await ops.wait_for_message(ep)
                         data = await ops.recv_frame(ep, MAX_REQUEST_BYTES)
                 except SlotEnded:
                     raise
