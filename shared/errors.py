@@ -128,3 +128,26 @@ class PeerUnreachableError(TransferError):
     """A sender's bulk address could not be connected to (refused, gone, or no answer in time)."""
 
     code = "peer_unreachable"
+
+
+class AuthenticationError(DroidMeshError):
+    """No API key, a malformed one, or one that is not in the key file (the gateway's 401)."""
+
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(DroidMeshError):
+    """A valid API key asking for something it is not given, e.g. a model it may not use (403)."""
+
+    code = "permission_denied"
+
+
+class QuotaExceededError(DroidMeshError):
+    """A client over one of its limits (requests per minute, tokens per minute, requests at once);
+    `retry_after_s` is when retrying can succeed, as far as the limit that refused can tell (429)."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -10,6 +10,9 @@
 #   DIR/tls/ca.pem            the CA clients verify the server with (DM_NATS_TLS_CA)
 #   DIR/tls/ca-key.pem        the CA's key: only needed to issue more certificates
 #   DIR/tls/server.pem        the NATS server certificate, and server-key.pem its key
+#   DIR/gateway/keys.toml     the gateway's key file (DM_GATEWAY_API_KEYS): one key, tenant
+#                             `local`, every model; `droidmesh keys add --file` adds more
+#   DIR/gateway/key           that key itself, for your local clients (the file above has its hash)
 #
 # Files that exist are kept (re-running is safe; passwords stay, certificates you brought stay), so
 # after `droidmesh nats-auth` adds users, running it again makes only the new users' passwords.
@@ -99,4 +102,18 @@ fi
 chmod 644 "$tls/ca.pem" "$tls/server.pem"
 chmod 600 "$tls/server-key.pem"
 [[ ! -e "$tls/ca-key.pem" ]] || chmod 600 "$tls/ca-key.pem"
+# The gateway's first API key: dmk_<12 hex>_<43 urlsafe base64>, as `droidmesh keys add` makes.
+mkdir -p "$DIR/gateway"
+chmod 755 "$DIR/gateway"
+if [[ ! -s "$DIR/gateway/keys.toml" ]]; then
+  command -v openssl >/dev/null || { echo "generate.sh: openssl is needed for the gateway key" >&2; exit 1; }
+  kid=$(openssl rand -hex 6)
+  key="dmk_${kid}_$(openssl rand -base64 32 | tr '+/' '-_' | tr -d '=\n')"
+  digest=$(printf '%s' "$key" | openssl dgst -sha256 -r | cut -d' ' -f1)
+  printf '%s\n' "$key" >"$DIR/gateway/key"
+  printf '[[key]]\nid = "%s"\nhash = "sha256:%s"\ntenant = "local"\nmodels = ["*"]\nrequests_per_minute = 600\ntokens_per_minute = 1000000\nmax_concurrent = 16\n\n' \
+    "$kid" "$digest" >"$DIR/gateway/keys.toml"
+fi
+chmod 644 "$DIR/gateway/keys.toml"  # read by the gateway container's own user; holds only a hash
+[[ ! -e "$DIR/gateway/key" ]] || chmod 600 "$DIR/gateway/key"  # gone once handed out: the hash file is enough
 echo "generate.sh: secrets in $DIR (passwords for: $(cut -d' ' -f1 <<<"$USERS" | paste -sd' ' -))" >&2

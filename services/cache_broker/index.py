@@ -2,9 +2,12 @@
 
 A context's token ids are cut into BLOCK-token blocks; block i's key hashes blocks 0..i (a
 chain, as prefix caches do), so one dict probe per prompt block finds every context sharing
-that many blocks. The exact shared prefix is then measured token by token. Holders are served
-only while their sender is live (a heartbeat within `ttl_factor` intervals): a restarted broker
-serves nobody until it has heard from them, so it never hands out a stale holder.
+that many blocks. The chain is seeded by the context's scope (`shared.wire.hashing`): a lookup
+walks its own scope's chain and the public one, so it never reaches another scope's holders
+(and each holder's scope is compared once more before it is returned). The exact shared prefix
+is then measured token by token. Holders are served only while their sender is live (a
+heartbeat within `ttl_factor` intervals): a restarted broker serves nobody until it has heard
+from them, so it never hands out a stale holder.
 
 Everything here comes from the network, so nothing a message says can make the index grow
 without bound or keep anything alive forever (`Limits`): senders and contexts per sender are
@@ -40,6 +43,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from droidmesh.shared.wire.hashing import PUBLIC, scope_seed
 from droidmesh.shared.wire.schemas import CacheAvailable, SenderHeartbeat
 
 BLOCK = 16  # tokens per block; a block key hashes their ids as 4 bytes each
@@ -64,15 +68,15 @@ def pack(token_ids: Sequence[int]) -> array.array | None:
     return packed
 
 
-def block_keys(token_ids: Sequence[int] | array.array, limit: int | None = None) -> list[int]:
+def block_keys(token_ids: Sequence[int] | array.array, limit: int | None = None, scope: str = PUBLIC) -> list[int]:
     """Chained hash of each full BLOCK-token block (the last partial block is not keyed), of the
-    first `limit` blocks at most."""
+    first `limit` blocks at most, seeded by `scope`."""
     packed = token_ids if isinstance(token_ids, array.array) else pack(token_ids)
     if packed is None:
         raise ValueError("token ids must be in [0, 2^32)")
     n = len(packed) // BLOCK if limit is None else min(limit, len(packed) // BLOCK)
     raw, step = memoryview(packed).cast("B"), 4 * BLOCK
-    keys, h = [], xxhash.xxh3_64()
+    keys, h = [], xxhash.xxh3_64(seed=scope_seed(scope))
     for i in range(n):
         h.update(raw[i * step : (i + 1) * step])
         keys.append(h.intdigest())
@@ -185,7 +189,7 @@ class CacheIndex:
         held = self._holders.get(ev.sender_id, {})
         if ev.context_id not in held and len(held) >= lim.max_contexts_per_sender:
             raise Refused("too_many_contexts", f"sender {ev.sender_id} holds {lim.max_contexts_per_sender} already")
-        keys = array.array("Q", block_keys(tokens, lim.max_indexed_blocks))
+        keys = array.array("Q", block_keys(tokens, lim.max_indexed_blocks, ev.scope))
         nbytes = _metadata_bytes(ev) + tokens.itemsize * len(tokens) + KEY_BYTES * len(keys)
         if nbytes > min(lim.max_sender_bytes, lim.max_index_bytes):
             raise Refused("too_large", f"a holder of ~{nbytes} bytes is over the byte budget")
@@ -273,29 +277,36 @@ class CacheIndex:
         return len(stale)
 
     def lookup(self, token_ids: list[int], fingerprint_id: str, exclude_model: str | None = None,
-               models: Collection[str] = ()) -> tuple[CacheAvailable | None, int]:
+               models: Collection[str] = (), scope: str = PUBLIC) -> tuple[CacheAvailable | None, int]:
         """The live, compatible holder sharing the longest token prefix, and that length; with
         `models`, a holder of one of them wins over any other (the asker can use only those), and
-        the best of the others only when none of them matches."""
+        the best of the others only when none of them matches. Only holders of `scope` or public
+        ones are found; on a tie the asker's own scope wins."""
         lim = self.limits
         tokens = pack(token_ids) if 0 < len(token_ids) <= lim.max_context_tokens else None
         if tokens is None or len(models) > lim.max_senders:
             return None, 0
+        wanted = frozenset(models)
+        found = [self._lookup_in(s, tokens, fingerprint_id, exclude_model, wanted) for s in dict.fromkeys((scope, PUBLIC))]
+        return max(found, key=lambda f: (f[0] is not None and (not wanted or f[0].model_id in wanted), f[1]))
+
+    def _lookup_in(self, scope: str, tokens: array.array, fingerprint_id: str, exclude_model: str | None,
+                   wanted: frozenset[str]) -> tuple[CacheAvailable | None, int]:
+        """`lookup` within one scope."""
         levels: list[set[tuple[str, str]]] = []  # holders sharing the first 1, 2, ... blocks
-        for k in block_keys(tokens, lim.max_indexed_blocks):
+        for k in block_keys(tokens, self.limits.max_indexed_blocks, scope):
             refs = self._by_key.get(k)
             if not refs:
                 break
             levels.append(refs)
-        wanted = frozenset(models)
         for refs in reversed(levels if wanted else []):  # deepest first: the first level with a usable holder has the best
-            found = self._best(refs, tokens, fingerprint_id, exclude_model, wanted)
+            found = self._best(scope, refs, tokens, fingerprint_id, exclude_model, wanted)
             if found[0] is not None:
                 return found
-        return self._best(levels[-1] if levels else set(), tokens, fingerprint_id, exclude_model, frozenset())
+        return self._best(scope, levels[-1] if levels else set(), tokens, fingerprint_id, exclude_model, frozenset())
 
-    def _best(self, refs: set[tuple[str, str]], tokens: array.array, fingerprint_id: str, exclude_model: str | None,
-              wanted: frozenset[str]) -> tuple[CacheAvailable | None, int]:
+    def _best(self, scope: str, refs: set[tuple[str, str]], tokens: array.array, fingerprint_id: str,
+              exclude_model: str | None, wanted: frozenset[str]) -> tuple[CacheAvailable | None, int]:
         """Of `refs`, the live, compatible holder (of a `wanted` model, if any named) sharing the
         longest prefix (the newest on a tie)."""
         best: Holder | None = None
@@ -304,7 +315,8 @@ class CacheIndex:
         for sid, cid in refs:
             h = self._holders[sid][cid]
             ev = h.ev
-            if ev.fingerprint_id != fingerprint_id or ev.model_id == exclude_model or h.stale_at < now or not self.live(sid):
+            if (ev.fingerprint_id != fingerprint_id or ev.model_id == exclude_model or ev.scope != scope
+                    or h.stale_at < now or not self.live(sid)):
                 continue
             if wanted and ev.model_id not in wanted:
                 continue

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 
+from droidmesh.shared.auth import keys as api_keys
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.service.settings import BusSettings
 from droidmesh.shared.wire.schemas import MAX_MESSAGE_BYTES
@@ -39,6 +41,9 @@ class GatewayConfig(BusSettings):
         "help": "requests one client (peer address + API key) may have in flight (429 above; 0: no limit)"})
     max_inflight_per_peer: int = dataclasses.field(default=32, metadata={
         "help": "requests one peer address may have in flight whatever keys it sends (429 above; 0: no limit)"})
+    api_keys: str = dataclasses.field(default="", metadata={
+        "help": "file of API keys (`droidmesh keys add`; a mounted secret works the same): every /v1 request then "
+                "needs one. Without it the API binds loopback only"})
     gateway_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: gateway-pid)"})
 
     def __post_init__(self) -> None:
@@ -62,5 +67,21 @@ class GatewayConfig(BusSettings):
             raise ConfigError("max_tokens_limit must be >= 1")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("default_max_tokens must be in [1, max_tokens_limit]")
+        if self.api_keys:
+            api_keys.load(self.api_keys)  # a missing or malformed file stops the start here, in one line
+        elif not _loopback(self.http_host):
+            raise ConfigError(f"refusing to listen on {self.http_host} without API keys: anyone reaching it would use "
+                              "every model with no quota; set api_keys (DM_GATEWAY_API_KEYS, `droidmesh keys add` makes "
+                              "the file) or bind 127.0.0.1")
         if not self.gateway_id:
             object.__setattr__(self, "gateway_id", f"gateway-{os.getpid()}")
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` names only this machine (a name other than localhost may resolve anywhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,9 +1,10 @@
 """Per-client fairness: how many requests one client may have in flight at once (429 above).
 
 A client is its peer address plus the API key it presents (`Authorization`), so tenants behind
-one proxy or NAT each get their own share. Keys are not verified by the gateway, so a host could
-invent keys to multiply its share: a second limit, on the peer address alone, bounds what any one
-host holds however many keys it sends. An IPv6 peer counts as its /64 (what one host is usually
+one proxy or NAT each get their own share. These limits apply before a key is checked (and
+without a key file nothing checks one), so a host could invent keys to multiply its share: a
+second limit, on the peer address alone, bounds what any one host holds however many keys it
+sends. A verified key's own quotas are `shared.auth.quota`'s. An IPv6 peer counts as its /64 (what one host is usually
 given), so a host cannot multiply itself over its own addresses either. Peer addresses are the
 socket's (never a forwarded header a client could write). Keys are kept only as a short digest,
 never logged.

@@ -15,6 +15,10 @@ header `x-request-timeout: <seconds>`. The body must arrive within `body_timeout
 Admission: while a request runs its connection is busy (`guard.ConnectionGuard`: idle ones are
 what the connection cap closes first) and it counts against its client's in-flight limits
 (`fairness.ClientLimits`: 429 above). A response is sent in full before its connection is idle.
+With a key file every request needs a key (`shared.auth.keys`: 401), its model must be one the
+key may use (403, checked before the model's existence, so a key learns nothing of others'
+models) and it counts against the key's quotas (`shared.auth.quota`: 429 with `Retry-After`).
+The key's id and tenant are in the request's log line and per-key metrics; the key never is.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from aiohttp import web
 
 from droidmesh.services.gateway import fairness, openai
 from droidmesh.services.gateway.state import GatewayState
+from droidmesh.shared.auth.keys import ApiKey
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.hashing import PUBLIC, tenant_scope
 
 log = structlog.get_logger("gateway")
 STATE: web.AppKey[GatewayState] = web.AppKey("state", GatewayState)
@@ -47,6 +53,9 @@ class RequestContext:
     request_id: str
     mesh_request_id: str
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the canonical log line adds
+    key: ApiKey | None = None  # the authenticated key (None: the gateway has no key file)
+    reserved: int = 0  # tokens reserved from the key's budget, settled when the request ends
+    used: int = 0  # tokens the reply used (prompt + completion)
 
 
 # aiohttp runs each request in its own task, so a context variable set by the middleware is this
@@ -80,18 +89,26 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     state.guard.busy(request.protocol)
     peer = fairness.peer_of(request.remote)
     failure: BaseException | None = None
+    authorization = request.headers.get("authorization", "")
     with structlog.contextvars.bound_contextvars(request_id=rid):
         try:
-            with state.clients.admit(peer, fairness.key_digest(request.headers.get("authorization", ""))):
+            with contextlib.ExitStack() as admitted:
+                admitted.enter_context(state.clients.admit(peer, fairness.key_digest(authorization)))
+                if state.keys is not None:
+                    ctx.key = key = state.keys.authenticate(authorization)
+                    ctx.facts.update(key_id=key.id, tenant=key.tenant)
+                    admitted.enter_context(state.quotas.admit(key))
                 resp = await handler(request)
         except Exception as e:
             failure = e
             status, body = openai.to_http(e, rid)
             ctx.facts["error"] = body["error"]["code"]
-            resp = web.json_response(body, status=status)
+            resp = web.json_response(body, status=status, headers=openai.error_headers(e))
         finally:
             state.metrics.gateway_inflight.dec()
             CURRENT.reset(reset)
+            if ctx.key is not None and ctx.reserved:  # a failed request gives its reservation back
+                state.quotas.settle(ctx.key, ctx.reserved, ctx.used)
         if not resp.prepared:  # a stream set it before its first byte
             resp.headers["x-request-id"] = rid
         try:  # sent in full here (aiohttp then finds it sent), so the connection is idle only after it
@@ -104,6 +121,8 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         seconds = time.monotonic() - began
         state.metrics.gateway_requests.labels(route, str(resp.status)).inc()
         state.metrics.gateway_seconds.labels(route).observe(seconds)
+        if ctx.key is not None:
+            state.metrics.gateway_key_requests.labels(ctx.key.id, str(resp.status)).inc()
         internal = failure is not None and resp.status == 500
         log.info("request", method=request.method, route=route, status=resp.status, mesh_request_id=mesh_id,
                  duration_ms=round(seconds * 1e3, 2), **ctx.facts,
@@ -111,14 +130,23 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     return resp
 
 
+def _check_allowed(model: str) -> None:
+    """403 unless the request's key (if the gateway has keys) may use `model`."""
+    key = CURRENT.get().key
+    if key is not None and not key.allows(model):
+        raise openai.ModelNotAllowedError(f"this API key may not use the model {model!r}", param="model")
+
+
 async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    return web.json_response(openai.models_body(state.model_rows(await state.models())))
+    state, key = request.app[STATE], CURRENT.get().key
+    models = [m for m in await state.models() if key is None or key.allows(m.model_id)]
+    return web.json_response(openai.models_body(state.model_rows(models)))
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model = request.match_info["model"]
+    _check_allowed(model)
     await state.check_model(model)
     (row,) = [r for r in state.model_rows(await state.models()) if r[0] == model]
     return web.json_response(openai.model_entry(*row))
@@ -164,18 +192,25 @@ async def _generate(request: web.Request, parse: Callable[[bytes, openai.Limits]
     facts = ctx.facts
     call = parse(await _read_body(request, state.cfg.max_body_bytes, state.cfg.body_timeout_s), state.limits)
     facts.update(model=call.model, kind=call.kind, stream=call.stream, max_new_tokens=call.max_new_tokens)
+    _check_allowed(call.model)
+    if ctx.key is not None:
+        state.quotas.reserve(ctx.key, call.max_new_tokens)
+        ctx.reserved = call.max_new_tokens
     timeout = _timeout(request, state.cfg.request_timeout_s)
     async with asyncio.timeout(timeout):  # discovery counts against the deadline too
         await state.check_model(call.model)
     mesh_id = ctx.mesh_request_id
+    # A key's requests reuse only their tenant's cached contexts and public ones (so a reply's
+    # reuse fields and timing say nothing of another tenant's); without keys every request is public.
+    scope = tenant_scope(ctx.key.tenant) if ctx.key is not None else PUBLIC
     kwargs: dict[str, Any] = dict(max_new_tokens=call.max_new_tokens, timeout=timeout, request_id=mesh_id,
-                                  sampling=call.sampling, chat=call.chat)
+                                  sampling=call.sampling, chat=call.chat, scope=scope)
     created = int(time.time())
     if call.stream:
         return await _stream(request, state, call, kwargs, created)
     async with asyncio.timeout(timeout):  # the client has its own; this also bounds one that overruns it
         reply = await state.client.ask(call.model, call.context, call.question, **kwargs)
-    _account(state, facts, reply)
+    _account(state, ctx, reply)
     return web.json_response(openai.completion_body(call, mesh_id, created, reply))
 
 
@@ -203,7 +238,7 @@ async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCa
                     break
         if enc.reply is None:
             raise openai.ApiError("the mesh ended the stream without a final reply")
-        _account(state, facts, enc.reply)
+        _account(state, ctx, enc.reply)
     except ConnectionResetError:  # the client went away: stop writing, close only this stream
         if resp is None:
             raise
@@ -216,6 +251,8 @@ async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCa
         with contextlib.suppress(ConnectionResetError):
             await resp.write(openai.sse(body))
     finally:
+        if resp is not None and enc.reply is None:  # ended mid-stream (client gone, cancelled, failed):
+            ctx.used = max(ctx.used, ctx.reserved)  # what was sent is not free
         aclose = getattr(items, "aclose", None)
         if aclose is not None:
             await aclose()
@@ -225,8 +262,11 @@ async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCa
     return resp
 
 
-def _account(state: GatewayState, facts: dict[str, Any], reply: schemas.GenerateReply) -> None:
-    facts.update(openai.log_facts(reply))
-    state.metrics.gateway_tokens.labels("prompt").inc(reply.prompt_tokens)
-    state.metrics.gateway_tokens.labels("completion").inc(len(reply.token_ids))
-    state.metrics.gateway_tokens.labels("reused").inc(reply.reused_tokens)
+def _account(state: GatewayState, ctx: RequestContext, reply: schemas.GenerateReply) -> None:
+    ctx.facts.update(openai.log_facts(reply))
+    ctx.used = reply.prompt_tokens + len(reply.token_ids)  # charged to the key when the request ends
+    counts = {"prompt": reply.prompt_tokens, "completion": len(reply.token_ids), "reused": reply.reused_tokens}
+    for kind, n in counts.items():
+        state.metrics.gateway_tokens.labels(kind).inc(n)
+        if ctx.key is not None:
+            state.metrics.gateway_key_tokens.labels(ctx.key.id, kind).inc(n)

@@ -15,13 +15,14 @@ an HTTP status and OpenAI's `{"error": {message, type, param, code}}` body.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from aiohttp import web
 
-from droidmesh.shared.errors import BadRequestError, DroidMeshError
+from droidmesh.shared.errors import BadRequestError, DroidMeshError, PermissionDeniedError, QuotaExceededError
 from droidmesh.shared.wire import schemas
 
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -61,16 +62,18 @@ class ModelNotFoundError(ApiError):
     code = "model_not_found"
 
 
+class ModelNotAllowedError(ApiError, PermissionDeniedError):
+    """A valid API key naming a model its entry does not list."""
+
+
 class MeshUnavailableError(ApiError):
     """NATS is down, discovery failed, or no receiver of a known model answers."""
 
     code = "service_unavailable"
 
 
-class RateLimitedError(ApiError):
+class RateLimitedError(QuotaExceededError):
     """A client (or its address) already has as many requests in flight as it may (`fairness.py`)."""
-
-    code = "rate_limit_exceeded"
 
 
 class BodyTimeoutError(ApiError):
@@ -83,6 +86,7 @@ class BodyTimeoutError(ApiError):
 STATUS = {
     "invalid_value": 400, "invalid_json": 400, "unsupported_parameter": 400,
     "bad_request": 400, "bad_message": 400, "schema_version": 400,  # the mesh refused the request itself
+    "invalid_api_key": 401, "permission_denied": 403,
     "model_not_found": 404, "request_timeout": 408, "request_too_large": 413, "rate_limit_exceeded": 429,
     "service_unavailable": 503, "overloaded": 503,  # a receiver shedding load: retry later (not a server fault)
     "deadline_exceeded": 504,
@@ -112,6 +116,13 @@ def to_http(exc: BaseException, request_id: str) -> tuple[int, dict[str, Any]]:
         message = f"internal error (request id {request_id})"  # never leak a peer's traceback or repr
     kind = "invalid_request_error" if status < 500 else "server_error"
     return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_headers(exc: BaseException) -> dict[str, str]:
+    """Headers an error response carries besides its body: `Retry-After` (whole seconds) on a 429."""
+    if isinstance(exc, QuotaExceededError):
+        return {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+    return {}
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -274,9 +285,12 @@ def extension(r: schemas.GenerateReply) -> dict[str, Any]:
             "fallback_reason": r.fallback_reason}
 
 
-def usage(r: schemas.GenerateReply) -> dict[str, int]:
+def usage(r: schemas.GenerateReply) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens` are the prompt tokens whose KV was reused, which the mesh
+    only finds within the request's scope (the tenant's own contexts and public ones)."""
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
-            "total_tokens": r.prompt_tokens + len(r.token_ids)}
+            "total_tokens": r.prompt_tokens + len(r.token_ids),
+            "prompt_tokens_details": {"cached_tokens": r.reused_tokens}}
 
 
 def response_id(call: MeshCall, request_id: str) -> str:

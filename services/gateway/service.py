@@ -61,7 +61,8 @@ class GatewayService(ServiceRuntime[GatewayConfig]):
         log.info("gateway_started", gateway_id=cfg.gateway_id, http_host=cfg.http_host, http_port=self.http_port,
                  max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit, max_connections=cap,
                  header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
-                 max_inflight_per_client=cfg.max_inflight_per_client, max_inflight_per_peer=cfg.max_inflight_per_peer)
+                 max_inflight_per_client=cfg.max_inflight_per_client, max_inflight_per_peer=cfg.max_inflight_per_peer,
+                 api_keys=len(state.keys.keys) if state.keys is not None else None)
         if self._given_bus is not None:  # in-process wiring (tests): the mesh is there already
             await self._join_mesh()
         else:

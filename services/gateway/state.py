@@ -14,6 +14,8 @@ from droidmesh.services.gateway import openai
 from droidmesh.services.gateway.config import GatewayConfig
 from droidmesh.services.gateway.fairness import ClientLimits
 from droidmesh.services.gateway.guard import ConnectionGuard
+from droidmesh.shared.auth import keys as api_keys
+from droidmesh.shared.auth.quota import Quotas
 from droidmesh.shared.mesh import discovery
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas
@@ -26,13 +28,13 @@ class Mesh(Protocol):
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
                   mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,
-                  sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...
-                  ) -> schemas.GenerateReply: ...
+                  sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...,
+                  scope: str = ...) -> schemas.GenerateReply: ...
 
     def stream(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
                mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,
-               sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...
-               ) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]: ...
+               sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...,
+               scope: str = ...) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]: ...
 
     async def receivers(self, window_s: float = ...) -> list[discovery.ReceiverModel]: ...
 
@@ -60,8 +62,12 @@ NOT_CONNECTED: Mesh = _NotConnected()
 
 class GatewayState:
     def __init__(self, cfg: GatewayConfig, client: Mesh, metrics: Metrics, mesh_up: Callable[[], bool] = lambda: True,
-                 guard: ConnectionGuard | None = None):
+                 guard: ConnectionGuard | None = None, keys: api_keys.KeyRing | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg, self.client, self.metrics, self.mesh_up = cfg, client, metrics, mesh_up
+        # None: no key file, so no authentication (the config allows that on loopback only)
+        self.keys = keys if keys is not None or not cfg.api_keys else api_keys.KeyRing(api_keys.load(cfg.api_keys))
+        self.quotas = Quotas(clock)
         self.limits = openai.Limits(cfg.default_max_tokens, cfg.max_tokens_limit)
         self.guard = guard or ConnectionGuard(cfg.max_connections)  # the service's, when it listens through one
         self.clients = ClientLimits(cfg.max_inflight_per_client, cfg.max_inflight_per_peer)

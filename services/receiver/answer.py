@@ -116,7 +116,7 @@ async def _route(s: ReceiverState, job: Job) -> Route:
 
 async def _find_holder(s: ReceiverState, job: Job) -> tuple[schemas.CacheAvailable | None, Reason | None]:
     """The broker's holder, unless its circuit is open (then none, and why)."""
-    holder, miss = await holders.lookup(s, job.prompt, job.req.mode)
+    holder, miss = await holders.lookup(s, job.prompt, job.req.mode, job.req.scope)
     job.stamps["lookup_done"] = time.perf_counter()
     check_deadline(job.deadline, "after the lookup")
     if holder is not None and not s.breaker.allow(holder.sender_id):

@@ -37,6 +37,7 @@ from droidmesh.shared.model import text
 from droidmesh.shared.model.sampling import Sampler, make_sampler
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.hashing import PUBLIC
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.answer_stream import AnswerStream
@@ -45,18 +46,20 @@ if TYPE_CHECKING:
 log = structlog.get_logger("receiver")
 
 
-async def lookup(s: ReceiverState, prompt: list[int], mode: schemas.Mode
+async def lookup(s: ReceiverState, prompt: list[int], mode: schemas.Mode, scope: str
                  ) -> tuple[schemas.CacheAvailable | None, Reason | None]:
     """The broker's best holder for `prompt` (under the policy, of a model it has a config for or
     its own, when it has one: a default group can use any), or (None, why not)."""
     usable = [] if mode != "auto" or s.cfg.default_group else sorted({*s.configs, s.cfg.model_id})
-    return await lookup_in(s, prompt, s.model.fingerprint.id, usable)
+    return await lookup_in(s, prompt, s.model.fingerprint.id, usable, scope)
 
 
-async def lookup_in(s: ReceiverState, token_ids: list[int], fingerprint_id: str, models: list[str]
+async def lookup_in(s: ReceiverState, token_ids: list[int], fingerprint_id: str, models: list[str], scope: str
                     ) -> tuple[schemas.CacheAvailable | None, Reason | None]:
-    """The broker's best holder of `token_ids` among models of `fingerprint_id` (`models`: [] any)."""
-    req = schemas.LookupRequest(token_ids=token_ids, fingerprint_id=fingerprint_id, models=models)
+    """The broker's best holder of `token_ids` among models of `fingerprint_id` (`models`: [] any),
+    of the request's `scope` or public: a holder of another scope is never used, whatever the
+    broker says (the reply then reads as a miss, so it tells the client nothing)."""
+    req = schemas.LookupRequest(token_ids=token_ids, fingerprint_id=fingerprint_id, models=models, scope=scope)
     try:
         data = await s.bus.request(subjects.BROKER_LOOKUP, schemas.encode(req), timeout=s.cfg.lookup_timeout_s)
     except TimeoutError as e:
@@ -66,6 +69,9 @@ async def lookup_in(s: ReceiverState, token_ids: list[int], fingerprint_id: str,
     except DroidMeshError:
         err = schemas.decode(data, schemas.ErrorReply)
         return None, ("broker_error", f"broker error {err.code}: {err.message}")
+    if reply.holder is not None and reply.holder.scope not in (scope, PUBLIC):
+        log.warning("holder_out_of_scope", sender_id=reply.holder.sender_id, scope=scope)
+        reply = schemas.LookupReply(holder=None, matched_tokens=0)
     s.metrics.lookups.labels("hit" if reply.holder is not None else "miss").inc()
     if reply.holder is None:
         return None, ("no_cache", "no cached prefix")
@@ -107,7 +113,7 @@ async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list
     unusable: ReuseError | None = None
     for model_id, t in s.translations.items():
         s_ids, s_spans = await asyncio.to_thread(text.context_spans, t.source_tokenizer, req.context)
-        holder, _ = await lookup_in(s, s_ids, t.translator.source_fp.id, [model_id])
+        holder, _ = await lookup_in(s, s_ids, t.translator.source_fp.id, [model_id], req.scope)
         check_deadline(deadline, "after the translated lookup")
         if holder is None:
             continue

@@ -109,7 +109,8 @@ def _log_request(s: ReceiverState, job: Job, route: Route, served: Served, gen: 
              prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=served.bytes_pulled,
              new_tokens=len(gen.tokens), max_new_tokens=job.req.max_new_tokens, cancelled=job.stream.gone,
              finish_reason=summary.finish, chunks=job.stream.published,
-             chunk_failures=job.stream.failed, ttft_ms=round(summary.ttft_ms, 3), stages_ms=summary.stages_ms)
+             chunk_failures=job.stream.failed, ttft_ms=round(summary.ttft_ms, 3), stages_ms=summary.stages_ms,
+             scope=job.req.scope)
 
 
 def _reply(s: ReceiverState, job: Job, route: Route, served: Served, gen: Generation, text: str,

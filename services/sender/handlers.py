@@ -33,13 +33,14 @@ log = structlog.get_logger("sender")
 REANNOUNCE_GAP_S = 0.01  # 100 events/s: half the broker's default sender_events_per_s
 
 
-async def _ensure_captured(s: SenderState, ctx_ids: list[int]) -> tuple[str, CapturedContext]:
-    """The context's capture, from the store or by prefilling it now (then stored + announced)."""
-    cid = context_id(ctx_ids)
+async def _ensure_captured(s: SenderState, ctx_ids: list[int], scope: str) -> tuple[str, CapturedContext]:
+    """The context's capture in `scope`, from the store or by prefilling it now (then stored +
+    announced). The same tokens in another scope are another context, captured on their own."""
+    cid = context_id(ctx_ids, scope)
     captured = s.store.get(cid)
     if captured is None:
         e_layers = [l for l in s.e_layers() if l < s.model.num_layers]
-        captured = await s.run_torch(_capture, s, ctx_ids, e_layers)
+        captured = dataclasses.replace(await s.run_torch(_capture, s, ctx_ids, e_layers), scope=scope)
         s.metrics.prefills.inc()
         for evicted in s.store.put(cid, captured):
             s.metrics.evictions.inc()
@@ -78,7 +79,7 @@ async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
         fingerprint=schemas.fingerprint_to_wire(captured.fingerprint), fingerprint_id=captured.fingerprint.id,
         context_id=cid, token_ids=list(captured.token_ids), dtype=dtype_name(s.model.dtype),
         kv_nbytes=captured.kv_nbytes(), e_layers=sorted(captured.e), e_nbytes=max(e_sizes, default=0),
-        transport=s.bulk_transport, address=s.bulk_address, published_at=time.time(),
+        transport=s.bulk_transport, address=s.bulk_address, published_at=time.time(), scope=captured.scope,
     )
     # on this sender's own subject: NATS lets a sender user publish only under its own token
     await s.bus.publish(subjects.cache_available(s.cfg.sender_id), schemas.encode(msg))
@@ -104,7 +105,7 @@ async def generate(s: SenderState, req: schemas.GenerateRequest) -> schemas.Gene
     ctx_ids, q_ids = text.prompt_ids(s.model.tokenizer, req.context, req.question)
     if not ctx_ids:
         raise BadRequestError("empty context")
-    cid, captured = await _ensure_captured(s, ctx_ids)
+    cid, captured = await _ensure_captured(s, ctx_ids, req.scope)
     captured_ms = (time.perf_counter() - t0) * 1e3
     answer = text.TextStream(s.model.tokenizer, sp.stop)
     # The sender's own KV is exact for itself: full reuse of it == full prefill, minus the work.
@@ -148,8 +149,9 @@ async def prefill(s: SenderState, req: schemas.PrefillRequest) -> schemas.Prefil
     ctx_ids = prefill_ids(s.model.tokenizer, req)
     if not ctx_ids:
         raise BadRequestError("empty context")
-    cid, captured = await _ensure_captured(s, ctx_ids)
-    log.info("request", request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
+    cid, captured = await _ensure_captured(s, ctx_ids, req.scope)
+    log.info("request", request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes,
+             scope=req.scope)
     return schemas.PrefillReply(request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
 
 

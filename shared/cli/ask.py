@@ -62,6 +62,15 @@ def _chat_options(as_chat: bool, system: str | None) -> None:
         raise click.UsageError("--system needs --as-chat (a plain context has no system turn)")
 
 
+def _scope(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from droidmesh.shared.wire.hashing import check_scope
+
+    try:
+        return check_scope(value)
+    except BadRequestError as e:
+        raise click.BadParameter(str(e), ctx, param) from None
+
+
 AS_CHAT_HELP = ("Send the context as a chat's first user turn, rendered by the model's chat template (its default "
                 "system turn included), as chat requests through the gateway arrive.")
 SYSTEM_HELP = "With --as-chat: this system message instead of the chat template's default one."
@@ -85,9 +94,11 @@ def _client(nc: Any) -> Any:
 @click.option("--window", default=0.5, show_default=True, type=click.FloatRange(0.05, 30), help=WINDOW_HELP)
 @click.option("--as-chat", is_flag=True, help=AS_CHAT_HELP + " The question is the next user turn.")
 @click.option("--system", default=None, help=SYSTEM_HELP)
+@click.option("--scope", default="public", show_default=True, callback=_scope,
+              help="Whose cached contexts the question may reuse: this scope's (a cache salt of yours) and public ones.")
 @nats_options(default_timeout=60.0)
 def ask(context_file: str, question: str, receiver: str | None, mode: schemas.Mode, max_new_tokens: int,
-        window: float, as_chat: bool, system: str | None, conn: Conn) -> None:
+        window: float, as_chat: bool, system: str | None, scope: str, conn: Conn) -> None:
     """Ask a receiver a question over a context; print the answer, the path taken and its timings.
 
     NATS role: `client` (with --receiver) or `admin` (discovery needs $SRV.INFO)."""
@@ -102,7 +113,7 @@ def ask(context_file: str, question: str, receiver: str | None, mode: schemas.Mo
         # The request's own deadline is what is left of --timeout once connected (Conn enforces it).
         # A chat carries all its text in `chat`, as the gateway's chat requests do.
         return await _client(nc).ask(model, "" if chat else context, "" if chat else question, chat=chat,
-                                     max_new_tokens=max_new_tokens, mode=mode, timeout=conn.timeout)
+                                     max_new_tokens=max_new_tokens, mode=mode, timeout=conn.timeout, scope=scope)
 
     reply = conn.run(body, "asking")
     click.echo(reply.text)
@@ -122,9 +133,12 @@ def ask(context_file: str, question: str, receiver: str | None, mode: schemas.Mo
 @click.option("--as-chat", is_flag=True, help=AS_CHAT_HELP + " Chats whose first user message is the context "
               "then reuse the cache; a plain prefill serves completions and plain `ask`.")
 @click.option("--system", default=None, help=SYSTEM_HELP)
+@click.option("--scope", default="public", show_default=True, callback=_scope,
+              help="Who may reuse the cache: public (every request), tenant:T (gateway keys of tenant T) or another "
+                   "scope (clients asking with it).")
 @nats_options(default_timeout=60.0)
-def prefill(sender: str, context_file: str, as_chat: bool, system: str | None, conn: Conn) -> None:
-    """Have SENDER prefill a context and announce its KV cache to the mesh.
+def prefill(sender: str, context_file: str, as_chat: bool, system: str | None, scope: str, conn: Conn) -> None:
+    """Have SENDER prefill a context and announce its KV cache to the mesh, for requests of --scope.
 
     NATS role: `admin` only (infra/nats/nats-auth.conf lets no other user publish to
     dm.sender.*.prefill; a `client` login times out with a permissions violation)."""
@@ -133,7 +147,7 @@ def prefill(sender: str, context_file: str, as_chat: bool, system: str | None, c
     chat = document_chat(context, system) if as_chat else None
 
     async def body(nc: Any) -> schemas.PrefillReply:
-        return await _client(nc).prefill(sender, "" if chat else context, chat=chat, timeout=conn.timeout)
+        return await _client(nc).prefill(sender, "" if chat else context, chat=chat, timeout=conn.timeout, scope=scope)
 
     reply = conn.run(body, "prefilling")
     if chat and reply.tokens <= 1:  # a sender older than PrefillRequest.chat cached its start token alone

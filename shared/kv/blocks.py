@@ -14,7 +14,7 @@ import torch
 from droidmesh.shared.errors import BadRequestError, CacheLayoutError, IntegrityError
 from droidmesh.shared.model.device import same_device
 from droidmesh.shared.model.fingerprint import ArchFingerprint
-from droidmesh.shared.wire.hashing import common_prefix
+from droidmesh.shared.wire.hashing import PUBLIC, common_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,7 @@ class CapturedContext:
     # (maps sha256, layer, kind) -> SCD codes of that item for the whole context, encoded once
     # when stored (`codecs.LowRankCodec.prepare`): [H, T, r] for K / V, [T, r] for E
     codes: dict[tuple[str, int, str], torch.Tensor] = dataclasses.field(default_factory=dict)
+    scope: str = PUBLIC  # who may reuse it (`shared.wire.hashing`): announced with it, seeds its id
 
     @property
     def tokens(self) -> int:

@@ -14,6 +14,7 @@ from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.mesh import discovery
 from droidmesh.shared.mesh.bus import Bus, NatsBus
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.hashing import PUBLIC, check_scope
 
 MAX_BUFFERED_CHUNKS = 4096  # chunks held while an earlier index is missing (bounds a flooded inbox)
 
@@ -61,27 +62,30 @@ class MeshClient:
     @staticmethod
     def _generate_request(context: str, question: str, *, max_new_tokens: int, mode: schemas.Mode, timeout: float,
                           request_id: str | None, ttft_slo_ms: float, sampling: schemas.Sampling | None,
-                          chat: list[schemas.ChatMessage] | None, stream_subject: str = "") -> schemas.GenerateRequest:
+                          chat: list[schemas.ChatMessage] | None, stream_subject: str = "",
+                          scope: str = PUBLIC) -> schemas.GenerateRequest:
         return schemas.GenerateRequest(
             request_id=request_id or uuid.uuid4().hex[:12], context=context, question=question,
             max_new_tokens=max_new_tokens, mode=mode, deadline=time.time() + timeout, ttft_slo_ms=ttft_slo_ms,
             sampling=sampling if sampling is not None else schemas.Sampling(), chat=chat,
-            stream_subject=stream_subject, budget_s=timeout)
+            stream_subject=stream_subject, budget_s=timeout, scope=check_scope(scope))
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
                   mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,
                   attempt_s: float | None = None, ttft_slo_ms: float = 0.0, sampling: schemas.Sampling | None = None,
-                  chat: list[schemas.ChatMessage] | None = None) -> schemas.GenerateReply:
+                  chat: list[schemas.ChatMessage] | None = None, scope: str = PUBLIC) -> schemas.GenerateReply:
         """One answer. A completions-style prompt is `context=prompt, question=""`; a chat passes
-        `chat` (then context and question are "")."""
+        `chat` (then context and question are ""). `scope`: whose cached contexts it may reuse
+        (`shared.wire.hashing`; BadRequestError when malformed)."""
         req = self._generate_request(context, question, max_new_tokens=max_new_tokens, mode=mode, timeout=timeout,
-                                     request_id=request_id, ttft_slo_ms=ttft_slo_ms, sampling=sampling, chat=chat)
+                                     request_id=request_id, ttft_slo_ms=ttft_slo_ms, sampling=sampling, chat=chat,
+                                     scope=scope)
         return await self._call(subjects.receiver_generate(receiver), req, schemas.GenerateReply, timeout, attempt_s)
 
     async def stream(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
                      mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,
                      ttft_slo_ms: float = 0.0, sampling: schemas.Sampling | None = None,
-                     chat: list[schemas.ChatMessage] | None = None
+                     chat: list[schemas.ChatMessage] | None = None, scope: str = PUBLIC
                      ) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]:
         """`ask`, streamed: the answer's chunks in index order as they arrive, then exactly one
         GenerateReply (its text is the whole answer: indices skip only where a chunk was lost).
@@ -102,7 +106,7 @@ class MeshClient:
         try:
             req = self._generate_request(context, question, max_new_tokens=max_new_tokens, mode=mode,
                                          timeout=timeout, request_id=request_id, ttft_slo_ms=ttft_slo_ms,
-                                         sampling=sampling, chat=chat, stream_subject=inbox.subject)
+                                         sampling=sampling, chat=chat, stream_subject=inbox.subject, scope=scope)
             order = _InOrder(req.request_id)
             call = asyncio.ensure_future(self._call(subjects.receiver_generate(receiver), req, schemas.GenerateReply,
                                                     timeout))
@@ -138,20 +142,24 @@ class MeshClient:
         return await discovery.receivers(nc, window_s)
 
     async def sender_generate(self, sender: str, context: str, question: str, *, max_new_tokens: int = 32,
-                              timeout: float = 60.0) -> schemas.GenerateReply:
+                              timeout: float = 60.0, scope: str = PUBLIC) -> schemas.GenerateReply:
         req = schemas.GenerateRequest(request_id=uuid.uuid4().hex[:12], context=context, question=question,
-                                      max_new_tokens=max_new_tokens, deadline=time.time() + timeout)
+                                      max_new_tokens=max_new_tokens, deadline=time.time() + timeout,
+                                      scope=check_scope(scope))
         return await self._call(subjects.sender_generate(sender), req, schemas.GenerateReply, timeout)
 
     async def prefill(self, sender: str, context: str, *, timeout: float = 60.0,
-                      chat: list[schemas.ChatMessage] | None = None) -> schemas.PrefillReply:
+                      chat: list[schemas.ChatMessage] | None = None, scope: str = PUBLIC) -> schemas.PrefillReply:
         """Have `sender` cache `context`, or with `chat` (context "") the token prefix every chat
-        opening with those messages shares (`schemas.PrefillRequest`)."""
-        req = schemas.PrefillRequest(request_id=uuid.uuid4().hex[:12], context=context, chat=chat)
+        opening with those messages shares (`schemas.PrefillRequest`), for requests of `scope`
+        (and, when `public`, for every request)."""
+        req = schemas.PrefillRequest(request_id=uuid.uuid4().hex[:12], context=context, chat=chat,
+                                     scope=check_scope(scope))
         return await self._call(subjects.sender_prefill(sender), req, schemas.PrefillReply, timeout)
 
-    async def lookup(self, token_ids: list[int], fingerprint_id: str, timeout: float = 5.0) -> schemas.LookupReply:
-        req = schemas.LookupRequest(token_ids=token_ids, fingerprint_id=fingerprint_id)
+    async def lookup(self, token_ids: list[int], fingerprint_id: str, timeout: float = 5.0,
+                     scope: str = PUBLIC) -> schemas.LookupReply:
+        req = schemas.LookupRequest(token_ids=token_ids, fingerprint_id=fingerprint_id, scope=check_scope(scope))
         return await self._call(subjects.BROKER_LOOKUP, req, schemas.LookupReply, timeout)
 
     async def close(self) -> None:

@@ -115,6 +115,11 @@ class Metrics:
         self.gateway_inflight = Gauge("dm_gateway_inflight", "Gateway HTTP requests in flight", registry=r)
         self.gateway_tokens = Counter("dm_gateway_tokens", "Tokens through the gateway by kind (prompt, completion, reused)",
                                       ["kind"], registry=r)
+        # per API key id (bounded by the key file); the key itself is never a label or a log field
+        self.gateway_key_requests = Counter("dm_gateway_key_requests", "Gateway requests by API key id and status",
+                                            ["key_id", "status"], registry=r)
+        self.gateway_key_tokens = Counter("dm_gateway_key_tokens", "Tokens through the gateway by API key id and kind "
+                                          "(prompt, completion, reused)", ["key_id", "kind"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

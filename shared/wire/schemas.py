@@ -8,11 +8,12 @@ raises a specific `BadMessageError` subclass naming what is wrong.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from droidmesh.shared.errors import BadMessageError, SchemaVersionError
+from droidmesh.shared.wire.hashing import MAX_SCOPE_CHARS, PUBLIC, SCOPE_PATTERN
 
 SCHEMA_VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never ride the bus
@@ -20,6 +21,10 @@ MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never rid
 
 class Message(msgspec.Struct, tag_field="type", kw_only=True):
     v: int = SCHEMA_VERSION
+
+
+# Who may reuse a context (`hashing.py`): checked at decode, so a malformed one never gets further.
+Scope = Annotated[str, msgspec.Meta(pattern=SCOPE_PATTERN, max_length=MAX_SCOPE_CHARS)]
 
 
 class Fingerprint(msgspec.Struct):
@@ -61,6 +66,7 @@ class CacheAvailable(Message, tag="cache.available"):
     transport: Transport
     address: str  # ucx, nixl: "host:port"; shm: a Unix socket's path; inproc: the server's name
     published_at: float  # unix seconds
+    scope: Scope = PUBLIC  # who may reuse it; `context_id` is seeded by it
 
 
 class CacheEvicted(Message, tag="cache.evicted"):
@@ -95,6 +101,7 @@ class LookupRequest(Message, tag="lookup.request"):
     # their holders win over a longer prefix elsewhere, which would only send it to its own
     # prefill; [] = any
     models: list[str] = []
+    scope: Scope = PUBLIC  # the asker's: only holders of this scope or public ones are found
 
 
 class GrantRequest(Message, tag="grant.request"):
@@ -157,6 +164,7 @@ class GenerateRequest(Message, tag="generate.request"):
     chat: list[ChatMessage] | None = None
     stream_subject: str = ""  # "" = no streaming; else GenerateChunks go there (an inbox: subjects.INBOX_PREFIX)
     budget_s: float = 0.0  # seconds the client waits, counted from arrival (no clocks compared); 0 = use `deadline`
+    scope: Scope = PUBLIC  # whose cached contexts it may reuse (its own scope's and public ones); a sender caches it there
 
 
 class GenerateChunk(Message, tag="generate.chunk"):
@@ -199,6 +207,7 @@ class PrefillRequest(Message, tag="prefill.request"):
     request_id: str
     context: str
     chat: list[ChatMessage] | None = None
+    scope: Scope = PUBLIC  # who may reuse the cached context
 
 
 class PrefillReply(Message, tag="prefill.reply"):

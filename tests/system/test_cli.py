@@ -46,6 +46,8 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("ask", ["--context", "{tmp}/context.txt", "--question", "what?", "--nats", "{url}"]),
     ("audit", ["--logs", str(AUDIT_LOGS)]),
     ("nats-auth", []),  # the shipped roster's conf, on stdout
+    ("keys add", ["--file", "{tmp}/keys.toml", "--tenant", "a", "--models", "qa"]),
+    ("keys list", ["--file", "{tmp}/keys.toml"]),
     ("bench codecs", ["--pairs", "summ:qa", "--rows", "1", "--tokens", "64", "--rates", "0.5", "--repeats", "1"]),
     ("bench ttft", ["--contexts", "32", "--repeats", "1"]),
     ("bench quality", ["--rows", "1"]),

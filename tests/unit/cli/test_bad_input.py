@@ -55,6 +55,10 @@ BAD_INPUT = [
     ("no NATS for config show", ["config", "show", *NO_NATS]),
     ("TLS cert without key", ["receivers", "--tls-cert", "{text}", *NO_NATS]),
     ("unknown option", ["ask", "--bogus"]),
+    ("malformed scope", ["prefill", "--sender", "base", "--context", "{text}", "--scope", "a b", *NO_NATS]),
+    ("bad tenant name", ["keys", "add", "--file", "{out}/keys.toml", "--tenant", "a b", "--models", "qa"]),
+    ("key file not TOML", ["keys", "list", "--file", "{binary}"]),
+    ("appending to a bad key file", ["keys", "add", "--file", "{jsonobj}", "--tenant", "a", "--models", "qa"]),
 ]
 
 

@@ -310,7 +310,23 @@ def test_k8s_services_connect_with_tls_and_their_own_role_password(deployment, g
     assert "DM_NATS_PASSWORD" not in env and "DM_NATS_CREDS" not in env
     assert files[env["DM_NATS_TLS_CA"]] == ("droidmesh-nats-tls", "ca.crt")
     assert files[env["DM_NATS_PASSWORD_FILE"]] == ("droidmesh-nats", users[env["DM_NATS_USER"]])
-    assert set(files.values()) == {("droidmesh-nats-tls", "ca.crt"), ("droidmesh-nats", users[env["DM_NATS_USER"]])}
+    keys = {("droidmesh-gateway-keys", "keys.toml")} if deployment == "gateway" else set()
+    assert set(files.values()) == {("droidmesh-nats-tls", "ca.crt"), ("droidmesh-nats", users[env["DM_NATS_USER"]])} | keys
+
+
+def test_the_gateway_reads_its_api_keys_from_a_secret_file(generated):
+    """Compose and the k8s Deployment give the gateway a key file (it would refuse to listen on the pod's or
+    container's address without one): generate.sh's hashed file in compose, a Secret's key in k8s."""
+    from droidmesh.shared.auth import keys
+
+    env, secret_files = _compose_service_env("gateway")
+    assert secret_files[env["DM_GATEWAY_API_KEYS"]] == COMPOSE_SECRETS_DIR + "gateway/keys.toml"
+    ring = keys.KeyRing(keys.load(generated / "gateway" / "keys.toml"))
+    assert ring.authenticate("Bearer " + (generated / "gateway" / "key").read_text().strip()).tenant == "local"
+    d = _docs_by_name()[("Deployment", "gateway")]
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    files = _k8s_mounted_files(d["spec"]["template"]["spec"], c)
+    assert files[_k8s_container_env(d)["DM_GATEWAY_API_KEYS"]] == ("droidmesh-gateway-keys", "keys.toml")
 
 
 def test_model_hosts_log_in_as_the_user_pinned_to_their_id_and_model():

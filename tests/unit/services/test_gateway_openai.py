@@ -149,7 +149,8 @@ def test_completion_body_shapes():
     out = oa.completion_body(comp, "abc", 7, reply())
     assert out["id"] == "cmpl-abc" and out["object"] == "text_completion" and out["created"] == 7
     assert out["choices"] == [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "stop"}]
-    assert out["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    assert out["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                            "prompt_tokens_details": {"cached_tokens": 8}}
     assert out["droidmesh"] == {"path": "partial", "plan": "recompute [1,2)", "ttft_ms": 12.5, "bytes_pulled": 1000,
                                 "reused_tokens": 8, "sender_id": "s1", "served_by": "qa-1", "fallback_reason": None}
     chat = oa.parse_chat(body(model="qa", messages=[{"role": "user", "content": "q"}]), LIMITS)
@@ -183,7 +184,8 @@ def test_chat_stream_events():
     finish, usage = chunks[-2], chunks[-1]
     assert finish["choices"][0]["finish_reason"] == "stop" and finish["droidmesh"]["path"] == "partial"
     assert finish["usage"] is None and all(c["usage"] is None for c in chunks[:-1])
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                                                       "prompt_tokens_details": {"cached_tokens": 8}}
 
 
 def test_completion_stream_events_without_usage():
