@@ -161,4 +161,29 @@ def control(json_path, events) -> None:
     save(json_path, "control", r)
 
 
-COMMANDS = (pipeline, bandwidth, transfer, stall, control)
+@click.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl", "shm"]))
+@click.option("--seconds", "idle_s", default=60.0, show_default=True, type=click.FloatRange(1, 3600),
+              help="How long the warmed mesh idles while its CPU is counted.")
+@click.option("--log-dir", type=click.Path(file_okay=False), help="Services' logs (default: a temporary directory).")
+def idle(json_path, transport, idle_s, log_dir) -> None:
+    """Idle services: every service started, one reused request (the bulk connection open), then
+    CPU seconds per process over an idle window."""
+    import tempfile
+    from pathlib import Path
+
+    from droidmesh.shared.bench import idle as suite
+    from droidmesh.shared.cli.bench import DEFAULT_GROUPS
+
+    group = DEFAULT_GROUPS["base"]
+    sender, receiver = demo_pair(group)
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="droidmesh-idle-"))
+    r = suite.run_idle(sender, receiver, group, logs, transport=transport, idle_s=idle_s)
+    click.echo(output.format_table(r["rows"], suite.COLUMNS))
+    click.echo(f"{transport}: {sum(row['meets_target'] for row in r['rows'])} of {len(r['rows'])} processes at most "
+               f"{suite.TARGET:.0%} of a core over {r['idle_s']:.0f} s idle")
+    save(json_path, "idle", r)
+
+
+COMMANDS = (pipeline, bandwidth, transfer, stall, control, idle)
