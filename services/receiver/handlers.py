@@ -3,7 +3,7 @@
 `generate` (the model's queue-group subject) admits a request: duplicates share one answer, past
 `max_queued_requests` a request is refused, the request is checked (`checks.py`) and answered
 (`answer.py`). `on_config` (the config board) keeps the newest recompute config per sender model
-and fetches the codec maps it names; `on_available` (availability events) warms bulk channels.
+and fetches the codec maps it names; `on_endpoint` (senders' endpoint events) warms bulk channels.
 Nothing here blocks the loop but `checks.prompt_ids`, which tokenizes a prompt bounded by
 `max_prompt_chars` and `checks.check_room` (one the model's positions could not hold is refused
 before tokenizing); the rest awaits the bus, the maps bucket and the torch thread.
@@ -122,7 +122,7 @@ async def _load_maps(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
             log.warning("maps_unavailable", sender_model=cfg.sender_model, maps=sha[:12], error=f"{e.code}: {e}")
 
 
-async def on_available(s: ReceiverState, ev: schemas.CacheAvailable) -> None:
-    """A compatible sender announced a cache: connect ahead so the first pull is warm."""
+async def on_endpoint(s: ReceiverState, ev: schemas.SenderEndpoint) -> None:
+    """A compatible sender announced a cache (its endpoint only): connect ahead so the first pull is warm."""
     if ev.fingerprint_id == s.model.fingerprint.id and ev.transport == s.bulk.transport:
         await s.warm(ev.address)

@@ -1,5 +1,5 @@
 """Receiver service: generate requests on the model's queue group (copies share the load),
-availability events to warm bulk-channel endpoints, recompute configs per sender model.
+senders' endpoint events to warm bulk-channel connections, recompute configs per sender model.
 
 Start: load the model (worker thread) -> connect -> load the translators it names (files, or the
 maps bucket; a refused one is logged and kept as a reason) -> follow the config board (supervised) ->
@@ -52,7 +52,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
         await pipeline.screen_for(s)  # the KV screen's reference, built before the first request waits on it
         board = self._board or bus.config_board()
         self.tasks.supervise("config-watch", lambda: board.watch(functools.partial(handlers.on_config, s)))
-        await bus.subscribe(subjects.CACHE_AVAILABLE_ALL, event(schemas.CacheAvailable, functools.partial(handlers.on_available, s)))
+        await bus.subscribe(subjects.SENDER_ENDPOINT_ALL, event(schemas.SenderEndpoint, functools.partial(handlers.on_endpoint, s)))
         await bus.serve(subjects.receiver_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)),
                         queue=subjects.receiver_queue(cfg.model_id), metadata={discovery.MODEL_KEY: cfg.model_id})

@@ -72,7 +72,7 @@ def _capture(s: SenderState, ctx_ids: list[int], e_layers: list[int]) -> Capture
 
 
 async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
-    """Publish the availability event receivers and brokers act on."""
+    """Publish the availability event the broker indexes, and the endpoint receivers warm up on."""
     e_sizes = {tensor_nbytes(t) for t in captured.e.values()}
     msg = schemas.CacheAvailable(
         sender_id=s.cfg.sender_id, model_id=s.cfg.model_id, model_sha256=s.model_sha256,
@@ -81,8 +81,12 @@ async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
         kv_nbytes=captured.kv_nbytes(), e_layers=sorted(captured.e), e_nbytes=max(e_sizes, default=0),
         transport=s.bulk_transport, address=s.bulk_address, published_at=time.time(), scope=captured.scope,
     )
-    # on this sender's own subject: NATS lets a sender user publish only under its own token
+    # on this sender's own subjects: NATS lets a sender user publish only under its own token
     await s.bus.publish(subjects.cache_available(s.cfg.sender_id), schemas.encode(msg))
+    # receivers warm their bulk connection from this one; the event above, with its token ids, is the broker's
+    await s.bus.publish(subjects.sender_endpoint(s.cfg.sender_id), schemas.encode(schemas.SenderEndpoint(
+        sender_id=msg.sender_id, model_id=msg.model_id, fingerprint_id=msg.fingerprint_id, transport=msg.transport,
+        address=msg.address, published_at=msg.published_at)))
 
 
 def _check_deadline(deadline: float) -> None:

@@ -462,5 +462,36 @@ def drift(json_path, plot_path, log_dir, before, after, n_before, n_settled, max
         suite.plot_png(result, plot_path)
 
 
+@bench.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write both phases and every trial here.")
+@click.option("--tokens", default=3000, show_default=True, type=click.IntRange(16, 4000),
+              help="Context length (the demo models' filler words are one token each; they hold 4096 positions).")
+@click.option("--trials", default=30, show_default=True, type=click.IntRange(4, 2000),
+              help="Cached and as many uncached requests per phase; half of each train the threshold, half test it.")
+@click.option("--warmup", default=2, show_default=True, type=click.IntRange(0, 100),
+              help="Untimed cached + uncached pairs before each phase's trials.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@launched_device_option
+def sidechannel(json_path, tokens, trials, warmup, seed, device) -> None:
+    """Timing side channel through the gateway: another tenant times its requests for cached and
+    uncached contexts of a victim tenant; its best TTFT threshold's accuracy (95 % Wilson interval)
+    before scopes (one tenant) and after (two)."""
+    from droidmesh.shared.bench import sidechannel as suite
+
+    sender, receiver = demo_pair()
+    layers = checkpoint_layers(receiver)
+    # the demo pair's profiled group; a smaller receiver (the ci tier's) recomputes its upper half
+    group = DEFAULT_GROUPS["base"] if layers >= DEFAULT_GROUPS["base"][1] else (layers // 2, layers)
+    result = suite.run_sidechannel(sender, receiver, group, tokens, trials, warmup, seed, device,
+                                   lambda m: click.echo(m, err=True))
+    click.echo(output.format_table(suite.table_rows(result), suite.COLUMNS))
+    for name, p in result["phases"].items():
+        lo, hi = p["ci95"]
+        click.echo(f"{name}: accuracy {p['accuracy']:.3f} on {p['test_trials']} test trials, 95% CI [{lo:.3f}, {hi:.3f}]"
+                   f" {'contains' if p['chance_in_ci'] else 'excludes'} 0.5; paths {p['paths']}")
+    save(json_path, "sidechannel", {"tokens": tokens, "trials_per_label": trials, "warmup": warmup, "seed": seed,
+                                    "group": list(group), "sender": sender, "receiver": receiver, **result})
+
+
 for _command in bench_data_plane.COMMANDS:
     bench.add_command(_command)

@@ -22,14 +22,22 @@ def _sender(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
               help="A sender's id (DM_SENDER_SENDER_ID) and the model it serves; user sender-ID. Repeatable.")
 @click.option("--receiver", "receivers", multiple=True, metavar="MODEL",
               help="A model whose receivers log in as receiver-MODEL. Repeatable.")
+@click.option("--tenant", "tenants", multiple=True, metavar="NAME",
+              help="A tenant of direct mesh clients: user client-NAME, which reads only its own reply inbox "
+                   "(receivers may stream to it). Repeatable.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the conf here (default: stdout).")
-def nats_auth(senders: tuple[tuple[str, str], ...], receivers: tuple[str, ...], out: str | None) -> None:
+def nats_auth(senders: tuple[tuple[str, str], ...], receivers: tuple[str, ...], tenants: tuple[str, ...],
+              out: str | None) -> None:
     """Render nats-auth.conf: each sender pinned to its own id, each model's receivers to its queue
-    group, plus the broker, profiler, client, gateway and admin users. Without --sender and
-    --receiver: the shipped roster (infra/nats/nats-auth.conf)."""
+    group, a client user per --tenant, plus the broker, profiler, client, gateway and admin users.
+    Without --sender and --receiver: the shipped roster's services (infra/nats/nats-auth.conf)."""
     from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, Roster, render
 
-    roster = Roster(senders, receivers) if senders or receivers else DEFAULT_ROSTER
+    base = Roster(senders, receivers) if senders or receivers else DEFAULT_ROSTER
+    try:
+        roster = Roster(base.senders, base.receivers, tuple(dict.fromkeys(tenants)))
+    except ValueError as e:  # a name NATS users or env variables cannot carry
+        raise click.BadParameter(str(e), param_hint="'--tenant'") from None
     text = render(roster)
     if out:
         Path(out).write_text(text)

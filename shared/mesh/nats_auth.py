@@ -4,11 +4,14 @@ A sender is pinned to its own id: it may publish events only under its own token
 (`dm.cache.<kind>.<id>`) and take grant requests only on `dm.grant.<id>`, so it can neither
 announce, refresh nor withdraw another sender's contexts. A receiver is pinned to its model: it may
 join only that model's queue group (`dm.receiver.<model>.generate` in `receivers-<model>`) and ask
-re-profiles only on that model's subject (`dm.profiler.reprofile.<model>`). Users
-are `sender-<id>` and `receiver-<model>`; the other roles (broker, profiler, client, gateway,
-admin) are one user each. Every subject comes from `shared.wire.subjects`, so the conf cannot
-drift from what the services use; `droidmesh nats-auth` writes it, and the checked-in file is
-`render(DEFAULT_ROSTER)` (a unit test holds them equal).
+re-profiles only on that model's subject (`dm.profiler.reprofile.<model>`); it hears senders'
+endpoints (`dm.endpoint.<id>`), not their availability events, whose token ids are the broker's.
+Users are `sender-<id>` and `receiver-<model>`; each tenant of direct mesh clients may have its
+own `client-<tenant>` user, which reads only its own reply inbox (`_INBOX_client-<tenant>`) and to
+which receivers may stream; the other roles (broker, profiler, client, gateway, admin) are one user
+each. Every subject comes from `shared.wire.subjects`, so the conf cannot drift from what the
+services use; `droidmesh nats-auth` writes it, and the checked-in file is `render(DEFAULT_ROSTER)`
+(a unit test holds them equal).
 
 A local mesh (`droidmesh demo`, `droidmesh agents`, the benchmarks) runs the same conf for its own
 roster (`Roster.local`) with a fresh random password per user: `MeshAccess` holds them and hands
@@ -41,6 +44,11 @@ def receiver_user(model_id: str) -> str:
     return f"receiver-{model_id}"
 
 
+def tenant_user(tenant: str) -> str:
+    """A tenant's client user: asks receivers like `client`, reads only its own inbox."""
+    return f"client-{tenant}"
+
+
 def password_env(user: str) -> str:
     """The nats-server env variable holding `user`'s password: DM_NATS_PASSWORD_<USER>."""
     return "DM_NATS_PASSWORD_" + user.upper().replace("-", "_")
@@ -48,13 +56,15 @@ def password_env(user: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Roster:
-    """Who may log in: sender ids with the model each serves, and the receivers' model ids."""
+    """Who may log in: sender ids with the model each serves, the receivers' model ids, and the
+    tenants that get a client user of their own."""
 
     senders: tuple[tuple[str, str], ...]  # (sender id, model id)
     receivers: tuple[str, ...]  # model ids
+    tenants: tuple[str, ...] = ()  # client-<tenant> users
 
     def __post_init__(self) -> None:
-        for name in [i for pair in self.senders for i in pair] + list(self.receivers):
+        for name in [i for pair in self.senders for i in pair] + list(self.receivers) + list(self.tenants):
             if not _ID.match(name):
                 raise ValueError(f"{name!r}: ids in the NATS roster are letters, digits, '_' and '-' only")
         envs = [password_env(u) for u in self.users]
@@ -65,7 +75,8 @@ class Roster:
     @property
     def users(self) -> list[str]:
         """Every user the rendered conf names, in its order."""
-        return [*(sender_user(s) for s, _ in self.senders), *(receiver_user(m) for m in self.receivers), *FIXED_ROLES]
+        return [*(sender_user(s) for s, _ in self.senders), *(receiver_user(m) for m in self.receivers),
+                *(tenant_user(t) for t in self.tenants), *FIXED_ROLES]
 
 
     @classmethod
@@ -158,19 +169,27 @@ def _sender(sender_id: str, model_id: str) -> tuple[str, str, dict[str, list[str
     user = sender_user(sender_id)
     return (user, f"Sender {sender_id} (model {model_id}): events under its own id only, grants asked of it only.", {
         "publish": [subjects.cache_available(sender_id), subjects.cache_evicted(sender_id),
-                    subjects.sender_heartbeat(sender_id), _SRV, *_KV_READ],
+                    subjects.sender_heartbeat(sender_id), subjects.sender_endpoint(sender_id), _SRV, *_KV_READ],
         "subscribe": [subjects.sender_generate(model_id), subjects.sender_prefill(model_id),
                       subjects.sender_grant(sender_id), subjects.BROKER_HELLO, _inbox(user), _SRV]})
 
 
-def _receiver(model_id: str) -> tuple[str, str, dict[str, list[str]]]:
+def _receiver(model_id: str, tenants: tuple[str, ...]) -> tuple[str, str, dict[str, list[str]]]:
     user = receiver_user(model_id)
+    askers = ("client", *(tenant_user(t) for t in tenants), "gateway", "admin")
+    # Senders' endpoints, not their availability events: those carry every scope's token ids.
     return (user, f"Receivers of {model_id}: its queue group only; streamed chunks go to the asker's inbox; "
-                  "re-profile requests (quality watch) on its own model's subject only.", {
+                  "re-profile requests (quality watch) on its own model's subject only; senders' endpoints.", {
         "publish": [subjects.BROKER_LOOKUP, subjects.SENDER_GRANT_ALL, subjects.profiler_reprofile(model_id), _SRV,
-                    *(_inbox(r) for r in ("client", "gateway", "admin")), *_KV_READ],
+                    *(_inbox(r) for r in askers), *_KV_READ],
         "subscribe": [f"{subjects.receiver_generate(model_id)} {subjects.receiver_queue(model_id)}",
-                      subjects.CACHE_AVAILABLE_ALL, _inbox(user), _SRV]})
+                      subjects.SENDER_ENDPOINT_ALL, _inbox(user), _SRV]})
+
+
+def _tenant(tenant: str) -> tuple[str, str, dict[str, list[str]]]:
+    user = tenant_user(tenant)
+    return (user, f"Tenant {tenant}'s clients: ask receivers; read only their own inbox.", {
+        "publish": [subjects.RECEIVER_GENERATE_ALL], "subscribe": [_inbox(user)]})
 
 
 def _fixed() -> list[tuple[str, str, dict[str, list[str]] | None]]:
@@ -200,12 +219,11 @@ def _allow(kind: str, items: list[str]) -> str:
     return head + body[len(indent):] + "] }"
 
 
-def _user(user: str, why: str, perms: dict[str, list[str]] | None) -> list[str]:
+def _user(user: str, why: str, perms: dict[str, list[str]] | None, responds: bool = True) -> list[str]:
     login = f"{{ user: {user}, password: ${password_env(user)}"
     if perms is None:
         return [f"    # {why}", f"    {login} }}"]
     # allow_responses: a service answers a request it received (its reply subject, once).
-    responds = user not in ("client", "gateway")
     return [f"    # {why}", f"    {login}, permissions: {{", _allow("publish", perms["publish"]),
             _allow("subscribe", perms["subscribe"]) + ("" if responds else " } }"),
             *(["        allow_responses: true } }"] if responds else [])]
@@ -223,7 +241,10 @@ HEADER = """\
 # * Replies: each user connects with inbox prefix _INBOX_<user> (`shared.wire.subjects.inbox_prefix`;
 #   services and the CLI do so from DM_NATS_USER) and may subscribe to that prefix only, so no user
 #   can read another's replies. Services answer requests through allow_responses.
-#   Users are the unit of isolation: give each tenant its own client user.
+#   Users are the unit of isolation: give each tenant its own client user (`--tenant NAME`:
+#   user client-NAME, inbox _INBOX_client-NAME, to which receivers may stream).
+# * Availability events (with the token ids of every scope's contexts) are the broker's; receivers
+#   warm their bulk connections from dm.endpoint.<sender> (a sender's address, no context).
 # * Senders: user sender-<id> may publish availability / evictions / heartbeats only on
 #   dm.cache.<kind>.<id> and take grant requests only on dm.grant.<id>; the broker refuses an event
 #   whose sender_id is not its subject's token. So a sender speaks only for itself: run it with
@@ -250,8 +271,10 @@ jetstream {
 
 def render(roster: Roster) -> str:
     """The whole nats-auth.conf for `roster`."""
-    users = [*(_sender(s, m) for s, m in roster.senders), *(_receiver(m) for m in roster.receivers), *_fixed()]
+    users = [*(_sender(s, m) for s, m in roster.senders), *(_receiver(m, roster.tenants) for m in roster.receivers),
+             *(_tenant(t) for t in roster.tenants), *_fixed()]
+    askers = {"client", "gateway", *(tenant_user(t) for t in roster.tenants)}  # they answer nothing
     lines = [HEADER, "authorization {", "  users = ["]
     for user, why, perms in users:
-        lines += _user(user, why, perms)
+        lines += _user(user, why, perms, responds=user not in askers)
     return "\n".join([*lines, "  ]", "}", ""])

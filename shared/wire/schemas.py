@@ -69,6 +69,18 @@ class CacheAvailable(Message, tag="cache.available"):
     scope: Scope = PUBLIC  # who may reuse it; `context_id` is seeded by it
 
 
+class SenderEndpoint(Message, tag="sender.endpoint"):
+    """Where a sender's bulk channel listens, for receivers to connect ahead of a pull. Sent with
+    each availability event, but without its context: receivers need no token ids to warm up."""
+
+    sender_id: str
+    model_id: str
+    fingerprint_id: str
+    transport: Transport
+    address: str
+    published_at: float  # unix seconds
+
+
 class CacheEvicted(Message, tag="cache.evicted"):
     sender_id: str
     context_id: str

@@ -1,7 +1,9 @@
 """Every NATS subject, stream and bucket name DroidMesh uses, in one place.
 
 Events (publish / subscribe, no reply):
-  cache_available(sender)   sender -> broker, receivers   a context's KV (+E) is ready to pull
+  cache_available(sender)   sender -> broker              a context's KV (+E) is ready to pull
+  sender_endpoint(sender)   sender -> receivers           where its bulk channel is (no token ids:
+    receivers only warm connections; the token ids of every scope's contexts are the broker's)
   cache_evicted(sender)     sender -> broker              a context left the sender's store
   sender_heartbeat(sender)  sender -> broker              liveness + the ids the sender holds
     Each sender publishes under its own last token (`dm.cache.<kind>.<sender>`), so NATS
@@ -31,7 +33,9 @@ BROKER_HELLO = f"{PREFIX}.broker.hello"  # a (re)started broker asks senders to 
 PROFILER_PROFILE = f"{PREFIX}.profiler.profile"
 PROFILER_REPROFILE = f"{PREFIX}.profiler.reprofile"
 CACHE_EVENTS = f"{PREFIX}.cache.*.*"  # every sender's events (the broker)
-CACHE_AVAILABLE_ALL = f"{CACHE_AVAILABLE}.*"  # every sender's availability events (receivers' warm-up)
+CACHE_AVAILABLE_ALL = f"{CACHE_AVAILABLE}.*"  # every sender's availability events (operators' tools)
+SENDER_ENDPOINT = f"{PREFIX}.endpoint"  # outside dm.cache.*: the broker does not take it as a cache event
+SENDER_ENDPOINT_ALL = f"{SENDER_ENDPOINT}.*"  # every sender's bulk endpoint (receivers' warm-up)
 SENDER_GRANT_ALL = f"{SENDER_GRANT}.*"  # any sender's grants (receivers ask whichever holds a context)
 RECEIVER_GENERATE_ALL = f"{PREFIX}.receiver.*.generate"  # any model's receivers (clients, the gateway)
 PROFILER_REPROFILE_ALL = f"{PROFILER_REPROFILE}.*"  # every model's receivers' re-profiles (the profiler)
@@ -84,6 +88,10 @@ def config_key(sender_model: str, receiver_model: str) -> str:
 
 def cache_available(sender_id: str) -> str:
     return f"{CACHE_AVAILABLE}.{model_token(sender_id)}"
+
+
+def sender_endpoint(sender_id: str) -> str:
+    return f"{SENDER_ENDPOINT}.{model_token(sender_id)}"
 
 
 def cache_evicted(sender_id: str) -> str:

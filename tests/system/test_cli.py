@@ -58,12 +58,14 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench drift", ["--n-before", "1", "--max-shifted", "1", "--profile-rows", "1"]),
     ("bench load", ["--tokens", "32", "--rates", "2", "--seconds", "1", "--copies", "1"]),
     ("bench load", ["--workload", "agents", "--rows", "2", "--rates", "4", "--logs", "{tmp}/load-agents"]),
+    ("bench sidechannel", ["--tokens", "64", "--trials", "4", "--warmup", "0"]),
     ("bench stall", ["--requests", "3", "--stalled", "1", "--words", "60", "--transport", "shm"]),
+    ("bench idle", ["--seconds", "1", "--transport", "shm"]),
     ("demo", ["--rows", "1"]),
 ]
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
          "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs", "--n-before", "--max-shifted",
-         "--profile-rows"}
+         "--profile-rows", "--trials", "--warmup"}
 
 
 def _leaves(group: click.Group, prefix: str = "") -> list[str]:
