@@ -202,7 +202,7 @@ async def _generate(request: web.Request, parse: Callable[[bytes, openai.Limits]
     mesh_id = ctx.mesh_request_id
     # A key's requests reuse only their tenant's cached contexts and public ones (so a reply's
     # reuse fields and timing say nothing of another tenant's); without keys every request is public.
-    scope = tenant_scope(ctx.key.tenant) if ctx.key is not None else PUBLIC
+    scope = (ctx.key.scope or tenant_scope(ctx.key.tenant)) if ctx.key is not None else PUBLIC
     kwargs: dict[str, Any] = dict(max_new_tokens=call.max_new_tokens, timeout=timeout, request_id=mesh_id,
                                   sampling=call.sampling, chat=call.chat, scope=scope)
     created = int(time.time())

@@ -26,6 +26,7 @@ from droidmesh.services.gateway import handlers
 from droidmesh.services.gateway.config import GatewayConfig
 from droidmesh.services.gateway.guard import ConnectionGuard, GuardedSite, connection_cap
 from droidmesh.services.gateway.state import NOT_CONNECTED, GatewayState, Mesh
+from droidmesh.shared.auth import keys as api_keys
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.runtime import ServiceRuntime
@@ -63,6 +64,9 @@ class GatewayService(ServiceRuntime[GatewayConfig]):
                  header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
                  max_inflight_per_client=cfg.max_inflight_per_client, max_inflight_per_peer=cfg.max_inflight_per_peer,
                  api_keys=len(state.keys.keys) if state.keys is not None else None)
+        if cfg.api_keys and not api_keys.has_scope_secret(cfg.api_keys):
+            log.warning("key_file_without_scope_secret", effect="a tenant's cache scope is its name: a direct mesh "
+                        "client that knows the name can reuse and time its contexts; make a new file with `keys add`")
         if self._given_bus is not None:  # in-process wiring (tests): the mesh is there already
             await self._join_mesh()
         else:

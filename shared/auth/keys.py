@@ -10,9 +10,11 @@ attacker sends) tens of milliseconds of CPU. Comparison is `hmac.compare_digest`
 id is unknown is compared against a dummy digest, so the time a refusal takes does not tell
 whether an id exists.
 
-The file is TOML, one `[[key]]` table per key, read once at start (a k8s Secret mounted as a file
-works the same). Every value is checked: an entry with an unknown field, a bad name, a
-non-positive limit or a duplicate id stops the gateway with one line naming it.
+The file is TOML: `scope_secret` (64 hex digits, made with the file) and one `[[key]]` table per
+key, read once at start (a k8s Secret mounted as a file works the same). A tenant's cache scope
+is an HMAC of its name under `scope_secret` (`hashing.tenant_scope`): whoever lacks the file
+cannot name a tenant's scope. Every value is checked: an entry with an unknown field, a bad name,
+a non-positive limit or a duplicate id stops the gateway with one line naming it.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import tomllib
 from pathlib import Path
 
 from droidmesh.shared.errors import AuthenticationError, ConfigError
+from droidmesh.shared.wire.hashing import tenant_scope
 
 KEY = re.compile(r"dmk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # tenants and model ids as the file may name them
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+SECRET = re.compile(r"[0-9a-f]{64}")
 ANY_MODEL = "*"
 MAX_KEYS = 10_000  # bounds the metrics' key_id label and the file read at start
 MAX_FILE_BYTES = 4 << 20
@@ -49,6 +53,7 @@ class ApiKey:
     requests_per_minute: int
     tokens_per_minute: int  # prompt + completion tokens
     max_concurrent: int
+    scope: str = ""  # the tenant's cache scope (set by `load` from the file's scope secret)
 
     def allows(self, model: str) -> bool:
         return ANY_MODEL in self.models or model in self.models
@@ -67,7 +72,7 @@ def make_key() -> tuple[str, str]:
 def _entry(raw: object, where: str) -> ApiKey:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: a [[key]] table expected")
-    fields = {f.name for f in dataclasses.fields(ApiKey)} - {"digest"} | {"hash"}
+    fields = {f.name for f in dataclasses.fields(ApiKey)} - {"digest", "scope"} | {"hash"}
     unknown = set(raw) - fields
     missing = fields - set(raw)
     if unknown or missing:
@@ -101,8 +106,11 @@ def load(path: str | Path) -> dict[str, ApiKey]:
         doc = tomllib.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"key file {p}: {e}") from None
-    if set(doc) - {"key"} or not isinstance(doc.get("key", []), list):
-        raise ConfigError(f"key file {p}: only [[key]] tables are allowed")
+    if set(doc) - {"key", "scope_secret"} or not isinstance(doc.get("key", []), list):
+        raise ConfigError(f"key file {p}: only scope_secret and [[key]] tables are allowed")
+    secret = doc.get("scope_secret", "")
+    if not (isinstance(secret, str) and (secret == "" or SECRET.fullmatch(secret))):
+        raise ConfigError(f"key file {p}: scope_secret must be 64 hex digits")
     entries = doc.get("key", [])
     if len(entries) > MAX_KEYS:
         raise ConfigError(f"key file {p}: {len(entries)} keys, at most {MAX_KEYS}")
@@ -111,8 +119,13 @@ def load(path: str | Path) -> dict[str, ApiKey]:
         k = _entry(raw, f"key file {p}, entry {i + 1}")
         if k.id in keys:
             raise ConfigError(f"key file {p}: id {k.id} appears twice")
-        keys[k.id] = k
+        keys[k.id] = dataclasses.replace(k, scope=tenant_scope(k.tenant, bytes.fromhex(secret)))
     return keys
+
+
+def has_scope_secret(path: str | Path) -> bool:
+    """Whether the (loadable) key file has a scope secret: without one a tenant's scope is its name."""
+    return "scope_secret" in tomllib.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def render(k: ApiKey) -> str:
@@ -128,8 +141,11 @@ def append(path: str | Path, k: ApiKey) -> None:
     p = Path(path)
     if p.exists():
         load(p)  # refuse to append to a file the gateway would refuse anyway
+    new = not p.exists()
     fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a", encoding="utf-8") as f:
+        if new:  # the file's scope secret, made with it: TOML wants top-level keys before any table
+            f.write(f'scope_secret = "{secrets.token_hex(32)}"\n\n')
         f.write(render(k))
     load(p)
 

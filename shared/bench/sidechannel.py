@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from droidmesh.shared.auth import keys as api_keys
 from droidmesh.shared.bench.harness import THREADS, launched_env, mesh
 from droidmesh.shared.mesh.nats_auth import Roster, receiver_user, sender_user
 from droidmesh.shared.service.launch import start_service
-from droidmesh.shared.wire.hashing import tenant_scope
 
 SENDER, RECEIVER = "sc-sender", "sc-receiver"
 VICTIM, ATTACKER = "victim", "attacker"
@@ -169,7 +169,7 @@ def _run(work: Path, model: Any, rng: np.random.Generator, sender_path: str, rec
     from droidmesh.shared.model import text
 
     keys = _keys(work / "keys.toml")
-    victim_scope = tenant_scope(VICTIM)
+    victim_scope = next(k.scope for k in api_keys.load(work / "keys.toml").values() if k.tenant == VICTIM)
     result: dict[str, Any] = {"phases": {}}
     with mesh(Roster.local([SENDER], [RECEIVER])) as (access, procs):
         url = access.url

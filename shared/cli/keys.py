@@ -54,9 +54,10 @@ def add(path: str, tenant: str, models: tuple[str, ...], rpm: int, tpm: int, con
 @keys.command("list")
 @click.option("--file", "path", required=True, type=click.Path(exists=True, dir_okay=False), help=FILE_HELP)
 def list_keys(path: str) -> None:
-    """The file's keys: id, tenant, models and quotas (never a key or its hash)."""
+    """The file's keys: id, tenant, models, quotas and the tenant's cache scope (for `prefill
+    --scope`; never a key or its hash)."""
     from droidmesh.shared.auth import keys as api_keys
 
     for k in api_keys.load(path).values():
         click.echo(f"{k.id}  tenant={k.tenant}  models={','.join(k.models)}  rpm={k.requests_per_minute}  "
-                   f"tpm={k.tokens_per_minute}  concurrency={k.max_concurrent}")
+                   f"tpm={k.tokens_per_minute}  concurrency={k.max_concurrent}  scope={k.scope}")

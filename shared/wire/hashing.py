@@ -14,6 +14,8 @@ seeds nothing, so its ids are the plain content hashes.
 from __future__ import annotations
 
 import array
+import hashlib
+import hmac
 import re
 
 import xxhash
@@ -36,9 +38,14 @@ def check_scope(scope: str) -> str:
     return scope
 
 
-def tenant_scope(tenant: str) -> str:
-    """The scope of a gateway tenant's requests."""
-    return f"tenant:{tenant}"
+def tenant_scope(tenant: str, secret: bytes = b"") -> str:
+    """The scope of a gateway tenant's requests: `tenant:<name>.<32 hex>`, the hex an HMAC of the
+    name under the key file's scope secret, so a direct mesh client that knows a tenant's name
+    still cannot name its scope (and so cannot reuse, look up or time its contexts). Without a
+    secret (an older key file) the name alone, which the gateway warns about."""
+    if not secret:
+        return f"tenant:{tenant}"
+    return f"tenant:{tenant}.{hmac.new(secret, tenant.encode(), hashlib.sha256).hexdigest()[:32]}"
 
 
 def scope_seed(scope: str) -> int:

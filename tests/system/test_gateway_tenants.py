@@ -158,8 +158,18 @@ def _served(client: openai.OpenAI, context: str) -> tuple[dict, int]:
 
 def test_a_tenants_context_is_reused_by_it_and_never_by_another(mesh, tiny_models):
     """Cached for tenant A: B's identical prompt is its receiver's own full prefill (nothing pulled,
-    nothing reported cached), while A's reuses the sender's KV."""
+    nothing reported cached), while A's reuses the sender's KV. A's scope is the one `keys list`
+    prints (an HMAC under the key file's secret): a context cached under the scope a client could
+    form from A's name alone is not A's."""
     asyncio.run(_prefill(mesh, tiny_models[1], TENANT_CONTEXT, tenant_scope("A")))
+    ext, _ = _served(mesh.client("a"), TENANT_CONTEXT)
+    assert ext["path"] == "full_prefill" and ext["bytes_pulled"] == 0, ext
+    listed = CliRunner().invoke(main, ["keys", "list", "--file", str(mesh.tmp / "keys.toml")])
+    assert listed.exit_code == 0, listed.output
+    scope_a = next(w.removeprefix("scope=") for line in listed.stdout.splitlines() if "tenant=A " in line
+                   for w in line.split() if w.startswith("scope="))
+    assert scope_a.startswith("tenant:A.") and scope_a != tenant_scope("A")
+    asyncio.run(_prefill(mesh, tiny_models[1], TENANT_CONTEXT, scope_a))
     ext, cached = _served(mesh.client("b"), TENANT_CONTEXT)
     assert ext["path"] == "full_prefill" and ext["bytes_pulled"] == 0 and ext["reused_tokens"] == 0, ext
     assert cached == 0 and ext["sender_id"] is None

@@ -84,3 +84,34 @@ def test_duplicate_ids_and_missing_files_are_config_errors(tmp_path):
         keys.load(tmp_path / "k.toml")
     with pytest.raises(ConfigError, match="key file"):
         keys.load(tmp_path / "absent.toml")
+
+
+def test_a_tenants_scope_comes_from_the_files_secret_not_its_name_alone(tmp_path):
+    """A file made by `append` carries a scope secret; its keys' scope is the tenant's name plus an
+    HMAC under it, a valid scope that a client knowing only the name cannot form, the same for
+    every key of the tenant, and another file's differs."""
+    from droidmesh.shared.wire.hashing import check_scope, tenant_scope
+
+    def make(path, tenant):
+        key, kid = keys.make_key()
+        keys.append(path, keys.ApiKey(id=kid, digest=keys.digest(key), tenant=tenant, models=("m",),
+                                      requests_per_minute=1, tokens_per_minute=1, max_concurrent=1))
+
+    one, two = tmp_path / "one.toml", tmp_path / "two.toml"
+    make(one, "a")
+    make(one, "a")
+    make(two, "a")
+    assert keys.has_scope_secret(one)
+    scopes = {k.scope for k in keys.load(one).values()}
+    assert len(scopes) == 1
+    [scope] = scopes
+    assert check_scope(scope) == scope and scope.startswith("tenant:a.") and scope != tenant_scope("a")
+    assert {k.scope for k in keys.load(two).values()} != scopes
+
+
+@pytest.mark.parametrize("secret", ['"abc"', '"' + "g" * 64 + '"', "7"])
+def test_a_malformed_scope_secret_is_refused(tmp_path, secret):
+    p = tmp_path / "keys.toml"
+    p.write_text(f"scope_secret = {secret}\n")
+    with pytest.raises(ConfigError, match="scope_secret"):
+        keys.load(p)
