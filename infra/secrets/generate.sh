@@ -111,9 +111,10 @@ if [[ ! -s "$DIR/gateway/keys.toml" ]]; then
   key="dmk_${kid}_$(openssl rand -base64 32 | tr '+/' '-_' | tr -d '=\n')"
   digest=$(printf '%s' "$key" | openssl dgst -sha256 -r | cut -d' ' -f1)
   printf '%s\n' "$key" >"$DIR/gateway/key"
-  printf '[[key]]\nid = "%s"\nhash = "sha256:%s"\ntenant = "local"\nmodels = ["*"]\nrequests_per_minute = 600\ntokens_per_minute = 1000000\nmax_concurrent = 16\n\n' \
-    "$kid" "$digest" >"$DIR/gateway/keys.toml"
+  # scope_secret: tenants' cache scopes are HMACs under it (shared/auth/keys.py)
+  printf 'scope_secret = "%s"\n\n[[key]]\nid = "%s"\nhash = "sha256:%s"\ntenant = "local"\nmodels = ["*"]\nrequests_per_minute = 600\ntokens_per_minute = 1000000\nmax_concurrent = 16\n\n' \
+    "$(openssl rand -hex 32)" "$kid" "$digest" >"$DIR/gateway/keys.toml"
 fi
-chmod 644 "$DIR/gateway/keys.toml"  # read by the gateway container's own user; holds only a hash
+chmod 644 "$DIR/gateway/keys.toml"  # read by the gateway container's own user; key hashes and the scope secret
 [[ ! -e "$DIR/gateway/key" ]] || chmod 600 "$DIR/gateway/key"  # gone once handed out: the hash file is enough
 echo "generate.sh: secrets in $DIR (passwords for: $(cut -d' ' -f1 <<<"$USERS" | paste -sd' ' -))" >&2
