@@ -142,7 +142,8 @@ def _over_the_mesh(prepared: list[dict[str, Any]], tokens: list[int], rates_gbit
                 netns.set_rate(rate * 1000)
                 argv = [*rcv, sys.executable, "-m", PROBE_MODULE, "--nats", url, "--model",
                         p["receiver"], "--sender", model_id, "--tokens",
-                        ",".join(map(str, tokens)), "--repeats", str(repeats), "--configs", str(probe_path)]
+                        ",".join(map(str, tokens)), "--repeats", str(repeats), "--configs", str(probe_path),
+                        "--dtype", dtype]
                 out = subprocess.run(argv, capture_output=True, text=True, timeout=3600, preexec_fn=dies_with_parent(),
                                      env={**os.environ, **launched_env(device), **env, **probe_env(access)})
                 result = probe_result(out.stdout)

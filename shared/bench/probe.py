@@ -160,15 +160,16 @@ def load_probe_configs(path: str) -> list[dict[str, Any]]:
 
 
 async def probe_configs(url: str, model_path: str, sender: str, tokens: list[int], configs: list[dict[str, Any]],
-                        repeats: int, device: str = "cpu") -> dict[str, Any]:
+                        repeats: int, device: str = "cpu", dtype: str = "bfloat16") -> dict[str, Any]:
     """Per context length and config: TTFT (median of `repeats`, the first round dropped), every
-    round's time, and the payload bytes the pull moved; a config that fails gets its error."""
+    round's time, and the payload bytes the pull moved; a config that fails gets its error.
+    `dtype`: the sender's (a pull lands in buffers of the receiver's dtype)."""
     import nats
 
     from droidmesh.shared.kv import scd
     from droidmesh.shared.transport import codecs
 
-    model = load_model(model_path, dtype="bfloat16", device=device)
+    model = load_model(model_path, dtype=dtype, device=device)
     if model.tokenizer is None:
         raise ConfigError(f"{model_path} has no tokenizer")
     for c in configs:
@@ -258,11 +259,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default=os.environ.get(DEVICE_ENV, "cpu"))
     ap.add_argument("--configs", help="a JSON list of configs to time (the codecs probe, see the docstring)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="--configs: the sender's dtype")
     a = ap.parse_args(argv)
     tokens = [int(t) for t in str(a.tokens).split(",") if t.strip()]
     if a.configs:
         res = asyncio.run(probe_configs(a.nats, a.model, a.sender, tokens, load_probe_configs(a.configs), a.repeats,
-                                        a.device))
+                                        a.device, a.dtype))
         sys.stdout.write("PROBE " + json.dumps(res) + "\n")
         return
     if len(tokens) != 1:
