@@ -208,9 +208,13 @@ async def probe_configs(url: str, model_path: str, sender: str, tokens: list[int
             src = source_for(ev)
 
             async def pull() -> int:  # a single-use grant first, as a receiver's pull does
-                token = await request_grant(requester(nc), ev, 10)
-                return await pull_into(bulk, ev, pull_items(plan, L), model, src, timeout_s=300, token=token,
-                                       codec=c["codec"], codec_params=c.get("codec_params") or {})
+                try:
+                    token = await request_grant(requester(nc), ev, 10)
+                    return await pull_into(bulk, ev, pull_items(plan, L), model, src, timeout_s=300, token=token,
+                                           codec=c["codec"], codec_params=c.get("codec_params") or {})
+                except BaseException as e:  # the engine waiting on the source stops now, not at its timeout
+                    src.fail(e)
+                    raise
 
             pulling = loop.create_task(pull())
             try:
