@@ -85,13 +85,16 @@ def test_rule_warning(result: dict) -> str | None:
 @click.option("--translate", is_flag=True,
               help="A translated pair (another size, family or tokenizer): fit the translator on --n-train train "
                    "contexts, write it to translators/<pair>.safetensors next to the JSON, score it on --n-test.")
+@click.option("--candidates", default=None, type=click.IntRange(1, 64), metavar="N",
+              help="--translate: the lowest N source layers the translator may read (default 8). The fit holds "
+                   "float64 statistics of 2 * N * source-hidden features: fewer for wide models.")
 @device_options
 @click.option("--publish", is_flag=True,
               help="Also publish the config to the bucket of the NATS server --nats names (role profiler or admin).")
 @nats_options(default_timeout=30.0)
 def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data, data_train, data_test, metric,
             max_new_tokens, stop, granularity, tolerance, search_kind, exhaustive, budget, allow_no_signal, robustness,
-            other_tasks, transfer_search, translate, device, dtype, publish: bool, conn: Conn) -> None:
+            other_tasks, transfer_search, translate, candidates, device, dtype, publish: bool, conn: Conn) -> None:
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config.
 
     Says its estimated cost on stderr before it starts (one row-evaluation timed, times the
@@ -109,7 +112,8 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
     from droidmesh.shared.tasks.jsonl import read_jsonl
 
     if translate:
-        _profile_translated(sender, receiver, task, json_path, n_train, n_test, device, dtype, conn if publish else None)
+        _profile_translated(sender, receiver, task, json_path, n_train, n_test, device, dtype, conn if publish else None,
+                            candidates)
         return
     settings = ProfileSettings(granularity=granularity, tolerance=tolerance, search=search_kind, exhaustive=exhaustive,
                                require_signal=not allow_no_signal, budget_s=budget * 60 if budget else None)
@@ -193,7 +197,7 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
 
 
 def _profile_translated(sender, receiver, task: str, json_path: str, n_train: int, n_test: int, device: str,
-                        dtype: str | None, publish: Conn | None) -> None:
+                        dtype: str | None, publish: Conn | None, candidates: int | None = None) -> None:
     """`--translate`: the translator is the translated pair's profile (zoo task rows); with
     `--publish` the file goes to the maps bucket, where receivers fetch it by its sha256."""
     from droidmesh.shared.cli.eval import format_translated
@@ -213,7 +217,8 @@ def _profile_translated(sender, receiver, task: str, json_path: str, n_train: in
         source = load_model(sender.path, device=device, dtype=dtype)
         target = load_model(receiver.path, device=device, dtype=dtype)
         result = profile_translated(source, target, train, test, spec, out.parent / "translators" / f"{pair.id}.safetensors",
-                                    weights=(sender.sha256, receiver.sha256))
+                                    weights=(sender.sha256, receiver.sha256),
+                                    **({"candidates": candidates} if candidates else {}))
     except (DroidMeshError, ValueError) as e:
         raise click.UsageError(str(e)) from None
     result["models"] = {"sender": sender.label, "receiver": receiver.label, "sender_sha256": sender.sha256,

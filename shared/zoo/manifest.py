@@ -2,8 +2,8 @@
 directories `shared.model.names.resolve_model` searches.
 
 Tier directories are searched in order: $DROIDMESH_ZOO_DIR/<tier> (or the user cache dir),
-then the repository's committed `zoo/<tier>`; tiers in the order demo, ci, family, real. A model is named
-`<tier>/<name>` (or `<name>`: the first tier that has it).
+then the repository's committed `zoo/<tier>`; tiers in the order demo, ci, family, real,
+real-family. A model is named `<tier>/<name>` (or `<name>`: the first tier that has it).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from droidmesh.shared.model.names import Pair
 
 MANIFEST = "manifest.json"
 REPO_ZOO = ZOO_DIR  # the demo tier ships in the package (in a checkout: the repository's zoo/)
-TIER_ORDER = ("demo", "ci", "family", "real")
+TIER_ORDER = ("demo", "ci", "family", "real", "real-family")
 
 
 def zoo_dir(tier: str) -> Path:
