@@ -93,7 +93,9 @@ def _entry(raw: object, where: str) -> ApiKey:
         if not (type(value) is int and 1 <= value <= MAX_LIMIT):
             raise ConfigError(f"{where} (key {kid}): {name} must be an integer in [1, {MAX_LIMIT}]")
         limits[name] = value
-    return ApiKey(id=kid, digest=hashed, tenant=tenant, models=tuple(models), **limits)
+    return ApiKey(id=kid, digest=hashed, tenant=tenant, models=tuple(models),
+                  requests_per_minute=limits["requests_per_minute"], tokens_per_minute=limits["tokens_per_minute"],
+                  max_concurrent=limits["max_concurrent"])
 
 
 def load(path: str | Path) -> dict[str, ApiKey]:
