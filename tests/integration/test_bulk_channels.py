@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import os
 
 import msgspec
 import pytest
@@ -257,22 +258,39 @@ def test_nixl_control_listener_binds_only_the_configured_host():
     assert asyncio.run(session()) == {"127.0.0.1"}
 
 
+_LISTEN_PROBE = """
+import asyncio, json
+import psutil
+from droidmesh.shared.transport.bulk import make_server
+
+async def session():
+    server = make_server("ucx", lambda c, l, k: None, None, host="127.0.0.1")
+    address = await server.start()
+    try:
+        return address, sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
+                                if c.status == psutil.CONN_LISTEN})
+    finally:
+        await server.close()
+
+print("LISTEN " + json.dumps(asyncio.run(session())))
+"""
+
+
 def test_ucx_server_listens_only_on_the_configured_host():
     """Every socket the UCX server's process listens on (its wireup socket, UCX's own tcp transport)
-    is on the configured loopback host, none on a wildcard or another interface."""
-    import psutil
+    is on the configured loopback host, none on a wildcard or another interface. In a process of
+    its own: UCX's devices are restricted when the first server initialises ucxx, and a test run
+    earlier in this process may have initialised it already."""
+    import json
+    import subprocess
+    import sys
 
-    async def session():
-        server = make_server("ucx", lambda c, l, k: None, None, host="127.0.0.1")
-        address = await server.start()
-        try:
-            listening = {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
-                         if c.status == psutil.CONN_LISTEN}
-            return address, listening
-        finally:
-            await server.close()
-
-    address, listening = asyncio.run(session())
+    out = subprocess.run([sys.executable, "-c", _LISTEN_PROBE], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("LISTEN ")), None)
+    assert line is not None, out.stderr[-2000:]
+    address, listening = json.loads(line.removeprefix("LISTEN "))
+    listening = {(ip, port) for ip, port in listening}
     assert ("127.0.0.1", int(address.rsplit(":", 1)[1])) in listening
     assert {ip for ip, _ in listening} == {"127.0.0.1"}
 
