@@ -18,9 +18,10 @@ from typing import Any
 import psutil
 
 from droidmesh.shared.apps.demo import THREADS, connect_as
+from droidmesh.shared.bench.harness import mesh
 from droidmesh.shared.bench.stall import WARM_TRIES, context
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
-from droidmesh.shared.service.launch import Proc, start_secure_nats, start_service
+from droidmesh.shared.service.launch import start_service
 
 COLUMNS = ["process", "cpu_s", "core_share", "meets_target"]
 TARGET = 0.01  # of one core
@@ -51,11 +52,8 @@ def run_idle(sender_path: str, receiver_path: str, group: tuple[int, int], log_d
              transport: str = "ucx", idle_s: float = 60.0, words: int = 200) -> dict[str, Any]:
     """Start the mesh, warm the connection, measure `idle_s` of idling, stop it; the rows."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs: list[Proc] = []
-    try:
-        roster = Roster(senders=(("idle-sender", "idle"),), receivers=("bench-receiver",))
-        nats, access = start_secure_nats(roster, log_dir=log_dir)
-        procs.append(nats)
+    roster = Roster(senders=(("idle-sender", "idle"),), receivers=("bench-receiver",))
+    with mesh(roster) as (access, procs):  # every process stopped on the way out
         url = access.url
         procs.append(start_service("cache_broker", {}, url, env={**THREADS, **access.env_for("broker")},
                                    log_dir=log_dir))
@@ -75,9 +73,6 @@ def run_idle(sender_path: str, receiver_path: str, group: tuple[int, int], log_d
         time.sleep(idle_s)
         window = time.monotonic() - t0
         used = {name: _cpu_s(p) - before[name] for name, p in watched.items()}
-    finally:
-        for p in reversed(procs):
-            p.stop()
     rows = [{"process": name, "cpu_s": round(s, 3), "core_share": round(s / window, 4), "meets_target": s / window <= TARGET}
             for name, s in used.items()]
     return {"rows": rows, "idle_s": window, "transport": transport, "warm_path": path, "target_core_share": TARGET,

@@ -138,8 +138,6 @@ def _until_listed(base: str, key: str, model: str, timeout_s: float = 60) -> Non
 
 def _keys(path: Path) -> dict[str, str]:
     """A key per tenant (victim, attacker), unmetered for the run: tenant -> key."""
-    from droidmesh.shared.auth import keys as api_keys
-
     out = {}
     for tenant in (VICTIM, ATTACKER):
         key, kid = api_keys.make_key()
