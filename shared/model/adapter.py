@@ -32,7 +32,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,10 @@ class ModelAdapter:
     model: PreTrainedModel
     tokenizer: Any | None
     name: str
+    # Called first by every engine-facing call: makes this view's adapter the active one where
+    # several views share one model's modules (`shared/model/adapters.py`). None: the model is
+    # this adapter's alone, nothing to select. A direct `model(...)` call bypasses it.
+    select: Callable[[], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         cfg = self.model.config
@@ -110,6 +114,8 @@ class ModelAdapter:
 
     def new_cache(self, capacity: int | None = None) -> Any:
         """An empty cache; `capacity`: the tokens it will hold (prompt + decoded), written once."""
+        if self.select is not None:
+            self.select()
         return hf_cache.new_cache(self.model.config, capacity)
 
     def token_tensor(self, ids: Sequence[int]) -> torch.Tensor:
@@ -119,6 +125,8 @@ class ModelAdapter:
     # -- the three calls -------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, T] -> E_0 [1, T, D]."""
+        if self.select is not None:
+            self.select()
         return self.model.model.embed_tokens(ids.to(self.device))
 
     def run_layers(self, h: torch.Tensor, start: int, end: int, cache: Any, past: int) -> torch.Tensor:
@@ -127,6 +135,8 @@ class ModelAdapter:
         Layer l attends to whatever `cache` layer l already holds (exactly `past` tokens) plus
         the new tokens, and appends the new tokens' K/V to it. Returns E_end [1, T, D].
         """
+        if self.select is not None:
+            self.select()
         t = h.shape[1]
         positions = torch.arange(past, past + t, device=h.device)[None]  # [1, T]
         tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind, computed once
@@ -148,6 +158,8 @@ class ModelAdapter:
         boolean visibility `allowed` [1, 1, n, past+n] over (cache contents + these tokens).
         Used by token-level recompute, where the recomputed tokens are scattered. The cache holds
         positions 0..past-1 in order; a sliding-window layer further limits `allowed` to its window."""
+        if self.select is not None:
+            self.select()
         cos, sin = self._rope(h, positions, layer)  # each [1, n, head_dim]
         if (window := self.windows[layer]) is not None:
             past = allowed.shape[-1] - positions.shape[1]
@@ -161,12 +173,16 @@ class ModelAdapter:
 
     def attn_input(self, h: torch.Tensor, layer: int) -> torch.Tensor:
         """E_layer [1, T, D] -> layer `layer`'s normalized attention input [1, T, D]."""
+        if self.select is not None:
+            self.select()
         return self.model.model.layers[layer].input_layernorm(h)
 
     def attn_norm(self, layer: int) -> tuple[torch.Tensor, float]:
         """(weight [D], epsilon) of layer `layer`'s input RMSNorm (what `attn_input` applies), in
         the form weight * x / sqrt(mean(x²) + eps). Gemma stores the weight as an offset from 1
         (its norm scales by 1 + w): the weight returned is that 1 + w."""
+        if self.select is not None:
+            self.select()
         norm = self.model.model.layers[layer].input_layernorm
         weight = norm.weight.detach()
         if self.config.model_type == "gemma3_text":
@@ -179,6 +195,8 @@ class ModelAdapter:
         [1, kv_heads, T, head_dim], by the same operations as the layer's own forward (K/V
         projections, the per-head K norm of Qwen3 and Gemma 3, the layer's RoPE), so the true input
         gives the layer's own KV."""
+        if self.select is not None:
+            self.select()
         attn = self.model.model.layers[layer].self_attn
         t, hd = x.shape[1], self.fingerprint.head_dim
         k = attn.k_proj(x).view(1, t, -1, hd)  # [1, T, kvh, hd]
@@ -197,6 +215,8 @@ class ModelAdapter:
         """(inv_freq [head_dim / 2] float32 on the CPU, attention scaling): layer `layer`'s RoPE.
         Without a layer: the RoPE every layer shares; a model whose RoPE differs per layer type
         (Gemma 3) refuses that, so no caller silently rotates a global layer by the local base."""
+        if self.select is not None:
+            self.select()
         rot = self.model.model.rotary_emb
         if layer is None:
             if len(set(self.rope_kinds)) > 1:
@@ -209,6 +229,8 @@ class ModelAdapter:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """E_L [1, T, D] -> logits [1, T, vocab] (final norm, LM head, the final soft cap where the
         config has one), in float32."""
+        if self.select is not None:
+            self.select()
         logits = self.model.lm_head(self.model.model.norm(h))  # [1, T, vocab]
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:  # as the model's own forward: cap * tanh(logits / cap), in the model's dtype
