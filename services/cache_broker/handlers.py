@@ -101,7 +101,8 @@ async def on_heartbeat(index: CacheIndex, hello: Hello, hb: schemas.SenderHeartb
 async def lookup(index: CacheIndex, req: schemas.LookupRequest) -> schemas.LookupReply:
     if len(req.models) > index.limits.max_senders:  # at most one model per sender could be usable
         raise BadRequestError(f"{len(req.models)} models named; at most {index.limits.max_senders}")
-    holder, matched = index.lookup(req.token_ids, req.fingerprint_id, req.exclude_model, req.models, req.scope)
+    holder, matched = index.lookup(req.token_ids, req.fingerprint_id, req.exclude_model, req.models, req.scope,
+                                   exclude_sender=req.exclude_sender)
     log.debug("lookup", tokens=len(req.token_ids), matched=matched, sender=holder.sender_id if holder else None,
               scope=req.scope)
     return schemas.LookupReply(holder=holder, matched_tokens=matched)

@@ -277,21 +277,24 @@ class CacheIndex:
         return len(stale)
 
     def lookup(self, token_ids: list[int], fingerprint_id: str, exclude_model: str | None = None,
-               models: Collection[str] = (), scope: str = PUBLIC) -> tuple[CacheAvailable | None, int]:
+               models: Collection[str] = (), scope: str = PUBLIC, *, exclude_sender: str | None = None
+               ) -> tuple[CacheAvailable | None, int]:
         """The live, compatible holder sharing the longest token prefix, and that length; with
         `models`, a holder of one of them wins over any other (the asker can use only those), and
         the best of the others only when none of them matches. Only holders of `scope` or public
-        ones are found; on a tie the asker's own scope wins."""
+        ones are found; on a tie the asker's own scope wins. `exclude_sender`: a holder id never
+        returned (a receiver asking for another holder than itself)."""
         lim = self.limits
         tokens = pack(token_ids) if 0 < len(token_ids) <= lim.max_context_tokens else None
         if tokens is None or len(models) > lim.max_senders:
             return None, 0
         wanted = frozenset(models)
-        found = [self._lookup_in(s, tokens, fingerprint_id, exclude_model, wanted) for s in dict.fromkeys((scope, PUBLIC))]
+        found = [self._lookup_in(s, tokens, fingerprint_id, exclude_model, wanted, exclude_sender)
+                 for s in dict.fromkeys((scope, PUBLIC))]
         return max(found, key=lambda f: (f[0] is not None and (not wanted or f[0].model_id in wanted), f[1]))
 
     def _lookup_in(self, scope: str, tokens: array.array, fingerprint_id: str, exclude_model: str | None,
-                   wanted: frozenset[str]) -> tuple[CacheAvailable | None, int]:
+                   wanted: frozenset[str], exclude_sender: str | None) -> tuple[CacheAvailable | None, int]:
         """`lookup` within one scope."""
         levels: list[set[tuple[str, str]]] = []  # holders sharing the first 1, 2, ... blocks
         for k in block_keys(tokens, self.limits.max_indexed_blocks, scope):
@@ -300,13 +303,15 @@ class CacheIndex:
                 break
             levels.append(refs)
         for refs in reversed(levels if wanted else []):  # deepest first: the first level with a usable holder has the best
-            found = self._best(scope, refs, tokens, fingerprint_id, exclude_model, wanted)
+            found = self._best(scope, refs, tokens, fingerprint_id, exclude_model, wanted, exclude_sender)
             if found[0] is not None:
                 return found
-        return self._best(scope, levels[-1] if levels else set(), tokens, fingerprint_id, exclude_model, frozenset())
+        return self._best(scope, levels[-1] if levels else set(), tokens, fingerprint_id, exclude_model, frozenset(),
+                          exclude_sender)
 
     def _best(self, scope: str, refs: set[tuple[str, str]], tokens: array.array, fingerprint_id: str,
-              exclude_model: str | None, wanted: frozenset[str]) -> tuple[CacheAvailable | None, int]:
+              exclude_model: str | None, wanted: frozenset[str], exclude_sender: str | None
+              ) -> tuple[CacheAvailable | None, int]:
         """Of `refs`, the live, compatible holder (of a `wanted` model, if any named) sharing the
         longest prefix (the newest on a tie)."""
         best: Holder | None = None
@@ -316,7 +321,7 @@ class CacheIndex:
             h = self._holders[sid][cid]
             ev = h.ev
             if (ev.fingerprint_id != fingerprint_id or ev.model_id == exclude_model or ev.scope != scope
-                    or h.stale_at < now or not self.live(sid)):
+                    or h.stale_at < now or not self.live(sid) or sid == exclude_sender):
                 continue
             if wanted and ev.model_id not in wanted:
                 continue

@@ -7,10 +7,12 @@ blocks the loop itself. Trusts the request to have passed `checks.py`. The order
 tried is fixed:
   1. `_route`: the broker's holder (skipped when its circuit is open), the policy's decision on
      what it knows now, the audit's assignment (`relay_watch.assign`, `relay_watch.hold`);
-  2. `_try_reuse`: the plan's pull from that holder while recomputing; a `ReuseError` before the
-     first token falls back, one after it fails the request (chunks may be out);
+  2. `_try_reuse`: the plan's pull from that holder while recomputing (or, when the holder is this
+     receiver itself, the plan over its own store, in process); a `ReuseError` before the first
+     token falls back, one after it fails the request (chunks may be out);
   3. `_try_translate`: when the lookup left no holder (a miss, or one skipped), a translated pair's;
-  4. `_own_prefill`: whatever is left, the receiver's own full prefill;
+  4. `_own_prefill`: whatever is left, the receiver's own full prefill, which it then holds
+     (`pipeline.offer`, when `hold` is on) for the next request over the same text;
 then `reply.finish` records, feeds the audit and builds the reply. A streamed request whose
 listener left meanwhile (`answer_stream.ListenerWatch`) stopped decoding early: it is recorded
 and logged as cancelled, then fails `client_gone` instead of being answered.
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from droidmesh.services.receiver import holders, relay_watch, reply
+from droidmesh.services.receiver import holders, pipeline, relay_watch, reply
 from droidmesh.services.receiver.answer_stream import ClientGoneError
 from droidmesh.services.receiver.checks import check_deadline
 from droidmesh.shared.errors import ReuseError
@@ -161,14 +163,18 @@ async def _try_reuse(s: ReceiverState, job: Job, route: Route, served: Served) -
     if served.plan.mode == "full_prefill":
         s.breaker.release(holder.sender_id)  # allowed a probe the plan did not use: the next request probes
         return
+    local = s.holds(holder)  # this receiver's own held context: read in process, nothing pulled
     try:
-        out = await holders.reuse(s, holder, route.decision, job.prompt, job.req, job.stream, job.deadline)
+        reuse = holders.reuse_held if local else holders.reuse
+        out = await reuse(s, holder, route.decision, job.prompt, job.req, job.stream, job.deadline)
     except ReuseError as e:
         if job.stream.tokens:  # decoding had begun (chunks may be out): a second answer would garble it
             raise
         _fell_back(job, served, e, "reuse_fallback")
         return
     _took(job, served, out)
+    if local:
+        return
     pulled_at = out.stamps.get("grant_done", out.stamps["pull_start"])
     s.observe_pull(holder.sender_id, out.bytes_pulled, out.stamps["pull_done"] - pulled_at,
                    pulled_at - out.stamps["pull_start"])
@@ -206,10 +212,13 @@ async def _own_prefill(s: ReceiverState, job: Job, served: Served) -> Generation
         stamps["engine_start"] = time.perf_counter()  # in the worker: queueing is not compute
         return engine_generate(s.model, job.prompt, ReusePlan.full_prefill(), max_new_tokens=job.req.max_new_tokens,
                                eos_token_id=s.eos_token_id, sampler=sampler, on_token=job.stream.on_token,
-                               deadline=job.deadline)
+                               deadline=job.deadline, keep_e=keep_e)
 
+    keep_e = s.hold_layers()
     stamps["queued"] = time.perf_counter()
     gen: Generation = await s.run_torch(full_prefill, deadline=job.deadline)
+    if s.holder is not None:  # what was computed becomes reusable, after the answer
+        s.background(pipeline.offer(s, job.prompt, gen.prefill, job.req.scope), "hold")
     served.held += gen.total_s
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     served.gen, served.plan = gen, ReusePlan.full_prefill()

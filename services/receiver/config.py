@@ -8,14 +8,15 @@ import re
 from pathlib import Path
 
 from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.holding.settings import HolderSettings
 from droidmesh.shared.model.device import DTYPES, check_device_name, default_dtype_name
-from droidmesh.shared.service.settings import BusSettings
 from droidmesh.shared.transport.bulk import TRANSPORTS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ReceiverConfig(BusSettings):
-    """Hosts one model; answers generate requests, reusing a sender's cache when it can."""
+class ReceiverConfig(HolderSettings):
+    """Hosts a model (and adapters of it); answers generate requests, reusing a holder's cache when
+    it can, and holds what its own prefills computed for the next request (`hold`)."""
 
     model_path: str = dataclasses.field(metadata={"help": "local HF checkpoint directory"})
     model_id: str = dataclasses.field(default="", metadata={"help": "id served (default: directory name)"})
@@ -67,6 +68,21 @@ class ReceiverConfig(BusSettings):
                 "or tokenizer holds is translated instead of prefilled; a translator whose hash differs is refused "
                 "and such requests get the receiver's own prefill, with the reason"})
 
+    hold: bool = dataclasses.field(default=True, metadata={
+        "help": "offer what this receiver's own full prefills computed (the prompt's KV, and E at the layers pair "
+                "configs naming its model as the sender use) as a holder, within store_bytes: the next request over "
+                "the same text, to this model or a paired one, reuses it with no prefill command"})
+    holder_id: str = dataclasses.field(default="", metadata={
+        "help": "id its held contexts are announced and granted under (default: receiver_id, without NATS auth); "
+                "under NATS auth the roster must name it (`droidmesh nats-auth --holder MODEL=ID`), and without "
+                "one this receiver holds nothing"})
+    hold_e_layers: tuple[int, ...] = dataclasses.field(default=(), metadata={
+        "help": "layers whose E is kept with every held context, besides those pair configs ask for"})
+    adapters: tuple[str, ...] = dataclasses.field(default=(), metadata={
+        "help": "adapters of model_path served by this process too, 'NAME=DIR' each: one copy of the base's weights, "
+                "the adapter chosen per request by its model id NAME; KV computed under one is reused by another in "
+                "process (no transfer)"})
+
     def __post_init__(self) -> None:
         super().__post_init__()
         p = Path(self.model_path)
@@ -102,3 +118,28 @@ class ReceiverConfig(BusSettings):
             object.__setattr__(self, "model_id", p.name)
         if not self.receiver_id:
             object.__setattr__(self, "receiver_id", f"{self.model_id}-{os.getpid()}")
+        if not self.holder_id and not (self.nats_user or self.nats_creds):
+            # Under NATS auth a holder may publish only under an id the roster names (`--holder`):
+            # without one given, this receiver holds nothing (`holding` is False; logged at start).
+            object.__setattr__(self, "holder_id", self.receiver_id)
+        if any(l < 0 for l in self.hold_e_layers):
+            raise ConfigError(f"hold_e_layers must be >= 0: {self.hold_e_layers}")
+        names = [self.model_id]
+        for entry in self.adapters:
+            name, eq, path = entry.partition("=")
+            if not eq or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", name) or not path:
+                raise ConfigError(f"adapter {entry!r} is not 'NAME=DIR' (NAME: letters, digits, '.', '_', '-')")
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise ConfigError(f"adapter {name}: {path!r} holds no adapter_config.json")
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ConfigError(f"served model ids must differ: {names}")
+
+    @property
+    def holding(self) -> bool:
+        """Whether this receiver holds what it prefills: `hold`, with a holder id to do it under."""
+        return self.hold and bool(self.holder_id)
+
+    def adapter_dirs(self) -> dict[str, Path]:
+        """The adapters served besides the base: model id -> directory."""
+        return {name: Path(path) for name, _, path in (e.partition("=") for e in self.adapters)}

@@ -93,7 +93,10 @@ async def _generate(s: ReceiverState, req: schemas.GenerateRequest, arrived: flo
 
 async def on_config(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
     """A profile for a pair with this receiver's exact weights: the newest version per sender
-    model wins (whether it fits the holder's weights is checked per request)."""
+    model wins (whether it fits the holder's weights is checked per request). One naming this
+    receiver's model as the sender tells its holder who may read and which E to keep."""
+    if s.holder is not None:
+        s.holder.on_config(cfg)
     if not policy.accepts(cfg, s.policy_facts):
         if cfg.receiver_model == s.cfg.model_id:
             log.warning("config_ignored", sender_model=cfg.sender_model, version=cfg.profile_version,

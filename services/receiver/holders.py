@@ -26,6 +26,7 @@ from droidmesh.services.receiver.pipeline import (
     Translation,
     align_target,
     check_translatable,
+    local_generate,
     reuse_generate,
     translate_generate,
 )
@@ -51,15 +52,19 @@ async def lookup(s: ReceiverState, prompt: list[int], mode: schemas.Mode, scope:
     """The broker's best holder for `prompt` (under the policy, of a model it has a config for or
     its own, when it has one: a default group can use any), or (None, why not)."""
     usable = [] if mode != "auto" or s.cfg.default_group else sorted({*s.configs, s.cfg.model_id})
-    return await lookup_in(s, prompt, s.model.fingerprint.id, usable, scope)
+    # An explicit plan mode asks to reuse another holder's cache: what this receiver holds from its
+    # own prefills would answer it with its own KV instead.
+    mine = s.holder.id if s.holder is not None and mode != "auto" else None
+    return await lookup_in(s, prompt, s.model.fingerprint.id, usable, scope, exclude_sender=mine)
 
 
-async def lookup_in(s: ReceiverState, token_ids: list[int], fingerprint_id: str, models: list[str], scope: str
-                    ) -> tuple[schemas.CacheAvailable | None, Reason | None]:
+async def lookup_in(s: ReceiverState, token_ids: list[int], fingerprint_id: str, models: list[str], scope: str,
+                    exclude_sender: str | None = None) -> tuple[schemas.CacheAvailable | None, Reason | None]:
     """The broker's best holder of `token_ids` among models of `fingerprint_id` (`models`: [] any),
     of the request's `scope` or public: a holder of another scope is never used, whatever the
     broker says (the reply then reads as a miss, so it tells the client nothing)."""
-    req = schemas.LookupRequest(token_ids=token_ids, fingerprint_id=fingerprint_id, models=models, scope=scope)
+    req = schemas.LookupRequest(token_ids=token_ids, fingerprint_id=fingerprint_id, models=models, scope=scope,
+                                exclude_sender=exclude_sender)
     try:
         data = await s.bus.request(subjects.BROKER_LOOKUP, schemas.encode(req), timeout=s.cfg.lookup_timeout_s)
     except TimeoutError as e:
@@ -102,6 +107,14 @@ async def reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: poli
     return await _pulled(s, holder, reuse_generate(
         s, holder, decision, prompt, req.max_new_tokens, timeout_s=_timeout_s(s, deadline),
         sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline))
+
+
+async def reuse_held(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision,
+                     prompt: list[int], req: schemas.GenerateRequest, stream: AnswerStream, deadline: float
+                     ) -> ReuseOutcome:
+    """`local_generate`: the plan over a context this receiver holds itself (no pull, no breaker)."""
+    return await local_generate(s, holder, decision, prompt, req.max_new_tokens, sampler=sampler_for(s, req),
+                                on_token=stream.on_token, deadline=deadline)
 
 
 async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,

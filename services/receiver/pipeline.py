@@ -17,6 +17,9 @@ Every tensor the engine reads from a pull is screened (`shared/kv/screen.py`, un
 start: `screen_for`): finite garbage (zeros, sign-flipped, noise at the right scale) fails it
 with an `IntegrityError`, so the request falls back like any other integrity failure.
 
+`local_generate` runs a plan over a context this receiver holds itself (what `offer` kept of an
+earlier full prefill, under any model this process serves): read in place, nothing pulled.
+
 `translate_generate` is the same pull-while-computing for a translated pair: it pulls the source
 model's E at the layers the translator reads (into buffers shaped by the source's fingerprint,
 `ForeignLayout`), and the engine reads a `TranslatedSource` over them, so each target layer is
@@ -38,11 +41,13 @@ import structlog
 
 from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, MissingLayerError, ReuseError, TransferError
 from droidmesh.shared.kv import translate
-from droidmesh.shared.kv.partial import Generation, generate_steps
+from droidmesh.shared.kv.blocks import CapturedContext
+from droidmesh.shared.kv.capture import captured_of
+from droidmesh.shared.kv.partial import Generation, PrefillResult, generate, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Decision
 from droidmesh.shared.kv.screen import Screen, ScreenedSource
-from droidmesh.shared.kv.sources import ArrivingSource, LayerSource, Steps
+from droidmesh.shared.kv.sources import ArrivingSource, CapturedSource, LayerSource, Steps
 from droidmesh.shared.kv.translate import TranslatedSource, Translator, TranslatorMismatchError, align
 from droidmesh.shared.mesh.maps_store import MapsStore
 from droidmesh.shared.model import text
@@ -61,7 +66,7 @@ from droidmesh.shared.transport.pull import (
     source_for,
 )
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.hashing import common_prefix
+from droidmesh.shared.wire.hashing import common_prefix, held_context_id
 from droidmesh.shared.wire.schemas import PullItem
 
 if TYPE_CHECKING:
@@ -153,6 +158,64 @@ async def reuse_generate(
                            timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline)
     return await _pull_and_run(s, holder, items, model, source, source, steps, timeout_s, deadline, decision.codec,
                                decision.codec_params)
+
+
+async def local_generate(
+    s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
+    *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None, deadline: float | None = None,
+) -> ReuseOutcome:
+    """The plan over a context this receiver holds itself (`holder` is its own announcement):
+    the engine reads the stored tensors in place, so nothing is pulled, encoded or screened (they
+    are this process's own computation); a context evicted meanwhile is a `ReuseError` (fallback).
+    The store's hold keeps its bytes counted until the engine is done with them."""
+    assert s.holder is not None  # `ReceiverState.holds(holder)` was checked
+    pin = s.holder.store.hold(holder.context_id)
+    captured = s.holder.store.get(holder.context_id)
+    if captured is None:
+        pin.release()
+        raise TransferError(f"held context {holder.context_id[:16]} was evicted before it was read")
+    stamps: dict[str, float] = {}
+
+    def run() -> Generation:
+        stamps["engine_start"] = time.perf_counter()  # in the worker: queueing is not compute
+        return generate(s.model, prompt, decision.plan, CapturedSource(captured), max_new_tokens=max_new_tokens,
+                        eos_token_id=s.eos_token_id, sampler=sampler, on_token=on_token, deadline=deadline)
+
+    try:
+        gen: Generation = await s.run_torch(run, deadline=deadline)
+    finally:
+        pin.release()
+    for stage, rel in gen.prefill.stages.items():
+        stamps[stage] = stamps["engine_start"] + rel
+    stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
+    return ReuseOutcome(gen, 0, stamps, gen.total_s)
+
+
+async def offer(s: ReceiverState, prompt: list[int], pre: PrefillResult, scope: str) -> None:
+    """Hold what a full prefill of `prompt` computed (its KV and kept E), in `scope`, announced like
+    a sender's capture. Runs after the answer (the copy out of the serving cache takes the torch
+    thread between requests); a context already held, or one the store cannot take, is skipped."""
+    holder = s.holder
+    if holder is None or len(prompt) < 2:  # one token leaves nothing to reuse (one is always computed)
+        return
+    cid = held_context_id(prompt, scope, s.policy_facts.model_sha256)
+    if holder.store.get(cid) is not None:
+        return
+    t0 = time.perf_counter()
+
+    def capture() -> CapturedContext:
+        captured = captured_of(s.model, prompt, pre)
+        placed = captured.with_items(holder.place(captured.items()))
+        return dataclasses.replace(placed, scope=scope, model_name=s.cfg.model_id)  # announced under its served id
+
+    try:
+        captured = await s.run_torch(capture)
+        await holder.put(cid, captured)
+    except DroidMeshError as e:  # over the budget, or pinned by pulls: this context is not held
+        log.info("hold_skipped", context_id=cid, tokens=len(prompt), reason=f"{e.code}: {e}")
+        return
+    log.info("held", context_id=cid, tokens=len(prompt), nbytes=captured.nbytes, e_layers=sorted(captured.e),
+             ms=round((time.perf_counter() - t0) * 1e3, 2))
 
 
 async def screen_for(s: ReceiverState) -> Screen | None:

@@ -18,13 +18,14 @@ from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import Translation
 from droidmesh.services.receiver.relay_watch import QualityWatch
 from droidmesh.shared.errors import DeadlineExceededError
+from droidmesh.shared.holding.holder import Holder
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.screen import Screen
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.service.runtime import Supervisor
-from droidmesh.shared.transport.bulk import make_client
+from droidmesh.shared.transport.bulk import BulkClient, make_client
 from droidmesh.shared.wire import schemas
 
 log = structlog.get_logger("receiver")
@@ -35,10 +36,11 @@ class ReceiverState:
     configs, the torch thread, the per-holder circuit breaker and the recent replies."""
 
     def __init__(self, cfg: ReceiverConfig, bus: Bus, model: ModelAdapter, model_sha256: str,
-                 run_torch: Callable[..., Awaitable[Any]], tasks: Supervisor, metrics: Metrics):
+                 run_torch: Callable[..., Awaitable[Any]], tasks: Supervisor, metrics: Metrics,
+                 bulk: BulkClient | None = None):
         self.cfg, self.bus, self.model, self._torch, self._tasks = cfg, bus, model, run_torch, tasks
         self.metrics = metrics
-        self.bulk = make_client(cfg.transport)
+        self.bulk = bulk if bulk is not None else make_client(cfg.transport)  # shared by a process's served models
         # What the reuse policy knows of this receiver.
         self.policy_facts = policy.Receiver(model_id=cfg.model_id, model_sha256=model_sha256,
                                             num_layers=model.num_layers, default_group=cfg.default_group)
@@ -70,6 +72,17 @@ class ReceiverState:
         self.replies: OrderedDict[tuple[str, bytes], asyncio.Future] = OrderedDict()
         self.breaker = Breaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
         self.listeners: ListenerWatch | None = None  # set by the service once connected (None: in-process bus)
+        self.holder: Holder | None = None  # set by the service when it holds what it prefills (`hold`)
+
+    def hold_layers(self) -> list[int]:
+        """The layers whose E a full prefill keeps for holding ([]: this receiver holds nothing)."""
+        if self.holder is None:
+            return []
+        return self.holder.models[self.cfg.model_id].e_layers(self.cfg.hold_e_layers, self.model.num_layers)
+
+    def holds(self, holder: schemas.CacheAvailable) -> bool:
+        """Whether `holder` is this receiver's own holder (then its context is read in process)."""
+        return self.holder is not None and holder.sender_id == self.holder.id
 
     def remember(self, key: tuple[str, bytes], fut: asyncio.Future, keep: int = 4096) -> None:
         self.replies[key] = fut

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from typing import TYPE_CHECKING
@@ -10,43 +9,34 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from droidmesh.services.sender import grants
-from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError, TransferError
-from droidmesh.shared.kv import policy
-from droidmesh.shared.kv.blocks import CapturedContext, tensor_nbytes
+from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError
+from droidmesh.shared.kv.blocks import CapturedContext
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate as engine_generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.mesh import maps_store
 from droidmesh.shared.model import text
-from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.model.sampling import make_sampler
 from droidmesh.shared.transport import codecs
-from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.hashing import context_id
 
 if TYPE_CHECKING:
     from droidmesh.services.sender.state import SenderState
 
 log = structlog.get_logger("sender")
-REANNOUNCE_GAP_S = 0.01  # 100 events/s: half the broker's default sender_events_per_s
 
 
 async def _ensure_captured(s: SenderState, ctx_ids: list[int], scope: str) -> tuple[str, CapturedContext]:
-    """The context's capture in `scope`, from the store or by prefilling it now (then stored +
+    """The context's capture in `scope`, from the store or by prefilling it now (then held and
     announced). The same tokens in another scope are another context, captured on their own."""
     cid = context_id(ctx_ids, scope)
     captured = s.store.get(cid)
     if captured is None:
-        e_layers = [l for l in s.e_layers() if l < s.model.num_layers]
-        captured = dataclasses.replace(await s.run_torch(_capture, s, ctx_ids, e_layers), scope=scope)
+        captured = dataclasses.replace(await s.run_torch(_capture, s, ctx_ids, s.e_layers()), scope=scope)
         s.metrics.prefills.inc()
-        for evicted in s.store.put(cid, captured):
-            s.metrics.evictions.inc()
-            await s.bus.publish(subjects.cache_evicted(s.cfg.sender_id), schemas.encode(
-                schemas.CacheEvicted(sender_id=s.cfg.sender_id, context_id=evicted)))
-        await announce(s, cid, captured)
+        await s.holder.put(cid, captured)
     return cid, captured
 
 
@@ -56,7 +46,7 @@ def _capture(s: SenderState, ctx_ids: list[int], e_layers: list[int]) -> Capture
     once (`LowRankCodec.prepare`): the codes cost about r / head_dim of the KV in the store's
     budget and take the encode off every pull (a prefix pull slices them)."""
     captured = capture_prefill(s.model, ctx_ids, e_layers)
-    captured = captured.with_items(s.place(captured.items()))  # where the bulk channel serves it from
+    captured = captured.with_items(s.holder.place(captured.items()))  # where the bulk channel serves it from
     codes: dict[tuple[str, int, str], torch.Tensor] = {}
     for maps in codecs.LOWRANK.loaded():
         if maps.meta.get("sender_sha256") != s.model_sha256:
@@ -69,24 +59,6 @@ def _capture(s: SenderState, ctx_ids: list[int], e_layers: list[int]) -> Capture
             if prepared is not None:
                 codes[(maps.sha256, layer, kind)] = prepared
     return dataclasses.replace(captured, codes=codes)
-
-
-async def announce(s: SenderState, cid: str, captured: CapturedContext) -> None:
-    """Publish the availability event the broker indexes, and the endpoint receivers warm up on."""
-    e_sizes = {tensor_nbytes(t) for t in captured.e.values()}
-    msg = schemas.CacheAvailable(
-        sender_id=s.cfg.sender_id, model_id=s.cfg.model_id, model_sha256=s.model_sha256,
-        fingerprint=schemas.fingerprint_to_wire(captured.fingerprint), fingerprint_id=captured.fingerprint.id,
-        context_id=cid, token_ids=list(captured.token_ids), dtype=dtype_name(s.model.dtype),
-        kv_nbytes=captured.kv_nbytes(), e_layers=sorted(captured.e), e_nbytes=max(e_sizes, default=0),
-        transport=s.bulk_transport, address=s.bulk_address, published_at=time.time(), scope=captured.scope,
-    )
-    # on this sender's own subjects: NATS lets a sender user publish only under its own token
-    await s.bus.publish(subjects.cache_available(s.cfg.sender_id), schemas.encode(msg))
-    # receivers warm their bulk connection from this one; the event above, with its token ids, is the broker's
-    await s.bus.publish(subjects.sender_endpoint(s.cfg.sender_id), schemas.encode(schemas.SenderEndpoint(
-        sender_id=msg.sender_id, model_id=msg.model_id, fingerprint_id=msg.fingerprint_id, transport=msg.transport,
-        address=msg.address, published_at=msg.published_at)))
 
 
 def _check_deadline(deadline: float) -> None:
@@ -159,53 +131,18 @@ async def prefill(s: SenderState, req: schemas.PrefillRequest) -> schemas.Prefil
     return schemas.PrefillReply(request_id=req.request_id, context_id=cid, tokens=len(ctx_ids), nbytes=captured.nbytes)
 
 
-async def grant(s: SenderState, reply: str, req: schemas.GrantRequest) -> schemas.GrantReply:
-    """One pull of a context this sender holds, for the receiver that asked (the reply reaches
-    only its inbox): a single-use grant that lapses after `grant_ttl_s`. Only for readers of this
-    sender's model (`grants.check`, by the inbox `reply` names), checked first: an asker that may
-    not read learns nothing of what the store holds."""
-    grants.check(s.readers, reply, authenticated=bool(s.cfg.nats_user))
-    if s.store.get(req.context_id) is None:
-        raise TransferError(f"sender {s.cfg.sender_id} does not hold context {req.context_id[:80]}")
-    token, expires = s.tokens.issue(req.context_id)
-    return schemas.GrantReply(token=token, expires_at=expires)
-
-
-def authorize(s: SenderState, req: schemas.PullRequest) -> None:
-    s.tokens.verify(req.context_id, req.token)
-
-
-async def broker_hello(s: SenderState, msg: schemas.BrokerHello) -> None:
-    """A (re)started broker asks for the current holdings: re-announce every stored context
-    (a hello naming another sender is not for us)."""
-    if msg.sender_id and msg.sender_id != s.cfg.sender_id:
-        return
-    for cid, captured in s.store.items():
-        await announce(s, cid, captured)
-        # paced under the broker's per-sender event budget, so a large store is indexed whole
-        # instead of overflowing the queue the broker keeps for an over-budget sender
-        await asyncio.sleep(REANNOUNCE_GAP_S)
-    log.info("reannounced", broker_id=msg.broker_id, contexts=len(s.store.ids()))
-
-
 async def on_config(s: SenderState, cfg: schemas.RecomputeConfig) -> None:
-    """A profile of this model's exact weights as sender: keep E for every group start and patch
-    layer it may use, and load the SCD maps its coded plans name (a failure only costs those plans:
-    the receiver's pull under them is refused and it falls back). A config naming this sender's
-    model with a receiver model, whatever weights it profiled, makes that model a reader
-    (`grants`): the pair is declared; a config's removal is not seen until a restart."""
-    if cfg.sender_model != s.cfg.model_id:
-        return
-    if s.readers.pair(cfg.receiver_model):
-        log.info("reader_paired", receiver_model=cfg.receiver_model)
-    if cfg.sender_sha256 != s.model_sha256:
+    """A profile naming this sender's model: its receiver model becomes a reader and, for these
+    exact weights, E is kept for every group start and patch layer it may use (`Holder.on_config`);
+    the SCD maps its coded plans name are loaded (a failure only costs those plans: the receiver's
+    pull under them is refused and it falls back). A config's removal is not seen until a restart."""
+    if not s.holder.on_config(cfg):
         return
     points = (*cfg.frontier, cfg.chosen)
-    starts = {l for p in points for l in policy.plan_of(p.plan).e_layers}
-    s.profiled_e_layers[cfg.receiver_model] = starts
     for sha in sorted(maps_store.referenced(points)):
         try:
             await maps_store.load(s.bus.maps_store(), sha, s.model_sha256, "sender")
         except DroidMeshError as e:
             log.warning("maps_unavailable", receiver_model=cfg.receiver_model, maps=sha[:12], error=f"{e.code}: {e}")
-    log.info("config_loaded", receiver_model=cfg.receiver_model, version=cfg.profile_version, e_layers=sorted(starts))
+    log.info("config_loaded", receiver_model=cfg.receiver_model, version=cfg.profile_version,
+             e_layers=sorted(s.held.profiled_e.get(cfg.receiver_model, ())))

@@ -1,28 +1,26 @@
 """Sender service: hosts one model, prefills contexts, serves their KV/E over its bulk channel.
 
 Start: load the model (worker thread) -> connect -> start the bulk server (UCX: ephemeral port by
-default) -> serve generate/prefill requests and pull grants (to readers of this model only,
-`grants.py`) -> heart-beat and follow the config board (both
+default) -> serve generate/prefill requests and pull grants (to readers of this model only:
+`shared/holding`) -> heart-beat and follow the config board (both
 supervised: a crashed loop is restarted, the sender not ready until it is). Stop: withdraw every
 cache (eviction events) while the bus is open, drain the bus, close the bulk server.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import time
 
 import structlog
 
-from droidmesh.services.sender import grants, handlers
+from droidmesh.services.sender import handlers
 from droidmesh.services.sender.config import SenderConfig
 from droidmesh.services.sender.state import SenderState
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.mesh.config_board import ConfigBoard
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.service.runtime import ServiceRuntime
-from droidmesh.shared.service.wrappers import event, rpc
+from droidmesh.shared.service.wrappers import rpc
 from droidmesh.shared.transport.bulk import BulkServer, make_server
 from droidmesh.shared.wire import schemas, subjects
 
@@ -45,40 +43,23 @@ class SenderService(ServiceRuntime[SenderConfig]):
                                               name=cfg.model_id)
         bus = await self.connect()
         s = self.state = SenderState(cfg, bus, model, sha256, self.run_torch, self.metrics)
-        self._server = make_server(cfg.transport, s.store.tensor, functools.partial(handlers.authorize, s),
-                                   host=cfg.ucx_host, port=cfg.ucx_port, name=cfg.sender_id, pin=s.store.hold,
-                                   limits=cfg.slot_limits())
-        s.bulk_transport, s.bulk_address = self._server.transport, await self._server.start()
-        s.place = self._server.place
+        self._server = make_server(cfg.transport, s.store.tensor, s.holder.authorize, host=cfg.ucx_host,
+                                   port=cfg.ucx_port, name=cfg.sender_id, pin=s.store.hold, limits=cfg.slot_limits())
+        await s.holder.start(self._server)
         await bus.serve(subjects.sender_generate(cfg.model_id),
                         rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")
         await bus.serve(subjects.sender_prefill(cfg.model_id),
                         rpc(schemas.PrefillRequest, functools.partial(handlers.prefill, s)), queue="senders")
-        await grants.serve(bus, subjects.sender_grant(cfg.sender_id),
-                           lambda reply: rpc(schemas.GrantRequest, functools.partial(handlers.grant, s, reply)))
-        await bus.subscribe(subjects.BROKER_HELLO, event(schemas.BrokerHello, functools.partial(handlers.broker_hello, s)))
-        self.tasks.supervise("heartbeat", functools.partial(self._heartbeat, s))
+        self.tasks.supervise("heartbeat", s.holder.heartbeat)
         board = self._board or bus.config_board()
         self.tasks.supervise("config-watch", lambda: board.watch(functools.partial(handlers.on_config, s)))
-        log.info("sender_started", model_id=cfg.model_id, sender_id=cfg.sender_id, transport=s.bulk_transport,
-                 address=s.bulk_address,
+        log.info("sender_started", model_id=cfg.model_id, sender_id=cfg.sender_id, transport=s.holder.transport,
+                 address=s.holder.address,
                  fingerprint=model.fingerprint.id, layers=model.num_layers)
 
-    @staticmethod
-    async def _heartbeat(s: SenderState) -> None:
-        while True:
-            msg = schemas.SenderHeartbeat(sender_id=s.cfg.sender_id, model_id=s.cfg.model_id,
-                                          context_ids=s.store.ids(), interval_s=s.cfg.heartbeat_s, sent_at=time.time())
-            await s.bus.publish(subjects.sender_heartbeat(s.cfg.sender_id), schemas.encode(msg))
-            await asyncio.sleep(s.cfg.heartbeat_s)
-
     async def withdraw(self) -> None:
-        s = self.state
-        if s is None:
-            return
-        for cid in s.store.ids():  # nobody should be sent here any more
-            await s.bus.publish(subjects.cache_evicted(s.cfg.sender_id), schemas.encode(
-                schemas.CacheEvicted(sender_id=s.cfg.sender_id, context_id=cid)))
+        if self.state is not None:
+            await self.state.holder.withdraw()
 
     async def release(self) -> None:
         if self._server is not None:

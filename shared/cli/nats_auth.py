@@ -22,12 +22,18 @@ def _sender(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
               help="A sender's id (DM_SENDER_SENDER_ID) and the model it serves; user sender-ID. Repeatable.")
 @click.option("--receiver", "receivers", multiple=True, metavar="MODEL",
               help="A model whose receivers log in as receiver-MODEL. Repeatable.")
+@click.option("--holder", "holders", multiple=True, metavar="MODEL=ID", callback=_sender,
+              help="Receivers of MODEL hold what they prefill under holder id ID (DM_RECEIVER_HOLDER_ID): they may "
+                   "announce and grant under ID only. Repeatable; without it receivers must run with hold off.")
+@click.option("--hosted", "hosted", multiple=True, metavar="MODEL=ADAPTER", callback=_sender,
+              help="Receivers of MODEL also serve ADAPTER (DM_RECEIVER_ADAPTERS): they may join its queue group too. "
+                   "Repeatable.")
 @click.option("--tenant", "tenants", multiple=True, metavar="NAME",
               help="A tenant of direct mesh clients: user client-NAME, which reads only its own reply inbox "
                    "(receivers may stream to it). Repeatable.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the conf here (default: stdout).")
-def nats_auth(senders: tuple[tuple[str, str], ...], receivers: tuple[str, ...], tenants: tuple[str, ...],
-              out: str | None) -> None:
+def nats_auth(senders: tuple[tuple[str, str], ...], receivers: tuple[str, ...], holders: tuple[tuple[str, str], ...],
+              hosted: tuple[tuple[str, str], ...], tenants: tuple[str, ...], out: str | None) -> None:
     """Render nats-auth.conf: each sender pinned to its own id, each model's receivers to its queue
     group, a client user per --tenant, plus the broker, profiler, client, gateway and admin users.
     Without --sender and --receiver: the shipped roster's services (infra/nats/nats-auth.conf)."""
@@ -35,9 +41,13 @@ def nats_auth(senders: tuple[tuple[str, str], ...], receivers: tuple[str, ...], 
 
     base = Roster(senders, receivers) if senders or receivers else DEFAULT_ROSTER
     try:
-        roster = Roster(base.senders, base.receivers, tuple(dict.fromkeys(tenants)))
-    except ValueError as e:  # a name NATS users or env variables cannot carry
-        raise click.BadParameter(str(e), param_hint="'--tenant'") from None
+        adapters: dict[str, list[str]] = {}
+        for model, adapter in hosted:
+            adapters.setdefault(model, []).append(adapter)
+        roster = Roster(base.senders, base.receivers, tuple(dict.fromkeys(tenants)),
+                        hosted=tuple((m, tuple(a)) for m, a in adapters.items()), holders=holders)
+    except ValueError as e:  # a name NATS users or env variables cannot carry, or a model no --receiver names
+        raise click.BadParameter(str(e), param_hint="'--tenant' / '--holder' / '--hosted'") from None
     text = render(roster)
     if out:
         Path(out).write_text(text)

@@ -1,4 +1,8 @@
-"""Capturing prefill (sender side): prefill a context, keep every layer's KV and chosen E's.
+"""Capturing prefill: prefill a context, keep every layer's KV and chosen E's.
+
+A sender captures what it is asked to prefill (`capture_prefill`); a receiver keeps what its own
+full prefill of a request computed anyway (`captured_of`: the prompt's KV out of the serving cache,
+the E the prefill kept), so serving a prompt makes it reusable.
 
 E is 2-4x the size of a layer's KV (hidden vs kv_heads*head_dim*2), so it is captured only for
 the layers a receiver's recompute groups start at.
@@ -12,6 +16,7 @@ import torch
 
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
+from droidmesh.shared.kv.partial import PrefillResult
 from droidmesh.shared.model import hf_cache
 from droidmesh.shared.model.adapter import ModelAdapter
 
@@ -44,3 +49,21 @@ def capture_prefill(sender: ModelAdapter, token_ids: Sequence[int], e_layers: It
     return CapturedContext(
         token_ids=tuple(ids), fingerprint=sender.fingerprint, model_name=sender.name, kv=kv, e=e
     )
+
+
+@torch.inference_mode()
+def captured_of(model: ModelAdapter, prompt: Sequence[int], pre: PrefillResult) -> CapturedContext:
+    """The context a full prefill of `prompt` on `model` computed: every layer's K/V of the prompt's
+    tokens, copied out of `pre.cache` (which decoding went on appending to, and which is freed with
+    its request), and the E `pre` kept. Equal to `capture_prefill(model, prompt, pre.e)`: the same
+    operations ran."""
+    if pre.plan.mode != "full_prefill" or pre.reused_tokens:
+        raise BadRequestError("only a full prefill's cache is the model's own: a reused one is not held")
+    t = len(prompt)
+    kv = []
+    for l in range(model.num_layers):
+        k, v = hf_cache.layer_kv(pre.cache, l)  # each [1, kvh, >= t, hd]
+        kv.append(KVBlock(l, k[:, :, :t].clone(), v[:, :, :t].clone()))  # [1, kvh, t, hd], contiguous
+    e = {l: x[:, :t].clone() if x.shape[1] != t else x for l, x in pre.e.items()}  # each [1, t, D]
+    return CapturedContext(token_ids=tuple(int(i) for i in prompt), fingerprint=model.fingerprint,
+                           model_name=model.name, kv=tuple(kv), e=e)

@@ -28,6 +28,7 @@ call: on any error nothing is half-applied, the caller falls back to full prefil
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
@@ -61,6 +62,8 @@ class PrefillResult:
     reused_tokens: int  # m: context tokens taken from the sender
     plan: ReusePlan
     stages: dict[str, float]  # seconds since the call began, per stage boundary
+    # a full prefill's E_l [1, T, D] at each layer `keep_e` asked for (what a holder offers with its KV)
+    e: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -82,6 +85,7 @@ def prefill_steps(
     logits_for: int = 1,
     decode_tokens: int = 0,
     turns: bool = False,
+    keep_e: Sequence[int] = (),
 ) -> Steps[PrefillResult]:
     """`prefill` as steps: yields a `Need` before each read from `source` (run under
     `torch.inference_mode` by the driver). Logits are computed for the last `logits_for` prompt
@@ -90,7 +94,9 @@ def prefill_steps(
     The cache is sized for the prompt plus the `decode_tokens` the caller will append (at most
     DECODE_RESERVE up front), and every token's K/V is written into it once
     (`hf_cache.WriteOnceLayer`). With `turns`, a full prefill yields a "turn" `Need` between
-    layers (a background run a driver can pause for a request; the result is the same)."""
+    layers (a background run a driver can pause for a request; the result is the same). With
+    `keep_e`, a full prefill keeps E_l of each of those layers (a copy: the layers' outputs are
+    not kept otherwise), so its cache and E can be held for others to reuse; same result."""
     if logits_for < 1:
         raise BadRequestError(f"logits_for {logits_for} < 1")
     t0 = time.perf_counter()
@@ -104,12 +110,18 @@ def prefill_steps(
     cache = receiver.new_cache(len(prompt) + min(max(decode_tokens, 0), DECODE_RESERVE))
     if plan.mode == "full_prefill":
         h = receiver.embed(receiver.token_tensor(prompt))  # [1, T, D]
-        for s, e in [(0, L)] if not turns else [(l, l + 1) for l in range(L)]:
-            if s:
+        kept = sorted({l for l in keep_e if 0 <= l < L})
+        cuts = sorted({0, L, *kept} if not turns else set(range(L + 1)))  # segment bounds: run, snapshot, run
+        e_kept: dict[int, torch.Tensor] = {}
+        for s, e in itertools.pairwise(cuts):
+            if s and turns:
                 yield Need("turn", s, float("inf"))
+            if s in kept:
+                e_kept[s] = h.clone()  # E_s [1, T, D]: the next layers write new tensors, never this one
             h = receiver.run_layers(h, s, e, cache, past=0)
         stages["suffix_done"] = time.perf_counter() - t0
-        return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), 0, plan, stages)  # [n, vocab]
+        return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), 0, plan, stages,
+                             e_kept)  # logits [n, vocab]
     if source is None:
         raise BadRequestError(f"plan {plan.label()} needs a sender cache")
     require_compatible(source.fingerprint, receiver.fingerprint)
@@ -197,6 +209,7 @@ def generate_steps(
     on_token: Callable[[int], bool] | None = None,
     deadline: float | None = None,
     turns: bool = False,
+    keep_e: Sequence[int] = (),
 ) -> Steps[Generation]:
     """`generate` as steps (only the prefill reads the source; decoding is one step).
 
@@ -205,13 +218,14 @@ def generate_steps(
     ends decoding after that token. Both run before the next decode step starts. `deadline`
     (time.monotonic()) is checked before every decode step: once it has passed, decoding ends
     with what it has (finish_reason "length"), so a request never decodes past its deadline.
-    `turns`: a "turn" `Need` between a full prefill's layers and before every decode step."""
+    `turns`: a "turn" `Need` between a full prefill's layers and before every decode step.
+    `keep_e`: a full prefill keeps E at those layers (`prefill_steps`)."""
     if max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
     choose = sampler or greedy
     t0 = time.perf_counter()
     pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s,
-                                   decode_tokens=max_new_tokens - 1, turns=turns)  # the last chosen token is never fed back
+                                   decode_tokens=max_new_tokens - 1, turns=turns, keep_e=keep_e)  # the last chosen token is never fed back
     token = choose(pre.logits[-1])  # [vocab] float32 -> id
     ttft = time.perf_counter() - t0
     tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers

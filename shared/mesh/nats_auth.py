@@ -62,9 +62,17 @@ class Roster:
     senders: tuple[tuple[str, str], ...]  # (sender id, model id)
     receivers: tuple[str, ...]  # model ids
     tenants: tuple[str, ...] = ()  # client-<tenant> users
+    # (receiver model id, the adapter model ids its processes serve too: one copy of the weights)
+    hosted: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # (receiver model id, the holder id its processes announce and grant what they prefill under)
+    holders: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in [i for pair in self.senders for i in pair] + list(self.receivers) + list(self.tenants):
+        extra = [i for _, ids in self.hosted for i in ids] + [h for _, h in self.holders]
+        for model in [m for m, _ in self.hosted] + [m for m, _ in self.holders]:
+            if model not in self.receivers:
+                raise ValueError(f"{model!r} hosts adapters or holds contexts but is not a receiver of the roster")
+        for name in [i for pair in self.senders for i in pair] + list(self.receivers) + list(self.tenants) + extra:
             if not _ID.match(name):
                 raise ValueError(f"{name!r}: ids in the NATS roster are letters, digits, '_' and '-' only")
         envs = [password_env(u) for u in self.users]
@@ -80,11 +88,19 @@ class Roster:
 
 
     @classmethod
-    def local(cls, senders: Iterable[str], receivers: Iterable[str]) -> Roster:
+    def local(cls, senders: Iterable[str], receivers: Iterable[str], hosted: Mapping[str, Iterable[str]] | None = None,
+              holders: Mapping[str, str] | None = None) -> Roster:
         """A local mesh's roster: one sender per model in `senders`, each with its model's name as
         its id (run it with `sender_id` = that name), and the receivers of `receivers`; repeats
-        are one entry."""
-        return cls(senders=tuple((m, m) for m in dict.fromkeys(senders)), receivers=tuple(dict.fromkeys(receivers)))
+        are one entry. `hosted`: receiver model -> the adapters its process serves too (run it
+        with `adapters`); `holders`: receiver model -> the `holder_id` it holds its prefills under."""
+        return cls(senders=tuple((m, m) for m in dict.fromkeys(senders)), receivers=tuple(dict.fromkeys(receivers)),
+                   hosted=tuple((m, tuple(a)) for m, a in (hosted or {}).items()),
+                   holders=tuple((holders or {}).items()))
+
+    def served(self, model_id: str) -> tuple[str, ...]:
+        """The models a receiver of `model_id` answers for: its own, then its hosted adapters."""
+        return (model_id, *dict(self.hosted).get(model_id, ()))
 
 
 # The shipped deployment (infra/compose.yaml, infra/k8s): one sender of /models/summ with
@@ -174,16 +190,25 @@ def _sender(sender_id: str, model_id: str) -> tuple[str, str, dict[str, list[str
                       subjects.sender_grant(sender_id), subjects.BROKER_HELLO, _inbox(user), _SRV]})
 
 
-def _receiver(model_id: str, tenants: tuple[str, ...]) -> tuple[str, str, dict[str, list[str]]]:
+def _receiver(model_id: str, roster: Roster) -> tuple[str, str, dict[str, list[str]]]:
     user = receiver_user(model_id)
-    askers = ("client", *(tenant_user(t) for t in tenants), "gateway", "admin")
+    askers = ("client", *(tenant_user(t) for t in roster.tenants), "gateway", "admin")
+    models = roster.served(model_id)
+    holder = dict(roster.holders).get(model_id)
+    why = (f"Receivers of {', '.join(models)}: those models' queue groups only; streamed chunks go to the asker's "
+           "inbox; re-profile requests (quality watch) on their own models' subjects only; senders' endpoints.")
     # Senders' endpoints, not their availability events: those carry every scope's token ids.
-    return (user, f"Receivers of {model_id}: its queue group only; streamed chunks go to the asker's inbox; "
-                  "re-profile requests (quality watch) on its own model's subject only; senders' endpoints.", {
-        "publish": [subjects.BROKER_LOOKUP, subjects.SENDER_GRANT_ALL, subjects.profiler_reprofile(model_id), _SRV,
+    perms = {
+        "publish": [subjects.BROKER_LOOKUP, subjects.SENDER_GRANT_ALL, *map(subjects.profiler_reprofile, models), _SRV,
                     *(_inbox(r) for r in askers), *_KV_READ],
-        "subscribe": [f"{subjects.receiver_generate(model_id)} {subjects.receiver_queue(model_id)}",
-                      subjects.SENDER_ENDPOINT_ALL, _inbox(user), _SRV]})
+        "subscribe": [*(f"{subjects.receiver_generate(m)} {subjects.receiver_queue(m)}" for m in models),
+                      subjects.SENDER_ENDPOINT_ALL, _inbox(user), _SRV]}
+    if holder is not None:  # what it prefills it holds as a sender would: events and grants under its holder id only
+        why += f" Holds its prefills as {holder}."
+        perms["publish"] += [subjects.cache_available(holder), subjects.cache_evicted(holder),
+                             subjects.sender_heartbeat(holder), subjects.sender_endpoint(holder)]
+        perms["subscribe"] += [subjects.sender_grant(holder), subjects.BROKER_HELLO]
+    return user, why, perms
 
 
 def _tenant(tenant: str) -> tuple[str, str, dict[str, list[str]]]:
@@ -271,7 +296,7 @@ jetstream {
 
 def render(roster: Roster) -> str:
     """The whole nats-auth.conf for `roster`."""
-    users = [*(_sender(s, m) for s, m in roster.senders), *(_receiver(m, roster.tenants) for m in roster.receivers),
+    users = [*(_sender(s, m) for s, m in roster.senders), *(_receiver(m, roster) for m in roster.receivers),
              *(_tenant(t) for t in roster.tenants), *_fixed()]
     askers = {"client", "gateway", *(tenant_user(t) for t in roster.tenants)}  # they answer nothing
     lines = [HEADER, "authorization {", "  users = ["]

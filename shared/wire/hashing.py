@@ -59,6 +59,14 @@ def context_id(token_ids: tuple[int, ...] | list[int], scope: str = PUBLIC) -> s
     return xxhash.xxh3_128_hexdigest(arr.tobytes(), seed=scope_seed(scope))
 
 
+def held_context_id(token_ids: tuple[int, ...] | list[int], scope: str, model_sha256: str) -> str:
+    """Content address of a context a receiver holds from its own prefill: as `context_id`, with
+    the model's weights hash hashed in, so one holder of several models (a base and its adapters)
+    keeps their caches of the same tokens apart."""
+    arr = array.array("I", token_ids)
+    return xxhash.xxh3_128_hexdigest(arr.tobytes() + b"\0" + model_sha256.encode(), seed=scope_seed(scope))
+
+
 def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
     """Length of the longest common prefix of two token-id sequences."""
     n = min(len(a), len(b))

@@ -109,6 +109,7 @@ class LookupRequest(Message, tag="lookup.request"):
     token_ids: list[int]
     fingerprint_id: str
     exclude_model: str | None = None  # e.g. the receiver itself
+    exclude_sender: str | None = None  # a holder id whose contexts the asker does not want (its own)
     # sender models whose holders the asker can use (the pairs it has configs for, its own model):
     # their holders win over a longer prefix elsewhere, which would only send it to its own
     # prefill; [] = any

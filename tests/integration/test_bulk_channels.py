@@ -143,7 +143,7 @@ def test_unknown_context_is_refused(transport):
 # -- hostile peers: nothing allocates from a peer's word, limits hold ---------------------------
 def _stored_context(tokens: int = 33, layers: int = 3):
     """A CacheStore holding one context "ctx" of `layers` layers and E of layer 1."""
-    from droidmesh.services.sender.store import CacheStore
+    from droidmesh.shared.holding.store import CacheStore
     from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
     from droidmesh.shared.model.adapter import random_model
     from tests.conftest import FAMILIES
@@ -297,8 +297,8 @@ def test_ucx_server_listens_only_on_the_configured_host():
 
 def test_poisoned_kv_pulled_over_a_channel_is_an_integrity_error(receiver, prompt):
     """NaN KV with a valid checksum, pulled over inproc into the receiver's prefix buffers, fails the engine's read (fallback)."""
-    from droidmesh.services.sender.store import CacheStore
     from droidmesh.shared.errors import IntegrityError
+    from droidmesh.shared.holding.store import CacheStore
     from droidmesh.shared.kv.capture import capture_prefill
     from droidmesh.shared.kv.partial import prefill
     from droidmesh.shared.kv.plan import ReusePlan

@@ -21,8 +21,8 @@ import msgspec
 import pytest
 import torch
 
-from droidmesh.services.sender.store import CacheStore
 from droidmesh.shared.errors import IntegrityError
+from droidmesh.shared.holding.store import CacheStore
 from droidmesh.shared.kv import quant
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import Generation, generate

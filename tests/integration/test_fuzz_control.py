@@ -166,11 +166,19 @@ def _receiver_state() -> SimpleNamespace:
     from droidmesh.shared.kv import policy
 
     return SimpleNamespace(policy_facts=policy.Receiver(model_id="rcv", model_sha256=SHA, num_layers=4),
-                           cfg=SimpleNamespace(model_id="rcv"), configs={}, metrics=Metrics("receiver"))
+                           cfg=SimpleNamespace(model_id="rcv"), configs={}, metrics=Metrics("receiver"), holder=None)
 
 
 def _sender_state() -> SimpleNamespace:
-    return SimpleNamespace(cfg=SimpleNamespace(model_id="snd"), model_sha256=SHA, profiled_e_layers={})
+    import torch
+
+    from droidmesh.shared.holding.holder import Holder
+    from droidmesh.shared.holding.store import CacheStore
+
+    holder = Holder("snd", InProcessBus(), CacheStore(1 << 20), Metrics("sender"), grant_ttl_s=10.0, heartbeat_s=1.0,
+                    authenticated=False)
+    return SimpleNamespace(cfg=SimpleNamespace(model_id="snd"), model_sha256=SHA, holder=holder,
+                           held=holder.add_model("snd", SHA, torch.float32))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -200,7 +208,7 @@ def test_receivers_and_senders_ignore_hostile_configs_and_keep_the_last_good_one
     # the newest honest config wins unless a hostile one was itself admissible (valid, not from the future)
     assert held.profile_version < 2**40 and all(math.isfinite(p.quality) for p in held.frontier)
     assert held.profile_version >= later.profile_version or held in hostile
-    assert all(0 < start < 4 for start in s.profiled_e_layers.get("rcv", set()))
+    assert all(0 < start < 4 for start in s.held.profiled_e.get("rcv", set()))
 
 
 async def _no_hello(sender_id: str) -> None:

@@ -54,13 +54,16 @@ class XorCodec:
 
 @contextlib.asynccontextmanager
 async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc", holdout_share=0.0, shadow_share=0.0,
-               blind_share=0.0, **receiver_kw):
+               blind_share=0.0, hold=False, **receiver_kw):
+    """Broker, sender and receiver in one loop. The receiver holds nothing of its own by default:
+    these tests reuse the sender's cache, which a repeat would otherwise find in the receiver's own
+    store (test_receiver_holding.py covers that)."""
     bus, board = InProcessBus(), InMemoryConfigBoard()
     scfg = SenderConfig(model_path=str(tiny_pair[0]), model_id="sender", e_layers=(0, 2), heartbeat_s=0.2,
                         transport=transport)
     rcfg = ReceiverConfig(model_path=str(tiny_pair[1]), model_id="receiver", default_group=default_group,
                           transport=transport, holdout_share=holdout_share, shadow_share=shadow_share,
-                          blind_share=blind_share, **receiver_kw)
+                          blind_share=blind_share, hold=hold, **receiver_kw)
     async with BrokerService(BrokerConfig(), bus=bus), \
             SenderService(scfg, bus=bus, model=tiny_models[0], board=board), \
             ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board) as receiver:

@@ -1,4 +1,4 @@
-"""Who a sender grants pulls to (services/sender/grants.py): the reader a reply inbox names, against
+"""Who a sender grants pulls to (shared/holding/grants.py): the reader a reply inbox names, against
 the receiver models that may read the sender's model."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from droidmesh.services.sender.config import SenderConfig
-from droidmesh.services.sender.grants import Readers, check
 from droidmesh.shared import ZOO_DIR
 from droidmesh.shared.errors import ConfigError, UnauthorizedError
+from droidmesh.shared.holding.grants import Readers, check
 from droidmesh.shared.wire.subjects import inbox_prefix
 
 

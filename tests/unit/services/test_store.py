@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from droidmesh.services.sender.store import CacheStore
 from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.holding.store import CacheStore
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
 from droidmesh.shared.model.adapter import random_model
 from tests.conftest import FAMILIES

@@ -1,0 +1,183 @@
+"""`droidmesh bench held`: reuse without ceremony, measured. No sender and no `prefill` command:
+one receiver serves a base and its adapters from one copy of the weights and holds what its own
+prefills computed, and the second request over a document reuses it.
+
+On the real tier (SmolLM2-135M-Instruct `base` and its LoRAs `docqa`, `summ`, `code`, its saved
+pair profiles published), a mesh started here: nats-server (a user per role), a broker, ONE
+receiver process serving all four (`adapters`, `hold`, a holder id in the roster), nothing else.
+Each document (a test-split `doc_qa` row, real Python documentation, none seen by a profile or a
+fine-tune) is asked twice, with two different questions:
+  - `same_model`: both of one model: the first a full prefill (then held), the second full reuse
+    of its own KV, in process;
+  - `paired_adapter`: the first of adapter `summ`, the second of adapter `docqa`, whose pair config
+    (summ -> docqa) plans a recompute group: the second reads summ's held KV in process.
+TTFT is the receiver's (from taking the request up to its first token). The second request's
+TTFT is also compared with the same plan over the same KV already in this process (the engine on
+the same views, after the mesh stopped, nothing else running): `vs_local` (target: within 10 %).
+With `--model`, one more mesh serves that model alone (Gemma 3 270M, the largest model here) for
+`same_model` rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from droidmesh.shared.apps.demo import THREADS, connect_as, publish_configs
+from droidmesh.shared.bench.harness import mesh
+from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user
+from droidmesh.shared.model import text
+from droidmesh.shared.model.names import ModelRef, Pair
+from droidmesh.shared.profiling.profile import recompute_config
+from droidmesh.shared.service.launch import start_service
+from droidmesh.shared.wire import schemas
+
+COLUMNS = ["model", "kind", "first", "second", "tokens", "first_ttft_ms", "second_ttft_ms", "speedup", "second_path",
+           "second_plan", "local_ttft_ms", "vs_local"]
+HOLDER = "bench-holder"
+SPEEDUP_TARGET, LOCAL_TARGET = 3.0, 0.10
+QUESTIONS = (" In one sentence, what does this document describe?", " Name one function or option it documents.")
+
+
+def documents(n: int, chars: tuple[int, int]) -> list[str]:
+    """`n` test-split doc_qa contexts of about `chars` characters (~2K SmolLM2 tokens at 8K)."""
+    from droidmesh.shared.zoo.realtext import make_real_rows
+
+    return [r["context"] for r in make_real_rows("doc_qa", "test", n, chars=chars, seed=7)]
+
+
+async def _ask(access: MeshAccess, asks: list[tuple[str, str, str]]) -> list[schemas.GenerateReply]:
+    """Each (model, context, question) in order, one at a time (the second must find the first held)."""
+    (client,) = await connect_as(access, "client")
+    replies = []
+    try:
+        for model, ctx, q in asks:
+            replies.append(await client.ask(model, ctx, q, max_new_tokens=1, timeout=600))
+            await asyncio.sleep(0.5)  # the hold runs after the answer; the broker indexes its event
+    finally:
+        await client.close()
+    return replies
+
+
+def _serve(access: MeshAccess, procs: list, base: ModelRef, base_id: str, adapters: dict[str, ModelRef],
+           log_dir: Path, dtype: str) -> None:
+    procs.append(start_service("cache_broker", {}, access.url, env={**THREADS, **access.env_for("broker")}, log_dir=log_dir))
+    args: dict[str, Any] = {"model_path": base.path, "model_id": base_id, "holder_id": HOLDER, "transport": "shm",
+                            "dtype": dtype}
+    if adapters:
+        args["adapters"] = [f"{n}={m.path}" for n, m in adapters.items()]
+    procs.append(start_service("receiver", args, access.url, name=f"receiver-{base_id}",
+                               env={**THREADS, **access.env_for(receiver_user(base_id))}, log_dir=log_dir, timeout=600))
+
+
+def run_real(n_docs: int, log_dir: Path, *, chars: tuple[int, int], dtype: str = "float32") -> dict[str, Any]:
+    """The real tier's rows: `same_model` on base, `paired_adapter` summ -> docqa; and the local reference."""
+    from droidmesh.shared.zoo.manifest import servable_profiles, zoo_dir
+    from droidmesh.shared.zoo.real import build_real
+
+    root = zoo_dir("real")
+    manifest = build_real(root)
+    models = {name: ModelRef(root / m["path"], name, "real", m["sha256"]) for name, m in manifest["models"].items()}
+    pair = Pair("summ", "docqa")
+    profile = servable_profiles(root, [pair]).get(pair.id)
+    if profile is None:
+        raise RuntimeError(f"the real tier has no servable profile of {pair.id}")
+    config = recompute_config(profile, models["summ"], models["docqa"], 1)
+    plan = policy.plan_of(config.chosen.plan)
+    docs = documents(2 * n_docs, chars)
+    same, paired = docs[:n_docs], docs[n_docs:]
+    asks = [("base", d, q) for d in same for q in QUESTIONS]
+    asks += [(m, d, q) for d in paired for m, q in zip(("summ", "docqa"), QUESTIONS, strict=True)]
+    roster = Roster.local((), ["base"], hosted={"base": ["docqa", "summ", "code"]}, holders={"base": HOLDER})
+    with mesh(roster) as (access, procs):
+        asyncio.run(publish_configs([config], access))
+        _serve(access, procs, models["base"], "base", {n: models[n] for n in ("docqa", "summ", "code")}, log_dir, dtype)
+        replies = _ask_rows(access, asks)
+    rows = _rows(asks, replies)
+    _local(rows, models, plan, paired, dtype)
+    return {"rows": rows, "plan": plan.label(), "pair": pair.id, "summary": _summary(rows)}
+
+
+def run_single(model: ModelRef, n_docs: int, log_dir: Path, *, chars: tuple[int, int], dtype: str = "float32"
+               ) -> dict[str, Any]:
+    """`same_model` rows on `model` served alone (held, no adapters)."""
+    docs = documents(n_docs, chars)
+    asks = [(model.name, d, q) for d in docs for q in QUESTIONS]
+    roster = Roster.local((), [model.name], holders={model.name: HOLDER})
+    with mesh(roster) as (access, procs):
+        _serve(access, procs, model, model.name, {}, log_dir, dtype)
+        replies = _ask_rows(access, asks)
+    rows = _rows(asks, replies)
+    return {"rows": rows, "summary": _summary(rows)}
+
+
+def _ask_rows(access: MeshAccess, asks: list[tuple[str, str, str]]) -> list[schemas.GenerateReply]:
+    return asyncio.run(_ask(access, asks))
+
+
+def _rows(asks: list[tuple[str, str, str]], replies: list[schemas.GenerateReply]) -> list[dict[str, Any]]:
+    """One row per document: its two requests, in order."""
+    rows = []
+    for i in range(0, len(asks), 2):
+        (m1, ctx, _), (m2, _, _) = asks[i], asks[i + 1]
+        r1, r2 = replies[i], replies[i + 1]
+        rows.append({"model": m2, "kind": "same_model" if m1 == m2 else "paired_adapter", "first": m1, "second": m2,
+                     "tokens": r2.prompt_tokens, "first_ttft_ms": round(r1.ttft_ms, 1), "first_path": r1.path,
+                     "second_ttft_ms": round(r2.ttft_ms, 1), "speedup": round(r1.ttft_ms / max(r2.ttft_ms, 1e-6), 2),
+                     "second_path": r2.path, "second_plan": r2.plan, "reused_tokens": r2.reused_tokens,
+                     "bytes_pulled": r2.bytes_pulled, "_context": ctx})
+    return rows
+
+
+def _local(rows: list[dict[str, Any]], models: dict[str, ModelRef], plan: Any, paired: list[str], dtype: str) -> None:
+    """For each paired row: the same plan over summ's KV already in this process, on the same views."""
+    from droidmesh.shared.model.adapters import AdapterSet
+
+    torch.set_num_threads(1)  # as the receiver (THREADS)
+    views = AdapterSet.load(models["base"].path, {n: models[n].path for n in ("docqa", "summ", "code")},
+                            base_name="base", dtype=dtype).views()
+    a, b = views["summ"], views["docqa"]
+    for row in rows:
+        if row["kind"] != "paired_adapter":
+            continue
+        first = text.request_ids(a.tokenizer, row["_context"], QUESTIONS[0])
+        second = text.request_ids(b.tokenizer, row["_context"], QUESTIONS[1])
+        captured = capture_prefill(a, first, plan.e_layers)
+        ttfts = [generate(b, second, plan, CapturedSource(captured), max_new_tokens=1).ttft_s for _ in range(3)]
+        local = statistics.median(ttfts) * 1e3
+        row["local_ttft_ms"] = round(local, 1)
+        row["vs_local"] = round(row["second_ttft_ms"] / local - 1, 3)
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("same_model", "paired_adapter"):
+        mine = [r for r in rows if r["kind"] == kind]
+        if not mine:
+            continue
+        out[kind] = {"speedup_median": statistics.median(r["speedup"] for r in mine),
+                     "speedup_min": min(r["speedup"] for r in mine), "meets_3x": all(r["speedup"] >= SPEEDUP_TARGET for r in mine)}
+        local = [r["vs_local"] for r in mine if "vs_local" in r]
+        if local:
+            out[kind] |= {"vs_local_median": statistics.median(local), "meets_10pct": all(abs(v) <= LOCAL_TARGET for v in local)}
+    return out
+
+
+def strip(result: dict[str, Any]) -> dict[str, Any]:
+    """`result` without the documents' text (kept only to reproduce the local reference)."""
+    return msgspec.json.decode(msgspec.json.encode(
+        {**result, "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in result["rows"]]}))
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

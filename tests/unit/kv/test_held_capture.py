@@ -1,0 +1,54 @@
+"""A full prefill that keeps E (`keep_e`) computes what a plain one does, and `captured_of` takes
+out of its serving cache exactly what a capturing prefill of the same prompt holds: a receiver's
+held context is the same object a sender would have captured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.kv.capture import capture_prefill, captured_of
+from droidmesh.shared.kv.partial import generate, prefill
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.model import text
+
+PROMPT = "the held cache of a served prompt, word by word, " * 6
+
+
+def _ids(model) -> list[int]:
+    return text.prompt_ids(model.tokenizer, PROMPT, " and then?")[0]
+
+
+@pytest.mark.parametrize("keep", [(), (0,), (2, 4), (0, 1, 5)])
+def test_keeping_e_changes_nothing_the_prefill_computes(tiny_models, keep):
+    model = tiny_models[1]
+    ids = _ids(model)
+    plain = prefill(model, ids, ReusePlan.full_prefill())
+    kept = prefill(model, ids, ReusePlan.full_prefill(), keep_e=keep)
+    assert torch.equal(plain.logits, kept.logits) and sorted(kept.e) == sorted(keep)
+
+
+def test_captured_of_a_served_prefill_equals_a_capturing_prefill(tiny_models):
+    """Bit for bit (the same operations ran), after decoding appended to the serving cache; and
+    full reuse of it gives the full prefill's tokens."""
+    model = tiny_models[1]
+    ids = _ids(model)
+    served = generate(model, ids, ReusePlan.full_prefill(), max_new_tokens=5, keep_e=(0, 3))
+    held = captured_of(model, ids, served.prefill)
+    ref = capture_prefill(model, ids, [0, 3])
+    assert held.token_ids == ref.token_ids and sorted(held.e) == [0, 3]
+    for a, b in zip(held.kv, ref.kv, strict=True):
+        assert a.k.shape == b.k.shape == model.kv_shape(len(ids)) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert all(torch.equal(held.e[l], ref.e[l]) for l in (0, 3))
+    again = generate(model, [*ids, 7, 8], ReusePlan.full_reuse(), CapturedSource(held), max_new_tokens=5)
+    assert again.tokens == generate(model, [*ids, 7, 8], ReusePlan.full_prefill(), max_new_tokens=5).tokens
+
+
+def test_only_a_full_prefill_is_held(tiny_models):
+    sender, model = tiny_models
+    ids = _ids(model)
+    reused = prefill(model, ids, ReusePlan.full_reuse(), CapturedSource(capture_prefill(sender, ids)))
+    with pytest.raises(BadRequestError, match="full prefill"):
+        captured_of(model, ids, reused)
