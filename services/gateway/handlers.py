@@ -19,6 +19,11 @@ With a key file every request needs a key (`shared.auth.keys`: 401), its model m
 key may use (403, checked before the model's existence, so a key learns nothing of others'
 models) and it counts against the key's quotas (`shared.auth.quota`: 429 with `Retry-After`).
 The key's id and tenant are in the request's log line and per-key metrics; the key never is.
+
+`GET /health` is the one route that needs no key: a probe's answer on the API port itself (the
+metrics port keeps /livez /readyz), 200 `{"status": "ok", "models": [...]}` while the gateway is
+connected to the mesh, with the models /v1/models lists, and 503 `{"status": "unavailable"}`
+otherwise. With a key file the list is left out: which models exist is for keys to learn.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from droidmesh.shared.wire.hashing import PUBLIC, tenant_scope
 log = structlog.get_logger("gateway")
 STATE: web.AppKey[GatewayState] = web.AppKey("state", GatewayState)
 SANE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+OPEN_ROUTES = frozenset({"/health"})  # answered without an API key
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -67,6 +73,7 @@ def make_app(state: GatewayState) -> web.Application:
     # client_max_size makes aiohttp refuse a larger body (chunked or not) while reading it.
     app = web.Application(middlewares=[_middleware], client_max_size=state.cfg.max_body_bytes)
     app[STATE] = state
+    app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/completions", completions)
@@ -94,7 +101,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         try:
             with contextlib.ExitStack() as admitted:
                 admitted.enter_context(state.clients.admit(peer, fairness.key_digest(authorization)))
-                if state.keys is not None:
+                if state.keys is not None and route not in OPEN_ROUTES:
                     ctx.key = key = state.keys.authenticate(authorization)
                     ctx.facts.update(key_id=key.id, tenant=key.tenant)
                     admitted.enter_context(state.quotas.admit(key))
@@ -135,6 +142,20 @@ def _check_allowed(model: str) -> None:
     key = CURRENT.get().key
     if key is not None and not key.allows(model):
         raise openai.ModelNotAllowedError(f"this API key may not use the model {model!r}", param="model")
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 with the models discovered while the mesh is connected, else 503 (never an error body:
+    a probe reads `status`). Discovery is the one /v1/models shares (at most every `models_ttl_s`)."""
+    state = request.app[STATE]
+    try:
+        models = await state.models()
+    except openai.MeshUnavailableError as e:
+        return web.json_response({"status": "unavailable", "reason": str(e)}, status=503)
+    body: dict[str, Any] = {"status": "ok"}
+    if state.keys is None:
+        body["models"] = sorted(m.model_id for m in models)
+    return web.json_response(body)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -217,8 +217,10 @@ async def _own_prefill(s: ReceiverState, job: Job, served: Served) -> Generation
     keep_e = s.hold_layers()
     stamps["queued"] = time.perf_counter()
     gen: Generation = await s.run_torch(full_prefill, deadline=job.deadline)
-    if s.holder is not None:  # what was computed becomes reusable, after the answer
-        s.background(pipeline.offer(s, job.prompt, gen.prefill, job.req.scope), "hold")
+    if s.holder is not None:
+        # What was computed becomes reusable before the reply goes out (the streamed tokens already
+        # did): a client's next request finds it held. Costs the reply one copy of the prompt's KV.
+        await pipeline.offer(s, job.prompt, gen.prefill, job.req.scope)
     served.held += gen.total_s
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     served.gen, served.plan = gen, ReusePlan.full_prefill()

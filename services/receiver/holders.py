@@ -38,7 +38,7 @@ from droidmesh.shared.model import text
 from droidmesh.shared.model.sampling import Sampler, make_sampler
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import schemas, subjects
-from droidmesh.shared.wire.hashing import PUBLIC
+from droidmesh.shared.wire.hashing import PUBLIC, common_prefix
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.answer_stream import AnswerStream
@@ -52,10 +52,20 @@ async def lookup(s: ReceiverState, prompt: list[int], mode: schemas.Mode, scope:
     """The broker's best holder for `prompt` (under the policy, of a model it has a config for or
     its own, when it has one: a default group can use any), or (None, why not)."""
     usable = [] if mode != "auto" or s.cfg.default_group else sorted({*s.configs, s.cfg.model_id})
-    # An explicit plan mode asks to reuse another holder's cache: what this receiver holds from its
-    # own prefills would answer it with its own KV instead.
-    mine = s.holder.id if s.holder is not None and mode != "auto" else None
-    return await lookup_in(s, prompt, s.model.fingerprint.id, usable, scope, exclude_sender=mine)
+    if s.holder is None:
+        return await lookup_in(s, prompt, s.model.fingerprint.id, usable, scope)
+    if mode != "auto":  # an explicit plan mode asks to reuse another holder's cache, not this receiver's own KV
+        return await lookup_in(s, prompt, s.model.fingerprint.id, usable, scope, exclude_sender=s.holder.id)
+    # What this process holds is found here, without waiting for the broker to index it (a request
+    # right after the one that computed it); the broker is asked only when another holder could do better.
+    local, matched = s.holder.match(prompt, s.model.fingerprint.id, usable, scope)
+    if local is not None and matched >= len(prompt) - 1:  # as much as any reuse can take: one token is computed
+        s.metrics.lookups.labels("hit").inc()
+        return local, None
+    found, miss = await lookup_in(s, prompt, s.model.fingerprint.id, usable, scope, exclude_sender=s.holder.id)
+    if local is not None and (found is None or common_prefix(found.token_ids, prompt) <= matched):
+        return local, None
+    return found, miss
 
 
 async def lookup_in(s: ReceiverState, token_ids: list[int], fingerprint_id: str, models: list[str], scope: str,
@@ -113,8 +123,8 @@ async def reuse_held(s: ReceiverState, holder: schemas.CacheAvailable, decision:
                      prompt: list[int], req: schemas.GenerateRequest, stream: AnswerStream, deadline: float
                      ) -> ReuseOutcome:
     """`local_generate`: the plan over a context this receiver holds itself (no pull, no breaker)."""
-    return await local_generate(s, holder, decision, prompt, req.max_new_tokens, sampler=sampler_for(s, req),
-                                on_token=stream.on_token, deadline=deadline)
+    return await local_generate(s, holder, decision, prompt, req.max_new_tokens, req.scope,
+                                sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline)
 
 
 async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,

@@ -162,7 +162,8 @@ async def reuse_generate(
 
 async def local_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
-    *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None, deadline: float | None = None,
+    scope: str, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None,
+    deadline: float | None = None,
 ) -> ReuseOutcome:
     """The plan over a context this receiver holds itself (`holder` is its own announcement):
     the engine reads the stored tensors in place, so nothing is pulled, encoded or screened (they
@@ -175,11 +176,16 @@ async def local_generate(
         pin.release()
         raise TransferError(f"held context {holder.context_id[:16]} was evicted before it was read")
     stamps: dict[str, float] = {}
+    # Its own weights' KV, fully reused, plus the suffix it computes is its own KV of the whole
+    # prompt: held too (a conversation's next turn, a document after a shared preamble).
+    own = decision.plan == ReusePlan.full_reuse() and holder.model_sha256 == s.policy_facts.model_sha256
+    keep_e = s.hold_layers() if own else []
 
     def run() -> Generation:
         stamps["engine_start"] = time.perf_counter()  # in the worker: queueing is not compute
         return generate(s.model, prompt, decision.plan, CapturedSource(captured), max_new_tokens=max_new_tokens,
-                        eos_token_id=s.eos_token_id, sampler=sampler, on_token=on_token, deadline=deadline)
+                        eos_token_id=s.eos_token_id, sampler=sampler, on_token=on_token, deadline=deadline,
+                        keep_e=keep_e)
 
     try:
         gen: Generation = await s.run_torch(run, deadline=deadline)
@@ -188,13 +194,18 @@ async def local_generate(
     for stage, rel in gen.prefill.stages.items():
         stamps[stage] = stamps["engine_start"] + rel
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
+    if own and gen.prefill.reused_tokens < len(prompt) - 1:  # else nothing new was computed
+        await offer(s, prompt, gen.prefill, scope, prefix=captured)  # the request's scope: its suffix is its own
     return ReuseOutcome(gen, 0, stamps, gen.total_s)
 
 
-async def offer(s: ReceiverState, prompt: list[int], pre: PrefillResult, scope: str) -> None:
-    """Hold what a full prefill of `prompt` computed (its KV and kept E), in `scope`, announced like
-    a sender's capture. Runs after the answer (the copy out of the serving cache takes the torch
-    thread between requests); a context already held, or one the store cannot take, is skipped."""
+async def offer(s: ReceiverState, prompt: list[int], pre: PrefillResult, scope: str,
+                prefix: CapturedContext | None = None) -> None:
+    """Hold what a full prefill of `prompt` computed (its KV and kept E), or a full reuse of
+    `prefix` (this model's own held context) and the suffix after it, in `scope`, announced like
+    a sender's capture. Runs once decoding is done, before the reply (the copy out of the serving
+    cache takes the torch thread between requests); a context already held, or one the store
+    cannot take, is skipped: holding never fails a request."""
     holder = s.holder
     if holder is None or len(prompt) < 2:  # one token leaves nothing to reuse (one is always computed)
         return
@@ -204,7 +215,7 @@ async def offer(s: ReceiverState, prompt: list[int], pre: PrefillResult, scope: 
     t0 = time.perf_counter()
 
     def capture() -> CapturedContext:
-        captured = captured_of(s.model, prompt, pre)
+        captured = captured_of(s.model, prompt, pre, prefix)
         placed = captured.with_items(holder.place(captured.items()))
         return dataclasses.replace(placed, scope=scope, model_name=s.cfg.model_id)  # announced under its served id
 

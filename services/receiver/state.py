@@ -75,10 +75,13 @@ class ReceiverState:
         self.holder: Holder | None = None  # set by the service when it holds what it prefills (`hold`)
 
     def hold_layers(self) -> list[int]:
-        """The layers whose E a full prefill keeps for holding ([]: this receiver holds nothing)."""
+        """The layers whose E a held prefill keeps ([]: this receiver holds nothing): `hold_e_layers`,
+        those the pair configs naming this model as the sender use, and the default group's start
+        (the models this process serves beside it reuse its contexts by that group)."""
         if self.holder is None:
             return []
-        return self.holder.models[self.cfg.model_id].e_layers(self.cfg.hold_e_layers, self.model.num_layers)
+        configured = (*self.cfg.hold_e_layers, *self.cfg.default_group[:1])
+        return self.holder.models[self.cfg.model_id].e_layers(configured, self.model.num_layers)
 
     def holds(self, holder: schemas.CacheAvailable) -> bool:
         """Whether `holder` is this receiver's own holder (then its context is read in process)."""

@@ -2,15 +2,17 @@
 one receiver serves a base and its adapters from one copy of the weights and holds what its own
 prefills computed, and the second request over a document reuses it.
 
-On the real tier (SmolLM2-135M-Instruct `base` and its LoRAs `docqa`, `summ`, `code`, its saved
-pair profiles published), a mesh started here: nats-server (a user per role), a broker, ONE
-receiver process serving all four (`adapters`, `hold`, a holder id in the roster), nothing else.
+By default on the real tier (SmolLM2-135M-Instruct `base` and its LoRAs `docqa`, `summ`, `code`,
+the pair's saved profile published), a mesh started here: nats-server (a user per role), a
+broker, ONE receiver process serving all four (`adapters`, `hold`, a holder id in the roster),
+nothing else.
 Each document (a test-split `doc_qa` row, real Python documentation, none seen by a profile or a
 fine-tune) is asked twice, with two different questions:
   - `same_model`: both of one model: the first a full prefill (then held), the second full reuse
     of its own KV, in process;
   - `paired_adapter`: the first of adapter `summ`, the second of adapter `docqa`, whose pair config
-    (summ -> docqa) plans a recompute group: the second reads summ's held KV in process.
+    (summ -> docqa) plans a recompute group (a pair without a saved profile: the receiver's
+    default group): the second reads summ's held KV in process.
 TTFT is the receiver's (from taking the request up to its first token). The second request's
 TTFT is also compared with the same plan over the same KV already in this process (the engine on
 the same views, after the mesh stopped, nothing else running): `vs_local` (target: within 10 %).
@@ -34,6 +36,7 @@ from droidmesh.shared.bench.harness import mesh
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user
 from droidmesh.shared.model import text
@@ -69,43 +72,63 @@ async def _ask(access: MeshAccess, asks: list[tuple[str, str, str]]) -> list[sch
     return replies
 
 
-def _serve(access: MeshAccess, procs: list, base: ModelRef, base_id: str, adapters: dict[str, ModelRef],
-           log_dir: Path, dtype: str) -> None:
+def _serve(access: MeshAccess, procs: list, base: ModelRef, adapters: dict[str, ModelRef], log_dir: Path, dtype: str,
+           default_group: tuple[int, int] | None = None) -> None:
+    """A broker and one receiver of `base` (and `adapters`), holding under `HOLDER`."""
     procs.append(start_service("cache_broker", {}, access.url, env={**THREADS, **access.env_for("broker")}, log_dir=log_dir))
-    args: dict[str, Any] = {"model_path": base.path, "model_id": base_id, "holder_id": HOLDER, "transport": "shm",
+    args: dict[str, Any] = {"model_path": base.path, "model_id": base.name, "holder_id": HOLDER, "transport": "shm",
                             "dtype": dtype}
     if adapters:
         args["adapters"] = [f"{n}={m.path}" for n, m in adapters.items()]
-    procs.append(start_service("receiver", args, access.url, name=f"receiver-{base_id}",
-                               env={**THREADS, **access.env_for(receiver_user(base_id))}, log_dir=log_dir, timeout=600))
+    if default_group is not None:
+        args["default_group"] = list(default_group)
+    procs.append(start_service("receiver", args, access.url, name=f"receiver-{base.name}",
+                               env={**THREADS, **access.env_for(receiver_user(base.name))}, log_dir=log_dir, timeout=600))
 
 
-def run_real(n_docs: int, log_dir: Path, *, chars: tuple[int, int], dtype: str = "float32") -> dict[str, Any]:
-    """The real tier's rows: `same_model` on base, `paired_adapter` summ -> docqa; and the local reference."""
-    from droidmesh.shared.zoo.manifest import servable_profiles, zoo_dir
-    from droidmesh.shared.zoo.real import build_real
-
-    root = zoo_dir("real")
-    manifest = build_real(root)
-    models = {name: ModelRef(root / m["path"], name, "real", m["sha256"]) for name, m in manifest["models"].items()}
-    pair = Pair("summ", "docqa")
-    profile = servable_profiles(root, [pair]).get(pair.id)
-    if profile is None:
-        raise RuntimeError(f"the real tier has no servable profile of {pair.id}")
-    config = recompute_config(profile, models["summ"], models["docqa"], 1)
-    plan = policy.plan_of(config.chosen.plan)
-    docs = documents(2 * n_docs, chars)
-    same, paired = docs[:n_docs], docs[n_docs:]
-    asks = [("base", d, q) for d in same for q in QUESTIONS]
-    asks += [(m, d, q) for d in paired for m, q in zip(("summ", "docqa"), QUESTIONS, strict=True)]
-    roster = Roster.local((), ["base"], hosted={"base": ["docqa", "summ", "code"]}, holders={"base": HOLDER})
+def run_adapters(base: ModelRef, adapters: list[ModelRef], pairs: list[Pair], n_docs: int, log_dir: Path, *,
+                 chars: tuple[int, int], group: tuple[int, int] | None = None, dtype: str = "float32"
+                 ) -> dict[str, Any]:
+    """One receiver serving `base` and `adapters`: `same_model` rows on the base, then per pair
+    `paired_adapter` rows from its sender to its receiver (its saved profile's plan when the tier
+    has a servable one, else the receiver's default `group`), each pair on documents of its own;
+    then the local reference of each paired row."""
+    models = {base.name: base, **{m.name: m for m in adapters}}
+    plans, configs = {}, []
+    for pair in pairs:
+        if pair.sender not in models or pair.receiver not in models:
+            raise ValueError(f"pair {pair.id}: both models must be served ({', '.join(models)})")
+        config = _config(base, models, pair)
+        if config is not None:
+            configs.append(config)
+            plans[pair.id] = policy.plan_of(config.chosen.plan)
+        elif group is not None:
+            plans[pair.id] = ReusePlan.recompute(*group)
+        else:
+            raise ValueError(f"pair {pair.id} has no servable saved profile: give a default group")
+    docs = documents((1 + len(pairs)) * n_docs, chars)
+    asks = [(base.name, d, q) for d in docs[:n_docs] for q in QUESTIONS]
+    for i, pair in enumerate(pairs, start=1):
+        asks += [(m, d, q) for d in docs[i * n_docs:(i + 1) * n_docs]
+                 for m, q in zip((pair.sender, pair.receiver), QUESTIONS, strict=True)]
+    roster = Roster.local((), [base.name], hosted={base.name: [m.name for m in adapters]}, holders={base.name: HOLDER})
+    log_dir.mkdir(parents=True, exist_ok=True)
     with mesh(roster) as (access, procs):
-        asyncio.run(publish_configs([config], access))
-        _serve(access, procs, models["base"], "base", {n: models[n] for n in ("docqa", "summ", "code")}, log_dir, dtype)
+        asyncio.run(publish_configs(configs, access))
+        _serve(access, procs, base, {m.name: m for m in adapters}, log_dir, dtype,
+               default_group=group if len(configs) < len(pairs) else None)
         replies = _ask_rows(access, asks)
     rows = _rows(asks, replies)
-    _local(rows, models, plan, paired, dtype)
-    return {"rows": rows, "plan": plan.label(), "pair": pair.id, "summary": _summary(rows)}
+    _local(rows, base, adapters, plans, dtype)
+    return {"rows": rows, "plans": {k: p.label() for k, p in plans.items()}, "summary": _summary(rows)}
+
+
+def _config(base: ModelRef, models: dict[str, ModelRef], pair: Pair) -> schemas.RecomputeConfig | None:
+    """The pair's config from its tier's servable saved profile (None: no tier, or none servable)."""
+    from droidmesh.shared.zoo.manifest import servable_profiles, zoo_dir
+
+    profile = servable_profiles(zoo_dir(base.tier), [pair]).get(pair.id) if base.tier else None
+    return recompute_config(profile, models[pair.sender], models[pair.receiver], 1) if profile is not None else None
 
 
 def run_single(model: ModelRef, n_docs: int, log_dir: Path, *, chars: tuple[int, int], dtype: str = "float32"
@@ -114,8 +137,9 @@ def run_single(model: ModelRef, n_docs: int, log_dir: Path, *, chars: tuple[int,
     docs = documents(n_docs, chars)
     asks = [(model.name, d, q) for d in docs for q in QUESTIONS]
     roster = Roster.local((), [model.name], holders={model.name: HOLDER})
+    log_dir.mkdir(parents=True, exist_ok=True)
     with mesh(roster) as (access, procs):
-        _serve(access, procs, model, model.name, {}, log_dir, dtype)
+        _serve(access, procs, model, {}, log_dir, dtype)
         replies = _ask_rows(access, asks)
     rows = _rows(asks, replies)
     return {"rows": rows, "summary": _summary(rows)}
@@ -139,30 +163,32 @@ def _rows(asks: list[tuple[str, str, str]], replies: list[schemas.GenerateReply]
     return rows
 
 
-def _local(rows: list[dict[str, Any]], models: dict[str, ModelRef], plan: Any, paired: list[str], dtype: str) -> None:
-    """For each paired row: the same plan over summ's KV already in this process, on the same views."""
+def _local(rows: list[dict[str, Any]], base: ModelRef, adapters: list[ModelRef], plans: dict[str, ReusePlan],
+           dtype: str) -> None:
+    """For each paired row: the same plan over the first model's KV already in this process, on
+    views of the same weights (nothing else running: the mesh has stopped)."""
     from droidmesh.shared.model.adapters import AdapterSet
 
     torch.set_num_threads(1)  # as the receiver (THREADS)
-    views = AdapterSet.load(models["base"].path, {n: models[n].path for n in ("docqa", "summ", "code")},
-                            base_name="base", dtype=dtype).views()
-    a, b = views["summ"], views["docqa"]
+    views = AdapterSet.load(base.path, {m.name: m.path for m in adapters}, base_name=base.name, dtype=dtype).views()
     for row in rows:
         if row["kind"] != "paired_adapter":
             continue
+        a, b, plan = views[row["first"]], views[row["second"]], plans[Pair(row["first"], row["second"]).id]
         first = text.request_ids(a.tokenizer, row["_context"], QUESTIONS[0])
         second = text.request_ids(b.tokenizer, row["_context"], QUESTIONS[1])
         captured = capture_prefill(a, first, plan.e_layers)
         ttfts = [generate(b, second, plan, CapturedSource(captured), max_new_tokens=1).ttft_s for _ in range(3)]
         local = statistics.median(ttfts) * 1e3
+        row["local_plan"] = plan.label()
         row["local_ttft_ms"] = round(local, 1)
         row["vs_local"] = round(row["second_ttft_ms"] / local - 1, 3)
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for kind in ("same_model", "paired_adapter"):
-        mine = [r for r in rows if r["kind"] == kind]
+    for kind in dict.fromkeys(r["kind"] if r["kind"] == "same_model" else f"{r['first']}-to-{r['second']}" for r in rows):
+        mine = [r for r in rows if (r["kind"] if r["kind"] == "same_model" else f"{r['first']}-to-{r['second']}") == kind]
         if not mine:
             continue
         out[kind] = {"speedup_median": statistics.median(r["speedup"] for r in mine),

@@ -548,10 +548,18 @@ def adapters(json_path, plot_path, base_arg, adapter_args, counts, tokens, repea
               help="Documents per kind of row (each asked twice).")
 @click.option("--chars", default="7600,8400", show_default=True, callback=int_list,
               help="Document length range in characters (~2K SmolLM2 tokens at 8K).")
-@click.option("--model", "model_arg", default="real-family/gemma",
+@click.option("--base", "base_arg", default="real/base", show_default=True, help="The base model (zoo name or directory).")
+@click.option("--adapters", "adapter_args", default="real/docqa,real/summ,real/code", show_default=True,
+              help="Comma list of PEFT adapters of the base served beside it.")
+@click.option("--pairs", "pair_args", default="summ:docqa,base:summ", show_default=True,
+              help="Comma list of FIRST:SECOND served ids of paired rows (the first request to FIRST, the second to "
+                   "SECOND, whose pair config plans the reuse).")
+@click.option("--group", type=GROUP, default=None,
+              help="Recompute group 'start,end' of the pair when its tier has no servable saved profile.")
+@click.option("--model", "model_arg", default="real-family/gemma", show_default=True,
               help="One more model served alone for same-model rows ('' for none; skipped when not built).")
 @click.option("--logs", "log_dir", type=click.Path(file_okay=False), help="Keep every process's log here.")
-def held(json_path, n_docs, chars, model_arg, log_dir) -> None:
+def held(json_path, n_docs, chars, base_arg, adapter_args, pair_args, group, model_arg, log_dir) -> None:
     """Reuse without ceremony: one receiver serving the real tier's base and adapters, no sender, no
     prefill command; TTFT of the second request over a document against its first (same model, and
     a paired adapter in process), and against the same plan with the KV already local."""
@@ -559,12 +567,24 @@ def held(json_path, n_docs, chars, model_arg, log_dir) -> None:
     from pathlib import Path
 
     from droidmesh.shared.bench import held as suite
-    from droidmesh.shared.model.names import resolve_model
+    from droidmesh.shared.model.names import Pair, resolve_model
 
     if len(chars) != 2 or not 0 < chars[0] <= chars[1]:
         raise click.BadParameter(f"give 'LOW,HIGH' characters, got {chars}", param_hint="'--chars'")
+    pairs = []
+    for spec in (p.strip() for p in pair_args.split(",") if p.strip()):
+        first, colon, second = spec.partition(":")
+        if not (colon and first and second):
+            raise click.BadParameter(f"{spec!r} is not FIRST:SECOND", param_hint="'--pairs'")
+        pairs.append(Pair(first, second))
+    try:
+        base = resolve_model(base_arg)
+        refs = [resolve_model(a.strip()) for a in adapter_args.split(",") if a.strip()]
+    except DroidMeshError as e:
+        raise click.UsageError(str(e)) from None
     logs = Path(log_dir or tempfile.mkdtemp(prefix="droidmesh-held-"))
-    result = {"real": suite.run_real(n_docs, logs / "real", chars=(chars[0], chars[1]))}
+    result = {"adapters": suite.run_adapters(base, refs, pairs, n_docs, logs / "adapters",
+                                             chars=(chars[0], chars[1]), group=group)}
     if model_arg:
         try:
             model = resolve_model(model_arg)

@@ -24,6 +24,7 @@ from droidmesh.shared.cli.eval import eval_cmd
 from droidmesh.shared.cli.keys import keys
 from droidmesh.shared.cli.nats_auth import nats_auth
 from droidmesh.shared.cli.profile import profile
+from droidmesh.shared.cli.serve import serve
 from droidmesh.shared.cli.zoo import zoo
 from droidmesh.shared.errors import DroidMeshError
 
@@ -70,7 +71,8 @@ def main() -> None:
     """DroidMesh: reuse one LLM's KV cache in another, recomputing only a critical layer group."""
 
 
-for command in (agents, ask, prefill, receivers, audit, config, bench, demo, zoo, eval_cmd, profile, nats_auth, keys):
+for command in (agents, ask, prefill, receivers, audit, config, bench, demo, serve, zoo, eval_cmd, profile, nats_auth,
+                keys):
     main.add_command(command)
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import structlog
 import torch
@@ -40,6 +40,7 @@ from droidmesh.shared.service.wrappers import event, rpc
 from droidmesh.shared.transport.bulk import BulkServer
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.hashing import PUBLIC, common_prefix
 
 log = structlog.get_logger("holder")
 REANNOUNCE_GAP_S = 0.01  # 100 events/s: half the broker's default sender_events_per_s
@@ -99,17 +100,40 @@ class Holder:
                 schemas.CacheEvicted(sender_id=self.id, context_id=evicted)))
         await self.announce(cid, captured)
 
-    async def announce(self, cid: str, captured: CapturedContext) -> None:
-        """Publish the availability event the broker indexes, and the endpoint receivers warm up on."""
+    def event(self, cid: str, captured: CapturedContext, published_at: float | None = None) -> schemas.CacheAvailable:
+        """The availability event of a held context, as the broker indexes and returns it."""
         held = self.models[captured.model_name]
         e_sizes = {tensor_nbytes(t) for t in captured.e.values()}
-        msg = schemas.CacheAvailable(
+        return schemas.CacheAvailable(
             sender_id=self.id, model_id=held.model_id, model_sha256=held.sha256,
             fingerprint=schemas.fingerprint_to_wire(captured.fingerprint), fingerprint_id=captured.fingerprint.id,
             context_id=cid, token_ids=list(captured.token_ids), dtype=dtype_name(held.dtype),
             kv_nbytes=captured.kv_nbytes(), e_layers=sorted(captured.e), e_nbytes=max(e_sizes, default=0),
-            transport=self.transport, address=self.address, published_at=time.time(), scope=captured.scope,
+            transport=self.transport, address=self.address,
+            published_at=time.time() if published_at is None else published_at, scope=captured.scope,
         )
+
+    def match(self, token_ids: list[int], fingerprint_id: str, models: Collection[str], scope: str
+              ) -> tuple[schemas.CacheAvailable | None, int]:
+        """What the broker's lookup would find among this holder's own contexts, without asking it
+        (nor waiting for it to index what was just held): the context sharing the longest prefix
+        with `token_ids`, of `fingerprint_id`, of one of `models` ([] any), in `scope` or public."""
+        best: tuple[str, CapturedContext] | None = None
+        best_len = 0
+        for cid, captured in self.store.items():
+            if (captured.fingerprint.id != fingerprint_id or captured.scope not in (scope, PUBLIC)
+                    or (models and captured.model_name not in models) or captured.model_name not in self.models):
+                continue
+            n = common_prefix(captured.token_ids, token_ids)
+            if n > best_len or (n == best_len and n and best is not None and captured.scope == scope != best[1].scope):
+                best, best_len = (cid, captured), n
+        if best is None or best_len == 0:
+            return None, 0
+        return self.event(*best), best_len
+
+    async def announce(self, cid: str, captured: CapturedContext) -> None:
+        """Publish the availability event the broker indexes, and the endpoint receivers warm up on."""
+        msg = self.event(cid, captured)
         # on this holder's own subjects: NATS lets it publish only under its own id
         await self.bus.publish(subjects.cache_available(self.id), schemas.encode(msg))
         # receivers warm their bulk connection from this one; the event above, with its token ids, is the broker's

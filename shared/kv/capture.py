@@ -52,18 +52,28 @@ def capture_prefill(sender: ModelAdapter, token_ids: Sequence[int], e_layers: It
 
 
 @torch.inference_mode()
-def captured_of(model: ModelAdapter, prompt: Sequence[int], pre: PrefillResult) -> CapturedContext:
-    """The context a full prefill of `prompt` on `model` computed: every layer's K/V of the prompt's
-    tokens, copied out of `pre.cache` (which decoding went on appending to, and which is freed with
-    its request), and the E `pre` kept. Equal to `capture_prefill(model, prompt, pre.e)`: the same
-    operations ran."""
-    if pre.plan.mode != "full_prefill" or pre.reused_tokens:
-        raise BadRequestError("only a full prefill's cache is the model's own: a reused one is not held")
-    t = len(prompt)
+def captured_of(model: ModelAdapter, prompt: Sequence[int], pre: PrefillResult,
+                prefix: CapturedContext | None = None) -> CapturedContext:
+    """The context `model` computed for `prompt`: every layer's K/V of the prompt's tokens, copied
+    out of `pre.cache` (which decoding went on appending to, and which is freed with its request),
+    and E where kept. `pre` is a full prefill (then this equals `capture_prefill(model, prompt,
+    pre.e)`: the same operations ran), or a full reuse of `prefix`, a context of `model` itself
+    (the reused tokens' K/V are `prefix`'s, exact for this model; each kept E is `prefix`'s for
+    the reused tokens and the suffix's own after them; a layer `prefix` has no E for is dropped).
+    Any other reuse is refused: a recomputed group's KV is not the model's own."""
+    t, m = len(prompt), pre.reused_tokens
+    if pre.plan.mode == "full_prefill" and prefix is None and m == 0:
+        e = {l: x[:, :t].clone() if x.shape[1] != t else x for l, x in pre.e.items()}  # each [1, t, D]
+    elif pre.plan.mode == "full_reuse" and not pre.plan.patch and prefix is not None:
+        if prefix.fingerprint.id != model.fingerprint.id or tuple(prompt[:m]) != prefix.token_ids[:m]:
+            raise BadRequestError("the reused context is not this model's cache of the prompt's prefix")
+        e = {l: torch.cat([prefix.e[l][:, :m], x], dim=1)  # [1, m, D] + [1, t - m, D] -> [1, t, D]
+             for l, x in pre.e.items() if l in prefix.e}
+    else:
+        raise BadRequestError("only a full prefill, or a full reuse of the model's own cache, is the model's own KV")
     kv = []
     for l in range(model.num_layers):
         k, v = hf_cache.layer_kv(pre.cache, l)  # each [1, kvh, >= t, hd]
         kv.append(KVBlock(l, k[:, :, :t].clone(), v[:, :, :t].clone()))  # [1, kvh, t, hd], contiguous
-    e = {l: x[:, :t].clone() if x.shape[1] != t else x for l, x in pre.e.items()}  # each [1, t, D]
     return CapturedContext(token_ids=tuple(int(i) for i in prompt), fingerprint=model.fingerprint,
                            model_name=model.name, kv=tuple(kv), e=e)

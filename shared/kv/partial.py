@@ -62,7 +62,8 @@ class PrefillResult:
     reused_tokens: int  # m: context tokens taken from the sender
     plan: ReusePlan
     stages: dict[str, float]  # seconds since the call began, per stage boundary
-    # a full prefill's E_l [1, T, D] at each layer `keep_e` asked for (what a holder offers with its KV)
+    # E_l at each layer `keep_e` asked for (what a holder offers with its KV): [1, T, D] of every
+    # prompt token after a full prefill; [1, T - m, D] of the computed suffix after a reuse
     e: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
@@ -95,8 +96,9 @@ def prefill_steps(
     DECODE_RESERVE up front), and every token's K/V is written into it once
     (`hf_cache.WriteOnceLayer`). With `turns`, a full prefill yields a "turn" `Need` between
     layers (a background run a driver can pause for a request; the result is the same). With
-    `keep_e`, a full prefill keeps E_l of each of those layers (a copy: the layers' outputs are
-    not kept otherwise), so its cache and E can be held for others to reuse; same result."""
+    `keep_e`, the prefill keeps E_l of each of those layers for the tokens it computes (a copy:
+    the layers' outputs are not kept otherwise; after a reuse, the suffix's), so its cache and E
+    can be held for others to reuse; same result."""
     if logits_for < 1:
         raise BadRequestError(f"logits_for {logits_for} < 1")
     t0 = time.perf_counter()
@@ -134,7 +136,10 @@ def prefill_steps(
     # Step 2: suffix through all layers; layer l waits only for layer l's KV.
     h = receiver.embed(receiver.token_tensor(prompt[m:]))  # [1, S, D]
     full = len(source.token_ids)
+    suffix_e: dict[int, torch.Tensor] = {}
     for layer in range(L):
+        if layer in keep_e:
+            suffix_e[layer] = h.clone()  # E_layer of the suffix tokens only [1, S, D]
         if not filled[layer]:
             yield Need("kv", layer, deadline)
             block = source.kv(layer, deadline)
@@ -143,7 +148,8 @@ def prefill_steps(
             stages["kv_last_ready"] = time.perf_counter() - t0
         h = receiver.run_layers(h, layer, layer + 1, cache, past=m)
     stages["suffix_done"] = time.perf_counter() - t0
-    return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), m, plan, stages)  # [n, vocab]
+    return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), m, plan, stages,
+                         suffix_e)  # logits [n, vocab]
 
 
 def _fill_context(

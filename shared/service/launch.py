@@ -343,5 +343,9 @@ def start_service(service: str, args: dict[str, object], nats_url: str, name: st
     name = name or service
     proc = Proc(name, argv, env={"PYTHONUNBUFFERED": "1", **(env or {})},
                 log_path=log_dir / f"{name}.log" if log_dir else None)
-    proc.wait_for(lambda l: '"event": "ready"' in l, timeout, "ready event")
+    try:
+        proc.wait_for(lambda l: '"event": "ready"' in l, timeout, "ready event")
+    except BaseException:  # never ready (or interrupted): nobody else holds it to stop it
+        proc.stop()
+        raise
     return proc

@@ -13,6 +13,7 @@ from droidmesh.shared.kv.partial import generate, prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model import text
+from tests.conftest import ATOL
 
 PROMPT = "the held cache of a served prompt, word by word, " * 6
 
@@ -50,5 +51,24 @@ def test_only_a_full_prefill_is_held(tiny_models):
     sender, model = tiny_models
     ids = _ids(model)
     reused = prefill(model, ids, ReusePlan.full_reuse(), CapturedSource(capture_prefill(sender, ids)))
-    with pytest.raises(BadRequestError, match="full prefill"):
+    with pytest.raises(BadRequestError, match="own KV"):
         captured_of(model, ids, reused)
+
+
+def test_captured_of_a_full_reuse_of_its_own_prefix_is_its_cache_of_the_whole_prompt(tiny_models):
+    """A prompt that shares a prefix with a held context of the same model: full reuse of it plus
+    the computed suffix is that model's cache of the whole prompt (equal within ATOL to a capture
+    of it; E joined from the prefix's and the suffix's). A recomputed group is not held."""
+    model = tiny_models[1]
+    ids = _ids(model)
+    held = capture_prefill(model, ids[:20], [0, 3])
+    longer = [*ids[:20], *ids[25:40]]
+    reused = generate(model, longer, ReusePlan.full_reuse(), CapturedSource(held), max_new_tokens=3, keep_e=(0, 3))
+    assert reused.prefill.reused_tokens == 20 and reused.prefill.e[3].shape[1] == len(longer) - 20
+    got, ref = captured_of(model, longer, reused.prefill, held), capture_prefill(model, longer, [0, 3])
+    for a, b in zip(got.kv, ref.kv, strict=True):
+        assert torch.allclose(a.k, b.k, atol=ATOL) and torch.allclose(a.v, b.v, atol=ATOL)
+    assert all(torch.allclose(got.e[l], ref.e[l], atol=ATOL) for l in (0, 3))
+    grouped = prefill(model, longer, ReusePlan.recompute(1, 3), CapturedSource(capture_prefill(tiny_models[0], longer, [1])))
+    with pytest.raises(BadRequestError, match="own KV"):
+        captured_of(model, longer, grouped, held)

@@ -33,9 +33,9 @@ def _receiver(path, model_id: str, **kw) -> ReceiverConfig:
     return ReceiverConfig(model_path=str(path), model_id=model_id, transport="inproc", heartbeat_s=0.2, **kw)
 
 
-async def _ask(bus, model_id: str, request_id: str, mode: schemas.Mode = "auto", scope: str = PUBLIC
-               ) -> schemas.GenerateReply:
-    req = schemas.GenerateRequest(request_id=request_id, context=CONTEXT, question=QUESTION, max_new_tokens=6, mode=mode,
+async def _ask(bus, model_id: str, request_id: str, mode: schemas.Mode = "auto", scope: str = PUBLIC,
+               context: str = CONTEXT) -> schemas.GenerateReply:
+    req = schemas.GenerateRequest(request_id=request_id, context=context, question=QUESTION, max_new_tokens=6, mode=mode,
                                   scope=scope)
     return schemas.decode(await bus.request(subjects.receiver_generate(model_id), schemas.encode(req), timeout=30),
                           schemas.GenerateReply)
@@ -66,19 +66,20 @@ def _prompt(model) -> list[int]:
 
 
 def test_a_served_prefill_becomes_a_holder_the_broker_returns_and_the_repeat_reuses_it(tiny_pair, tiny_models):
-    """No sender, no prefill command: the first request is a full prefill; the broker then returns
-    the receiver itself as the holder of the whole prompt; the repeat reuses it in process (full
-    reuse of its own KV, nothing pulled) and its tokens equal the first answer's."""
+    """No sender, no prefill command: the first request is a full prefill, held before its reply;
+    the repeat, sent the moment that reply arrives, reuses it in process (full reuse of its own KV,
+    nothing pulled; its tokens equal the first answer's); the broker returns the receiver itself
+    as the holder of the whole prompt."""
     model = tiny_models[1]
     prompt = _prompt(model)
 
     async def run():
         async with _mesh((_receiver(tiny_pair[1], "receiver"), model)) as (bus, [svc]):
             first = await _ask(bus, "receiver", "r1")
+            second = await _ask(bus, "receiver", "r2")  # at once: held before the first reply went out
             await _held(svc)
             found = schemas.decode(await bus.request(subjects.BROKER_LOOKUP, schemas.encode(schemas.LookupRequest(
                 token_ids=prompt, fingerprint_id=model.fingerprint.id)), timeout=5), schemas.LookupReply)
-            second = await _ask(bus, "receiver", "r2")
             return first, found, second, svc.state.holder.id
 
     first, found, second, holder_id = asyncio.run(run())
@@ -107,6 +108,24 @@ def test_what_a_tenant_prefilled_is_held_in_its_scope_only(tiny_pair, tiny_model
     assert other.path == "full_prefill" and other.reused_tokens == 0
     assert again.path == "full_reuse" and again.reused_tokens > 0
     assert scopes == sorted([a, b])
+
+
+def test_a_prompt_extending_a_held_prefix_is_held_whole(tiny_pair, tiny_models):
+    """A second document that shares only its opening with a held one reuses that opening (full
+    reuse of the model's own KV) and is then held whole: its repeat reuses all of it."""
+    other = " ".join(CONTEXT.split()[:8] + ["epsilon zeta eta theta"] * 10)
+
+    async def run():
+        async with _mesh((_receiver(tiny_pair[1], "receiver"), tiny_models[1])) as (bus, [svc]):
+            await _ask(bus, "receiver", "r1")
+            second = await _ask(bus, "receiver", "r2", context=other)
+            third = await _ask(bus, "receiver", "r3", context=other)
+            return second, third, len(svc.state.holder.store.ids())
+
+    second, third, held = asyncio.run(run())
+    assert second.path == "full_reuse" and 0 < second.reused_tokens < second.prompt_tokens // 2
+    assert held == 2 and third.path == "full_reuse" and third.reused_tokens == third.prompt_tokens - 1
+    assert third.token_ids == second.token_ids
 
 
 def test_an_explicit_mode_does_not_answer_from_what_the_receiver_holds_itself(tiny_pair, tiny_models):
