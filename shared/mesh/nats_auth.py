@@ -195,8 +195,11 @@ def _receiver(model_id: str, roster: Roster) -> tuple[str, str, dict[str, list[s
     askers = ("client", *(tenant_user(t) for t in roster.tenants), "gateway", "admin")
     models = roster.served(model_id)
     holder = dict(roster.holders).get(model_id)
-    why = (f"Receivers of {', '.join(models)}: those models' queue groups only; streamed chunks go to the asker's "
-           "inbox; re-profile requests (quality watch) on their own models' subjects only; senders' endpoints.")
+    why = (f"Receivers of {model_id}: its queue group only; streamed chunks go to the asker's inbox; "
+           "re-profile requests (quality watch) on its own model's subject only; senders' endpoints.")
+    if len(models) > 1:
+        why = (f"Receivers of {', '.join(models)} (a base and its adapters): those models' queue groups only; streamed "
+               "chunks go to the asker's inbox; re-profile requests on their own models' subjects only; senders' endpoints.")
     # Senders' endpoints, not their availability events: those carry every scope's token ids.
     perms = {
         "publish": [subjects.BROKER_LOOKUP, subjects.SENDER_GRANT_ALL, *map(subjects.profiler_reprofile, models), _SRV,

@@ -52,6 +52,23 @@ def test_a_receiver_user_may_join_only_its_models_queue_group():
     assert f"{subjects.inbox_prefix('receiver-qa')}.>" in p["subscribe"]
 
 
+def test_a_holding_receiver_of_a_base_and_its_adapters_speaks_only_for_its_holder_id_and_models():
+    """receiver-<base> with hosted adapters joins each of their queue groups; with a holder id it
+    announces and takes grants under that id only; a receiver without one announces nothing."""
+    roster = Roster.local((), ["base", "other"], hosted={"base": ["a", "b"]}, holders={"base": "base-h"})
+    conf = render(roster)
+    p, other = _perms(conf, "receiver-base"), _perms(conf, "receiver-other")
+    assert [s for s in p["subscribe"] if ".receiver." in s] == [
+        f"{subjects.receiver_generate(m)} {subjects.receiver_queue(m)}" for m in ("base", "a", "b")]
+    assert {subjects.cache_available("base-h"), subjects.cache_evicted("base-h"), subjects.sender_heartbeat("base-h"),
+            subjects.sender_endpoint("base-h")} <= set(p["publish"])
+    assert subjects.sender_grant("base-h") in p["subscribe"] and subjects.BROKER_HELLO in p["subscribe"]
+    assert not [s for s in other["publish"] if s.startswith(subjects.cache_available("").rstrip("."))]
+    assert subjects.sender_grant("base-h") not in other["subscribe"]
+    with pytest.raises(ValueError, match="not a receiver"):
+        Roster.local((), ["base"], holders={"nobody": "h"})
+
+
 def test_each_tenant_reads_only_its_own_inbox_and_receivers_may_stream_to_every_one():
     """client-<tenant> asks receivers and subscribes to its own inbox prefix only (no
     allow_responses: it answers nothing); every receiver user may publish to each tenant's inbox."""
