@@ -23,6 +23,7 @@ With `--model`, one more mesh serves that model alone (Gemma 3 270M, the largest
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from pathlib import Path
@@ -120,7 +121,8 @@ def run_adapters(base: ModelRef, adapters: list[ModelRef], pairs: list[Pair], n_
         replies = _ask_rows(access, asks)
     rows = _rows(asks, replies)
     _local(rows, base, adapters, plans, dtype)
-    return {"rows": rows, "plans": {k: p.label() for k, p in plans.items()}, "summary": _summary(rows)}
+    return {"rows": rows, "plans": {k: p.label() for k, p in plans.items()}, "summary": _summary(rows),
+            "holding": holding_cost(log_dir / f"receiver-{base.name}.log", rows)}
 
 
 def _config(base: ModelRef, models: dict[str, ModelRef], pair: Pair) -> schemas.RecomputeConfig | None:
@@ -142,7 +144,7 @@ def run_single(model: ModelRef, n_docs: int, log_dir: Path, *, chars: tuple[int,
         _serve(access, procs, model, {}, log_dir, dtype)
         replies = _ask_rows(access, asks)
     rows = _rows(asks, replies)
-    return {"rows": rows, "summary": _summary(rows)}
+    return {"rows": rows, "summary": _summary(rows), "holding": holding_cost(log_dir / f"receiver-{model.name}.log", rows)}
 
 
 def _ask_rows(access: MeshAccess, asks: list[tuple[str, str, str]]) -> list[schemas.GenerateReply]:
@@ -183,6 +185,21 @@ def _local(rows: list[dict[str, Any]], base: ModelRef, adapters: list[ModelRef],
         row["local_plan"] = plan.label()
         row["local_ttft_ms"] = round(local, 1)
         row["vs_local"] = round(row["second_ttft_ms"] / local - 1, 3)
+
+
+def holding_cost(log: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What holding cost the serving path, from the receiver's `held` log lines: the copy of each
+    served prompt's KV (and E) into the store before its reply, its bytes, and that time against
+    the first requests' TTFT (the prefill it follows)."""
+    held = [json.loads(line) for line in log.read_text().splitlines()
+            if line.startswith("{") and '"event": "held"' in line] if log.is_file() else []
+    if not held:
+        return {"held": 0}
+    ms = statistics.median(h["ms"] for h in held)
+    first = statistics.median(r["first_ttft_ms"] for r in rows)
+    return {"held": len(held), "hold_ms_median": ms, "bytes_median": statistics.median(h["nbytes"] for h in held),
+            "tokens_median": statistics.median(h["tokens"] for h in held),
+            "hold_over_first_ttft": round(ms / first, 4) if first else None}
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

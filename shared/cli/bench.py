@@ -595,7 +595,7 @@ def held(json_path, n_docs, chars, base_arg, adapter_args, pair_args, group, mod
     rows = [r for part in result.values() for r in part["rows"]]
     click.echo(output.format_table(rows, suite.COLUMNS))
     for name, part in result.items():
-        click.echo(f"{name}: {part['summary']}")
+        click.echo(f"{name}: {part['summary']}; holding: {part['holding']}")
     save(json_path, "held", {"when": suite.timestamp(), "log_dir": str(logs),
                              **{k: suite.strip(v) for k, v in result.items()}})
 

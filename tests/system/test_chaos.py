@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.system, pytest.mark.fault]
 # PYTHONFAULTHANDLER: a segfault in a service prints the Python stack of every thread to its log.
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 CONTEXTS = {"sender_a": words(1500, offset=0), "sender_b": words(1500, offset=3)}  # one context per sender
-RECEIVER_ARGS = {"model_id": "receiver", "default_group": [2, 4], "reuse_timeout_s": 2.0}
+# The receivers hold nothing of their own: the chaos is the senders', whose caches every request must use.
+RECEIVER_ARGS = {"model_id": "receiver", "default_group": [2, 4], "reuse_timeout_s": 2.0, "hold": False}
 SENDER_ARGS = {"e_layers": [2], "heartbeat_s": 1.5}  # the broker declares a sender dead after 3 missed beats (4.5 s)
 WORKERS = 3  # requests in flight at once
 STEP = 12  # answers awaited after each fault before the next one

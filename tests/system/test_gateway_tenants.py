@@ -60,7 +60,9 @@ def mesh(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
         procs.append(start_service("cache_broker", {}, url, env=THREADS))
         procs.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "summ", "e_layers": [1]}, url,
                                    env=THREADS))
-        procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa", "default_group": [1, 2]},
+        # hold off: the tests' prompts repeat, and each asks for the sender's scoped cache
+        procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa", "default_group": [1, 2],
+                                                "hold": False},
                                    url, env=THREADS))
         procs.append(start_service("gateway", {"http_port": 0, "api_keys": path, "max_tokens_limit": 64}, url))
         yield Mesh(url, procs[-1], keys, tmp)

@@ -25,8 +25,9 @@ pytestmark = [pytest.mark.system, pytest.mark.fault]
 CONTEXT = words(1500)
 THREADS = {"OMP_NUM_THREADS": "1"}
 # A short reuse timeout so a freeze outlasts it quickly; the breaker opens after 2 failures.
+# The receiver holds nothing of its own (else a repeat would reuse its own KV, not the hostile sender's).
 RECEIVER_ARGS = {"model_id": "receiver", "default_group": [1, 2], "reuse_timeout_s": 1.0, "breaker_failures": 2,
-                 "breaker_cooldown_s": 60.0}
+                 "breaker_cooldown_s": 60.0, "hold": False}
 
 
 def _mesh(services: list[Proc], url: str, model_dir, receiver_args: dict | None = None, sender_args: dict | None = None,

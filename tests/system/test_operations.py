@@ -32,7 +32,7 @@ def test_metrics_after_a_small_workload(nats, services, tiny_pair, tiny_models):
     sender = start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [2],
                                       "metrics_port": 0}, url, env=THREADS)
     receiver = start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver", "default_group": [2, 4],
-                                          "metrics_port": 0}, url, env=THREADS)
+                                          "metrics_port": 0, "hold": False}, url, env=THREADS)  # counts the sender's pulls
     services.extend([broker, sender, receiver])
 
     async def run() -> list:

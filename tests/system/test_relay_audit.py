@@ -55,7 +55,8 @@ def test_holdout_blind_and_shadow_shares_are_honoured(nats, services, tiny_pair,
     services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 2]},
                                   url, env=THREADS))
     receiver = start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver", "holdout_share": 0.3,
-                                          "blind_share": 0.2, "shadow_share": 0.5, "quality_threshold": 0.0},
+                                          "blind_share": 0.2, "shadow_share": 0.5, "quality_threshold": 0.0,
+                                          "hold": False},  # the audit is of relaying the sender's cache
                              url, env=THREADS)
     services.append(receiver)
     context = make_rows(TASK, "test", 1, get_recipe("ci").suite)[0]["context"]
@@ -100,7 +101,7 @@ def test_a_quality_drop_is_reprofiled_and_the_new_config_reaches_the_running_rec
     services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 2, 4]},
                                   url, env=THREADS))
     receiver = start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver", "shadow_share": 1.0,
-                                          "quality_threshold": 0.9, "quality_window": 4}, url, env=THREADS)
+                                          "quality_threshold": 0.9, "quality_window": 4, "hold": False}, url, env=THREADS)
     services.append(receiver)
     rows = make_rows(TASK, "test", 40, get_recipe("ci").suite)
 
