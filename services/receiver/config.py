@@ -68,6 +68,10 @@ class ReceiverConfig(HolderSettings):
                 "or tokenizer holds is translated instead of prefilled; a translator whose hash differs is refused "
                 "and such requests get the receiver's own prefill, with the reason"})
 
+    min_reuse_fraction: float = dataclasses.field(default=0.5, metadata={
+        "help": "in auto mode, a holder of other weights is used only when it covers at least this share of the "
+                "prompt's tokens: a shared opening (chat template, system prompt) would cost quality for little "
+                "compute, and the own prefill is what this receiver holds for the next request"})
     hold: bool = dataclasses.field(default=True, metadata={
         "help": "offer what this receiver's own full prefills computed (the prompt's KV, and E at the layers pair "
                 "configs naming its model as the sender use) as a holder, within store_bytes: the next request over "
@@ -105,7 +109,7 @@ class ReceiverConfig(HolderSettings):
                      "breaker_failures", "quality_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
-        for name in ("holdout_share", "shadow_share", "blind_share", "quality_threshold"):
+        for name in ("holdout_share", "shadow_share", "blind_share", "quality_threshold", "min_reuse_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} {getattr(self, name)} outside [0, 1]")
         if self.holdout_share + self.blind_share > 1.0:

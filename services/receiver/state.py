@@ -43,7 +43,8 @@ class ReceiverState:
         self.bulk = bulk if bulk is not None else make_client(cfg.transport)  # shared by a process's served models
         # What the reuse policy knows of this receiver.
         self.policy_facts = policy.Receiver(model_id=cfg.model_id, model_sha256=model_sha256,
-                                            num_layers=model.num_layers, default_group=cfg.default_group)
+                                            num_layers=model.num_layers, default_group=cfg.default_group,
+                                            min_reuse_fraction=cfg.min_reuse_fraction)
         self.pull_slots = asyncio.Semaphore(cfg.max_concurrent_pulls)
         self.configs: dict[str, schemas.RecomputeConfig] = {}  # sender model -> newest profile for us
         self.maps_failures: dict[str, str] = {}  # SCD maps sha256 -> why it could not be loaded

@@ -54,10 +54,15 @@ QUESTIONS = (" In one sentence, what does this document describe?", " Name one f
 
 
 def documents(n: int, chars: tuple[int, int]) -> list[str]:
-    """`n` test-split doc_qa contexts of about `chars` characters (~2K SmolLM2 tokens at 8K)."""
+    """`n` distinct test-split doc_qa contexts of about `chars` characters (~2K SmolLM2 tokens at 8K)."""
     from droidmesh.shared.zoo.realtext import make_real_rows
 
-    return [r["context"] for r in make_real_rows("doc_qa", "test", n, chars=chars, seed=7)]
+    for extra in (2, 4, 8):  # rows may share a context (another question about it): keep distinct ones
+        rows = make_real_rows("doc_qa", "test", extra * n, chars=chars, seed=7)
+        docs = [d for d in dict.fromkeys(r["context"] for r in rows) if len(d) >= 0.9 * chars[0]]  # the budget is a cap
+        if len(docs) >= n:
+            return docs[:n]
+    raise RuntimeError(f"fewer than {n} distinct test-split documents of {chars[0]}-{chars[1]} characters")
 
 
 async def _ask(access: MeshAccess, asks: list[tuple[str, str, str]]) -> list[schemas.GenerateReply]:
