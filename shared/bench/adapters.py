@@ -113,10 +113,46 @@ def _measure(base: Path, adapters: list[tuple[str, Path]], work: Path, counts: S
                "cpu_base_view_over_merged": cpu["base_view"] / cpu["merged"],
                "lora_macs_share": timing["lora_macs_share"],
                "adapter": named[0][0], "set_adapters": max(counts)}
-    return {"rows": rows, "prefill": prefill, "base": str(base),
+    log(f"receiver processes: one merged model vs the base with {max(counts)} adapters")
+    receivers = measure_receivers(base, named[:max(counts)], work / "receivers", device, dtype, threads)
+    return {"rows": rows, "prefill": prefill, "receivers": receivers, "base": str(base),
             "adapters": [{"name": n, "path": None if i >= len(adapters) else str(p), "synthetic": i >= len(adapters)}
                          for i, (n, p) in enumerate(named)],
             "note": SYNTHETIC_NOTE if len(named) > len(adapters) else None}
+
+
+def measure_receivers(base: Path, adapters: Sequence[tuple[str, Path]], log_dir: Path, device: str,
+                      dtype: str | None, threads: int) -> list[dict[str, Any]]:
+    """The same comparison as real receiver processes (a nats-server, a receiver ready: its model,
+    its KV screen's reference prefill, NATS and the bulk channel, holding on): one serving a merged
+    adapter, one serving the base with every adapter; RSS of each once ready."""
+    import psutil
+
+    from droidmesh.shared.service.launch import start_nats, start_service
+
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "DM_DEVICE": device,
+           **({"DM_DTYPE": dtype} if dtype else {}), "DM_METRICS_PORT": "-1"}
+    layouts = [("merged", {"model_path": adapters[0][1], "model_id": adapters[0][0]}, 1),
+               ("adapter_set", {"model_path": base, "model_id": "base",
+                                "adapters": [f"{n}={p}" for n, p in adapters]}, len(adapters) + 1)]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    nats, url = start_nats(store_dir=str(log_dir / "js"), log_dir=log_dir)
+    rows: list[dict[str, Any]] = []
+    try:
+        for layout, args, served in layouts:
+            proc = start_service("receiver", {**args, "transport": "shm"}, url, name=f"receiver-{layout}", env=env,
+                                 log_dir=log_dir, timeout=600)
+            try:
+                mib = psutil.Process(proc.popen.pid).memory_info().rss / 2**20
+            finally:
+                proc.stop()
+            rows.append({"layout": f"receiver_{layout}", "adapters": len(adapters) if layout == "adapter_set" else 1,
+                         "served_models": served, "rss_mib": round(mib, 1)})
+    finally:
+        nats.stop()
+    for r in rows:
+        r["ratio_to_one_merged"] = round(r["rss_mib"] / rows[0]["rss_mib"], 3)
+    return rows
 
 
 def _spec(adapters: Sequence[tuple[str, Path]]) -> list[list[str]]:

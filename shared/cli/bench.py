@@ -528,6 +528,8 @@ def adapters(json_path, plot_path, base_arg, adapter_args, counts, tokens, repea
     click.echo(output.format_table(result["rows"], ["layout", "adapters", "served_models", "rss_mib",
                                                     "ratio_to_one_merged", "host_mib", "anon_mib", "file_mib",
                                                     "rss_loaded_mib", "hwm_mib", "estimate"]))
+    click.echo(output.format_table(result["receivers"], ["layout", "adapters", "served_models", "rss_mib",
+                                                         "ratio_to_one_merged"]))
     pre = result["prefill"]
     click.echo(f"prefill of {pre['tokens']} tokens (median of {repeats}), wall: " + ", ".join(
         f"{k} {v:.3f} s" for k, v in pre["seconds"].items()) + "; CPU: " + ", ".join(
