@@ -35,7 +35,7 @@ import psutil
 from droidmesh.shared.apps.demo import NO_HEALTH_PORT, THREADS
 from droidmesh.shared.errors import ConfigError, DroidMeshError
 from droidmesh.shared.mesh.client import MeshClient
-from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, valid_id
 from droidmesh.shared.model.device import DEVICE_ENV
 from droidmesh.shared.model.names import ModelRef, Pair, resolve_model
 from droidmesh.shared.service.launch import Proc, start_secure_nats, start_service
@@ -44,7 +44,6 @@ from droidmesh.shared.wire import schemas
 RECEIVER_START_S = 900.0  # a base and its adapters loading on a small CPU
 READY_S = 60.0  # from the gateway's start until its /health lists every served model
 STOP_GRACE_S = 15.0
-_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
 class ServeFailed(DroidMeshError):
@@ -102,7 +101,7 @@ class Published:
 
 
 def _check_id(name: str, what: str) -> None:
-    if not name or not set(name) <= _ID_CHARS:
+    if not valid_id(name):  # the roster gives each served model a NATS user and subjects
         raise ConfigError(f"{what} {name!r}: a model id is letters, digits, '_' and '-' only (use NAME=MODEL)")
 
 

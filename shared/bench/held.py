@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 
 from droidmesh.shared.apps.demo import THREADS, connect_as, publish_configs
@@ -125,7 +124,7 @@ def run_adapters(base: ModelRef, adapters: list[ModelRef], pairs: list[Pair], n_
         asyncio.run(publish_configs(configs, access))
         _serve(access, procs, base, {m.name: m for m in adapters}, log_dir, dtype,
                default_group=group if len(configs) < len(pairs) else None)
-        replies = _ask_rows(access, asks)
+        replies = asyncio.run(_ask(access, asks))
     rows = _rows(asks, replies)
     _local(rows, base, adapters, plans, dtype)
     return {"rows": rows, "plans": {k: p.label() for k, p in plans.items()}, "summary": _summary(rows),
@@ -149,13 +148,9 @@ def run_single(model: ModelRef, n_docs: int, log_dir: Path, *, chars: tuple[int,
     log_dir.mkdir(parents=True, exist_ok=True)
     with mesh(roster) as (access, procs):
         _serve(access, procs, model, {}, log_dir, dtype)
-        replies = _ask_rows(access, asks)
+        replies = asyncio.run(_ask(access, asks))
     rows = _rows(asks, replies)
     return {"rows": rows, "summary": _summary(rows), "holding": holding_cost(log_dir / f"receiver-{model.name}.log", rows)}
-
-
-def _ask_rows(access: MeshAccess, asks: list[tuple[str, str, str]]) -> list[schemas.GenerateReply]:
-    return asyncio.run(_ask(access, asks))
 
 
 def _rows(asks: list[tuple[str, str, str]], replies: list[schemas.GenerateReply]) -> list[dict[str, Any]]:
@@ -225,8 +220,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def strip(result: dict[str, Any]) -> dict[str, Any]:
     """`result` without the documents' text (kept only to reproduce the local reference)."""
-    return msgspec.json.decode(msgspec.json.encode(
-        {**result, "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in result["rows"]]}))
+    return {**result, "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in result["rows"]]}
 
 
 def timestamp() -> str:

@@ -63,7 +63,7 @@ def captured_of(model: ModelAdapter, prompt: Sequence[int], pre: PrefillResult,
     Any other reuse is refused: a recomputed group's KV is not the model's own."""
     t, m = len(prompt), pre.reused_tokens
     if pre.plan.mode == "full_prefill" and prefix is None and m == 0:
-        e = {l: x[:, :t].clone() if x.shape[1] != t else x for l, x in pre.e.items()}  # each [1, t, D]
+        e = dict(pre.e)  # each [1, t, D]: a full prefill keeps E of the prompt's tokens only
     elif pre.plan.mode == "full_reuse" and not pre.plan.patch and prefix is not None:
         if prefix.fingerprint.id != model.fingerprint.id or tuple(prompt[:m]) != prefix.token_ids[:m]:
             raise BadRequestError("the reused context is not this model's cache of the prompt's prefix")

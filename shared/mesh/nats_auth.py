@@ -36,6 +36,11 @@ FIXED_ROLES = ("broker", "profiler", "client", "gateway", "admin")
 _ID = re.compile(r"^[A-Za-z0-9_-]+$")  # one subject token, one user-name part, one env-var part
 
 
+def valid_id(name: str) -> bool:
+    """Whether `name` can be a roster id (a sender, a model, a holder, a tenant)."""
+    return bool(_ID.match(name))
+
+
 def sender_user(sender_id: str) -> str:
     return f"sender-{sender_id}"
 
@@ -73,7 +78,7 @@ class Roster:
             if model not in self.receivers:
                 raise ValueError(f"{model!r} hosts adapters or holds contexts but is not a receiver of the roster")
         for name in [i for pair in self.senders for i in pair] + list(self.receivers) + list(self.tenants) + extra:
-            if not _ID.match(name):
+            if not valid_id(name):
                 raise ValueError(f"{name!r}: ids in the NATS roster are letters, digits, '_' and '-' only")
         envs = [password_env(u) for u in self.users]
         if len(set(envs)) != len(envs):  # e.g. sender ids `a-b` and `a_b`, or `A` and `a`
