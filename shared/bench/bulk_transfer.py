@@ -30,16 +30,21 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from droidmesh.shared.bench.harness import THREADS
-from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX, one_line, start_server, tensors_for
+from droidmesh.shared.bench.nixl_raw import RAW_PREFIX
+from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX, GRANT_SENDER, one_line, start_server, tensors_for
 
 KIB, MIB = 1 << 10, 1 << 20
 TRANSFER_SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 RATIO_FROM_BYTES = 16 * MIB  # `over_memcpy` / `ucx_over_memcpy`: the smallest ratio from this size up
+NIXL_RAW = "nixl_raw"  # `bench transfer`'s row of NIXL itself (`nixl_raw.py`), beside the channels
+FIXED_BYTES = 4 * KIB  # a pull's fixed cost: one item this small
+FIXED_SAMPLES, FIXED_WARMUP = 200, 20
 SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
 # UCX prints the tables of the protocols it selected (one per endpoint configuration and
 # operation) on stdout when UCX_PROTO_INFO=y: each titled "<context> <cfg#N> | <operation>", then
@@ -119,18 +124,26 @@ def memcpy_reference(nbytes: int, repeats: int, llc: int | None = None) -> dict[
 
 
 class TensorServer:
-    """`shared.bench.tensor_server` in a child process, its tensors on `device`, with `env` added
-    to this process's environment: its address, or why it did not start; every stdout/stderr
-    line it printed (UCX's protocol tables among them)."""
+    """`shared.bench.tensor_server` (or, for `nixl_raw`, `shared.bench.nixl_raw`) in a child
+    process, `items` tensors per size on `device`, with `env` added to this process's environment
+    (`nats_url`: pulls need grants asked for there): its address (for `nixl_raw`, its JSON line), or
+    why it did not start; every stdout/stderr line it printed (UCX's protocol tables among them)."""
 
     def __init__(self, transport: str, sizes: list[int], *, device: str | torch.device = "cpu",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, items: int = 1, nats_url: str = ""):
         env = {**os.environ, **(env or {})}
         if transport == "ucx":
             env.setdefault("UCX_PROTO_INFO", "y")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "droidmesh.shared.bench.tensor_server", transport, ",".join(map(str, sizes)), "--device", str(device)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        sizes_arg = ",".join(map(str, sizes))
+        if transport == NIXL_RAW:
+            argv = ["-m", "droidmesh.shared.bench.nixl_raw", sizes_arg, "--items", str(items)]
+            self._prefix = RAW_PREFIX
+        else:
+            argv = ["-m", "droidmesh.shared.bench.tensor_server", transport, sizes_arg, "--device", str(device),
+                    "--items", str(items), *(["--nats", nats_url] if nats_url else [])]
+            self._prefix = ADDRESS_PREFIX
+        self.proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
         self.lines: list[str] = []
         self.address: str | None = None
         self.error: str | None = None
@@ -142,8 +155,8 @@ class TensorServer:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
-            if line.startswith(ADDRESS_PREFIX):
-                self.address = line[len(ADDRESS_PREFIX):].strip()
+            if line.startswith(self._prefix):
+                self.address = line[len(self._prefix):].strip()
                 self._ready.set()
             elif line.startswith(ERROR_PREFIX):
                 self.error = line[len(ERROR_PREFIX):].strip()
@@ -170,31 +183,102 @@ class TensorServer:
         return self.lines
 
 
+class _Granting(NamedTuple):
+    sender_id: str
+    context_id: str
+
+
+GrantFn = Callable[[str], Awaitable[str]]  # context id -> a single-use grant for one pull of it
+
+
 async def pull_rates(transport: str, address: str, sizes: list[int], repeats: int,
-                     device: str | torch.device = "cpu", lanes: int | None = None) -> dict[int, float]:
-    """Pull throughput (GB/s) per size: one warm-up pull, then the median of `repeats` pulls,
-    each into the same preallocated, already written bf16 buffer on `device`; `lanes`: the shm
-    client's copy threads (None: the receiver's)."""
-    from droidmesh.shared.transport.bulk import BulkClient, make_client
-    from droidmesh.shared.transport.shm import ShmBulkClient
+                     device: str | torch.device = "cpu", lanes: int | None = None, items: int = 1,
+                     grant: GrantFn | None = None) -> dict[int, float]:
+    """Pull throughput (GB/s) per size: one warm-up pull, then the median of `repeats` pulls of
+    all `items` items of that size's context in one request, each into the same preallocated,
+    already written bf16 buffers on `device`; `lanes`: the shm client's copy threads (None: the
+    receiver's); `grant`: each pull's grant, asked for before its clock starts."""
     from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
-    client: BulkClient = ShmBulkClient(lanes) if transport == "shm" and lanes else make_client(transport)
+    client = _client(transport, lanes)
     rates = {}
     try:
         await client.warm(address)
         for nbytes in sizes:
-            req = PullRequest(context_id=str(nbytes), items=[PullItem(0, "K")], token="")
-            into = [torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device)]  # written: its pages exist before timing
+            into = [torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device) for _ in range(items)]  # pages exist
             times = []
             for _ in range(repeats + 1):
+                token = await grant(str(nbytes)) if grant is not None else ""
+                req = PullRequest(context_id=str(nbytes), items=[PullItem(i, "K") for i in range(items)], token=token)
                 t0 = time.perf_counter()
                 await client.pull(address, req, into, lambda *a: None, 120)
                 times.append(time.perf_counter() - t0)
-            rates[nbytes] = nbytes / statistics.median(times[1:]) / 1e9
+            rates[nbytes] = nbytes * items / statistics.median(times[1:]) / 1e9
     finally:
         await client.close()
     return rates
+
+
+def _client(transport: str, lanes: int | None) -> Any:
+    from droidmesh.shared.transport.bulk import make_client
+    from droidmesh.shared.transport.shm import ShmBulkClient
+
+    return ShmBulkClient(lanes) if transport == "shm" and lanes else make_client(transport)
+
+
+async def fixed_cost(transport: str, address: str, grant: GrantFn | None, samples: int = FIXED_SAMPLES,
+                     lanes: int | None = None) -> dict[str, Any]:
+    """A pull's fixed cost: one item of `FIXED_BYTES` (its own context), `samples` times after
+    `FIXED_WARMUP` untimed ones; medians in microseconds of the grant round trip (NATS request
+    to the server and back: None without `grant`), of the pull alone, and of both in turn."""
+    from droidmesh.shared.wire.schemas import PullItem, PullRequest
+
+    client = _client(transport, lanes)
+    into = [torch.zeros(FIXED_BYTES // 2, dtype=torch.bfloat16)]
+    grants, pulls, both = [], [], []
+    try:
+        await client.warm(address)
+        for i in range(FIXED_WARMUP + samples):
+            t0 = time.perf_counter()
+            token = await grant(str(FIXED_BYTES)) if grant is not None else ""
+            t1 = time.perf_counter()
+            await client.pull(address, PullRequest(context_id=str(FIXED_BYTES), items=[PullItem(0, "K")], token=token),
+                              into, lambda *a: None, 30)
+            t2 = time.perf_counter()
+            if i >= FIXED_WARMUP:
+                grants.append(t1 - t0)
+                pulls.append(t2 - t1)
+                both.append(t2 - t0)
+    finally:
+        await client.close()
+    us = 1e6
+    return {"grant_us": statistics.median(grants) * us if grant is not None else None,
+            "pull_us": statistics.median(pulls) * us,
+            "with_grant_us": statistics.median(both) * us if grant is not None else None,
+            "samples": samples, "bytes": FIXED_BYTES}
+
+
+async def _measure_client(transport: str, address: str, sizes: list[int], repeats: int, lanes: int, items: int,
+                          nats_url: str) -> tuple[dict[int, float], dict[str, Any]]:
+    """Rates per size, then the fixed cost, both as a receiver pulls (grants over NATS when
+    `nats_url`)."""
+    nc, grant = None, None
+    if nats_url:
+        import nats
+
+        from droidmesh.shared.transport.pull import request_grant, requester
+
+        nc = await nats.connect(nats_url)
+        ask = requester(nc)
+
+        async def grant(context_id: str) -> str:
+            return await request_grant(ask, _Granting(GRANT_SENDER, context_id), 10)
+    try:
+        rates = await pull_rates(transport, address, sizes, repeats, lanes=lanes, items=items, grant=grant)
+        return rates, await fixed_cost(transport, address, grant, lanes=lanes)
+    finally:
+        if nc is not None:
+            await nc.close()
 
 
 def _ucx_size(text: str) -> float:
@@ -237,88 +321,128 @@ def ucx_protocol_for(nbytes: int, protocols: Protocols) -> str | None:
 # -- the suite ----------------------------------------------------------------------------------
 def bench_transports() -> list[str]:
     """`bench transfer`'s default: every bulk channel that runs between processes (all of
-    `bulk.TRANSPORTS` but inproc), so a channel added there is measured without a change here."""
+    `bulk.TRANSPORTS` but inproc), so a channel added there is measured without a change here,
+    and `nixl_raw` right after `nixl`."""
     from droidmesh.shared.transport.bulk import TRANSPORTS
 
-    return [t for t in TRANSPORTS if t != "inproc"]
+    channels = [t for t in TRANSPORTS if t != "inproc"]
+    return [x for t in channels for x in ([t, NIXL_RAW] if t == "nixl" else [t])]  # NIXL itself beside its channel
 
 
-async def _pull_inproc(sizes: list[int], repeats: int) -> dict[int, float]:
+async def _pull_inproc(sizes: list[int], repeats: int, items: int) -> tuple[dict[int, float], dict[str, Any]]:
     """The in-process channel (no second process: the protocol's own cost, checksums included)."""
-    server = start_server("inproc", tensors_for(sizes), name="bench-transfer")
+    server = start_server("inproc", tensors_for(sorted({*sizes, FIXED_BYTES}), items=items), name="bench-transfer")
     address = await server.start()
     try:
-        return await pull_rates("inproc", address, sizes, repeats)
+        return (await pull_rates("inproc", address, sizes, repeats, items=items),
+                await fixed_cost("inproc", address, None))
     finally:
         await server.close()
 
 
-def _measure(transport: str, sizes: list[int], repeats: int, shm_lanes: int
-             ) -> tuple[dict[int, float], dict[int, str | None], str | None]:
+Measured = tuple[dict[int, float], dict[int, str | None], dict[str, Any] | None, str | None]
+
+
+def _measure(transport: str, sizes: list[int], repeats: int, shm_lanes: int, items: int, nats_url: str) -> Measured:
     """(GB/s per size, how each size travelled (UCX's transport and protocol; the shm copy; None
-    where the channel does not say), None) or ({}, {}, reason)."""
+    where the channel does not say), the pull's fixed cost, None) or ({}, {}, None, reason)."""
     if transport == "inproc":
         try:
-            return asyncio.run(_pull_inproc(sizes, repeats)), dict.fromkeys(sizes), None
+            rates, fixed = asyncio.run(_pull_inproc(sizes, repeats, items))
+            return rates, dict.fromkeys(sizes), fixed, None
         except Exception as e:
-            return {}, {}, one_line(e)
-    server = TensorServer(transport, sizes, env=THREADS)
+            return {}, {}, None, one_line(e)
+    server = TensorServer(transport, sorted({*sizes, FIXED_BYTES}), env=THREADS, items=items, nats_url=nats_url)
     rates: dict[int, float] = {}
+    fixed: dict[str, Any] | None = None
     reason = None
     try:
         server.wait_ready()
         if server.address is None:
             reason = server.error or "tensor server gave no address"
+        elif transport == NIXL_RAW:
+            from droidmesh.shared.bench.nixl_raw import raw_rates
+
+            rates = raw_rates(server.address, sizes, items, repeats)
+            one = raw_rates(server.address, [FIXED_BYTES], items, FIXED_SAMPLES, read=1)[FIXED_BYTES]
+            fixed = {"grant_us": None, "pull_us": FIXED_BYTES / one / 1e3, "with_grant_us": None,
+                     "samples": FIXED_SAMPLES, "bytes": FIXED_BYTES}
         else:
-            rates = asyncio.run(pull_rates(transport, server.address, sizes, repeats, lanes=shm_lanes))
+            rates, fixed = asyncio.run(_measure_client(transport, server.address, sizes, repeats, shm_lanes, items,
+                                                       nats_url))
     except Exception as e:
         reason = one_line(e)
     finally:
         lines = server.stop()
     if reason is not None:
-        return {}, {}, reason
+        return {}, {}, None, reason
     if transport == "shm":
-        return rates, dict.fromkeys(sizes, f"memfd: preadv on {shm_lanes} lane(s)"), None
+        return rates, dict.fromkeys(sizes, f"memfd: preadv on {shm_lanes} lane(s)"), fixed, None
     if transport != "ucx":
-        return rates, dict.fromkeys(sizes), None
+        return rates, dict.fromkeys(sizes), fixed, None
     protocols = ucx_tables(lines).get("host memory", [])
-    return rates, {n: ucx_protocol_for(n, protocols) or "unknown" for n in sizes}, None
+    return rates, {n: ucx_protocol_for(n, protocols) or "unknown" for n in sizes}, fixed, None
 
 
-def run_transfer(sizes: list[int], repeats: int, transports: list[str] | None = None, shm_lanes: int = 2) -> dict[str, Any]:
+def run_transfer(sizes: list[int], repeats: int, transports: list[str] | None = None, shm_lanes: int = 2,
+                 items: int = 1, grants: bool = True) -> dict[str, Any]:
     """Pulls over each bulk channel between two processes (a tensor server and this one) against
-    a memcpy of the same bytes (warm and out of cache). Returns `rows` (one per transport and
-    size; a transport that cannot start is one row with `unavailable` and the reason),
-    `over_memcpy` (per transport, the smallest ratio from 16 MiB up), `ucx_over_memcpy` and
-    `memcpy` (how the reference was taken)."""
+    a memcpy of the same bytes (warm and out of cache): per size, one pull of `items` items of
+    that many bytes each (as a context's layers travel). With `grants`, a real nats-server runs
+    and every pull needs a single-use grant from the server, asked for over it as a receiver does
+    (outside the throughput clock; inside the fixed cost's `with_grant_us`).
+
+    Returns `rows` (one per transport and size; a transport that cannot start is one row with
+    `unavailable` and the reason), `over_memcpy` (per transport, the smallest ratio from 16 MiB
+    pulled up), `ucx_over_memcpy`, `fixed_cost` (per transport: one 4 KiB item, medians in µs),
+    `nixl_over_raw` (per size, the nixl channel's throughput over `nixl_raw`'s, when both ran)
+    and `memcpy` (how the reference was taken)."""
     transports = transports or bench_transports()
     llc = llc_bytes()
     refs = {}
     for n in sizes:  # before any server runs, so no other process competes for the cores
-        refs[n] = memcpy_reference(n, repeats, llc)
+        refs[n] = memcpy_reference(n * items, repeats, llc)
         gc.collect()
+    nats, nats_url = None, ""
+    if grants and any(t not in ("inproc", NIXL_RAW) for t in transports):
+        from droidmesh.shared.service.launch import start_nats
+
+        nats, nats_url = start_nats()
     rows: list[dict[str, Any]] = []
-    for transport in transports:
-        rates, chosen, reason = _measure(transport, sizes, repeats, shm_lanes)
-        if reason is not None:
-            rows.append({"bytes": None, "transport": transport, "throughput_gb_s": None, "memcpy_gb_s": None,
-                         "memcpy_cold_gb_s": None, "ratio": None, "ucx_transports": None, "unavailable": reason})
-            continue
-        for n in sizes:
-            ref = refs[n]
-            rows.append({"bytes": n, "transport": transport, "throughput_gb_s": rates[n], "memcpy_gb_s": ref["memcpy_gb_s"],
-                         "memcpy_cold_gb_s": ref["memcpy_cold_gb_s"], "ratio": rates[n] / ref["memcpy_gb_s"],
-                         "ucx_transports": chosen.get(n)})
+    fixed: dict[str, Any] = {}
+    try:
+        for transport in transports:
+            rates, chosen, cost, reason = _measure(transport, sizes, repeats, shm_lanes, items, nats_url)
+            if reason is not None:
+                rows.append({"bytes": None, "items": items, "item_bytes": None, "transport": transport,
+                             "throughput_gb_s": None, "memcpy_gb_s": None, "memcpy_cold_gb_s": None, "ratio": None,
+                             "ucx_transports": None, "unavailable": reason})
+                continue
+            fixed[transport] = cost
+            for n in sizes:
+                ref = refs[n]
+                rows.append({"bytes": n * items, "items": items, "item_bytes": n, "transport": transport,
+                             "throughput_gb_s": rates[n], "memcpy_gb_s": ref["memcpy_gb_s"],
+                             "memcpy_cold_gb_s": ref["memcpy_cold_gb_s"], "ratio": rates[n] / ref["memcpy_gb_s"],
+                             "ucx_transports": chosen.get(n)})
+    finally:
+        if nats is not None:
+            nats.stop()
     over: dict[str, float | None] = {}
     for transport in transports:
         ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
                   and r["bytes"] >= RATIO_FROM_BYTES]
         over[transport] = min(ratios) if ratios else None
+    rate = {(r["transport"], r["item_bytes"]): r["throughput_gb_s"] for r in rows if r["ratio"] is not None}
+    vs_raw = {str(n): rate[("nixl", n)] / rate[(NIXL_RAW, n)] for n in sizes
+              if ("nixl", n) in rate and (NIXL_RAW, n) in rate}
     from droidmesh.shared.transport.memfd import shmem_thp
     from droidmesh.shared.transport.ucx import ucx_options
 
-    return {"rows": rows, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over, "shm_lanes": shm_lanes, "shmem_thp": shmem_thp(),
-            "memcpy": {"method": "torch.Tensor.copy_ into a preallocated destination, 1 thread, median of repeats",
+    return {"rows": rows, "items": items, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over, "fixed_cost": fixed,
+            "nixl_over_raw": vs_raw, "grants": nats is not None, "shm_lanes": shm_lanes, "shmem_thp": shmem_thp(),
+            "memcpy": {"method": "torch.Tensor.copy_ of the pull's bytes (items x size) into a preallocated "
+                                 "destination, 1 thread, median of repeats",
                        "llc_bytes": llc, "cold_pairs": {str(n): refs[n]["cold_pairs"] for n in sizes}},
             "ucx_options": {**{f"UCX_{k}": v for k, v in ucx_options().items()},
                             **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}}

@@ -106,19 +106,31 @@ def _transport_list(_ctx: click.Context, _param: click.Parameter, value: tuple[s
                    "processes, e.g. ucx,nixl,shm; one that cannot start is reported as unavailable).")
 @click.option("--shm-lanes", default=2, show_default=True, type=click.IntRange(1, 16),
               help="Copy threads of the shm channel's client (the receiver uses 2).")
-def transfer(json_path, sizes, repeats, transports, shm_lanes) -> None:
+@click.option("--items", default=1, show_default=True, type=click.IntRange(1, 1024),
+              help="Items per pull, each of the size given (a context's layers travel as many items in one pull).")
+@click.option("--no-grants", is_flag=True, help="Pull without grants (no nats-server; the channel's own cost only).")
+def transfer(json_path, sizes, repeats, transports, shm_lanes, items, no_grants) -> None:
     """Data plane: pulls over each bulk channel between two processes vs a memcpy of the same bytes
-    (warm and out of cache, one thread); ratio = throughput / warm memcpy."""
+    (warm and out of cache, one thread); ratio = throughput / warm memcpy. Each pull moves ITEMS
+    items of each size; a pull's fixed cost (one 4 KiB item, with and without its grant over a real
+    nats-server) is measured per channel. `--transport nixl_raw` adds NIXL itself as a row."""
     from droidmesh.shared.bench.bulk_transfer import RATIO_FROM_BYTES, run_transfer
 
-    r = run_transfer(sizes, repeats, transports, shm_lanes)
-    columns = ["bytes", "transport", "throughput_gb_s", "memcpy_gb_s", "memcpy_cold_gb_s", "ratio", "ucx_transports"]
+    r = run_transfer(sizes, repeats, transports, shm_lanes, items, grants=not no_grants)
+    columns = ["bytes", "items", "item_bytes", "transport", "throughput_gb_s", "memcpy_gb_s", "memcpy_cold_gb_s",
+               "ratio", "ucx_transports"]
     if any("unavailable" in row for row in r["rows"]):
         columns.append("unavailable")
     click.echo(output.format_table(r["rows"], columns))
     for transport, ratio in r["over_memcpy"].items():
         if ratio is not None:
-            click.echo(f"{transport}: smallest throughput / memcpy from {RATIO_FROM_BYTES >> 20} MiB up = {ratio:.3f}")
+            click.echo(f"{transport}: smallest throughput / memcpy from {RATIO_FROM_BYTES >> 20} MiB pulled up = {ratio:.3f}")
+    fixed = [{"transport": t, **c} for t, c in r["fixed_cost"].items() if c is not None]
+    if fixed:
+        click.echo("fixed cost of a pull (one 4 KiB item; medians, µs):")
+        click.echo(output.format_table(fixed, ["transport", "grant_us", "pull_us", "with_grant_us", "samples"]))
+    for size, ratio in r["nixl_over_raw"].items():
+        click.echo(f"nixl / nixl_raw at {int(size) >> 10} KiB x {items}: {ratio:.3f}")
     save(json_path, "transfer", r)
 
 

@@ -184,10 +184,12 @@ def admit(request: PullRequest, lookup: TensorLookup, authorize: Authorize | Non
     return Admitted(stored, views, pin(request.context_id) if pin is not None else _NoHold())
 
 
-def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None = None) -> Served:
+def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None = None,
+           checksums: bool = True) -> Served:
     """The response to `request` and the payloads to send after it, in item order. A refusal
     (malformed, unauthorized, unknown item, more tokens than stored, over the pull budget) is a
-    response with `error` and no payloads. Order: `admit`, then encode."""
+    response with `error` and no payloads. Order: `admit`, then encode. `checksums=False`: headers
+    carry none (a channel that copies the sender's own memory, with no stream to corrupt)."""
     hold: PullHold = _NoHold()
     try:
         stored, tensors, hold = admit(request, lookup, authorize, pin)
@@ -204,7 +206,7 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
             headers.append(TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind,
                                         shape=list(t.shape), dtype=dtype_name(t.dtype), codec=codec.name,
                                         codec_params=params, nbytes=payload.numel(),
-                                        checksum=_payload_checksum(t, payload, cache=t is whole)))
+                                        checksum=_payload_checksum(t, payload, cache=t is whole) if checksums else ""))
             payloads.append(payload)
     except DroidMeshError as e:
         hold.release()

@@ -118,7 +118,16 @@ def requester(nc: Any) -> Request:
     return request
 
 
-async def request_grant(request: Request, holder: CacheAvailable, timeout_s: float) -> str:
+class Granting(Protocol):
+    """What a grant request names: the holder's sender and the context (a `CacheAvailable`)."""
+
+    @property
+    def sender_id(self) -> str: ...
+    @property
+    def context_id(self) -> str: ...
+
+
+async def request_grant(request: Request, holder: Granting, timeout_s: float) -> str:
     """A single-use grant to pull `holder`'s context, from its sender (the reply reaches only the
     asking user's inbox). `TransferError` when the sender does not answer in time or refuses."""
     try:

@@ -116,8 +116,9 @@ def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypa
     wrong = {(0, "K"): torch.randn(1, 2, 32, 8)}
     with pytest.raises(IntegrityError, match="does not match the expected layout"):
         asyncio.run(_session(transport, issuer, _pull_one(token), lookup=lambda c, l, k: wrong.get((l, k))))
-    if transport == "shm":
-        return  # no wire, no checksum: sealed memory instead (tests/integration/test_shm_channel.py)
+    if transport in ("shm", "nixl"):
+        return  # no stream, no checksum: the sender's own sealed / registered memory, copied by the kernel or NIC
+
     module = importlib.import_module(registry.channel(transport).server.partition(":")[0])  # where the server answers
     real = module.answer
 

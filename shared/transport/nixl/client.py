@@ -5,12 +5,17 @@ Per connection (within CONNECT_S): `NixlConnect` -> `NixlAgentInfo`; its metadat
 (`metadata.check_agent_info`: the sender's name and UCX worker address, nothing else) before the
 agent loads it and connects ahead of the first pull. Per pull: `PullRequest` -> `NixlGrant`; the
 headers are checked (`bulk.landings`), the grant's metadata too (`metadata.check_grant`: that
-sender's host-memory descriptors, each remote key as UCX will walk it), then the agent loads it,
-registers the landing buffers (the caller's own for raw on the CPU) and READs one transfer per run
-of consecutive same-layer items (a layer's K and V together; E items lead the request, so each
-goes alone unless its layer's K/V follow it), all queued at once; as each completes, in request
-order, its items are verified, decoded and handed to `on_item`. `NixlDone` then lets the sender
-release the pull. A grant's metadata stays loaded while its connection lives (capability is
+sender's host-memory descriptors, each remote key as UCX will walk it), then one call on the
+agent's thread loads it, registers the landing buffers (the caller's own for raw on the CPU) and
+posts one READ per run of consecutive same-layer items (a layer's K and V together; E items lead
+the request, so each goes alone unless its layer's K/V follow it); as each completes, in request
+order, its items are decoded and handed to `on_item`. `NixlDone` then lets the sender release
+the pull.
+
+No checksums: a READ copies the sender's own registered memory, which it pins unchanged for the
+pull, straight into ours (CMA on one host; RDMA, whose link CRC covers it, across hosts): there
+is no stream of ours to corrupt, as with shm's sealed memory. Hashing every byte on both sides
+cost about a third of a pull's time. A grant's metadata stays loaded while its connection lives (capability is
 checked when a pull is granted, not per READ); dropping the connection forgets it.
 
 With UCX on one host a READ is a CMA copy done inside the post call with the GIL released, so the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,14 +55,14 @@ class _Connection:
         self.reader, self.writer, self.peer = reader, writer, peer
 
 
-def _release_reads(agent: Agent, handles: list[Any], registered: Any) -> None:
+def _release_reads(agent: Agent, handles: list[Any], registered: list[Any]) -> None:
     """On the agent's thread: release a pull's remaining transfers, then its landing buffers."""
     try:
         for handle in handles:
             agent.release(handle)
     finally:
-        if registered is not None:
-            agent.deregister(registered)
+        for descs in registered:
+            agent.deregister(descs)
 
 
 class NixlBulkClient(ChannelClient[_Connection]):
@@ -78,55 +84,70 @@ class NixlBulkClient(ChannelClient[_Connection]):
             raise TransferError(f"grant regions {[r.nbytes for r in grant.regions]} do not match the headers")
         agent = self._agent
         assert agent is not None
-        moving = [(land, region) for land, region in zip(lands, grant.regions, strict=True) if region.nbytes]
-        local = [(land.recv.data_ptr(), land.recv.numel()) for land, _ in moving]
-        if local:
+        if any(r.nbytes for r in grant.regions):
             metadata.check_grant(grant.metadata, conn.peer)
-
-        def register() -> Any:
-            if not local:
-                return None
-            agent.load(grant.metadata)  # the grant's regions join what is loaded for the sender
-            return agent.register(local)
-
-        registered = await agent.call(register)
         in_flight: list[Any] = []  # transfer handles posted but not done when posted
+        registered: list[Any] = []  # the landing buffers' registration, once made
         try:
-            await self._read(agent, conn.peer.name, lands, grant.regions, on_item, in_flight)
-        finally:  # queued behind every post on the agent's thread, so it runs after them all
+            await self._read(agent, conn.peer.name, grant.metadata, lands, grant.regions, on_item, in_flight, registered)
+        finally:  # queued behind the posts on the agent's thread, so it runs after them all
             await asyncio.shield(agent.call(_release_reads, agent, in_flight, registered))
         await frames.send(conn.writer, NixlDone())
         return sum(land.header.nbytes for land in lands)
 
-    async def _read(self, agent: Agent, peer: str, lands: list[Landing], regions: list[NixlRegion],
-                    on_item: OnItem, in_flight: list[Any]) -> None:
-        """READ each run of same-layer items as one transfer, all posted in order on the agent's
-        thread; deliver each run's items as its transfer completes."""
+    async def _read(self, agent: Agent, peer: str, granted: bytes, lands: list[Landing], regions: list[NixlRegion],
+                    on_item: OnItem, in_flight: list[Any], registered: list[Any]) -> None:
+        """One call on the agent's thread loads the grant's metadata, registers the landing buffers
+        and posts one READ per run of same-layer items, in order, settling each run's future on
+        the loop as its post returns (no round trip to the agent's thread per item); each run's
+        items are delivered as its READ completes, in request order."""
+        loop = asyncio.get_running_loop()
         runs = [list(run) for _, run in itertools.groupby(zip(lands, regions, strict=True),
                                                           key=lambda lr: lr[0].item.layer)]
-        abandoned = False
+        posted: list[asyncio.Future[tuple[Any, str]]] = [loop.create_future() for _ in runs]
+        abandoned = threading.Event()
 
-        def post(run: list[tuple[Landing, NixlRegion]]) -> tuple[Any, str]:
-            moving = [(land, r) for land, r in run if r.nbytes]
-            if abandoned or not moving:
-                return None, "DONE"
-            handle, state = agent.read([(land.recv.data_ptr(), r.nbytes) for land, r in moving],
-                                       [(r.addr, r.nbytes) for _, r in moving], peer)
-            if state == "PROC":
-                in_flight.append(handle)
-                return handle, state
-            agent.release(handle)  # a same-host READ is done by now: one hop saved
-            return None, state
+        def settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(value)
 
-        posts = [asyncio.wrap_future(agent.submit(post, run)) for run in runs]
+        def post_all() -> None:  # on the agent's thread
+            run_i = 0
+            try:
+                local = [(land.recv.data_ptr(), land.recv.numel()) for land, r in zip(lands, regions, strict=True) if r.nbytes]
+                if local:
+                    agent.load(granted)  # the grant's regions join what is loaded for the sender
+                    registered.append(agent.register(local))
+                for run_i, run in enumerate(runs):
+                    if abandoned.is_set():
+                        return
+                    moving = [(land, r) for land, r in run if r.nbytes]
+                    result: tuple[Any, str] = (None, "DONE")
+                    if moving:
+                        handle, state = agent.read([(land.recv.data_ptr(), r.nbytes) for land, r in moving],
+                                                   [(r.addr, r.nbytes) for _, r in moving], peer)
+                        if state == "PROC":
+                            in_flight.append(handle)
+                            result = (handle, state)
+                        else:
+                            agent.release(handle)  # a same-host READ is done by now
+                            result = (None, state)
+                    loop.call_soon_threadsafe(settle, posted[run_i], result, None)
+            except BaseException as e:  # this run fails; the ones after it are never posted
+                loop.call_soon_threadsafe(settle, posted[run_i], None, e)
+
+        posting = asyncio.wrap_future(agent.submit(post_all))
         try:
-            for run, posted in zip(runs, posts, strict=True):
-                await self._complete(agent, *await posted)
+            for run, future in zip(runs, posted, strict=True):
+                await self._complete(agent, *await future)
                 for land, _ in run:
-                    on_item(land.item, land.land())
+                    on_item(land.item, land.land(verify=False))  # one-sided reads: see the module docstring
         finally:
-            abandoned = True  # posts still queued do nothing
-            await asyncio.shield(asyncio.gather(*posts, return_exceptions=True))
+            abandoned.set()  # runs not yet posted are not
+            await asyncio.shield(asyncio.gather(posting, return_exceptions=True))
+            for future in posted:  # settled before `posting` ended; a failure after ours is not news
+                if future.done() and not future.cancelled():
+                    future.exception()
 
     @staticmethod
     async def _complete(agent: Agent, handle: Any, state: str) -> None:

@@ -8,7 +8,9 @@ read the receiver checks the headers against its own buffers (`bulk.landings`), 
 short it) and every region against its memfd's sealed size; rows and their length come from the
 receiver's own buffers, never the peer. Then `preadv` reads each layer's rows straight into its
 buffers on the client's copy lanes (threads; the GIL is released), every layer queued at once, in
-order; as a layer's reads finish, its items are delivered on the loop. `ShmDone` ends the pull.
+order; as a layer's reads finish, its items are delivered on the loop. A pull of at most
+INLINE_BYTES is read on the loop itself (a few microseconds; a lane's hand-off costs more).
+`ShmDone` ends the pull.
 
 A receiver closes the memfds when the pull ends; one it kept could reread that context's sealed
 bytes, which it was granted already. Headers carry no checksum here: the bytes are the sender's
@@ -40,6 +42,7 @@ from droidmesh.shared.wire.schemas import PullRequest, ShmDone, ShmGrant, ShmReg
 CONNECT_S = 10.0
 LANES = 2  # copy threads: one core's copy from a memfd reaches about half of memcpy
 PIECE = 4 << 20  # bytes one lane reads per task: a big layer spreads over the lanes
+INLINE_BYTES = 256 << 10  # a pull this small is read on the event loop: microseconds, less than a hand-off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,14 +142,20 @@ class ShmBulkClient(ChannelClient[socket.socket]):
             sizes = [memfd.sealed_size(fd) for fd in fds]
             runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
                                                               key=lambda lr: lr[0].item.layer)]
-            tasks = [[_reads(land, region, fds, sizes) for land, region in run] for run in runs]
-            queued = [[self._lanes.submit(_read, t) for t in _pieces([r for reads in run for r in reads])] for run in tasks]
-            futures = [f for run in queued for f in run]
-            for run, run_futures in zip(runs, queued, strict=True):
-                for f in run_futures:
-                    await asyncio.wrap_future(f)
-                for land, _ in run:
-                    on_item(land.item, land.land(verify=False))  # raw: in place, or from host staging
+            tasks = [[r for land, region in run for r in _reads(land, region, fds, sizes)] for run in runs]
+            if sum(land.header.nbytes for land in lands) <= INLINE_BYTES:  # a lane's hand-off would cost more
+                for run, reads in zip(runs, tasks, strict=True):
+                    _read(reads)
+                    for land, _ in run:
+                        on_item(land.item, land.land(verify=False))
+            else:
+                queued = [[self._lanes.submit(_read, t) for t in _pieces(reads)] for reads in tasks]
+                futures = [f for run in queued for f in run]
+                for run, run_futures in zip(runs, queued, strict=True):
+                    for f in run_futures:
+                        await asyncio.wrap_future(f)
+                    for land, _ in run:
+                        on_item(land.item, land.land(verify=False))  # raw: in place, or from host staging
             ok = True
         finally:
             running = _close_when_done(fds, futures)

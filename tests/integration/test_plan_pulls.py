@@ -1,0 +1,120 @@
+"""A whole reuse plan in one pull, over every bulk channel: byte for byte what pulling each item on
+its own gives, whole or cut to a prefix, small enough to be read inline or large enough for the
+copy lanes; and a forged or over-broad plan request is refused before a byte lands."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from droidmesh.shared.errors import BadMessageError, TransferError
+from droidmesh.shared.transport.bulk import MAX_ITEMS, make_client, make_server
+from droidmesh.shared.transport.tokens import TokenIssuer
+from droidmesh.shared.wire.schemas import PullItem, PullRequest
+
+CHANNELS = ["inproc", "ucx", "nixl", "shm"]
+LAYERS, KVH, HD, D = 8, 3, 64, 192
+E_LAYERS = (2, 5)
+
+
+def _context(tokens: int) -> dict[tuple[int, str], torch.Tensor]:
+    g = torch.Generator().manual_seed(tokens)
+    kv = {(l, k): torch.randn(1, KVH, tokens, HD, generator=g) for l in range(LAYERS) for k in "KV"}
+    return kv | {(l, "E"): torch.randn(1, tokens, D, generator=g) for l in E_LAYERS}
+
+
+def _plan() -> list[PullItem]:
+    """As `pull.pull_items` orders a partial plan recomputing [2, 5) from E: E first, then the
+    reused layers' K and V by layer."""
+    return [PullItem(l, "E") for l in E_LAYERS] + [PullItem(l, k) for l in (0, 1, 5, 6, 7) for k in "KV"]
+
+
+def _buffer(item: PullItem, tokens: int) -> torch.Tensor:
+    shape = (1, tokens, D) if item.kind == "E" else (1, KVH, tokens, HD)
+    return torch.full(shape, float("nan"))  # NaN: a byte never written shows
+
+
+async def _with_server(transport: str, issuer: TokenIssuer, stored: dict, body):
+    keys = list(stored)
+    holder: dict = {}
+    server = make_server(transport, lambda c, l, k: holder.get((l, k)) if c == "ctx" else None,
+                         lambda req: issuer.verify(req.context_id, req.token))
+    holder.update(zip(keys, server.place([stored[k] for k in keys]), strict=True))  # as a sender stores them
+    address = await server.start()
+    client = make_client(transport)
+    try:
+        return await body(client, address)
+    finally:
+        await client.close()
+        await server.close()
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
+@pytest.mark.parametrize(("stored_tokens", "tokens"), [(9, 0), (700, 0), (700, 513)],
+                         ids=["small-inline", "whole", "prefix"])
+def test_a_whole_plan_pull_equals_per_item_pulls(transport, stored_tokens, tokens):
+    stored = _context(stored_tokens)
+    want = tokens or stored_tokens
+    items = _plan()
+    issuer = TokenIssuer(ttl_s=60)
+    order: list[PullItem] = []
+
+    async def body(client, address):
+        whole = [_buffer(it, want) for it in items]
+        await client.pull(address, PullRequest(context_id="ctx", items=items, token=issuer.issue("ctx")[0], tokens=tokens),
+                          whole, lambda it, t: order.append(it), 30)
+        single = []
+        for it in items:  # each item its own request and grant
+            buf = [_buffer(it, want)]
+            await client.pull(address, PullRequest(context_id="ctx", items=[it], token=issuer.issue("ctx")[0], tokens=tokens),
+                              buf, lambda *a: None, 30)
+            single.append(buf[0])
+        return whole, single
+
+    whole, single = asyncio.run(_with_server(transport, issuer, stored, body))
+    assert order == items  # delivered in plan order
+    for it, a, b in zip(items, whole, single, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), it
+        axis = 1 if it.kind == "E" else 2
+        assert torch.equal(a, stored[(it.layer, it.kind)].narrow(axis, 0, want)), it
+
+
+def _over_broad(issuer: TokenIssuer) -> dict[str, tuple[PullRequest, type[Exception], str]]:
+    plan = _plan()
+    return {
+        "forged-grant": (PullRequest(context_id="ctx", items=plan, token=TokenIssuer(ttl_s=60).issue("ctx")[0]),
+                         TransferError, "unauthorized"),
+        "another-contexts-grant": (PullRequest(context_id="ctx", items=plan, token=issuer.issue("other")[0]),
+                                   TransferError, "unauthorized"),
+        "a-layer-not-held": (PullRequest(context_id="ctx", items=[*plan, PullItem(LAYERS, "K")], token=issuer.issue("ctx")[0]),
+                             TransferError, "does not hold"),
+        "an-e-not-held": (PullRequest(context_id="ctx", items=[PullItem(3, "E"), *plan], token=issuer.issue("ctx")[0]),
+                          TransferError, "does not hold"),
+        "more-tokens-than-stored": (PullRequest(context_id="ctx", items=plan, token=issuer.issue("ctx")[0], tokens=10),
+                                    TransferError, "context has 9"),
+        "repeated-items": (PullRequest(context_id="ctx", items=[*plan, plan[-1]], token=issuer.issue("ctx")[0]),
+                           TransferError, "repeated items"),
+        "too-many-items": (PullRequest(context_id="ctx", items=[PullItem(i // 3, "KVE"[i % 3]) for i in range(MAX_ITEMS + 1)],
+                                       token=issuer.issue("ctx")[0]), TransferError, "items; at most"),
+    }
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
+@pytest.mark.parametrize("case", ["forged-grant", "another-contexts-grant", "a-layer-not-held", "an-e-not-held",
+                                  "more-tokens-than-stored", "repeated-items", "too-many-items"])
+def test_a_forged_or_over_broad_plan_is_refused_before_a_byte_lands(transport, case):
+    issuer = TokenIssuer(ttl_s=60)
+    request, error, match = _over_broad(issuer)[case]
+    want = request.tokens or 9
+    into = [_buffer(it, want) for it in request.items]
+    delivered: list[PullItem] = []
+
+    async def body(client, address):
+        await client.pull(address, request, into, lambda it, t: delivered.append(it), 30)
+
+    with pytest.raises((error, BadMessageError), match=match):
+        asyncio.run(_with_server(transport, issuer, _context(9), body))
+    assert delivered == []
+    assert all(torch.isnan(b).all() for b in into)  # not a byte written
