@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from droidmesh.shared.bench import output
-from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, save
+from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, model_pair, save
 from droidmesh.shared.cli.params import GROUP, float_list, int_list
 
 
@@ -17,12 +17,15 @@ from droidmesh.shared.cli.params import GROUP, float_list, int_list
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50))
 @click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl", "shm"]),
               help="Bulk channel between the sender and the probe (both on this host).")
+@click.option("--pair", "pair_spec", default=None,
+              help="SENDER:RECEIVER as `zoo list` names models (e.g. real/base:real/docqa) or checkpoint paths "
+                   "(default: the zoo's first demo pair).")
 @launched_device_option
-def pipeline(json_path, tokens, group, repeats, transport, device) -> None:
+def pipeline(json_path, tokens, group, repeats, transport, pair_spec, device) -> None:
     """Pipelining: load-all vs load-reused vs pipelined, over a bulk channel between processes."""
     from droidmesh.shared.bench.pipelining import run_pipeline
 
-    sender, receiver = demo_pair(group)
+    sender, receiver = model_pair(pair_spec, group)
     r = run_pipeline(sender, receiver, tokens, group, repeats, device, transport)
     rows = [{"mode": m, "seconds": s, "vs_piped": s / r["seconds"]["piped"]} for m, s in r["seconds"].items()]
     click.echo(output.format_table(rows, ["mode", "seconds", "vs_piped"]))

@@ -42,6 +42,27 @@ def demo_pair(group: tuple[int, int] | None = None) -> tuple[str, str]:
     raise click.ClickException("no zoo tier built: run `droidmesh zoo build --tier demo` (or ci)")
 
 
+def model_pair(spec: str | None, group: tuple[int, int] | None = None) -> tuple[str, str]:
+    """(sender, receiver) checkpoint paths of `spec`, "SENDER:RECEIVER" as `zoo list` names
+    models (e.g. real/base:real/docqa) or checkpoint paths; None: `demo_pair`. `group` must fit
+    the receiver."""
+    if spec is None:
+        return demo_pair(group)
+    from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.model.names import resolve_model
+
+    sender, sep, receiver = spec.partition(":")
+    if not sep or not sender or not receiver:
+        raise click.BadParameter(f"{spec!r}: expected SENDER:RECEIVER", param_hint="'--pair'")
+    try:
+        s_ref, r_ref = resolve_model(sender), resolve_model(receiver)
+        if group is not None:
+            check_group(group, checkpoint_layers(r_ref.path))
+    except DroidMeshError as e:
+        raise click.BadParameter(str(e), param_hint="'--pair'") from None
+    return str(s_ref.path), str(r_ref.path)
+
+
 def save(json_path: str | None, suite: str, payload: dict) -> None:
     output.write_json(json_path, {"suite": suite, "machine": output.machine(), **payload})
 
