@@ -83,7 +83,8 @@ async def serve(transport: str, sizes: list[int], device: str = "cpu", items: in
         server = start_server(transport, tensors, authorize=authorize)
         flat = [t for held in tensors.values() for t in held]
         placed = iter(server.place(flat))  # as a sender stores them: every item at once
-        tensors = {cid: [next(placed) for _ in held] for cid, held in tensors.items()}
+        for held in tensors.values():  # in place: the server's lookup reads this dict
+            held[:] = [next(placed) for _ in held]
         address = await server.start()
     except Exception as e:  # any failure to start is reported as one line
         print(ERROR_PREFIX + one_line(e), flush=True)

@@ -7,9 +7,9 @@ agent loads it and connects ahead of the first pull. Per pull: `PullRequest` -> 
 headers are checked (`bulk.landings`), the grant's metadata too (`metadata.check_grant`: that
 sender's host-memory descriptors, each remote key as UCX will walk it), then one call on the
 agent's thread loads it, registers the landing buffers (the caller's own for raw on the CPU) and
-posts one READ per run of consecutive same-layer items (a layer's K and V together; E items lead
-the request, so each goes alone unless its layer's K/V follow it); as each completes, in request
-order, its items are decoded and handed to `on_item`. `NixlDone` then lets the sender release
+posts the READs: the first layer's items alone (E items lead a plan), then whole layers gathered
+up to READ_BYTES; as each completes, in request order, its items are decoded and handed to
+`on_item`. `NixlDone` then lets the sender release
 the pull.
 
 No checksums: a READ copies the sender's own registered memory, which it pins unchanged for the
@@ -47,12 +47,29 @@ from droidmesh.shared.wire.schemas import NixlAgentInfo, NixlConnect, NixlDone, 
 
 log = structlog.get_logger("nixl")
 CONNECT_S = 10.0  # dialling a sender, its agent info, and connecting the agents
+READ_BYTES = 4 << 20  # layers gathered into one READ up to about this many bytes (`_batches`)
 _POLL_S = (0.00005, 0.001)  # in-progress transfer: first and longest sleep between state checks
 
 
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: metadata.PeerAgent):
         self.reader, self.writer, self.peer = reader, writer, peer
+
+
+def _batches(moves: list[tuple[Landing, NixlRegion]]) -> list[list[tuple[Landing, NixlRegion]]]:
+    """The READs of a pull, in order: the first layer's items alone (E leads a plan: the engine
+    starts on it), then whole layers (a layer's K and V together) gathered until a READ moves at
+    least READ_BYTES: a post costs tens of microseconds, a small layer less than that to copy."""
+    runs = [list(run) for _, run in itertools.groupby(moves, key=lambda m: m[0].item.layer)]
+    out: list[list[tuple[Landing, NixlRegion]]] = []
+    size = READ_BYTES  # the first run starts a READ of its own
+    for run in runs:
+        if size >= READ_BYTES:
+            out.append([])
+            size = 0 if out[1:] else READ_BYTES
+        out[-1] += run
+        size += sum(r.nbytes for _, r in run)
+    return out
 
 
 def _release_reads(agent: Agent, handles: list[Any], registered: list[Any]) -> None:
@@ -90,21 +107,21 @@ class NixlBulkClient(ChannelClient[_Connection]):
         registered: list[Any] = []  # the landing buffers' registration, once made
         try:
             await self._read(agent, conn.peer.name, grant.metadata, lands, grant.regions, on_item, in_flight, registered)
-        finally:  # queued behind the posts on the agent's thread, so it runs after them all
-            await asyncio.shield(agent.call(_release_reads, agent, in_flight, registered))
+        finally:
+            if in_flight or registered:  # not released by the posts (a READ in progress, a failure): queued behind them
+                await asyncio.shield(agent.call(_release_reads, agent, in_flight, registered))
         await frames.send(conn.writer, NixlDone())
         return sum(land.header.nbytes for land in lands)
 
     async def _read(self, agent: Agent, peer: str, granted: bytes, lands: list[Landing], regions: list[NixlRegion],
                     on_item: OnItem, in_flight: list[Any], registered: list[Any]) -> None:
         """One call on the agent's thread loads the grant's metadata, registers the landing buffers
-        and posts one READ per run of same-layer items, in order, settling each run's future on
-        the loop as its post returns (no round trip to the agent's thread per item); each run's
-        items are delivered as its READ completes, in request order."""
+        and posts the READs (`_batches`), in order, settling each one's future on the loop as its
+        post returns (no round trip to the agent's thread per item); each READ's items are
+        delivered as it completes, in request order."""
         loop = asyncio.get_running_loop()
-        runs = [list(run) for _, run in itertools.groupby(zip(lands, regions, strict=True),
-                                                          key=lambda lr: lr[0].item.layer)]
-        posted: list[asyncio.Future[tuple[Any, str]]] = [loop.create_future() for _ in runs]
+        batches = _batches(list(zip(lands, regions, strict=True)))
+        posted: list[asyncio.Future[tuple[Any, str]]] = [loop.create_future() for _ in batches]
         abandoned = threading.Event()
 
         def settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -112,16 +129,16 @@ class NixlBulkClient(ChannelClient[_Connection]):
                 future.set_exception(error) if error is not None else future.set_result(value)
 
         def post_all() -> None:  # on the agent's thread
-            run_i = 0
+            i = 0
             try:
                 local = [(land.recv.data_ptr(), land.recv.numel()) for land, r in zip(lands, regions, strict=True) if r.nbytes]
                 if local:
                     agent.load(granted)  # the grant's regions join what is loaded for the sender
                     registered.append(agent.register(local))
-                for run_i, run in enumerate(runs):
+                for i, batch in enumerate(batches):
                     if abandoned.is_set():
                         return
-                    moving = [(land, r) for land, r in run if r.nbytes]
+                    moving = [(land, r) for land, r in batch if r.nbytes]
                     result: tuple[Any, str] = (None, "DONE")
                     if moving:
                         handle, state = agent.read([(land.recv.data_ptr(), r.nbytes) for land, r in moving],
@@ -132,15 +149,18 @@ class NixlBulkClient(ChannelClient[_Connection]):
                         else:
                             agent.release(handle)  # a same-host READ is done by now
                             result = (None, state)
-                    loop.call_soon_threadsafe(settle, posted[run_i], result, None)
-            except BaseException as e:  # this run fails; the ones after it are never posted
-                loop.call_soon_threadsafe(settle, posted[run_i], None, e)
+                    if i == len(batches) - 1 and not in_flight:  # every READ done: no hop back here to release
+                        _release_reads(agent, [], registered)
+                        registered.clear()
+                    loop.call_soon_threadsafe(settle, posted[i], result, None)
+            except BaseException as e:  # this READ fails; the ones after it are never posted
+                loop.call_soon_threadsafe(settle, posted[i], None, e)
 
         posting = asyncio.wrap_future(agent.submit(post_all))
         try:
-            for run, future in zip(runs, posted, strict=True):
+            for batch, future in zip(batches, posted, strict=True):
                 await self._complete(agent, *await future)
-                for land, _ in run:
+                for land, _ in batch:
                     on_item(land.item, land.land(verify=False))  # one-sided reads: see the module docstring
         finally:
             abandoned.set()  # runs not yet posted are not

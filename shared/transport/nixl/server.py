@@ -18,7 +18,8 @@ messages, bounded before they are read, and a bad one ends that connection (logg
 server.
 
 Registrations: a stored tensor's is kept keyed by (address, nbytes) while that tensor lives (a weak
-reference to what the lookup returned); one whose tensor is gone and that no pull holds is
+reference to what the lookup returned), and so is the metadata granted for a plan of such regions
+(the same plan pulled again is granted without a call on the agent's thread); one whose tensor is gone and that no pull holds is
 deregistered before the next grant or on close. Nothing here keeps a tensor alive beyond its pull,
 so the store's byte budget still bounds memory; a lapsed registration lingers until the next grant
 (with RDMA transports its pages stay pinned till then). NIXL's progress thread serves the sender's
@@ -46,6 +47,7 @@ from droidmesh.shared.wire.schemas import NixlAgentInfo, NixlConnect, NixlDone, 
 log = structlog.get_logger("nixl")
 HANDSHAKE_S = 10.0  # a new connection's NixlConnect (within the slot's setup deadline too)
 HOLD_S = 120.0  # the longest a grant is held before its NixlDone
+GRANTED_CACHE = 1024  # metadata blobs kept for plans granted before
 
 
 class _Registration:
@@ -73,6 +75,9 @@ class NixlBulkServer:
         self._listener = ControlListener("nixl", self._serve_connection, limits)
         self.slots = self._listener.slots
         self._regs: dict[tuple[int, int], _Registration] = {}  # stored tensors' regions
+        # NIXL metadata already made for a tuple of those regions (a context pulled again with the
+        # same plan); cleared whenever a registration goes, whose remote key it carries
+        self._granted: dict[tuple[tuple[int, int], ...], bytes] = {}
         self._regs_lock = asyncio.Lock()
 
     place = staticmethod(as_is)
@@ -152,6 +157,8 @@ class NixlBulkServer:
         assert agent is not None
         async with self._regs_lock:
             lapsed = [self._regs.pop(k) for k, r in list(self._regs.items()) if r.lapsed()]
+            if lapsed:
+                self._granted.clear()  # their remote keys die with them
             held, new = [], []
             for t, p in zip(stored, payloads, strict=True):
                 region = (p.data_ptr(), p.numel())
@@ -167,6 +174,11 @@ class NixlBulkServer:
                 reg.pins += 1
                 held.append(reg)
 
+            key = tuple(r.region for r in held)
+            cached = self._granted.get(key) if not lapsed and not new else None
+            if cached is not None:  # every region registered already, its metadata made before: no hop
+                return held, cached
+
             def register() -> bytes:
                 _deregister(agent, lapsed)
                 for reg in new:
@@ -175,7 +187,12 @@ class NixlBulkServer:
                 return agent.metadata(regions, False) if regions else b""
 
             try:
-                return held, await agent.call(register)
+                granted = await agent.call(register)
+                if all(r.owner is not None for r in held):  # stored tensors' registrations only: reusable
+                    if len(self._granted) >= GRANTED_CACHE:
+                        self._granted.pop(next(iter(self._granted)))
+                    self._granted[key] = granted
+                return held, granted
             except BaseException:
                 for reg in held:
                     reg.pins -= 1
@@ -192,6 +209,8 @@ class NixlBulkServer:
                 if reg.lapsed() and self._regs.get(reg.region) is reg:
                     del self._regs[reg.region]
             lapsed = [r for r in dict.fromkeys(held) if r.lapsed()]
+            if lapsed:
+                self._granted.clear()
             if lapsed and self._agent is not None:
                 await self._agent.call(_deregister, self._agent, lapsed)
 
@@ -200,6 +219,7 @@ class NixlBulkServer:
         if self._agent is not None:
             await self._agent.call(_deregister, self._agent, list(self._regs.values()))
             self._regs.clear()
+            self._granted.clear()
             self._agent.close()
             self._agent = None
 

@@ -95,8 +95,14 @@ async def _pull(agent: FakeAgent, lands, regions, delivered):
         await agent.call(nixl_client._release_reads, agent, in_flight, registered)
 
 
+@pytest.fixture
+def per_layer(monkeypatch):
+    """A READ per layer (these layers are far smaller than READ_BYTES)."""
+    monkeypatch.setattr(nixl_client, "READ_BYTES", 1)
+
+
 @pytest.mark.parametrize("in_progress", [False, True], ids=["done-in-post", "in-progress"])
-def test_every_run_is_posted_in_one_agent_call_and_delivered_in_order(in_progress):
+def test_every_run_is_posted_in_one_agent_call_and_delivered_in_order(in_progress, per_layer):
     lands, regions, memory = _lands(4)
     agent = FakeAgent(memory, in_progress=in_progress)
     delivered: list = []
@@ -109,7 +115,7 @@ def test_every_run_is_posted_in_one_agent_call_and_delivered_in_order(in_progres
     assert len(agent.released) == 4  # each READ's handle, whether done in its post or later
 
 
-def test_a_failed_post_fails_the_pull_at_its_run_and_posts_nothing_after():
+def test_a_failed_post_fails_the_pull_at_its_run_and_posts_nothing_after(per_layer):
     lands, regions, memory = _lands(5)
     agent = FakeAgent(memory, fail_at=2)
     delivered: list = []
@@ -120,10 +126,26 @@ def test_a_failed_post_fails_the_pull_at_its_run_and_posts_nothing_after():
     assert agent.deregistered == [("registered", 10)]  # the landing buffers, released all the same
 
 
-def test_a_failed_read_state_is_a_transfer_error():
+def test_a_failed_read_state_is_a_transfer_error(per_layer):
     lands, regions, memory = _lands(2)
     agent = FakeAgent(memory, in_progress=True)
     agent.state = lambda handle: "ERR"  # type: ignore[method-assign]
     with pytest.raises(TransferError, match=r"NIXL read failed \(ERR\)"):
         asyncio.run(_pull(agent, lands, regions, []))
     assert agent.deregistered == [("registered", 4)] and len(agent.released) >= 1
+
+
+def test_small_layers_are_gathered_into_reads_after_the_first():
+    lands, regions, memory = _lands(6)
+    layer_bytes = 2 * regions[0].nbytes
+    moves = list(zip(lands, regions, strict=True))
+    assert [[land.item.layer for land, _ in b] for b in nixl_client._batches(moves)] == [[0, 0], [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]]
+    nixl_client.READ_BYTES, saved = 2 * layer_bytes, nixl_client.READ_BYTES
+    try:  # whole layers, gathered until a READ reaches READ_BYTES
+        assert [[land.item.layer for land, _ in b] for b in nixl_client._batches(moves)] == [[0, 0], [1, 1, 2, 2], [3, 3, 4, 4], [5, 5]]
+    finally:
+        nixl_client.READ_BYTES = saved
+    agent = FakeAgent(memory)
+    delivered: list = []
+    asyncio.run(_pull(agent, lands, regions, delivered))
+    assert agent.posts == 2 and [it for it, _ in delivered] == [land.item for land in lands]
