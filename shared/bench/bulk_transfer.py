@@ -348,8 +348,8 @@ def _measure(transport: str, sizes: list[int], repeats: int, shm_lanes: int, ite
     where the channel does not say), the pull's fixed cost, None) or ({}, {}, None, reason)."""
     if transport == "inproc":
         try:
-            rates, fixed = asyncio.run(_pull_inproc(sizes, repeats, items))
-            return rates, dict.fromkeys(sizes), fixed, None
+            inproc_rates, inproc_fixed = asyncio.run(_pull_inproc(sizes, repeats, items))
+            return inproc_rates, dict.fromkeys(sizes), inproc_fixed, None
         except Exception as e:
             return {}, {}, None, one_line(e)
     server = TensorServer(transport, sorted({*sizes, FIXED_BYTES}), env=THREADS, items=items, nats_url=nats_url)
