@@ -33,9 +33,16 @@ def _buffers(items: list[PullItem]) -> list[torch.Tensor]:
     return [torch.empty((1, 33, 16) if it.kind == "E" else (1, 2, 33, 8)) for it in items]
 
 
-async def _session(transport, issuer, body, lookup=None, pin=None):
+async def _session(transport, issuer, body, lookup=None, pin=None, stored=None):
+    """`body(client, address)` against a server of `lookup`, or of context "ctx" holding `stored`
+    ((layer, kind) -> tensor) placed as a sender places what it stores, or `TENSORS` as they are."""
+    placed: dict = {}
+    if stored is not None:
+        lookup = lambda c, l, k: placed.get((l, k)) if c == "ctx" else None  # noqa: E731
     server = make_server(transport, lookup or (lambda c, l, k: TENSORS.get((l, k)) if c == "ctx" else None),
                          lambda req: issuer.verify(req.context_id, req.token), pin=pin)
+    if stored is not None:
+        placed.update(zip(stored, server.place(list(stored.values())), strict=True))
     address = await server.start()
     client = make_client(transport)
     try:

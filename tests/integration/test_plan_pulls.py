@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from droidmesh.shared.errors import BadMessageError, TransferError
-from droidmesh.shared.transport.bulk import MAX_ITEMS, make_client, make_server
+from droidmesh.shared.transport.bulk import MAX_ITEMS
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
+from tests.integration.test_bulk_channels import CHANNELS, _session
 
-CHANNELS = ["inproc", "ucx", "nixl", "shm"]
 LAYERS, KVH, HD, D = 8, 3, 64, 192
 E_LAYERS = (2, 5)
 
@@ -34,21 +34,6 @@ def _plan() -> list[PullItem]:
 def _buffer(item: PullItem, tokens: int) -> torch.Tensor:
     shape = (1, tokens, D) if item.kind == "E" else (1, KVH, tokens, HD)
     return torch.full(shape, float("nan"))  # NaN: a byte never written shows
-
-
-async def _with_server(transport: str, issuer: TokenIssuer, stored: dict, body):
-    keys = list(stored)
-    holder: dict = {}
-    server = make_server(transport, lambda c, l, k: holder.get((l, k)) if c == "ctx" else None,
-                         lambda req: issuer.verify(req.context_id, req.token))
-    holder.update(zip(keys, server.place([stored[k] for k in keys]), strict=True))  # as a sender stores them
-    address = await server.start()
-    client = make_client(transport)
-    try:
-        return await body(client, address)
-    finally:
-        await client.close()
-        await server.close()
 
 
 @pytest.mark.parametrize("transport", CHANNELS)
@@ -73,7 +58,7 @@ def test_a_whole_plan_pull_equals_per_item_pulls(transport, stored_tokens, token
             single.append(buf[0])
         return whole, single
 
-    whole, single = asyncio.run(_with_server(transport, issuer, stored, body))
+    whole, single = asyncio.run(_session(transport, issuer, body, stored=stored))
     assert order == items  # delivered in plan order
     for it, a, b in zip(items, whole, single, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), it
@@ -115,6 +100,6 @@ def test_a_forged_or_over_broad_plan_is_refused_before_a_byte_lands(transport, c
         await client.pull(address, request, into, lambda it, t: delivered.append(it), 30)
 
     with pytest.raises((error, BadMessageError), match=match):
-        asyncio.run(_with_server(transport, issuer, _context(9), body))
+        asyncio.run(_session(transport, issuer, body, stored=_context(9)))
     assert delivered == []
     assert all(torch.isnan(b).all() for b in into)  # not a byte written
