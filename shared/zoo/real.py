@@ -125,9 +125,10 @@ def _recipe_hash() -> str:
 
 
 # -- training -------------------------------------------------------------------------------------
-def train_lora(base: Path, out: Path, ft: FineTune, say: Callable[[str], None]) -> dict[str, Any]:
+def train_lora(base: Path, out: Path, ft: FineTune, say: Callable[[str], None], base_ref: str = "../base") -> dict[str, Any]:
     """A LoRA (q, k, v, o of every layer) trained on `ft.steps` train-split rows of `ft.task`, one row
-    a step, loss on the answer and the end-of-turn token after it (so greedy decoding stops there)."""
+    a step, loss on the answer and the end-of-turn token after it (so greedy decoding stops there).
+    `base_ref`: the base's directory as the adapter names it, relative to the adapter's own."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,7 +172,7 @@ def train_lora(base: Path, out: Path, ft: FineTune, say: Callable[[str], None]) 
     pm = pm.to(torch.bfloat16)
     pm.save_pretrained(str(out))
     cfg = json.loads((out / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = "../base"  # relative: the tier directory moves as a whole
+    cfg["base_model_name_or_path"] = base_ref  # relative: the tier directory moves as a whole
     cfg["target_modules"] = sorted(cfg["target_modules"])  # peft writes a set: a stable order
     (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (out / "README.md").unlink(missing_ok=True)

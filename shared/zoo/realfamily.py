@@ -4,7 +4,10 @@
            tokenizer): the real tier's base (`shared/zoo/real.py`, Apache-2.0), linked here.
   gemma    Gemma 3 270M (18 layers, hidden 640, sliding-window and global layers, a 262K-token
            tokenizer): built from its registry packages (`realbase.gemma3_base`).
-Each is a translation source and target for the other. A pair's translator is fitted by the
+  docqa    a LoRA of Gemma 3 trained here on the real tier's `doc_qa` train split (as the real tier's
+           SmolLM2 fine-tunes are, `real.train_lora`): the pair gemma -> docqa is same-family
+           reuse on the second family (partial recompute, `droidmesh profile`).
+Each base is a translation source and target for the other. A pair's translator is fitted by the
 code path of `droidmesh profile --translate` (`translate_fit.profile_translated`) on the real
 tier's `doc_qa` train split, and scored on its test split (other source files): the profile
 JSON is profiles/<pair>.json, the translator profiles/translators/<pair>.safetensors, and the
@@ -30,6 +33,7 @@ import torch
 from droidmesh.shared.model.names import Pair, sha256_file
 from droidmesh.shared.zoo import realbase
 from droidmesh.shared.zoo.manifest import MANIFEST, profile_file, read_manifest, zoo_dir
+from droidmesh.shared.zoo.real import FineTune
 
 TIER = "real-family"
 TASK = "doc_qa"
@@ -37,6 +41,8 @@ N_TRAIN = 16  # calibration contexts (~1-1.5K tokens each; the last quarter held
 N_TEST = 8    # scored test rows: a CPU budget (each row runs both models' prefills several times)
 CANDIDATES = 2  # source layers the fit may read: the greedy search's solves at 8 took hours on one CPU thread
 TRANSLATE_PAIRS = (Pair("smollm2", "gemma", TASK), Pair("gemma", "smollm2", TASK))
+PAIRS = (Pair("gemma", "docqa", TASK),)  # same-family pairs on Gemma 3
+GEMMA_FINE_TUNE = FineTune("docqa", TASK, 40)
 LICENSE_NOTE = ("gemma: " + realbase.GEMMA3.license + ". Building this tier is the user's choice under those terms; "
                 "its weights and the translators fitted on them stay in the user's cache, never in the repository.")
 
@@ -72,13 +78,16 @@ def build_real_family(out_dir: str | Path | None = None, *, force: bool = False,
         "smollm2": _entry(out, "smollm2", "pretrained (SmolLM2-135M-Instruct)", realbase.SMOLLM2.license),
         "gemma": _entry(out, "gemma", "pretrained (Gemma 3 270M)", realbase.GEMMA3.license),
     }
+    models["docqa"] = _gemma_finetune(out, models["gemma"]["sha256"], force, say)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the measured TTFTs are 1-thread figures, as the other tiers'
     try:
         pairs = [_translate_pair(out, p, models, force, say) for p in TRANSLATE_PAIRS]
     finally:
         torch.set_num_threads(threads)
-    manifest = {"tier": TIER, "recipe_hash": recipe_hash(), "models": models, "pairs": [], "translate_pairs": pairs,
+    manifest = {"tier": TIER, "recipe_hash": recipe_hash(), "models": models,
+                "pairs": [{"sender": p.sender, "receiver": p.receiver, "task": p.task} for p in PAIRS],
+                "translate_pairs": pairs,
                 "license": LICENSE_NOTE, "build_seconds": round(time.time() - t0, 1), "threads": 1,
                 "torch": torch.__version__}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -92,6 +101,29 @@ def _entry(out: Path, name: str, task: str, license_: str) -> dict[str, Any]:
             "kind": "full", "parent": None, "task": task, "license": license_,
             "layers": cfg.get("num_hidden_layers") or cfg.get("text_config", {}).get("num_hidden_layers"),
             "family": cfg.get("model_type", "")}
+
+
+def _gemma_finetune(out: Path, base_sha256: str, force: bool, say: Callable[[str], None]) -> dict[str, Any]:
+    """Gemma 3's doc_qa LoRA (`GEMMA_FINE_TUNE`): reused where its training record names this base
+    and these settings and its weights are intact, else trained (about 10 minutes here)."""
+    from droidmesh.shared.zoo.real import SOURCES, train_lora
+
+    ft = GEMMA_FINE_TUNE
+    d = out / ft.name
+    record = d / "training.json"
+    facts = json.loads(record.read_text()) if record.is_file() else {}
+    weights = d / "adapter_model.safetensors"
+    if force or facts.get("base_sha256") != base_sha256 or facts.get("steps") != ft.steps \
+            or not weights.is_file() or facts.get("adapter_sha256") != sha256_file(weights):
+        facts = train_lora(out / "gemma", d, ft, say, base_ref="../gemma")
+        facts.update(base_sha256=base_sha256, adapter_sha256=sha256_file(weights))
+        record.write_text(json.dumps(facts, indent=2) + "\n")
+    else:
+        say(f"{ft.name}: Gemma 3 adapter reused (trained {facts.get('seconds', '?')} s)")
+    return {"path": ft.name, "weights": weights.name, "sha256": facts["adapter_sha256"], "kind": "lora",
+            "parent": "gemma", "task": ft.task, "lora_r": ft.r, "layers": 18, "family": "gemma3_text",
+            "license": realbase.GEMMA3.license, "data": SOURCES[ft.task],
+            "training": {k: facts[k] for k in ("steps", "rows", "lr", "seconds", "threads", "loss_first", "loss_last")}}
 
 
 def _translate_pair(out: Path, pair: Pair, models: dict[str, Any], force: bool,
