@@ -7,12 +7,14 @@ import asyncio
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
-from droidmesh.shared.service.launch import Proc, start_nats
+from droidmesh.shared.service.launch import Proc, start_nats, start_service
 from droidmesh.shared.zoo import vocab
 
 
@@ -47,11 +49,38 @@ def nats(tmp_path) -> Iterator[tuple[Proc, str]]:
 
 @pytest.fixture
 def services() -> Iterator[list[Proc]]:
-    """Processes started by a test; all stopped (SIGTERM) at teardown, newest first."""
+    """Processes started by a test; all stopped at teardown: SIGTERM to each, newest first, then each awaited
+    (their shutdowns overlap instead of queueing one behind another)."""
     procs: list[Proc] = []
     yield procs
+    stop_together(procs)
+
+
+def stop_together(procs: list[Proc]) -> None:
+    """SIGTERM to each of `procs`, newest first, then await each (their shutdowns overlap instead of queueing)."""
+    for p in reversed(procs):
+        p.signal_stop()
     for p in reversed(procs):
         p.stop()
+
+
+def start_together(url: str, specs: list[tuple[str, dict[str, Any], dict[str, Any]]], into: list[Proc]) -> list[Proc]:
+    """`start_service(service, args, url, **kwargs)` for each (service, args, kwargs) of `specs`, in parallel threads
+    (their imports and model loads overlap; each is still ready per its own log). The services do not depend on
+    each other's start order (a broker's hello makes senders re-announce). Every one that started is appended to
+    `into` (whoever owns it stops it), in `specs` order, before the first failure, if any, is raised."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futs = [pool.submit(start_service, svc, args, url, **kw) for svc, args, kw in specs]
+    procs, error = [], None
+    for f in futs:
+        try:
+            procs.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - raised below, once the others are registered for stopping
+            error = error or e
+    into.extend(procs)
+    if error is not None:
+        raise error
+    return procs
 
 
 def run(coro):

@@ -318,11 +318,12 @@ def test_chaos_mesh_answers_everything_and_stays_bounded(nats, services, tiny_pa
     over = {n: mem.peak(n) for n in procs if mem.peak(n) >= PEAK_RSS_BOUND}
     assert not over, f"peak RSS over {PEAK_RSS_BOUND >> 20} MiB: {over}"
     assert set(mem.hwm) == set(procs), (set(procs) - set(mem.hwm))  # every process was measured
-    for name, p in live.items():  # a graceful stop: receivers first, then senders and the broker
-        if name.startswith("receiver"):
-            assert (rc := p.stop(grace=30)) == 0, f"{name} exited {rc} on SIGTERM:\n{p.tail(20)}"
-    for name in ("sender_a", "sender_b", "broker"):
-        assert (rc := live[name].stop(grace=30)) == 0, f"{name} exited {rc} on SIGTERM:\n{live[name].tail(20)}"
+    # A graceful stop: receivers first, then senders, then the broker (the processes of one step stop together).
+    for step in ([n for n in live if n.startswith("receiver")], ["sender_a", "sender_b"], ["broker"]):
+        for name in step:
+            live[name].signal_stop()
+        for name in step:
+            assert (rc := live[name].stop(grace=30)) == 0, f"{name} exited {rc} on SIGTERM:\n{live[name].tail(20)}"
     scanned = {n: _crash_lines(p) for n, p in procs.items()}
     print("  ucx listener handshake errors logged: " + str({n: k for n, (_, k) in scanned.items() if k}))
     crashes = {n: lines for n, (lines, _) in scanned.items() if lines}

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from droidmesh.shared.audit import estimate, logs, relay
 from droidmesh.shared.cli.main import main
-from droidmesh.shared.service.launch import Proc, start_nats, start_service
-from tests.system.conftest import words
+from droidmesh.shared.service.launch import Proc, start_nats
+from tests.system.conftest import start_together, stop_together, words
 
 pytestmark = pytest.mark.system
 
@@ -48,7 +48,8 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("nats-auth", []),  # the shipped roster's conf, on stdout
     ("keys add", ["--file", "{tmp}/keys.toml", "--tenant", "a", "--models", "qa"]),
     ("keys list", ["--file", "{tmp}/keys.toml"]),
-    ("bench codecs", ["--pairs", "summ:qa", "--rows", "1", "--tokens", "64", "--rates", "0.5", "--repeats", "1"]),
+    ("bench codecs", ["--pairs", "summ:qa", "--rows", "1", "--tokens", "64", "--rates", "0.5", "--repeats", "1",
+                      "--calibration-rows", "2", "--shares", "0.9"]),
     ("bench ttft", ["--contexts", "32", "--repeats", "1"]),
     ("bench quality", ["--rows", "1"]),
     ("bench pipeline", ["--tokens", "32", "--repeats", "1"]),
@@ -70,7 +71,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
 COVERED_ELSEWHERE = {"serve": "tests/system/test_serve.py"}
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
          "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs", "--n-before", "--max-shifted",
-         "--profile-rows", "--trials", "--warmup", "--counts", "--docs", "--chars"}
+         "--profile-rows", "--trials", "--warmup", "--counts", "--docs", "--chars", "--calibration-rows", "--shares"}
 
 
 def _leaves(group: click.Group, prefix: str = "") -> list[str]:
@@ -93,16 +94,17 @@ def mesh(zoo_ci: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
     (tmp / "context.txt").write_text(words(120))
     (tmp / "policy.json").write_text(json.dumps(relay.policy_proposal(estimate.run_audit(AUDIT_LOGS, n_boot=100))))
     nats, url = start_nats(store_dir=str(tmp / "js"))
-    procs: list[Proc] = [nats]
+    procs: list[Proc] = []
     try:
-        procs.append(start_service("cache_broker", {}, url, env=THREADS))
-        procs.append(start_service("sender", {"model_path": zoo_ci / "summ", "model_id": "summ", "e_layers": [0]},
-                                   url, env=THREADS))
-        procs.append(start_service("receiver", {"model_path": zoo_ci / "qa", "model_id": "qa"}, url, env=THREADS))
+        start_together(url, [
+            ("cache_broker", {}, {"env": THREADS}),
+            ("sender", {"model_path": zoo_ci / "summ", "model_id": "summ", "e_layers": [0]}, {"env": THREADS}),
+            ("receiver", {"model_path": zoo_ci / "qa", "model_id": "qa"}, {"env": THREADS}),
+        ], procs)
         yield url, tmp
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_together(procs)
+        nats.stop()
 
 
 @pytest.mark.parametrize("command,argv", INVOCATIONS, ids=[c for c, _ in INVOCATIONS])

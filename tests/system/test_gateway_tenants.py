@@ -21,9 +21,9 @@ from droidmesh.shared.cli.main import main
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import ModelAdapter
-from droidmesh.shared.service.launch import Proc, start_nats, start_service
+from droidmesh.shared.service.launch import Proc, start_nats
 from droidmesh.shared.wire.hashing import PUBLIC, tenant_scope
-from tests.system.conftest import words
+from tests.system.conftest import start_together, stop_together, words
 
 pytestmark = pytest.mark.system
 
@@ -55,20 +55,20 @@ def mesh(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     keys = {"a": _add_key(path, "A", "qa"), "b": _add_key(path, "B", "qa"), "code": _add_key(path, "C", "code"),
             "slow": _add_key(path, "D", "qa", "--rpm", "2"), "thrifty": _add_key(path, "E", "qa", "--tpm", "40")}
     nats, url = start_nats(store_dir=str(tmp / "js"))
-    procs: list[Proc] = [nats]
+    procs: list[Proc] = []
     try:
-        procs.append(start_service("cache_broker", {}, url, env=THREADS))
-        procs.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "summ", "e_layers": [1]}, url,
-                                   env=THREADS))
-        # hold off: the tests' prompts repeat, and each asks for the sender's scoped cache
-        procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa", "default_group": [1, 2],
-                                                "hold": False},
-                                   url, env=THREADS))
-        procs.append(start_service("gateway", {"http_port": 0, "api_keys": path, "max_tokens_limit": 64}, url))
-        yield Mesh(url, procs[-1], keys, tmp)
+        *_, gateway = start_together(url, [
+            ("cache_broker", {}, {"env": THREADS}),
+            ("sender", {"model_path": tiny_pair[0], "model_id": "summ", "e_layers": [1]}, {"env": THREADS}),
+            # hold off: the tests' prompts repeat, and each asks for the sender's scoped cache
+            ("receiver", {"model_path": tiny_pair[1], "model_id": "qa", "default_group": [1, 2], "hold": False},
+             {"env": THREADS}),
+            ("gateway", {"http_port": 0, "api_keys": path, "max_tokens_limit": 64}, {}),  # discovers receivers per request
+        ], procs)
+        yield Mesh(url, gateway, keys, tmp)
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_together(procs)
+        nats.stop()
 
 
 def test_without_a_key_file_the_gateway_refuses_to_listen_beyond_loopback():

@@ -7,6 +7,9 @@ Gemma Terms of Use; the test builds them into the user's cache, never into the r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -54,6 +57,21 @@ def _own_forward(model: ModelAdapter, ids: list[int], last: int) -> torch.Tensor
         return model.model(input_ids=torch.tensor([ids]), logits_to_keep=last).logits[0].float()
 
 
+@contextmanager
+def _eager(model: ModelAdapter) -> Iterator[ModelAdapter]:
+    """The same loaded weights under transformers' eager attention (its own masks), switched back on exit:
+    logits equal, bit for bit, those of a second copy loaded with `attn_implementation="eager"`, without
+    loading the checkpoint twice."""
+    impl = model.config._attn_implementation
+    model.model.set_attn_implementation("eager")
+    try:
+        assert model.config._attn_implementation == "eager"
+        yield model
+    finally:
+        model.model.set_attn_implementation(impl)
+    assert model.config._attn_implementation == impl
+
+
 def test_the_context_outruns_the_sliding_window(gemma: ModelAdapter, real_prompt) -> None:
     """The real config interleaves five sliding layers per global one, window 512; the context is longer."""
     assert gemma.config.sliding_window == WINDOW and gemma.windows.count(None) == 3 and gemma.num_layers == 18
@@ -67,7 +85,8 @@ def test_recompute_all_and_full_reuse_equal_its_own_forward(gemma: ModelAdapter,
     ctx, q = real_prompt
     ids = ctx + q
     ref = _own_forward(gemma, ids, len(q))
-    eager = _own_forward(load_model(realbase.gemma3_base(), attn_implementation="eager"), ids, len(q))
+    with _eager(gemma) as eager_model:
+        eager = _own_forward(eager_model, ids, len(q))
     assert float((ref - eager).abs().max()) <= ATOL
     src = CapturedSource(capture_prefill(gemma, ctx, e_layers=[GROUP[0]]))
     want = generate(gemma, ids, ReusePlan.full_prefill(), max_new_tokens=MAX_NEW).tokens

@@ -16,9 +16,9 @@ import pytest
 
 from droidmesh.shared.bench import netns
 from droidmesh.shared.mesh.client import MeshClient
-from droidmesh.shared.service.launch import Proc, free_port, start_nats, start_service
+from droidmesh.shared.service.launch import Proc, free_port, start_nats
 from droidmesh.shared.wire import schemas
-from tests.system.conftest import until_indexed, words
+from tests.system.conftest import start_together, until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.fault]
 
@@ -34,12 +34,12 @@ def _mesh(services: list[Proc], url: str, model_dir, receiver_args: dict | None 
           sender_wrap: list[str] | None = None, env: dict[str, str] | None = None) -> tuple[Proc, Proc]:
     """Broker, sender and receiver (the sender holds the receiver's own weights: every path gives the same tokens)."""
     env = {**THREADS, **(env or {})}
-    services.append(start_service("cache_broker", {}, url, env=env))
-    sender = start_service("sender", {"model_path": model_dir, "model_id": "sender", "e_layers": [1], **(sender_args or {})},
-                           url, env=env, wrap=sender_wrap)
-    services.append(sender)
-    receiver = start_service("receiver", {"model_path": model_dir, **(receiver_args or RECEIVER_ARGS)}, url, env=env)
-    services.append(receiver)
+    _, sender, receiver = start_together(url, [
+        ("cache_broker", {}, {"env": env}),
+        ("sender", {"model_path": model_dir, "model_id": "sender", "e_layers": [1], **(sender_args or {})},
+         {"env": env, "wrap": sender_wrap}),
+        ("receiver", {"model_path": model_dir, **(receiver_args or RECEIVER_ARGS)}, {"env": env}),
+    ], services)
     return sender, receiver
 
 

@@ -5,13 +5,14 @@ sender's E pulled and translated as it lands, in separate processes over a real 
 The answer's tokens equal the in-process engine's under the same translator.
 
 The translator is fit here, cheaply (a few short train-split contexts, the lowest source layer
-only, full-rank maps): what is asserted is the mesh's equality with the engine, not quality
-(docs/real-family.md has the quality). Skips, saying why, where the packages cannot be had. The
+only, full-rank maps, one ridge lambda): what is asserted is the mesh's equality with the engine,
+not quality (docs/real-family.md has the quality). Skips, saying why, where the packages cannot be had. The
 Gemma weights are under the Gemma Terms of Use: built into the user's cache, never committed."""
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,8 @@ from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
 from droidmesh.shared.profiling import translate_fit
-from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.zoo.realtext import make_real_rows
-from tests.system.conftest import until_indexed
+from tests.system.conftest import start_together, until_indexed
 
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
@@ -38,6 +38,7 @@ SOURCE, TARGET = "smollm2", "gemma3"
 MAX_NEW = 4
 FIT_CHARS = (1200, 1800)  # train-split contexts of ~300-450 tokens: a cheap fit
 ASK_CHARS = (1500, 2500)  # the asked test-split context: ~400-600 tokens
+FIT_LAMBDAS = (0.1,)  # the ridge lambda the fit's default search picks for every target layer on these contexts
 
 
 @pytest.fixture(scope="module")
@@ -75,26 +76,28 @@ def test_gemma3_answers_from_a_smollm2_context_like_the_engine(checkpoints, tmp_
     s_path, t_path = checkpoints
     source, target = load_model(s_path, name=SOURCE), load_model(t_path, name=TARGET)
     train = [r["context"] for r in make_real_rows("doc_qa", "train", 3, chars=FIT_CHARS)]
-    tr = translate_fit.fit(source, target, train, candidates=1, ranks=())
+    tr = translate_fit.fit(source, target, train, candidates=1, ranks=(), lambdas=FIT_LAMBDAS)
     sha = tr.save(tmp_path / "smollm2-gemma3.safetensors")
     row = make_real_rows("doc_qa", "test", 1, chars=ASK_CHARS)[0]  # test split: other source files than the fit's
 
     url = nats[1]
-    services.append(start_service("cache_broker", {}, url, env=THREADS))
-    services.append(start_service("sender", {"model_path": s_path, "model_id": SOURCE, "e_layers": list(tr.source_layers),
-                                             "heartbeat_s": 0.5}, url, env=THREADS))
-    services.append(start_service("receiver", {"model_path": t_path, "model_id": TARGET,
-                                               "translators": [f"{tmp_path / 'smollm2-gemma3.safetensors'}@{sha}"]},
-                                  url, env=THREADS))
+    specs = [("cache_broker", {}, {"env": THREADS}),
+             ("sender", {"model_path": s_path, "model_id": SOURCE, "e_layers": list(tr.source_layers), "heartbeat_s": 0.5},
+              {"env": THREADS}),
+             ("receiver", {"model_path": t_path, "model_id": TARGET,
+                           "translators": [f"{tmp_path / 'smollm2-gemma3.safetensors'}@{sha}"]}, {"env": THREADS})]
+    with ThreadPoolExecutor(1) as pool:  # the services start while this process computes the engine's answer
+        started = pool.submit(start_together, url, specs, services)
+        s_ids, s_spans = text.context_spans(source.tokenizer, row["context"])
+        t_ids, t_spans = text.context_spans(target.tokenizer, row["context"])
+        translated = TranslatedSource(CapturedSource(capture_prefill(source, s_ids, tr.source_layers)), tr, target,
+                                      t_ids, align(s_spans, t_spans), source.fingerprint)
+        ref = generate(target, t_ids + text.question_ids(target.tokenizer, row["input"]), ReusePlan.full_reuse(),
+                       translated, max_new_tokens=MAX_NEW, eos_token_id=target.tokenizer.eos_token_id)
+        started.result()
     reply = _ask(url, source, row)
     assert reply.path == "translate", (reply.path, reply.fallback_reason)
     assert reply.plan == f"translated from {SOURCE}" and reply.bytes_pulled > 0
 
-    s_ids, s_spans = text.context_spans(source.tokenizer, row["context"])
-    t_ids, t_spans = text.context_spans(target.tokenizer, row["context"])
     assert len(t_ids) > 300 and len(s_ids) != len(t_ids)  # a real context, tokenized differently on each side
-    translated = TranslatedSource(CapturedSource(capture_prefill(source, s_ids, tr.source_layers)), tr, target, t_ids,
-                                  align(s_spans, t_spans), source.fingerprint)
-    ref = generate(target, t_ids + text.question_ids(target.tokenizer, row["input"]), ReusePlan.full_reuse(), translated,
-                   max_new_tokens=MAX_NEW, eos_token_id=target.tokenizer.eos_token_id)
     assert reply.token_ids == ref.tokens
