@@ -161,6 +161,11 @@ class NatsBus:
         await self._micro.add_endpoint(name=name, subject=subject, handler=endpoint, queue_group=queue,
                                       metadata=metadata or {})
 
+    async def flush(self, timeout: float = 10.0) -> None:
+        """Return once the server has processed everything sent so far: every subscription and
+        endpoint made before it is live (a service says it is ready only after this)."""
+        await self.nc.flush(timeout=timeout)
+
     def config_board(self) -> ConfigBoard:
         """The JetStream key-value board on this connection (a new handle per call)."""
         return NatsConfigBoard(self.nc)

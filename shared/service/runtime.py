@@ -122,7 +122,7 @@ class ServiceRuntime(Generic[C]):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")  # torch runs only here
         self.phase = "created"  # what start() is doing: named in the log when a signal stops it
         self._given_bus = bus  # in-process wiring (tests): used as is, never closed here
-        self._own_bus: Bus | None = None
+        self._own_bus: NatsBus | None = None
         self.health: HealthServer | None = None  # /metrics /livez /readyz, when metrics_port >= 0
         self._started = self._stopping = False
 
@@ -175,6 +175,8 @@ class ServiceRuntime(Generic[C]):
         self.health = _start_health(self.metrics, self.cfg.metrics_host, self.cfg.metrics_port, lambda: self.ready)
         try:
             await self.start()
+            if self._own_bus is not None:  # its subscriptions live at the server before "ready" is said
+                await self._own_bus.flush()
         except BaseException:  # failed or cancelled (a signal while connecting): clean up, re-raise
             await self._close()
             raise

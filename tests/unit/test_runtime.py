@@ -215,3 +215,28 @@ def test_the_health_port_binds_the_configured_host_only():
         wide._httpd.server_close()
     with pytest.raises(ConfigError, match="metrics_host"):
         BusSettings(metrics_host="example.org")
+
+
+def test_a_service_is_started_only_once_its_own_connection_is_flushed():
+    """Its subscriptions are live at the server before it says "ready" (else a request that
+    follows the ready line can find no responder)."""
+    order: list[str] = []
+
+    class Flushing:
+        async def flush(self, timeout: float = 10.0) -> None:
+            order.append("flush")
+
+        async def close(self) -> None:
+            order.append("close")
+
+    async def start(toy: Toy) -> None:
+        toy._own_bus = Flushing()  # type: ignore[assignment]  # as `connect` sets a NATS connection
+        order.append("subscribed")
+
+    async def body() -> None:
+        async with Toy(start) as toy:
+            assert toy.ready
+            order.append("ready")
+
+    asyncio.run(body())
+    assert order == ["subscribed", "flush", "ready", "close"]
