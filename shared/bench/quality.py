@@ -45,22 +45,22 @@ def plans(num_layers: int, frontier: list[dict[str, Any]] | None) -> list[tuple[
 
 
 def measure(sender: ModelAdapter, receiver: ModelAdapter, evaluator: PairScorer,
-            frontier: list[dict[str, Any]] | None, long_tokens: int = 4096, tolerance: float = 0.05
-            ) -> dict[str, Any]:
+            frontier: list[dict[str, Any]] | None, long_tokens: int = 4096, tolerance: float = 0.05,
+            repeats: int = 3) -> dict[str, Any]:
     L = receiver.num_layers
     ctx_tokens = round(statistics.fmean(len(r.context) for r in evaluator.rows))
     rows = []
     for name, plan in tqdm(plans(L, frontier), desc="quality", unit="config"):
         rows.append({"config": name, "mode": plan.mode, "recomputed_layers": len(plan.recomputed_layers(L)),
-                     "quality": evaluator.quality(plan), "ttft_s": ttft(receiver, sender, ctx_tokens, plan),
-                     "ttft_4k_s": ttft(receiver, sender, long_tokens, plan), "plan": plan.to_dict()})
+                     "quality": evaluator.quality(plan), "ttft_s": ttft(receiver, sender, ctx_tokens, plan, repeats),
+                     "ttft_4k_s": ttft(receiver, sender, long_tokens, plan, repeats), "plan": plan.to_dict()})
     full = rows[0]
     for r in rows:
         r["speedup"] = full["ttft_s"] / r["ttft_s"]
         r["speedup_4k"] = full["ttft_4k_s"] / r["ttft_4k_s"]
     ok = [r for r in rows if r["mode"] == "groups" and r["quality"] >= (1 - tolerance) * full["quality"]]
     best = min(ok, key=lambda r: r["ttft_4k_s"]) if ok else None
-    return {"total_layers": L, "context_tokens": ctx_tokens, "long_tokens": long_tokens, "rows": rows,
+    return {"total_layers": L, "context_tokens": ctx_tokens, "long_tokens": long_tokens, "repeats": repeats, "rows": rows,
             "sender_alone": evaluator.sender_alone(), "chosen": best["config"] if best else None,
             "speedup_at_5pct": best["speedup_4k"] if best else None}
 

@@ -168,8 +168,12 @@ def _plot_load(rows: list[dict], path: str, slo: float) -> None:
 @click.option("--rows", default=32, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False),
               help="A `droidmesh profile` JSON whose frontier to sweep (default: the zoo's, if saved).")
+@click.option("--long-tokens", default=4096, show_default=True, type=click.IntRange(16, 65536),
+              help="Tokens of the long context each config's second TTFT (`ttft_4k_s`) is timed on.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50),
+              help="Timed runs per TTFT (median), after one untimed.")
 @device_options
-def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype) -> None:
+def quality(json_path, plot_path, pair_index, rows, profile_path, long_tokens, repeats, device, dtype) -> None:
     """TTFT vs quality for full prefill, full reuse, CacheBlend and DroidMesh groups."""
     import json
     from pathlib import Path
@@ -202,7 +206,7 @@ def quality(json_path, plot_path, pair_index, rows, profile_path, device, dtype)
     ev = PairScorer(sender, receiver, load_rows(pair["task"], "test", rows, shape=shape), task_spec(pair["task"]))
     prof = Path(profile_path) if profile_path else profile_file(root, names)
     frontier = json.loads(prof.read_text())["frontier"] if prof.is_file() else None
-    result = suite.measure(sender, receiver, ev, frontier)
+    result = suite.measure(sender, receiver, ev, frontier, long_tokens=long_tokens, repeats=repeats)
     click.echo(output.format_table(result["rows"], ["config", "recomputed_layers", "quality", "ttft_s", "speedup",
                                                     "ttft_4k_s", "speedup_4k"]))
     click.echo(f"sender alone: {result['sender_alone']:.3f}; speedup_at_5pct (4K tokens): {result['speedup_at_5pct']}")

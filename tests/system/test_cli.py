@@ -51,7 +51,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench codecs", ["--pairs", "summ:qa", "--rows", "1", "--tokens", "64", "--rates", "0.5", "--repeats", "1",
                       "--calibration-rows", "2", "--shares", "0.9"]),
     ("bench ttft", ["--contexts", "32", "--repeats", "1"]),
-    ("bench quality", ["--rows", "1"]),
+    ("bench quality", ["--rows", "1", "--long-tokens", "64", "--repeats", "1"]),
     ("bench pipeline", ["--tokens", "32", "--repeats", "1"]),
     ("bench bandwidth", ["--tokens", "32", "--repeats", "1", "--rates", "0"]),  # reports a skip without netns rights
     ("bench transfer", ["--sizes", "65536", "--repeats", "1"]),
