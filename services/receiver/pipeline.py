@@ -191,8 +191,8 @@ async def local_generate(
         gen: Generation = await s.run_torch(run, deadline=deadline)
     finally:
         pin.release()
-    for stage, rel in gen.prefill.stages.items():
-        stamps[stage] = stamps["engine_start"] + rel
+    for stage, rel in gen.prefill.stages.items():  # on the clock of the arrivals: the prefill's own start
+        stamps[stage] = gen.prefill.started_at + rel
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     if own and gen.prefill.reused_tokens < len(prompt) - 1:  # else nothing new was computed
         await offer(s, prompt, gen.prefill, scope, prefix=captured)  # the request's scope: its suffix is its own
@@ -334,7 +334,7 @@ async def _pull_and_run(s: ReceiverState, holder: schemas.CacheAvailable, items:
     pulled = await pull_task  # done: the engine consumed every layer it asked for
     for key, at in arriving.arrived_at.items():
         stamps[f"arrived_{key}"] = at
-    for stage, rel in gen.prefill.stages.items():
-        stamps[stage] = stamps["engine_start"] + rel
+    for stage, rel in gen.prefill.stages.items():  # on the clock of the arrivals: the prefill's own start
+        stamps[stage] = gen.prefill.started_at + rel
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     return ReuseOutcome(gen, pulled, stamps, sum(busy))

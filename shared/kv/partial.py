@@ -65,6 +65,7 @@ class PrefillResult:
     # E_l at each layer `keep_e` asked for (what a holder offers with its KV): [1, T, D] of every
     # prompt token after a full prefill; [1, T - m, D] of the computed suffix after a reuse
     e: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    started_at: float = 0.0  # time.perf_counter() when the call began: `stages` are seconds after it
 
 
 @dataclasses.dataclass
@@ -123,7 +124,7 @@ def prefill_steps(
             h = receiver.run_layers(h, s, e, cache, past=0)
         stages["suffix_done"] = time.perf_counter() - t0
         return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), 0, plan, stages,
-                             e_kept)  # logits [n, vocab]
+                             e_kept, t0)  # logits [n, vocab]
     if source is None:
         raise BadRequestError(f"plan {plan.label()} needs a sender cache")
     require_compatible(source.fingerprint, receiver.fingerprint)
@@ -149,7 +150,7 @@ def prefill_steps(
         h = receiver.run_layers(h, layer, layer + 1, cache, past=m)
     stages["suffix_done"] = time.perf_counter() - t0
     return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), m, plan, stages,
-                         suffix_e)  # logits [n, vocab]
+                         suffix_e, t0)  # logits [n, vocab]
 
 
 def _fill_context(
