@@ -210,9 +210,9 @@ class NixlBulkServer:
                     del self._regs[reg.region]
             lapsed = [r for r in dict.fromkeys(held) if r.lapsed()]
             if lapsed:
-                self._granted.clear()
-            if lapsed and self._agent is not None:
-                await self._agent.call(_deregister, self._agent, lapsed)
+                self._granted.clear()  # their remote keys die with them
+                if self._agent is not None:
+                    await self._agent.call(_deregister, self._agent, lapsed)
 
     async def close(self) -> None:
         await self._listener.close()
