@@ -2,8 +2,10 @@
 
 Requests decode into msgspec Structs that refuse unknown fields and bound every size and range,
 so nothing reaches the mesh with a field of the wrong type or an unbounded list. Parameters
-OpenAI defines that the mesh cannot honour (`n`, `logprobs`, `tools`, ...) pass only at their
-neutral value (`NEUTRAL`); any other value is a 400 naming the parameter. A completion's prompt
+OpenAI defines that the mesh cannot honour (`n`, `tools`, `echo`, ...) pass only at their
+neutral value (`NEUTRAL`); any other value is a 400 naming the parameter. Log-probabilities are
+served without streaming: chat's `logprobs` / `top_logprobs` (0..20) and completions' `logprobs`
+(0..5), each token's under the model's distribution before temperature and top-p. A completion's prompt
 is the mesh's `context` (so a prompt starting with a context a sender prefilled reuses its cache)
 and a chat is rendered by the receiver's own chat template.
 
@@ -142,8 +144,6 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # accepted, unused
     # OpenAI parameters the mesh cannot honour: accepted only at their neutral value (NEUTRAL).
     n: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -151,6 +151,7 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class CompletionRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     prompt: Annotated[str, msgspec.Meta(min_length=1)]  # OpenAI also takes lists and token ids: a string only here
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None  # the k likeliest per token, as OpenAI's legacy API
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -170,6 +171,8 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
 class ChatRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessageIn], msgspec.Meta(min_length=1, max_length=1024)]
     max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -178,7 +181,7 @@ class ChatRequest(_Request, kw_only=True, forbid_unknown_fields=True):
 
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -224,7 +227,8 @@ def _decode(body: bytes, kind: type[R]) -> R:
         raise InvalidJSONError(f"request body is not valid JSON: {e}") from None
 
 
-def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: str) -> dict[str, Any]:
+def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: str, logprobs: int | None
+            ) -> dict[str, Any]:
     for name, neutral in NEUTRAL.items():
         value = getattr(req, name, None)
         if not any(value == v and type(value) is type(v) for v in neutral):  # True is not 1 here
@@ -234,10 +238,14 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
     n = limits.default_max_tokens if max_tokens is None else max_tokens
     if n > limits.max_tokens_limit:
         raise InvalidRequestError(f"{max_param} {n} exceeds this gateway's limit {limits.max_tokens_limit}", param=max_param)
+    if logprobs is not None and req.stream:
+        raise UnsupportedParameterError("logprobs with stream: true is not supported by DroidMesh yet; ask without "
+                                        "streaming", param="logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     # OpenAI's defaults (temperature 1, top_p 1) when a field is absent; temperature 0 is greedy.
     sampling = schemas.Sampling(temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop)
+                                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
+                                logprobs=logprobs)
     return dict(model=req.model, sampling=sampling, max_new_tokens=n, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
@@ -263,7 +271,7 @@ def parse_completion(body: bytes, limits: Limits) -> MeshCall:
     """POST /v1/completions: the prompt is sent as the context (question empty)."""
     req = _decode(body, CompletionRequest)
     return _fits_bus(MeshCall(kind="completion", context=req.prompt, question="", chat=None,
-                              **_common(req, limits, req.max_tokens, "max_tokens")))
+                              **_common(req, limits, req.max_tokens, "max_tokens", req.logprobs)))
 
 
 def parse_chat(body: bytes, limits: Limits) -> MeshCall:
@@ -274,7 +282,11 @@ def parse_chat(body: bytes, limits: Limits) -> MeshCall:
             for m in req.messages]
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _fits_bus(MeshCall(kind="chat", context="", question="", chat=chat, **_common(req, limits, limit, param)))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _fits_bus(MeshCall(kind="chat", context="", question="", chat=chat,
+                              **_common(req, limits, limit, param, logprobs)))
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -304,8 +316,28 @@ def completion_body(call: MeshCall, rid: str, created: int, r: schemas.GenerateR
     else:
         obj, choice = "text_completion", {"index": 0, "text": r.text}
     return {"id": response_id(call, rid), "object": obj, "created": created, "model": call.model,
-            "choices": [{**choice, "logprobs": None, "finish_reason": r.finish_reason}],
+            "choices": [{**choice, "logprobs": logprobs_body(call, r), "finish_reason": r.finish_reason}],
             "usage": usage(r), "droidmesh": extension(r)}
+
+
+def logprobs_body(call: MeshCall, r: schemas.GenerateReply) -> dict[str, Any] | None:
+    """OpenAI's `logprobs` of a choice: chat's `content` list, or completions' parallel lists
+    (`text_offset` counted from the start of the answer: the prompt is not echoed)."""
+    if r.logprobs is None:
+        return None
+    if call.kind == "chat":
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(a.token, a.logprob) for a in t.top]}
+                            for t in r.logprobs], "refusal": None}
+    offsets, at = [], 0
+    for t in r.logprobs:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in r.logprobs], "token_logprobs": [t.logprob for t in r.logprobs],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in r.logprobs]
+            if call.sampling.logprobs else None, "text_offset": offsets}
 
 
 def models_body(models: list[tuple[str, int, int]]) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -32,10 +33,10 @@ from droidmesh.services.receiver.checks import check_deadline
 from droidmesh.shared.errors import ReuseError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.blocks import reusable_prefix
-from droidmesh.shared.kv.partial import Generation
-from droidmesh.shared.kv.partial import generate as engine_generate
+from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Reason
+from droidmesh.shared.transport.pull import drive_engine
 from droidmesh.shared.wire import schemas
 
 if TYPE_CHECKING:
@@ -132,6 +133,9 @@ async def _find_holder(s: ReceiverState, job: Job) -> tuple[schemas.CacheAvailab
 def _online(s: ReceiverState, job: Job, holder: schemas.CacheAvailable | None) -> policy.Online:
     """What the policy weighs now: the prompt, the queue, the holder's link and the calibration."""
     prompt, req, queued = job.prompt, job.req, s.inflight - 1  # this request is counted in inflight
+    # Requests decoding in the batch no longer hold the thread a prefill each: what waits ahead is
+    # the prefills queued, plus a decode step between each two of this request's prefill jobs.
+    prefilling = max(0, queued - s.batcher.active)
     return policy.Online(
         tokens=len(prompt), queued=queued,
         bandwidth_bps=s.bandwidth_of(holder.sender_id) if holder else None,
@@ -139,7 +143,7 @@ def _online(s: ReceiverState, job: Job, holder: schemas.CacheAvailable | None) -
         reused_tokens=reusable_prefix(holder.token_ids, prompt) if holder else None,
         reuse_overhead_s=s.reuse_overhead_s, prefill_scale=s.calibration.scale(policy.PREFILL_KIND),
         reuse_scale=s.calibration.scale(policy.reuse_kind(holder.model_id)) if holder else 1.0,
-        queue_wait_s=s.queue_wait.wait(queued))
+        queue_wait_s=s.queue_wait.wait(prefilling) + s.batcher.prefill_delay(s.model.num_layers))
 
 
 def _first_choice(s: ReceiverState, route: Route) -> Served:
@@ -206,23 +210,29 @@ async def _own_prefill(s: ReceiverState, job: Job, served: Served) -> Generation
     """Step 4: no cache, no config, forced, or a fault: the receiver's own full prefill."""
     check_deadline(job.deadline, "before computing")
     sampler = holders.sampler_for(s, job.req)
-    stamps = job.stamps
-
-    def full_prefill() -> Generation:
-        stamps["engine_start"] = time.perf_counter()  # in the worker: queueing is not compute
-        return engine_generate(s.model, job.prompt, ReusePlan.full_prefill(), max_new_tokens=job.req.max_new_tokens,
-                               eos_token_id=s.eos_token_id, sampler=sampler, on_token=job.stream.on_token,
-                               deadline=job.deadline, keep_e=keep_e)
-
     keep_e = s.hold_layers()
-    stamps["queued"] = time.perf_counter()
-    gen: Generation = await s.run_torch(full_prefill, deadline=job.deadline)
+    # one layer per job: decode steps of the requests in the batch run between them
+    steps = generate_steps(s.model, job.prompt, ReusePlan.full_prefill(), max_new_tokens=job.req.max_new_tokens,
+                           eos_token_id=s.eos_token_id, sampler=sampler, on_token=job.stream.on_token,
+                           deadline=job.deadline, turns=True, keep_e=keep_e, logprobs=job.req.sampling.logprobs)
+    stamps: dict[str, float] = {}
+    busy: list[float] = []
+    job.stamps["queued"] = time.perf_counter()
+
+    def run(fn: Any, *args: Any) -> Awaitable[Any]:  # a deadline drops the prefill before it starts, not midway
+        return s.run_torch(fn, *args, deadline=None if "engine_start" in stamps else job.deadline)
+
+    try:
+        gen: Generation = await drive_engine(steps, None, run, stamps, busy, decode=s.batcher.decode)
+    finally:
+        steps.close()
     if s.holder is not None:
         # What was computed becomes reusable before the reply goes out (the streamed tokens already
         # did): a client's next request finds it held. Costs the reply one copy of the prompt's KV.
         await pipeline.offer(s, job.prompt, gen.prefill, job.req.scope)
-    served.held += gen.total_s
-    stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
+    served.held += sum(busy)  # its prefill's jobs: its decode steps were shared with the batch
+    job.stamps["engine_start"] = stamps["engine_start"]
+    job.stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     served.gen, served.plan = gen, ReusePlan.full_prefill()
     return gen
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.holding.settings import HolderSettings
 from droidmesh.shared.model.device import DTYPES, check_device_name, default_dtype_name
+from droidmesh.shared.service.batching import DEFAULT_MAX_BATCH
 from droidmesh.shared.transport.bulk import TRANSPORTS
 
 
@@ -37,6 +38,10 @@ class ReceiverConfig(HolderSettings):
         default=500_000, metadata={"help": "largest prompt a request may send (context + question, or all chat contents), in characters"})
     max_queued_requests: int = dataclasses.field(
         default=64, metadata={"help": "requests held at once (queued, computing or pulling); more are refused 'overloaded'"})
+    max_batch: int = dataclasses.field(default=DEFAULT_MAX_BATCH, metadata={
+        "help": "continuous batching: decode steps of at most this many requests run as one forward (each with its "
+                "own cache, sampler and stops; a request joins after its prefill and leaves when done); 1: one "
+                "request's decode at a time"})
     breaker_failures: int = dataclasses.field(
         default=3, metadata={"help": "consecutive failed pulls from one sender that open its circuit (no pulls from it for a cool-down)"})
     breaker_cooldown_s: float = dataclasses.field(
@@ -106,7 +111,7 @@ class ReceiverConfig(HolderSettings):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         for name in ("max_concurrent_pulls", "max_new_tokens_limit", "max_prompt_chars", "max_queued_requests",
-                     "breaker_failures", "quality_window"):
+                     "max_batch", "breaker_failures", "quality_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         for name in ("holdout_share", "shadow_share", "blind_share", "quality_threshold", "min_reuse_fraction"):

@@ -116,7 +116,7 @@ async def reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: poli
     (any `ReuseError`) is a failure, one that cannot even connect opens the circuit at once."""
     return await _pulled(s, holder, reuse_generate(
         s, holder, decision, prompt, req.max_new_tokens, timeout_s=_timeout_s(s, deadline),
-        sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline))
+        sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline, logprobs=req.sampling.logprobs))
 
 
 async def reuse_held(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision,
@@ -124,7 +124,8 @@ async def reuse_held(s: ReceiverState, holder: schemas.CacheAvailable, decision:
                      ) -> ReuseOutcome:
     """`local_generate`: the plan over a context this receiver holds itself (no pull, no breaker)."""
     return await local_generate(s, holder, decision, prompt, req.max_new_tokens, req.scope,
-                                sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline)
+                                sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline,
+                                logprobs=req.sampling.logprobs)
 
 
 async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,
@@ -150,7 +151,7 @@ async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list
             continue
         out = await _pulled(s, holder, translate_generate(
             s, holder, t.translator, tokenized, prompt, req.max_new_tokens, timeout_s=_timeout_s(s, deadline),
-            sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline))
+            sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline, logprobs=req.sampling.logprobs))
         return holder, out
     if unusable is not None:
         raise unusable

@@ -43,7 +43,7 @@ from droidmesh.shared.errors import CacheLayoutError, DroidMeshError, MissingLay
 from droidmesh.shared.kv import translate
 from droidmesh.shared.kv.blocks import CapturedContext
 from droidmesh.shared.kv.capture import captured_of
-from droidmesh.shared.kv.partial import Generation, PrefillResult, generate, generate_steps
+from droidmesh.shared.kv.partial import Generation, PrefillResult, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Decision
 from droidmesh.shared.kv.screen import Screen, ScreenedSource
@@ -142,7 +142,7 @@ class ReuseOutcome:
 
 async def reuse_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
-    timeout_s: float, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None,
+    timeout_s: float, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None, logprobs: int | None = None,
     deadline: float | None = None,
 ) -> ReuseOutcome:
     """`sampler` and `on_token` go to the engine's decoding as they are (see `generate_steps`);
@@ -155,14 +155,15 @@ async def reuse_generate(
     read: LayerSource = source if screen is None else ScreenedSource(
         source, screen, model, [(i.kind, i.layer) for i in items], plan.patch)
     steps = generate_steps(model, prompt, plan, read, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
-                           timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline)
+                           timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline,
+                           logprobs=logprobs)
     return await _pull_and_run(s, holder, items, model, source, source, steps, timeout_s, deadline, decision.codec,
                                decision.codec_params)
 
 
 async def local_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
-    scope: str, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None,
+    scope: str, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None, logprobs: int | None = None,
     deadline: float | None = None,
 ) -> ReuseOutcome:
     """The plan over a context this receiver holds itself (`holder` is its own announcement):
@@ -181,22 +182,22 @@ async def local_generate(
     own = decision.plan == ReusePlan.full_reuse() and holder.model_sha256 == s.policy_facts.model_sha256
     keep_e = s.hold_layers() if own else []
 
-    def run() -> Generation:
-        stamps["engine_start"] = time.perf_counter()  # in the worker: queueing is not compute
-        return generate(s.model, prompt, decision.plan, CapturedSource(captured), max_new_tokens=max_new_tokens,
-                        eos_token_id=s.eos_token_id, sampler=sampler, on_token=on_token, deadline=deadline,
-                        keep_e=keep_e)
-
+    steps = generate_steps(s.model, prompt, decision.plan, CapturedSource(captured), max_new_tokens=max_new_tokens,
+                           eos_token_id=s.eos_token_id, sampler=sampler, on_token=on_token, deadline=deadline,
+                           keep_e=keep_e, logprobs=logprobs)
+    busy: list[float] = []
     try:
-        gen: Generation = await s.run_torch(run, deadline=deadline)
+        gen = await drive_engine(steps, None, functools.partial(s.run_torch, deadline=deadline), stamps, busy,
+                                 decode=s.batcher.decode)
     finally:
+        steps.close()
         pin.release()
     for stage, rel in gen.prefill.stages.items():  # on the clock of the arrivals: the prefill's own start
         stamps[stage] = gen.prefill.started_at + rel
     stamps["first_token"] = stamps["engine_start"] + gen.ttft_s
     if own and gen.prefill.reused_tokens < len(prompt) - 1:  # else nothing new was computed
         await offer(s, prompt, gen.prefill, scope, prefix=captured)  # the request's scope: its suffix is its own
-    return ReuseOutcome(gen, 0, stamps, gen.total_s)
+    return ReuseOutcome(gen, 0, stamps, sum(busy))
 
 
 async def offer(s: ReceiverState, prompt: list[int], pre: PrefillResult, scope: str,
@@ -255,7 +256,7 @@ async def _build_screen(s: ReceiverState) -> Screen | None:
 async def translate_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, translator: Translator, tokenized: Tokenized, prompt: list[int],
     max_new_tokens: int, timeout_s: float, *, sampler: Sampler | None = None,
-    on_token: Callable[[int], bool] | None = None, deadline: float | None = None,
+    on_token: Callable[[int], bool] | None = None, logprobs: int | None = None, deadline: float | None = None,
 ) -> ReuseOutcome:
     """The translated path (`shared/kv/translate.py`): pull the source E the translator reads from
     a holder of the source model's cache of the whole context, translate each target layer as its
@@ -267,7 +268,7 @@ async def translate_generate(
     translated = TranslatedSource(arriving, translator, model, tokenized.target_ids, tokenized.spans, source_fp)
     steps = generate_steps(model, prompt, ReusePlan.full_reuse(), translated, max_new_tokens=max_new_tokens,
                            eos_token_id=s.eos_token_id, timeout_s=timeout_s, sampler=sampler, on_token=on_token,
-                           deadline=deadline)
+                           deadline=deadline, logprobs=logprobs)
     items = [PullItem(layer=l, kind="E") for l in translator.source_layers]
     layout = ForeignLayout(source_fp, model.dtype, model.device)
     return await _pull_and_run(s, holder, items, layout, arriving, translated, steps, timeout_s, deadline, "raw", {})
@@ -326,7 +327,8 @@ async def _pull_and_run(s: ReceiverState, holder: schemas.CacheAvailable, items:
     pull_task = asyncio.get_running_loop().create_task(pull())
     try:
         busy: list[float] = []
-        gen = await drive_engine(steps, engine_source, functools.partial(s.run_torch, deadline=deadline), stamps, busy)
+        gen = await drive_engine(steps, engine_source, functools.partial(s.run_torch, deadline=deadline), stamps, busy,
+                                 decode=s.batcher.decode)
     except BaseException:
         pull_task.cancel()
         await asyncio.gather(pull_task, return_exceptions=True)

@@ -158,8 +158,10 @@ def count_relay(s: ReceiverState, decision: policy.Decision, assignment: str, pa
         s.metrics.prediction_error.observe(abs(decision.predicted_ttft_s - ttft_s) / ttft_s)
 
 
-def _never(need: Need) -> bool:
-    return False
+def _pause_at_turns(need: Need) -> bool:
+    """A shadow stops at every turn (a layer, a decode step) and decodes alone: it never joins
+    the requests' batch."""
+    return need.kind == "decode"
 
 
 async def _shadow_answer(s: ReceiverState, prompt: list[int], n: int, waited: float) -> Generation | None:
@@ -173,7 +175,7 @@ async def _shadow_answer(s: ReceiverState, prompt: list[int], n: int, waited: fl
                 steps.close()
                 return None
             await asyncio.sleep(SHADOW_POLL_S)
-        finished, ref = await s.run_torch(run_until, steps, _never)  # one layer or decode step
+        finished, ref = await s.run_torch(run_until, steps, _pause_at_turns)  # one layer or decode step
         if finished:
             return ref
 

@@ -16,6 +16,7 @@ import structlog
 
 from droidmesh.services.receiver import relay_watch
 from droidmesh.shared.kv.partial import Generation
+from droidmesh.shared.model.text import token_text
 from droidmesh.shared.wire import schemas
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ def _log_request(s: ReceiverState, job: Job, route: Route, served: Served, gen: 
              topology=_topology(holder) if holder else None,
              prompt_tokens=len(prompt), reused_tokens=gen.prefill.reused_tokens, bytes_pulled=served.bytes_pulled,
              new_tokens=len(gen.tokens), max_new_tokens=job.req.max_new_tokens, cancelled=job.stream.gone,
+             decode_batch=gen.decode_batch,
              finish_reason=summary.finish, chunks=job.stream.published,
              chunk_failures=job.stream.failed, ttft_ms=round(summary.ttft_ms, 3), stages_ms=summary.stages_ms,
              scope=job.req.scope)
@@ -124,7 +126,22 @@ def _reply(s: ReceiverState, job: Job, route: Route, served: Served, gen: Genera
         served_by=s.cfg.receiver_id, prompt_tokens=len(job.prompt), reused_tokens=gen.prefill.reused_tokens,
         finish_reason=summary.finish, codec=decision.codec if served.plan.mode != "full_prefill" else "",
         predicted_ttft_ms=_ms(decision.predicted_ttft_s) or 0.0, options_ms=summary.predicted_ms,
+        logprobs=_logprobs(s, gen),
     )
+
+
+def _logprobs(s: ReceiverState, gen: Generation) -> list[schemas.TokenLogprob] | None:
+    """The generation's log-probabilities with each token's text (the receiver's tokenizer)."""
+    if gen.logprobs is None:
+        return None
+    tok = s.model.tokenizer
+
+    def piece(token_id: int) -> str:
+        return token_text(tok, token_id) if tok is not None else ""
+
+    return [schemas.TokenLogprob(token_id=t, token=piece(t), logprob=lp,
+                                 top=[schemas.TopLogprob(token_id=i, token=piece(i), logprob=v) for i, v in top])
+            for t, lp, top in gen.logprobs]
 
 
 def _topology(holder: schemas.CacheAvailable) -> str:

@@ -23,6 +23,7 @@ from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.screen import Screen
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.service.batching import DecodeBatcher
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.service.runtime import Supervisor
 from droidmesh.shared.transport.bulk import BulkClient, make_client
@@ -40,6 +41,8 @@ class ReceiverState:
                  bulk: BulkClient | None = None):
         self.cfg, self.bus, self.model, self._torch, self._tasks = cfg, bus, model, run_torch, tasks
         self.metrics = metrics
+        # decode steps of this model's requests run together (continuous batching)
+        self.batcher = DecodeBatcher(model, run_torch, cfg.max_batch, on_step=self._decoded)
         self.bulk = bulk if bulk is not None else make_client(cfg.transport)  # shared by a process's served models
         # What the reuse policy knows of this receiver.
         self.policy_facts = policy.Receiver(model_id=cfg.model_id, model_sha256=model_sha256,
@@ -55,7 +58,7 @@ class ReceiverState:
         # the KV screen's reference (`pipeline.screen_for`): built once on the torch thread (one
         # capturing prefill of a fixed text); concurrent first requests await the same build
         self.screen_build: asyncio.Task[Screen | None] | None = None
-        self.inflight = 0  # generate requests being served (the torch thread runs one at a time)
+        self.inflight = 0  # generate requests being served (prefilling, decoding in the batch, or queued)
         self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput, any holder
         self.holder_bps: OrderedDict[str, float] = OrderedDict()  # sender id -> EWMA of its pulls' throughput
         self.reuse_overhead_s = 0.0  # EWMA of a reuse's fixed cost (the grant round trip)
@@ -74,6 +77,10 @@ class ReceiverState:
         self.breaker = Breaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
         self.listeners: ListenerWatch | None = None  # set by the service once connected (None: in-process bus)
         self.holder: Holder | None = None  # set by the service when it holds what it prefills (`hold`)
+
+    def _decoded(self, rows: int) -> None:
+        self.metrics.decode_steps.inc()
+        self.metrics.decode_rows.inc(rows)
 
     def hold_layers(self) -> list[int]:
         """The layers whose E a held prefill keeps ([]: this receiver holds nothing): `hold_e_layers`,

@@ -12,13 +12,14 @@ import torch
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError
 from droidmesh.shared.kv.blocks import CapturedContext
 from droidmesh.shared.kv.capture import capture_prefill
-from droidmesh.shared.kv.partial import generate as engine_generate
+from droidmesh.shared.kv.partial import generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.mesh import maps_store
 from droidmesh.shared.model import text
 from droidmesh.shared.model.sampling import make_sampler
 from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport.pull import drive_engine
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.hashing import context_id
 
@@ -85,10 +86,13 @@ async def generate(s: SenderState, req: schemas.GenerateRequest) -> schemas.Gene
     captured_ms = (time.perf_counter() - t0) * 1e3
     answer = text.TextStream(s.model.tokenizer, sp.stop)
     # The sender's own KV is exact for itself: full reuse of it == full prefill, minus the work.
-    gen = await s.run_torch(
-        lambda: engine_generate(s.model, ctx_ids + q_ids, ReusePlan.full_reuse(), CapturedSource(captured),
-                                max_new_tokens=req.max_new_tokens, eos_token_id=s.eos_token_id, sampler=sampler,
-                                on_token=lambda t: not answer.push(t)[1]))
+    steps = generate_steps(s.model, ctx_ids + q_ids, ReusePlan.full_reuse(), CapturedSource(captured),
+                           max_new_tokens=req.max_new_tokens, eos_token_id=s.eos_token_id, sampler=sampler,
+                           on_token=lambda t: not answer.push(t)[1])
+    try:
+        gen = await drive_engine(steps, None, s.run_torch, {}, decode=s.batcher.decode)
+    finally:
+        steps.close()
     answer.finish()
     finish: schemas.FinishReason = "stop" if answer.stopped else gen.finish_reason
     total_ms = (time.perf_counter() - t0) * 1e3

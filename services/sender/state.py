@@ -11,6 +11,7 @@ from droidmesh.shared.holding.holder import Holder
 from droidmesh.shared.holding.store import CacheStore
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.service.batching import DEFAULT_MAX_BATCH, DecodeBatcher
 from droidmesh.shared.service.metrics import Metrics
 
 
@@ -27,6 +28,8 @@ class SenderState:
                              grant_ttl_s=cfg.grant_ttl_s, heartbeat_s=cfg.heartbeat_s, authenticated=bool(cfg.nats_user))
         self.held = self.holder.add_model(cfg.model_id, model_sha256, model.dtype, cfg.readers)
         self.store = self.holder.store
+        # its own answers' decode steps run together (continuous batching, as a receiver's)
+        self.batcher = DecodeBatcher(model, run_torch, DEFAULT_MAX_BATCH)
 
     def e_layers(self) -> list[int]:
         """Configured E layers plus every group start a profiled receiver may choose online."""

@@ -12,10 +12,13 @@ token prefix, leaving >= 1 token to compute):
      the listed layers with the sender's KV.)
   2. the suffix P[m:] runs through all receiver layers at positions m.. ; before layer l it waits
      for layer l's KV only (reused layers: the sender's, checked and sliced to m tokens).
-  3. decoding continues from the suffix's last logits on the assembled cache: each token is
-     chosen by the request's sampler (`shared/model/sampling.py`; greedy argmax by default) and
-     handed to `on_token` (streaming, stop sequences) on the compute thread; decoding ends at
-     EOS or when `on_token` says stop (finish_reason "stop"), or at max_new_tokens ("length").
+  3. decoding continues from the suffix's last logits on the assembled cache (`decode.py`): each
+     token is chosen by the request's sampler (`shared/model/sampling.py`; greedy argmax by
+     default) and handed to `on_token` (streaming, stop sequences) on the compute thread;
+     decoding ends at EOS or when `on_token` says stop (finish_reason "stop"), or at
+     max_new_tokens ("length"). The steps yield a "decode" `Need` carrying the request's
+     `Decoding` first: a driver that batches decodes it there with other requests (continuous
+     batching); otherwise it decodes alone.
 Step 1 needs no reused KV at all, so a transport that delivers E first overlaps the recompute
 with the KV transfer. Each function has a steps form (`prefill_steps`, `generate_steps`) that
 yields a `Need` before every source read, so a service can wait for arriving layers off its
@@ -36,8 +39,10 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from droidmesh.shared.errors import BadRequestError, ReuseError
+from droidmesh.shared.kv import decode
 from droidmesh.shared.kv.blend import blend_steps
 from droidmesh.shared.kv.blocks import check_kv, check_tensor, reusable_prefix
+from droidmesh.shared.kv.decode import Decoding, Logprob
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import LayerSource, Need, Steps, run_steps
 from droidmesh.shared.model import hf_cache
@@ -50,6 +55,7 @@ DEFAULT_TIMEOUT_S = 30.0
 # Decoded tokens a cache reserves room for up front; a longer answer grows it (doubling), so a
 # huge max_new_tokens never allocates before a token exists.
 DECODE_RESERVE = 1024
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -75,6 +81,8 @@ class Generation:
     ttft_s: float  # call start -> first token chosen
     total_s: float
     finish_reason: FinishReason = "length"  # "stop": EOS or on_token stopped; "length": max_new_tokens
+    decode_batch: int = 1  # the most requests a decode step of this one ran with (continuous batching)
+    logprobs: list[Logprob] | None = None  # per token: (id, log-probability, top alternatives), when asked
 
 
 def prefill_steps(
@@ -217,6 +225,7 @@ def generate_steps(
     deadline: float | None = None,
     turns: bool = False,
     keep_e: Sequence[int] = (),
+    logprobs: int | None = None,
 ) -> Steps[Generation]:
     """`generate` as steps (only the prefill reads the source; decoding is one step).
 
@@ -226,29 +235,30 @@ def generate_steps(
     (time.monotonic()) is checked before every decode step: once it has passed, decoding ends
     with what it has (finish_reason "length"), so a request never decodes past its deadline.
     `turns`: a "turn" `Need` between a full prefill's layers and before every decode step.
-    `keep_e`: a full prefill keeps E at those layers (`prefill_steps`)."""
+    `keep_e`: a full prefill keeps E at those layers (`prefill_steps`). `logprobs` (0..20): the
+    generation carries each token's log-probability and that many alternatives (`Decoding`)."""
     if max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise BadRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     choose = sampler or greedy
     t0 = time.perf_counter()
     pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s,
                                    decode_tokens=max_new_tokens - 1, turns=turns, keep_e=keep_e)  # the last chosen token is never fed back
-    token = choose(pre.logits[-1])  # [vocab] float32 -> id
+    d = Decoding(pre.cache, pre.prompt_tokens, max_new_tokens, eos_token_id, choose, on_token, deadline, logprobs)
+    d.take(pre.logits[-1])  # the first token, from the prefill's last logits [vocab]
     ttft = time.perf_counter() - t0
-    tokens, past, L = [token], pre.prompt_tokens, receiver.num_layers
-    go = on_token is None or on_token(token)
-    while go and len(tokens) < max_new_tokens and token != eos_token_id:
-        if deadline is not None and time.monotonic() >= deadline:
-            break
+    if not d.done:
+        yield Need("decode", -1, float("inf"), decoding=d)  # a batching driver decodes it with others, to its end
+    while not d.done:  # a driver that did not: decoded here, alone
         if turns:
             yield Need("turn", -1, float("inf"))
-        h = receiver.run_layers(receiver.embed(receiver.token_tensor([token])), 0, L, pre.cache, past=past)  # [1, 1, D]
-        token = choose(receiver.logits(h)[0, -1])  # [1, 1, vocab] -> [vocab]
-        tokens.append(token)
-        past += 1
-        go = on_token is None or on_token(token)
-    finish: FinishReason = "stop" if not go or token == eos_token_id else "length"
-    return Generation(tokens=tokens, prefill=pre, ttft_s=ttft, total_s=time.perf_counter() - t0, finish_reason=finish)
+        decode.step(receiver, [d])
+    if d.error is not None:
+        raise d.error
+    assert d.finish is not None
+    return Generation(tokens=d.tokens, prefill=pre, ttft_s=ttft, total_s=time.perf_counter() - t0,
+                      finish_reason=d.finish, decode_batch=d.widest, logprobs=d.logprobs if logprobs is not None else None)
 
 
 def _in_place(steps_fn: Callable[P, Steps[T]]) -> Callable[P, T]:

@@ -257,7 +257,8 @@ class Calibration:
 
 class QueueWait:
     """The expected wait behind the requests already in the receiver: each holds the compute thread
-    about as long as the median of the last `window` requests did (engine start to done). The
+    about as long as the median of the last `window` requests' prefills did (their jobs on the
+    thread; decoding is shared in the batch, which the receiver adds as its own delay). The
     receiver calls `observe` after each request and `wait` per decision (its event loop; neither
     blocks); 0 until `min_samples` are in. The wait is the same for every option: it makes the
     predicted TTFT (logged beside the actual one) include the queue, it does not change which

@@ -25,7 +25,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import torch
 
@@ -33,6 +33,9 @@ from droidmesh.shared.errors import MissingLayerError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
 from droidmesh.shared.model.fingerprint import ArchFingerprint
+
+if TYPE_CHECKING:
+    from droidmesh.shared.kv.decode import Decoding
 
 T = TypeVar("T")
 
@@ -42,11 +45,15 @@ class Need:
     """The engine is about to read `kind` of `layer` from its source; a driver may wait for it
     first, until `deadline` (time.monotonic()). Past the deadline the read itself raises.
     Kind "turn" reads nothing: a point where a cooperative run (`turns=True`) lets its driver
-    hand the compute thread to other work before going on (`layer` -1: a decode step)."""
+    hand the compute thread to other work before going on (`layer` -1: a decode step).
+    Kind "decode" carries the request's `decoding` once its first token is chosen: a driver that
+    batches decodes it to its end with other requests before resuming the steps; one that does
+    not resumes at once, and the steps decode it alone."""
 
-    kind: Literal["kv", "e", "turn"]
+    kind: Literal["kv", "e", "turn", "decode"]
     layer: int
     deadline: float
+    decoding: Decoding | None = None
 
 
 Steps = Generator[Need, None, T]
@@ -162,7 +169,7 @@ class ArrivingSource:
 
     def has(self, need: Need) -> bool:
         """Whether the engine's read for `need` would return (or fail) without waiting."""
-        if need.kind == "turn":
+        if need.kind in ("turn", "decode"):
             return True
         with self._cond:
             table: dict = self._kv if need.kind == "kv" else self._e

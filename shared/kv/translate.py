@@ -316,7 +316,7 @@ class TranslatedSource:
     def has(self, need: Need) -> bool:
         """Whether `need` can be served without waiting (drivers ask before the engine reads)."""
         has: Callable[[Need], bool] | None = getattr(self.inner, "has", None)
-        if need.kind == "turn" or need.layer == 0 or has is None or self._features is not None:
+        if need.kind in ("turn", "decode") or need.layer == 0 or has is None or self._features is not None:
             return True
         return all(has(dataclasses.replace(need, kind="e", layer=s)) for s in self.tr.sources)
 

@@ -5,6 +5,7 @@ every method blocks while torch computes):
   - `embed(ids)`                      token ids -> E_0
   - `run_layers(h, start, end, ...)`  E_start -> E_end, filling the cache's layers start..end-1
   - `run_sparse_layer(h, l, ...)`     one layer on scattered token positions (token-level recompute)
+  - `decode(tokens, caches, pasts)`   one decode step of several requests, each over its own cache
   - `logits(h)`                       final norm + LM head
   - `attn_input(h, l)` / `project_kv(x, l)`  layer l's normalized attention input, and the K/V its
                                       own projections (and RoPE) make of one (SCD's patch, `shared/kv/scd.py`)
@@ -149,6 +150,35 @@ class ModelAdapter:
                 masks[window] = self._mask(past, t, window, h.dtype, h.device)
             h = layer(h, attention_mask=masks[window], position_ids=positions, position_embeddings=tables[kind],
                       **hf_cache.layer_kwargs(layer, cache))
+        return h
+
+    @property
+    def batches(self) -> bool:
+        """Whether several requests' decode steps run as one forward (`decode`): through the
+        engine's own attention only, which reads each row's cache on its own."""
+        return self.config._attn_implementation == attention.NAME
+
+    def decode(self, tokens: Sequence[int], caches: Sequence[Any], pasts: Sequence[int]) -> torch.Tensor:
+        """One decode step of B requests together: row b feeds `tokens[b]` at position `pasts[b]`
+        over its own cache `caches[b]` (holding exactly pasts[b] tokens), which gains that token's
+        K/V in every layer. Returns E_L [B, 1, D]. The weights are read once for the batch; each
+        row attends over its own cache (`hf_cache.RaggedCache`), so lengths may differ."""
+        if self.select is not None:
+            self.select()
+        if not self.batches:
+            raise UnsupportedModelError(f"batched decode needs the {attention.NAME} attention, not "
+                                        f"{self.config._attn_implementation}")
+        ids = torch.tensor([[t] for t in tokens], dtype=torch.long, device=self.device)  # [B, 1]
+        positions = torch.tensor([[p] for p in pasts], dtype=torch.long, device=self.device)  # [B, 1]
+        h = self.model.model.embed_tokens(ids)  # [B, 1, D]
+        ragged = hf_cache.RaggedCache(list(caches))
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind
+        for l in range(self.num_layers):
+            layer = self.model.model.layers[l]
+            if (kind := self.rope_kinds[l]) not in tables:
+                tables[kind] = self._rope(h, positions, l)  # each [B, 1, head_dim]
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=tables[kind],
+                      **hf_cache.layer_kwargs(layer, ragged))
         return h
 
     def run_sparse_layer(

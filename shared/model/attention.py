@@ -15,6 +15,9 @@ The cache holds every position (the engine keeps full K/V for sliding layers), s
 is position j. transformers builds no mask for a registered kernel, so its own forward through
 this kernel is masked the same way.
 
+A decode batch (`ModelAdapter.decode`) hands each row's own cache as a `RaggedKV`: one new token
+per row, attended row by row over that row's keys, so rows of any lengths batch without padding.
+
 Anything with an explicit mask (token-level recompute, transformers' sdpa / eager callers) goes
 to transformers' own sdpa path unchanged. `register()` (idempotent) makes the name loadable;
 `load_model` uses it by default.
@@ -30,13 +33,27 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from droidmesh.shared.errors import UnsupportedModelError
+from droidmesh.shared.model.hf_cache import RaggedKV
+
 NAME = "droidmesh_sdpa"
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | RaggedKV, value: torch.Tensor | RaggedKV,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """query [B, H, T, hd], key / value [B, kvH, past+T, hd] -> ([B, T, H, hd], None)."""
+    """query [B, H, T, hd], key / value [B, kvH, past+T, hd] -> ([B, T, H, hd], None).
+
+    Key / value may be a decode batch's `RaggedKV` (T = 1, row b: [1, kvH, past_b + 1, hd]): each
+    row is attended on its own, as a batch of one."""
+    if isinstance(key, RaggedKV) and isinstance(value, RaggedKV):
+        if attention_mask is not None or dropout or query.shape[2] != 1:
+            raise UnsupportedModelError("a decode batch attends one new token per row, with no explicit mask")
+        rows = [attention(module, query[b:b + 1], k, v, None, scaling=scaling, **kwargs)[0]  # each [1, 1, H, hd]
+                for b, (k, v) in enumerate(zip(key.rows, value.rows, strict=True))]
+        return torch.cat(rows), None  # [B, 1, H, hd]
+    if isinstance(key, RaggedKV) or isinstance(value, RaggedKV):
+        raise UnsupportedModelError("keys and values of a decode batch come together")
     if attention_mask is not None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

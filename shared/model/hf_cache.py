@@ -120,6 +120,35 @@ class WriteOnceLayer(DynamicLayer):
         raise UnsupportedModelError("a write-once cache stays on its device")
 
 
+class RaggedKV:
+    """One layer's K (or V) of a decode batch: row b is request b's own cache, [1, kv_heads, T_b,
+    head_dim], its lengths differing. The engine's attention (`shared/model/attention.py`) reads
+    it row by row; no other attention takes it."""
+
+    def __init__(self, rows: list[torch.Tensor]):
+        self.rows = rows
+
+
+class RaggedCache:
+    """B requests' own caches, seen by the decoder layers as the cache of one batch [B, 1, D]
+    during one decode step: `update` writes row b's new token into cache b (each cache keeps one
+    sequence, written once) and hands the attention every row's whole K/V, unpadded. Nothing is
+    copied to line the rows up: a padded batch would copy every cache at every step."""
+
+    def __init__(self, caches: list[DynamicCache]):
+        self.caches = caches
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+               ) -> tuple[RaggedKV, RaggedKV]:
+        """key_states / value_states [B, kv_heads, 1, head_dim] -> each row's K / V after it."""
+        ks, vs = [], []
+        for b, cache in enumerate(self.caches):
+            k, v = cache.update(key_states[b:b + 1], value_states[b:b + 1], layer_idx)  # each [1, kvh, T_b + 1, hd]
+            ks.append(k)
+            vs.append(v)
+        return RaggedKV(ks), RaggedKV(vs)
+
+
 def _storage(like: torch.Tensor, tokens: int) -> torch.Tensor:
     """Uninitialised storage shaped like `like` [B, kvh, *, hd] with `tokens` on the token axis."""
     b, heads, _, dim = like.shape
@@ -152,7 +181,7 @@ def seq_length(cache: DynamicCache, layer: int = 0) -> int:
     return _entry(cache, layer).get_seq_length()
 
 
-def layer_kwargs(layer: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
+def layer_kwargs(layer: torch.nn.Module, cache: DynamicCache | RaggedCache) -> dict[str, Any]:
     """The keyword that hands `cache` to a decoder layer: `cache` in transformers >= 5.21,
     `past_key_values` before (5.16-5.20 are what vLLM and SGLang pin). A layer that takes neither
     would silently run without the cache, so that is refused."""

@@ -73,6 +73,11 @@ def decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token's own text, special tokens included (what a log-probability is reported for)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 # -- chat ------------------------------------------------------------------------------------
 class ChatTurn(Protocol):
     """One chat message (`schemas.ChatMessage` is one); read-only here."""

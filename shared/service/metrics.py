@@ -69,6 +69,10 @@ class Metrics:
                               registry=r)
         self.stage = Histogram("dm_stage_seconds", "Seconds from request start to each stage", ["stage"],
                                buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_steps = Counter("dm_decode_steps", "Decode steps run (each one forward for every request in the "
+                                    "batch)", registry=r)
+        self.decode_rows = Counter("dm_decode_rows", "Request-steps decoded (rows / steps: the mean decode batch)",
+                                   registry=r)
         self.bytes_pulled = Counter("dm_bytes_pulled", "Bytes pulled over UCX", registry=r)
         self.ucx_throughput = Histogram("dm_ucx_throughput_bytes_per_second", "Per-pull UCX throughput",
                                         buckets=(1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10), registry=r)

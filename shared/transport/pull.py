@@ -30,6 +30,7 @@ import torch
 from droidmesh.shared.errors import BadMessageError, CacheLayoutError, DroidMeshError, ReuseError, TransferError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import reusable_prefix
+from droidmesh.shared.kv.decode import Decoding
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps, run_until
 from droidmesh.shared.model.device import dtype_name
@@ -40,6 +41,7 @@ from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, PullItem,
 
 T = TypeVar("T")
 RunTorch = Callable[..., Awaitable[Any]]  # runs a blocking callable on the torch thread
+Decode = Callable[[Decoding], Awaitable[None]]  # decodes a request to its end (a batcher's `decode`)
 
 
 class Layout(Protocol):
@@ -177,23 +179,39 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
         raise TransferError(f"sender {holder.sender_id} sent a malformed reply: {e}") from None
 
 
-async def drive_engine(steps: Steps[T], source: Watched, run_torch: RunTorch, stamps: dict[str, float],
-                       busy: list[float] | None = None) -> T:
+async def drive_engine(steps: Steps[T], source: Watched | None, run_torch: RunTorch, stamps: dict[str, float],
+                       busy: list[float] | None = None, decode: Decode | None = None) -> T:
     """Run the engine's steps on the torch thread (`run_torch`), waiting for each `Need` here, on
     the loop; `stamps["engine_start"]` is when the first step began on that thread, and `busy`
-    gets the seconds each run of steps held it (not the waits for layers in between)."""
+    gets the seconds each run of steps held it (not the waits for layers in between).
+
+    At a "turn" the thread goes back to whatever queued meanwhile (other requests' decode steps)
+    before the steps go on. With `decode`, the request's decoding is handed to it (a batcher that
+    decodes it with other requests) and the steps resume once it ended; without, the steps decode
+    it alone in their last run. `source` None: steps that read nothing (a full prefill)."""
     loop = asyncio.get_running_loop()
     landed = asyncio.Event()
 
     def on_landed() -> None:  # from the producer's thread
         loop.call_soon_threadsafe(landed.set)
 
-    source.watch(on_landed)
+    def ready(need: Need) -> bool:  # on the torch thread: go on without a trip to the loop
+        if need.kind == "decode":
+            return decode is None
+        return need.kind != "turn" and (source is None or source.has(need))
+
+    if source is not None:
+        source.watch(on_landed)
     while True:
-        finished, value = await run_torch(_advance, steps, source, stamps, busy)
+        finished, value = await run_torch(_advance, steps, ready, stamps, busy)
         if finished:
             return value  # the final step's value is the steps' result
         need: Need = value
+        if need.kind == "decode" and decode is not None and need.decoding is not None:
+            await decode(need.decoding)
+            continue
+        if need.kind == "turn" or source is None:
+            continue
         while not source.has(need):
             left = need.deadline - time.monotonic()
             if left <= 0:
@@ -207,14 +225,15 @@ async def drive_engine(steps: Steps[T], source: Watched, run_torch: RunTorch, st
                 break
 
 
-def _advance(steps: Steps[T], source: Watched, stamps: dict[str, float], busy: list[float] | None
+def _advance(steps: Steps[T], ready: Callable[[Need], bool], stamps: dict[str, float], busy: list[float] | None
              ) -> tuple[bool, object]:
-    """On the torch thread: run steps until one needs a layer that has not landed, (False, Need),
-    or to the end, (True, result). Landed layers cost no round trip to the loop."""
+    """On the torch thread: run steps until one needs what is not `ready` (a layer that has not
+    landed, a turn, a decoding to hand over), (False, Need), or to the end, (True, result).
+    Landed layers cost no round trip to the loop."""
     began = time.perf_counter()
     stamps.setdefault("engine_start", began)  # in the worker: queueing is not compute
     try:
-        return run_until(steps, source.has)
+        return run_until(steps, ready)
     finally:
         if busy is not None:
             busy.append(time.perf_counter() - began)

@@ -153,6 +153,25 @@ class Sampling(msgspec.Struct, kw_only=True):
     top_p: float = 1.0
     seed: int | None = None  # same seed, prompt and plan: same tokens
     stop: list[str] = []  # the answer ends before the first occurrence of any of these
+    logprobs: int | None = None  # None: none; k in 0..20: each token's log-probability and the k likeliest tokens'
+
+
+class TopLogprob(msgspec.Struct):
+    """One of the likeliest tokens at a position: its id, its text, its log-probability."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct):
+    """A chosen token's log-probability under the model's next-token distribution (before
+    temperature and top-p), and the `Sampling.logprobs` likeliest tokens there."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
 
 
 class ChatMessage(msgspec.Struct):
@@ -208,6 +227,7 @@ class GenerateReply(Message, tag="generate.reply"):
     codec: str = ""  # the wire codec the reused tensors came under ("" when nothing was reused)
     predicted_ttft_ms: float = 0.0  # the reuse policy's prediction for the path taken (0: no latency fit)
     options_ms: dict[str, float] = {}  # its prediction per option it weighed ("full prefill", each plan)
+    logprobs: list[TokenLogprob] | None = None  # per token of `token_ids`, when `Sampling.logprobs` asked
 
 
 class PrefillRequest(Message, tag="prefill.request"):

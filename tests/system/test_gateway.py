@@ -21,7 +21,7 @@ from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, password_env, receiver_user
 from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import NATS_AUTH_CONF, Proc, start_nats, start_service
-from droidmesh.shared.wire.schemas import ChatMessage
+from droidmesh.shared.wire.schemas import ChatMessage, Sampling
 from tests.system.conftest import until_indexed, words
 from tests.unit.model.test_chat_prefix import SMOL_TEMPLATE
 
@@ -88,6 +88,41 @@ def test_completion_and_chat(mesh):
     chat = mesh.client.chat.completions.create(model="qa", messages=CHAT, max_tokens=6, temperature=0)
     assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
     assert (chat.model_extra or {})["droidmesh"]["served_by"]
+
+
+def test_logprobs_through_the_openai_client_are_the_receivers_own(mesh, tiny_models):
+    """Chat `logprobs` / `top_logprobs` and completions' `logprobs` come back in OpenAI's shapes, one
+    entry per completion token, each the receiver model's log-probability (its own forward over
+    the prompt and the answer, ATOL 1e-3 through JSON), the chosen token the likeliest (greedy)."""
+    import torch
+
+    chat = mesh.client.chat.completions.create(model="qa", messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                               top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert chat.usage is not None and len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob for c in content)
+    comp = mesh.client.completions.create(model="qa", prompt=words(60), max_tokens=4, temperature=0, logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert comp.usage is not None and len(lp.tokens) == len(lp.token_logprobs) == comp.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == comp.choices[0].text
+
+    async def ask() -> tuple:
+        client = await MeshClient.connect(mesh.url)
+        try:
+            return await client.ask("qa", words(60), "", max_new_tokens=4, mode="full_prefill",
+                                    sampling=Sampling(logprobs=1))
+        finally:
+            await client.close()
+
+    r = asyncio.run(ask())  # the same answer with its token ids: checked against the model's own forward
+    assert [t.token for t in r.logprobs] == lp.tokens and [t.logprob for t in r.logprobs] == lp.token_logprobs
+    model = tiny_models[1]
+    ctx, q = text.prompt_ids(model.tokenizer, words(60), "")
+    with torch.inference_mode():
+        logits = model.model(input_ids=torch.tensor([ctx + q + r.token_ids])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)  # [T, vocab]
+    for i, t in enumerate(r.logprobs):
+        assert t.token_id == r.token_ids[i] and abs(float(ref[len(ctx + q) - 1 + i, t.token_id]) - t.logprob) < 1e-3
 
 
 def test_streamed_chat_deltas_make_the_text(mesh):

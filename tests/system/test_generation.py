@@ -11,7 +11,7 @@ from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.wire import schemas, subjects
-from tests.system.conftest import until_indexed, words
+from tests.system.conftest import health_port, until_indexed, words
 
 pytestmark = pytest.mark.system
 
@@ -83,3 +83,41 @@ def test_streaming_stops_and_sampling_through_the_mesh(nats, services, tiny_pair
     assert "stream_subject" in out["bad"][0].message and "temperature" in out["bad"][1].message
     assert "top_p" in str(out["stream_error"])
     assert out["after"].token_ids == reply.token_ids  # still serving, and greedy is deterministic
+
+
+def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, services, tiny_pair, tiny_models):
+    """A receiver decoding requests together (max_batch 4, six sent at once: full prefills of
+    different contexts and limits, and partial reuses of the sender's context) answers each with
+    the tokens it gets when asked alone afterwards; its metrics count the shared steps."""
+    from tests.system.test_operations import _samples
+
+    url = nats[1]
+    services.append(start_service("cache_broker", {}, url, env=THREADS))
+    services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 1, 2],
+                                             "heartbeat_s": 0.5}, url, env=THREADS))
+    receiver = start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver", "default_group": [1, 2],
+                                          "max_batch": 4, "metrics_port": 0, "hold": False}, url, env=THREADS)
+    services.append(receiver)
+    asks = [(words(60 + 25 * i, offset=3 * i), f" q{i}", 10 + 3 * i, "full_prefill") for i in range(4)]
+    asks += [(CONTEXT, f" who {i}", 12, "auto") for i in range(2)]
+
+    async def run() -> tuple[list, list]:
+        client = await MeshClient.connect(url)
+        try:
+            await client.prefill("sender", CONTEXT)
+            await until_indexed(client, tiny_models[1], CONTEXT)
+            together = await asyncio.gather(*(client.ask("receiver", c, q, max_new_tokens=n, mode=m)
+                                              for c, q, n, m in asks))
+            alone = [await client.ask("receiver", c, q, max_new_tokens=n, mode=m) for c, q, n, m in asks]
+            return list(together), alone
+        finally:
+            await client.close()
+
+    together, alone = asyncio.run(run())
+    for a, b in zip(together, alone, strict=True):
+        assert a.path == b.path and a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    assert {r.path for r in together} == {"full_prefill", "partial"}
+    m = _samples(health_port(receiver))
+    steps, rows = m[("dm_decode_steps_total", ())], m[("dm_decode_rows_total", ())]
+    assert rows == sum(len(r.token_ids) - 1 for r in together + alone)  # each took exactly its own steps
+    assert 0 < steps <= rows

@@ -11,7 +11,7 @@ from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.sampling import make_sampler
-from tests.conftest import reference_greedy
+from tests.conftest import ATOL, reference_greedy, reference_logits
 
 CPU = torch.device("cpu")
 
@@ -73,8 +73,9 @@ def test_bad_max_new_tokens(receiver, prompt):
 
 
 def test_a_cooperative_full_prefill_pauses_between_layers_and_decodes_the_same_tokens(receiver, prompt):
-    """With turns, full prefill yields a turn before each layer after the first and each decode step,
-    reads nothing, and generates exactly what the plain call does."""
+    """With turns, full prefill yields a turn before each layer after the first, offers its decoding
+    to the driver once (a driver that does not take it gets a turn before each decode step), reads
+    nothing, and generates exactly what the plain call does."""
     from droidmesh.shared.kv.partial import generate_steps
 
     ctx, q = prompt
@@ -86,6 +87,27 @@ def test_a_cooperative_full_prefill_pauses_between_layers_and_decodes_the_same_t
                 needs.append(next(steps))
         except StopIteration as done:
             result = done.value
-    assert [(n.kind, n.layer) for n in needs] == [("turn", l) for l in range(1, receiver.num_layers)] + [("turn", -1)] * 4
+    assert [(n.kind, n.layer) for n in needs] == ([("turn", l) for l in range(1, receiver.num_layers)] + [("decode", -1)]
+                                                  + [("turn", -1)] * 4)
     assert result.tokens == generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=5).tokens
     assert result.tokens == reference_greedy(receiver, ctx + q, 5)
+
+
+def test_logprobs_are_the_models_own_next_token_distribution(receiver, prompt):
+    """With logprobs=k each token carries its log-probability and the k likeliest tokens', equal
+    (ATOL) to log_softmax of the model's own forward over the prompt and the answer so far, also
+    when a temperature picks the token (they are the distribution before temperature)."""
+    ctx, q = prompt
+    for sampler in (None, make_sampler(1.3, seed=5, device=CPU)):
+        gen = generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=6, logprobs=3, sampler=sampler)
+        assert gen.logprobs is not None and [t for t, _, _ in gen.logprobs] == gen.tokens
+        ref = torch.log_softmax(reference_logits(receiver, ctx + q + gen.tokens[:-1]), dim=-1)  # [T, vocab]
+        for i, (token, lp, top) in enumerate(gen.logprobs):
+            row = ref[len(ctx + q) - 1 + i]
+            assert abs(lp - float(row[token])) < ATOL
+            assert [a for a, _ in top] == row.topk(3).indices.tolist()
+            assert all(abs(v - float(row[a])) < ATOL for a, v in top)
+    assert generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=2).logprobs is None
+    assert generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=2, logprobs=0).logprobs[0][2] == []
+    with pytest.raises(BadRequestError):
+        generate(receiver, ctx + q, ReusePlan.full_prefill(), max_new_tokens=2, logprobs=21)

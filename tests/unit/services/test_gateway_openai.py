@@ -78,7 +78,7 @@ def test_bad_fields_are_400_naming_the_field(fields, param):
 @pytest.mark.parametrize("fields,param", [
     (dict(n=2), "n"),
     (dict(n=True), "n"),
-    (dict(logprobs=True), "logprobs"),
+    (dict(logprobs=True, stream=True), "logprobs"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(presence_penalty=0.5), "presence_penalty"),
@@ -197,3 +197,43 @@ def test_completion_stream_events_without_usage():
     assert [c["choices"][0]["text"] for c in chunks] == ["hel", "lo", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
     assert all("usage" not in c for c in chunks) and chunks[0]["object"] == "text_completion"
+
+
+def _lp(token_id: int, token: str, logprob: float, top: list[tuple[int, str, float]]) -> schemas.TokenLogprob:
+    return schemas.TokenLogprob(token_id=token_id, token=token, logprob=logprob,
+                                top=[schemas.TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in top])
+
+
+def test_logprobs_are_asked_of_the_mesh_and_returned_in_openai_shapes():
+    """Chat's logprobs / top_logprobs and completions' logprobs become `Sampling.logprobs`; the
+    reply's log-probabilities come back as each API's own shape."""
+    msgs = [{"role": "user", "content": "q"}]
+    assert oa.parse_chat(body(model="qa", messages=msgs), LIMITS).sampling.logprobs is None
+    assert oa.parse_chat(body(model="qa", messages=msgs, logprobs=True), LIMITS).sampling.logprobs == 0
+    chat = oa.parse_chat(body(model="qa", messages=msgs, logprobs=True, top_logprobs=2), LIMITS)
+    assert chat.sampling.logprobs == 2
+    comp = oa.parse_completion(body(model="qa", prompt="p", logprobs=2), LIMITS)
+    assert comp.sampling.logprobs == 2
+    r = reply(text="hello world", token_ids=[5, 6],
+              logprobs=[_lp(5, "hello", -0.5, [(5, "hello", -0.5), (7, "hi", -1.5)]),
+                        _lp(6, " world", -0.25, [(6, " world", -0.25), (8, " there", -2.0)])])
+    content = oa.completion_body(chat, "a", 1, r)["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["hello", " world"] and content[1]["bytes"] == list(b" world")
+    assert content[0]["logprob"] == -0.5 and [t["token"] for t in content[0]["top_logprobs"]] == ["hello", "hi"]
+    legacy = oa.completion_body(comp, "a", 1, r)["choices"][0]["logprobs"]
+    assert legacy == {"tokens": ["hello", " world"], "token_logprobs": [-0.5, -0.25],
+                      "top_logprobs": [{"hello": -0.5, "hi": -1.5}, {" world": -0.25, " there": -2.0}],
+                      "text_offset": [0, 5]}
+    assert oa.completion_body(oa.parse_chat(body(model="qa", messages=msgs), LIMITS), "a", 1,
+                              reply())["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("fields,param", [
+    (dict(top_logprobs=2), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(logprobs=3), "logprobs"),
+])
+def test_bad_logprobs_are_400_naming_the_field(fields, param):
+    with pytest.raises(oa.InvalidRequestError) as e:
+        oa.parse_chat(body(model="qa", messages=[{"role": "user", "content": "q"}], **fields), LIMITS)
+    assert oa.to_http(e.value, "rid")[1]["error"]["param"] == param

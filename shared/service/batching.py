@@ -1,0 +1,118 @@
+"""Continuous batching of decode steps on a service's torch thread (`DecodeBatcher`).
+
+A request's prefill runs as its own jobs on the torch thread (a full prefill one layer per job, so
+it yields the thread between layers; a reuse as its layers land). Once its first token is chosen,
+its `Decoding` joins the batcher (`decode`), which runs one decode step of every joined request
+as one job (`shared/kv/decode.step`: one forward, the weights read once), then queues the next.
+A request joins at the next step after its prefill and leaves at the step it finishes in.
+
+The rule between prefill and decode: the torch thread runs jobs in arrival order, and the
+batcher queues its next step only after the last one ran; so between two decode steps the thread
+runs at most what was queued meanwhile, which is one prefill job per request in its prefill: a
+layer of a full prefill, or a reuse's run of landed layers. A long prefill costs each decoding
+request at most one layer's compute per step, never the whole prefill.
+
+The batch is at most `max_batch` requests (the rest wait in arrival order); memory is bounded
+before this: each request's cache was sized for its prompt and answer when its prefill began,
+and the receiver holds at most `max_queued_requests` requests. A request's own fault (its
+sampler, its stream) ends only it (`Decoding.error`); a caller that is cancelled leaves at the
+next step; a failing step fails only the requests in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+if TYPE_CHECKING:
+    from droidmesh.shared.kv.decode import Decoding
+
+log = structlog.get_logger("batching")
+
+RunTorch = Callable[..., Awaitable[Any]]
+DEFAULT_MAX_BATCH = 16  # the receiver's `max_batch` default; a sender's own answers batch up to it
+
+
+class DecodeBatcher:
+    """Decodes requests of one model together, on the torch thread `run_torch` serves."""
+
+    def __init__(self, model: Any, run_torch: RunTorch, max_batch: int,
+                 on_step: Callable[[int], None] | None = None):
+        """`on_step(rows)` after every step (metrics), on the loop."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self._torch, self.max_batch, self._on_step = model, run_torch, max_batch, on_step
+        self._waiting: collections.deque[tuple[Decoding, asyncio.Future[None]]] = collections.deque()
+        self._running: list[tuple[Decoding, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0  # decode steps run
+        self.rows = 0  # request-steps run (rows / steps: the mean batch)
+        self.step_s = 0.0  # EWMA of a step's seconds on the thread (what a prefill job waits behind)
+
+    def prefill_delay(self, layers: int) -> float:
+        """Seconds a full prefill of `layers` layers starting now is expected to wait behind the
+        decode steps interleaved with its layers (0 while nothing decodes)."""
+        return layers * self.step_s if self.active else 0.0
+
+    @property
+    def active(self) -> int:
+        """Requests decoding now or waiting for a place in the batch."""
+        return len(self._running) + len(self._waiting)
+
+    async def decode(self, d: Decoding) -> None:
+        """Decode `d` to its end together with whatever else decodes; return when it has ended.
+        Cancelling the caller makes `d` leave at the next step."""
+        if d.done:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((d, fut))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="decode-batcher")
+        try:
+            await fut
+        except asyncio.CancelledError:
+            d.cancel()
+            raise
+
+    async def _run(self) -> None:
+        from droidmesh.shared.kv import decode  # here: settings import this module without torch
+
+        try:
+            while self._running or self._waiting:
+                while self._waiting and len(self._running) < self.max_batch:
+                    self._running.append(self._waiting.popleft())
+                # one loop turn first: a prefill whose wait ended with the last step queues its
+                # next job ahead of this step, not behind it
+                await asyncio.sleep(0)
+                rows = [d for d, _ in self._running]
+                spent = [d.steps_s for d in rows]
+                try:
+                    await self._torch(decode.step, self.model, rows)
+                except Exception as e:  # the forward itself failed: the requests in it fail, no others
+                    log.warning("decode_step_failed", rows=len(rows), error=f"{type(e).__name__}: {e}")
+                    for d in rows:
+                        if not d.done:
+                            d.error, d.finish = e, "stop"
+                took = max((d.steps_s - before for d, before in zip(rows, spent, strict=True)), default=0.0)
+                self.step_s = took if self.steps == 0 else 0.8 * self.step_s + 0.2 * took
+                self.steps += 1
+                self.rows += len(rows)
+                if self._on_step is not None:
+                    self._on_step(len(rows))
+                still = []
+                for d, fut in self._running:
+                    if not d.done:
+                        still.append((d, fut))
+                    elif not fut.done():
+                        fut.set_result(None)
+                self._running = still
+        finally:  # stopped (the service is going): nobody is left waiting
+            for d, fut in (*self._running, *self._waiting):
+                d.cancel()
+                if not fut.done():
+                    fut.cancel()
+            self._running, self._waiting = [], collections.deque()
