@@ -215,8 +215,8 @@ async def _generate(request: web.Request, parse: Callable[[bytes, openai.Limits]
     facts.update(model=call.model, kind=call.kind, stream=call.stream, max_new_tokens=call.max_new_tokens)
     _check_allowed(call.model)
     if ctx.key is not None:
-        state.quotas.reserve(ctx.key, call.max_new_tokens)
-        ctx.reserved = call.max_new_tokens
+        state.quotas.reserve(ctx.key, call.max_new_tokens * call.n)
+        ctx.reserved = call.max_new_tokens * call.n
     timeout = _timeout(request, state.cfg.request_timeout_s)
     async with asyncio.timeout(timeout):  # discovery counts against the deadline too
         await state.check_model(call.model)
@@ -230,7 +230,7 @@ async def _generate(request: web.Request, parse: Callable[[bytes, openai.Limits]
     if call.stream:
         return await _stream(request, state, call, kwargs, created)
     async with asyncio.timeout(timeout):  # the client has its own; this also bounds one that overruns it
-        reply = await state.client.ask(call.model, call.context, call.question, **kwargs)
+        reply = await state.client.ask(call.model, call.context, call.question, n=call.n, **kwargs)
     _account(state, ctx, reply)
     return web.json_response(openai.completion_body(call, mesh_id, created, reply))
 
@@ -285,8 +285,9 @@ async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCa
 
 def _account(state: GatewayState, ctx: RequestContext, reply: schemas.GenerateReply) -> None:
     ctx.facts.update(openai.log_facts(reply))
-    ctx.used = reply.prompt_tokens + len(reply.token_ids)  # charged to the key when the request ends
-    counts = {"prompt": reply.prompt_tokens, "completion": len(reply.token_ids), "reused": reply.reused_tokens}
+    completion = openai.completion_tokens(reply)
+    ctx.used = reply.prompt_tokens + completion  # charged to the key when the request ends
+    counts = {"prompt": reply.prompt_tokens, "completion": completion, "reused": reply.reused_tokens}
     for kind, n in counts.items():
         state.metrics.gateway_tokens.labels(kind).inc(n)
         if ctx.key is not None:

@@ -2,10 +2,11 @@
 
 Requests decode into msgspec Structs that refuse unknown fields and bound every size and range,
 so nothing reaches the mesh with a field of the wrong type or an unbounded list. Parameters
-OpenAI defines that the mesh cannot honour (`n`, `tools`, `echo`, ...) pass only at their
+OpenAI defines that the mesh cannot honour (`tools`, `echo`, `best_of`, ...) pass only at their
 neutral value (`NEUTRAL`); any other value is a 400 naming the parameter. Log-probabilities are
 served without streaming: chat's `logprobs` / `top_logprobs` (0..20) and completions' `logprobs`
-(0..5), each token's under the model's distribution before temperature and top-p. A completion's prompt
+(0..5), each token's under the model's distribution before temperature and top-p; so are `n`
+samples (up to MAX_N), which share the receiver's prefill and decode together. A completion's prompt
 is the mesh's `context` (so a prompt starting with a context a sender prefilled reuses its cache)
 and a chat is rendered by the receiver's own chat template.
 
@@ -30,6 +31,7 @@ from droidmesh.shared.wire import schemas
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 StopList = Annotated[list[Text], msgspec.Meta(min_length=1, max_length=4)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+MAX_N = 8  # samples per request (each holds a copy of the prompt's cache at the receiver)
 # Receivers' seed range (`shared.model.sampling.MAX_SEED`, not imported: that module loads torch);
 # an unbounded JSON integer would pass decoding here and then fail the bus's msgpack encoding.
 MAX_SEED = 2**63 - 1
@@ -142,8 +144,8 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # accepted, unused
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None  # samples, answered whole (not streamed)
     # OpenAI parameters the mesh cannot honour: accepted only at their neutral value (NEUTRAL).
-    n: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -181,7 +183,7 @@ class ChatRequest(_Request, kw_only=True, forbid_unknown_fields=True):
 
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+    "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -210,6 +212,7 @@ class MeshCall:
     max_new_tokens: int
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 def _decode(body: bytes, kind: type[R]) -> R:
@@ -235,9 +238,14 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
             raise UnsupportedParameterError(f"{name!r} is not supported by DroidMesh (only {neutral[1]!r})", param=name)
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
-    n = limits.default_max_tokens if max_tokens is None else max_tokens
-    if n > limits.max_tokens_limit:
-        raise InvalidRequestError(f"{max_param} {n} exceeds this gateway's limit {limits.max_tokens_limit}", param=max_param)
+    tokens = limits.default_max_tokens if max_tokens is None else max_tokens
+    if tokens > limits.max_tokens_limit:
+        raise InvalidRequestError(f"{max_param} {tokens} exceeds this gateway's limit {limits.max_tokens_limit}",
+                                  param=max_param)
+    n = req.n or 1
+    if n > 1 and req.stream:
+        raise UnsupportedParameterError("n > 1 with stream: true is not supported by DroidMesh yet; ask without "
+                                        "streaming", param="n")
     if logprobs is not None and req.stream:
         raise UnsupportedParameterError("logprobs with stream: true is not supported by DroidMesh yet; ask without "
                                         "streaming", param="logprobs")
@@ -246,8 +254,8 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
     sampling = schemas.Sampling(temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
                                 logprobs=logprobs)
-    return dict(model=req.model, sampling=sampling, max_new_tokens=n, stream=req.stream,
-                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+    return dict(model=req.model, sampling=sampling, max_new_tokens=tokens, stream=req.stream,
+                include_usage=bool(req.stream_options and req.stream_options.include_usage), n=n)
 
 
 def _fits_bus(call: MeshCall) -> MeshCall:
@@ -300,9 +308,15 @@ def extension(r: schemas.GenerateReply) -> dict[str, Any]:
 def usage(r: schemas.GenerateReply) -> dict[str, Any]:
     """OpenAI's usage; `cached_tokens` are the prompt tokens whose KV was reused, which the mesh
     only finds within the request's scope (the tenant's own contexts and public ones)."""
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
-            "total_tokens": r.prompt_tokens + len(r.token_ids),
+    completion = completion_tokens(r)
+    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": r.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": r.reused_tokens}}
+
+
+def completion_tokens(r: schemas.GenerateReply) -> int:
+    """Tokens decoded for the answer, every sample's."""
+    return len(r.token_ids) + sum(len(x.token_ids) for x in r.samples)
 
 
 def response_id(call: MeshCall, request_id: str) -> str:
@@ -310,33 +324,34 @@ def response_id(call: MeshCall, request_id: str) -> str:
 
 
 def completion_body(call: MeshCall, rid: str, created: int, r: schemas.GenerateReply) -> dict[str, Any]:
-    """The whole (non-streamed) answer."""
-    if call.kind == "chat":
-        obj, choice = "chat.completion", {"index": 0, "message": {"role": "assistant", "content": r.text}}
-    else:
-        obj, choice = "text_completion", {"index": 0, "text": r.text}
+    """The whole (non-streamed) answer: a choice per sample."""
+    samples = [(r.text, r.finish_reason, r.logprobs), *((x.text, x.finish_reason, x.logprobs) for x in r.samples)]
+    choices = []
+    for i, (text, finish, logprobs) in enumerate(samples):
+        content = {"message": {"role": "assistant", "content": text}} if call.kind == "chat" else {"text": text}
+        choices.append({"index": i, **content, "logprobs": logprobs_body(call, logprobs), "finish_reason": finish})
+    obj = "chat.completion" if call.kind == "chat" else "text_completion"
     return {"id": response_id(call, rid), "object": obj, "created": created, "model": call.model,
-            "choices": [{**choice, "logprobs": logprobs_body(call, r), "finish_reason": r.finish_reason}],
-            "usage": usage(r), "droidmesh": extension(r)}
+            "choices": choices, "usage": usage(r), "droidmesh": extension(r)}
 
 
-def logprobs_body(call: MeshCall, r: schemas.GenerateReply) -> dict[str, Any] | None:
+def logprobs_body(call: MeshCall, logprobs: list[schemas.TokenLogprob] | None) -> dict[str, Any] | None:
     """OpenAI's `logprobs` of a choice: chat's `content` list, or completions' parallel lists
     (`text_offset` counted from the start of the answer: the prompt is not echoed)."""
-    if r.logprobs is None:
+    if logprobs is None:
         return None
     if call.kind == "chat":
         def entry(token: str, logprob: float) -> dict[str, Any]:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
         return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(a.token, a.logprob) for a in t.top]}
-                            for t in r.logprobs], "refusal": None}
+                            for t in logprobs], "refusal": None}
     offsets, at = [], 0
-    for t in r.logprobs:
+    for t in logprobs:
         offsets.append(at)
         at += len(t.token)
-    return {"tokens": [t.token for t in r.logprobs], "token_logprobs": [t.logprob for t in r.logprobs],
-            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in r.logprobs]
+    return {"tokens": [t.token for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in logprobs]
             if call.sampling.logprobs else None, "text_offset": offsets}
 
 
@@ -408,5 +423,5 @@ class SseEncoder:
 
 def log_facts(r: schemas.GenerateReply) -> dict[str, Any]:
     """What the canonical request log line records of an answer."""
-    return {**extension(r), "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.token_ids),
+    return {**extension(r), "prompt_tokens": r.prompt_tokens, "completion_tokens": completion_tokens(r),
             "finish_reason": r.finish_reason}

@@ -29,7 +29,7 @@ class Mesh(Protocol):
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
                   mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,
                   sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...,
-                  scope: str = ...) -> schemas.GenerateReply: ...
+                  scope: str = ..., n: int = ...) -> schemas.GenerateReply: ...
 
     def stream(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
                mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,

@@ -214,7 +214,8 @@ async def _own_prefill(s: ReceiverState, job: Job, served: Served) -> Generation
     # one layer per job: decode steps of the requests in the batch run between them
     steps = generate_steps(s.model, job.prompt, ReusePlan.full_prefill(), max_new_tokens=job.req.max_new_tokens,
                            eos_token_id=s.eos_token_id, sampler=sampler, on_token=job.stream.on_token,
-                           deadline=job.deadline, turns=True, keep_e=keep_e, logprobs=job.req.sampling.logprobs)
+                           deadline=job.deadline, turns=True, keep_e=keep_e, logprobs=job.req.sampling.logprobs,
+                           samples=holders.samples_for(s, job.req))
     stamps: dict[str, float] = {}
     busy: list[float] = []
     job.stamps["queued"] = time.perf_counter()
@@ -223,7 +224,8 @@ async def _own_prefill(s: ReceiverState, job: Job, served: Served) -> Generation
         return s.run_torch(fn, *args, deadline=None if "engine_start" in stamps else job.deadline)
 
     try:
-        gen: Generation = await drive_engine(steps, None, run, stamps, busy, decode=s.batcher.decode)
+        gen: Generation = await drive_engine(steps, None, run, stamps, busy, decode=s.batcher.decode,
+                                             turn=s.batcher.turn)
     finally:
         steps.close()
     if s.holder is not None:

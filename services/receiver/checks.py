@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError
-from droidmesh.shared.kv.partial import MAX_LOGPROBS
+from droidmesh.shared.kv.partial import MAX_LOGPROBS, MAX_SAMPLES
 from droidmesh.shared.model import sampling, text
 from droidmesh.shared.wire import schemas, subjects
 
@@ -47,6 +47,10 @@ def check(req: schemas.GenerateRequest, cfg: ReceiverConfig) -> None:
         raise BadRequestError(f"max_new_tokens must be in [1, {limit}] (max_new_tokens_limit), got {req.max_new_tokens}")
     sampling.check_sampling(req.sampling.temperature, req.sampling.top_p, req.sampling.seed)
     text.check_stop(req.sampling.stop)
+    if not 1 <= req.n <= MAX_SAMPLES:
+        raise BadRequestError(f"n must be in [1, {MAX_SAMPLES}], got {req.n}")
+    if req.n > 1 and req.stream_subject:
+        raise BadRequestError("n > 1 is answered whole, not streamed")
     if req.sampling.logprobs is not None and not 0 <= req.sampling.logprobs <= MAX_LOGPROBS:
         raise BadRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.sampling.logprobs}")
     check_stream_subject(req.stream_subject)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -35,7 +35,7 @@ from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.policy import Reason
 from droidmesh.shared.kv.translate import TranslatorMismatchError
 from droidmesh.shared.model import text
-from droidmesh.shared.model.sampling import Sampler, make_sampler
+from droidmesh.shared.model.sampling import MAX_SEED, Sampler, make_sampler
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import schemas, subjects
 from droidmesh.shared.wire.hashing import PUBLIC, common_prefix
@@ -104,10 +104,25 @@ def maps_missing(s: ReceiverState, decision: policy.Decision) -> policy.Reason |
     return "maps_unavailable", f"maps_unavailable: SCD maps {sha[:12]}... not loaded ({why})"
 
 
-def sampler_for(s: ReceiverState, req: schemas.GenerateRequest) -> Sampler:
-    """A fresh sampler per attempt: a fallback after a failed reuse replays the same draws."""
+def sampler_for(s: ReceiverState, req: schemas.GenerateRequest, index: int = 0) -> Sampler:
+    """A fresh sampler per attempt: a fallback after a failed reuse replays the same draws. Sample
+    `index` of a request with a seed draws from seed + index (its own stream of draws)."""
     sp = req.sampling
-    return make_sampler(sp.temperature, sp.top_p, sp.seed, device=s.model.device)
+    seed = None if sp.seed is None else (sp.seed + index) % (MAX_SEED + 1)
+    return make_sampler(sp.temperature, sp.top_p, seed, device=s.model.device)
+
+
+def samples_for(s: ReceiverState, req: schemas.GenerateRequest) -> list[tuple[Sampler, Callable[[int], bool]]]:
+    """Samples 2..n of the request: each its own sampler, and decoding that ends at a stop string
+    (its text is rebuilt from its tokens for the reply: `reply.sample_text`)."""
+    out: list[tuple[Sampler, Callable[[int], bool]]] = []
+    for i in range(1, req.n):
+        out.append((sampler_for(s, req, i), _stops_at(text.TextStream(s.model.tokenizer, req.sampling.stop))))
+    return out
+
+
+def _stops_at(stops: text.TextStream) -> Callable[[int], bool]:
+    return lambda token: not stops.push(token)[1]
 
 
 async def reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision, prompt: list[int],
@@ -116,7 +131,8 @@ async def reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: poli
     (any `ReuseError`) is a failure, one that cannot even connect opens the circuit at once."""
     return await _pulled(s, holder, reuse_generate(
         s, holder, decision, prompt, req.max_new_tokens, timeout_s=_timeout_s(s, deadline),
-        sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline, logprobs=req.sampling.logprobs))
+        sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline, logprobs=req.sampling.logprobs,
+        samples=samples_for(s, req)))
 
 
 async def reuse_held(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision,
@@ -125,7 +141,7 @@ async def reuse_held(s: ReceiverState, holder: schemas.CacheAvailable, decision:
     """`local_generate`: the plan over a context this receiver holds itself (no pull, no breaker)."""
     return await local_generate(s, holder, decision, prompt, req.max_new_tokens, req.scope,
                                 sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline,
-                                logprobs=req.sampling.logprobs)
+                                logprobs=req.sampling.logprobs, samples=samples_for(s, req))
 
 
 async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,
@@ -151,7 +167,8 @@ async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list
             continue
         out = await _pulled(s, holder, translate_generate(
             s, holder, t.translator, tokenized, prompt, req.max_new_tokens, timeout_s=_timeout_s(s, deadline),
-            sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline, logprobs=req.sampling.logprobs))
+            sampler=sampler_for(s, req), on_token=stream.on_token, deadline=deadline, logprobs=req.sampling.logprobs,
+            samples=samples_for(s, req)))
         return holder, out
     if unusable is not None:
         raise unusable

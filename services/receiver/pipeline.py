@@ -33,7 +33,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +143,7 @@ class ReuseOutcome:
 async def reuse_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
     timeout_s: float, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None, logprobs: int | None = None,
+    samples: Sequence[tuple[Sampler, Callable[[int], bool] | None]] = (),
     deadline: float | None = None,
 ) -> ReuseOutcome:
     """`sampler` and `on_token` go to the engine's decoding as they are (see `generate_steps`);
@@ -156,7 +157,7 @@ async def reuse_generate(
         source, screen, model, [(i.kind, i.layer) for i in items], plan.patch)
     steps = generate_steps(model, prompt, plan, read, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
                            timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline,
-                           logprobs=logprobs)
+                           logprobs=logprobs, samples=samples)
     return await _pull_and_run(s, holder, items, model, source, source, steps, timeout_s, deadline, decision.codec,
                                decision.codec_params)
 
@@ -164,6 +165,7 @@ async def reuse_generate(
 async def local_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, decision: Decision, prompt: list[int], max_new_tokens: int,
     scope: str, *, sampler: Sampler | None = None, on_token: Callable[[int], bool] | None = None, logprobs: int | None = None,
+    samples: Sequence[tuple[Sampler, Callable[[int], bool] | None]] = (),
     deadline: float | None = None,
 ) -> ReuseOutcome:
     """The plan over a context this receiver holds itself (`holder` is its own announcement):
@@ -184,7 +186,7 @@ async def local_generate(
 
     steps = generate_steps(s.model, prompt, decision.plan, CapturedSource(captured), max_new_tokens=max_new_tokens,
                            eos_token_id=s.eos_token_id, sampler=sampler, on_token=on_token, deadline=deadline,
-                           keep_e=keep_e, logprobs=logprobs)
+                           keep_e=keep_e, logprobs=logprobs, samples=samples)
     busy: list[float] = []
     try:
         gen = await drive_engine(steps, None, functools.partial(s.run_torch, deadline=deadline), stamps, busy,
@@ -256,7 +258,8 @@ async def _build_screen(s: ReceiverState) -> Screen | None:
 async def translate_generate(
     s: ReceiverState, holder: schemas.CacheAvailable, translator: Translator, tokenized: Tokenized, prompt: list[int],
     max_new_tokens: int, timeout_s: float, *, sampler: Sampler | None = None,
-    on_token: Callable[[int], bool] | None = None, logprobs: int | None = None, deadline: float | None = None,
+    on_token: Callable[[int], bool] | None = None, logprobs: int | None = None,
+    samples: Sequence[tuple[Sampler, Callable[[int], bool] | None]] = (), deadline: float | None = None,
 ) -> ReuseOutcome:
     """The translated path (`shared/kv/translate.py`): pull the source E the translator reads from
     a holder of the source model's cache of the whole context, translate each target layer as its
@@ -268,7 +271,7 @@ async def translate_generate(
     translated = TranslatedSource(arriving, translator, model, tokenized.target_ids, tokenized.spans, source_fp)
     steps = generate_steps(model, prompt, ReusePlan.full_reuse(), translated, max_new_tokens=max_new_tokens,
                            eos_token_id=s.eos_token_id, timeout_s=timeout_s, sampler=sampler, on_token=on_token,
-                           deadline=deadline, logprobs=logprobs)
+                           deadline=deadline, logprobs=logprobs, samples=samples)
     items = [PullItem(layer=l, kind="E") for l in translator.source_layers]
     layout = ForeignLayout(source_fp, model.dtype, model.device)
     return await _pull_and_run(s, holder, items, layout, arriving, translated, steps, timeout_s, deadline, "raw", {})

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import structlog
 
 from droidmesh.services.receiver import relay_watch
+from droidmesh.shared.kv.decode import Logprob
 from droidmesh.shared.kv.partial import Generation
-from droidmesh.shared.model.text import token_text
+from droidmesh.shared.model.text import TextStream, token_text
 from droidmesh.shared.wire import schemas
 
 if TYPE_CHECKING:
@@ -126,13 +127,29 @@ def _reply(s: ReceiverState, job: Job, route: Route, served: Served, gen: Genera
         served_by=s.cfg.receiver_id, prompt_tokens=len(job.prompt), reused_tokens=gen.prefill.reused_tokens,
         finish_reason=summary.finish, codec=decision.codec if served.plan.mode != "full_prefill" else "",
         predicted_ttft_ms=_ms(decision.predicted_ttft_s) or 0.0, options_ms=summary.predicted_ms,
-        logprobs=_logprobs(s, gen),
+        logprobs=_logprobs(s, gen.logprobs),
+        samples=[schemas.SampleReply(text=t, token_ids=x.tokens, finish_reason="stop" if stopped else x.finish_reason,
+                                     logprobs=_logprobs(s, x.logprobs))
+                 for x in gen.samples for t, stopped in [sample_text(s, job.req, x.tokens)]],
     )
 
 
-def _logprobs(s: ReceiverState, gen: Generation) -> list[schemas.TokenLogprob] | None:
-    """The generation's log-probabilities with each token's text (the receiver's tokenizer)."""
-    if gen.logprobs is None:
+def sample_text(s: ReceiverState, req: schemas.GenerateRequest, tokens: list[int]) -> tuple[str, bool]:
+    """A further sample's text as its stop strings cut it (what its decoding stopped on), and
+    whether one did."""
+    if s.model.tokenizer is None:
+        return "", False
+    stream = TextStream(s.model.tokenizer, req.sampling.stop)
+    for t in tokens:
+        if stream.push(t)[1]:
+            break
+    stream.finish()
+    return stream.text, stream.stopped
+
+
+def _logprobs(s: ReceiverState, logprobs: list[Logprob] | None) -> list[schemas.TokenLogprob] | None:
+    """Log-probabilities with each token's text (the receiver's tokenizer)."""
+    if logprobs is None:
         return None
     tok = s.model.tokenizer
 
@@ -141,7 +158,7 @@ def _logprobs(s: ReceiverState, gen: Generation) -> list[schemas.TokenLogprob] |
 
     return [schemas.TokenLogprob(token_id=t, token=piece(t), logprob=lp,
                                  top=[schemas.TopLogprob(token_id=i, token=piece(i), logprob=v) for i, v in top])
-            for t, lp, top in gen.logprobs]
+            for t, lp, top in logprobs]
 
 
 def _topology(holder: schemas.CacheAvailable) -> str:

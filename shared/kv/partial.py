@@ -56,6 +56,7 @@ DEFAULT_TIMEOUT_S = 30.0
 # huge max_new_tokens never allocates before a token exists.
 DECODE_RESERVE = 1024
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs bound)
+MAX_SAMPLES = 16  # samples (OpenAI's n) per request: each holds a copy of the prompt's cache
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -75,6 +76,15 @@ class PrefillResult:
 
 
 @dataclasses.dataclass
+class Sample:
+    """One more sample of a request that asked for several (`generate_steps`' `samples`)."""
+
+    tokens: list[int]
+    finish_reason: FinishReason
+    logprobs: list[Logprob] | None = None
+
+
+@dataclasses.dataclass
 class Generation:
     tokens: list[int]  # every chosen token, the one that stopped decoding (EOS, a stop) included
     prefill: PrefillResult
@@ -83,6 +93,7 @@ class Generation:
     finish_reason: FinishReason = "length"  # "stop": EOS or on_token stopped; "length": max_new_tokens
     decode_batch: int = 1  # the most requests a decode step of this one ran with (continuous batching)
     logprobs: list[Logprob] | None = None  # per token: (id, log-probability, top alternatives), when asked
+    samples: list[Sample] = dataclasses.field(default_factory=list)  # the request's other samples, in order
 
 
 def prefill_steps(
@@ -226,6 +237,7 @@ def generate_steps(
     turns: bool = False,
     keep_e: Sequence[int] = (),
     logprobs: int | None = None,
+    samples: Sequence[tuple[Sampler, Callable[[int], bool] | None]] = (),
 ) -> Steps[Generation]:
     """`generate` as steps (only the prefill reads the source; decoding is one step).
 
@@ -236,9 +248,14 @@ def generate_steps(
     with what it has (finish_reason "length"), so a request never decodes past its deadline.
     `turns`: a "turn" `Need` between a full prefill's layers and before every decode step.
     `keep_e`: a full prefill keeps E at those layers (`prefill_steps`). `logprobs` (0..20): the
-    generation carries each token's log-probability and that many alternatives (`Decoding`)."""
+    generation carries each token's log-probability and that many alternatives (`Decoding`).
+    `samples`: more samples of the same prompt, each with its own sampler and `on_token`: they
+    share the prefill (their first token is drawn from its logits) and decode with the first,
+    each over its own copy of the prompt's cache (`Generation.samples`)."""
     if max_new_tokens < 1:
         raise BadRequestError("max_new_tokens must be >= 1")
+    if len(samples) + 1 > MAX_SAMPLES:
+        raise BadRequestError(f"at most {MAX_SAMPLES} samples per request, got {len(samples) + 1}")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     choose = sampler or greedy
@@ -246,19 +263,33 @@ def generate_steps(
     pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s,
                                    decode_tokens=max_new_tokens - 1, turns=turns, keep_e=keep_e)  # the last chosen token is never fed back
     d = Decoding(pre.cache, pre.prompt_tokens, max_new_tokens, eos_token_id, choose, on_token, deadline, logprobs)
-    d.take(pre.logits[-1])  # the first token, from the prefill's last logits [vocab]
+    more = [Decoding(hf_cache.fork(pre.cache, receiver.config, pre.prompt_tokens + min(max_new_tokens, DECODE_RESERVE)),
+                     pre.prompt_tokens, max_new_tokens, eos_token_id, s_sampler, s_on_token, deadline, logprobs)
+            for s_sampler, s_on_token in samples]  # each sample appends to its own copy of the prompt's K/V
+    for x in (d, *more):
+        x.take(pre.logits[-1])  # the first token, from the prefill's last logits [vocab]
     ttft = time.perf_counter() - t0
-    if not d.done:
-        yield Need("decode", -1, float("inf"), decoding=d)  # a batching driver decodes it with others, to its end
-    while not d.done:  # a driver that did not: decoded here, alone
+    rows = [x for x in (d, *more) if not x.done]
+    if rows:
+        yield Need("decode", -1, float("inf"), decodings=tuple(rows))  # a batching driver decodes them with others
+    while any(not x.done for x in rows):  # a driver that did not: decoded here, the samples together
         if turns:
             yield Need("turn", -1, float("inf"))
-        decode.step(receiver, [d])
+        decode.step(receiver, rows)
     if d.error is not None:
         raise d.error
     assert d.finish is not None
     return Generation(tokens=d.tokens, prefill=pre, ttft_s=ttft, total_s=time.perf_counter() - t0,
-                      finish_reason=d.finish, decode_batch=d.widest, logprobs=d.logprobs if logprobs is not None else None)
+                      finish_reason=d.finish, decode_batch=max(x.widest for x in (d, *more)),
+                      logprobs=d.logprobs if logprobs is not None else None,
+                      samples=[_sample(x, logprobs is not None) for x in more])
+
+
+def _sample(d: Decoding, logprobs: bool) -> Sample:
+    if d.error is not None:
+        raise d.error
+    assert d.finish is not None
+    return Sample(d.tokens, d.finish, d.logprobs if logprobs else None)
 
 
 def _in_place(steps_fn: Callable[P, Steps[T]]) -> Callable[P, T]:

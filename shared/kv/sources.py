@@ -46,14 +46,14 @@ class Need:
     first, until `deadline` (time.monotonic()). Past the deadline the read itself raises.
     Kind "turn" reads nothing: a point where a cooperative run (`turns=True`) lets its driver
     hand the compute thread to other work before going on (`layer` -1: a decode step).
-    Kind "decode" carries the request's `decoding` once its first token is chosen: a driver that
-    batches decodes it to its end with other requests before resuming the steps; one that does
-    not resumes at once, and the steps decode it alone."""
+    Kind "decode" carries the request's `decodings` (one per sample) once their first tokens are
+    chosen: a driver that batches decodes them to their end with other requests before resuming
+    the steps; one that does not resumes at once, and the steps decode them (together) alone."""
 
     kind: Literal["kv", "e", "turn", "decode"]
     layer: int
     deadline: float
-    decoding: Decoding | None = None
+    decodings: tuple[Decoding, ...] = ()
 
 
 Steps = Generator[Need, None, T]

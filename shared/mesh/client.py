@@ -63,23 +63,25 @@ class MeshClient:
     def _generate_request(context: str, question: str, *, max_new_tokens: int, mode: schemas.Mode, timeout: float,
                           request_id: str | None, ttft_slo_ms: float, sampling: schemas.Sampling | None,
                           chat: list[schemas.ChatMessage] | None, stream_subject: str = "",
-                          scope: str = PUBLIC) -> schemas.GenerateRequest:
+                          scope: str = PUBLIC, n: int = 1) -> schemas.GenerateRequest:
         return schemas.GenerateRequest(
             request_id=request_id or uuid.uuid4().hex[:12], context=context, question=question,
             max_new_tokens=max_new_tokens, mode=mode, deadline=time.time() + timeout, ttft_slo_ms=ttft_slo_ms,
             sampling=sampling if sampling is not None else schemas.Sampling(), chat=chat,
-            stream_subject=stream_subject, budget_s=timeout, scope=check_scope(scope))
+            stream_subject=stream_subject, budget_s=timeout, scope=check_scope(scope), n=n)
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
                   mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,
                   attempt_s: float | None = None, ttft_slo_ms: float = 0.0, sampling: schemas.Sampling | None = None,
-                  chat: list[schemas.ChatMessage] | None = None, scope: str = PUBLIC) -> schemas.GenerateReply:
+                  chat: list[schemas.ChatMessage] | None = None, scope: str = PUBLIC, n: int = 1
+                  ) -> schemas.GenerateReply:
         """One answer. A completions-style prompt is `context=prompt, question=""`; a chat passes
         `chat` (then context and question are ""). `scope`: whose cached contexts it may reuse
-        (`shared.wire.hashing`; BadRequestError when malformed)."""
+        (`shared.wire.hashing`; BadRequestError when malformed). `n` > 1: the reply's `samples`
+        carry the answer's other samples."""
         req = self._generate_request(context, question, max_new_tokens=max_new_tokens, mode=mode, timeout=timeout,
                                      request_id=request_id, ttft_slo_ms=ttft_slo_ms, sampling=sampling, chat=chat,
-                                     scope=scope)
+                                     scope=scope, n=n)
         return await self._call(subjects.receiver_generate(receiver), req, schemas.GenerateReply, timeout, attempt_s)
 
     async def stream(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,

@@ -176,6 +176,18 @@ def set_layer_kv(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tens
     cache.update(k, v, layer)
 
 
+def fork(cache: DynamicCache, config: Any, capacity: int) -> DynamicCache:
+    """A new cache of `capacity` tokens holding a copy of every layer of `cache` (the prompt's K/V,
+    shared by the samples of one request): each sample then appends its own tokens."""
+    out = new_cache(config, capacity)
+    for l, entry in enumerate(cache.layers):
+        keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
+        if isinstance(entry, DynamicLayer) and entry.is_initialized and keys is not None and values is not None \
+                and keys.numel():
+            set_layer_kv(out, l, keys, values)  # copied into the new layer's own storage
+    return out
+
+
 def seq_length(cache: DynamicCache, layer: int = 0) -> int:
     """Tokens held by `layer` (0 when empty)."""
     return _entry(cache, layer).get_seq_length()

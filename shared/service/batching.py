@@ -6,11 +6,12 @@ its `Decoding` joins the batcher (`decode`), which runs one decode step of every
 as one job (`shared/kv/decode.step`: one forward, the weights read once), then queues the next.
 A request joins at the next step after its prefill and leaves at the step it finishes in.
 
-The rule between prefill and decode: the torch thread runs jobs in arrival order, and the
-batcher queues its next step only after the last one ran; so between two decode steps the thread
-runs at most what was queued meanwhile, which is one prefill job per request in its prefill: a
-layer of a full prefill, or a reuse's run of landed layers. A long prefill costs each decoding
-request at most one layer's compute per step, never the whole prefill.
+The rule between prefill and decode: while requests decode, a full prefill queues its next layer
+only after a decode step has run since its last (`turn`), and the batcher queues its next step
+only after the last one ran; so between two decode steps the thread runs at most one prefill job
+per request in its prefill (a layer of a full prefill, or a reuse's run of landed layers). A long
+prefill costs each decoding request at most one layer's compute per step, never the whole
+prefill; a prefill waits at most one step per layer.
 
 The batch is at most `max_batch` requests (the rest wait in arrival order); memory is bounded
 before this: each request's cache was sized for its prompt and answer when its prefill began,
@@ -52,6 +53,13 @@ class DecodeBatcher:
         self.steps = 0  # decode steps run
         self.rows = 0  # request-steps run (rows / steps: the mean batch)
         self.step_s = 0.0  # EWMA of a step's seconds on the thread (what a prefill job waits behind)
+        self._stepped = asyncio.Event()  # set when the step under way ends (a fresh one per step)
+
+    async def turn(self) -> None:
+        """Return once the decode step under way (or the next) has run; at once when nothing
+        decodes. A prefill awaits this between its jobs, so its jobs and the steps alternate."""
+        if self.active:
+            await self._stepped.wait()
 
     def prefill_delay(self, layers: int) -> float:
         """Seconds a full prefill of `layers` layers starting now is expected to wait behind the
@@ -85,9 +93,6 @@ class DecodeBatcher:
             while self._running or self._waiting:
                 while self._waiting and len(self._running) < self.max_batch:
                     self._running.append(self._waiting.popleft())
-                # one loop turn first: a prefill whose wait ended with the last step queues its
-                # next job ahead of this step, not behind it
-                await asyncio.sleep(0)
                 rows = [d for d, _ in self._running]
                 spent = [d.steps_s for d in rows]
                 try:
@@ -101,6 +106,9 @@ class DecodeBatcher:
                 self.step_s = took if self.steps == 0 else 0.8 * self.step_s + 0.2 * took
                 self.steps += 1
                 self.rows += len(rows)
+                self._stepped.set()  # the prefills waiting for a turn go on
+                self._stepped = asyncio.Event()
+                await asyncio.sleep(0)  # their woken tasks queue their next jobs before the next step
                 if self._on_step is not None:
                     self._on_step(len(rows))
                 still = []
@@ -111,6 +119,7 @@ class DecodeBatcher:
                         fut.set_result(None)
                 self._running = still
         finally:  # stopped (the service is going): nobody is left waiting
+            self._stepped.set()
             for d, fut in (*self._running, *self._waiting):
                 d.cancel()
                 if not fut.done():

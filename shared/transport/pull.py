@@ -180,15 +180,17 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
 
 
 async def drive_engine(steps: Steps[T], source: Watched | None, run_torch: RunTorch, stamps: dict[str, float],
-                       busy: list[float] | None = None, decode: Decode | None = None) -> T:
+                       busy: list[float] | None = None, decode: Decode | None = None,
+                       turn: Callable[[], Awaitable[None]] | None = None) -> T:
     """Run the engine's steps on the torch thread (`run_torch`), waiting for each `Need` here, on
     the loop; `stamps["engine_start"]` is when the first step began on that thread, and `busy`
     gets the seconds each run of steps held it (not the waits for layers in between).
 
-    At a "turn" the thread goes back to whatever queued meanwhile (other requests' decode steps)
-    before the steps go on. With `decode`, the request's decoding is handed to it (a batcher that
-    decodes it with other requests) and the steps resume once it ended; without, the steps decode
-    it alone in their last run. `source` None: steps that read nothing (a full prefill)."""
+    At a "turn" the thread goes back to whatever queued meanwhile (other requests' decode steps),
+    and with `turn` the steps wait for it (a batcher's next step) before going on. With `decode`,
+    the request's decodings are handed to it (a batcher that decodes them with other requests)
+    and the steps resume once they ended; without, the steps decode them in their last run.
+    `source` None: steps that read nothing (a full prefill)."""
     loop = asyncio.get_running_loop()
     landed = asyncio.Event()
 
@@ -207,9 +209,11 @@ async def drive_engine(steps: Steps[T], source: Watched | None, run_torch: RunTo
         if finished:
             return value  # the final step's value is the steps' result
         need: Need = value
-        if need.kind == "decode" and decode is not None and need.decoding is not None:
-            await decode(need.decoding)
+        if need.kind == "decode" and decode is not None:
+            await asyncio.gather(*(decode(d) for d in need.decodings))
             continue
+        if need.kind == "turn" and turn is not None:
+            await turn()
         if need.kind == "turn" or source is None:
             continue
         while not source.has(need):

@@ -197,6 +197,7 @@ class GenerateRequest(Message, tag="generate.request"):
     stream_subject: str = ""  # "" = no streaming; else GenerateChunks go there (an inbox: subjects.INBOX_PREFIX)
     budget_s: float = 0.0  # seconds the client waits, counted from arrival (no clocks compared); 0 = use `deadline`
     scope: Scope = PUBLIC  # whose cached contexts it may reuse (its own scope's and public ones); a sender caches it there
+    n: int = 1  # samples of the answer (OpenAI's n): the reply's own fields are the first, `samples` the others
 
 
 class GenerateChunk(Message, tag="generate.chunk"):
@@ -207,6 +208,15 @@ class GenerateChunk(Message, tag="generate.chunk"):
     index: int  # 0, 1, 2, ... per request
     text: str  # new text since the previous chunk (held back while it could start a stop sequence)
     token_ids: list[int]
+
+
+class SampleReply(msgspec.Struct):
+    """One more sample of a request's answer (`GenerateRequest.n` > 1), as the reply's own fields."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
 
 
 class GenerateReply(Message, tag="generate.reply"):
@@ -228,6 +238,7 @@ class GenerateReply(Message, tag="generate.reply"):
     predicted_ttft_ms: float = 0.0  # the reuse policy's prediction for the path taken (0: no latency fit)
     options_ms: dict[str, float] = {}  # its prediction per option it weighed ("full prefill", each plan)
     logprobs: list[TokenLogprob] | None = None  # per token of `token_ids`, when `Sampling.logprobs` asked
+    samples: list[SampleReply] = []  # samples 2..n of the answer, when the request asked for n > 1
 
 
 class PrefillRequest(Message, tag="prefill.request"):

@@ -90,8 +90,9 @@ def test_completion_and_chat(mesh):
     assert (chat.model_extra or {})["droidmesh"]["served_by"]
 
 
-def test_logprobs_through_the_openai_client_are_the_receivers_own(mesh, tiny_models):
-    """Chat `logprobs` / `top_logprobs` and completions' `logprobs` come back in OpenAI's shapes, one
+def test_logprobs_and_n_through_the_openai_client(mesh, tiny_models):
+    """`n` samples come back as choices; chat `logprobs` / `top_logprobs` and completions'
+    `logprobs` come back in OpenAI's shapes, one
     entry per completion token, each the receiver model's log-probability (its own forward over
     the prompt and the answer, ATOL 1e-3 through JSON), the chosen token the likeliest (greedy)."""
     import torch
@@ -101,6 +102,9 @@ def test_logprobs_through_the_openai_client_are_the_receivers_own(mesh, tiny_mod
     content = chat.choices[0].logprobs.content
     assert chat.usage is not None and len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob for c in content)
+    two = mesh.client.chat.completions.create(model="qa", messages=CHAT, max_tokens=5, temperature=0.9, seed=3, n=2)
+    assert [c.index for c in two.choices] == [0, 1] and two.usage is not None
+    assert two.usage.completion_tokens == sum(len(c.message.content.split()) for c in two.choices)  # one word a token
     comp = mesh.client.completions.create(model="qa", prompt=words(60), max_tokens=4, temperature=0, logprobs=1)
     lp = comp.choices[0].logprobs
     assert comp.usage is not None and len(lp.tokens) == len(lp.token_logprobs) == comp.usage.completion_tokens

@@ -88,7 +88,8 @@ def test_streaming_stops_and_sampling_through_the_mesh(nats, services, tiny_pair
 def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, services, tiny_pair, tiny_models):
     """A receiver decoding requests together (max_batch 4, six sent at once: full prefills of
     different contexts and limits, and partial reuses of the sender's context) answers each with
-    the tokens it gets when asked alone afterwards; its metrics count the shared steps."""
+    the tokens it gets when asked alone afterwards; its metrics count the shared steps. A request
+    for n = 3 samples gets, as sample i, what a request of its own with seed + i gets."""
     from tests.system.test_operations import _samples
 
     url = nats[1]
@@ -101,7 +102,7 @@ def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, servi
     asks = [(words(60 + 25 * i, offset=3 * i), f" q{i}", 10 + 3 * i, "full_prefill") for i in range(4)]
     asks += [(CONTEXT, f" who {i}", 12, "auto") for i in range(2)]
 
-    async def run() -> tuple[list, list]:
+    async def run() -> tuple:
         client = await MeshClient.connect(url)
         try:
             await client.prefill("sender", CONTEXT)
@@ -109,15 +110,25 @@ def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, servi
             together = await asyncio.gather(*(client.ask("receiver", c, q, max_new_tokens=n, mode=m)
                                               for c, q, n, m in asks))
             alone = [await client.ask("receiver", c, q, max_new_tokens=n, mode=m) for c, q, n, m in asks]
-            return list(together), alone
+            hot = dict(temperature=1.1, top_p=0.95, stop=["zzz"])
+            n3 = await client.ask("receiver", CONTEXT, " why", max_new_tokens=9, n=3, sampling=schemas.Sampling(
+                seed=40, logprobs=1, **hot))
+            each = [await client.ask("receiver", CONTEXT, " why", max_new_tokens=9,
+                                     sampling=schemas.Sampling(seed=40 + i, **hot)) for i in range(3)]
+            return list(together), alone, n3, each
         finally:
             await client.close()
 
-    together, alone = asyncio.run(run())
+    together, alone, n3, each = asyncio.run(run())
+    # n samples: one prefill, sample i drawing from seed + i, each what its own request gets
+    assert [n3.token_ids, *(x.token_ids for x in n3.samples)] == [x.token_ids for x in each]
+    assert [n3.text, *(x.text for x in n3.samples)] == [x.text for x in each]
+    assert all(x.logprobs is not None and len(x.logprobs) == len(x.token_ids) for x in n3.samples)
     for a, b in zip(together, alone, strict=True):
         assert a.path == b.path and a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     assert {r.path for r in together} == {"full_prefill", "partial"}
     m = _samples(health_port(receiver))
     steps, rows = m[("dm_decode_steps_total", ())], m[("dm_decode_rows_total", ())]
-    assert rows == sum(len(r.token_ids) - 1 for r in together + alone)  # each took exactly its own steps
+    rows_n3 = sum(len(x) - 1 for x in [n3.token_ids, *(x.token_ids for x in n3.samples)])
+    assert rows == sum(len(r.token_ids) - 1 for r in together + alone + each) + rows_n3  # each its own steps
     assert 0 < steps <= rows

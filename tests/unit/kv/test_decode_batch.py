@@ -74,8 +74,8 @@ def _start(model: ModelAdapter, job: dict, **extra) -> tuple[object, Decoding | 
     finished, value = run_until(steps, lambda n: n.kind != "decode")
     if finished:
         return value, None
-    assert isinstance(value, Need) and value.decoding is not None
-    return steps, value.decoding
+    assert isinstance(value, Need) and len(value.decodings) == 1
+    return steps, value.decodings[0]
 
 
 def _finish(steps: object) -> Generation:
@@ -212,3 +212,23 @@ def test_a_model_without_the_engine_attention_decodes_rows_alone():
     jobs = [j for j in _jobs(model) if j["plan"].mode == "full_prefill"]
     for job, gen in zip(jobs, _batched(model, jobs), strict=True):
         assert isinstance(gen, Generation) and gen.tokens == _solo(model, job).tokens
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_each_decode_as_alone(model):
+    """More samples of one request (OpenAI's n) decode together, each over its own copy of the
+    prompt's cache: each gets exactly the tokens its own seed gets from a request of its own, and
+    its own limit (stop callbacks, EOS) ends it alone."""
+    job = _jobs(model)[1]
+
+    def hot(seed: int):
+        return make_sampler(1.0, top_p=0.95, seed=seed, device=CPU)
+
+    stops: list[int] = []
+    gen = generate(model, job["prompt"], job["plan"], None, max_new_tokens=10, sampler=hot(1),
+                   samples=[(hot(2), None), (hot(3), lambda t: stops.append(t) or len(stops) < 4), (hot(1), None)])
+    alone = [generate(model, job["prompt"], job["plan"], None, max_new_tokens=10, sampler=hot(s)).tokens for s in (1, 2, 3)]
+    assert gen.tokens == alone[0] and len(gen.samples) == 3
+    assert gen.samples[0].tokens == alone[1] and gen.samples[0].finish_reason == "length"
+    assert gen.samples[1].tokens == alone[2][:4] and gen.samples[1].finish_reason == "stop"
+    assert gen.samples[2].tokens == alone[0]  # the same seed: the same draws, from its own cache copy
+    assert gen.decode_batch == 4

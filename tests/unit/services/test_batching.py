@@ -53,7 +53,8 @@ class Thread:
 async def _ask(model: ModelAdapter, thread: Thread, batcher: DecodeBatcher | None, prompt: list[int], n: int,
                turns: bool = True, on_token=None):
     steps = generate_steps(model, prompt, ReusePlan.full_prefill(), max_new_tokens=n, turns=turns, on_token=on_token)
-    return await drive_engine(steps, None, thread.run, {}, decode=batcher.decode if batcher else None)
+    return await drive_engine(steps, None, thread.run, {}, decode=batcher.decode if batcher else None,
+                              turn=batcher.turn if batcher else None)
 
 
 def test_concurrent_requests_decode_together_with_their_solo_tokens(model):
@@ -157,3 +158,34 @@ def test_a_long_prefill_runs_a_layer_between_decode_steps(model):
 def test_the_batcher_refuses_a_batch_of_zero(model):
     with pytest.raises(ValueError):
         DecodeBatcher(model, functools.partial(asyncio.sleep, 0), max_batch=0)
+
+
+def test_prefill_jobs_and_decode_steps_alternate_one_to_one(model):
+    """While one request decodes and another prefills, the thread's jobs alternate: a step, a
+    layer, a step, a layer (the prefill waits for no more than one step per layer)."""
+    prompts = _prompts()
+    thread = Thread()
+    batcher = DecodeBatcher(model, thread.run, max_batch=8)
+    stop = threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        decoding_now = asyncio.Event()
+
+        def on_token(t: int) -> bool:
+            loop.call_soon_threadsafe(decoding_now.set)
+            return not stop.is_set()
+
+        decoding = asyncio.create_task(_ask(model, thread, batcher, prompts[0], 500, on_token=on_token))
+        await decoding_now.wait()
+        start = len(thread.jobs)
+        await _ask(model, thread, batcher, prompts[2] * 4, 2)
+        stop.set()
+        await decoding
+        return start
+
+    start = asyncio.run(main())
+    during = thread.jobs[start:]
+    first = during.index("prefill")
+    layers = during[first:first + 2 * model.num_layers - 1]
+    assert layers == ["prefill", "step"] * (model.num_layers - 1) + ["prefill"]

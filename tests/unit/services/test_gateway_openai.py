@@ -76,8 +76,7 @@ def test_bad_fields_are_400_naming_the_field(fields, param):
 
 
 @pytest.mark.parametrize("fields,param", [
-    (dict(n=2), "n"),
-    (dict(n=True), "n"),
+    (dict(n=2, stream=True), "n"),
     (dict(logprobs=True, stream=True), "logprobs"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(response_format={"type": "json_object"}), "response_format"),
@@ -237,3 +236,20 @@ def test_bad_logprobs_are_400_naming_the_field(fields, param):
     with pytest.raises(oa.InvalidRequestError) as e:
         oa.parse_chat(body(model="qa", messages=[{"role": "user", "content": "q"}], **fields), LIMITS)
     assert oa.to_http(e.value, "rid")[1]["error"]["param"] == param
+
+
+def test_n_samples_are_asked_of_the_mesh_and_each_is_a_choice():
+    """n goes to the mesh; each sample of the reply is a choice (index in order), usage counts them all."""
+    msgs = [{"role": "user", "content": "q"}]
+    call = oa.parse_chat(body(model="qa", messages=msgs, n=3, temperature=0.7), LIMITS)
+    assert call.n == 3 and oa.parse_chat(body(model="qa", messages=msgs), LIMITS).n == 1
+    r = reply(text="a b", token_ids=[1, 2], finish_reason="length",
+              samples=[schemas.SampleReply(text="c", token_ids=[3], finish_reason="stop"),
+                       schemas.SampleReply(text="d e f", token_ids=[4, 5, 6], finish_reason="length")])
+    out = oa.completion_body(call, "a", 1, r)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in out["choices"]] == [
+        (0, "a b", "length"), (1, "c", "stop"), (2, "d e f", "length")]
+    assert out["usage"]["completion_tokens"] == 6
+    with pytest.raises(oa.InvalidRequestError) as e:
+        oa.parse_chat(body(model="qa", messages=msgs, n=oa.MAX_N + 1), LIMITS)
+    assert oa.to_http(e.value, "rid")[1]["error"]["param"] == "n"
