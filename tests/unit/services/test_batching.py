@@ -119,56 +119,16 @@ def test_a_cancelled_caller_leaves_the_batch_and_the_others_are_unchanged(model)
     assert batcher.active == 0
 
 
-def test_a_long_prefill_runs_a_layer_between_decode_steps(model):
-    """While requests decode, another's full prefill takes the thread one layer per job, and the
-    batcher's steps run between its layers: no decode step waits behind more than one prefill job."""
-    prompts = _prompts()
-    thread = Thread()
-    batcher = DecodeBatcher(model, thread.run, max_batch=8)
-
-    stop = threading.Event()  # the decoder runs until the long prefill is done: no race on its length
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        decoding_now = asyncio.Event()
-
-        def on_token(t: int) -> bool:
-            loop.call_soon_threadsafe(decoding_now.set)
-            return not stop.is_set()
-
-        decoding = asyncio.create_task(_ask(model, thread, batcher, prompts[0], 500, on_token=on_token))
-        await decoding_now.wait()
-        start = len(thread.jobs)
-        long = await _ask(model, thread, batcher, prompts[2] * 4, 2)  # 164 tokens, 6 layers, a job each
-        stop.set()
-        await decoding
-        return start, long
-
-    start, _ = asyncio.run(main())
-    during = thread.jobs[start:]
-    prefill_jobs = [i for i, kind in enumerate(during) if kind == "prefill"]
-    assert len(prefill_jobs) >= model.num_layers  # one job per layer (and one to resume after decoding)
-    first, last = prefill_jobs[0], prefill_jobs[model.num_layers - 1]
-    window = during[first:last + 1]
-    # between two of its layers a decode step ran: the decoders were never stalled by the whole prefill
-    assert "prefill,prefill" not in ",".join(window)
-    assert window.count("step") >= model.num_layers - 1
-
-
-def test_the_batcher_refuses_a_batch_of_zero(model):
-    with pytest.raises(ValueError):
-        DecodeBatcher(model, functools.partial(asyncio.sleep, 0), max_batch=0)
-
-
-def test_prefill_jobs_and_decode_steps_alternate_one_to_one(model):
-    """While one request decodes and another prefills, the thread's jobs alternate: a step, a
-    layer, a step, a layer (the prefill waits for no more than one step per layer)."""
+def _jobs_beside_a_decoder(model: ModelAdapter) -> list[str]:
+    """The thread's jobs from when one request is decoding until another's full prefill (a
+    164-token prompt, a job per layer) has answered; the decoder runs until then (no race on its
+    length)."""
     prompts = _prompts()
     thread = Thread()
     batcher = DecodeBatcher(model, thread.run, max_batch=8)
     stop = threading.Event()
 
-    async def main():
+    async def main() -> int:
         loop = asyncio.get_running_loop()
         decoding_now = asyncio.Event()
 
@@ -184,8 +144,31 @@ def test_prefill_jobs_and_decode_steps_alternate_one_to_one(model):
         await decoding
         return start
 
-    start = asyncio.run(main())
-    during = thread.jobs[start:]
+    return thread.jobs[asyncio.run(main()):]
+
+
+def test_a_long_prefill_runs_a_layer_between_decode_steps(model):
+    """While requests decode, another's full prefill takes the thread one layer per job, and the
+    batcher's steps run between its layers: no decode step waits behind more than one prefill job."""
+    during = _jobs_beside_a_decoder(model)
+    prefill_jobs = [i for i, kind in enumerate(during) if kind == "prefill"]
+    assert len(prefill_jobs) >= model.num_layers  # one job per layer (and one to resume after decoding)
+    first, last = prefill_jobs[0], prefill_jobs[model.num_layers - 1]
+    window = during[first:last + 1]
+    # between two of its layers a decode step ran: the decoders were never stalled by the whole prefill
+    assert "prefill,prefill" not in ",".join(window)
+    assert window.count("step") >= model.num_layers - 1
+
+
+def test_prefill_jobs_and_decode_steps_alternate_one_to_one(model):
+    """While one request decodes and another prefills, the thread's jobs alternate: a step, a
+    layer, a step, a layer (the prefill waits for no more than one step per layer)."""
+    during = _jobs_beside_a_decoder(model)
     first = during.index("prefill")
     layers = during[first:first + 2 * model.num_layers - 1]
     assert layers == ["prefill", "step"] * (model.num_layers - 1) + ["prefill"]
+
+
+def test_the_batcher_refuses_a_batch_of_zero(model):
+    with pytest.raises(ValueError):
+        DecodeBatcher(model, functools.partial(asyncio.sleep, 0), max_batch=0)
