@@ -87,7 +87,7 @@ def test_streaming_stops_and_sampling_through_the_mesh(nats, services, tiny_pair
 
 def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, services, tiny_pair, tiny_models):
     """A receiver decoding requests together (max_batch 4, six sent at once: full prefills of
-    different contexts and limits, and partial reuses of the sender's context) answers each with
+    different contexts and limits, and full reuses of the sender's context) answers each with
     the tokens it gets when asked alone afterwards; its metrics count the shared steps. A request
     for n = 3 samples gets, as sample i, what a request of its own with seed + i gets."""
     from tests.system.test_operations import _samples
@@ -100,7 +100,7 @@ def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, servi
                                           "max_batch": 4, "metrics_port": 0, "hold": False}, url, env=THREADS)
     services.append(receiver)
     asks = [(words(60 + 25 * i, offset=3 * i), f" q{i}", 10 + 3 * i, "full_prefill") for i in range(4)]
-    asks += [(CONTEXT, f" who {i}", 12, "auto") for i in range(2)]
+    asks += [(CONTEXT, f" who {i}", 12, "full_reuse") for i in range(2)]  # forced: no relay decision to race
 
     async def run() -> tuple:
         client = await MeshClient.connect(url)
@@ -111,9 +111,9 @@ def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, servi
                                               for c, q, n, m in asks))
             alone = [await client.ask("receiver", c, q, max_new_tokens=n, mode=m) for c, q, n, m in asks]
             hot = dict(temperature=1.1, top_p=0.95, stop=["zzz"])
-            n3 = await client.ask("receiver", CONTEXT, " why", max_new_tokens=9, n=3, sampling=schemas.Sampling(
-                seed=40, logprobs=1, **hot))
-            each = [await client.ask("receiver", CONTEXT, " why", max_new_tokens=9,
+            n3 = await client.ask("receiver", CONTEXT, " why", max_new_tokens=9, n=3, mode="full_reuse",
+                                  sampling=schemas.Sampling(seed=40, logprobs=1, **hot))
+            each = [await client.ask("receiver", CONTEXT, " why", max_new_tokens=9, mode="full_reuse",
                                      sampling=schemas.Sampling(seed=40 + i, **hot)) for i in range(3)]
             return list(together), alone, n3, each
         finally:
@@ -126,7 +126,7 @@ def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, servi
     assert all(x.logprobs is not None and len(x.logprobs) == len(x.token_ids) for x in n3.samples)
     for a, b in zip(together, alone, strict=True):
         assert a.path == b.path and a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-    assert {r.path for r in together} == {"full_prefill", "partial"}
+    assert {r.path for r in together} == {"full_prefill", "full_reuse"}
     m = _samples(health_port(receiver))
     steps, rows = m[("dm_decode_steps_total", ())], m[("dm_decode_rows_total", ())]
     rows_n3 = sum(len(x) - 1 for x in [n3.token_ids, *(x.token_ids for x in n3.samples)])
