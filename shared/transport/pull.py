@@ -204,13 +204,18 @@ async def drive_engine(steps: Steps[T], source: Watched | None, run_torch: RunTo
 
     if source is not None:
         source.watch(on_landed)
+    after_decode: tuple[bool, object] | None = None
     while True:
-        finished, value = await run_torch(_advance, steps, ready, stamps, busy)
+        finished, value = after_decode or await run_torch(_advance, steps, ready, stamps, busy)
+        after_decode = None
         if finished:
             return value  # the final step's value is the steps' result
         need: Need = value
         if need.kind == "decode" and decode is not None:
             await asyncio.gather(*(decode(d) for d in need.decodings))
+            # What is left only assembles the answer (no torch work): here, not queued behind a
+            # job that a deadline passed during decoding would drop.
+            after_decode = _advance(steps, ready, stamps, busy)
             continue
         if need.kind == "turn" and turn is not None:
             await turn()

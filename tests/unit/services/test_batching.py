@@ -172,3 +172,30 @@ def test_prefill_jobs_and_decode_steps_alternate_one_to_one(model):
 def test_the_batcher_refuses_a_batch_of_zero(model):
     with pytest.raises(ValueError):
         DecodeBatcher(model, functools.partial(asyncio.sleep, 0), max_batch=0)
+
+
+def test_an_answer_cut_by_its_deadline_is_returned_not_dropped(model):
+    """Once a request's deadline has passed, the receiver's thread drops its queued jobs; decoding
+    stopped there still returns the tokens it has: assembling the answer after the batch is not a
+    job the deadline can drop."""
+    from droidmesh.shared.errors import DeadlineExceededError
+
+    thread = Thread()
+    batcher = DecodeBatcher(model, thread.run, max_batch=8)
+    expired = threading.Event()
+
+    async def run(fn: Any, *args: Any) -> Any:  # as ReceiverState.run_torch with a deadline
+        if expired.is_set():
+            raise DeadlineExceededError("deadline passed while queued for the compute thread; dropped")
+        return await thread.run(fn, *args)
+
+    def on_token(t: int) -> bool:  # the deadline passes at the third token; decoding stops there
+        seen.append(t)
+        if len(seen) == 3:
+            expired.set()
+        return len(seen) < 3
+
+    seen: list[int] = []
+    steps = generate_steps(model, _prompts()[0], ReusePlan.full_prefill(), max_new_tokens=20, on_token=on_token)
+    gen = asyncio.run(drive_engine(steps, None, run, {}, decode=batcher.decode))
+    assert gen.tokens == seen and len(gen.tokens) == 3
