@@ -204,9 +204,10 @@ async def drive_engine(steps: Steps[T], source: Watched | None, run_torch: RunTo
 
     if source is not None:
         source.watch(on_landed)
-    after_decode: tuple[bool, object] | None = None
+    after_decode: Any = None  # (finished, value) of the steps run on the loop after a decode
     while True:
-        finished, value = after_decode or await run_torch(_advance, steps, ready, stamps, busy)
+        finished, value = after_decode if after_decode is not None else await run_torch(_advance, steps, ready,
+                                                                                         stamps, busy)
         after_decode = None
         if finished:
             return value  # the final step's value is the steps' result
