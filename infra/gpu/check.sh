@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: receiver TTFT of a Llama-3-8B-shaped bf16 model (random init, built on
 # the GPU) at 4K-64K tokens per plan, peak memory, recompute-all exactness against the model's own
-# forward, CacheBlend on CUDA; a table on stdout and one JSON (--out FILE). Under 5 minutes on one
+# forward, CacheBlend on CUDA, batched decode (32 sequences at 4K against one); a table on stdout
+# and one JSON (--out FILE). Under 5 minutes on one
 # H200.
 #   infra/gpu/check.sh [--tiny] [--out FILE] [--shape llama3-8b|qwen2.5-7b|llama3.2-1b] [--contexts N,...]
 # --tiny runs the same sequence on the CPU with a toy shape (what CI runs).

@@ -16,7 +16,10 @@ Sequence (one process, one device; `--tiny` runs the same sequence on the CPU at
      on CUDA), as a pull leaves it, and lands through the data plane's own `Landing` (the copy
      stream, `shared/kv/streams.py`); `serial_s` lands every layer, then runs the engine;
      `pipelined_s` lands layer by layer on a thread while the engine recomputes;
-  6. `targets` from the rows (null where a context was not run or the device keeps no peak) and
+  6. batched decode (`batched_decode`): 32 sequences over 4K-token caches stepped together
+     against one alone (4 over the smallest context with `--tiny`), decode tokens/s each way and
+     whether every row chose the solo tokens; CUDA graphs are not built (the JSON says so);
+  7. `targets` from the rows (null where a context was not run or the device keeps no peak) and
      one JSON to `--out`; a table on stdout.
 """
 
@@ -35,13 +38,16 @@ from typing import Any
 import torch
 
 from droidmesh.shared.bench import output, ttft
+from droidmesh.shared.kv import decode
 from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.decode import Decoding
 from droidmesh.shared.kv.partial import generate, prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource, CapturedSource
-from droidmesh.shared.model import shapes
+from droidmesh.shared.model import hf_cache, shapes
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.device import dtype_name
+from droidmesh.shared.model.sampling import greedy
 from droidmesh.shared.transport import codecs, pull
 from droidmesh.shared.transport.bulk import Landing
 from droidmesh.shared.wire.schemas import TensorHeader
@@ -152,6 +158,44 @@ def overlap(model: ModelAdapter, n: int, repeats: int, k: int = 2, seed: int = 2
             "pipelined_vs_serial": runs["serial"] / runs["pipelined"], "same_answer": len(answers) == 1}
 
 
+def batched_decode(model: ModelAdapter, n: int, batch: int, steps: int = 16, seed: int = 3) -> dict[str, Any]:
+    """Decode tokens/s of `batch` sequences stepped together (`decode.step`, continuous batching's
+    step) against one sequence alone, each over its own copy of one n-token prompt's cache; and
+    whether every row of the batch chose the solo sequence's tokens (greedy)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+    pre = prefill(model, ids, ReusePlan.full_prefill(), decode_tokens=steps + 1)
+
+    def rows(count: int) -> list[Decoding]:
+        out = []
+        for _ in range(count):
+            d = Decoding(hf_cache.fork(pre.cache, model.config, n + steps + 1), n, steps + 1, None, greedy)
+            d.take(pre.logits[-1])
+            out.append(d)
+        return out
+
+    def timed(ds: list[Decoding]) -> float:
+        decode.step(model, ds)  # warm-up (allocations, kernels)
+        _sync(model)
+        t0 = time.perf_counter()
+        while not all(d.done for d in ds):
+            decode.step(model, ds)
+        _sync(model)
+        return time.perf_counter() - t0
+
+    solo, together = rows(1), rows(batch)
+    solo_s, batch_s = timed(solo), timed(together)
+    made = steps - 1  # tokens each row decoded in the timed steps
+    return {"context": n, "batch": batch, "solo_tokens_per_s": made / solo_s,
+            "batched_tokens_per_s": made * batch / batch_s, "speedup": (made * batch / batch_s) / (made / solo_s),
+            "same_tokens": all(d.tokens == solo[0].tokens for d in together)}
+
+
+def _sync(model: ModelAdapter) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def targets(model: ModelAdapter, rows: list[dict[str, Any]]) -> dict[str, float | None]:
     def row(n: int, plan: str) -> dict[str, Any] | None:
         return next((r for r in rows if r["context"] == n and r["plan"] == plan), None)
@@ -183,12 +227,16 @@ def main(argv: list[str]) -> int:
     exact = exactness(model, min(contexts))
     rows, blend_s = measure(model, contexts, args.repeats)
     overlapped = overlap(model, contexts[len(contexts) // 2], args.repeats)
+    batched = batched_decode(model, min(contexts) if args.tiny else 4096, 4 if args.tiny else 32)
+    found = targets(model, rows)
+    found["batched_decode_32_at_4k_x"] = None if args.tiny else batched["speedup"]  # target: >= 10x one sequence
     out = {"suite": "gpu_check", "machine": output.machine(), "shape": shape, "device": str(model.device),
-           "dtype": str(model.dtype).removeprefix("torch."), "rows": rows, "targets": targets(model, rows),
-           "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped}
+           "dtype": str(model.dtype).removeprefix("torch."), "rows": rows, "targets": found,
+           "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped, "batched_decode": batched,
+           "graphs": "not built: decode and suffix passes run eagerly (no CUDA graphs yet)"}
     print(output.format_table(rows, COLUMNS))
-    print(json.dumps({"targets": out["targets"], "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped},
-                     indent=1))
+    print(json.dumps({"targets": found, "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped,
+                      "batched_decode": batched}, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))

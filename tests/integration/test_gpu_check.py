@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_tiny_run_writes_every_row_target_and_an_exact_recompute_all(tmp_path):
     """Rows per context and plan with the named keys, the targets (null where not measured), exactness within
-    tolerance, and the overlap run's landed layers giving one answer pipelined and serial."""
+    tolerance, the overlap run's landed layers giving one answer pipelined and serial, and the
+    batched decode's rows choosing the solo tokens."""
     out = tmp_path / "check.json"
     proc = subprocess.run(["bash", "infra/gpu/check.sh", "--tiny", "--repeats", "1", "--out", str(out)], cwd=ROOT,
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=290)
@@ -27,10 +28,12 @@ def test_tiny_run_writes_every_row_target_and_an_exact_recompute_all(tmp_path):
     assert all(set(r) == keys for r in report["rows"])
     assert {(r["context"], r["plan"]) for r in report["rows"]} >= {(256, "full prefill"), (512, "recompute [0,2)")}
     assert set(report["targets"]) == {"k2_32k_fraction_of_ideal", "full_reuse_64k_s", "peak_mem_32k_gib", "weights_gib",
-                                      "kv_32k_gib"}
+                                      "kv_32k_gib", "batched_decode_32_at_4k_x"}
     assert report["targets"]["k2_32k_fraction_of_ideal"] is None and report["targets"]["kv_32k_gib"] > 0
     assert report["exactness"]["ok"] and report["cacheblend_s"] > 0
     assert report["overlap"]["same_answer"] and report["overlap"]["plan"] == "recompute [0,2)"
+    batched = report["batched_decode"]  # every row of the batch chose the tokens one sequence alone chose
+    assert batched["batch"] == 4 and batched["same_tokens"] and batched["batched_tokens_per_s"] > 0
 
 
 def test_named_shapes_have_the_real_architectures_sizes():
