@@ -56,7 +56,6 @@ class Decoding:
     logprobs: list[Logprob] = dataclasses.field(default_factory=list)
     finish: FinishReason | None = None
     error: BaseException | None = None  # what ended it when its own sampler or on_token raised
-    steps_s: float = 0.0  # seconds of the steps it took part in (shared with their other rows)
     widest: int = 1  # the most rows a step it took part in had
 
     @property
@@ -85,16 +84,17 @@ class Decoding:
             self.finish = "length"
 
 
-def step(model: ModelAdapter, rows: Sequence[Decoding]) -> None:
+def step(model: ModelAdapter, rows: Sequence[Decoding]) -> float:
     """One decode step of every unfinished row in `rows`, as one forward. A row past its deadline
-    leaves first (finish "length"). Afterwards each row has one more token or has finished."""
+    leaves first (finish "length"). Afterwards each row has one more token or has finished.
+    Returns the step's seconds (0 when no row was left to step)."""
     now = time.monotonic()
     for d in rows:
         if not d.done and d.deadline is not None and now >= d.deadline:
             d.cancel()
     live = [d for d in rows if not d.done]
     if not live:
-        return
+        return 0.0
     began = time.perf_counter()
     with torch.inference_mode():
         if len(live) == 1 or not model.batches:
@@ -109,10 +109,9 @@ def step(model: ModelAdapter, rows: Sequence[Decoding]) -> None:
             for d, row in zip(live, logits, strict=True):
                 d.past += 1
                 _choose(d, row)
-    spent = time.perf_counter() - began
     for d in live:
-        d.steps_s += spent
         d.widest = max(d.widest, len(live))
+    return time.perf_counter() - began
 
 
 def _choose(d: Decoding, row: torch.Tensor) -> None:

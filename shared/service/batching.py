@@ -94,15 +94,14 @@ class DecodeBatcher:
                 while self._waiting and len(self._running) < self.max_batch:
                     self._running.append(self._waiting.popleft())
                 rows = [d for d, _ in self._running]
-                spent = [d.steps_s for d in rows]
+                took = 0.0
                 try:
-                    await self._torch(decode.step, self.model, rows)
+                    took = await self._torch(decode.step, self.model, rows)
                 except Exception as e:  # the forward itself failed: the requests in it fail, no others
                     log.warning("decode_step_failed", rows=len(rows), error=f"{type(e).__name__}: {e}")
                     for d in rows:
                         if not d.done:
                             d.error, d.finish = e, "stop"
-                took = max((d.steps_s - before for d, before in zip(rows, spent, strict=True)), default=0.0)
                 self.step_s = took if self.steps == 0 else 0.8 * self.step_s + 0.2 * took
                 self.steps += 1
                 self.rows += len(rows)
