@@ -191,20 +191,25 @@ class NatsConfigBoard:
             kv = await self._bucket(create=False)
         except BucketNotFoundError:
             return None
+        # Read each key's last entry directly rather than through a watcher: a watcher's
+        # end-of-values marker can arrive before entries already in flight to it.
+        from nats.js.errors import KeyDeletedError, KeyNotFoundError
+
+        prefix = f"$KV.{subjects.CONFIG_BUCKET}."
+        info = await self._nc.jetstream().stream_info(f"KV_{subjects.CONFIG_BUCKET}", subjects_filter=f"{prefix}>")
         found: dict[str, schemas.RecomputeConfig | str] = {}
-        watcher = await kv.watchall(ignore_deletes=True)
-        try:
-            async for entry in watcher:
-                if entry is None:  # end of the current values
-                    break
-                if not entry.value:
-                    continue
-                try:
-                    found[entry.key] = schemas.decode(entry.value, schemas.RecomputeConfig)
-                except DroidMeshError as e:
-                    found[entry.key] = str(e)
-        finally:
-            await watcher.stop()
+        for subject in sorted((info.state.subjects or {}).keys()):
+            key = subject[len(prefix):]
+            try:
+                entry = await kv.get(key)
+            except (KeyNotFoundError, KeyDeletedError):  # deleted or purged since the listing
+                continue
+            if not entry.value:
+                continue
+            try:
+                found[key] = schemas.decode(entry.value, schemas.RecomputeConfig)
+            except DroidMeshError as e:
+                found[key] = str(e)
         return found
 
     async def _open_for_watch(self) -> Any:

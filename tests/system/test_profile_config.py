@@ -70,3 +70,29 @@ def test_published_profile_changes_a_running_receivers_group(nats, services, tin
     assert before.path == "full_prefill" and "no recompute config" in (before.fallback_reason or "")
     assert after is not None and after.path == "partial" and after.plan == "recompute [2,4)"
     assert newer is not None and newer.path == "partial" and newer.plan == "recompute [1,5)"
+
+
+def test_a_snapshot_right_after_puts_holds_every_config(nats, tiny_pair):
+    """`snapshot()` from a fresh connection, straight after each put, returns every version put so
+    far (a watcher-based read could end before entries already in flight to it)."""
+    from droidmesh.shared.mesh.config_board import NatsConfigBoard, config_key
+
+    async def run() -> list[set[str]]:
+        writer = await MeshClient.connect(nats[1])
+        seen = []
+        try:
+            for version in range(1, 9):
+                cfg = _config(tiny_pair, 1, 3, version)
+                await writer.bus.config_board().put(cfg)
+                reader = await MeshClient.connect(nats[1])
+                try:
+                    seen.append(set((await NatsConfigBoard(reader.bus.nc).snapshot() or {}).keys()))
+                finally:
+                    await reader.close()
+        finally:
+            await writer.close()
+        return seen
+
+    seen = asyncio.run(run())
+    for version, keys in enumerate(seen, start=1):
+        assert keys == {config_key(_config(tiny_pair, 1, 3, v)) for v in range(1, version + 1)}
