@@ -60,22 +60,48 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | 
     t, total = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
     window = kwargs.get("sliding_window")
-    if window and total > window:  # some key lies outside some query's window
+    mask: torch.Tensor | None = None
+    windowed = bool(window) and total > window  # some key lies outside some query's window
+    if windowed:
         start = max(0, total - t - window + 1)  # the first query's window starts here: earlier keys are never read
         key, value = key[:, :, start:], value[:, :, start:]  # [B, kvH, total - start, hd] views
-        mask = None
         if t > 1:  # one query sees exactly the `window` keys left; more need the band
             positions = torch.arange(start, total, device=query.device)  # [total - start]
             mask = visible(positions[-t:], positions, window)  # [T, total - start]
+    if t == 1 and query.device.type == "cpu" and query.dtype in _REDUCED:  # one new token sees every key left
+        out = one_token(query, key, value, scaling)
+    elif windowed or t == 1:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-    elif t == 1:  # one new token sees every key
-        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
     elif t == total:  # no past: plain causal
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:  # T queries at positions past.. over past+T keys
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(t, total), scale=scaling,
                                              enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None  # [B, H, T, hd] -> [B, T, H, hd]
+
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def one_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """One new query per row over every key given, as two small matmuls and a float32 softmax:
+    query [B, H, 1, hd], key / value [B, kvH, S, hd] -> [B, H, 1, hd].
+
+    For a CPU decode step in bfloat16 or float16: PyTorch's fused CPU kernel spends most of its
+    time on per-block overhead when there is a single query (here about 9x longer over 1K keys
+    than this), and a decode step is mostly attention once a few rows share it. The query heads
+    that share a KV head are the rows of one matmul against it, so K/V are read once and never
+    expanded. The scores and softmax stay float32; the probabilities meet V in V's dtype."""
+    b, h, _, hd = query.shape
+    kvh, keys = key.shape[1], key.shape[2]
+    scale = scaling if scaling is not None else hd ** -0.5
+    q = query.reshape(b * kvh, h // kvh, hd)  # [B, H, 1, hd] -> [B*kvH, g, hd]: query head i reads KV head i // g
+    k = key.reshape(b * kvh, keys, hd)  # [B, kvH, S, hd] -> [B*kvH, S, hd] (a view of a cache's slice)
+    v = value.reshape(b * kvh, keys, hd)
+    scores = torch.bmm(k, q.transpose(1, 2))  # [B*kvH, S, g]: keys-major reads K as stored
+    scores = scores.transpose(1, 2).float().mul_(scale)  # [B*kvH, g, S], float32
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [B*kvH, g, S]
+    return torch.bmm(probs, v).reshape(b, h, 1, hd)  # [B*kvH, g, hd] -> [B, H, 1, hd]
 
 
 def visible(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
