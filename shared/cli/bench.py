@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from droidmesh.shared.bench import output
-from droidmesh.shared.cli import bench_data_plane
+from droidmesh.shared.cli import bench_data_plane, bench_peer
 from droidmesh.shared.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, save
 from droidmesh.shared.cli.model_options import device_options
 from droidmesh.shared.cli.params import GROUP, check_group, checkpoint_layers, float_list, int_list
@@ -698,5 +698,5 @@ def held(json_path, n_docs, chars, base_arg, adapter_args, pair_args, group, mod
                              **{k: suite.strip(v) for k, v in result.items()}})
 
 
-for _command in bench_data_plane.COMMANDS:
+for _command in (*bench_data_plane.COMMANDS, *bench_peer.COMMANDS):
     bench.add_command(_command)
