@@ -6,4 +6,4 @@ bash infra/bootstrap.sh
 .venv/bin/ruff check shared services tests
 .venv/bin/python infra/typecheck.py
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"
