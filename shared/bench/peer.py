@@ -127,7 +127,8 @@ def measure_ours(model: ModelAdapter, ttft_prompts: dict[int, Prompt], decode_pr
             ttft[n].append({"mode": plan.mode if plan.mode != "groups" else "partial",
                             "recomputed_layers": len(plan.recomputed_layers(L)), "ttft_s": s, "first_token": first})
     _decode_round(model, decode_prompts[:2], 2)  # warm-up
-    rates, tokens = [], []
+    rates: list[float] = []
+    tokens: list[list[int]] = []
     for _ in tqdm(range(repeats), desc="ours decode", unit="round"):
         seconds, tokens = _decode_round(model, decode_prompts, new_tokens)
         rates.append(sum(len(t) - 1 for t in tokens) / seconds)

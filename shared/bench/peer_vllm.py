@@ -55,7 +55,9 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
             first.append(toks[0][0])
         _say(f"{n} tokens: TTFT {statistics.median(times):.3f} s")
         ttft[n] = {"ttft_s": statistics.median(times), "times_s": times, "first_tokens": first}
-    prefill_s, decode_s, tokens = [], [], []
+    prefill_s: list[float] = []
+    decode_s: list[float] = []
+    tokens: list[list[int]] = []
     for _ in range(req["repeats"]):
         s1, _toks = _timed(llm, req["decode_prompts"], one)
         sn, tokens = _timed(llm, req["decode_prompts"], many)

@@ -59,10 +59,10 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | 
                                       is_causal=is_causal, **kwargs)
     t, total = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
-    window = kwargs.get("sliding_window")
+    window: int | None = kwargs.get("sliding_window") or None
     mask: torch.Tensor | None = None
-    windowed = bool(window) and total > window  # some key lies outside some query's window
-    if windowed:
+    windowed = window is not None and total > window  # some key lies outside some query's window
+    if window is not None and windowed:
         start = max(0, total - t - window + 1)  # the first query's window starts here: earlier keys are never read
         key, value = key[:, :, start:], value[:, :, start:]  # [B, kvH, total - start, hd] views
         if t > 1:  # one query sees exactly the `window` keys left; more need the band
