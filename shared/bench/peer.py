@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,17 +80,32 @@ def run_vllm(python: str, model_path: str, dtype: str, ttft_prompts: dict[int, P
         req_path, out_path = Path(tmp, "request.json"), Path(tmp, "result.json")
         req_path.write_text(json.dumps(request))
         log_path = Path(tmp, "stderr.txt")
-        with log_path.open("w") as err:  # its progress lines (stdout) show as ours; its stderr is kept for the error
-            try:
-                done = subprocess.run([python, str(SCRIPT), str(req_path), str(out_path)], env=env, stdout=sys.stderr,
-                                      stderr=err, timeout=timeout_s, check=False)
-            except subprocess.TimeoutExpired:
-                raise PeerError(f"the peer did not finish within {timeout_s:.0f} s") from None
-        if done.returncode != 0 or not out_path.is_file():
+        with log_path.open("w") as err:
+            code = _run_echoing([python, str(SCRIPT), str(req_path), str(out_path)], env, err, timeout_s)
+        if code is None:
+            raise PeerError(f"the peer did not finish within {timeout_s:.0f} s")
+        if code != 0 or not out_path.is_file():
             tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise PeerError(f"the peer exited with {done.returncode}: {tail[0][:300]}")
+            raise PeerError(f"the peer exited with {code}: {tail[0][:300]}")
         result: dict[str, Any] = json.loads(out_path.read_text())
         return result
+
+
+def _run_echoing(argv: list[str], env: dict[str, str], err: Any, timeout_s: float) -> int | None:
+    """Run `argv`, echoing its stdout (progress lines) to our stderr and writing its stderr to
+    `err`; its exit code, or None when it ran past `timeout_s` (then it is killed)."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line.rstrip(), file=sys.stderr, flush=True)
+        code = proc.wait()
+    finally:
+        timed_out = not timer.is_alive() and proc.returncode is not None and proc.returncode < 0
+        timer.cancel()
+    return None if timed_out else code
 
 
 def _ttft(model: ModelAdapter, prompt: list[int], plan: ReusePlan, source: CapturedSource | None,
@@ -194,6 +210,7 @@ def run(python: str, model: ModelAdapter, model_path: str, tokenizer: Any, conte
     began = time.perf_counter()
     peer = run_vllm(python, model_path, dtype, ttft_prompts, decode_prompts, new_tokens, repeats, core, timeout_s)
     peer_s = time.perf_counter() - began
+    cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {core})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -201,7 +218,7 @@ def run(python: str, model: ModelAdapter, model_path: str, tokenizer: Any, conte
         ours = measure_ours(model, ttft_prompts, decode_prompts, ks, new_tokens, repeats)
     finally:
         torch.set_num_threads(threads)
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        os.sched_setaffinity(0, cores)
     out = rows(peer, ours, batch, new_tokens)
     return {**out, "targets": targets(out["ttft"], out["decode"], ks[0]) if ks else {},
             "peer": {k: peer[k] for k in ("engine", "version", "load_s")}, "peer_run_s": peer_s,

@@ -68,7 +68,8 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("demo", ["--rows", "1"]),
 ]
 # Commands that run in the foreground until stopped: started and stopped by their own tests.
-COVERED_ELSEWHERE = {"serve": "tests/system/test_serve.py"}
+COVERED_ELSEWHERE = {"serve": "tests/system/test_serve.py",
+                     "bench peer": "tests/unit/bench/test_peer.py"}  # its peer is a stand-in there
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
          "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs", "--n-before", "--max-shifted",
          "--profile-rows", "--trials", "--warmup", "--counts", "--docs", "--chars", "--calibration-rows", "--shares"}

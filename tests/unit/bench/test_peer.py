@@ -75,10 +75,15 @@ def test_rows_and_targets_from_fixed_timings():
     assert t["decode_at_least_half"] is True
 
 
+def _stand_in_peer(root, monkeypatch) -> None:
+    """A `vllm` package that `python` (this interpreter) imports in the peer subprocess."""
+    (root / "vllm").mkdir()
+    (root / "vllm" / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    monkeypatch.setenv("PYTHONPATH", str(root))
+
+
 def test_the_peer_subprocess_gets_the_same_token_ids(tmp_path, monkeypatch):
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    _stand_in_peer(tmp_path, monkeypatch)
     ttft_prompts = {64: ([1] * 64, [2] * 5), 128: ([3] * 128, [4] * 7)}
     decode_prompts = [([5] * 20, [6] * 3), ([7] * 30, [8])]
     out = peer.run_vllm(sys.executable, "/nowhere", "bfloat16", ttft_prompts, decode_prompts, new_tokens=4, repeats=2,
@@ -99,6 +104,9 @@ def test_a_failing_or_missing_peer_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(peer.PeerError, match=r"exited with 1: ImportError: vllm wants a GPU driver") as e:
         peer.run_vllm(sys.executable, "/m", "bfloat16", {8: ([1] * 8, [2])}, [([1], [2])], 4, 1, 0, 60)
     assert "\n" not in str(e.value)
+    (tmp_path / "vllm" / "__init__.py").write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises(peer.PeerError, match="did not finish within 1 s"):
+        peer.run_vllm(sys.executable, "/m", "bfloat16", {8: ([1] * 8, [2])}, [([1], [2])], 4, 1, 0, 1.0)
 
 
 def test_our_batched_decode_round_equals_each_prompt_alone(tiny_models):
@@ -108,3 +116,44 @@ def test_our_batched_decode_round_equals_each_prompt_alone(tiny_models):
     alone = [generate(model, c + q, ReusePlan.full_prefill(), None, max_new_tokens=6).tokens for c, q in prompts]
     assert seconds > 0
     assert tokens == alone
+
+
+def test_the_command_runs_both_sides_and_writes_its_json(tiny_pair, tmp_path, monkeypatch):
+    """`droidmesh bench peer` end to end against the stand-in peer: the table, the targets, the JSON."""
+    import json
+    import os
+
+    from click.testing import CliRunner
+
+    from droidmesh.shared.cli.main import main
+
+    _stand_in_peer(tmp_path, monkeypatch)
+    cores = os.sched_getaffinity(0)
+    core = min(cores)
+    args = ["bench", "peer", "--peer-python", sys.executable, "--model", str(tiny_pair[1]), "--contexts", "32,48",
+            "--batch", "2", "--decode-context", "24", "--new-tokens", "4", "--repeats", "1", "--dtype", "float32",
+            "--core", str(core), "--json", str(tmp_path / "peer.json"), "--plot", str(tmp_path / "peer.png")]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "decode_over_vllm" in result.stdout
+    saved = json.loads((tmp_path / "peer.json").read_text())
+    assert {(r["context_tokens"], r["engine"], r["mode"]) for r in saved["ttft"]} == {
+        (n, e, m) for n in (32, 48) for e, m in (("vllm", "full_prefill"), ("droidmesh", "full_prefill"),
+                                                  ("droidmesh", "partial"), ("droidmesh", "full_reuse"))}
+    assert saved["peer"]["version"] == "0.0-fake" and saved["decode"]["batch"] == 2
+    assert os.sched_getaffinity(0) == cores  # pinned for our side only
+    assert (tmp_path / "peer.png").stat().st_size > 0
+
+
+def test_the_command_refuses_an_adapter(tmp_path):
+    from click.testing import CliRunner
+
+    from droidmesh.shared.cli.main import main
+
+    for d in ("base", "lora"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.json").write_text("{}")
+    (tmp_path / "lora" / "adapter_config.json").write_text('{"base_model_name_or_path": "../base"}')
+    result = CliRunner().invoke(main, ["bench", "peer", "--peer-python", sys.executable, "--model",
+                                       str(tmp_path / "lora")])
+    assert result.exit_code == 2 and "is an adapter; give a full checkpoint" in result.output
