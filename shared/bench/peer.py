@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,9 +94,10 @@ def run_vllm(python: str, model_path: str, dtype: str, ttft_prompts: dict[int, P
 
 def _run_echoing(argv: list[str], env: dict[str, str], err: Any, timeout_s: float) -> int | None:
     """Run `argv`, echoing its stdout (progress lines) to our stderr and writing its stderr to
-    `err`; its exit code, or None when it ran past `timeout_s` (then it is killed)."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-    timer = threading.Timer(timeout_s, proc.kill)
+    `err`; its exit code, or None when it ran past `timeout_s` (then it is killed, with the
+    engine processes it started: they share its session, and would otherwise hold the pipe)."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    timer = threading.Timer(timeout_s, os.killpg, (proc.pid, signal.SIGKILL))
     timer.start()
     try:
         assert proc.stdout is not None
