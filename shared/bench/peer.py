@@ -44,6 +44,7 @@ from droidmesh.shared.kv.partial import generate, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.wire.hashing import common_prefix
 
 SCRIPT = Path(__file__).with_name("peer_vllm.py")
 Prompt = tuple[list[int], list[int]]  # (context ids, question ids)
@@ -153,17 +154,8 @@ def measure_ours(model: ModelAdapter, ttft_prompts: dict[int, Prompt], decode_pr
     return {"ttft": ttft, "decode_tokens_per_s": statistics.median(rates), "decode_rates": rates, "tokens": tokens}
 
 
-def _same_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def rows(peer: dict[str, Any], ours: dict[str, Any], batch: int, new_tokens: int) -> dict[str, Any]:
-    """The side-by-side table, the decode comparison and the targets' ratios."""
+    """The side-by-side TTFT table and the decode comparison (`targets` judges them)."""
     table: list[dict[str, Any]] = []
     for n, ours_rows in ours["ttft"].items():
         p = peer["ttft"][str(n)]
@@ -176,7 +168,7 @@ def rows(peer: dict[str, Any], ours: dict[str, Any], batch: int, new_tokens: int
     d = peer["decode"]
     peer_decode_s = statistics.median(a - o for a, o in zip(d["all_tokens_s"], d["one_token_s"], strict=True))
     peer_rate = batch * (new_tokens - 1) / peer_decode_s if peer_decode_s > 0 else None
-    same = [_same_prefix(a, b) / new_tokens for a, b in zip(ours["tokens"], d["tokens"], strict=True)]
+    same = [common_prefix(a, b) / new_tokens for a, b in zip(ours["tokens"], d["tokens"], strict=True)]
     decode_row = {"batch": batch, "new_tokens": new_tokens, "vllm_tokens_per_s": peer_rate,
                   "droidmesh_tokens_per_s": ours["decode_tokens_per_s"],
                   "droidmesh_over_vllm": ours["decode_tokens_per_s"] / peer_rate if peer_rate else None,
