@@ -64,6 +64,7 @@ from droidmesh.shared.transport.pull import (
     pull_items,
     request_grant,
     source_for,
+    window_starts,
 )
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.hashing import common_prefix, held_context_id
@@ -151,10 +152,11 @@ async def reuse_generate(
     model, plan = s.model, decision.plan
     source = source_for(holder, prompt)  # only the prefix this prompt reuses is pulled
     require_compatible(source.fingerprint, model.fingerprint)
-    items = pull_items(plan, model.num_layers)
+    starts = window_starts(plan, model.windows, len(source.token_ids), decision.codec)  # sliding layers: their window
+    items = pull_items(plan, model.num_layers, starts)
     screen = await screen_for(s)
     read: LayerSource = source if screen is None else ScreenedSource(
-        source, screen, model, [(i.kind, i.layer) for i in items], plan.patch)
+        source, screen, model, [(i.kind, i.layer) for i in items], plan.patch, starts)
     steps = generate_steps(model, prompt, plan, read, max_new_tokens=max_new_tokens, eos_token_id=s.eos_token_id,
                            timeout_s=timeout_s, sampler=sampler, on_token=on_token, deadline=deadline,
                            logprobs=logprobs, samples=samples)

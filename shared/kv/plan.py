@@ -22,7 +22,7 @@ attention input decoded from the sender's E (which travels under a `lowrank` cod
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal, get_args
 
 from droidmesh.shared.errors import BadRequestError
@@ -96,6 +96,17 @@ class ReusePlan:
             return ()
         own = set(self.recomputed_layers(num_layers)) | set(self.patch)
         return tuple(l for l in range(num_layers) if l not in own)
+
+    def window_starts(self, windows: Sequence[int | None], tokens: int) -> dict[int, int]:
+        """Per reused layer with a sliding window W, the first of the `tokens` context tokens any
+        later query reads: max(0, tokens - W + 1), where that is past 0. A reused layer never runs
+        over the context (only over the suffix, at positions >= tokens, each seeing the last W
+        keys), so its K/V before that token are never read and need not be pulled. Cacheblend
+        recomputes context tokens at every layer (they read the whole window behind them): none."""
+        if self.mode not in ("full_reuse", "groups"):
+            return {}
+        starts = {l: tokens - w + 1 for l in self.reused_layers(len(windows)) if (w := windows[l]) is not None}
+        return {l: s for l, s in starts.items() if s > 0}
 
     def validate(self, num_layers: int) -> None:
         """Raise `BadRequestError` unless the plan fits a model of `num_layers` layers."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -139,6 +139,8 @@ def measure(t: torch.Tensor, kind: Kind, tables: tuple[torch.Tensor, torch.Tenso
     if tables is None:
         total = x.sum(1, dtype=torch.float32)  # [H, d]
     else:
+        # tables' row 0 is the first token's position: 0 (the identity), or a later window's start
+        first = first * tables[0][0] - rotate_half(first * tables[1][0])
         total = torch.zeros(h, d, dtype=torch.float32, device=x.device)
         sin_total = torch.zeros_like(total)
         for a in range(0, n + 1, CHUNK):  # float32 temporaries of CHUNK tokens
@@ -215,8 +217,9 @@ class Screen:
         return self.read_many([(kind, layer, t)])[0]
 
     @torch.inference_mode()
-    def read_many(self, tensors: Sequence[tuple[Kind, int, torch.Tensor]]) -> list[Reading]:
-        """`read` of each, with one device-to-host read for all (a layer's K and V)."""
+    def read_many(self, tensors: Sequence[tuple[Kind, int, torch.Tensor]], offset: int = 0) -> list[Reading]:
+        """`read` of each, with one device-to-host read for all (a layer's K and V); `offset`: the
+        position of the tensors' first token (a sliding-window layer pulled from a later token)."""
         sums: list[torch.Tensor] = []
         for kind, layer, t in tensors:
             ref = self.reference.get((kind, layer))
@@ -225,7 +228,10 @@ class Screen:
                 continue
             inv_freq = self.layer_inv_freq(layer) if kind == "K" else None
             rope = inv_freq is not None and 2 * inv_freq.numel() == t.shape[-1]
-            tables = self._rope(inv_freq, t.shape[-2], t.device) if rope and inv_freq is not None else None
+            tables = None
+            if rope and inv_freq is not None:
+                cos, sin = self._rope(inv_freq, offset + t.shape[-2], t.device)  # each [>= offset + T, d]
+                tables = cos[offset:], sin[offset:]
             squares, mean, _ = measure(t, kind, tables)
             sums.append(torch.stack([squares, mean.norm(), mean @ ref.mean.to(mean.device)]))
         values = torch.stack(sums).tolist() if sums else []
@@ -259,8 +265,8 @@ class Screen:
         """`read`, raising `IntegrityError` when the tensor fails a per-tensor test."""
         return self.check_many([(kind, layer, t)])[0]
 
-    def check_many(self, tensors: Sequence[tuple[Kind, int, torch.Tensor]]) -> list[Reading]:
-        readings = self.read_many(tensors)
+    def check_many(self, tensors: Sequence[tuple[Kind, int, torch.Tensor]], offset: int = 0) -> list[Reading]:
+        readings = self.read_many(tensors, offset)
         for reading in readings:
             why = reading.failure()
             if why is not None:
@@ -298,8 +304,10 @@ class ScreenedSource:
     the engine's own checks, right after the read, refuse it with their own reasons."""
 
     def __init__(self, inner: LayerSource, screen: Screen, receiver: ModelAdapter,
-                 expected: Iterable[tuple[str, int]] = (), patch: Iterable[int] = ()):
+                 expected: Iterable[tuple[str, int]] = (), patch: Iterable[int] = (),
+                 starts: Mapping[int, int] | None = None):
         self.inner, self.screen, self.receiver, self.patch = inner, screen, receiver, frozenset(patch)
+        self.starts = dict(starts or {})  # layer -> first token pulled (earlier ones are zeros, never read)
         self.token_ids = inner.token_ids
         self.fingerprint = inner.fingerprint
         self._pending = {(k, l) for k, l in expected if k == "K" or (k == "E" and l not in self.patch)}
@@ -309,7 +317,8 @@ class ScreenedSource:
         block = self.inner.kv(layer, deadline)
         shape = self.receiver.kv_shape(len(self.token_ids))
         if self._fits(block.k, shape) and self._fits(block.v, shape):
-            k, _ = self.screen.check_many([("K", layer, block.k), ("V", layer, block.v)])
+            a = self.starts.get(layer, 0)  # judged on the tokens pulled, at their own positions
+            k, _ = self.screen.check_many([("K", layer, block.k[:, :, a:]), ("V", layer, block.v[:, :, a:])], a)
             self._judged("K", layer, k)
         return block
 

@@ -21,9 +21,11 @@ embeddings); the adapter supplies what a layer is handed from outside: the RoPE 
 type (local and global layers rotate by different bases) and, for its sliding-window layers,
 the window's visibility. Sliding-window layers: the engine's cache keeps the K/V of *every*
 position for them, as for full layers (`hf_cache.new_cache`), and the attention masks each query
-to its window (`windows[l]`); so a captured context, and what a pull moves, is every layer's K/V
-of every context token, [1, kv_heads, T, head_dim], sliding layers included (only their last
-W-1 tokens are read by a suffix; moving fewer is not done yet).
+to its window (`windows[l]`); so a captured context is every layer's K/V of every context token,
+[1, kv_heads, T, head_dim], sliding layers included: a sender can serve any prefix of it. A pull
+moves less: a reused sliding layer's K/V only from the first token the suffix's window reaches
+(`ReusePlan.window_starts`, the last W-1 context tokens), zeros before it in the receiver's cache,
+never read.
 """
 
 from __future__ import annotations

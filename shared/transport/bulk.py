@@ -59,7 +59,7 @@ from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.registry import TRANSPORTS as TRANSPORTS  # the factories live there; callers import them here
 from droidmesh.shared.transport.registry import make_client as make_client
 from droidmesh.shared.transport.registry import make_server as make_server
-from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader, Transport
+from droidmesh.shared.wire.schemas import LOWRANK_CODEC, PullItem, PullRequest, PullResponse, TensorHeader, Transport
 
 log = structlog.get_logger("bulk")
 
@@ -135,6 +135,11 @@ def check_request(request: PullRequest) -> None:
         raise BadMessageError(f"a layer outside [0, {MAX_LAYERS})")
     if not 0 <= request.tokens <= MAX_TOKENS:
         raise BadMessageError(f"tokens {request.tokens} outside [0, {MAX_TOKENS}]")
+    if any(not 0 <= it.start <= MAX_TOKENS or (it.start and it.kind == "E") for it in request.items):
+        raise BadMessageError(f"an item's start outside [0, {MAX_TOKENS}], or an E item not from token 0")
+    if request.codec == LOWRANK_CODEC and any(it.start for it in request.items):
+        # its K codes are made before RoPE at positions 0..T-1: a later start would rotate by the wrong ones
+        raise BadMessageError(f"codec {LOWRANK_CODEC} codes whole token prefixes: an item starts at a later token")
     params = request.codec_params
     strings = [request.context_id, request.token, request.codec, *params, *(v for v in params.values() if isinstance(v, str))]
     if len(params) > MAX_CODEC_PARAMS or any(len(x) > MAX_STR for x in strings):
@@ -180,7 +185,7 @@ def admit(request: PullRequest, lookup: TensorLookup, authorize: Authorize | Non
         if t is None:
             raise TransferError(f"sender does not hold {request.context_id} layer {item.layer} {item.kind}")
         stored.append(t)
-        views.append(_prefix(t, item, request.tokens))
+        views.append(_tokens(t, item, request.tokens))
     return Admitted(stored, views, pin(request.context_id) if pin is not None else _NoHold())
 
 
@@ -228,18 +233,19 @@ def token_axis(kind: str) -> int:
     return 1 if kind == "E" else 2
 
 
-def _prefix(t: torch.Tensor, item: PullItem, tokens: int) -> torch.Tensor:
-    """`t` cut to its first `tokens` tokens (0: all of them): a view, never a copy."""
-    if tokens == 0:
+def _tokens(t: torch.Tensor, item: PullItem, tokens: int) -> torch.Tensor:
+    """`t` cut to tokens [item.start, tokens) (`tokens` 0: all of them): a view, never a copy."""
+    if tokens == 0 and item.start == 0:
         return t
     axis = token_axis(item.kind)
     if t.dim() <= axis:
         raise TransferError(f"stored layer {item.layer} {item.kind} has no token axis")
-    if tokens == t.shape[axis]:
-        return t
-    if tokens > t.shape[axis]:
-        raise TransferError(f"asks {tokens} tokens of layer {item.layer} {item.kind}, the context has {t.shape[axis]}")
-    return t.narrow(axis, 0, tokens)
+    end = tokens or t.shape[axis]
+    if end > t.shape[axis]:
+        raise TransferError(f"asks {end} tokens of layer {item.layer} {item.kind}, the context has {t.shape[axis]}")
+    if item.start >= end:
+        raise TransferError(f"layer {item.layer} {item.kind} from token {item.start}: the pull has {end} tokens")
+    return t if (item.start, end) == (0, t.shape[axis]) else t.narrow(axis, item.start, end - item.start)
 
 
 def _shares_memory(payload: torch.Tensor, t: torch.Tensor) -> bool:

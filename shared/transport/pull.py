@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -79,12 +79,20 @@ class Watched(Protocol):
     def watch(self, fn: Callable[[], None]) -> None: ...
 
 
-def pull_items(plan: ReusePlan, num_layers: int) -> list[PullItem]:
-    """E of each group's first layer first, then the reused K/V by layer."""
+def pull_items(plan: ReusePlan, num_layers: int, starts: Mapping[int, int] | None = None) -> list[PullItem]:
+    """E of each group's first layer first, then the reused K/V by layer, layer l's from token
+    `starts[l]` (`ReusePlan.window_starts`: a sliding-window layer's keys a query can still read)."""
     reused = range(num_layers) if plan.mode == "cacheblend" else plan.reused_layers(num_layers)
+    starts = starts or {}
     return [PullItem(layer=l, kind="E") for l in plan.e_layers] + [
-        PullItem(layer=l, kind=k) for l in reused for k in ("K", "V")
+        PullItem(layer=l, kind=k, start=starts.get(l, 0)) for l in reused for k in ("K", "V")
     ]
+
+
+def window_starts(plan: ReusePlan, windows: Sequence[int | None], tokens: int, codec: str) -> dict[int, int]:
+    """The plan's `window_starts` over a pull of `tokens` tokens, where the codec may send a later
+    token range (a lowrank code is made from position 0: it pulls every token)."""
+    return {} if codec == schemas.LOWRANK_CODEC else plan.window_starts(windows, tokens)
 
 
 def source_for(holder: CacheAvailable, prompt: list[int] | None = None) -> ArrivingSource:
@@ -101,10 +109,22 @@ def source_for(holder: CacheAvailable, prompt: list[int] | None = None) -> Arriv
 
 
 def buffers(model: Layout, tokens: int, items: list[PullItem]) -> list[torch.Tensor]:
-    """The receiver's own buffer per item, on its device: E [1, T, D], K / V [1, kvh, T, hd]
+    """The receiver's own buffer per item, on its device: E [1, T, D], K / V [1, kvh, T - start, hd]
     (on CUDA from the copy stream's pool, see `streams`)."""
-    return [streams.empty(model.e_shape(tokens) if it.kind == "E" else model.kv_shape(tokens), model.dtype,
+    return [streams.empty(model.e_shape(tokens) if it.kind == "E" else model.kv_shape(tokens - it.start), model.dtype,
                           model.device) for it in items]
+
+
+def widened(model: Layout, tokens: int, item: PullItem, t: torch.Tensor) -> torch.Tensor:
+    """A K / V item pulled from token `item.start` as the engine reads a context's layer:
+    [1, kvh, tokens, hd], zeros before the start (never read: no query's window reaches them)."""
+    if item.start == 0:
+        return t
+    whole = torch.zeros(model.kv_shape(tokens), dtype=t.dtype, device=t.device)  # [1, kvh, tokens, hd]
+    whole[:, :, item.start:] = t  # t [1, kvh, tokens - start, hd]
+    if t.is_cuda:  # done before `t` (the copy stream's) is freed and `whole` is read on the compute stream
+        torch.cuda.current_stream(t.device).synchronize()
+    return whole
 
 
 Request = Callable[[str, bytes, float], Awaitable[bytes]]  # NATS request: subject, payload, timeout -> reply
@@ -167,9 +187,12 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
     request = PullRequest(context_id=holder.context_id, items=items, token=token, codec=codec,
                           codec_params=codec_params or {}, tokens=tokens)
 
+    if any(not 0 <= it.start < tokens or (it.start and it.kind == "E") for it in items):
+        raise TransferError(f"a pulled item starts outside its K / V's {tokens} tokens")
+
     def on_item(item: PullItem, t: torch.Tensor) -> None:
         if source is not None:
-            source.put(item.kind, item.layer, t)
+            source.put(item.kind, item.layer, widened(model, tokens, item, t))
 
     try:
         return await bulk.pull(holder.address, request, buffers(model, tokens, items), on_item, timeout_s)

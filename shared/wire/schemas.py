@@ -376,9 +376,10 @@ class ProfileReply(Message, tag="profile.reply"):
 
 
 # -- the UCX pull protocol (rides the UCX endpoint, not NATS) ------------------------------
-class PullItem(msgspec.Struct):
+class PullItem(msgspec.Struct, omit_defaults=True):
     layer: int
     kind: ItemKind
+    start: int = 0  # first context token sent (K / V of a sliding-window layer: its window's keys only)
 
 
 class PullRequest(Message, tag="pull.request"):
@@ -387,7 +388,7 @@ class PullRequest(Message, tag="pull.request"):
     token: str = ""  # a grant from the holder's sender (GrantRequest), used up by this pull
     codec: str = "raw"  # how the receiver wants the tensors encoded
     codec_params: CodecParams = {}
-    tokens: int = 0  # leading context tokens wanted (0: all); the sender slices [.., :tokens, ..]
+    tokens: int = 0  # leading context tokens wanted (0: all); the sender slices [.., item.start:tokens, ..]
 
 
 class TensorHeader(Message, tag="tensor.header"):

@@ -66,6 +66,54 @@ def test_a_whole_plan_pull_equals_per_item_pulls(transport, stored_tokens, token
         assert torch.equal(a, stored[(it.layer, it.kind)].narrow(axis, 0, want)), it
 
 
+@pytest.mark.parametrize("transport", CHANNELS)
+@pytest.mark.parametrize(("stored_tokens", "tokens", "start"), [(9, 0, 4), (700, 0, 189), (700, 513, 2), (2, 0, 1)],
+                         ids=["small-inline", "whole", "prefix", "last-token"])
+def test_items_from_a_later_token_are_that_token_range(transport, stored_tokens, tokens, start):
+    """A sliding-window layer's K / V pulled from `start`: the stored [start, tokens) of each head
+    lands, E whole; the placed-memory channels read it in place."""
+    stored = _context(stored_tokens)
+    want = tokens or stored_tokens
+    items = [PullItem(l, "E") for l in E_LAYERS] + [PullItem(l, k, start=start if l % 2 else 0)
+                                                    for l in (0, 1, 5, 6, 7) for k in "KV"]
+    issuer = TokenIssuer(ttl_s=60)
+
+    async def body(client, address):
+        into = [_buffer(it, want - it.start) for it in items]
+        await client.pull(address, PullRequest(context_id="ctx", items=items, token=issuer.issue("ctx")[0], tokens=tokens),
+                          into, lambda it, t: None, 30)
+        return into
+
+    got = asyncio.run(_session(transport, issuer, body, stored=stored))
+    for it, t in zip(items, got, strict=True):
+        axis = 1 if it.kind == "E" else 2
+        assert torch.equal(t, stored[(it.layer, it.kind)].narrow(axis, it.start, want - it.start)), it
+
+
+@pytest.mark.parametrize("case", ["at-the-end", "past-the-end", "an-e-item", "a-lowrank-pull", "negative"])
+def test_a_start_no_receiver_asks_is_refused_before_a_byte_lands(case):
+    issuer = TokenIssuer(ttl_s=60)
+    k = PullItem(1, "K", start=9)
+    request = {
+        "at-the-end": PullRequest(context_id="ctx", items=[k], token=issuer.issue("ctx")[0]),
+        "past-the-end": PullRequest(context_id="ctx", items=[PullItem(1, "K", start=5)], token=issuer.issue("ctx")[0],
+                                    tokens=4),
+        "an-e-item": PullRequest(context_id="ctx", items=[PullItem(2, "E", start=1)], token=issuer.issue("ctx")[0]),
+        "a-lowrank-pull": PullRequest(context_id="ctx", items=[PullItem(1, "K", start=1)], token=issuer.issue("ctx")[0],
+                                      codec="lowrank"),
+        "negative": PullRequest(context_id="ctx", items=[PullItem(1, "K", start=-1)], token=issuer.issue("ctx")[0]),
+    }[case]
+    into = [torch.full((1, KVH, 9, HD), float("nan"))]
+    delivered: list[PullItem] = []
+
+    async def body(client, address):
+        await client.pull(address, request, into, lambda it, t: delivered.append(it), 30)
+
+    with pytest.raises((TransferError, BadMessageError), match="start|from token|token 0|codes whole"):
+        asyncio.run(_session("inproc", issuer, body, stored=_context(9)))
+    assert delivered == [] and torch.isnan(into[0]).all()
+
+
 def _over_broad(issuer: TokenIssuer) -> dict[str, tuple[PullRequest, type[Exception], str]]:
     plan = _plan()
     return {

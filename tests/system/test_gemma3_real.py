@@ -97,3 +97,45 @@ def test_recompute_all_and_full_reuse_equal_its_own_forward(gemma: ModelAdapter,
         assert float((got - eager).abs().max()) <= ATOL, plan.label()
         if plan.mode != "full_prefill":
             assert generate(gemma, ids, plan, src, max_new_tokens=MAX_NEW).tokens == want, plan.label()
+
+
+def test_a_gemma3_pull_moves_only_the_sliding_layers_windows(gemma: ModelAdapter, nats, services) -> None:
+    """Through the mesh (separate processes, a real nats-server): a Gemma 3 receiver reusing a
+    Gemma 3 sender's context pulls every global layer's K/V whole and each sliding layer's from
+    the first token its window still reaches (`ReusePlan.window_starts`), and answers with the
+    tokens of the in-process engine reusing the whole cache."""
+    import asyncio
+
+    from droidmesh.shared.mesh.client import MeshClient
+    from tests.system.conftest import start_together, until_indexed
+
+    path = realbase.gemma3_base()
+    row = make_real_rows("doc_qa", "test", 1, chars=(6000, 8000))[0]  # as `real_prompt`: past the window
+    threads = {"env": {"OMP_NUM_THREADS": "1"}}
+    start_together(nats[1], [("cache_broker", {}, threads),
+                             ("sender", {"model_path": path, "model_id": "gemma3-sender", "heartbeat_s": 0.5}, threads),
+                             ("receiver", {"model_path": path, "model_id": "gemma3"}, threads)], services)
+    ctx = text.context_ids(gemma.tokenizer, row["context"])
+    ids = ctx + text.question_ids(gemma.tokenizer, row["input"])
+    want = generate(gemma, ids, ReusePlan.full_reuse(), CapturedSource(capture_prefill(gemma, ctx)),
+                    max_new_tokens=MAX_NEW, eos_token_id=gemma.tokenizer.eos_token_id).tokens
+
+    async def go():
+        client = await MeshClient.connect(nats[1])
+        try:
+            await client.prefill("gemma3-sender", row["context"], timeout=120)
+            await until_indexed(client, gemma, row["context"])
+            return await client.ask("gemma3", row["context"], row["input"], max_new_tokens=MAX_NEW,
+                                    mode="full_reuse", timeout=120)
+        finally:
+            await client.close()
+
+    reply = asyncio.run(go())
+    assert reply.path == "full_reuse", (reply.path, reply.plan, reply.fallback_reason)
+    m = len(ctx)
+    assert m > WINDOW + PAST_WINDOW
+    per_token = 2 * gemma.fingerprint.num_kv_heads * gemma.fingerprint.head_dim * gemma.dtype.itemsize  # K and V
+    starts = ReusePlan.full_reuse().window_starts(gemma.windows, m)
+    assert sorted(starts) == [l for l, w in enumerate(gemma.windows) if w] and set(starts.values()) == {m - WINDOW + 1}
+    assert reply.bytes_pulled == per_token * sum(m - starts.get(l, 0) for l in range(gemma.num_layers))
+    assert reply.token_ids == want

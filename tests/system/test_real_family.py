@@ -2,7 +2,9 @@
 architecture, its own 49K-token tokenizer) holds a real doc_qa test-split context; Gemma 3 270M
 (its own 262K-token tokenizer, sliding-window layers) answers over it on path `translate`, the
 sender's E pulled and translated as it lands, in separate processes over a real nats-server.
-The answer's tokens equal the in-process engine's under the same translator.
+The translator travels as `droidmesh profile --translate --publish` sends it: into the maps
+bucket, from which the receiver fetches it by its sha256 alone. The answer's tokens equal the
+in-process engine's under the same translator.
 
 The translator is fit here, cheaply (a few short train-split contexts, the lowest source layer
 only, full-rank maps, one ridge lambda): what is asserted is the mesh's equality with the engine,
@@ -15,6 +17,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import nats as nats_py
 import pytest
 
 from droidmesh.shared.errors import DroidMeshError
@@ -24,6 +27,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.kv.translate import TranslatedSource, align
 from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.mesh.maps_store import NatsMapsStore
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
 from droidmesh.shared.profiling import translate_fit
@@ -72,6 +76,18 @@ def _ask(url: str, source: ModelAdapter, row: dict) -> object:
     return asyncio.run(go())
 
 
+def _publish(url: str, data: bytes) -> str:
+    """The translator into the maps bucket, as `profile --translate --publish` puts it; its sha256."""
+    async def go() -> str:
+        nc = await nats_py.connect(url)
+        try:
+            return await NatsMapsStore(nc).put(data)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
 def test_gemma3_answers_from_a_smollm2_context_like_the_engine(checkpoints, tmp_path: Path, nats, services) -> None:
     s_path, t_path = checkpoints
     source, target = load_model(s_path, name=SOURCE), load_model(t_path, name=TARGET)
@@ -81,11 +97,12 @@ def test_gemma3_answers_from_a_smollm2_context_like_the_engine(checkpoints, tmp_
     row = make_real_rows("doc_qa", "test", 1, chars=ASK_CHARS)[0]  # test split: other source files than the fit's
 
     url = nats[1]
+    assert _publish(url, (tmp_path / "smollm2-gemma3.safetensors").read_bytes()) == sha
     specs = [("cache_broker", {}, {"env": THREADS}),
              ("sender", {"model_path": s_path, "model_id": SOURCE, "e_layers": list(tr.source_layers), "heartbeat_s": 0.5},
               {"env": THREADS}),
              ("receiver", {"model_path": t_path, "model_id": TARGET,
-                           "translators": [f"{tmp_path / 'smollm2-gemma3.safetensors'}@{sha}"]}, {"env": THREADS})]
+                           "translators": [sha]}, {"env": THREADS})]
     with ThreadPoolExecutor(1) as pool:  # the services start while this process computes the engine's answer
         started = pool.submit(start_together, url, specs, services)
         s_ids, s_spans = text.context_spans(source.tokenizer, row["context"])

@@ -36,7 +36,16 @@ import torch
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import memfd, shm_io
-from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, PullHold, TensorLookup, admit, refusal
+from droidmesh.shared.transport.bulk import (
+    MAX_REQUEST_BYTES,
+    Authorize,
+    Pin,
+    PullHold,
+    TensorLookup,
+    admit,
+    refusal,
+    token_axis,
+)
 from droidmesh.shared.transport.shm.layout import rows
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits, Slots
 from droidmesh.shared.wire import schemas
@@ -158,8 +167,10 @@ class ShmBulkServer:
                 if seg.fd not in fds:
                     fds.append(seg.fd)
                 n, _ = rows(t.shape, item.kind, t.element_size())
-                regions.append(ShmRegion(fd=fds.index(seg.fd), offset=offset,
-                                         stride=t.numel() * t.element_size() // max(n, 1)))
+                stride = t.numel() * t.element_size() // max(n, 1)
+                # a row is one head's [T, hd]: a later start skips its first tokens in every row
+                skip = item.start * stride // max(t.shape[token_axis(item.kind)], 1)
+                regions.append(ShmRegion(fd=fds.index(seg.fd), offset=offset + skip, stride=stride))
             else:  # copied contiguous: row r right after row r - 1
                 _, row = rows(view.shape, item.kind, view.element_size())
                 regions.append(ShmRegion(fd=-1, offset=copy_bytes, stride=row))

@@ -238,3 +238,52 @@ def test_unrotated_key_mean_matches_the_models_pre_rope_keys(demo, captures):
         want = k_pre[0, :, 1:].float().mean(1).reshape(-1)  # [kvh * hd]
         got = S.stats(cap.kv[layer].k, "K", inv_freq).mean
         assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+def test_keys_from_a_later_token_are_rotated_back_at_their_own_positions(demo, captures):
+    """A sliding-window layer's K pulled from token `a` (positions a..T-1): `measure` with the
+    tables from `a` gives the mean of the layer's pre-RoPE keys over tokens a+1..T-1."""
+    qa = demo["qa"]
+    _, cap = captures["base", "qa"][0]
+    inv_freq, _ = qa.rope_tables()
+    T = cap.tokens
+    a = T - 257
+    cos, sin = S.rope_tables(inv_freq, T, torch.device("cpu"))  # each [T, hd]
+    for layer in (0, 6):
+        with torch.inference_mode():
+            x = qa.attn_input(cap.e[layer], layer)  # [1, T, D]
+            attn = qa.model.model.layers[layer].self_attn
+            k_pre = attn.k_proj(x).view(1, T, -1, qa.fingerprint.head_dim).transpose(1, 2)  # [1, kvh, T, hd]
+        want = k_pre[0, :, a + 1:].float().mean(1).reshape(-1)  # [kvh * hd]
+        _, got, n = S.measure(cap.kv[layer].k[:, :, a:], "K", (cos[a:], sin[a:]))
+        assert n == T - a - 1
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+def test_a_pull_from_a_later_token_is_screened_on_the_tokens_pulled(demo, screens, captures):
+    """`ScreenedSource(starts=...)`: what lies before a layer's start (zeros in the receiver's
+    buffer, here loud noise) is not judged; what was pulled still is."""
+    qa = demo["qa"]
+    _, cap = captures["base", "qa"][0]
+    a = cap.tokens - 300
+    plan = ReusePlan.full_reuse()
+    starts = {l: a for l in range(0, L, 2)}
+    g = torch.Generator().manual_seed(3)
+
+    def noisy(block: KVBlock, lo: int, hi: int) -> KVBlock:
+        k, v = block.k.clone(), block.v.clone()
+        k[:, :, lo:hi] = torch.randn(k[:, :, lo:hi].shape, generator=g) * 100
+        v[:, :, lo:hi] = torch.randn(v[:, :, lo:hi].shape, generator=g) * 100
+        return KVBlock(block.layer, k, v)
+
+    before = dataclasses.replace(cap, kv=tuple(noisy(b, 0, a) if b.layer in starts else b for b in cap.kv))
+    src = S.ScreenedSource(CapturedSource(before), screens["qa"], qa, _expected(plan), starts=starts)
+    for layer in range(L):
+        src.kv(layer, float("inf"))  # passes: the noise is where no query reads
+    unscreened = S.ScreenedSource(CapturedSource(before), screens["qa"], qa, _expected(plan))
+    with pytest.raises(IntegrityError, match="layer 0"):
+        unscreened.kv(0, float("inf"))
+    after = dataclasses.replace(cap, kv=tuple(noisy(b, a, cap.tokens) if b.layer == 2 else b for b in cap.kv))
+    src = S.ScreenedSource(CapturedSource(after), screens["qa"], qa, _expected(plan), starts=starts)
+    with pytest.raises(IntegrityError, match="layer 2"):
+        src.kv(2, float("inf"))

@@ -6,6 +6,8 @@ sees), per-layer-type RoPE, q/k norms, `query_pre_attn_scalar`, the scaled embed
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -193,3 +195,47 @@ def test_the_other_families_sliding_windows_are_exact_past_the_window(family, wi
     src = CapturedSource(capture_prefill(m, ctx))
     for plan in (ReusePlan.full_prefill(), ReusePlan.full_reuse()):
         assert float((prefill(m, ctx + q, plan, src, logits_for=len(q)).logits - eager).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize("impl", [attention.NAME, "eager"])
+@pytest.mark.parametrize("plan", [ReusePlan.full_reuse(), ReusePlan.recompute(1, 3)], ids=["full-reuse", "recompute-1-3"])
+def test_sliding_layers_reused_from_their_window_only_are_exact(impl, plan, prompt):
+    """What a pull leaves out (`ReusePlan.window_starts`: a reused sliding layer's K / V before
+    the last W - 1 context tokens) is never read: garbage there changes no logit and no token,
+    through the suffix and decoding well past the window, under either attention."""
+    from droidmesh.shared.kv.blocks import KVBlock
+
+    receiver = tiny_gemma3(attn_implementation=impl)
+    ctx, q = prompt
+    captured = capture_prefill(receiver, ctx, e_layers=plan.e_layers)
+    starts = plan.window_starts(receiver.windows, len(ctx))
+    assert starts and set(starts.values()) == {len(ctx) - WINDOW + 1}  # sliding reused layers only
+    assert not set(starts) & set(plan.recomputed_layers(receiver.num_layers)) and 2 not in starts  # 2 is global
+    g = torch.Generator().manual_seed(5)
+    kv = []
+    for b in captured.kv:
+        a = starts.get(b.layer, 0)
+        k, v = b.k.clone(), b.v.clone()
+        k[:, :, :a] = torch.randn(k[:, :, :a].shape, generator=g) * 100  # [1, kvh, a, hd]: never pulled
+        v[:, :, :a] = torch.randn(v[:, :, :a].shape, generator=g) * 100
+        kv.append(KVBlock(b.layer, k, v))
+    garbled = CapturedSource(dataclasses.replace(captured, kv=tuple(kv)))
+    honest = CapturedSource(captured)
+    want = prefill(receiver, ctx + q, plan, honest, logits_for=len(q)).logits
+    assert torch.equal(prefill(receiver, ctx + q, plan, garbled, logits_for=len(q)).logits, want)
+    full = prefill(receiver, ctx + q, ReusePlan.full_prefill(), logits_for=len(q)).logits
+    assert float((want - full).abs().max()) <= ATOL  # self-reuse: exact
+    n = 3 * WINDOW
+    assert generate(receiver, ctx + q, plan, garbled, max_new_tokens=n).tokens == \
+        generate(receiver, ctx + q, plan, honest, max_new_tokens=n).tokens
+
+
+def test_window_starts_are_for_reused_sliding_layers_past_the_window_only(receiver):
+    windows = receiver.windows  # sliding 0, 1, 3, 4; global 2, 5
+    assert ReusePlan.full_reuse().window_starts(windows, 20) == {0: 13, 1: 13, 3: 13, 4: 13}
+    assert ReusePlan.recompute(0, 2).window_starts(windows, 20) == {3: 13, 4: 13}
+    # the first suffix query (position T) sees keys T - W + 1..T: W - 1 context tokens
+    assert ReusePlan.full_reuse().window_starts(windows, WINDOW - 1) == {}
+    assert ReusePlan.full_reuse().window_starts(windows, WINDOW) == {l: 1 for l in (0, 1, 3, 4)}
+    assert ReusePlan.cacheblend(0.5).window_starts(windows, 20) == {}  # context tokens are recomputed: all read
+    assert ReusePlan.full_prefill().window_starts(windows, 20) == {}
