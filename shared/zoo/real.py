@@ -178,7 +178,7 @@ def train_lora(base: Path, out: Path, ft: FineTune, say: Callable[[str], None], 
     (out / "README.md").unlink(missing_ok=True)
     k = max(1, len(losses) // 10)
     facts = {"task": ft.task, "data": SOURCES[ft.task.split("/")[0]], "split": "train (by source file)",
-             "steps": ft.steps, "rows": len(rows), "lr": ft.lr, "lora_r": ft.r, "seconds": seconds,
+             "steps": ft.steps, "rows": len(rows), "chars": list(ft.chars), "lr": ft.lr, "lora_r": ft.r, "seconds": seconds,
              "threads": torch.get_num_threads(), "loss_first": round(sum(losses[:k]) / k, 4),
              "loss_last": round(sum(losses[-k:]) / k, 4), "losses": [round(x, 4) for x in losses]}
     say(f"{ft.name}: {ft.steps} steps in {seconds} s, loss {facts['loss_first']} -> {facts['loss_last']}")

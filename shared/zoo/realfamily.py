@@ -42,7 +42,7 @@ N_TEST = 8    # scored test rows: a CPU budget (each row runs both models' prefi
 CANDIDATES = 2  # source layers the fit may read: the greedy search's solves at 8 took hours on one CPU thread
 TRANSLATE_PAIRS = (Pair("smollm2", "gemma", TASK), Pair("gemma", "smollm2", TASK))
 PAIRS = (Pair("gemma", "docqa", TASK),)  # same-family pairs on Gemma 3
-GEMMA_FINE_TUNE = FineTune("docqa", TASK, 40)
+GEMMA_FINE_TUNE = FineTune("docqa", TASK, 120, chars=(3500, 6000))  # the profile's context lengths (~1K tokens)
 LICENSE_NOTE = ("gemma: " + realbase.GEMMA3.license + ". Building this tier is the user's choice under those terms; "
                 "its weights and the translators fitted on them stay in the user's cache, never in the repository.")
 
@@ -105,7 +105,7 @@ def _entry(out: Path, name: str, task: str, license_: str) -> dict[str, Any]:
 
 def _gemma_finetune(out: Path, base_sha256: str, force: bool, say: Callable[[str], None]) -> dict[str, Any]:
     """Gemma 3's doc_qa LoRA (`GEMMA_FINE_TUNE`): reused where its training record names this base
-    and these settings and its weights are intact, else trained (about 10 minutes here)."""
+    and these settings and its weights are intact, else trained (about 30 minutes here)."""
     from droidmesh.shared.zoo.real import SOURCES, train_lora
 
     ft = GEMMA_FINE_TUNE
@@ -114,6 +114,7 @@ def _gemma_finetune(out: Path, base_sha256: str, force: bool, say: Callable[[str
     facts = json.loads(record.read_text()) if record.is_file() else {}
     weights = d / "adapter_model.safetensors"
     if force or facts.get("base_sha256") != base_sha256 or facts.get("steps") != ft.steps \
+            or facts.get("chars") != list(ft.chars) \
             or not weights.is_file() or facts.get("adapter_sha256") != sha256_file(weights):
         facts = train_lora(out / "gemma", d, ft, say, base_ref="../gemma")
         facts.update(base_sha256=base_sha256, adapter_sha256=sha256_file(weights))

@@ -40,7 +40,7 @@ def _fake_training(calls):
         calls.append((base.name, ft.name, base_ref))
         out.mkdir(parents=True, exist_ok=True)
         (out / "adapter_model.safetensors").write_bytes(b"weights of a new adapter")
-        return {"steps": ft.steps, "rows": ft.steps, "lr": ft.lr, "seconds": 1.0, "threads": 1,
+        return {"steps": ft.steps, "rows": ft.steps, "chars": list(ft.chars), "lr": ft.lr, "seconds": 1.0, "threads": 1,
                 "loss_first": 2.0, "loss_last": 1.0, "losses": [2.0, 1.0]}
 
     return train
@@ -68,3 +68,7 @@ def test_the_gemma_fine_tune_is_reused_only_while_its_record_matches(tmp_path, m
     assert len(calls) == 3
     record = json.loads((tmp_path / "docqa" / "training.json").read_text())
     assert record["base_sha256"] == "another-base" and record["adapter_sha256"] == sha256_file(weights)
+    record["chars"] = [1200, 2400]  # trained on shorter contexts than the recipe's: retrained
+    (tmp_path / "docqa" / "training.json").write_text(json.dumps(record))
+    realfamily._gemma_finetune(tmp_path, "another-base", False, lambda s: None)
+    assert len(calls) == 4
