@@ -169,7 +169,7 @@ class ShmBulkServer:
                 n, _ = rows(t.shape, item.kind, t.element_size())
                 stride = t.numel() * t.element_size() // max(n, 1)
                 # a row is one head's [T, hd]: a later start skips its first tokens in every row
-                skip = item.start * stride // max(t.shape[token_axis(item.kind)], 1)
+                skip = item.start * stride // t.shape[token_axis(item.kind)] if item.start else 0  # admitted: has the axis
                 regions.append(ShmRegion(fd=fds.index(seg.fd), offset=offset + skip, stride=stride))
             else:  # copied contiguous: row r right after row r - 1
                 _, row = rows(view.shape, item.kind, view.element_size())
