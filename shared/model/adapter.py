@@ -81,6 +81,12 @@ class ModelAdapter:
         # Per layer: its sliding window (None: full attention), and the key of its RoPE table
         # (Gemma 3's rotary module takes the layer type; None: one table for every layer).
         self.windows: tuple[int | None, ...] = layer_windows(cfg)
+        # What a pull leaves out of a sliding layer (`ReusePlan.window_starts`) is decided by
+        # these windows: each must be the one the layer's attention module itself applies.
+        for l, layer in enumerate(self.model.model.layers):
+            own = getattr(layer.self_attn, "sliding_window", self.windows[l])
+            if (own or None) != self.windows[l]:
+                raise UnsupportedModelError(f"layer {l} attends over a window of {own}, its config says {self.windows[l]}")
         per_type = "layer_type" in inspect.signature(type(self.model.model.rotary_emb).forward).parameters
         self.rope_kinds: tuple[str | None, ...] = tuple(cfg.layer_types) if per_type else (None,) * cfg.num_hidden_layers
 

@@ -120,10 +120,12 @@ def widened(model: Layout, tokens: int, item: PullItem, t: torch.Tensor) -> torc
     [1, kvh, tokens, hd], zeros before the start (never read: no query's window reaches them)."""
     if item.start == 0:
         return t
-    whole = torch.zeros(model.kv_shape(tokens), dtype=t.dtype, device=t.device)  # [1, kvh, tokens, hd]
-    whole[:, :, item.start:] = t  # t [1, kvh, tokens - start, hd]
-    if t.is_cuda:  # done before `t` (the copy stream's) is freed and `whole` is read on the compute stream
-        torch.cuda.current_stream(t.device).synchronize()
+    # Like a landing: from the copy stream's pool, on the copy stream, waited for by this (the
+    # channel's) thread alone, so no compute queued meanwhile is waited on (`streams`).
+    whole = streams.empty(model.kv_shape(tokens), t.dtype, t.device)  # [1, kvh, tokens, hd]
+    with streams.landing(t.device):
+        whole[:, :, :item.start].zero_()
+        whole[:, :, item.start:] = t  # t [1, kvh, tokens - start, hd]
     return whole
 
 

@@ -239,3 +239,14 @@ def test_window_starts_are_for_reused_sliding_layers_past_the_window_only(receiv
     assert ReusePlan.full_reuse().window_starts(windows, WINDOW) == {l: 1 for l in (0, 1, 3, 4)}
     assert ReusePlan.cacheblend(0.5).window_starts(windows, 20) == {}  # context tokens are recomputed: all read
     assert ReusePlan.full_prefill().window_starts(windows, 20) == {}
+
+
+def test_a_layer_whose_own_window_is_not_its_configs_is_refused():
+    """What a pull leaves out of a sliding layer follows `windows`: a module applying another
+    window would read the zeros in front of the pulled rows, so such a model is refused."""
+    m = tiny_gemma3()
+    m.model.model.layers[0].self_attn.sliding_window = WINDOW // 2
+    with pytest.raises(UnsupportedModelError, match="layer 0 attends over a window of 4"):
+        ModelAdapter(m.model, m.tokenizer, "receiver")
+    m.model.model.layers[0].self_attn.sliding_window = WINDOW
+    assert ModelAdapter(m.model, m.tokenizer, "receiver").windows == m.windows
