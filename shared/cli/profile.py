@@ -17,6 +17,11 @@ from droidmesh.shared.tasks.spec import METRIC_NAMES
 # of a metric in [0, 1] at its worst-case variance (0.25). Below it the sample cannot tell full
 # reuse from full prefill, so which group "restores" quality is not supported by the data.
 MIN_TEST_ROWS = 20
+# `droidmesh profile` fits this many minutes unless told otherwise (`--budget 0`: no limit). The
+# whole profile of a 30-layer real model on a CPU core is hours (4 h 19 min for SmolLM2-135M on
+# 50 + 50 QA rows); a default that starts a job of that size unasked is one nobody wants, and an
+# hour is what a person leaves a profile running for before coming back to it.
+DEFAULT_BUDGET_MIN = 60.0
 
 
 def sample_warning(result: dict, n_test_rows: int) -> str | None:
@@ -67,10 +72,11 @@ def test_rule_warning(result: dict) -> str | None:
                    "then binary search on the group's ends, O(log L) plans.")
 @click.option("--exhaustive/--guided-only", default=False, show_default=True,
               help="Also run the O((L/g)^2) search to compare with the chosen one (120 more plans at 30 layers, g=2).")
-@click.option("--budget", type=click.FloatRange(0, min_open=True), default=None, metavar="MINUTES",
+@click.option("--budget", type=click.FloatRange(0), default=DEFAULT_BUDGET_MIN, show_default=True,
+              metavar="MINUTES",
               help="Fit the profile in this many minutes (measured before it starts): drop the exhaustive "
                    "comparison, robustness, the guided search for the coarse one, the transfer search, then rows; "
-                   "refuse when even that does not fit.")
+                   "refuse when even that does not fit. 0: no limit (every row and search asked for).")
 @click.option("--allow-no-signal", is_flag=True,
               help="Write a profile even where the rows cannot support a choice (the receiver's full prefill "
                    "scores near 0, or every path alike): untrained plumbing models only.")
@@ -98,7 +104,7 @@ def profile(sender, receiver, task, json_path, plot_path, n_train, n_test, data,
     """Find the pair's recompute group: sensitivity, searches, Pareto frontier, chosen config.
 
     Says its estimated cost on stderr before it starts (one row-evaluation timed, times the
-    plans and rows it will score); `--budget` cuts the work to fit, or refuses. Fails before
+    plans and rows it will score); `--budget` (an hour unless told) cuts the work to fit, or refuses. Fails before
     the search on rows where the receiver's full prefill scores near 0 or every path alike.
     Warns (stderr, and `sample_warning` in the JSON) when the sample is too small for the
     choice to mean anything: fewer than 20 test rows, or full reuse losing less than the

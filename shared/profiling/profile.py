@@ -257,6 +257,7 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     `settings.budget_s`, what was cut to fit it; a budget nothing fits is a BadRequestError then."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.model.fingerprint import require_compatible
+    from droidmesh.shared.tasks.rows import encode_row
     from droidmesh.shared.tasks.scorer import PairScorer
     from droidmesh.shared.tasks.spec import TASKS, known_tasks, shifts_of, task_spec
 
@@ -289,13 +290,15 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     L, g = r_model.num_layers, settings.granularity
     work = cost.Work(settings.search, settings.exhaustive, len(train_rows), len(test_rows),
                      tuple(len(rows) for rows, _ in other_rows.values()), transfer_search)
-    timing = cost.measure(s_model, r_model, train_rows[0], spec)
+    row, scale = cost.typical_row(train_rows, lambda r: sum(map(len, encode_row(r_model.tokenizer, r, spec)[:2])))
+    timing = cost.measure(s_model, r_model, row, spec).scaled(scale)
     cut: list[str] = []
     if settings.budget_s is not None:
         work, cut = cost.fit(work, L, g, timing, settings.budget_s)
     say(cost.announce(work, L, g, timing))
     if cut:
-        say(f"profile: cut to fit --budget {(settings.budget_s or 0) / 60:g} min: {'; '.join(cut)}")
+        say(f"profile: cut to fit --budget {(settings.budget_s or 0) / 60:g} min (--budget 0: no limit): "
+            f"{'; '.join(cut)}")
     settings = dataclasses.replace(settings, search=work.search, exhaustive=work.exhaustive)
     train = PairScorer(s_model, r_model, train_rows[:work.n_train], spec)
     test = PairScorer(s_model, r_model, test_rows[:work.n_test], spec)

@@ -37,7 +37,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
               "--n", "2"]),
     ("profile", ["--sender", "ci/summ", "--receiver", "ci/qa", "--task", "multihop_qa", "--json", "{tmp}/prof.json",
                  "--n-train", "2", "--n-test", "2", "--guided-only", "--no-robustness", "--publish", "--nats", "{url}",
-                 "--allow-no-signal"]),  # the ci tier's untrained qa scores 0 on multihop_qa: no signal, by design
+                 "--budget", "0", "--allow-no-signal"]),  # the ci tier's untrained qa scores 0 on multihop_qa: no signal, by design
     ("config publish", ["{tmp}/prof.json", "--nats", "{url}"]),
     ("config show", ["--nats", "{url}"]),
     ("config relay-policy", ["{tmp}/policy.json", "--nats", "{url}", "--dry-run"]),

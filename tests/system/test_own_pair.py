@@ -131,7 +131,7 @@ def own(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         path = root / f"base-to-{receiver}.json"
         droidmesh("profile", "--sender", "base", "--receiver", receiver, "--task", TASK, "--data", data.name,
                   "--metric", METRIC, "--max-new-tokens", MAX_NEW, "--n-train", 4, "--n-test", 4,
-                  "--json", path.name, cwd=root)
+                  "--budget", 0, "--json", path.name, cwd=root)
         out["profiles"][receiver] = path
     return out
 

@@ -43,6 +43,7 @@ def test_a_budget_cuts_the_work_and_the_profile_records_it(tiny_pair, tmp_path, 
     exhaustive comparison: the comparison is cut, said on stderr, recorded in the JSON."""
     timing = cost.Timing(1.0, 0.5, 0.25)
     monkeypatch.setattr(cost, "measure", lambda *args: timing)
+    monkeypatch.setattr(cost, "typical_row", lambda rows, length: (rows[0], 1.0))  # the timing as pinned
     layers = 6  # the tiny pair's
     fits = cost.seconds(cost.Work("guided", False, 2, 2), layers, 2, timing)
     code, out, err = profile(tiny_pair, tmp_path / "p.json", "--exhaustive", "--allow-no-signal", "--budget",
@@ -53,6 +54,28 @@ def test_a_budget_cuts_the_work_and_the_profile_records_it(tiny_pair, tmp_path, 
     assert p["evaluations"]["exhaustive"] == 0 and p["cost"]["cut"] == ["the exhaustive comparison"]
     assert p["cost"]["estimated_s"] == pytest.approx(fits) and p["cost"]["measured_s"]["full_s"] == 1.0
     assert "guided search" in out and "holds on test" in out
+
+
+def test_without_a_budget_the_profile_fits_an_hour(tiny_pair, tmp_path, monkeypatch):
+    """No --budget given: the measured times pinned so that the guided search fits an hour and the
+    exhaustive comparison does not, the comparison is cut as `--budget 60` would cut it, and the
+    announced cost is within the hour; `--budget 0` runs everything asked for."""
+    layers = 6  # the tiny pair's
+    unit = cost.Timing(1.0, 0.5, 0.25)
+    fits = cost.seconds(cost.Work("guided", False, 2, 2), layers, 2, unit)
+    timing = cost.Timing(*(t * 3600 / fits * (1 - 1e-6) for t in (unit.full_s, unit.reuse_s, unit.capture_s)))
+    monkeypatch.setattr(cost, "measure", lambda *args: timing)
+    monkeypatch.setattr(cost, "typical_row", lambda rows, length: (rows[0], 1.0))  # the timing as pinned
+    code, _, err = profile(tiny_pair, tmp_path / "p.json", "--exhaustive", "--allow-no-signal")
+    assert code == 0, err
+    assert any(line.startswith("profile: cut to fit --budget 60 min (--budget 0: no limit)") and
+               "the exhaustive comparison" in line for line in err), err
+    p = json.loads((tmp_path / "p.json").read_text())["cost"]
+    assert p["budget_s"] == 3600 and p["cut"] == ["the exhaustive comparison"] and p["estimated_s"] <= 3600
+    code, _, err = profile(tiny_pair, tmp_path / "q.json", "--exhaustive", "--allow-no-signal", "--budget", "0")
+    assert code == 0 and not any(line.startswith("profile: cut") for line in err), err
+    q = json.loads((tmp_path / "q.json").read_text())["cost"]
+    assert q["budget_s"] is None and q["cut"] == [] and q["estimated_s"] > 3600
 
 
 def test_publish_refuses_a_choice_that_fails_the_test_split(tmp_path, monkeypatch):

@@ -125,3 +125,17 @@ def test_a_budget_nothing_fits_is_refused_in_one_line():
     msg = str(e.value)
     assert "--budget 1 min is too short" in msg and "coarse search" in msg and "8 train + 8 test rows" in msg
     assert "\n" not in msg
+
+
+def test_the_row_timed_is_the_median_one_scaled_to_the_mean():
+    """A long first row (the code task's first train row is its longest, 2,772 tokens) is not the
+    one timed: the row of median length is, and the timing is scaled by mean / median, so the
+    estimate is the rows' mean cost where a row costs its length."""
+    rows = [{"n": n} for n in (2772, 800, 1000, 1200, 1400)]
+    row, scale = cost.typical_row(rows, lambda r: r["n"])
+    assert row["n"] == 1200 and scale == pytest.approx(7172 / 5 / 1200)
+    timing = cost.Timing(2.0, 1.0, 0.5).scaled(scale)
+    assert timing.full_s == pytest.approx(2.0 * scale) and timing.capture_s == pytest.approx(0.5 * scale)
+    assert cost.typical_row([{"n": 0}], lambda r: r["n"]) == ({"n": 0}, 1.0)  # an empty prompt: timed as it is
+    with pytest.raises(ValueError):
+        cost.typical_row([], lambda r: 1)
