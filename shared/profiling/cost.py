@@ -1,9 +1,9 @@
 """What a profile will cost, said before it starts, and the profile that fits a time budget.
 
 The unit is the row-evaluation: one plan scored on one row (a prefill per the plan, then greedy
-decoding). `measure` times three on a train row of median length in tokens (`typical_row`; scaled to
-the rows' mean length) once the models are loaded, before
-anything else runs: the receiver's full prefill (every layer computed), a plan computing one
+decoding). `measure` times three on a train row of median length in tokens (`typical_row`;
+scaled to the rows' mean length) once the models are loaded, before anything else runs: the
+receiver's full prefill (every layer computed), a plan computing one
 layer (the rest reused: decoding and little prefill) and the sender's capture of the context.
 A plan computing k of L layers is charged in between, by k / L: on a CPU with long contexts
 the prefill dominates and a reuse plan costs a fraction of full prefill, on a GPU decoding
@@ -195,8 +195,7 @@ def typical_row(rows: Sequence[dict[str, Any]], length: Callable[[dict[str, Any]
     if not rows:
         raise ValueError("no rows to time")
     sizes = [max(1, length(row)) for row in rows]
-    order = sorted(range(len(rows)), key=sizes.__getitem__)
-    mid = order[len(order) // 2]
+    mid = sorted(range(len(rows)), key=sizes.__getitem__)[len(rows) // 2]
     return rows[mid], sum(sizes) / len(sizes) / sizes[mid]
 
 
