@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU check: receiver TTFT of a Llama-3-8B-shaped bf16 model (random init, built on
 # the GPU) at 4K-64K tokens per plan, peak memory, recompute-all exactness against the model's own
-# forward, CacheBlend on CUDA, batched decode (32 sequences at 4K against one); a table on stdout
-# and one JSON (--out FILE). Under 5 minutes on one
-# H200.
+# forward, CacheBlend on CUDA, full reuse and k = 2 again with CUDA graphs (layer pieces replayed),
+# batched decode (32 sequences at 4K against one: ragged, decode pool, pool replayed as graphs);
+# tables on stdout and one JSON (--out FILE). Under 5 minutes on one H200.
 #   infra/gpu/check.sh [--tiny] [--out FILE] [--shape llama3-8b|qwen2.5-7b|llama3.2-1b] [--contexts N,...]
 # --tiny runs the same sequence on the CPU with a toy shape (what CI runs).
 # Sequence (steps 1-3: infra/gpu/prepare.sh):

@@ -42,6 +42,17 @@ class ReceiverConfig(HolderSettings):
         "help": "continuous batching: decode steps of at most this many requests run as one forward (each with its "
                 "own cache, sampler and stops; a request joins after its prefill and leaves when done); 1: one "
                 "request's decode at a time"})
+    decode_pool_tokens: int = dataclasses.field(default=0, metadata={
+        "help": "decode pool: the batch decodes in max_batch fixed slots of this many tokens each (prompt and "
+                "answer; memory 2 x layers x max_batch x tokens x KV width per served model, allocated at start), one "
+                "attention call "
+                "per layer for the whole batch; a request that does not fit decodes beside it; 0: off (each "
+                "request's own cache, rows attended one by one)"})
+    cuda_graphs: bool = dataclasses.field(default=True, metadata={
+        "help": "on a CUDA device, captured at start and replayed as CUDA graphs (no per-kernel launch cost): every "
+                "short pass (<= 128 new tokens: a suffix over a reused prefix, one request's decode step) as its "
+                "layers' pieces around the attention, and with a decode pool each (batch, context) bucket's step; "
+                "off: all eager"})
     breaker_failures: int = dataclasses.field(
         default=3, metadata={"help": "consecutive failed pulls from one sender that open its circuit (no pulls from it for a cool-down)"})
     breaker_cooldown_s: float = dataclasses.field(
@@ -114,6 +125,8 @@ class ReceiverConfig(HolderSettings):
                      "max_batch", "breaker_failures", "quality_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.decode_pool_tokens < 0 or self.decode_pool_tokens == 1:
+            raise ConfigError(f"decode_pool_tokens must be 0 (off) or >= 2, got {self.decode_pool_tokens}")
         for name in ("holdout_share", "shadow_share", "blind_share", "quality_threshold", "min_reuse_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} {getattr(self, name)} outside [0, 1]")

@@ -28,6 +28,7 @@ from droidmesh.shared.mesh import discovery
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.mesh.config_board import ConfigBoard
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.model.graphs import LayerGraphs, cuda_capture
 from droidmesh.shared.service.runtime import ServiceRuntime
 from droidmesh.shared.service.wrappers import event, rpc
 from droidmesh.shared.transport.bulk import BulkServer, make_client, make_server
@@ -65,6 +66,13 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
             log.warning("translator_unavailable", reason=why)
         for s in self.states.values():
             await pipeline.screen_for(s)  # the KV screen's reference, built before the first request waits on it
+            if cfg.cuda_graphs and s.model.device.type == "cuda":  # short passes replayed, captured before any request
+                s.model.graphs = LayerGraphs(s.model, cuda_capture())
+                log.info("layer_graphs", model_id=s.cfg.model_id, graphs=await self.run_torch(s.model.graphs.warm))
+            if (pool := s.batcher.pool) is not None:  # allocated, its graphs captured, before any request
+                graphs = await self.run_torch(pool.warm)
+                log.info("decode_pool", model_id=s.cfg.model_id, slots=pool.slots, tokens=pool.tokens,
+                         mib=round(pool.nbytes / 2**20), graphs=graphs)
         if cfg.holding:
             await self._hold(bus)
         elif cfg.hold:

@@ -23,6 +23,8 @@ from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.screen import Screen
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
+from droidmesh.shared.model.graphs import cuda_capture
+from droidmesh.shared.model.pool import KVPool
 from droidmesh.shared.service.batching import DecodeBatcher
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.service.runtime import Supervisor
@@ -42,7 +44,7 @@ class ReceiverState:
         self.cfg, self.bus, self.model, self._torch, self._tasks = cfg, bus, model, run_torch, tasks
         self.metrics = metrics
         # decode steps of this model's requests run together (continuous batching)
-        self.batcher = DecodeBatcher(model, run_torch, cfg.max_batch, on_step=self._decoded)
+        self.batcher = DecodeBatcher(model, run_torch, cfg.max_batch, on_step=self._decoded, pool=decode_pool(cfg, model))
         self.bulk = bulk if bulk is not None else make_client(cfg.transport)  # shared by a process's served models
         # What the reuse policy knows of this receiver.
         self.policy_facts = policy.Receiver(model_id=cfg.model_id, model_sha256=model_sha256,
@@ -143,3 +145,12 @@ class ReceiverState:
         except Exception as e:  # a dead sender is found again at pull time; the pull falls back
             self._warmed.discard(address)
             log.warning("warm_failed", address=address, error=repr(e))
+
+
+def decode_pool(cfg: ReceiverConfig, model: ModelAdapter) -> KVPool | None:
+    """The batch's decode pool (`decode_pool_tokens`; None: off), its steps captured as CUDA graphs
+    on a CUDA device unless `cuda_graphs` is off. Allocated (and captured) by `KVPool.warm`."""
+    if not cfg.decode_pool_tokens:
+        return None
+    graphs = cfg.cuda_graphs and model.device.type == "cuda"
+    return KVPool(model, cfg.max_batch, cfg.decode_pool_tokens, cuda_capture() if graphs else None)

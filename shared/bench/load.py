@@ -255,14 +255,15 @@ async def _concurrency_level(access: MeshAccess, receiver: str, prompts: list[tu
 def run_concurrency(receiver_path: str, tokens: int, concurrencies: list[int], batches: list[int], rounds: int,
                     new_tokens: int, source: TextSource, device: str = DEFAULT_DEVICE, timeout_s: float = 1800.0,
                     mode: ConcurrencyMode = "full_prefill", sender_path: str | None = None,
-                    dtype: str = "float32", group: tuple[int, int] = (0, 2)) -> dict[str, Any]:
+                    dtype: str = "float32", group: tuple[int, int] = (0, 2), pool_tokens: int = 0) -> dict[str, Any]:
     """The closed-loop sweep (module docstring): {"rows": one per (max_batch, concurrency),
     "compare": `concurrency_compare`'s, "loadavg_start"/"loadavg_end": os.getloadavg() around it}.
     `mode` "full_prefill": the receiver alone computes every prompt; "reuse": a sender of
     `sender_path` (same host, shm) holds every context first and requests go in auto mode, so each
     prefill is a reuse (a full reuse where the sender has the receiver's weights) and decoding is
     most of the work, as when DroidMesh serves; a sender of other weights is reused on `group`
-    (the receiver's default group, its start's E kept by the sender)."""
+    (the receiver's default group, its start's E kept by the sender). `pool_tokens`: the batched
+    receivers (max_batch > 1) decode in a decode pool of that many tokens per slot (0: none)."""
     from droidmesh.shared.mesh.client import MeshClient
 
     n_prompts = max(concurrencies) * rounds
@@ -286,7 +287,8 @@ def run_concurrency(receiver_path: str, tokens: int, concurrencies: list[int], b
                                                             **access.env_for(sender_user("load-sender"))}))
             reuse = {"default_group": list(group), **transport} if mode == "reuse" else {}
             procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": "load-receiver",
-                                                    "dtype": dtype, "max_batch": b, "hold": False, **reuse},
+                                                    "dtype": dtype, "max_batch": b, "hold": False, **reuse,
+                                                    "decode_pool_tokens": pool_tokens if b > 1 else 0},
                                        access.url,
                                        env={**launched_env(device), **access.env_for(receiver_user("load-receiver"))}))
 
@@ -311,4 +313,4 @@ def run_concurrency(receiver_path: str, tokens: int, concurrencies: list[int], b
                     access, "load-receiver", prompts, c, rounds, new_tokens, timeout_s, ask_mode))
                 rows.append({**concurrency_row(b, c, samples, wall, errors), "paths": paths})
     return {"rows": rows, "compare": concurrency_compare(rows), "loadavg_start": loadavg_start,
-            "loadavg_end": list(os.getloadavg()), "mode": mode, "dtype": dtype}
+            "loadavg_end": list(os.getloadavg()), "mode": mode, "dtype": dtype, "pool_tokens": pool_tokens}

@@ -113,9 +113,12 @@ def ttft(json_path, plot_path, model_path, shape, contexts, repeats, device, dty
                    "every context first and requests go in auto mode (how DroidMesh serves: prefill is a reuse).")
 @click.option("--dtype", "load_dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
               help="concurrency: the services' weights and cache dtype.")
+@click.option("--pool-tokens", default=0, show_default=True, type=click.IntRange(0, 1 << 20),
+              help="concurrency: the batched receivers decode in a decode pool of this many tokens per slot "
+                   "(receiver decode_pool_tokens; 0: each request's own cache).")
 @launched_device_option
 def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, workload, n_rows, log_dir, policy_path,
-         concurrencies, batches, new_tokens, rounds, pair_spec, serve_mode, load_dtype, device) -> None:
+         concurrencies, batches, new_tokens, rounds, pair_spec, serve_mode, load_dtype, pool_tokens, device) -> None:
     """Poisson arrivals against 1 and 2 receivers: TTFT/TBT/E2E p50/p99 and goodput vs full prefill
     (`--workload agents`: the agents pipeline at each rate, its audit's randomized arms;
     `--workload concurrency`: decode tokens/s and TTFT per concurrency, batched vs one at a time)."""
@@ -126,7 +129,7 @@ def load(json_path, plot_path, tokens, group, rates, seconds, slo, copies, workl
         return
     if workload == "concurrency":
         _load_concurrency(json_path, plot_path, tokens or 1024, concurrencies, batches, new_tokens, rounds,
-                          pair_spec, device, serve_mode, load_dtype, group)
+                          pair_spec, device, serve_mode, load_dtype, group, pool_tokens)
         return
     tokens = tokens or 2048
     sender, receiver = demo_pair(group)
@@ -168,7 +171,7 @@ SYNTHETIC_TIERS = ("demo", "ci", "family")  # word-level zoo tokenizers: filler 
 
 def _load_concurrency(json_path: str | None, plot_path: str | None, tokens: int, concurrencies: list[int],
                       batches: list[int], new_tokens: int, rounds: int, pair_spec: str | None, device: str,
-                      mode: ConcurrencyMode, dtype: str, group: tuple[int, int]) -> None:
+                      mode: ConcurrencyMode, dtype: str, group: tuple[int, int], pool_tokens: int) -> None:
     """`bench load --workload concurrency` (`shared/bench/load.py`'s `run_concurrency`)."""
     from pathlib import Path
 
@@ -182,9 +185,10 @@ def _load_concurrency(json_path: str | None, plot_path: str | None, tokens: int,
     source: TextSource = "filler" if synthetic else "real"
     batches, concurrencies = sorted(set(batches)), sorted(set(concurrencies))
     click.echo(f"concurrency load: receiver {receiver}, {source} contexts of ~{tokens} tokens, {new_tokens} new "
-               f"tokens, {rounds} rounds per client, max_batch {batches}", err=True)
+               f"tokens, {rounds} rounds per client, max_batch {batches}"
+               + (f", batched in a decode pool of {pool_tokens} tokens per slot" if pool_tokens else ""), err=True)
     r = run_concurrency(receiver, tokens, concurrencies, batches, rounds, new_tokens, source, device, mode=mode,
-                        sender_path=sender, dtype=dtype, group=group)
+                        sender_path=sender, dtype=dtype, group=group, pool_tokens=pool_tokens)
     cols = ["max_batch", "concurrency", "requests", "errors", "tokens_mean", "decode_tokens_per_s", "tokens_per_s",
             "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "tbt_p50", "paths"]
     click.echo(output.format_table(r["rows"], cols))

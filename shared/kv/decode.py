@@ -11,7 +11,8 @@ sizes) is what a step of one sequence spends its time on. Each request keeps its
 A request whose step fails in its own code (its sampler, its `on_token`) finishes with that error
 (`Decoding.error`) and the others go on; a failure of the forward itself fails that step's rows.
 With one row, or a model that cannot batch (`ModelAdapter.batches`), a step is exactly the solo
-path: `run_layers` over the one token.
+path: `run_layers` over the one token. With a decode pool (`shared/model/pool.py`) the rows that
+fit decode in its slots instead: the step's shapes fixed per bucket, replayable as a CUDA graph.
 
 Pure numeric core: blocking torch calls on the caller's (the compute) thread, no I/O.
 """
@@ -30,6 +31,7 @@ from droidmesh.shared.wire.schemas import FinishReason
 
 if TYPE_CHECKING:
     from droidmesh.shared.model.adapter import ModelAdapter
+    from droidmesh.shared.model.pool import KVPool
 
 
 Alternative = tuple[int, float]  # (token id, log-probability)
@@ -84,31 +86,45 @@ class Decoding:
             self.finish = "length"
 
 
-def step(model: ModelAdapter, rows: Sequence[Decoding]) -> float:
+def step(model: ModelAdapter, rows: Sequence[Decoding], pool: KVPool | None = None) -> float:
     """One decode step of every unfinished row in `rows`, as one forward. A row past its deadline
     leaves first (finish "length"). Afterwards each row has one more token or has finished.
-    Returns the step's seconds (0 when no row was left to step)."""
+    With a decode `pool` (`shared/model/pool.py`, the same model's), rows that fit step in its
+    slots and the rest beside them; a finished row leaves its slot. Returns the step's seconds
+    (0 when no row was left to step)."""
     now = time.monotonic()
     for d in rows:
         if not d.done and d.deadline is not None and now >= d.deadline:
             d.cancel()
     live = [d for d in rows if not d.done]
-    if not live:
-        return 0.0
     began = time.perf_counter()
     with torch.inference_mode():
-        if len(live) == 1 or not model.batches:
-            for d in live:  # the solo path: one row's token through every layer
+        if pool is not None:
+            pool.release(rows)
+            pooled = [d for d in live if pool.admit(d)]
+            if pooled:
+                for d, row in zip(pooled, pool.step(pooled), strict=True):  # [B, vocab]
+                    d.past += 1
+                    _choose(d, row)
+            rest = [d for d in live if not any(d is p for p in pooled)]
+        else:
+            rest = live
+        if len(rest) == 1 or not model.batches:
+            for d in rest:  # the solo path: one row's token through every layer
                 h = model.run_layers(model.embed(model.token_tensor(d.tokens[-1:])), 0, model.num_layers, d.cache,
                                      past=d.past)  # [1, 1, D]
                 d.past += 1
                 _choose(d, model.logits(h)[0, -1])  # [1, 1, vocab] -> [vocab]
-        else:
-            h = model.decode([d.tokens[-1] for d in live], [d.cache for d in live], [d.past for d in live])  # [B, 1, D]
+        elif rest:
+            h = model.decode([d.tokens[-1] for d in rest], [d.cache for d in rest], [d.past for d in rest])  # [B, 1, D]
             logits = model.logits(h)[:, -1]  # [B, 1, vocab] -> [B, vocab]
-            for d, row in zip(live, logits, strict=True):
+            for d, row in zip(rest, logits, strict=True):
                 d.past += 1
                 _choose(d, row)
+        if pool is not None:
+            pool.release(rows)
+    if not live:
+        return 0.0
     for d in live:
         d.widest = max(d.widest, len(live))
     return time.perf_counter() - began

@@ -6,6 +6,7 @@ every method blocks while torch computes):
   - `run_layers(h, start, end, ...)`  E_start -> E_end, filling the cache's layers start..end-1
   - `run_sparse_layer(h, l, ...)`     one layer on scattered token positions (token-level recompute)
   - `decode(tokens, caches, pasts)`   one decode step of several requests, each over its own cache
+  - `decode_slots(ids, positions, s)` one decode step over a decode pool's slots (replayable)
   - `logits(h)`                       final norm + LM head
   - `attn_input(h, l)` / `project_kv(x, l)`  layer l's normalized attention input, and the K/V its
                                       own projections (and RoPE) make of one (SCD's patch, `shared/kv/scd.py`)
@@ -64,6 +65,9 @@ class ModelAdapter:
     # several views share one model's modules (`shared/model/adapters.py`). None: the model is
     # this adapter's alone, nothing to select. A direct `model(...)` call bypasses it.
     select: Callable[[], None] | None = dataclasses.field(default=None, repr=False, compare=False)
+    # Short passes (batch 1, few tokens) replayed from captured layer pieces (`graphs.LayerGraphs`,
+    # CUDA graphs on a GPU); None: every pass eager. Set by whoever hosts the model, then warmed.
+    graphs: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         cfg = self.model.config
@@ -146,6 +150,8 @@ class ModelAdapter:
         """
         if self.select is not None:
             self.select()
+        if self.graphs is not None and self.graphs.covers(h):
+            return self.graphs.run(h, start, end, cache, past)
         t = h.shape[1]
         positions = torch.arange(past, past + t, device=h.device)[None]  # [1, T]
         tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind, computed once
@@ -188,6 +194,32 @@ class ModelAdapter:
             h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=tables[kind],
                       **hf_cache.layer_kwargs(layer, ragged))
         return h
+
+    def decode_slots(self, ids: torch.Tensor, positions: torch.Tensor, slots: hf_cache.SlotsStep) -> torch.Tensor:
+        """One decode step over a decode pool's first B slots (`shared/model/pool.py`): row b feeds
+        `ids[b]` at position `positions[b]` (both [B] on the model's device) over slot b, whose
+        tokens 0..positions[b]-1 are its cache, and writes that token's K/V at positions[b].
+        Returns logits [B, vocab] (float32). Sizes follow from B and `slots.keys` alone and no
+        value is read back to the host, so a CUDA graph can capture it. A position of `keys` or
+        more (a scratch write, never a real row's) is masked as if it were keys - 1."""
+        if self.select is not None:
+            self.select()
+        h = self.model.model.embed_tokens(ids[:, None])  # [B] -> [B, 1, D]
+        pos = positions[:, None]  # [B, 1]
+        last = positions.clamp(max=slots.keys - 1)[:, None]  # [B, 1]: the last key each row's query sees
+        k = torch.arange(slots.keys, device=ids.device)[None]  # [1, keys]
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}  # per RoPE kind
+        masks: dict[int | None, torch.Tensor] = {}  # per window: [B, 1, 1, keys], True = the row's own key
+        for l in range(self.num_layers):
+            layer = self.model.model.layers[l]
+            if (kind := self.rope_kinds[l]) not in tables:
+                tables[kind] = self._rope(h, pos, l)  # each [B, 1, head_dim]
+            if (window := self.windows[l]) not in masks:
+                seen = k <= last if window is None else (k <= last) & (k > last - window)  # [B, keys]
+                masks[window] = seen[:, None, None, :]
+            h = layer(h, attention_mask=masks[window], position_ids=pos, position_embeddings=tables[kind],
+                      **hf_cache.layer_kwargs(layer, slots))
+        return self.logits(h)[:, -1]  # [B, 1, vocab] -> [B, vocab]
 
     def run_sparse_layer(
         self, h: torch.Tensor, layer: int, cache: Any, positions: torch.Tensor, allowed: torch.Tensor

@@ -17,6 +17,8 @@ this kernel is masked the same way.
 
 A decode batch (`ModelAdapter.decode`) hands each row's own cache as a `RaggedKV`: one new token
 per row, attended row by row over that row's keys, so rows of any lengths batch without padding.
+A decode pool's step (`ModelAdapter.decode_slots`) hands the slots' padded K/V with a boolean
+mask [B, 1, 1, S] of each row's own keys: one call per layer for the whole batch.
 
 Anything with an explicit mask (token-level recompute, transformers' sdpa / eager callers) goes
 to transformers' own sdpa path unchanged. `register()` (idempotent) makes the name loadable;
@@ -54,6 +56,19 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | 
         return torch.cat(rows), None  # [B, 1, H, hd]
     if isinstance(key, RaggedKV) or isinstance(value, RaggedKV):
         raise UnsupportedModelError("keys and values of a decode batch come together")
+    if attention_mask is not None and attention_mask.dtype == torch.bool and query.shape[2] == 1 and not dropout:
+        # One query per row over the keys its boolean mask [B, 1, 1, S] picks (a decode pool's
+        # step: its own slot's tokens, within its window). The query heads sharing a KV head are
+        # that head's queries, so K/V are never expanded and the fused kernels that take a mask
+        # (but not GQA) apply.
+        if query.device.type == "cpu" and query.dtype in _REDUCED:
+            out = one_token(query, key, value, scaling, attention_mask)
+        else:
+            b, h, _, hd = query.shape
+            q = query.reshape(b, key.shape[1], h // key.shape[1], hd)  # [B, H, 1, hd] -> [B, kvH, g, hd]
+            out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+            out = out.reshape(b, h, 1, hd)  # [B, kvH, g, hd] -> [B, H, 1, hd]
+        return out.transpose(1, 2).contiguous(), None  # [B, H, 1, hd] -> [B, 1, H, hd]
     if attention_mask is not None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -83,9 +98,11 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor | 
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
-def one_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """One new query per row over every key given, as two small matmuls and a float32 softmax:
-    query [B, H, 1, hd], key / value [B, kvH, S, hd] -> [B, H, 1, hd].
+def one_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One new query per row over every key given (with `mask` [B, 1, 1, S]: those it marks True),
+    as two small matmuls and a float32 softmax: query [B, H, 1, hd], key / value [B, kvH, S, hd] ->
+    [B, H, 1, hd].
 
     For a CPU decode step in bfloat16 or float16: PyTorch's fused CPU kernel spends most of its
     time on per-block overhead when there is a single query (here about 9x longer over 1K keys
@@ -100,6 +117,9 @@ def one_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scali
     v = value.reshape(b * kvh, keys, hd)
     scores = torch.bmm(k, q.transpose(1, 2))  # [B*kvH, S, g]: keys-major reads K as stored
     scores = scores.transpose(1, 2).float().mul_(scale)  # [B*kvH, g, S], float32
+    if mask is not None:
+        hidden = ~mask.expand(b, kvh, 1, keys).reshape(b * kvh, 1, keys)  # [B, 1, 1, S] -> [B*kvH, 1, S]
+        scores.masked_fill_(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [B*kvH, g, S]
     return torch.bmm(probs, v).reshape(b, h, 1, hd)  # [B*kvH, g, hd] -> [B, H, 1, hd]
 

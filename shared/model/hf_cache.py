@@ -89,6 +89,27 @@ class WriteOnceLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 
+    def lend(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep K/V in `k` / `v` ([1, kv_heads, capacity, head_dim], storage another owns: a
+        decode pool's slot) from now on: what it holds is copied there. Until `reclaim`, the
+        owner writes the tokens it decodes straight into that storage and counts them."""
+        assert self._k is not None and self._v is not None
+        k[:, :, :self.length].copy_(self._k[:, :, :self.length])
+        v[:, :, :self.length].copy_(self._v[:, :, :self.length])
+        self._k, self._v = k, v
+        self._expose()
+
+    def reclaim(self, length: int) -> None:
+        """Back into storage of its own (its capacity, or `length` if more), holding `length`
+        tokens: those it held at `lend` and those the owner wrote after them."""
+        assert self._k is not None and self._v is not None
+        size = max(length, self.capacity)
+        k, v = _storage(self._k, size), _storage(self._v, size)
+        k[:, :, :length].copy_(self._k[:, :, :length])
+        v[:, :, :length].copy_(self._v[:, :, :length])
+        self._k, self._v, self.length = k, v, length
+        self._expose()
+
     def reset(self) -> None:
         self._k = self._v = None
         self.length = 0
@@ -149,6 +170,47 @@ class RaggedCache:
         return RaggedKV(ks), RaggedKV(vs)
 
 
+class SlotsStep:
+    """The decode pool's slots (`shared/model/pool.py`), seen by the decoder layers as the cache
+    of one batch [B, 1, D] during one step: row b is slot b; `update` writes its new token's K/V
+    at `positions[b]` of slot b (one indexed write per layer, no per-row call) and hands the
+    attention the first B slots' first `keys` tokens, [B, kv_heads, keys, head_dim] views, which
+    the step's mask limits to each row's own tokens. Every size is fixed by (B, keys), and the
+    positions are read from a tensor: nothing here depends on values, so a step can be replayed."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], rows: torch.Tensor, positions: torch.Tensor,
+                 keys: int):
+        self.k, self.v, self.rows, self.positions, self.keys = k, v, rows, positions, keys
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states / value_states [B, kv_heads, 1, head_dim] -> the rows' slots [B, kvh, keys, hd]."""
+        k, v, b = self.k[layer_idx], self.v[layer_idx], self.rows.shape[0]
+        k[self.rows, :, self.positions] = key_states[:, :, 0]  # [B, kvh, hd] at (slot b, token positions[b])
+        v[self.rows, :, self.positions] = value_states[:, :, 0]
+        return k[:b, :, :self.keys], v[:b, :, :self.keys]
+
+
+def lendable(cache: Any) -> bool:
+    """Whether every layer of `cache` is a write-once layer holding K/V (what a pool can lend)."""
+    layers = getattr(cache, "layers", None) or []
+    return bool(layers) and all(type(e) is WriteOnceLayer and e.is_initialized for e in layers)
+
+
+def lend(cache: DynamicCache, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+    """Every layer l of `cache` (`lendable`) keeps its K/V in k[l] / v[l] [1, kvh, capacity, hd] from now on."""
+    for l, entry in enumerate(cache.layers):
+        assert isinstance(entry, WriteOnceLayer)
+        entry.lend(k[l], v[l])
+
+
+def reclaim(cache: DynamicCache, length: int) -> None:
+    """Every layer of a lent `cache` back in its own storage, holding `length` tokens."""
+    for entry in cache.layers:
+        assert isinstance(entry, WriteOnceLayer)
+        entry.reclaim(length)
+
+
 def _storage(like: torch.Tensor, tokens: int) -> torch.Tensor:
     """Uninitialised storage shaped like `like` [B, kvh, *, hd] with `tokens` on the token axis."""
     b, heads, _, dim = like.shape
@@ -193,7 +255,7 @@ def seq_length(cache: DynamicCache, layer: int = 0) -> int:
     return _entry(cache, layer).get_seq_length()
 
 
-def layer_kwargs(layer: torch.nn.Module, cache: DynamicCache | RaggedCache) -> dict[str, Any]:
+def layer_kwargs(layer: torch.nn.Module, cache: DynamicCache | RaggedCache | SlotsStep) -> dict[str, Any]:
     """The keyword that hands `cache` to a decoder layer: `cache` in transformers >= 5.21,
     `past_key_values` before (5.16-5.20 are what vLLM and SGLang pin). A layer that takes neither
     would silently run without the cache, so that is refused."""

@@ -15,7 +15,9 @@ prefill; a prefill waits at most one step per layer.
 
 The batch is at most `max_batch` requests (the rest wait in arrival order); memory is bounded
 before this: each request's cache was sized for its prompt and answer when its prefill began,
-and the receiver holds at most `max_queued_requests` requests. A request's own fault (its
+and the receiver holds at most `max_queued_requests` requests. With a decode pool the batch
+decodes in its slots (`shared/model/pool.py`; fixed memory, allocated once; on a GPU each
+step a replayed CUDA graph); a request that does not fit a slot decodes beside it. A request's own fault (its
 sampler, its stream) ends only it (`Decoding.error`); a caller that is cancelled leaves at the
 next step; a failing step fails only the requests in it.
 """
@@ -42,11 +44,13 @@ class DecodeBatcher:
     """Decodes requests of one model together, on the torch thread `run_torch` serves."""
 
     def __init__(self, model: Any, run_torch: RunTorch, max_batch: int,
-                 on_step: Callable[[int], None] | None = None):
-        """`on_step(rows)` after every step (metrics), on the loop."""
+                 on_step: Callable[[int], None] | None = None, pool: Any = None):
+        """`on_step(rows)` after every step (metrics), on the loop. `pool`: a decode pool of the
+        model's (`shared/model/pool.KVPool`, `max_batch` slots) its steps run in; None: ragged."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self._torch, self.max_batch, self._on_step = model, run_torch, max_batch, on_step
+        self.pool = pool
         self._waiting: collections.deque[tuple[Decoding, asyncio.Future[None]]] = collections.deque()
         self._running: list[tuple[Decoding, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
@@ -96,7 +100,7 @@ class DecodeBatcher:
                 rows = [d for d, _ in self._running]
                 took = 0.0
                 try:
-                    took = await self._torch(decode.step, self.model, rows)
+                    took = await self._torch(decode.step, self.model, rows, self.pool)
                 except Exception as e:  # the forward itself failed: the requests in it fail, no others
                     log.warning("decode_step_failed", rows=len(rows), error=f"{type(e).__name__}: {e}")
                     for d in rows:

@@ -18,22 +18,30 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiny_run_writes_every_row_target_and_an_exact_recompute_all(tmp_path):
     """Rows per context and plan with the named keys, the targets (null where not measured), exactness within
     tolerance, the overlap run's landed layers giving one answer pipelined and serial, and the
-    batched decode's rows choosing the solo tokens."""
+    batched decode's rows choosing the solo tokens, ragged, in a decode pool, and replayed per bucket."""
     out = tmp_path / "check.json"
     proc = subprocess.run(["bash", "infra/gpu/check.sh", "--tiny", "--repeats", "1", "--out", str(out)], cwd=ROOT,
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=290)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    keys = {"context", "plan", "recomputed_layers", "total_layers", "ttft_s", "speedup", "ideal", "peak_mem_gib"}
+    keys = {"context", "plan", "graphs", "recomputed_layers", "total_layers", "ttft_s", "speedup", "ideal",
+            "peak_mem_gib"}
     assert all(set(r) == keys for r in report["rows"])
+    graphed = {(r["context"], r["plan"]) for r in report["rows"] if r["graphs"]}
+    assert graphed == {(n, p) for n in (256, 512) for p in ("full reuse", "recompute [0,2)")}
+    assert report["graphs"]["layer_graphs"] == 2 * 4 * 8  # before / after, 4 token buckets, 8 layers
     assert {(r["context"], r["plan"]) for r in report["rows"]} >= {(256, "full prefill"), (512, "recompute [0,2)")}
     assert set(report["targets"]) == {"k2_32k_fraction_of_ideal", "full_reuse_64k_s", "peak_mem_32k_gib", "weights_gib",
-                                      "kv_32k_gib", "batched_decode_32_at_4k_x"}
+                                      "kv_32k_gib", "batched_decode_32_at_4k_x", "graphs_on_vs_off_solo_x",
+                                      "graphs_on_vs_off_batched_x", "k2_32k_fraction_of_ideal_eager",
+                                      "full_reuse_64k_s_eager"}
     assert report["targets"]["k2_32k_fraction_of_ideal"] is None and report["targets"]["kv_32k_gib"] > 0
     assert report["exactness"]["ok"] and report["cacheblend_s"] > 0
     assert report["overlap"]["same_answer"] and report["overlap"]["plan"] == "recompute [0,2)"
-    batched = report["batched_decode"]  # every row of the batch chose the tokens one sequence alone chose
-    assert batched["batch"] == 4 and batched["same_tokens"] and batched["batched_tokens_per_s"] > 0
+    batched = report["batched_decode"]  # per way, every row of the batch chose the tokens one sequence alone chose
+    assert [r["way"] for r in batched] == ["ragged", "pool", "graphs"]
+    assert all(r["batch"] == 4 and r["same_tokens"] and r["batched_tokens_per_s"] > 0 for r in batched)
+    assert "graphs" in proc.stdout and report["graphs"]["what"].startswith("cpu:")
 
 
 def test_named_shapes_have_the_real_architectures_sizes():

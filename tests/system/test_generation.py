@@ -85,11 +85,14 @@ def test_streaming_stops_and_sampling_through_the_mesh(nats, services, tiny_pair
     assert out["after"].token_ids == reply.token_ids  # still serving, and greedy is deterministic
 
 
-def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, services, tiny_pair, tiny_models):
+@pytest.mark.parametrize("pool_tokens", [0, 512], ids=["ragged", "decode pool"])
+def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, services, tiny_pair, tiny_models,
+                                                                     pool_tokens):
     """A receiver decoding requests together (max_batch 4, six sent at once: full prefills of
     different contexts and limits, and full reuses of the sender's context) answers each with
     the tokens it gets when asked alone afterwards; its metrics count the shared steps. A request
-    for n = 3 samples gets, as sample i, what a request of its own with seed + i gets."""
+    for n = 3 samples gets, as sample i, what a request of its own with seed + i gets. With a
+    decode pool (`decode_pool_tokens`) the same holds, the pool allocated at start."""
     from tests.system.test_operations import _samples
 
     url = nats[1]
@@ -97,8 +100,10 @@ def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, servi
     services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 1, 2],
                                              "heartbeat_s": 0.5}, url, env=THREADS))
     receiver = start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver", "default_group": [1, 2],
-                                          "max_batch": 4, "metrics_port": 0, "hold": False}, url, env=THREADS)
+                                          "max_batch": 4, "metrics_port": 0, "hold": False,
+                                          "decode_pool_tokens": pool_tokens}, url, env=THREADS)
     services.append(receiver)
+    assert [(e["slots"], e["tokens"]) for e in receiver.events("decode_pool")] == ([(4, 512)] if pool_tokens else [])
     asks = [(words(60 + 25 * i, offset=3 * i), f" q{i}", 10 + 3 * i, "full_prefill") for i in range(4)]
     asks += [(CONTEXT, f" who {i}", 12, "full_reuse") for i in range(2)]  # forced: no relay decision to race
 

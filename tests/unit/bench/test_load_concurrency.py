@@ -85,7 +85,7 @@ def test_command_prints_rows_and_ratios_and_saves_the_load_average(monkeypatch, 
 
     def fake(receiver, tokens, concurrencies, batches, rounds, new_tokens, source, device, **kw):
         seen.update(tokens=tokens, concurrencies=concurrencies, batches=batches, source=source, mode=kw["mode"],
-                    dtype=kw["dtype"])
+                    dtype=kw["dtype"], pool_tokens=kw["pool_tokens"])
         rows = [concurrency_row(b, c, [Sample(1.0, 0.5, new_tokens, tokens)], 1.0) for b in batches for c in concurrencies]
         return {"rows": rows, "compare": concurrency_compare(rows), "loadavg_start": [0.1, 0.2, 0.3],
                 "loadavg_end": [0.4, 0.5, 0.6], "mode": kw["mode"], "dtype": kw["dtype"]}
@@ -93,11 +93,11 @@ def test_command_prints_rows_and_ratios_and_saves_the_load_average(monkeypatch, 
     monkeypatch.setattr(suite, "run_concurrency", fake)
     out = tmp_path / "lc.json"
     res = CliRunner().invoke(cli.bench, ["load", "--workload", "concurrency", "--concurrency", "2,1", "--batch", "4,1",
-                                         "--new-tokens", "8", "--json", str(out)])
+                                         "--new-tokens", "8", "--pool-tokens", "640", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert seen == {"tokens": 1024, "concurrencies": [1, 2], "batches": [1, 4], "source": "filler",
-                    "mode": "full_prefill", "dtype": "float32"}
-    assert "speedup_decode" in res.output and "load average" in res.output
+                    "mode": "full_prefill", "dtype": "float32", "pool_tokens": 640}
+    assert "speedup_decode" in res.output and "decode pool of 640 tokens" in res.output and "load average" in res.output
     saved = json.loads(out.read_text())
     assert saved["suite"] == "load_concurrency" and saved["mode"] == "full_prefill"
     assert saved["loadavg_end"] == [0.4, 0.5, 0.6]
