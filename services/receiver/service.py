@@ -22,6 +22,7 @@ from droidmesh.services.receiver.answer_stream import ListenerWatch
 from droidmesh.services.receiver.config import ReceiverConfig
 from droidmesh.services.receiver.pipeline import load_translators
 from droidmesh.services.receiver.state import ReceiverState
+from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.holding.holder import Holder
 from droidmesh.shared.holding.store import CacheStore
 from droidmesh.shared.mesh import discovery
@@ -66,13 +67,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
             log.warning("translator_unavailable", reason=why)
         for s in self.states.values():
             await pipeline.screen_for(s)  # the KV screen's reference, built before the first request waits on it
-            if cfg.cuda_graphs and s.model.device.type == "cuda":  # short passes replayed, captured before any request
-                s.model.graphs = LayerGraphs(s.model, cuda_capture())
-                log.info("layer_graphs", model_id=s.cfg.model_id, graphs=await self.run_torch(s.model.graphs.warm))
-            if (pool := s.batcher.pool) is not None:  # allocated, its graphs captured, before any request
-                graphs = await self.run_torch(pool.warm)
-                log.info("decode_pool", model_id=s.cfg.model_id, slots=pool.slots, tokens=pool.tokens,
-                         mib=round(pool.nbytes / 2**20), graphs=graphs)
+            await self._capture_graphs(s)
         if cfg.holding:
             await self._hold(bus)
         elif cfg.hold:
@@ -88,6 +83,31 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
             log.info("receiver_started", model_id=name, receiver_id=s.cfg.receiver_id, transport=cfg.transport,
                      fingerprint=s.model.fingerprint.id, layers=s.model.num_layers,
                      holder_id=cfg.holder_id if cfg.holding else None)
+
+    async def _capture_graphs(self, s: ReceiverState) -> None:
+        """Before any request: on a CUDA device (`cuda_graphs`) the short passes' layer graphs, and
+        the decode pool allocated with its steps' graphs. A capture the device refuses leaves that
+        part eager (logged), never the service down: graphs change speed, not answers."""
+        model, pool = s.model, s.batcher.pool
+        if self.cfg.cuda_graphs and model.device.type == "cuda":
+            model.graphs = LayerGraphs(model, cuda_capture())
+            try:
+                log.info("layer_graphs", model_id=s.cfg.model_id, graphs=await self.run_torch(model.graphs.warm))
+            except Exception as e:
+                model.graphs = None
+                log.warning("layer_graphs_failed", model_id=s.cfg.model_id, error=f"{type(e).__name__}: {e}")
+        if pool is None:
+            return
+        try:
+            graphs = await self.run_torch(pool.warm)
+        except ConfigError:
+            raise  # the pool does not fit in memory: the operator's setting, said at start
+        except Exception as e:
+            pool.capture, pool.graphs = None, {}
+            log.warning("decode_pool_graphs_failed", model_id=s.cfg.model_id, error=f"{type(e).__name__}: {e}")
+            graphs = await self.run_torch(pool.warm)
+        log.info("decode_pool", model_id=s.cfg.model_id, slots=pool.slots, tokens=pool.tokens,
+                 mib=round(pool.nbytes / 2**20), graphs=graphs)
 
     async def _host_models(self) -> dict[str, tuple[ModelAdapter, str]]:
         """Served model id -> (its model, its weights' sha256): the one model, or, with `adapters`,

@@ -181,6 +181,8 @@ def rows(peer: dict[str, Any], ours: dict[str, Any], batch: int, new_tokens: int
     same = [common_prefix(a, b) / new_tokens for a, b in zip(ours["tokens"], d["tokens"], strict=True)]
     decode_row = {"batch": batch, "new_tokens": new_tokens, "vllm_tokens_per_s": peer_rate,
                   "droidmesh_tokens_per_s": ours["decode_tokens_per_s"], "droidmesh_way": ours.get("decode_way"),
+                  "droidmesh_tokens_per_s_by_way": {w: statistics.median(r)
+                                                    for w, r in ours.get("decode_rates", {}).items() if r},
                   "droidmesh_over_vllm": ours["decode_tokens_per_s"] / peer_rate if peer_rate else None,
                   "same_tokens_share": statistics.mean(same)}
     return {"ttft": table, "decode": decode_row}

@@ -103,7 +103,12 @@ def step(model: ModelAdapter, rows: Sequence[Decoding], pool: KVPool | None = No
             pool.release(rows)
             pooled = [d for d in live if pool.admit(d)]
             if pooled:
-                for d, row in zip(pooled, pool.step(pooled), strict=True):  # [B, vocab]
+                try:
+                    logits = pool.step(pooled)  # [B, vocab]
+                except BaseException:  # the step's rows fail (the caller's to say): their caches back, slots free
+                    pool.release(pooled, every=True)
+                    raise
+                for d, row in zip(pooled, logits, strict=True):
                     d.past += 1
                     _choose(d, row)
             rest = [d for d in live if not any(d is p for p in pooled)]

@@ -100,10 +100,11 @@ class KVPool:
         self.held[s] = d
         return True
 
-    def release(self, rows: Sequence[Decoding]) -> None:
-        """Every finished row of `rows` that holds a slot gets its cache back, the slot freed."""
+    def release(self, rows: Sequence[Decoding], every: bool = False) -> None:
+        """Every finished row of `rows` (`every`: every row) that holds a slot gets its cache back,
+        holding its `past` tokens, and the slot is freed."""
         for d in rows:
-            if d.done and d in self.held:
+            if (d.done or every) and d in self.held:
                 hf_cache.reclaim(d.cache, d.past)
                 self.held[self.held.index(d)] = None
 

@@ -164,6 +164,27 @@ def test_a_finished_request_gets_its_whole_cache_back(model):
     assert pool.held == [None]
 
 
+def test_a_failing_pooled_step_frees_its_slots_and_hands_the_caches_back(model, monkeypatch):
+    """A forward that raises fails its step (the batcher fails those requests) and leaves no slot
+    held: each cache is its own again, with the tokens it held before the step."""
+    jobs = [j for j in _jobs(model) if j["max_new_tokens"] > 5][:2]
+    pool = KVPool(model, 4, 96)
+    rows = [d for _, d in (_start(model, job) for job in jobs) if d is not None]
+    decode.step(model, rows, pool)
+    pasts = [d.past for d in rows]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(model, "decode_slots", broken)
+    with pytest.raises(RuntimeError, match="device fault"):
+        decode.step(model, rows, pool)
+    assert pool.held == [None] * 4 and [d.past for d in rows] == pasts
+    for d in rows:
+        k, _ = hf_cache.layer_kv(d.cache, 0)
+        assert k.shape[2] == d.past and k.untyped_storage().data_ptr() != pool.k[0].untyped_storage().data_ptr()
+
+
 def test_buckets_are_powers_of_two_up_to_the_pool():
     assert [bucket(n, 16) for n in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     assert bucket(300, 1000, 256) == 512 and bucket(900, 1000, 256) == 1000 and bucket(3, 1000, 256) == 256
