@@ -125,17 +125,19 @@ def test_batched_decode_equals_each_request_alone(model):
     assert max(widths, default=0) >= 3 - 1  # rows leave as they finish; several shared the early steps
 
 
+def spy(store: dict[int, list[torch.Tensor]], i: int):
+    """A greedy sampler that keeps every row of logits it is handed in store[i]."""
+    def choose(row: torch.Tensor) -> int:
+        store[i].append(row.clone())
+        return int(row.argmax())
+    return choose
+
+
 def test_batched_logits_match_solo_logits(model):
     """The logits a batched step computes for each row are that row's solo logits (ATOL)."""
     jobs = [j for j in _jobs(model) if "sampler" not in j][:3]
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
     alone: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
-
-    def spy(store: dict[int, list[torch.Tensor]], i: int):
-        def choose(row: torch.Tensor) -> int:
-            store[i].append(row.clone())
-            return int(row.argmax())
-        return choose
 
     started = [_start(model, dict(job, sampler=lambda i=i: spy(seen, i))) for i, job in enumerate(jobs)]
     rows = [d for _, d in started if d is not None]

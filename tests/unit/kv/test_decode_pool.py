@@ -22,7 +22,7 @@ from droidmesh.shared.model.adapter import ModelAdapter, random_model
 from droidmesh.shared.model.graphs import bucket, buckets, eager_capture
 from droidmesh.shared.model.pool import KVPool
 from tests.conftest import ATOL, FAMILIES
-from tests.unit.kv.test_decode_batch import _finish, _jobs, _solo, _start
+from tests.unit.kv.test_decode_batch import _finish, _jobs, _solo, _start, spy
 from tests.unit.model.test_gemma3 import tiny_gemma3
 
 CAPTURES = {"eager": None, "replayed": eager_capture}
@@ -69,12 +69,6 @@ def test_pooled_logits_match_solo_logits(model):
     jobs = [j for j in _jobs(model) if "sampler" not in j][:3]
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
     alone: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
-
-    def spy(store: dict[int, list[torch.Tensor]], i: int):
-        def choose(row: torch.Tensor) -> int:
-            store[i].append(row.clone())
-            return int(row.argmax())
-        return choose
 
     _pooled(model, [dict(job, sampler=lambda i=i: spy(seen, i)) for i, job in enumerate(jobs)],
             KVPool(model, 4, 96, eager_capture))
