@@ -111,7 +111,8 @@ def step(model: ModelAdapter, rows: Sequence[Decoding], pool: KVPool | None = No
                 for d, row in zip(pooled, logits, strict=True):
                     d.past += 1
                     _choose(d, row)
-            rest = [d for d in live if not any(d is p for p in pooled)]
+            in_pool = {id(d) for d in pooled}
+            rest = [d for d in live if id(d) not in in_pool]
         else:
             rest = live
         if len(rest) == 1 or not model.batches:

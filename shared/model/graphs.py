@@ -181,8 +181,10 @@ class LayerGraphs:
         def after() -> tuple[torch.Tensor, ...]:
             return (buf.h.copy_(pieces.after(layer, kind, buf.o, buf.h)),)
 
-        saved = (buf.h.clone(), buf.o.clone())  # a capture's warm-up runs write buf.h: a pass may be under way
-        self.graphs[key] = self.capture(before if piece == "before" else after)
-        buf.h.copy_(saved[0])
-        buf.o.copy_(saved[1])
+        if piece == "before":  # reads the buffers, writes none
+            self.graphs[key] = self.capture(before)
+            return self.graphs[key]
+        saved = buf.h.clone()  # the after-graph's warm-up runs write buf.h, where a pass may be under way
+        self.graphs[key] = self.capture(after)
+        buf.h.copy_(saved)
         return self.graphs[key]
