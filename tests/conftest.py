@@ -2,8 +2,9 @@
 tiny on-disk sender/receiver pair with the zoo tokenizer for wiring tests.
 
 Also the suite-wide settings: torch runs on one thread (tiny models gain nothing from more, and
-one thread makes CPU reductions run in one order on every machine), and tests marked `gpu` are
-skipped where CUDA is absent.
+one thread makes a computation repeat to the bit from run to run; across shapes and CPU vendors
+the order of its sums still differs, which `tests/numeric.py` allows for), and tests marked
+`gpu` are skipped where CUDA is absent.
 """
 
 from __future__ import annotations

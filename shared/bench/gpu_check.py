@@ -56,6 +56,7 @@ from droidmesh.shared.model.pool import KVPool
 from droidmesh.shared.model.sampling import greedy
 from droidmesh.shared.transport import codecs, pull
 from droidmesh.shared.transport.bulk import Landing
+from droidmesh.shared.wire.hashing import common_prefix
 from droidmesh.shared.wire.schemas import TensorHeader
 
 GIB = 1 << 30
@@ -201,10 +202,13 @@ DECODE_WAYS = ("ragged", "pool", "graphs")
 def batched_decode(model: ModelAdapter, n: int, batch: int, steps: int = 16, seed: int = 3) -> list[dict[str, Any]]:
     """Decode tokens/s of `batch` sequences stepped together (`decode.step`, continuous batching's
     step) against one sequence alone, each over its own copy of one n-token prompt's cache; and
-    whether every row chose the solo ragged sequence's tokens (greedy). One row per way of
-    stepping (`DECODE_WAYS`): each row's own cache (ragged); a decode pool run eagerly (pool);
-    the pool's steps captured per bucket and replayed (graphs: CUDA graphs on a CUDA device, the
-    eager stand-in `pool.eager_capture` on the CPU, which shows the sequence, not the gain)."""
+    whether every row chose the solo ragged sequence's tokens (greedy), else the first token where
+    one parted from them (a batch runs its products at other shapes than one row, which may round
+    differently: in bfloat16 a near-tie can flip a late token, while a wrong row parts at once).
+    One row per way of stepping (`DECODE_WAYS`): each row's own cache (ragged); a decode pool run
+    eagerly (pool); the pool's steps captured per bucket and replayed (graphs: CUDA graphs on a
+    CUDA device, the eager stand-in `pool.eager_capture` on the CPU, which shows the sequence, not
+    the gain)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
     pre = prefill(model, ids, ReusePlan.full_prefill(), decode_tokens=steps + 1)
@@ -243,8 +247,15 @@ def batched_decode(model: ModelAdapter, n: int, batch: int, steps: int = 16, see
         out.append({"way": way, "context": n, "batch": batch, "solo_tokens_per_s": made / solo_s,
                     "batched_tokens_per_s": made * batch / batch_s,
                     "speedup": (made * batch / batch_s) / (made / solo_s),
-                    "same_tokens": all(d.tokens == reference[0].tokens for d in solo + together)})
+                    "same_tokens": all(d.tokens == reference[0].tokens for d in solo + together),
+                    "first_divergence": _first_divergence(solo + together, reference[0].tokens)})
     return out
+
+
+def _first_divergence(rows: list[Decoding], reference: list[int]) -> int | None:
+    """The index of the first token where some row's tokens part from `reference` (None: none does)."""
+    shared = min(common_prefix(d.tokens, reference) for d in rows)
+    return None if all(d.tokens == reference for d in rows) else shared
 
 
 def _sync(model: ModelAdapter) -> None:
@@ -314,7 +325,7 @@ def main(argv: list[str]) -> int:
                                "cpu: graphs are the eager stand-in (the sequence, not the gain)")}}
     print(output.format_table(rows, COLUMNS))
     print(output.format_table(batched, ["way", "context", "batch", "solo_tokens_per_s", "batched_tokens_per_s",
-                                        "speedup", "same_tokens"]))
+                                        "speedup", "same_tokens", "first_divergence"]))
     print(json.dumps({"targets": found, "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped,
                       "batched_decode": batched}, indent=1))
     if args.out:

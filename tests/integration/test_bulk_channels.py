@@ -78,7 +78,7 @@ def test_items_arrive_in_request_order_and_intact(transport):
     nbytes = asyncio.run(_session(transport, issuer, body))
     assert [it for it, _ in got] == items
     assert all(t is buf for (_, t), buf in zip(got, into, strict=True))
-    assert all(torch.equal(t, TENSORS[(it.layer, it.kind)]) for it, t in got)
+    assert all(torch.equal(t, TENSORS[(it.layer, it.kind)]) for it, t in got)  # bitwise: the channel copies the stored bytes
     assert nbytes == sum(t.numel() * 4 for _, t in got)
 
 
@@ -180,7 +180,7 @@ def test_a_prefix_pull_sends_only_the_tokens_asked_for(transport):
     assert nbytes == sum(b.numel() * 4 for b in into)
     for it, got in zip(items, into, strict=True):
         want = store.tensor("ctx", it.layer, it.kind)
-        assert torch.equal(got, want[:, :7] if it.kind == "E" else want[:, :, :7])
+        assert torch.equal(got, want[:, :7] if it.kind == "E" else want[:, :, :7])  # bitwise: the channel copies the stored bytes
     assert store.pull_bytes == 0 and store.orphaned_bytes == 0
 
 

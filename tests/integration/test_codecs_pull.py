@@ -153,6 +153,7 @@ def test_lowrank_pull_generates_what_the_in_process_codes_do(tiny_models, contex
     got, n = _run(tiny_models, context, "lowrank", params)
     ref = generate(tiny_models[1], ctx + q, PLAN, CodedSource(store.get("ctx"), "lowrank", params, tokens=len(ctx)),
                    max_new_tokens=16)
+    # bitwise: the same answer, landing and engine on the same shapes; the channel copies the codes
     assert got.tokens == ref.tokens and torch.equal(got.prefill.logits, ref.prefill.logits)
     receiver, m = tiny_models[1], len(ctx)
     kvh, itemsize = receiver.fingerprint.num_kv_heads, receiver.dtype.itemsize

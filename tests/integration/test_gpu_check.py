@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from droidmesh.shared.bench import gpu_check
 from droidmesh.shared.model import shapes
@@ -40,8 +41,15 @@ def test_tiny_run_writes_every_row_target_and_an_exact_recompute_all(tmp_path):
     assert report["overlap"]["same_answer"] and report["overlap"]["plan"] == "recompute [0,2)"
     batched = report["batched_decode"]  # per way, every row of the batch chose the tokens one sequence alone chose
     assert [r["way"] for r in batched] == ["ragged", "pool", "graphs"]
-    assert all(r["batch"] == 4 and r["same_tokens"] and r["batched_tokens_per_s"] > 0 for r in batched)
+    assert all(r["batch"] == 4 and r["same_tokens"] and r["first_divergence"] is None and r["batched_tokens_per_s"] > 0
+               for r in batched)
     assert "graphs" in proc.stdout and report["graphs"]["what"].startswith("cpu:")
+
+
+def test_first_divergence_is_the_first_token_where_a_row_parts_from_the_solo_tokens():
+    rows = [SimpleNamespace(tokens=[1, 2, 3, 4]), SimpleNamespace(tokens=[1, 2, 5, 4])]
+    assert gpu_check._first_divergence(rows, [1, 2, 3, 4]) == 2
+    assert gpu_check._first_divergence(rows[:1], [1, 2, 3, 4]) is None
 
 
 def test_named_shapes_have_the_real_architectures_sizes():

@@ -97,6 +97,7 @@ def test_stored_tensor_registrations_are_reused_and_released_with_the_tensor():
             async def pull(items: list[PullItem]) -> None:
                 into = [torch.empty(1, 2, 33, 8) for _ in items]
                 await client.pull(address, PullRequest(context_id="ctx", items=items), into, lambda *a: None, 10)
+                # bitwise: the channel copies the stored bytes
                 assert all(torch.equal(t, store[(it.layer, it.kind)]) for it, t in zip(items, into, strict=True))
 
             await pull(ITEMS)
@@ -157,5 +158,6 @@ def test_codec_payloads_are_read_from_per_pull_registrations():
         into, cached, released = asyncio.run(run())
     finally:
         codecs.unregister("toy-negate")
+    # bitwise: the toy codec inverts the bits twice
     assert all(torch.equal(t, store[(it.layer, it.kind)]) for it, t in zip(ITEMS, into, strict=True))
     assert cached == 0 and released >= len(ITEMS)

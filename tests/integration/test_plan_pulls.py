@@ -61,9 +61,9 @@ def test_a_whole_plan_pull_equals_per_item_pulls(transport, stored_tokens, token
     whole, single = asyncio.run(_session(transport, issuer, body, stored=stored))
     assert order == items  # delivered in plan order
     for it, a, b in zip(items, whole, single, strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), it
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), it  # bitwise: both pulls copy the stored bytes
         axis = 1 if it.kind == "E" else 2
-        assert torch.equal(a, stored[(it.layer, it.kind)].narrow(axis, 0, want)), it
+        assert torch.equal(a, stored[(it.layer, it.kind)].narrow(axis, 0, want)), it  # bitwise: the channel copies the stored bytes
 
 
 @pytest.mark.parametrize("transport", CHANNELS)
@@ -87,6 +87,7 @@ def test_items_from_a_later_token_are_that_token_range(transport, stored_tokens,
     got = asyncio.run(_session(transport, issuer, body, stored=stored))
     for it, t in zip(items, got, strict=True):
         axis = 1 if it.kind == "E" else 2
+        # bitwise: the channel copies the stored bytes
         assert torch.equal(t, stored[(it.layer, it.kind)].narrow(axis, it.start, want - it.start)), it
 
 

@@ -75,7 +75,7 @@ def test_placed_tensors_are_granted_where_they_lie_without_a_copy():
         into = [torch.empty(1, 2, n, 8) for _ in ITEMS]
         nbytes, holds = _pull(lambda c, l, k: lookup.get((l, k)), ITEMS, into, tokens)
         assert nbytes == 2 * 2 * n * 8 * 4
-        assert all(torch.equal(got, t[:, :, :n]) for got, t in zip(into, placed, strict=True))
+        assert all(torch.equal(got, t[:, :, :n]) for got, t in zip(into, placed, strict=True))  # bitwise: the memfd holds the placed bytes
         assert holds[0].charged == 0 and holds[0].released
 
 
@@ -84,7 +84,7 @@ def test_tensors_not_placed_go_through_a_charged_per_pull_memfd():
     plain = {(0, k): torch.randn(1, 2, 33, 8) for k in "KV"}
     into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
     _, holds = _pull(lambda c, l, k: plain.get((l, k)), ITEMS, into)
-    assert all(torch.equal(got, plain[(0, k)]) for got, k in zip(into, "KV", strict=True))
+    assert all(torch.equal(got, plain[(0, k)]) for got, k in zip(into, "KV", strict=True))  # bitwise: the memfd copies the bytes
     assert holds[0].charged >= 2 * 2 * 33 * 8 * 4 and holds[0].released
 
 
@@ -114,7 +114,7 @@ def test_a_mixed_grant_delivers_every_layer_in_order_with_prefixes():
     assert order == items
     for it, got in zip(items, into, strict=True):
         want = stored[(it.layer, it.kind)]
-        assert torch.equal(got, want[:, :9] if it.kind == "E" else want[:, :, :9])
+        assert torch.equal(got, want[:, :9] if it.kind == "E" else want[:, :, :9])  # bitwise: the channel copies the stored bytes
     assert 0 < hold.charged <= 2 * 2 * 9 * 8 * 4 + 2 * memfd.ALIGN and hold.released  # the two unplaced K / V only
 
 
@@ -220,4 +220,4 @@ def test_a_hostile_grant_is_refused_before_a_byte_is_read_and_leaks_no_descripto
     with pytest.raises((IntegrityError, BadMessageError), match=CASES[case]):
         asyncio.run(run())
     assert _open_fds() == before
-    assert bool((into[0] == 7.0).all())
+    assert bool((into[0] == 7.0).all())  # bitwise: the fill nothing overwrote

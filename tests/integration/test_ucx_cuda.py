@@ -36,7 +36,7 @@ def test_raw_encode_gives_device_bytes_only_when_asked():
     assert own.data_ptr() == t.data_ptr() and params == {codecs.DEVICE_PARAM: "cuda"}
     staged, params = RAW.encode(t, {})
     assert staged.device.type == "cpu" and staged.is_pinned() and params == {}
-    assert torch.equal(staged, codecs.payload_view(t).cpu())
+    assert torch.equal(staged, codecs.payload_view(t).cpu())  # bitwise: a staged copy of the bytes
 
 
 def test_raw_lands_device_payloads_in_place_and_host_payloads_via_pinned_memory():
@@ -48,7 +48,7 @@ def test_raw_lands_device_payloads_in_place_and_host_payloads_via_pinned_memory(
     assert staged.device.type == "cpu" and staged.is_pinned()
     staged.copy_(codecs.payload_view(t).cpu())
     RAW.decode(staged, _header(t, {}), out)
-    assert torch.equal(out, t)
+    assert torch.equal(out, t)  # bitwise: copied through pinned memory
 
 
 def test_device_checksum_is_the_same_on_gpu_and_cpu():
@@ -74,7 +74,7 @@ def test_inproc_channel_stages_cuda_tensors_through_host_memory():
             await server.close()
 
     asyncio.run(run())
-    assert torch.equal(into[0], stored)
+    assert torch.equal(into[0], stored)  # bitwise: staged through host memory: copies
 
 
 def _transfer(tmp_path: Path, tls: str) -> dict:

@@ -82,6 +82,7 @@ def test_error_leaves_no_partial_state(receiver, prompt):
     bad = KVBlock(5, cap.kv[5].k[:, :1], cap.kv[5].v[:, :1])
     with pytest.raises(CacheLayoutError):
         prefill(receiver, ctx + q, ReusePlan.full_reuse(), CapturedSource(_with_kv(cap, 5, bad)))
+    # bitwise: the same prefill on the same prompt, run again
     assert torch.equal(prefill(receiver, ctx + q, ReusePlan.full_prefill()).logits, before)
 
 

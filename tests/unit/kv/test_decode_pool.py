@@ -21,7 +21,8 @@ from droidmesh.shared.model import hf_cache
 from droidmesh.shared.model.adapter import ModelAdapter, random_model
 from droidmesh.shared.model.graphs import bucket, buckets, eager_capture
 from droidmesh.shared.model.pool import KVPool
-from tests.conftest import ATOL, FAMILIES
+from tests.conftest import FAMILIES
+from tests.numeric import assert_close_computed
 from tests.unit.kv.test_decode_batch import _finish, _jobs, _solo, _start, spy
 from tests.unit.model.test_gemma3 import tiny_gemma3
 
@@ -65,7 +66,7 @@ def test_pooled_decode_equals_each_request_alone(model, capture):
 
 def test_pooled_logits_match_solo_logits(model):
     """Each row's logits from a pooled step (one masked attention call per layer over padded
-    slots) are its solo logits within ATOL."""
+    slots) are its solo logits within `tests/numeric.py`'s tolerance."""
     jobs = [j for j in _jobs(model) if "sampler" not in j][:3]
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
     alone: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
@@ -75,8 +76,8 @@ def test_pooled_logits_match_solo_logits(model):
     for i, job in enumerate(jobs):
         _solo(model, dict(job, sampler=lambda i=i: spy(alone, i)))
         assert len(seen[i]) == len(alone[i]) == job["max_new_tokens"]
-        for a, b in zip(seen[i], alone[i], strict=True):
-            assert torch.allclose(a, b, atol=ATOL, rtol=0), float((a - b).abs().max())
+        for step, (a, b) in enumerate(zip(seen[i], alone[i], strict=True)):
+            assert_close_computed(a, b, dtype=model.dtype, layers=model.num_layers, what=f"row {i}, step {step}")
 
 
 def test_a_request_cancelled_mid_pool_leaves_the_others_unchanged(model):
@@ -154,7 +155,8 @@ def test_a_finished_request_gets_its_whole_cache_back(model):
         k, v = hf_cache.layer_kv(d.cache, l)
         k0, v0 = hf_cache.layer_kv(solo.cache, l)
         assert k.shape == k0.shape and k.untyped_storage().data_ptr() != pool.k[l].untyped_storage().data_ptr()
-        assert torch.allclose(k, k0, atol=ATOL, rtol=0) and torch.allclose(v, v0, atol=ATOL, rtol=0)
+        for got, want, kind in ((k, k0, "K"), (v, v0, "V")):
+            assert_close_computed(got, want, dtype=model.dtype, layers=model.num_layers, what=f"layer {l} {kind}")
     assert pool.held == [None]
 
 

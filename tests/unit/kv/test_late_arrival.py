@@ -134,4 +134,4 @@ def test_halves_in_either_order_make_one_layer(receiver, prompt):
         source.kv(3, deadline=time.monotonic() + 0.05)
     source.put("K", 3, block.k)
     got = source.kv(3, deadline=time.monotonic() + 1)
-    assert torch.equal(got.k, block.k) and torch.equal(got.v, block.v)
+    assert torch.equal(got.k, block.k) and torch.equal(got.v, block.v)  # bitwise: the delivered tensors themselves

@@ -58,7 +58,7 @@ def test_blend_visibility_values_on_cpu():
     """Picked token p sees unpicked sender keys <= p and fresh keys of picked tokens <= p."""
     allowed = blend_visibility(torch.tensor([1, 3]), 4)[0, 0]  # [2, 6]
     expected = torch.tensor([[True, False, False, False, True, False], [True, False, True, False, True, True]])
-    assert torch.equal(allowed, expected)
+    assert torch.equal(allowed, expected)  # bitwise: a boolean mask: no rounding
 
 
 def test_token_deviation_follows_its_input_device():

@@ -116,7 +116,7 @@ def test_int4_is_exact_on_representable_values(dtype):
     k[..., 8], k[..., 9] = 15, 0  # ... including the second one of each row
     lo = torch.randint(-8, 8, (1, 2, 6, 1), generator=g).repeat_interleave(16, dim=-1)  # [1, 2, 6, 16]
     x = (lo + k * 0.25).to(dtype)  # scale 0.25 per group: exact in every dtype
-    assert torch.equal(_int4_round_trip(x, 8), x)
+    assert torch.equal(_int4_round_trip(x, 8), x)  # bitwise: values the codec represents exactly
 
 
 def test_int4_packs_two_values_per_byte_low_nibble_first():
@@ -134,7 +134,7 @@ def test_int8_is_exact_on_representable_values():
     q = torch.randint(-127, 128, (1, 2, 5, 8), generator=torch.Generator().manual_seed(2)).float()
     q[..., 0] = 127
     x = q * torch.tensor([0.5, 2.0, 0.125, 1.0, 4.0]).view(1, 1, 5, 1)  # power-of-two scales per token
-    assert torch.equal(_int8_round_trip(x, "V"), x)
+    assert torch.equal(_int8_round_trip(x, "V"), x)  # bitwise: values the codec represents exactly
     assert quant.int8_quantize(x, "V")[:4].view(torch.int8).tolist() == q.flatten()[:4].to(torch.int8).tolist()
 
 
@@ -142,15 +142,18 @@ def test_zero_and_constant_slices_decode_exactly():
     """A zero scale (all-zero channel, constant group) is no division by zero: exact, finite output."""
     x = torch.zeros(1, 2, 4, 8)
     x[0, 1] = 3.5
+    # bitwise: zeros and constants decode exactly
     assert torch.equal(_int8_round_trip(x, "K"), x) and torch.equal(_int8_round_trip(x, "V"), x)
-    assert torch.equal(_int4_round_trip(x, 4), x)
+    assert torch.equal(_int4_round_trip(x, 4), x)  # bitwise: zeros and constants decode exactly
 
 
 def test_a_strided_prefix_encodes_like_its_contiguous_copy():
     """The sender encodes a token prefix (a non-contiguous view) as it would the copied tensor."""
     x = torch.randn(1, 2, 9, 8)
     prefix = x.narrow(2, 0, 5)  # [1, 2, 5, 8], not contiguous
+    # bitwise: the same quantizer on the same values; its scales come from maxima and minima, exact in any order
     assert torch.equal(quant.int8_quantize(prefix, "K"), quant.int8_quantize(prefix.contiguous(), "K"))
+    # bitwise: the same quantizer on the same values; its scales come from maxima and minima, exact in any order
     assert torch.equal(quant.int4_quantize(prefix, 4), quant.int4_quantize(prefix.contiguous(), 4))
 
 
@@ -160,7 +163,7 @@ def test_encoding_does_not_modify_the_stored_tensor():
         x = torch.randn(1, 2, 5, 8).to(dtype)
         before = x.clone()
         quant.int8_quantize(x, "K"), quant.int8_quantize(x, "V"), quant.int4_quantize(x, 4)
-        assert torch.equal(x, before)
+        assert torch.equal(x, before)  # bitwise: the stored tensor, untouched
 
 
 @pytest.mark.parametrize("group", [0, -4, 3, 1 << 40, 16, True, 4.0, "4"])
@@ -207,7 +210,7 @@ def test_a_payload_of_another_size_is_refused_and_out_untouched(delta):
         out = _sentinel(x.shape)
         with pytest.raises(IntegrityError, match="payload of"):
             decode(wrong, out)
-        assert torch.equal(out, _sentinel(x.shape))
+        assert torch.equal(out, _sentinel(x.shape))  # bitwise: the buffer nothing wrote
 
 
 @pytest.mark.parametrize("scale", [float("nan"), -1.0, float("inf")])
@@ -221,7 +224,7 @@ def test_scales_that_would_decode_to_nan_or_inf_are_refused_before_writing(scale
         out = _sentinel(x.shape)
         with pytest.raises(IntegrityError, match="scales|range"):
             decode(out)
-        assert torch.equal(out, _sentinel(x.shape))
+        assert torch.equal(out, _sentinel(x.shape))  # bitwise: the buffer nothing wrote
 
 
 def test_values_beyond_the_output_dtypes_range_are_refused():
@@ -233,10 +236,10 @@ def test_values_beyond_the_output_dtypes_range_are_refused():
         quant.int8_dequantize(quant.int8_quantize(x * 100, "V"), "V", out16)
     with pytest.raises(IntegrityError, match="beyond torch.float16's range"):
         quant.int4_dequantize(quant.int4_quantize(x * 100, 4), 4, out16)
-    assert torch.equal(out16, _sentinel(x.shape, torch.float16))
+    assert torch.equal(out16, _sentinel(x.shape, torch.float16))  # bitwise: the buffer nothing wrote
     out32 = torch.empty(x.shape)
     quant.int4_dequantize(quant.int4_quantize(x * 100, 4), 4, out32)
-    assert torch.equal(out32, x * 100)
+    assert torch.equal(out32, x * 100)  # bitwise: a constant group decodes to its minimum
 
 
 def test_a_misaligned_payload_view_still_decodes():
@@ -247,4 +250,4 @@ def test_a_misaligned_payload_view_still_decodes():
     a, b = torch.empty_like(x), torch.empty_like(x)
     quant.int8_dequantize(payload, "K", a)
     quant.int8_dequantize(shifted, "K", b)
-    assert torch.equal(a, b)
+    assert torch.equal(a, b)  # bitwise: the same payload bytes at another offset

@@ -126,10 +126,10 @@ def test_maps_file_round_trips():
     data, sha = named(maps.to_bytes())
     back = scd.Maps.from_bytes(data, sha)
     assert back.sha256 == sha and back.meta["sender_sha256"] == "s" and back.ranks() == maps.ranks()
-    assert torch.equal(back.rope.inv_freq, ROPE.inv_freq) and back.rope.scaling == ROPE.scaling
+    assert torch.equal(back.rope.inv_freq, ROPE.inv_freq) and back.rope.scaling == ROPE.scaling  # bitwise: the file round trip copies bytes
     for key, c in maps.codes.items():
         for name in ("mu_in", "enc", "dec", "mu_out"):
-            assert torch.equal(getattr(back.codes[key], name), getattr(c, name))
+            assert torch.equal(getattr(back.codes[key], name), getattr(c, name))  # bitwise: the file round trip copies bytes
 
 
 def test_a_bad_maps_file_is_an_integrity_error():

@@ -179,7 +179,7 @@ def test_screening_changes_nothing_it_passes(demo, screens, captures):
     prompt, plan = ctx + [ctx[1]], ReusePlan.recompute(*GROUP)
     plain = prefill(qa, prompt, plan, CapturedSource(cap))
     screened = prefill(qa, prompt, plan, _screened(cap, screens["qa"], qa, plan))
-    assert torch.equal(plain.logits, screened.logits)
+    assert torch.equal(plain.logits, screened.logits)  # bitwise: the same prefill; the screen only reads
 
 
 def test_patch_inputs_are_screened_as_normalized_inputs(demo, screens, captures):

@@ -58,6 +58,7 @@ def test_every_item_is_decoded_inside_a_landing_before_it_is_delivered(transport
 
     asyncio.run(run())
     assert events == [e for it in ITEMS for e in ("enter cpu", "exit", f"deliver {it.layer}{it.kind}")]
+    # bitwise: raw landings copy the stored bytes
     assert all(torch.equal(t, STORED[(it.layer, it.kind)]) for it, t in zip(ITEMS, into, strict=True))
 
 
@@ -100,7 +101,7 @@ def test_a_landing_copies_on_the_copy_stream_while_compute_is_busy():
     Landing(PullItem(0, "K"), header, codecs.get("raw"), out, staged).land(verify=False)
     assert not compute.query(), "the landing waited for the compute stream"
     streams.adopt(out)
-    assert torch.equal(out.cpu(), value)
+    assert torch.equal(out.cpu(), value)  # bitwise: the landing copies the bytes
 
 
 @pytest.mark.gpu

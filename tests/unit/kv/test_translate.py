@@ -85,6 +85,7 @@ def test_a_translator_with_the_published_hash_loads_and_one_with_another_is_refu
     """The right sha256 loads the same maps; a wrong hash or an altered byte is refused."""
     model, path, sha = saved
     tr = translate.load(path, sha)
+    # bitwise: the identity map, saved and loaded: bytes
     assert tr.sources == tuple(range(model.num_layers)) and torch.equal(tr.w[0][128:192], torch.eye(64))
     with pytest.raises(TranslatorMismatchError):
         translate.load(path, "0" * 64)
@@ -147,7 +148,7 @@ def test_a_translator_with_a_shared_bottleneck_round_trips_and_translates(tmp_pa
                              w=tuple(torch.randn(r, d, generator=g) for _ in range(1, n)))
     tr.save(tmp_path / "t.safetensors")
     back = translate.load(tmp_path / "t.safetensors")
-    assert torch.equal(back.proj, tr.proj) and back.w[0].shape == (r, d)
+    assert torch.equal(back.proj, tr.proj) and back.w[0].shape == (r, d)  # bitwise: saved and loaded bytes
     ctx = [1, *range(3, 20)]
     source = TranslatedSource(CapturedSource(capture_prefill(model, ctx, e_layers=(0, 1))), back, model, ctx,
                               [(i, i + 1) for i in range(len(ctx))], model.fingerprint)

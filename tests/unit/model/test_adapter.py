@@ -19,6 +19,7 @@ def test_saved_checkpoint_loads_with_same_outputs(tmp_path, family):
     loaded = load_model(tmp_path)
     ids = torch.arange(10)[None]
     with torch.inference_mode():
+        # bitwise: the same weights (saved and loaded), kernels and shapes
         assert torch.equal(loaded.model(input_ids=ids).logits, m.model(input_ids=ids).logits)
     assert loaded.fingerprint == m.fingerprint and loaded.name == tmp_path.name
 

@@ -124,6 +124,7 @@ def test_base_view_is_the_plain_base(shared_set, merged, ids):
     _run(shared_set.view("b"), ids)
     logits, tokens = _run(shared_set.view("base"), ids)
     ref_logits, ref_tokens = _run(merged["base"], ids)
+    # bitwise: disabled adapters run the base layers alone: the same kernels and shapes
     assert torch.equal(logits, ref_logits) and tokens == ref_tokens
 
 
@@ -137,6 +138,7 @@ def test_views_interleaved_give_their_own_results(dirs, shared_set, ids):
         alone[name] = _run(own.view(name), ids)
     for name in ("a", "b", "a", "base", "b", "base", "a"):
         logits, tokens = _run(shared_set.view(name), ids)
+        # bitwise: the same view, kernels and shapes; interleaving must leave no state behind
         assert torch.equal(logits, alone[name][0]) and tokens == alone[name][1], name
 
 

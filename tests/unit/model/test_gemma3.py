@@ -131,11 +131,12 @@ def test_rope_tables_are_per_layer_type(receiver):
     """Sliding and global layers rotate by different bases: the tables are asked for per layer."""
     local, _ = receiver.rope_tables(0)
     glob, _ = receiver.rope_tables(2)
+    # bitwise: one table function, one base, one shape
     assert not torch.equal(local, glob) and torch.equal(local, receiver.rope_tables(1)[0])
     with pytest.raises(UnsupportedModelError, match="per layer"):
         receiver.rope_tables()
     llama = random_model("llama", **FAMILIES["llama"])
-    assert torch.equal(llama.rope_tables()[0], llama.rope_tables(3)[0])
+    assert torch.equal(llama.rope_tables()[0], llama.rope_tables(3)[0])  # bitwise: one table function, one base, one shape
 
 
 def test_the_fingerprint_tells_the_layer_pattern_and_the_window():
@@ -167,6 +168,7 @@ def test_a_saved_gemma3_loads_with_tied_embeddings_and_the_same_outputs(tmp_path
     loaded = load_model(tmp_path)
     assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
     ctx, q = prompt
+    # bitwise: the same weights (saved and loaded), kernels and shapes
     assert torch.equal(reference_logits(loaded, ctx + q), reference_logits(receiver, ctx + q))
     assert loaded.fingerprint == receiver.fingerprint
 
@@ -222,6 +224,7 @@ def test_sliding_layers_reused_from_their_window_only_are_exact(impl, plan, prom
     garbled = CapturedSource(dataclasses.replace(captured, kv=tuple(kv)))
     honest = CapturedSource(captured)
     want = prefill(receiver, ctx + q, plan, honest, logits_for=len(q)).logits
+    # bitwise: the same kernels and shapes; a masked key weighs exactly 0, so garbage there moves no bit
     assert torch.equal(prefill(receiver, ctx + q, plan, garbled, logits_for=len(q)).logits, want)
     full = prefill(receiver, ctx + q, ReusePlan.full_prefill(), logits_for=len(q)).logits
     assert float((want - full).abs().max()) <= ATOL  # self-reuse: exact

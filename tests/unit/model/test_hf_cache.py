@@ -23,8 +23,9 @@ def test_updates_append_in_place_and_return_views_of_what_is_held():
     k2, v2 = _kv(3, start=100)
     keys, values = layer.update(k2, v2)
     assert keys.untyped_storage().data_ptr() == storage and layer.get_seq_length() == 7
+    # bitwise: copied into the cache's storage
     assert torch.equal(keys, torch.cat([k1, k2], dim=2)) and torch.equal(values, torch.cat([v1, v2], dim=2))
-    assert torch.equal(layer.keys, keys)
+    assert torch.equal(layer.keys, keys)  # bitwise: the same storage
 
 
 def test_an_update_past_the_capacity_grows_and_keeps_every_token():
@@ -35,6 +36,7 @@ def test_an_update_past_the_capacity_grows_and_keeps_every_token():
     k2, v2 = _kv(5, start=50)
     keys, values = layer.update(k2, v2)
     assert layer.get_seq_length() == 7 and keys.untyped_storage().nbytes() >= 7 * 2 * 4 * 4
+    # bitwise: copied into the cache's storage
     assert torch.equal(keys, torch.cat([k1, k2], dim=2)) and torch.equal(values, torch.cat([v1, v2], dim=2))
 
 

@@ -130,7 +130,7 @@ def test_raw_decode_into_a_non_contiguous_buffer():
     src = torch.arange(8, dtype=torch.float32).reshape(2, 4)
     out = torch.zeros(4, 2).t()
     RAW.decode(codecs.payload_view(src).clone(), _header(), out)
-    assert torch.equal(out, src)
+    assert torch.equal(out, src)  # bitwise: raw decode copies the bytes
     with pytest.raises(IntegrityError):
         RAW.decode(torch.zeros(16, dtype=torch.uint8), _header(16), out)
 

@@ -59,19 +59,20 @@ def _pull(codec: str = "raw", lookup=None) -> tuple[list[torch.Tensor], int]:
 def test_raw_is_registered_and_lands_in_place():
     """Raw arrives bit-exact, in the caller's own buffer, with the tensor's own byte count."""
     got, n = _pull()
+    # bitwise: raw copies the bytes
     assert codecs.names() == ["int4", "int8", "lowrank", "raw"] and torch.equal(got[0], KV) and n == KV.numel() * 4
 
 
 def test_a_registered_codec_is_encoded_by_the_sender_and_decoded_by_the_receiver(toy_codec):
     """A second codec plugs in through the registry alone: half the bytes, same tensor."""
     got, n = _pull("toy-half")
-    assert torch.equal(got[0], KV) and n == KV.numel() * 2
+    assert torch.equal(got[0], KV) and n == KV.numel() * 2  # bitwise: float16 holds these integers exactly
 
 
 def test_a_codec_the_sender_lacks_falls_back_to_raw():
     """Asking for an unknown codec still works: the sender answers raw, which every receiver knows."""
     got, n = _pull("toy-half")
-    assert torch.equal(got[0], KV) and n == KV.numel() * 4
+    assert torch.equal(got[0], KV) and n == KV.numel() * 4  # bitwise: the raw fallback copies the bytes
 
 
 def test_unknown_codec_in_a_header_is_refused(monkeypatch):
@@ -216,6 +217,7 @@ def test_a_prefix_pull_quantizes_only_the_tokens_asked_for():
     k = STORED[(0, "K")][:, :, :5]
     expected = torch.empty_like(k)
     quant.int8_dequantize(quant.int8_quantize(k, "K"), "K", expected)
+    # bitwise: the same quantizer and decode on the same prefix; scales from maxima, exact in any order
     assert torch.equal(got[1], expected) and headers[1].nbytes == quant.int8_nbytes((1, 2, 5, 8), "K")
 
 
@@ -323,4 +325,5 @@ def test_quantized_decode_into_a_non_contiguous_buffer():
     for codec in ("int8", "int4"):
         got, _, _ = _pull_quantized(codec, into=strided)
         flat, _, _ = _pull_quantized(codec)
+        # bitwise: the same decode, per element; only the buffer's strides differ
         assert all(torch.equal(a, b) for a, b in zip(got, flat, strict=True))

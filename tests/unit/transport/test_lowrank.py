@@ -77,10 +77,10 @@ def test_a_payload_of_the_wrong_size_is_refused():
 def test_items_without_a_code_travel_raw():
     """Layer 1's V has no code: its payload is its raw bytes and decodes to the stored tensor."""
     payload, sent = codecs.LOWRANK.encode(KV, params(1, "V"))
-    assert torch.equal(payload, codecs.payload_view(KV))
+    assert torch.equal(payload, codecs.payload_view(KV))  # bitwise: raw: the tensor's own bytes
     out = torch.empty_like(KV)
     codecs.LOWRANK.decode(payload, header(1, "V", sent, payload.numel()), out)
-    assert torch.equal(out, KV)
+    assert torch.equal(out, KV)  # bitwise: raw decode copies the bytes
 
 
 @pytest.mark.parametrize("layer, kind", [(1, "K"), (1, "V"), (3, "K")])
@@ -113,11 +113,11 @@ def test_prepared_codes_serve_the_stored_tensor_and_its_token_prefixes():
     prepared.fill_(7.0)  # a marker: a fresh encode never gives exactly this
     whole, _ = codecs.LOWRANK.encode(stored, params(1, "K"))
     prefix, _ = codecs.LOWRANK.encode(stored.narrow(2, 0, 5), params(1, "K"))
-    assert torch.equal(whole, codecs.payload_view(prepared))
-    assert torch.equal(prefix, codecs.payload_view(prepared[:, :5].contiguous()))
+    assert torch.equal(whole, codecs.payload_view(prepared))  # bitwise: the prepared codes' bytes (a marker)
+    assert torch.equal(prefix, codecs.payload_view(prepared[:, :5].contiguous()))  # bitwise: the prepared codes' bytes (a marker)
     shifted, _ = codecs.LOWRANK.encode(stored.narrow(2, 1, 5), params(1, "K"))  # not a leading range
     fresh = scd.encode(stored.narrow(2, 1, 5), "K", maps.code(1, "K"), maps.rope)  # type: ignore[arg-type]
-    assert torch.equal(shifted, codecs.payload_view(fresh))
+    assert torch.equal(shifted, codecs.payload_view(fresh))  # bitwise: the same encode on the same view
     key = (id(stored), SHA)
     del stored
     assert key not in codecs.LOWRANK._prepared

@@ -27,7 +27,7 @@ def test_placed_tensors_equal_the_originals_in_one_sealed_memfd():
     tensors = [torch.randn(1, 2, 7, 8, dtype=torch.bfloat16), torch.randn(1, 2, 7, 8, dtype=torch.bfloat16),
                torch.randn(1, 7, 5, dtype=torch.bfloat16)]  # odd sizes: each is aligned in the memfd
     placed = memfd.place(tensors)
-    assert all(torch.equal(p, t) and p.dtype == t.dtype for p, t in zip(placed, tensors, strict=True))
+    assert all(torch.equal(p, t) and p.dtype == t.dtype for p, t in zip(placed, tensors, strict=True))  # bitwise: placing copies the bytes
     segments = {memfd.placed(p)[0] for p in placed}  # type: ignore[index]
     assert len(segments) == 1
     seals = fcntl.fcntl(segments.pop().fd, fcntl.F_GET_SEALS)
@@ -63,6 +63,7 @@ def test_items_and_with_items_round_trip_every_tensor():
     items = ctx.items()
     assert all(t is u for t, u in zip(items, [kv[0].k, kv[0].v, kv[1].k, kv[1].v, ctx.e[1], ctx.e[5]], strict=True))
     back = ctx.with_items([t + 1 for t in items])
+    # bitwise: the same +1 on the same values
     assert torch.equal(back.kv[1].v, kv[1].v + 1) and torch.equal(back.e[5], ctx.e[5] + 1) and set(back.e) == {1, 5}
 
 
@@ -76,4 +77,4 @@ def test_a_placed_context_serves_the_senders_own_generation():
     want = generate(model, ids, ReusePlan.full_reuse(), CapturedSource(captured), max_new_tokens=4)
     got = generate(model, ids, ReusePlan.full_reuse(), CapturedSource(placed), max_new_tokens=4)
     assert got.tokens == want.tokens
-    assert all(torch.equal(a, b) for a, b in zip(placed.items(), captured.items(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(placed.items(), captured.items(), strict=True))  # bitwise: placing copies the bytes

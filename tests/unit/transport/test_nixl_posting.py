@@ -110,7 +110,7 @@ def test_every_run_is_posted_in_one_agent_call_and_delivered_in_order(in_progres
     assert agent.calls.count("post_all") == 1 and agent.posts == 4  # one READ per layer, one thread call
     assert [it for it, _ in delivered] == [land.item for land in lands]
     for (_, t), land in zip(delivered, lands, strict=True):
-        assert torch.equal(t, land.out)
+        assert torch.equal(t, land.out)  # bitwise: the landed buffer itself
     assert agent.deregistered == [("registered", 8)]
     assert len(agent.released) == 4  # each READ's handle, whether done in its post or later
 
