@@ -56,6 +56,14 @@ from droidmesh.shared.errors import BadMessageError, DroidMeshError, IntegrityEr
 from droidmesh.shared.kv import streams
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport.limits import (  # the limits every request meets, re-exported: callers import them here
+    MAX_CODEC_PARAMS as MAX_CODEC_PARAMS,
+)
+from droidmesh.shared.transport.limits import MAX_ITEMS as MAX_ITEMS
+from droidmesh.shared.transport.limits import MAX_LAYERS as MAX_LAYERS
+from droidmesh.shared.transport.limits import MAX_REQUEST_BYTES as MAX_REQUEST_BYTES
+from droidmesh.shared.transport.limits import MAX_STR as MAX_STR
+from droidmesh.shared.transport.limits import MAX_TOKENS as MAX_TOKENS
 from droidmesh.shared.transport.registry import TRANSPORTS as TRANSPORTS  # the factories live there; callers import them here
 from droidmesh.shared.transport.registry import make_client as make_client
 from droidmesh.shared.transport.registry import make_server as make_server
@@ -85,17 +93,6 @@ class PullHold(Protocol):
 
 # context_id -> a hold for one pull, taken only after the pull is authorized.
 Pin = Callable[[str], PullHold]
-
-# Limits checked before a request is acted on. A frame's declared length is checked before it is
-# read; the counts bound what one request can make the server do (items are distinct, so a real
-# request has at most 3 per layer: K, V and E).
-MAX_REQUEST_BYTES = 64 << 10  # a 1,024-layer model's full request is ~40 KiB
-MAX_LAYERS = 1024
-MAX_ITEMS = 3 * MAX_LAYERS
-MAX_TOKENS = 1 << 22  # context tokens: above any model's positions
-MAX_STR = 256  # context id, token, codec name, codec param keys and string values
-MAX_CODEC_PARAMS = 16
-
 
 class BulkServer(Protocol):
     transport: Transport

@@ -260,8 +260,9 @@ def check_rkey(key: bytes, peer: WorkerAddress) -> None:
     """A peer's packed UCP remote key for host memory, as `ucp_ep_rkey_unpack` walks it: md map,
     memory type, one length-prefixed key per md, system device. Each md must be one the peer's
     address names and not a shared-memory FIFO's (posix, sysv: a key there names a segment UCX
-    would map; registering host memory never makes one)."""
-    if not 10 <= len(key) <= MAX_RKEY:
+    would map; registering host memory never makes one). A key of no md (UCX over TCP alone, whose
+    reads are emulated by messages) is the map and the memory type only."""
+    if not 9 <= len(key) <= MAX_RKEY:
         raise BadMessageError(f"a {len(key)}-byte UCX remote key")
     r = _Reader(key, "UCX remote key")
     md_map, mem_type = r.unpack("<QB")
@@ -275,6 +276,8 @@ def check_rkey(key: bytes, peer: WorkerAddress) -> None:
             if md not in mds or mds[md] <= {POSIX, SYSV}:
                 raise BadMessageError(f"UCX remote key for memory domain {md}, which the peer's address does not offer")
             r.take(r.u8())
+    if md_map == 0 and len(key) == 9:
+        return
     if r.u8() != UNKNOWN_SYS_DEV:
         raise BadMessageError("UCX remote key for host memory names a system device")
     r.done()

@@ -15,7 +15,7 @@ import msgspec
 from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 from droidmesh.shared.wire.hashing import MAX_SCOPE_CHARS, PUBLIC, SCOPE_PATTERN
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never ride the bus
 
 
@@ -416,16 +416,8 @@ class PullResponse(Message, tag="pull.response"):
 
 
 # -- the NIXL pull's control exchange (a TCP stream beside NIXL's one-sided reads) ---------
-class NixlConnect(Message, tag="nixl.connect"):
-    """Receiver -> sender, once per connection: ask for the sender agent's connection info."""
-
-
-class NixlAgentInfo(Message, tag="nixl.agent"):
-    """The sender agent's NIXL metadata: connection info only, no memory (nothing readable)."""
-
-    metadata: bytes
-
-
+# The first message on a connection is a PullRequest: nothing of the sender (no agent, no
+# address, no memory) is described to a peer before it has shown a grant.
 class NixlRegion(msgspec.Struct):
     """One granted payload's bytes in the sender's registered memory."""
 
@@ -435,8 +427,9 @@ class NixlRegion(msgspec.Struct):
 
 class NixlGrant(Message, tag="nixl.grant"):
     """The sender's answer to a PullRequest. Granted: the headers, NIXL metadata for exactly the
-    requested payloads' registrations and one region per item, in order. Refused: an error in
-    `response` and no metadata or regions at all."""
+    requested payloads' registrations (in the connection's sandbox process; the connection's
+    first grant also carries that agent's connection info) and one region per item, in order.
+    Refused: an error in `response` and no metadata or regions at all."""
 
     response: PullResponse
     metadata: bytes = b""
@@ -445,6 +438,96 @@ class NixlGrant(Message, tag="nixl.grant"):
 
 class NixlDone(Message, tag="nixl.done"):
     """Receiver -> sender: the granted reads are over; the sender may release what it held."""
+
+
+# -- the UCX channel's wire-up (a TCP stream; the pulls then run over UCX endpoints) ------
+class UcxWelcome(Message, tag="ucx.welcome"):
+    """Sender -> receiver over the wire-up connection, answering the hello, which carries the
+    connection's first PullRequest. Refused: `error`, and nothing of the sender. Granted: the
+    UCX worker address of the connection's own sandbox process and its receive tag; that first
+    pull's response and payloads then come over the endpoint."""
+
+    error: str | None = None
+    tag: int = 0
+    address: bytes = b""
+
+
+# -- a sender and its sandbox processes (a Unix socket pair; memfds ride with the grants) -----
+class SandboxRegion(msgspec.Struct):
+    """One payload: `nbytes` at `offset` of memfd number `fd` of its grant."""
+
+    fd: int
+    offset: int
+    nbytes: int
+
+
+class SandboxGrant(Message, tag="sandbox.grant"):
+    """Sender -> sandbox: one authorized pull, its encoded `PullResponse` and each payload's
+    region in the `fds` memfds passed with this frame."""
+
+    pull: int
+    response: bytes
+    regions: list[SandboxRegion]
+    fds: int
+
+
+class SandboxRelease(Message, tag="sandbox.release"):
+    """Sender -> sandbox (nixl): the pull is over; unmap and deregister what it granted."""
+
+    pull: int
+
+
+class SandboxWire(Message, tag="sandbox.wire"):
+    """Sender -> sandbox (ucx): a receiver's hello, to make the connection's endpoint from."""
+
+    tag: int
+    address: bytes
+    on_this_host: bool
+
+
+class SandboxReady(Message, tag="sandbox.ready"):
+    """Sandbox -> sender: started, its transport library loaded (a warm spare)."""
+
+    pid: int
+
+
+class SandboxWired(Message, tag="sandbox.wired"):
+    """Sandbox -> sender (ucx): the endpoint exists; the sandbox's worker address and receive tag."""
+
+    tag: int
+    address: bytes
+
+
+class SandboxMapped(Message, tag="sandbox.mapped"):
+    """Sandbox -> sender (nixl): the grant's payloads registered: their addresses there, and NIXL
+    metadata for exactly those (with the agent's connection info on a connection's first)."""
+
+    pull: int
+    addrs: list[int]
+    metadata: bytes
+
+
+class SandboxServed(Message, tag="sandbox.served"):
+    """Sandbox -> sender (ucx): the pull's response and payloads were sent (or why not)."""
+
+    pull: int
+    error: str | None = None
+
+
+class SandboxAsk(Message, tag="sandbox.ask"):
+    """Sandbox -> sender (ucx): the receiver's next request frame, unread."""
+
+    request: bytes
+
+
+class SandboxFailed(Message, tag="sandbox.failed"):
+    """Sandbox -> sender: what it was asked failed; the connection ends."""
+
+    error: str
+
+
+SandboxReport = SandboxReady | SandboxWired | SandboxMapped | SandboxServed | SandboxAsk | SandboxFailed
+SandboxOrder = SandboxGrant | SandboxRelease | SandboxWire
 
 
 # -- the shm pull's control exchange (a Unix socket; the bytes are sealed memfds it passes) ----

@@ -1,10 +1,9 @@
-"""The NIXL channel's own guarantees beyond the shared contract: what a grant reveals, frame
-bounds, registrations reused across pulls and released with their tensors, codec payloads."""
+"""The NIXL channel's own guarantees beyond the shared contract: what a grant reveals (nothing
+before one), frame bounds, codec payloads read from per-pull copies."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import CodecParams, NixlAgentInfo, NixlConnect, NixlGrant, PullItem, PullRequest, TensorHeader
+from droidmesh.shared.wire.schemas import CodecParams, NixlGrant, PullItem, PullRequest, TensorHeader
 
 pytest.importorskip("nixl_cu12")
 
@@ -32,8 +31,9 @@ async def _frame(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, msg
     return schemas.decode(await reader.readexactly(n), kind)
 
 
-async def _grant_for(token: str) -> NixlGrant:
-    """Speak the control protocol by hand, as a peer that skips the client's checks would."""
+async def _grant_for(token: str) -> tuple[NixlGrant, int]:
+    """Speak the control protocol by hand, as a peer that skips the client's checks would: the
+    first frame is a pull. (The grant, the sandboxes the server started for connections.)"""
     issuer = TokenIssuer(ttl_s=60)
     good, _ = issuer.issue("ctx")
     store = _store()
@@ -42,9 +42,8 @@ async def _grant_for(token: str) -> NixlGrant:
     host, _, port = (await server.start()).rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
-        await _frame(writer, reader, NixlConnect(), NixlAgentInfo)
-        return await _frame(writer, reader, PullRequest(context_id="ctx", items=ITEMS, token=token or good),
-                            NixlGrant)
+        grant = await _frame(writer, reader, PullRequest(context_id="ctx", items=ITEMS, token=token or good), NixlGrant)
+        return grant, server.sandboxes.live()  # type: ignore[attr-defined]  # the nixl server's sandbox pool
     finally:
         writer.close()
         await server.close()
@@ -52,18 +51,21 @@ async def _grant_for(token: str) -> NixlGrant:
 
 def test_forged_or_tampered_token_gets_no_descriptors():
     """A forged token, or a valid one with its MAC altered, is refused with no NIXL metadata and no
-    regions: nothing of the sender's memory is described to that peer."""
+    regions, and no sandbox is started for that peer: nothing of the sender (no agent, no
+    address, no memory) is described to it."""
     good, _ = TokenIssuer(ttl_s=60).issue("ctx")  # another sender's key: a forgery here
     for token in (good, "9999999999." + "0" * 64):
-        grant = asyncio.run(_grant_for(token))
+        grant, sandboxes = asyncio.run(_grant_for(token))
         assert grant.response.error and grant.response.error.startswith("unauthorized"), grant.response
         assert (grant.metadata, grant.regions, grant.response.headers) == (b"", [], [])
+        assert sandboxes == 0
 
 
 def test_grant_describes_exactly_the_requested_items():
-    """An authorized grant carries one region per requested item, each the size of its header."""
-    grant = asyncio.run(_grant_for(""))
-    assert grant.response.error is None and grant.metadata
+    """An authorized grant carries one region per requested item, each the size of its header,
+    and the metadata of the connection's own sandbox agent (its connection info: the first grant)."""
+    grant, sandboxes = asyncio.run(_grant_for(""))
+    assert grant.response.error is None and b"droidmesh-nixl-sandbox-" in grant.metadata and sandboxes == 1
     assert [r.nbytes for r in grant.regions] == [h.nbytes for h in grant.response.headers] == [2 * 33 * 8 * 4] * 2
 
 
@@ -84,37 +86,6 @@ def test_oversized_frame_is_refused_before_it_is_read():
     assert asyncio.run(run()) == b""
 
 
-def test_stored_tensor_registrations_are_reused_and_released_with_the_tensor():
-    """Two pulls of the same stored tensors register them once; once the store drops a tensor, its
-    registration is released at the next grant."""
-    store = _store()
-
-    async def run() -> tuple[int, int, int]:
-        server = make_server("nixl", lambda c, l, k: store.get((l, k)), None)
-        address = await server.start()
-        client = make_client("nixl")
-        try:
-            async def pull(items: list[PullItem]) -> None:
-                into = [torch.empty(1, 2, 33, 8) for _ in items]
-                await client.pull(address, PullRequest(context_id="ctx", items=items), into, lambda *a: None, 10)
-                # bitwise: the channel copies the stored bytes
-                assert all(torch.equal(t, store[(it.layer, it.kind)]) for it, t in zip(items, into, strict=True))
-
-            await pull(ITEMS)
-            first = set(server._regs)  # type: ignore[attr-defined]  # the registration cache under test
-            await pull(ITEMS)
-            again = set(server._regs)  # type: ignore[attr-defined]  # the nixl server's registration cache
-            del store[(0, "V")]
-            gc.collect()
-            await pull(ITEMS[:1])
-            return len(first), len(first & again), len(server._regs)  # type: ignore[attr-defined]  # the nixl server's registration cache
-        finally:
-            await client.close()
-            await server.close()
-
-    assert asyncio.run(run()) == (2, 2, 1)
-
-
 class NegateCodec:
     """A toy lossless codec whose payload is fresh memory (not the stored tensor's)."""
 
@@ -130,34 +101,29 @@ class NegateCodec:
         return codecs.nbytes_of(shape, dtype)
 
 
-def test_codec_payloads_are_read_from_per_pull_registrations():
-    """A codec's fresh payloads travel intact (staged and decoded); the sender registers them per
-    pull, never caches them, and has released a pull's by the time it serves the next."""
+def test_codec_payloads_are_read_from_per_pull_copies():
+    """A codec's fresh payloads (not a stored tensor's own memory) reach the sandbox in a per-pull
+    memfd and travel intact, staged and decoded, pull after pull on one connection."""
     store = _store()
     codecs.register(NegateCodec())
 
-    async def run() -> tuple[list[torch.Tensor], int, int]:
+    async def run() -> list[torch.Tensor]:
         server = make_server("nixl", lambda c, l, k: store.get((l, k)), None)
         address = await server.start()
-        agent = server._agent  # type: ignore[attr-defined]  # the sender's NIXL agent, its deregistrations counted
-        released = []
-        deregister = agent.deregister
-        agent.deregister = lambda descs: (released.append(descs), deregister(descs))
         client = make_client("nixl")
         into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
         try:
             for _ in range(2):  # the second request is read only after the first pull's NixlDone
                 await client.pull(address, PullRequest(context_id="ctx", items=ITEMS, codec="toy-negate"), into,
                                   lambda *a: None, 10)
-            return into, len(server._regs), len(released)  # type: ignore[attr-defined]  # its registration cache
+            return into
         finally:
             await client.close()
             await server.close()
 
     try:
-        into, cached, released = asyncio.run(run())
+        into = asyncio.run(run())
     finally:
         codecs.unregister("toy-negate")
     # bitwise: the toy codec inverts the bits twice
     assert all(torch.equal(t, store[(it.layer, it.kind)]) for it, t in zip(ITEMS, into, strict=True))
-    assert cached == 0 and released >= len(ITEMS)

@@ -5,8 +5,7 @@ setup deadline far longer than the test, so only slot eviction can admit anyone)
 process and prints, on SIGUSR1, the connections it holds per peer and what it let go and why.
 Hostile peers run as their own processes (over TCP each from its own loopback source address,
 127.0.0.2 and up; over shm each process is a peer) and open connections and idle: silent, or
-after the channel's setup (a UCX hello; a NIXL connect and a pull with a forged grant; an shm
-pull with a forged grant). Then:
+after the channel's setup (a UCX hello, a NIXL or an shm pull, each with a forged grant). Then:
   - one peer that opens 12 connections holds 4 (its own oldest give way to its newest);
   - with the server full of idle connections, an honest receiver (this process, 127.0.0.1)
     still connects and completes a pull with a valid grant: the least recently active idle
@@ -79,7 +78,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4
 HOSTILE = """
 import socket, struct, sys, time
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import NixlConnect, PullItem, PullRequest
+from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
 transport, address, source, mode, count, io_s = sys.argv[1:5] + [int(sys.argv[5]), float(sys.argv[6])]
 
@@ -115,19 +114,16 @@ def read_frame(s):
     return read_exactly(s, int.from_bytes(read_exactly(s, 4), "big"))
 
 forged = PullRequest(context_id="4096", items=[PullItem(0, "K")], token="1.forged.0")
-if mode == "hello":  # a real UCX worker address: the server wires up an endpoint for it
+if mode == "forged" and transport == "ucx":  # a real UCX worker address in the hello
     from droidmesh.shared.transport.ucx import ucxx
     own = bytes(ucxx().get_worker_address().tobytes())
 
 def engage(s):
-    if mode == "hello":
-        head = struct.Struct(">4sQI")
-        s.sendall(head.pack(b"DMU1", 7, len(own)) + own)
-        read_exactly(s, head.unpack(read_exactly(s, head.size))[2])
+    if mode == "forged" and transport == "ucx":
+        request = schemas.encode(forged)
+        s.sendall(struct.Struct(">4sQII").pack(b"DMU2", 7, len(own), len(request)) + own + request)
+        read_frame(s)  # the refusing welcome
     elif mode == "forged":
-        if transport == "nixl":
-            send_frame(s, NixlConnect())
-            read_frame(s)
         send_frame(s, forged)
         read_frame(s)  # the refusal
 
@@ -178,7 +174,7 @@ def _honest_pull(transport: str, address: str, grant: str) -> int:
     return asyncio.run(pull())
 
 
-@pytest.mark.parametrize(("transport", "engaged"), [("ucx", "hello"), ("nixl", "forged"), ("shm", "forged")])
+@pytest.mark.parametrize(("transport", "engaged"), [("ucx", "forged"), ("nixl", "forged"), ("shm", "forged")])
 def test_idle_peers_at_the_cap_do_not_lock_out_an_honest_receiver(services, transport, engaged):
     if transport == "nixl":
         pytest.importorskip("nixl_cu12")

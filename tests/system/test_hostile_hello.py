@@ -35,7 +35,7 @@ from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX
 from droidmesh.shared.service.launch import Proc
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import NixlAgentInfo, NixlConnect, PullItem, PullRequest
+from droidmesh.shared.wire.schemas import NixlGrant, NixlRegion, PullItem, PullRequest, PullResponse, TensorHeader, UcxWelcome
 
 pytestmark = [pytest.mark.system, pytest.mark.fuzz, pytest.mark.security]
 
@@ -43,7 +43,8 @@ SIZE = 4096  # the one tensor each server holds (bf16, context id "4096", layer 
 FLIPS = 24  # hostile connections with flipped bytes, per channel
 IO_S = 20.0  # the longest one hostile exchange may take
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-_HELLO = struct.Struct(">4sQI")
+_HELLO = struct.Struct(">4sQII")  # magic, tag, address size, request size; then both
+REQUEST = schemas.encode(PullRequest(context_id=str(SIZE), items=[PullItem(0, "K")]))  # the servers here grant all
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +109,14 @@ def _flipped(real: bytes, rnd: random.Random) -> bytes:
     return bytes(b)
 
 
-def _hello(address: bytes, n: int | None = None, magic: bytes = b"DMU1") -> bytes:
-    return _HELLO.pack(magic, 7, len(address) if n is None else n) + address
+def _hello(address: bytes, n: int | None = None, magic: bytes = b"DMU2", request: bytes = REQUEST) -> bytes:
+    return _HELLO.pack(magic, 7, len(address) if n is None else n, len(request)) + address + request
+
+
+def _welcome(address: bytes, n: int | None = None) -> bytes:
+    """A sender's welcome naming `address` (`n`: the length prefix, when it should lie)."""
+    data = schemas.encode(UcxWelcome(tag=7, address=address))
+    return (len(data) if n is None else n).to_bytes(4, "big") + data
 
 
 def _abort_bait(real: bytes) -> bytes:
@@ -139,7 +146,7 @@ def _frames(rnd: random.Random) -> Iterator[bytes]:
     yield rnd.randbytes(64)
     yield (2**32 - 1).to_bytes(4, "big") + rnd.randbytes(16)  # oversized length prefix
     yield _frame(rnd.randbytes(100))
-    yield _frame(schemas.encode(NixlConnect())) + _frame(rnd.randbytes(40))  # a valid start, then garbage
+    yield _frame(REQUEST) + _frame(rnd.randbytes(40))  # a valid start, then garbage
     yield _frame(schemas.encode(PullRequest(context_id="x" * 5000, items=[])))
     for _ in range(FLIPS):
         yield _flipped(_frame(schemas.encode(PullRequest(context_id=str(SIZE), items=[PullItem(0, "K")]))), rnd)
@@ -208,13 +215,17 @@ def test_nixl_and_shm_senders_survive_hostile_frames(services, transport):
 # -- receivers against a hostile listener ---------------------------------------------------------
 CLIENT = """
 import asyncio, sys
+import torch
 from droidmesh.shared.transport.bulk import make_client
+from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
 async def main(transport, address, n):
     for i in range(n):
         client = make_client(transport)
         try:
-            await asyncio.wait_for(client.warm(address), 60)
+            into = [torch.empty(2048, dtype=torch.bfloat16)]
+            request = PullRequest(context_id="4096", items=[PullItem(0, "K")])
+            await client.pull(address, request, into, lambda *a: None, 60)
             print(f"CASE {i} ACCEPTED", flush=True)
         except Exception as e:
             print(f"CASE {i} REFUSED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -269,7 +280,8 @@ def _read_exactly(conn: socket.socket, n: int) -> bytes:
 
 
 def _read_ucx_hello(conn: socket.socket) -> None:
-    _read_exactly(conn, _HELLO.unpack(_read_exactly(conn, _HELLO.size))[2])
+    _, _, n, m = _HELLO.unpack(_read_exactly(conn, _HELLO.size))
+    _read_exactly(conn, n + m)
 
 
 def _read_frame(conn: socket.socket) -> None:
@@ -289,12 +301,12 @@ def _clients_against(transport: str, answers: list[bytes], read_first: Callable[
     return cases
 
 
-def test_a_ucx_receiver_refuses_hostile_hellos_without_aborting(own_address):
-    """Each malformed hello a listener answers with fails that connect with a Python error."""
+def test_a_ucx_receiver_refuses_hostile_welcomes_without_aborting(own_address):
+    """Each malformed welcome a listener answers a hello with fails that pull with a Python error."""
     rnd = random.Random(3)
-    answers = [_hello(_abort_bait(own_address)), _hello(own_address[:20], n=len(own_address)),
-               _hello(rnd.randbytes(40), n=2**32 - 1), _hello(own_address, magic=b"NOPE"),
-               _hello(own_address[:12] + rnd.randbytes(len(own_address) - 12)), _hello(rnd.randbytes(300))]
+    answers = [_welcome(_abort_bait(own_address)), _welcome(own_address)[:30],
+               _welcome(rnd.randbytes(40), n=2**32 - 1), (5).to_bytes(4, "big") + b"NOPE!",
+               _welcome(own_address[:12] + rnd.randbytes(len(own_address) - 12)), _welcome(rnd.randbytes(300))]
     cases = _clients_against("ucx", answers, _read_ucx_hello)
     assert all(" REFUSED " in c for c in cases), cases
     assert "unknown version 2" in cases[0], cases[0]
@@ -309,15 +321,23 @@ def _nixl_metadata(conn_info: bytes, backend: bytes = b"UCX", conns: int = 1) ->
             + field(b"nixlSecElms", bytes(8)))
 
 
+def _grant(md: bytes) -> bytes:
+    """A grant of the pull `CLIENT` makes, carrying `md` as its metadata."""
+    header = TensorHeader(context_id="4096", layer=0, kind="K", shape=[2048], dtype="bfloat16", codec="raw",
+                          codec_params={}, nbytes=SIZE, checksum="")
+    return _frame(schemas.encode(NixlGrant(response=PullResponse(headers=[header]), metadata=md,
+                                           regions=[NixlRegion(addr=0x7F0000001000, nbytes=SIZE)])))
+
+
 def test_a_nixl_receiver_refuses_hostile_agent_metadata_without_aborting(own_address):
-    """Agent metadata whose UCX worker address UCX would abort on, or of another shape, fails that
-    connect with a Python error."""
+    """A first grant whose agent metadata carries a UCX worker address UCX would abort on, or is of
+    another shape, fails that pull with a Python error."""
     pytest.importorskip("nixl_cu12")
     rnd = random.Random(4)
     mds = [_nixl_metadata(_abort_bait(own_address)), _nixl_metadata(own_address[:12] + rnd.randbytes(64)),
            _nixl_metadata(own_address, backend=b"GDS"), _nixl_metadata(own_address, conns=2**40),
            _nixl_metadata(own_address)[:-9]]
-    cases = _clients_against("nixl", [_frame(schemas.encode(NixlAgentInfo(metadata=md))) for md in mds], _read_frame)
+    cases = _clients_against("nixl", [_grant(md) for md in mds], _read_frame)
     assert all(" REFUSED " in c for c in cases), cases
     assert "unknown version 2" in cases[0], cases[0]
 

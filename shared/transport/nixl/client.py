@@ -1,13 +1,14 @@
 """The NIXL channel's receiver side (`NixlBulkClient`): one-sided reads of the sender's registered
 memory, which the receiver's agent performs straight into its own buffers.
 
-Per connection (within CONNECT_S): `NixlConnect` -> `NixlAgentInfo`; its metadata is checked
-(`metadata.check_agent_info`: the sender's name and UCX worker address, nothing else) before the
-agent loads it and connects ahead of the first pull. Per pull: `PullRequest` -> `NixlGrant`; the
-headers are checked (`bulk.landings`), the grant's metadata too (`metadata.check_grant`: that
-sender's host-memory descriptors, each remote key as UCX will walk it), then one call on the
-agent's thread loads it, registers the landing buffers (the caller's own for raw on the CPU) and
-posts the READs: the first layer's items alone (E items lead a plan), then whole layers gathered
+A connection is a TCP stream to the sender (dialled within CONNECT_S); the sender describes
+nothing of itself before a granted pull. Per pull: `PullRequest` -> `NixlGrant`; the headers are
+checked (`bulk.landings`), the grant's metadata too (`metadata.check_grant`: one agent's
+host-memory descriptors, each remote key as UCX will walk it; the connection's first grant also
+carries that agent's connection info, its worker address checked), then one call on the agent's
+thread loads it (and, the first time, connects to that agent: the sender's sandbox process for
+this connection), registers the landing buffers (the caller's own for raw on the CPU) and posts
+the READs: the first layer's items alone (E items lead a plan), then whole layers gathered
 up to READ_BYTES; as each completes, in request order, its items are decoded and handed to
 `on_item`. `NixlDone` then lets the sender release
 the pull.
@@ -43,7 +44,7 @@ from droidmesh.shared.transport.nixl import frames, metadata
 from droidmesh.shared.transport.nixl.agent import Agent
 from droidmesh.shared.transport.ucp_address import LocalView
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import NixlAgentInfo, NixlConnect, NixlDone, NixlGrant, NixlRegion, PullRequest, Transport
+from droidmesh.shared.wire.schemas import NixlDone, NixlGrant, NixlRegion, PullRequest, Transport
 
 log = structlog.get_logger("nixl")
 CONNECT_S = 10.0  # dialling a sender, its agent info, and connecting the agents
@@ -52,8 +53,9 @@ _POLL_S = (0.00005, 0.001)  # in-progress transfer: first and longest sleep betw
 
 
 class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: metadata.PeerAgent):
-        self.reader, self.writer, self.peer = reader, writer, peer
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_this_host: bool):
+        self.reader, self.writer, self.on_this_host = reader, writer, on_this_host
+        self.peer: metadata.PeerAgent | None = None  # the sandbox agent the first grant named
 
 
 def _batches(moves: list[tuple[Landing, NixlRegion]]) -> list[list[tuple[Landing, NixlRegion]]]:
@@ -99,24 +101,33 @@ class NixlBulkClient(ChannelClient[_Connection]):
         lands = landings(request, grant.response, into)
         if [r.nbytes for r in grant.regions] != [land.header.nbytes for land in lands]:
             raise TransferError(f"grant regions {[r.nbytes for r in grant.regions]} do not match the headers")
-        agent = self._agent
-        assert agent is not None
-        if any(r.nbytes for r in grant.regions):
-            metadata.check_grant(grant.metadata, conn.peer)
+        agent, local = self._agent, self._local
+        assert agent is not None and local is not None
+        if not any(r.nbytes for r in grant.regions):
+            await frames.send(conn.writer, NixlDone())
+            return 0
+        try:
+            peer, _ = metadata.check_grant(grant.metadata, local, conn.on_this_host, conn.peer)
+        except BadMessageError as e:
+            log.warning("nixl_peer_refused", reason=str(e))
+            raise
+        first, conn.peer = conn.peer is None, peer
         in_flight: list[Any] = []  # transfer handles posted but not done when posted
         registered: list[Any] = []  # the landing buffers' registration, once made
         try:
-            await self._read(agent, conn.peer.name, grant.metadata, lands, grant.regions, on_item, in_flight, registered)
+            await self._read(agent, peer.name if first else None, grant.metadata, lands, grant.regions, on_item,
+                             in_flight, registered, peer.name)
         finally:
             if in_flight or registered:  # not released by the posts (a READ in progress, a failure): queued behind them
                 await asyncio.shield(agent.call(_release_reads, agent, in_flight, registered))
         await frames.send(conn.writer, NixlDone())
         return sum(land.header.nbytes for land in lands)
 
-    async def _read(self, agent: Agent, peer: str, granted: bytes, lands: list[Landing], regions: list[NixlRegion],
-                    on_item: OnItem, in_flight: list[Any], registered: list[Any]) -> None:
-        """One call on the agent's thread loads the grant's metadata, registers the landing buffers
-        and posts the READs (`_batches`), in order, settling each one's future on the loop as its
+    async def _read(self, agent: Agent, connect: str | None, granted: bytes, lands: list[Landing],
+                    regions: list[NixlRegion], on_item: OnItem, in_flight: list[Any], registered: list[Any],
+                    peer: str) -> None:
+        """One call on the agent's thread loads the grant's metadata (connecting to agent `connect`
+        first time), registers the landing buffers and posts the READs (`_batches`), in order, settling each one's future on the loop as its
         post returns (no round trip to the agent's thread per item); each READ's items are
         delivered as it completes, in request order."""
         loop = asyncio.get_running_loop()
@@ -133,7 +144,11 @@ class NixlBulkClient(ChannelClient[_Connection]):
             try:
                 local = [(land.recv.data_ptr(), land.recv.numel()) for land, r in zip(lands, regions, strict=True) if r.nbytes]
                 if local:
-                    agent.load(granted)  # the grant's regions join what is loaded for the sender
+                    name = agent.load(granted)  # the grant's regions join what is loaded for the sender
+                    if name != peer:
+                        raise BadMessageError(f"NIXL loaded agent {name[:80]!r}, not {peer!r}")
+                    if connect is not None:
+                        agent.connect(connect)
                     registered.append(agent.register(local))
                 for i, batch in enumerate(batches):
                     if abandoned.is_set():
@@ -190,38 +205,16 @@ class NixlBulkClient(ChannelClient[_Connection]):
             self._agent = agent
             own = await agent.call(agent.metadata, [], True)
             self._local = LocalView.of(metadata.own_address(own))
-        agent, local = self._agent, self._local
-        assert local is not None
         async with asyncio.timeout(CONNECT_S):
             reader, writer = await asyncio.open_connection(host, port)
-            try:
-                await frames.send(writer, NixlConnect())
-                info = schemas.decode(await frames.read_frame(reader), NixlAgentInfo)
-                try:
-                    peer = metadata.check_agent_info(info.metadata, local,
-                                                     on_this_host(writer.get_extra_info("peername")))
-                except BadMessageError as e:
-                    log.warning("nixl_peer_refused", address=address, reason=str(e))
-                    raise
-
-                def connect() -> str:
-                    name = agent.load(info.metadata)
-                    agent.connect(name)  # the first READ would otherwise wait for this
-                    return name
-
-                if await agent.call(connect) != peer.name:
-                    raise BadMessageError(f"NIXL loaded an agent other than {peer.name!r}")
-            except BaseException:
-                writer.close()
-                raise
-        return _Connection(reader, writer, peer)
+        return _Connection(reader, writer, on_this_host(writer.get_extra_info("peername")))
 
     async def _disconnect(self, address: str, conn: _Connection) -> None:
         """Close the connection (the sender releases its grants) and forget the sender agent's
         metadata, so nothing it granted stays readable."""
         conn.writer.close()
         agent = self._agent
-        if agent is not None:
+        if agent is not None and conn.peer is not None:
             try:
                 await asyncio.shield(agent.call(agent.forget, conn.peer.name))
             except Exception as e:  # already gone on the agent's side: nothing left to forget

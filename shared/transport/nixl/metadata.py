@@ -5,12 +5,10 @@ sender's UCX worker address (`ucp_ep_create` parses it, and aborts the process o
 one), and every memory descriptor carries a packed UCP remote key (`ucp_ep_rkey_unpack` walks it
 without a length). So the receiver walks the whole blob here first, exactly as NIXL serialises
 it (nixlSerDes: "nixlSerDes|", then per field its tag, a little-endian u64 length, the bytes and
-"|"), and accepts only the two shapes a DroidMesh sender produces:
-  `check_agent_info`  NixlAgentInfo: the agent's name, one UCX connection (its worker address
-                      checked by `ucp_address.check_peer`), no memory;
-  `check_grant`       NixlGrant: that same agent's name, no connection, one UCX section of host
-                      memory descriptors, each remote key checked by `ucp_address.check_rkey`
-                      against the sender's worker address.
+"|"), and accepts only the shape a DroidMesh sender produces (`check_grant`, a NixlGrant's metadata):
+the agent's name, its UCX connection (its worker address checked by `ucp_address.check_peer`) on
+a connection's first grant and none after, then one UCX section of host memory descriptors, each
+remote key checked by `ucp_address.check_rkey` against that worker address.
 Anything else is `BadMessageError`, before NIXL sees a byte. Pure functions of bytes, called on
 the receiver's event loop by `client.py`.
 """
@@ -32,7 +30,7 @@ _DESC = struct.Struct("<QQQ")  # nixlBasicDesc: address, length, device id
 
 @dataclasses.dataclass(frozen=True)
 class PeerAgent:
-    """A sender's agent as its checked `NixlAgentInfo` describes it."""
+    """The agent a connection's first grant names (the sender's sandbox for it), checked."""
 
     name: str
     address: WorkerAddress  # its UCX worker address, parsed
@@ -94,21 +92,15 @@ def own_address(blob: bytes) -> bytes:
     return info
 
 
-def check_agent_info(blob: bytes, local: LocalView, peer_on_this_host: bool) -> PeerAgent:
-    """A sender's connection metadata: its name and UCX worker address, no memory."""
-    f, name, (info,) = _head(blob, 1)
-    if f.count(b"nixlSecElms", 0):
-        raise BadMessageError("NIXL connection metadata describing memory")
-    f.done()
-    return PeerAgent(name, check_peer(info, local, peer_on_this_host))
-
-
-def check_grant(blob: bytes, peer: PeerAgent) -> int:
-    """A grant's metadata: host-memory descriptors of `peer`'s agent, nothing else; returns how
-    many it describes."""
-    f, name, _ = _head(blob, 0)
-    if name != peer.name:
-        raise BadMessageError(f"NIXL grant metadata of agent {name[:80]!r}, not of the connected {peer.name!r}")
+def check_grant(blob: bytes, local: LocalView, peer_on_this_host: bool, known: PeerAgent | None) -> tuple[PeerAgent, int]:
+    """A grant's metadata: host-memory descriptors of one agent, nothing else; the connection's
+    first (`known` None) also carries that agent's UCX connection info (its worker address
+    checked by `check_peer`), every later one none and the same agent's name. Returns the agent
+    and how many descriptors it describes."""
+    f, name, infos = _head(blob, 1 if known is None else 0)
+    if known is not None and name != known.name:
+        raise BadMessageError(f"NIXL grant metadata of agent {name[:80]!r}, not of the connected {known.name!r}")
+    peer = known or PeerAgent(name, check_peer(infos[0], local, peer_on_this_host))
     if f.count(b"nixlSecElms", 1) != 1 or f.get(b"bknd") != b"UCX" or f.get(b"nixlDList") != b"nixlSDList":
         raise BadMessageError("NIXL grant metadata: not one UCX section of descriptors")
     if int.from_bytes(f.get(b"t", 4), "little") != DRAM_SEG:
@@ -123,4 +115,4 @@ def check_grant(blob: bytes, peer: PeerAgent) -> int:
             raise BadMessageError(f"NIXL grant metadata: a descriptor of {length} bytes on device {device}")
         check_rkey(desc[_DESC.size:], peer.address)
     f.done()
-    return n
+    return peer, n

@@ -7,7 +7,8 @@ operation ends: on an error or a cancelled pull the endpoint is aborted (`abort`
 cancel what it still has posted, and only when those operations report back are the buffers let
 go. Freeing a buffer earlier lets a resumed sender's bytes land in freed memory.
 
-All on the event loop of the service that owns the endpoint; `abort` may hold that loop for at
+Torch-free (a sender's sandbox processes use it). All on the event loop of the process that owns
+the endpoint; `abort` may hold that loop for at
 most ABORT_NS. A peer's declared frame length is checked before anything is allocated for it.
 """
 
@@ -15,11 +16,9 @@ from __future__ import annotations
 
 import array
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import structlog
-import torch
 
 from droidmesh.shared.errors import BadMessageError
 
@@ -28,22 +27,6 @@ ABORT_NS = 200_000_000  # how long an abort may hold the event loop (ucxx's defa
 _IN_FLIGHT: set[asyncio.Task] = set()
 IDLE_SPIN_S = 0.05  # how long after a request the server waits for the next as tightly as ucxx would
 IDLE_PAUSE_S = 0.002  # the longest pause between probes of an idle connection (longer cost link rate)
-
-
-def ucx_buffer(t: torch.Tensor) -> Any:
-    """What ucxx sends from or receives into: a CUDA tensor as itself (`__cuda_array_interface__`),
-    host memory as a numpy view."""
-    return t if t.device.type == "cuda" else t.numpy()
-
-
-async def settle(buffers: Sequence[torch.Tensor]) -> None:
-    """Wait, on a worker thread, for the work queued so far on each CUDA buffer's current stream:
-    the caching allocator may hand out memory that kernels queued before the pull still use, and
-    UCX's copies are not ordered with that stream."""
-    for device in {b.device for b in buffers if b.device.type == "cuda"}:
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(device))
-        await asyncio.to_thread(done.synchronize)
 
 
 def op(coro: Any) -> asyncio.Task:

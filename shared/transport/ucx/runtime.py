@@ -21,6 +21,7 @@ import torch
 from droidmesh.shared.transport import capabilities, codecs
 from droidmesh.shared.transport.address import local_ipv4s
 from droidmesh.shared.transport.ucp_address import LocalView
+from droidmesh.shared.transport.ucx import worker
 from droidmesh.shared.wire.schemas import PullRequest
 
 log = structlog.get_logger("ucx")
@@ -39,8 +40,6 @@ UCX_OPTIONS = {"TLS": "tcp,sm,self", "CMA_MEMORY_INVALIDATE": "y", "WARN_UNUSED_
 # With a GPU, UCX may move device memory itself (cuda_copy; cuda_ipc between processes on one
 # node, see capabilities.py). Named only where CUDA exists: UCX warns about absent transports.
 CUDA_TLS = "cuda_copy,cuda_ipc"
-_ucxx: Any = None
-_local: LocalView | None = None
 _net_devices: str | None = None  # UCX_NET_DEVICES for ucxx.init, set by the first server (bind_devices)
 
 
@@ -56,24 +55,13 @@ def ucx_options() -> dict[str, str]:
 
 
 def ucxx() -> Any:
-    """The ucxx module, initialised once with DroidMesh's UCX options."""
-    global _ucxx
-    if _ucxx is None:
-        import ucxx as module
-
-        module.init(options=ucx_options(), env_takes_precedence=True)
-        _ucxx = module
-    return _ucxx
+    """The ucxx module, initialised once with DroidMesh's UCX options (`worker.py`)."""
+    return worker.ucxx(ucx_options())
 
 
 def local_view() -> LocalView:
-    """Which transports this process's UCX runs and the address shapes they read (from our own
-    worker address), the reference every peer's address is checked against; `BadMessageError`
-    where our own address cannot be read (then no peer is wired up)."""
-    global _local
-    if _local is None:
-        _local = LocalView.of(ucxx().get_worker_address().tobytes())
-    return _local
+    """This process's UCX transports and address shapes (`worker.local_view`)."""
+    return worker.local_view(ucx_options())
 
 
 def host_devices(host: str) -> str | None:
@@ -96,7 +84,7 @@ def bind_devices(host: str) -> None:
     listen on other devices too)."""
     global _net_devices
     devices = host_devices(host)
-    if _ucxx is None and devices is not None:
+    if not worker.initialised() and devices is not None:
         _net_devices = devices
     if _net_devices is None or _net_devices != devices:
         log.warning("ucx_devices_unrestricted", configured=host, devices=_net_devices or "all",

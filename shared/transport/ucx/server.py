@@ -1,48 +1,68 @@
-"""The UCX channel's sender side: serves `PullRequest`s over UCX endpoints (`UcxBulkServer`).
+"""The UCX channel's sender side: serves `PullRequest`s over UCX endpoints of sandbox processes
+(`UcxBulkServer`).
 
-Per connection (its own task on the sender's event loop, `ControlListener`): the wireup
-(`wireup.py`: the client's hello checked, ours sent, an endpoint made), then a loop of one request
-frame -> one `PullResponse` and the payloads, each a tagged message, all posted at once in order.
-What reaches the port meets the limits below before anything is allocated:
-  - its slot (`slots.py`, through `ControlListener`): until it completes a pull, a connection
-    lives at most the setup deadline (its hello and first request included); after, it waits at
-    most the idle timeout for each next request; per source address and in all, at most the
-    configured connections, an idle one's slot going to a newcomer when needed;
-  - `wireup.HELLO_S`: the hello must arrive within this (and within the setup deadline);
-  - SEND_S: a pull's response and payloads must be taken within it, else the endpoint is
-    aborted and the pull's hold on the store released.
-Per connection the server holds one request frame (<= MAX_REQUEST_BYTES) and one pull's payloads
-(stored tensors, or copies charged to the store's pull budget). A bad peer ends its own
-connection, with the reason logged, never the server.
+Per connection (its own task on the sender's event loop, `ControlListener`):
+  1. the hello (`wireup.py`), with the connection's first `PullRequest`, within HELLO_S (and the
+     slot's setup deadline); that request is authorized and answered (`bulk.answer`) before
+     anything else: refused, the welcome carries the error and nothing else, and the peer may
+     say hello again within its slot's setup deadline;
+  2. granted: the connection's sandbox (`sandbox/`: the spare a `SandboxPool` keeps started) checks
+     the receiver's worker address against its own UCX and makes the endpoint; the welcome names
+     the sandbox's worker address and tag;
+  3. per pull, the sender hands the sandbox the response and the payloads' memfds
+     (`sandbox.regions`), which it sends over the endpoint within SEND_S; the sandbox passes up
+     the receiver's next request frame, unread, which the sender answers the same way. The wait
+     for it is bounded by the slot: until it completes a pull, a connection lives at most the
+     setup deadline; after, it waits at most the idle timeout; per source address and in all, at
+     most the configured connections, an idle one's slot going to a newcomer when needed.
+The sender's own process never runs UCX: what a peer makes the library do (an endpoint from a
+foreign UCX, a GET of any address, an abort) reaches its connection's sandbox only, whose death
+ends that connection (logged with its exit status) and nothing else. The TCP connection is the
+lifeline: its end ends the sandbox. Per connection the sender holds one request frame
+(<= MAX_REQUEST_BYTES) and one pull's payloads (memfds of stored contexts, or copies charged to
+the store's pull budget).
 
-CUDA tensors (raw codec): the server hands UCX the stored tensor's own device memory when the
-client asked for device payloads and UCX here can send them (`runtime.honour_device`), else
-pinned host copies.
+CUDA stores: payloads reach the sandbox as host copies (the sandbox maps memfds only), so device
+memory never goes to UCX as it is on this channel.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
-from typing import Any
+import itertools
 
+import msgspec
 import structlog
 
 from droidmesh.shared.errors import BadMessageError, DroidMeshError
-from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, Served, TensorLookup, answer, as_is
+from droidmesh.shared.transport import codecs, memfd
+from droidmesh.shared.transport.address import on_this_host
+from droidmesh.shared.transport.bulk import Authorize, Pin, Served, TensorLookup, answer, refusal
 from droidmesh.shared.transport.control import ControlListener
+from droidmesh.shared.transport.sandbox.host import Sandbox, SandboxDied, SandboxPool
+from droidmesh.shared.transport.sandbox.regions import export_async
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits
-from droidmesh.shared.transport.ucx import ops, runtime, wireup
+from droidmesh.shared.transport.ucx import runtime, wireup
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import PullRequest, Transport
+from droidmesh.shared.wire.schemas import (
+    PullRequest,
+    SandboxAsk,
+    SandboxGrant,
+    SandboxServed,
+    SandboxWire,
+    SandboxWired,
+    Transport,
+    UcxWelcome,
+)
 
 log = structlog.get_logger("ucx")
 SEND_S = 120.0
+WIRE_S = 30.0  # a sandbox's check of the receiver's address and its endpoint
 
 
 class UcxBulkServer:
-    """Serves `PullRequest`s from a tensor lookup (the sender's store) over UCX endpoints wired up
-    through a TCP socket bound to the configured host."""
+    """Serves `PullRequest`s from a tensor lookup (the sender's store) over UCX endpoints of
+    sandbox processes, wired up through a TCP socket bound to the configured host."""
 
     transport: Transport = "ucx"
 
@@ -52,92 +72,104 @@ class UcxBulkServer:
         self._host, self._port = host, port
         self._listener = ControlListener("ucx", self._serve_connection, limits)
         self.slots = self._listener.slots
+        self.sandboxes: SandboxPool | None = None
+        self._pulls = itertools.count()
 
-    place = staticmethod(as_is)
+    place = staticmethod(memfd.place)  # one sealed memfd per stored context: a sandbox maps only those it is granted
 
     async def start(self) -> str:
-        """Listen on the configured host only (`ControlListener`); return "host:port"."""
+        """Start the first sandbox (UCX must run here), then listen on the configured host only
+        (`ControlListener`); return "host:port"."""
         runtime.bind_devices(self._host)
-        runtime.local_view()  # fails here, not per peer, where our own address cannot be read
+        self.sandboxes = SandboxPool("ucx", runtime.ucx_options())
+        await self.sandboxes.start()
         address, bound = await self._listener.start(self._host, self._port)
         log.info("ucx_server_started", bound=bound[0], port=bound[1], net_devices=runtime.net_devices())
         return address
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot) -> None:
-        ep: Any = None
         peer = writer.get_extra_info("peername")
+        sandbox: Sandbox | None = None
+        lifeline: asyncio.Task | None = None
         try:
-            try:
-                async with slot.waiting(), asyncio.timeout(wireup.HELLO_S):
-                    hello = await wireup.read_hello(reader, writer)
-                tag = secrets.randbits(64)
-                writer.write(wireup.hello(tag))
-                async with asyncio.timeout(wireup.HELLO_S):
-                    await writer.drain()
-                ep = await wireup.endpoint_to(hello, tag, writer)
-            except SlotEnded:
-                raise
-            except BadMessageError as e:
-                log.warning("ucx_connection_dropped", peer=str(peer), reason=str(e))
-                return
-            except TimeoutError:
-                log.warning("ucx_connection_dropped", peer=str(peer), reason=f"no hello within {wireup.HELLO_S}s")
-                return
-            except Exception as e:  # the peer went away mid-hello, or UCX refused its address
-                log.info("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
-                return
-            ep._droidmesh_watch = asyncio.ensure_future(wireup.watch(reader, ep))
-            await self._serve_endpoint(ep, slot)
-        finally:
-            ops.abort(ep)  # closes the TCP connection too, which ends the watch
-
-    async def _serve_endpoint(self, ep: Any, slot: Slot) -> None:
-        """Requests until the peer goes, breaks the protocol, or its slot ends (`SlotEnded`)."""
-        try:
-            while True:
+            hello_s: float | None = wireup.HELLO_S
+            while True:  # a refused peer may say hello again (within its slot's setup deadline)
                 try:
-                    async with slot.waiting():
-                        await ops.wait_for_message(ep)
-                        data = await ops.recv_frame(ep, MAX_REQUEST_BYTES)
-                except SlotEnded:
-                    raise
-                except BadMessageError as e:
-                    log.warning("ucx_connection_dropped", reason=str(e))
+                    async with slot.waiting(), asyncio.timeout(hello_s):
+                        tag, address, first = await wireup.read_hello(reader)
+                except TimeoutError:
+                    log.warning("ucx_connection_dropped", peer=str(peer), reason=f"no hello within {hello_s}s")
                     return
-                except Exception:  # peer closed or died: this endpoint's loop ends, others go on
-                    return
-                if not await self._serve_request(ep, data, slot):
-                    return
+                served = self._answer(first)
+                if not served.response.error:
+                    break
+                await wireup.send_welcome(writer, UcxWelcome(error=served.response.error))
+                hello_s = None
+            try:
+                assert self.sandboxes is not None  # connections are accepted only after start()
+                sandbox = await self.sandboxes.take()
+                await sandbox.send(SandboxWire(tag=tag, address=address, on_this_host=on_this_host(peer)))
+                wired = await sandbox.recv(SandboxWired, WIRE_S)
+                await wireup.send_welcome(writer, UcxWelcome(tag=wired.tag, address=wired.address))
+            except BaseException:
+                served.release()
+                raise
+            # the receiver closing the connection (or sending anything on it) ends its sandbox
+            lifeline = asyncio.ensure_future(reader.read(1))
+            lifeline.add_done_callback(lambda _: sandbox.kill() if sandbox is not None else None)
+            while True:
+                await self._serve_pull(sandbox, served, slot)
+                async with slot.waiting():
+                    ask = await sandbox.recv(SandboxAsk, None)
+                served = self._answer(ask.request)
+        except SlotEnded:
+            raise
+        except SandboxDied as e:  # unless the receiver went (its sandbox with it), the sandbox died on its own
+            if lifeline is None or not lifeline.done():
+                log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
+        except (BadMessageError, asyncio.IncompleteReadError, ConnectionError, DroidMeshError) as e:
+            log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
+        except Exception as e:  # a sandbox that failed oddly: this connection ends, never the server
+            log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
         finally:
-            ops.abort(ep)
+            if lifeline is not None:
+                lifeline.cancel()
+            if sandbox is not None and self.sandboxes is not None:
+                self.sandboxes.give_back(sandbox)
 
-    async def _serve_request(self, ep: Any, data: bytes, slot: Slot) -> bool:
-        """Answer one request (a pull sent in full proves the connection: `slot.pulled`); False
-        when the connection must end (a send failed or timed out: the endpoint is aborted before
-        the pull's payloads are let go)."""
+    async def _serve_pull(self, sandbox: Sandbox, served: Served, slot: Slot) -> None:
+        """One answered request: the sandbox sends its response and payloads within SEND_S (a
+        pull sent in full proves the connection: `slot.pulled`); the hold is released after."""
+        try:
+            exported = await export_async(served.payloads)
+            served.payloads.clear()  # the memfds hold the bytes now
+            try:
+                pull = next(self._pulls)
+                await sandbox.send(SandboxGrant(pull=pull, response=schemas.encode(served.response),
+                                                regions=exported.regions, fds=len(exported.fds)), exported.fds)
+                done = await sandbox.recv(SandboxServed, SEND_S)
+            finally:
+                exported.close()
+            if done.error:
+                raise BadMessageError(f"sending the pull failed: {done.error}")
+            if not served.response.error:
+                slot.pulled()
+        finally:
+            served.release()
+
+    def _answer(self, data: bytes) -> Served:
+        """`bulk.answer` of one request frame; a malformed frame is a refusal. Device payloads are
+        never asked of a sandbox (it maps host memfds only)."""
         try:
             request = schemas.decode(data, PullRequest)
         except DroidMeshError as e:
-            served = Served(schemas.PullResponse(headers=[], error=f"{e.code}: {str(e)[:500]}"), [], lambda: None)
-        else:
-            served = answer(runtime.honour_device(request), self._lookup, self._authorize, self._pin)
-        response, payloads, release = served
-        try:
-            async with asyncio.timeout(SEND_S):
-                await ops.send_obj(ep, schemas.encode(response))
-                await asyncio.gather(*(ops.send(ep, ops.ucx_buffer(p)) for p in payloads))
-            if not response.error:
-                slot.pulled()
-            return True
-        except BaseException as e:
-            if not isinstance(e, asyncio.CancelledError):
-                log.warning("ucx_send_failed", error=f"{type(e).__name__}: {e}", send_s=SEND_S)
-            ops.abort(ep)  # UCX cancels the sends; each keeps its payload referenced until it reports back
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            return False
-        finally:
-            release()
+            return Served(refusal(e), [], lambda: None)
+        if codecs.asks_device(request.codec_params):
+            params = {k: v for k, v in request.codec_params.items() if k != codecs.DEVICE_PARAM}
+            request = msgspec.structs.replace(request, codec_params=params)
+        return Served(*answer(request, self._lookup, self._authorize, self._pin))
 
     async def close(self) -> None:
         await self._listener.close()
+        if self.sandboxes is not None:
+            await self.sandboxes.close()

@@ -1,67 +1,82 @@
-"""Wiring up a UCX endpoint between a receiver and a sender through a TCP connection.
+"""Wiring up a UCX endpoint between a receiver and a sender's sandbox through a TCP connection.
 
 ucxx 0.52's listener cannot bind a host, so none is used: the server listens on a TCP socket bound
-to its configured host only (`ControlListener`). A client connects to it and both sides send one
-hello (`_HELLO`: magic, their receive tag, their UCX worker address's size, then the address),
-then each creates an endpoint from the other's worker address and the channel's messages flow
-over those endpoints. The TCP connection stays open as the endpoint's lifeline: either side
-closing it (or dying) aborts the endpoint (`_watch`), and the server counts its connections by it.
+to its configured host only (`ControlListener`). The receiver opens the connection with its first
+pull: one hello (`_HELLO`: magic, its receive tag, its UCX worker address's size, the request's
+size; then the address and the `PullRequest`). The sender authorizes that request before anything
+else; refused, it answers a `UcxWelcome` with the error and nothing of itself. Granted, the
+connection's sandbox process (`sandbox/`) checks the receiver's address against its own UCX,
+makes the endpoint, and the welcome carries the sandbox's worker address and receive tag; the
+first pull's response then comes over the endpoint like every later one's. So no peer learns a
+worker address, or can wire an endpoint to anything of the sender's, without a grant, and the
+one it reaches is its own connection's sandbox. The TCP connection stays open as the endpoint's
+lifeline: either side closing it (or dying) aborts the endpoint (`watch`).
 
 What a peer chooses here reaches UCX, which trusts it: a malformed worker address makes UCX abort
-the whole process. So a hello is read with its size checked before its bytes, within the caller's
-deadline (HELLO_S on the server, the connect deadline on the client), and its worker address is
-walked and checked (`ucp_address.check_peer`, against the transports this process runs) before
-ucxx sees it. A peer that fails any of it gets `BadMessageError` (the server logs why and closes
-that connection; a client's connect fails): nobody else's connection is touched. The tags are
-the peer's own choice and harmless: a peer's sends match only the receives of its own endpoint.
-Runs on the owning service's event loop.
+the whole process. So every size is checked before its bytes are read, within the caller's
+deadline, and a worker address is walked and checked (`ucp_address.check_peer`, against the
+transports the reading process runs) before ucxx sees it: by the sandbox for a receiver's, by
+the receiver for a welcome's. The tags are the peer's own choice and harmless: a peer's sends
+match only the receives of its own endpoint. Runs on the owning process's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import struct
 from typing import Any
 
-import structlog
-
 from droidmesh.shared.errors import BadMessageError
-from droidmesh.shared.transport.address import on_this_host, parse_host_port
-from droidmesh.shared.transport.ucp_address import MAX_WORKER_ADDRESS, check_peer
+from droidmesh.shared.transport.limits import MAX_REQUEST_BYTES
+from droidmesh.shared.transport.ucp_address import MAX_WORKER_ADDRESS
 from droidmesh.shared.transport.ucx.ops import abort
-from droidmesh.shared.transport.ucx.runtime import local_view, ucxx
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import UcxWelcome
 
-log = structlog.get_logger("ucx")
-# ">4sQI": magic, the sender's receive tag, the worker address's size; then the address.
-_HELLO = struct.Struct(">4sQI")
-_MAGIC = b"DMU1"
+# ">4sQII": magic, the receiver's receive tag, its worker address's size, the request's size.
+_HELLO = struct.Struct(">4sQII")
+_MAGIC = b"DMU2"
+_LENGTH = struct.Struct(">I")
+MAX_WELCOME_BYTES = MAX_WORKER_ADDRESS + 1024
 HELLO_S = 5.0  # server: the longest a new connection may take to send its hello
 
 
-def hello(tag: int) -> bytes:
-    address = ucxx().get_worker_address().tobytes()
-    return _HELLO.pack(_MAGIC, tag, len(address)) + address
+def hello(tag: int, address: bytes, request: bytes) -> bytes:
+    return _HELLO.pack(_MAGIC, tag, len(address), len(request)) + address + request
 
 
-async def read_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[int, bytes]:
-    """The peer's (receive tag, worker address), the address checked as UCX will read it;
-    `BadMessageError` for anything malformed, the address's size checked before it is read."""
-    magic, tag, n = _HELLO.unpack(await reader.readexactly(_HELLO.size))
-    if magic != _MAGIC or not 0 < n <= MAX_WORKER_ADDRESS:
-        raise BadMessageError(f"bad ucx hello (magic {magic!r}, {n}-byte address; at most {MAX_WORKER_ADDRESS})")
-    address = await reader.readexactly(n)
-    check_peer(address, local_view(), on_this_host(writer.get_extra_info("peername")))
-    return tag, address
+async def read_hello(reader: asyncio.StreamReader) -> tuple[int, bytes, bytes]:
+    """The receiver's (receive tag, worker address, first request frame), every size checked
+    before its bytes are read; `BadMessageError` for anything malformed. The address is not
+    checked here: the sandbox that will use it checks it against its own UCX."""
+    magic, tag, n, m = _HELLO.unpack(await reader.readexactly(_HELLO.size))
+    if magic != _MAGIC or not 0 < n <= MAX_WORKER_ADDRESS or not 0 < m <= MAX_REQUEST_BYTES:
+        raise BadMessageError(f"bad ucx hello (magic {magic!r}, a {n}-byte address, a {m}-byte request; "
+                              f"at most {MAX_WORKER_ADDRESS} and {MAX_REQUEST_BYTES})")
+    return tag, await reader.readexactly(n), await reader.readexactly(m)
 
 
-async def endpoint_to(peer: tuple[int, bytes], tag: int, writer: asyncio.StreamWriter) -> Any:
-    """An endpoint to the peer's (checked) worker address, sending with its tag and receiving with
-    ours (tagged receives are matched worker-wide, so each connection has random tags of its own),
-    tied to the TCP connection: that closing aborts the endpoint, and `abort` closes it."""
-    u = ucxx()
-    ep = await u.create_endpoint_from_worker_address(u.get_ucx_address_from_buffer(peer[1]))
-    ep._tags = {"msg_send": peer[0], "msg_recv": tag}
+async def send_welcome(writer: asyncio.StreamWriter, welcome: UcxWelcome) -> None:
+    data = schemas.encode(welcome)
+    writer.write(_LENGTH.pack(len(data)) + data)
+    async with asyncio.timeout(HELLO_S):
+        await writer.drain()
+
+
+async def read_welcome(reader: asyncio.StreamReader) -> UcxWelcome:
+    """The sender's welcome, its size checked before it is read (no deadline: callers bound it)."""
+    (n,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if not 0 < n <= MAX_WELCOME_BYTES:
+        raise BadMessageError(f"a {n}-byte ucx welcome; at most {MAX_WELCOME_BYTES}")
+    return schemas.decode(await reader.readexactly(n), UcxWelcome)
+
+
+async def endpoint_to(u: Any, address: bytes, send_tag: int, recv_tag: int, writer: asyncio.StreamWriter) -> Any:
+    """An endpoint to a (checked) worker address, sending with `send_tag` and receiving with
+    `recv_tag` (tagged receives are matched worker-wide, so each connection has random tags of
+    its own), tied to the TCP connection: that closing aborts the endpoint, and `abort` closes it."""
+    ep = await u.create_endpoint_from_worker_address(u.get_ucx_address_from_buffer(address))
+    ep._tags = {"msg_send": send_tag, "msg_recv": recv_tag}
     ep._droidmesh_link = writer
     return ep
 
@@ -73,27 +88,3 @@ async def watch(reader: asyncio.StreamReader, ep: Any) -> None:
     except Exception:
         pass
     abort(ep)
-
-
-async def connect(address: str) -> Any:
-    """Wire up an endpoint to the server at "host:port" (a TCP connect, the hellos, the endpoint),
-    watched through its TCP connection (`watch`). No deadline of its own: callers bound it.
-    `BadMessageError` (logged) when the server's hello is malformed."""
-    host, port = parse_host_port(address, "ucx")
-    local_view()  # our own address must be readable before any peer's is trusted to UCX
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        tag = secrets.randbits(64)
-        writer.write(hello(tag))
-        await writer.drain()
-        try:
-            peer = await read_hello(reader, writer)
-        except BadMessageError as e:
-            log.warning("ucx_peer_refused", address=address, reason=str(e))
-            raise
-        ep = await endpoint_to(peer, tag, writer)
-    except BaseException:
-        writer.close()
-        raise
-    ep._droidmesh_watch = asyncio.ensure_future(watch(reader, ep))  # referenced while the endpoint is
-    return ep

@@ -1,5 +1,7 @@
-"""A sender's NIXL metadata is walked as NIXL serialises it and accepted only in the two shapes a
-DroidMesh sender produces; its UCX worker address and remote keys are checked on the way."""
+"""A sender's NIXL grant metadata is walked as NIXL serialises it and accepted only in the shape a
+DroidMesh sender produces (a connection's first grant with the agent's connection, later ones
+without, every one naming the same agent); its UCX worker address and remote keys are checked on
+the way."""
 
 from __future__ import annotations
 
@@ -40,42 +42,53 @@ def desc(key: bytes = rkey(), length: int = 2112, device: int = 0) -> bytes:
     return struct.pack("<QQQ", 0x7F0000001000, length, device) + key
 
 
-PEER = metadata.check_agent_info(blob(), LOCAL, peer_on_this_host=False)
+def check_first(data: bytes) -> metadata.PeerAgent:
+    peer, _ = metadata.check_grant(data, LOCAL, False, None)
+    return peer
 
 
-def test_a_senders_agent_info_and_grant_pass():
+def first(descs: int = 1) -> bytes:
+    """A connection's first grant: the agent's connection info and `descs` descriptors."""
+    return blob(sections=section([desc()] * descs))
+
+
+PEER = check_first(first())
+
+
+def test_a_first_grant_and_a_later_one_pass():
     assert PEER.name == "droidmesh-nixl-sender-1"
-    assert metadata.check_grant(blob(conns=[], sections=section([desc(), desc()])), PEER) == 2
+    assert metadata.check_grant(first(2), LOCAL, False, None)[1] == 2
+    assert metadata.check_grant(blob(conns=[], sections=section([desc(), desc()])), LOCAL, False, PEER) == (PEER, 2)
 
 
 @pytest.mark.parametrize("bad, match", [
     (b"\x02" + theirs()[1:], "unknown version"),  # UCX aborts on this one
     (theirs()[:-3], "UCX worker address"),
 ])
-def test_an_agent_info_whose_worker_address_ucx_would_abort_on_is_refused(bad, match):
+def test_a_first_grant_whose_worker_address_ucx_would_abort_on_is_refused(bad, match):
     with pytest.raises(BadMessageError, match=match):
-        metadata.check_agent_info(blob(conns=[bad]), LOCAL, peer_on_this_host=False)
+        check_first(blob(conns=[bad], sections=section([desc()])))
 
 
 @pytest.mark.parametrize("bad", [
-    blob(conns=[]),  # no connection
-    blob(conns=[theirs()] * 2),  # two
-    blob(backend=b"GDS"),
-    blob(name=b""),
-    blob(name=b"\xff\xfe"),
-    blob(sections=section([desc()])),  # connection metadata describing memory
-    blob()[:-1],
-    blob() + b"x",
-    b"nixlSerDez|" + blob()[11:],
+    blob(conns=[], sections=section([desc()])),  # no connection
+    blob(conns=[theirs()] * 2, sections=section([desc()])),  # two
+    blob(backend=b"GDS", sections=section([desc()])),
+    blob(name=b"", sections=section([desc()])),
+    blob(name=b"\xff\xfe", sections=section([desc()])),
+    blob(),  # a connection describing no memory
+    first()[:-1],
+    first() + b"x",
+    b"nixlSerDez|" + first()[11:],
 ])
-def test_agent_infos_of_another_shape_are_refused(bad):
+def test_first_grants_of_another_shape_are_refused(bad):
     with pytest.raises(BadMessageError):
-        metadata.check_agent_info(bad, LOCAL, peer_on_this_host=False)
+        check_first(bad)
 
 
 @pytest.mark.parametrize("bad", [
     blob(name=b"someone-else", conns=[], sections=section([desc()])),
-    blob(sections=section([desc()])),  # a grant carrying a connection
+    blob(sections=section([desc()])),  # a later grant carrying a connection
     blob(conns=[], sections=section([desc()], mem=1)),  # device memory
     blob(conns=[], sections=section([desc()], backend=b"POSIX")),
     blob(conns=[], sections=section([desc(device=1)])),
@@ -86,22 +99,22 @@ def test_agent_infos_of_another_shape_are_refused(bad):
     blob(conns=[], sections=field(b"nixlSecElms", u64(2**63))),
     blob(conns=[], sections=section([desc()]))[:-2],
 ])
-def test_grants_of_another_shape_are_refused(bad):
+def test_later_grants_of_another_shape_are_refused(bad):
     with pytest.raises(BadMessageError):
-        metadata.check_grant(bad, PEER)
+        metadata.check_grant(bad, LOCAL, False, PEER)
 
 
 @pytest.mark.fuzz
 @settings(max_examples=300, deadline=None)
 @given(cut=st.integers(0, 600), junk=st.binary(max_size=12))
 def test_mangled_metadata_parses_or_raises_bad_message(cut, junk):
-    grant = blob(conns=[], sections=section([desc(), desc()]))
-    for data in (blob()[:cut] + junk + blob()[cut + len(junk):], grant[:cut] + junk + grant[cut + len(junk):]):
+    later = blob(conns=[], sections=section([desc(), desc()]))
+    for data in (first()[:cut] + junk + first()[cut + len(junk):], later[:cut] + junk + later[cut + len(junk):]):
         try:
-            metadata.check_agent_info(data, LOCAL, peer_on_this_host=False)
+            check_first(data)
         except BadMessageError:
             pass
         try:
-            metadata.check_grant(data, PEER)
+            metadata.check_grant(data, LOCAL, False, PEER)
         except BadMessageError:
             pass

@@ -89,8 +89,8 @@ async def _pull(agent: FakeAgent, lands, regions, delivered):
     registered: list[Any] = []
     client = nixl_client.NixlBulkClient()
     try:
-        await client._read(agent, "peer", b"md", lands, regions, lambda it, t: delivered.append((it, t.clone())),
-                           in_flight, registered)
+        await client._read(agent, None, b"md", lands, regions, lambda it, t: delivered.append((it, t.clone())),
+                           in_flight, registered, "peer")
     finally:
         await agent.call(nixl_client._release_reads, agent, in_flight, registered)
 

@@ -160,11 +160,13 @@ def rkey(md_map: int = 1, mem_type: int = 0, keys: tuple[bytes, ...] = (b"",), s
 
 def test_a_host_memory_key_for_an_offered_domain_passes():
     ua.check_rkey(rkey(), PEER)
+    ua.check_rkey(struct.pack("<QB", 0, 0), PEER)  # UCX over TCP alone: no md, map and memory type only
     ua.check_rkey(rkey(md_map=0b10001, keys=(b"", b"\x01\x02")), PEER)
 
 
 @pytest.mark.parametrize("key, match", [
     (rkey(mem_type=1), "memory type"),
+    (struct.pack("<QB", 0, 1), "memory type"),
     (rkey(md_map=1 << 9), "does not offer"),
     (rkey(md_map=1 << 2), "does not offer"),  # sysv's FIFO domain
     (rkey(sys_dev=3), "system device"),

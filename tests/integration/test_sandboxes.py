@@ -1,0 +1,159 @@
+"""Sandbox processes (`shared/transport/sandbox/`): each ucx or nixl connection is served by a
+process of its own that maps only the contexts its pulls were granted, while they last, and whose
+death costs only that connection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+
+from droidmesh.shared.transport.bulk import make_client, make_server
+from droidmesh.shared.transport.sandbox import host
+from droidmesh.shared.transport.tokens import TokenIssuer
+from droidmesh.shared.transport.ucx import wireup
+from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.schemas import PullItem, PullRequest
+
+CHANNELS = ["ucx", pytest.param("nixl", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("nixl_cu12") is None, reason="needs NIXL"))]
+ITEMS = [PullItem(0, "K"), PullItem(0, "V")]
+
+
+def _contexts() -> dict[str, dict[tuple[int, str], torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return {cid: {(0, k): torch.randn(1, 2, 33, 8, generator=g) for k in "KV"} for cid in ("a", "b")}
+
+
+async def _server(transport: str, issuer: TokenIssuer) -> tuple[object, str, dict]:
+    """A server of contexts "a" and "b", each placed on its own as a sender stores it."""
+    held = _contexts()
+    server = make_server(transport, lambda c, l, k: held.get(c, {}).get((l, k)),
+                         lambda req: issuer.verify(req.context_id, req.token))
+    for ctx in held.values():
+        ctx.update(zip(ctx, server.place(list(ctx.values())), strict=True))
+    return server, await server.start(), held
+
+
+def _memfds(pid: int) -> set[str]:
+    """The KV memfds (`memfd.place`'s, by inode) that process `pid` maps now."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[4] for line in f if "droidmesh-kv" in line}
+
+
+def _inodes(ctx: dict[tuple[int, str], torch.Tensor]) -> set[str]:
+    from droidmesh.shared.transport import memfd
+
+    found = memfd.placed(next(iter(ctx.values())))
+    assert found is not None
+    return {str(os.fstat(found[0].fd).st_ino)}
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
+def test_a_connections_sandbox_maps_only_what_its_pull_was_granted(transport):
+    """Mid-pull, the connection's sandbox (a process other than the server's) maps at most context
+    "a"'s memfd, never "b"'s; two connections get two sandboxes; once pulls end their mappings go."""
+    issuer = TokenIssuer(ttl_s=60)
+
+    async def run() -> tuple[list[set[str]], set[str], set[int], dict]:
+        server, address, held = await _server(transport, issuer)
+        seen: list[set[str]] = []
+        pids: set[int] = set()
+
+        def during(item, t) -> None:
+            for sandbox in server.sandboxes._live:  # type: ignore[attr-defined]  # the pool under test
+                pids.add(sandbox.pid)
+                seen.append(_memfds(sandbox.pid))
+
+        clients = [make_client(transport), make_client(transport)]
+        try:
+            for client in clients:
+                into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
+                await client.pull(address, PullRequest(context_id="a", items=ITEMS, token=issuer.issue("a")[0]), into,
+                                  during, 30)
+                # bitwise: the channel copies the stored bytes
+                assert all(torch.equal(t, held["a"][(it.layer, it.kind)]) for it, t in zip(ITEMS, into, strict=True))
+            after: set[str] = set()
+            for _ in range(200):  # a nixl sandbox unmaps on the NixlDone it is sent after the pull: bounded wait
+                after = set().union(*(_memfds(s.pid) for s in server.sandboxes._live))  # type: ignore[attr-defined]
+                if not after:
+                    break
+                await asyncio.sleep(0.01)
+            return seen, after, pids, held
+        finally:
+            for client in clients:
+                await client.close()
+            await server.close()
+
+    seen, after, pids, held = asyncio.run(run())
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert seen and all(s <= _inodes(held["a"]) for s in seen), seen
+    if transport == "nixl":  # mid-pull (reads done, NixlDone not yet sent) its grant is mapped; a ucx
+        assert any(seen), seen  # sandbox unmaps once its sends complete, before the receiver sees an item
+    assert not any(s & _inodes(held["b"]) for s in seen)
+    assert after == set()
+
+
+@pytest.mark.parametrize("transport", CHANNELS)
+def test_a_sandbox_that_dies_costs_only_its_connection(transport):
+    """SIGSEGV to one connection's sandbox (what a library crash is): that connection's next pull
+    gets a fresh connection and sandbox or fails as a TransferError; another connection's pulls,
+    and the server, go on; the death is counted."""
+    issuer = TokenIssuer(ttl_s=60)
+
+    async def run() -> tuple[int, int]:
+        server, address, held = await _server(transport, issuer)
+        clients = [make_client(transport), make_client(transport)]
+
+        async def pull(client) -> bool:
+            into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
+            try:
+                await client.pull(address, PullRequest(context_id="b", items=ITEMS, token=issuer.issue("b")[0]), into,
+                                  lambda *a: None, 30)
+            except Exception as e:
+                assert type(e).__name__ == "TransferError", e
+                return False
+            # bitwise: the channel copies the stored bytes
+            return all(torch.equal(t, held["b"][(it.layer, it.kind)]) for it, t in zip(ITEMS, into, strict=True))
+
+        try:
+            for client in clients:
+                assert await pull(client)
+            before = host.died_total
+            victim = sorted(server.sandboxes._live, key=lambda s: s.pid)[0]  # type: ignore[attr-defined]
+            os.kill(victim.pid, signal.SIGSEGV)
+            await asyncio.wait_for(victim.proc.wait(), 30)
+            results = [await pull(client) for client in clients]  # one of these lost its sandbox
+            assert all(await asyncio.gather(*(pull(c) for c in clients)))  # and after, both pull again
+            return results.count(True), host.died_total - before
+        finally:
+            for client in clients:
+                await client.close()
+            await server.close()
+
+    ok, died = asyncio.run(run())
+    assert ok >= 1 and died == 1
+
+
+def test_a_ucx_hello_with_a_refused_pull_learns_no_address():
+    """A hello whose pull is refused gets the error, no worker address, and starts no sandbox."""
+    issuer = TokenIssuer(ttl_s=60)
+
+    async def run() -> tuple[schemas.UcxWelcome, int]:
+        server, address, _ = await _server("ucx", issuer)
+        try:
+            host_, port = address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host_, int(port))
+            request = schemas.encode(PullRequest(context_id="a", items=ITEMS, token="1.forged.0"))
+            writer.write(wireup.hello(7, b"\x01" * 40, request))
+            welcome = await asyncio.wait_for(wireup.read_welcome(reader), 30)
+            writer.close()
+            return welcome, server.sandboxes.live()  # type: ignore[attr-defined]
+        finally:
+            await server.close()
+
+    welcome, live = asyncio.run(run())
+    assert welcome.error and welcome.error.startswith("unauthorized") and welcome.address == b"" and live == 0
