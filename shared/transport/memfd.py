@@ -1,5 +1,6 @@
-"""Sealed shared memory for the shm bulk channel (`shm.py`): placing a sender's stored context in
-one memfd, finding where a stored tensor lies, and the receiver's check of a memfd it is passed.
+"""Sealed shared memory for the bulk channels: placing a sender's stored context in one memfd
+(the shm channel passes it; ucx and nixl sandboxes map it), finding where a stored tensor lies,
+and the receiver's check of a memfd it is passed.
 
 Sequence of a placement (`place`, the sender's torch thread, once per stored context):
   1. lay the tensors out back to back (per layer K, V, then E; each 64-byte aligned);
@@ -18,14 +19,18 @@ import dataclasses
 import fcntl
 import mmap
 import os
+import resource
 import stat
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 
+import structlog
 import torch
 
 from droidmesh.shared.errors import IntegrityError
+
+log = structlog.get_logger("memfd")
 
 ALIGN = 64
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -139,3 +144,12 @@ def sealed_size(fd: int) -> int:
     if seals & NEEDED_SEALS != NEEDED_SEALS:
         raise IntegrityError(f"a passed memfd is not sealed against write and shrink (seals {seals:#x})")
     return os.fstat(fd).st_size
+
+
+def raise_fd_limit() -> None:
+    """Lift this process's soft descriptor limit to its hard limit: each placed context holds two
+    (its memfd, its mapping's). Servers that place call it at start."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("fd_limit_raised", soft=soft, now=hard)

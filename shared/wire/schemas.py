@@ -461,11 +461,11 @@ class SandboxRegion(msgspec.Struct):
     nbytes: int
 
 
-class SandboxGrant(Message, tag="sandbox.grant"):
+class SandboxServe(Message, tag="sandbox.serve"):
     """Sender -> sandbox: one authorized pull, its encoded `PullResponse` and each payload's
     region in the `fds` memfds passed with this frame."""
 
-    pull: int
+    pull_id: int
     response: bytes
     regions: list[SandboxRegion]
     fds: int
@@ -474,7 +474,7 @@ class SandboxGrant(Message, tag="sandbox.grant"):
 class SandboxRelease(Message, tag="sandbox.release"):
     """Sender -> sandbox (nixl): the pull is over; unmap and deregister what it granted."""
 
-    pull: int
+    pull_id: int
 
 
 class SandboxWire(Message, tag="sandbox.wire"):
@@ -502,7 +502,7 @@ class SandboxMapped(Message, tag="sandbox.mapped"):
     """Sandbox -> sender (nixl): the grant's payloads registered: their addresses there, and NIXL
     metadata for exactly those (with the agent's connection info on a connection's first)."""
 
-    pull: int
+    pull_id: int
     addrs: list[int]
     metadata: bytes
 
@@ -510,7 +510,7 @@ class SandboxMapped(Message, tag="sandbox.mapped"):
 class SandboxServed(Message, tag="sandbox.served"):
     """Sandbox -> sender (ucx): the pull's response and payloads were sent (or why not)."""
 
-    pull: int
+    pull_id: int
     error: str | None = None
 
 
@@ -527,7 +527,7 @@ class SandboxFailed(Message, tag="sandbox.failed"):
 
 
 SandboxReport = SandboxReady | SandboxWired | SandboxMapped | SandboxServed | SandboxAsk | SandboxFailed
-SandboxOrder = SandboxGrant | SandboxRelease | SandboxWire
+SandboxOrder = SandboxServe | SandboxRelease | SandboxWire
 
 
 # -- the shm pull's control exchange (a Unix socket; the bytes are sealed memfds it passes) ----

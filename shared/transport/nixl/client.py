@@ -47,7 +47,7 @@ from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import NixlDone, NixlGrant, NixlRegion, PullRequest, Transport
 
 log = structlog.get_logger("nixl")
-CONNECT_S = 10.0  # dialling a sender, its agent info, and connecting the agents
+CONNECT_S = 10.0  # dialling a sender
 READ_BYTES = 4 << 20  # layers gathered into one READ up to about this many bytes (`_batches`)
 _POLL_S = (0.00005, 0.001)  # in-progress transfer: first and longest sleep between state checks
 
@@ -111,7 +111,10 @@ class NixlBulkClient(ChannelClient[_Connection]):
         except BadMessageError as e:
             log.warning("nixl_peer_refused", reason=str(e))
             raise
-        first, conn.peer = conn.peer is None, peer
+        first = conn.peer is None
+        if first and any(c.peer is not None and c.peer.name == peer.name for c in self._conns.values()):
+            raise BadMessageError(f"NIXL agent {peer.name[:80]!r} already serves another connection")
+        conn.peer = peer
         in_flight: list[Any] = []  # transfer handles posted but not done when posted
         registered: list[Any] = []  # the landing buffers' registration, once made
         try:
@@ -197,14 +200,23 @@ class NixlBulkClient(ChannelClient[_Connection]):
     def _alive(self, conn: _Connection) -> bool:
         return not conn.reader.at_eof()
 
-    async def _connect(self, address: str) -> _Connection:
-        host, port = parse_host_port(address, "nixl")
+    async def warm(self, address: str) -> None:
+        """Start this receiver's NIXL agent ahead of the first pull (the sender describes its own
+        only with a granted pull, and drops a silent connection: no connection is opened ahead)."""
+        parse_host_port(address, "nixl")
+        await self._start_agent()
+
+    async def _start_agent(self) -> None:
         if self._agent is None:
             agent = Agent("nixl-receiver")
             await agent.start()
             self._agent = agent
             own = await agent.call(agent.metadata, [], True)
             self._local = LocalView.of(metadata.own_address(own))
+
+    async def _connect(self, address: str) -> _Connection:
+        host, port = parse_host_port(address, "nixl")
+        await self._start_agent()
         async with asyncio.timeout(CONNECT_S):
             reader, writer = await asyncio.open_connection(host, port)
         return _Connection(reader, writer, on_this_host(writer.get_extra_info("peername")))

@@ -34,7 +34,7 @@ from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, S
 from droidmesh.shared.transport.control import ControlListener
 from droidmesh.shared.transport.nixl import frames
 from droidmesh.shared.transport.sandbox.host import Sandbox, SandboxPool
-from droidmesh.shared.transport.sandbox.regions import export_async
+from droidmesh.shared.transport.sandbox.regions import export_async, host_only
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import (
@@ -42,9 +42,9 @@ from droidmesh.shared.wire.schemas import (
     NixlGrant,
     NixlRegion,
     PullRequest,
-    SandboxGrant,
     SandboxMapped,
     SandboxRelease,
+    SandboxServe,
     Transport,
 )
 
@@ -72,6 +72,7 @@ class NixlBulkServer:
     async def start(self) -> str:
         """Start the first sandbox (NIXL must run here), then listen on the configured host only
         (`ControlListener`); return "host:port"."""
+        memfd.raise_fd_limit()
         await self.sandboxes.start()
         address, bound = await self._listener.start(self._host, self._port)
         log.info("nixl_server_started", bound=bound[0], port=bound[1])
@@ -109,18 +110,17 @@ class NixlBulkServer:
                      writer: asyncio.StreamWriter) -> None:
         """One granted pull: its payloads registered in the sandbox, the grant sent, its
         NixlDone awaited, the sandbox's registrations released."""
-        exported = await export_async(served.payloads)
-        served.payloads.clear()  # the memfds hold the bytes now
-        pull = next(self._pulls)
+        exported = await export_async(served.payloads)  # `served` (its payloads: the memfds' views) lives till the end
+        pull_id = next(self._pulls)
         try:
-            await sandbox.send(SandboxGrant(pull=pull, response=b"", regions=exported.regions, fds=len(exported.fds)),
+            await sandbox.send(SandboxServe(pull_id=pull_id, response=b"", regions=exported.regions, fds=len(exported.fds)),
                                exported.fds)
             mapped = await sandbox.recv(SandboxMapped, MAP_S)
             nbytes = [r.nbytes for r in exported.regions]
             await frames.send(writer, NixlGrant(response=served.response, metadata=mapped.metadata,
                                                 regions=[NixlRegion(addr=a, nbytes=n) for a, n in zip(mapped.addrs, nbytes, strict=True)]))
             await frames.recv(reader, NixlDone, HOLD_S)
-            await sandbox.send(SandboxRelease(pull=pull))
+            await sandbox.send(SandboxRelease(pull_id=pull_id))
         finally:
             exported.close()
 
@@ -136,4 +136,4 @@ def _answer(data: bytes, lookup: TensorLookup, authorize: Authorize | None, pin:
         request = schemas.decode(data, PullRequest)
     except DroidMeshError as e:
         return Served(refusal(e), [], lambda: None)
-    return Served(*answer(request, lookup, authorize, pin, checksums=False))
+    return Served(*answer(host_only(request), lookup, authorize, pin, checksums=False))

@@ -9,11 +9,11 @@ foreign library, an abort) reaches this process's memory only, which holds the l
 contexts granted to this one connection while their pull lasts, and no credential. It dies with
 its sender (PR_SET_PDEATHSIG) and ends when the sender closes the socket.
 
-  nixl: per `SandboxGrant`, map its memfds, register each payload with the agent and answer
+  nixl: per `SandboxServe`, map its memfds, register each payload with the agent and answer
         `SandboxMapped` (addresses and NIXL metadata for exactly those, with the agent's
         connection info the first time); `SandboxRelease` deregisters and unmaps them.
   ucx:  `SandboxWire` (the receiver's hello): its worker address checked against this process's
-        UCX, an endpoint made, `SandboxWired` answered; then per `SandboxGrant` the response and
+        UCX, an endpoint made, `SandboxWired` answered; then per `SandboxServe` the response and
         payloads sent over the endpoint (`SandboxServed`), and the receiver's next request frame
         passed up unread (`SandboxAsk`).
 """
@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import json
 import mmap
 import os
 import secrets
 import signal
 import socket
+import stat
 import sys
 from typing import Any
 
@@ -42,11 +44,11 @@ from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import (
     SandboxAsk,
     SandboxFailed,
-    SandboxGrant,
     SandboxMapped,
     SandboxOrder,
     SandboxReady,
     SandboxRelease,
+    SandboxServe,
     SandboxServed,
     SandboxWire,
     SandboxWired,
@@ -55,36 +57,35 @@ from droidmesh.shared.wire.schemas import (
 log = structlog.get_logger("sandbox")
 UCX_OPTIONS_ENV = "DROIDMESH_SANDBOX_UCX"  # the sender's UCX options for this process, as JSON
 SEND_S = 120.0  # a pull's response and payloads must be taken within this
-MAX_ORDER_BYTES = 8 << 20  # a grant frame: its response (< schemas.MAX_MESSAGE_BYTES) and regions
+MAX_ORDER_BYTES = schemas.MAX_MESSAGE_BYTES  # an order, as `schemas.decode` bounds every message
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
 
 
 class Mapped:
-    """One grant's memfds mapped read-only, and each payload as a numpy view of its bytes."""
+    """One pull's memfds mapped read-only, and each payload as a numpy view of its bytes."""
 
-    def __init__(self, grant: SandboxGrant, fds: list[int]):
-        if len(fds) != grant.fds or len(grant.regions) > MAX_ITEMS:
-            raise BadMessageError(f"a grant of {grant.fds} memfds came with {len(fds)}")
+    def __init__(self, serve: SandboxServe, fds: list[int]):
         self._maps: list[mmap.mmap] = []
         self.views: list[np.ndarray] = []  # [nbytes] uint8 per region, in order
+        bases: list[np.ndarray] = []
         try:
-            bases = []
+            if len(fds) != serve.fds or len(serve.regions) > MAX_ITEMS:
+                raise BadMessageError(f"a pull of {serve.fds} memfds and {len(serve.regions)} regions came with {len(fds)}")
             for fd in fds:
-                size = os.fstat(fd).st_size
-                if not size:
-                    raise BadMessageError("an empty memfd")
+                size = _sealed_size(fd)
                 # populated now, in one call: a peer's reads would otherwise fault every page in, one by one
                 self._maps.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ))
                 bases.append(np.frombuffer(self._maps[-1], dtype=np.uint8))  # [size]
-            for r in grant.regions:
+            for r in serve.regions:
                 if r.nbytes == 0:
                     self.views.append(np.empty(0, dtype=np.uint8))
                     continue
                 if not 0 <= r.fd < len(bases) or not 0 <= r.offset <= len(bases[r.fd]) - r.nbytes:
                     raise BadMessageError(f"a region of {r.nbytes} bytes at {r.offset} outside its memfd")
                 self.views.append(bases[r.fd][r.offset:r.offset + r.nbytes])
-            del bases
         except BaseException:
+            del bases
             self.close()
             raise
         finally:
@@ -96,11 +97,35 @@ class Mapped:
         return [(v.ctypes.data, v.nbytes) for v in self.views if v.nbytes]
 
     def close(self) -> None:
+        """Unmap everything; a mapping something still views cannot be, and then this process
+        must not go on (it would keep a context readable past its pull): `BufferError`."""
         self.views.clear()
+        kept = 0
         for mm in self._maps:
-            with contextlib.suppress(BufferError):  # a view still held by an unfinished send: unmapped at exit
+            try:
                 mm.close()
+            except BufferError:
+                kept += 1
         self._maps.clear()
+        if kept:
+            raise BufferError(f"{kept} mapping(s) still viewed after the pull")
+
+
+def _sealed_size(fd: int) -> int:
+    """The size of a memfd sealed against writes and shrinking (what a sender passes), else
+    `BadMessageError`: this process maps nothing else."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise BadMessageError("a passed descriptor is not a memfd")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise BadMessageError("a passed descriptor is not sealable shared memory") from None
+    if seals & (fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK) != fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK:
+        raise BadMessageError(f"a passed memfd is not sealed (seals {seals:#x})")
+    size = os.fstat(fd).st_size
+    if not size:
+        raise BadMessageError("an empty memfd")
+    return size
 
 
 class NixlSandbox:
@@ -118,21 +143,21 @@ class NixlSandbox:
         while True:
             order, fds = await _recv(sock)
             if isinstance(order, SandboxRelease):
-                if order.pull in held:
-                    mapped, descs = held.pop(order.pull)
+                if order.pull_id in held:
+                    mapped, descs = held.pop(order.pull_id)
                     if descs is not None:
                         await self.agent.call(self.agent.deregister, descs)
                     mapped.close()
                 continue
-            if not isinstance(order, SandboxGrant) or order.pull in held:
+            if not isinstance(order, SandboxServe) or order.pull_id in held:
                 raise BadMessageError(f"unexpected {type(order).__name__}")
             mapped = Mapped(order, fds)
             regions = mapped.regions()
             descs, metadata = await self.agent.call(self._register, regions, not self._connected)
             self._connected = self._connected or bool(regions)
-            held[order.pull] = (mapped, descs)
+            held[order.pull_id] = (mapped, descs)
             addrs = [v.ctypes.data if v.nbytes else 0 for v in mapped.views]
-            await _send(sock, SandboxMapped(pull=order.pull, addrs=addrs, metadata=metadata))
+            await _send(sock, SandboxMapped(pull_id=order.pull_id, addrs=addrs, metadata=metadata))
 
 
     def _register(self, regions: list[tuple[int, int]], connection: bool) -> tuple[Any, bytes]:
@@ -167,19 +192,19 @@ class UcxSandbox:
         await _send(sock, SandboxWired(tag=tag, address=u.get_worker_address().tobytes()))
         try:
             while True:
-                grant, fds = await _recv(sock)
-                if not isinstance(grant, SandboxGrant):
-                    raise BadMessageError(f"unexpected {type(grant).__name__}")
-                mapped = Mapped(grant, fds)
+                serve, fds = await _recv(sock)
+                if not isinstance(serve, SandboxServe):
+                    raise BadMessageError(f"unexpected {type(serve).__name__}")
+                mapped = Mapped(serve, fds)
                 try:
                     async with asyncio.timeout(SEND_S):
-                        await ops.send_obj(ep, grant.response)
+                        await ops.send_obj(ep, serve.response)
                         await asyncio.gather(*(ops.send(ep, v) for v in mapped.views if v.nbytes))
                 except BaseException as e:
-                    await _send(sock, SandboxServed(pull=grant.pull, error=f"{type(e).__name__}: {e}"[:300]))
+                    await _send(sock, SandboxServed(pull_id=serve.pull_id, error=f"{type(e).__name__}: {e}"[:300]))
                     return  # the endpoint is aborted below; this connection is over
                 mapped.close()
-                await _send(sock, SandboxServed(pull=grant.pull))
+                await _send(sock, SandboxServed(pull_id=serve.pull_id))
                 await ops.wait_for_message(ep)
                 await _send(sock, SandboxAsk(request=await ops.recv_frame(ep, MAX_REQUEST_BYTES)))
         finally:
@@ -222,7 +247,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("nixl", "ucx"):
         print("usage: python -m droidmesh.shared.transport.sandbox nixl|ucx FD", file=sys.stderr)
         return 2
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the sender
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the sender
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # nothing it runs gains privileges
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")  # under memory pressure the kernel ends a sandbox before its sender
     structlog.configure(processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
                                     structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.JSONRenderer()],
                         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))

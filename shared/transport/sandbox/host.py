@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -33,6 +34,13 @@ from droidmesh.shared.wire.schemas import SandboxFailed, SandboxReady, SandboxRe
 log = structlog.get_logger("sandbox")
 R = TypeVar("R", bound=schemas.Message)
 START_S = 60.0  # a sandbox's start, its library loaded (a loaded CI host is slow)
+ORDER_S = 30.0  # an order must be taken by the sandbox within this
+# What a sandbox inherits of the sender's environment: how to run Python and the libraries, never
+# a credential (a peer's reads reach the sandbox's memory, its environment included).
+ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED",
+            "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+ENV_PREFIXES = ("UCX_", "NIXL_")
+_PR_SET_DUMPABLE = 4
 EXIT_S = 2.0  # how long a sandbox that closed its socket is given to report its exit status
 MAX_REPORT_BYTES = 1 << 20
 died_total = 0  # sandboxes that ended by a signal or an error status while serving (tests, metrics)
@@ -55,7 +63,7 @@ class Sandbox:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "droidmesh.shared.transport.sandbox", channel, str(theirs.fileno()),
+                sys.executable, "-P", "-m", "droidmesh.shared.transport.sandbox", channel, str(theirs.fileno()),
                 pass_fds=(theirs.fileno(),), env=env, stdin=asyncio.subprocess.DEVNULL)
         except BaseException:
             ours.close()
@@ -75,7 +83,11 @@ class Sandbox:
         if self.closed:
             raise SandboxDied(f"{self.channel} sandbox {self.pid} was ended")
         try:
-            await shm_io.send_frame(self.sock, schemas.encode(msg), list(fds))
+            async with asyncio.timeout(ORDER_S):
+                await shm_io.send_frame(self.sock, schemas.encode(msg), list(fds))
+        except TimeoutError:  # before OSError, whose subclass it is: a wedged sandbox
+            self.close()
+            raise TransferError(f"{self.channel} sandbox {self.pid} took no order within {ORDER_S}s") from None
         except (OSError, ValueError) as e:  # ValueError: our socket closed meanwhile (`close` from a callback)
             raise await self._died(f"{type(e).__name__}: {e}") from None
 
@@ -101,27 +113,24 @@ class Sandbox:
 
     def reap(self) -> None:
         """Count and log a death that nobody waited on (the connection ended first)."""
+        self._count(self.proc.returncode)
+
+    def _count(self, status: int | None) -> None:
+        """A death we did not cause (not `closed` by us, not a clean exit) is counted and logged once."""
         global died_total
-        status = self.proc.returncode
         if status is not None and status != 0 and not self.closed:
             died_total += 1
             log.warning("sandbox_died", channel=self.channel, pid=self.pid, status=_status(status))
-            self.closed = True
 
     async def _died(self, why: str) -> SandboxDied:
-        global died_total
         try:
             async with asyncio.timeout(EXIT_S):
                 status = await self.proc.wait()
         except TimeoutError:
             status = None
-        ours = self.closed
+        self._count(status)
         self.close()
-        name = _status(status)
-        if status != 0 and not ours:
-            died_total += 1
-            log.warning("sandbox_died", channel=self.channel, pid=self.pid, status=name)
-        return SandboxDied(f"{self.channel} sandbox {self.pid} ended ({name}): {why}")
+        return SandboxDied(f"{self.channel} sandbox {self.pid} ended ({_status(status)}): {why}")
 
     def kill(self) -> None:
         """End the process now (asyncio's child watcher reaps it); a wait on it then ends with
@@ -142,14 +151,17 @@ class SandboxPool:
 
     def __init__(self, channel: str, ucx_options: dict[str, str] | None = None):
         self.channel = channel
-        self._env = dict(os.environ)
+        self._env = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
         if ucx_options is not None:
             self._env[UCX_OPTIONS_ENV] = json.dumps(ucx_options)
         self._spare: asyncio.Task[Sandbox] | None = None
         self._live: set[Sandbox] = set()
 
     async def start(self) -> None:
-        """Start the first spare and wait for it: a channel that cannot run here fails now."""
+        """Start the first spare and wait for it: a channel that cannot run here fails now. The
+        sender's own process becomes non-dumpable: a sandbox (its user's) cannot ptrace it, read
+        its memory or open its descriptors through /proc."""
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
         self._spare = asyncio.ensure_future(Sandbox.start(self.channel, self._env))
         await asyncio.shield(self._spare)
 
@@ -158,11 +170,18 @@ class SandboxPool:
         spare, self._spare = self._spare, asyncio.ensure_future(Sandbox.start(self.channel, self._env))
         self._spare.add_done_callback(_quiet)
         sandbox: Sandbox | None = None
-        if spare is not None:
-            with contextlib.suppress(Exception):
-                sandbox = await asyncio.shield(spare)
-        if sandbox is None or sandbox.proc.returncode is not None:
-            sandbox = await Sandbox.start(self.channel, self._env)
+        try:
+            if spare is not None:
+                with contextlib.suppress(Exception):
+                    sandbox = await asyncio.shield(spare)
+            if sandbox is None or sandbox.proc.returncode is not None:
+                if sandbox is not None:
+                    sandbox.close()
+                sandbox = await Sandbox.start(self.channel, self._env)
+        except asyncio.CancelledError:  # the connection went meanwhile: the spare it took goes too
+            if spare is not None:
+                spare.add_done_callback(_close_started)
+            raise
         self._live.add(sandbox)
         return sandbox
 
@@ -186,6 +205,11 @@ class SandboxPool:
 
     def live(self) -> int:
         return len(self._live)
+
+
+def _close_started(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close()
 
 
 def _quiet(task: asyncio.Task) -> None:

@@ -14,10 +14,11 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
-from droidmesh.shared.transport import memfd
-from droidmesh.shared.wire.schemas import SandboxRegion
+from droidmesh.shared.transport import codecs, memfd
+from droidmesh.shared.wire.schemas import PullRequest, SandboxRegion
 
 
 @dataclasses.dataclass
@@ -34,10 +35,24 @@ class Exported:
 
 async def export_async(payloads: Sequence[torch.Tensor]) -> Exported:
     """`export` on the event loop when every payload lies in a placed memfd (nothing to copy: a
-    thread hop would cost more), else on a worker thread."""
+    thread hop would cost more), else on a worker thread; if the caller is cancelled meanwhile,
+    the copy it made is closed once made."""
     if all(memfd.placed(p) is not None or not p.numel() for p in payloads):
         return export(payloads)
-    return await asyncio.to_thread(export, payloads)
+    future = asyncio.get_running_loop().run_in_executor(None, export, payloads)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else f.result().close())
+        raise
+
+
+def host_only(request: PullRequest) -> PullRequest:
+    """`request` without an ask for device payloads: a sandbox maps host memfds only."""
+    if not codecs.asks_device(request.codec_params):
+        return request
+    params = {k: v for k, v in request.codec_params.items() if k != codecs.DEVICE_PARAM}
+    return msgspec.structs.replace(request, codec_params=params)
 
 
 def export(payloads: Sequence[torch.Tensor]) -> Exported:

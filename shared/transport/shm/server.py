@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import shutil
 import socket
 import struct
@@ -74,7 +73,7 @@ class ShmBulkServer:
 
     async def start(self) -> str:
         """Listen on a Unix socket in a fresh directory of mode 0700; return its path."""
-        _raise_fd_limit()  # each placed context holds two descriptors (its memfd, its mapping's)
+        memfd.raise_fd_limit()
         self._dir = tempfile.mkdtemp(prefix="droidmesh-shm-")
         path = os.path.join(self._dir, "bulk.sock")
         sock = self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -221,12 +220,3 @@ async def _off_loop(make: Callable[..., int], *args: object) -> int:
     except asyncio.CancelledError:
         future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else os.close(f.result()))
         raise
-
-
-def _raise_fd_limit() -> None:
-    """Lift this process's soft descriptor limit to its hard limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        log.info("shm_fd_limit_raised", soft=soft, now=hard)
-

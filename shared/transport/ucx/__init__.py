@@ -17,7 +17,7 @@ from typing import Any
 
 # Re-exported lazily: a sandbox process imports `worker` and `ops` without torch (`runtime` needs it).
 _EXPORTS = {"in_flight": "ops", "recv_frame": "ops", "ask_device": "runtime", "honour_device": "runtime",
-            "ucx_options": "runtime", "ucxx": "runtime", "connect": "wireup"}
+            "ucx_options": "runtime", "ucxx": "runtime"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -115,6 +115,12 @@ class UcxBulkClient(ChannelClient[_Connection]):
         ep._droidmesh_watch = asyncio.ensure_future(wireup.watch(conn.reader, ep))  # referenced while the endpoint is
         return ep
 
+    async def warm(self, address: str) -> None:
+        """Start UCX here ahead of the first pull (the sender wires a connection up only with a
+        granted pull, and drops a silent one within seconds: no connection is opened ahead)."""
+        parse_host_port(address, "ucx")
+        runtime.local_view()
+
     def _alive(self, conn: _Connection) -> bool:
         return not conn.reader.at_eof() and not conn.writer.is_closing() and (conn.ep is None or not conn.ep.closed)
 

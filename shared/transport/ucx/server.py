@@ -31,23 +31,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-import msgspec
 import structlog
 
 from droidmesh.shared.errors import BadMessageError, DroidMeshError
-from droidmesh.shared.transport import codecs, memfd
+from droidmesh.shared.transport import memfd
 from droidmesh.shared.transport.address import on_this_host
 from droidmesh.shared.transport.bulk import Authorize, Pin, Served, TensorLookup, answer, refusal
 from droidmesh.shared.transport.control import ControlListener
+from droidmesh.shared.transport.sandbox.child import SEND_S
 from droidmesh.shared.transport.sandbox.host import Sandbox, SandboxDied, SandboxPool
-from droidmesh.shared.transport.sandbox.regions import export_async
+from droidmesh.shared.transport.sandbox.regions import export_async, host_only
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits
 from droidmesh.shared.transport.ucx import runtime, wireup
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import (
     PullRequest,
     SandboxAsk,
-    SandboxGrant,
+    SandboxServe,
     SandboxServed,
     SandboxWire,
     SandboxWired,
@@ -56,7 +56,6 @@ from droidmesh.shared.wire.schemas import (
 )
 
 log = structlog.get_logger("ucx")
-SEND_S = 120.0
 WIRE_S = 30.0  # a sandbox's check of the receiver's address and its endpoint
 
 
@@ -80,6 +79,7 @@ class UcxBulkServer:
     async def start(self) -> str:
         """Start the first sandbox (UCX must run here), then listen on the configured host only
         (`ControlListener`); return "host:port"."""
+        memfd.raise_fd_limit()
         runtime.bind_devices(self._host)
         self.sandboxes = SandboxPool("ucx", runtime.ucx_options())
         await self.sandboxes.start()
@@ -141,13 +141,12 @@ class UcxBulkServer:
         """One answered request: the sandbox sends its response and payloads within SEND_S (a
         pull sent in full proves the connection: `slot.pulled`); the hold is released after."""
         try:
-            exported = await export_async(served.payloads)
-            served.payloads.clear()  # the memfds hold the bytes now
+            exported = await export_async(served.payloads)  # `served` (its payloads: the memfds' views) lives till the end
             try:
-                pull = next(self._pulls)
-                await sandbox.send(SandboxGrant(pull=pull, response=schemas.encode(served.response),
+                pull_id = next(self._pulls)
+                await sandbox.send(SandboxServe(pull_id=pull_id, response=schemas.encode(served.response),
                                                 regions=exported.regions, fds=len(exported.fds)), exported.fds)
-                done = await sandbox.recv(SandboxServed, SEND_S)
+                done = await sandbox.recv(SandboxServed, SEND_S + 10.0)  # the sandbox's own deadline reports first
             finally:
                 exported.close()
             if done.error:
@@ -164,10 +163,7 @@ class UcxBulkServer:
             request = schemas.decode(data, PullRequest)
         except DroidMeshError as e:
             return Served(refusal(e), [], lambda: None)
-        if codecs.asks_device(request.codec_params):
-            params = {k: v for k, v in request.codec_params.items() if k != codecs.DEVICE_PARAM}
-            request = msgspec.structs.replace(request, codec_params=params)
-        return Served(*answer(request, self._lookup, self._authorize, self._pin))
+        return Served(*answer(host_only(request), self._lookup, self._authorize, self._pin))
 
     async def close(self) -> None:
         await self._listener.close()
