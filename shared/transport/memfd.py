@@ -20,7 +20,6 @@ import fcntl
 import mmap
 import os
 import resource
-import stat
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
@@ -28,13 +27,13 @@ from collections.abc import Iterable, Sequence
 import structlog
 import torch
 
-from droidmesh.shared.errors import IntegrityError
+from droidmesh.shared.transport.seals import NEEDED_SEALS as NEEDED_SEALS  # re-exported: receivers check with them
+from droidmesh.shared.transport.seals import sealed_size as sealed_size
 
 log = structlog.get_logger("memfd")
 
 ALIGN = 64
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-NEEDED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK  # what a receiver requires before reading
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -131,19 +130,6 @@ def placed(t: torch.Tensor) -> tuple[Segment, int] | None:
     if seg is None or storage.nbytes() != seg.nbytes or not 0 <= offset <= seg.nbytes - t.numel() * t.element_size():
         return None
     return seg, offset
-
-
-def sealed_size(fd: int) -> int:
-    """The size of a memfd sealed against write and shrink; `IntegrityError` for anything else."""
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        raise IntegrityError("a passed descriptor is not a shared-memory file")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise IntegrityError("a passed descriptor is not sealable shared memory") from None
-    if seals & NEEDED_SEALS != NEEDED_SEALS:
-        raise IntegrityError(f"a passed memfd is not sealed against write and shrink (seals {seals:#x})")
-    return os.fstat(fd).st_size
 
 
 def raise_fd_limit() -> None:

@@ -23,14 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import fcntl
 import json
 import mmap
 import os
 import secrets
 import signal
 import socket
-import stat
 import sys
 from typing import Any
 
@@ -40,6 +38,7 @@ import structlog
 from droidmesh.shared.errors import BadMessageError
 from droidmesh.shared.transport import shm_io
 from droidmesh.shared.transport.limits import MAX_ITEMS, MAX_REQUEST_BYTES
+from droidmesh.shared.transport.seals import sealed_size
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import (
     SandboxAsk,
@@ -112,17 +111,8 @@ class Mapped:
 
 
 def _sealed_size(fd: int) -> int:
-    """The size of a memfd sealed against writes and shrinking (what a sender passes), else
-    `BadMessageError`: this process maps nothing else."""
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        raise BadMessageError("a passed descriptor is not a memfd")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise BadMessageError("a passed descriptor is not sealable shared memory") from None
-    if seals & (fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK) != fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK:
-        raise BadMessageError(f"a passed memfd is not sealed (seals {seals:#x})")
-    size = os.fstat(fd).st_size
+    """A sealed memfd's size (what a sender passes), else `BadMessageError`: nothing else is mapped."""
+    size = sealed_size(fd, BadMessageError)
     if not size:
         raise BadMessageError("an empty memfd")
     return size
