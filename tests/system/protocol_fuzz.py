@@ -10,7 +10,10 @@ edges and beyond (a descriptor of the granting agent widened to the whole addres
 own remote key), after the done, and metadata loaded again mid-pull; for shm the memfds a grant
 passes, read whole. After each message it checks the invariants and counts:
   - no byte outside a grant: every byte the peer gets (a READ, a payload, a memfd) carries the
-    canary of a context granted on that connection and not yet done, or none;
+    canary of a context granted on that connection, or none. A READ after the peer's own done
+    may still find that grant's context for as long as the sender takes to release it (the peer
+    chooses when to send its done, and could have read the same bytes before): such reads are
+    counted apart (`read_after_done_bytes`), and any other context in them is a violation;
   - no process dies: the sender runs throughout (sandbox deaths are counted, not failures).
 Prints one line `FUZZ=<json>` with the counts; exits 1 on any violation.
 Every wait is bounded; nothing is timed.
@@ -117,13 +120,19 @@ class Fuzz:
         self.counts[f"token_{kind}"] += 1
         return kind, token
 
-    def seen(self, data: bytes, live: set[str], what: str) -> None:
-        """Check `data` carries no canary outside `live` (the contexts granted and not done)."""
+    def seen(self, data: bytes, live: set[str], what: str, released: frozenset[str] = frozenset()) -> None:
+        """Check `data` carries no canary outside `live` (the contexts granted and not done);
+        one in `released` (the connection's own grant the peer said done with) is counted apart."""
         self.counts[f"{what}_bytes"] += len(data)
         for m in set(CANARY.findall(data)):
-            if m.decode() not in live:
-                self.counts["violations"] += 1
-                print(f"VIOLATION {what}: context {m.decode()} outside the live grants {sorted(live)}", flush=True)
+            cid = m.decode()
+            if cid in live:
+                continue
+            if cid in released:
+                self.counts[f"{what}_after_done_bytes"] += len(data)
+                continue
+            self.counts["violations"] += 1
+            print(f"VIOLATION {what}: context {cid} outside the live grants {sorted(live)}", flush=True)
 
 
 async def frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, msg: schemas.Message | None,
@@ -199,7 +208,7 @@ async def nixl_sequence(f: Fuzz, conn: dict[str, Any]) -> None:
             data = await _read(agent, buf, max(at, 0), size, conn["peer"])
             f.counts["reads_done" if data is not None else "reads_failed"] += 1
             if data is not None:
-                f.seen(data, {granted[0]} if granted else set(), "read")
+                f.seen(data, {granted[0]} if granted else set(), "read", frozenset() if granted else frozenset({target[0]}))
         elif op == "reload" and granted is not None:
             await agent.call(agent.load, granted[3])
         elif op == "close":

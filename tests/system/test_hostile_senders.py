@@ -306,7 +306,8 @@ def test_trickling_sender_is_cut_off_at_the_reuse_timeout(trickle, services, tin
     assert all(r.stages_ms["done"] < BUDGET_S * 1e3 for r in replies)
     cut = [r for r in replies if re.search(r"pull from \S+ exceeded", r.fallback_reason or "")]
     assert cut, [r.fallback_reason for r in replies]  # pulls cut at the reuse timeout, not left to trickle
-    assert all(e["error"].startswith("UCXXCanceledError") for e in sender.events("ucx_send_failed")), sender.tail()
+    # the sends end with the receiver's connection: its sandbox is ended (or UCX cancels them)
+    assert all(e["error"].startswith(("cancelled", "UCXXCanceledError")) for e in sender.events("ucx_send_failed")), sender.tail()
     assert receiver.stop() == 0 and receiver.events("stopped"), receiver.tail()
 
 

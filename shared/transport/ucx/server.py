@@ -147,9 +147,14 @@ class UcxBulkServer:
                 await sandbox.send(SandboxServe(pull_id=pull_id, response=schemas.encode(served.response),
                                                 regions=exported.regions, fds=len(exported.fds)), exported.fds)
                 done = await sandbox.recv(SandboxServed, SEND_S + 10.0)  # the sandbox's own deadline reports first
+            except SandboxDied:
+                if sandbox.closed:  # ended by us: the receiver closed the connection mid-pull
+                    log.warning("ucx_send_failed", error="cancelled: the receiver went mid-pull; its sandbox ended")
+                raise
             finally:
                 exported.close()
             if done.error:
+                log.warning("ucx_send_failed", error=done.error, send_s=SEND_S)
                 raise BadMessageError(f"sending the pull failed: {done.error}")
             if not served.response.error:
                 slot.pulled()
