@@ -127,9 +127,7 @@ class UcxBulkServer:
         except SandboxDied as e:  # unless the receiver went (its sandbox with it), the sandbox died on its own
             if lifeline is None or not lifeline.done():
                 log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
-        except (BadMessageError, asyncio.IncompleteReadError, ConnectionError, DroidMeshError) as e:
-            log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
-        except Exception as e:  # a sandbox that failed oddly: this connection ends, never the server
+        except Exception as e:  # a bad peer, a failed or dead sandbox: this connection ends, never the server
             log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
         finally:
             if lifeline is not None:
