@@ -11,11 +11,11 @@
 #   2. with $WHEELS (a folder of carried wheels: transformers, msgspec, structlog, ...) install
 #      them offline, without dependencies, into a scratch folder put on PYTHONPATH;
 #   3. name every missing module and stop (exit 2), rather than a traceback;
-#   4. python -m droidmesh.shared.bench.gpu_check under a 290 s limit (exit 1: exactness failed).
+#   4. python -m droidmesh.shared.tools.bench.gpu_check under a 290 s limit (exit 1: exactness failed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 source infra/gpu/prepare.sh
 require "torch=the machine's CUDA build (never installed by this script)" "transformers=transformers 5.x" numpy=numpy msgspec=msgspec structlog=structlog tqdm=tqdm
 
-exec timeout 290 "$py" -m shared.bench.gpu_check "$@"
+exec timeout 290 "$py" -m shared.tools.bench.gpu_check "$@"

@@ -10,11 +10,11 @@
 #      without dependencies, into a scratch folder put on PYTHONPATH;
 #   3. name every missing module DroidMesh needs and stop (exit 2), rather than a traceback;
 #      a missing ucxx is reported by step 4, which still measures the copy reference;
-#   4. python -m droidmesh.shared.bench.gpu_transfer under a 170 s limit (exit 2: something was missing).
+#   4. python -m droidmesh.shared.tools.bench.gpu_transfer under a 170 s limit (exit 2: something was missing).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 source infra/gpu/prepare.sh
 require "torch=the machine's CUDA build (never installed by this script)" numpy=numpy xxhash=xxhash msgspec=msgspec structlog=structlog
 
-exec timeout 170 "$py" -m shared.bench.gpu_transfer "$@"
+exec timeout 170 "$py" -m shared.tools.bench.gpu_transfer "$@"

@@ -18,8 +18,8 @@ import structlog
 
 from droidmesh.services.cache_broker.budget import LogThrottle
 from droidmesh.services.cache_broker.index import CacheIndex, Refused
+from droidmesh.shared.alarms import alarm
 from droidmesh.shared.errors import BadRequestError, DroidMeshError
-from droidmesh.shared.service.metrics import alarm
 from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("broker")

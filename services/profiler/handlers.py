@@ -21,10 +21,11 @@ from droidmesh.services.profiler import checks, datafiles
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.mesh.config_board import validate
 from droidmesh.shared.mesh.maps_store import referenced
-from droidmesh.shared.model.names import ModelRef, Pair, resolve_model, weights_sha256
+from droidmesh.shared.model.names import ModelRef, Pair, weights_sha256
 from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
 from droidmesh.shared.tasks.jsonl import write_jsonl
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.zoo.manifest import resolve_model
 
 if TYPE_CHECKING:
     from droidmesh.services.profiler.state import ProfilerState

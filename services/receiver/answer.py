@@ -36,7 +36,7 @@ from droidmesh.shared.kv.blocks import reusable_prefix
 from droidmesh.shared.kv.partial import Generation, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Reason
-from droidmesh.shared.transport.pull import drive_engine
+from droidmesh.shared.service.engine import drive_engine
 from droidmesh.shared.wire import schemas
 
 if TYPE_CHECKING:

@@ -55,17 +55,8 @@ from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.model.fingerprint import require_compatible
 from droidmesh.shared.model.sampling import Sampler
-from droidmesh.shared.transport.pull import (
-    ForeignLayout,
-    Layout,
-    Watched,
-    drive_engine,
-    pull_into,
-    pull_items,
-    request_grant,
-    source_for,
-    window_starts,
-)
+from droidmesh.shared.service.engine import Watched, drive_engine
+from droidmesh.shared.transport.pull import ForeignLayout, Layout, pull_into, pull_items, request_grant, source_for, window_starts
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.hashing import common_prefix, held_context_id
 from droidmesh.shared.wire.schemas import PullItem

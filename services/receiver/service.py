@@ -116,7 +116,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
         if not cfg.adapters:
             return {cfg.model_id: await self.host_model(self._model, cfg.model_path, device=cfg.device, dtype=cfg.dtype,
                                                         name=cfg.model_id)}
-        from droidmesh.shared.model.adapters import AdapterSet  # here: peft is only for adapters
+        from droidmesh.shared.model.lora import AdapterSet  # here: peft is only for adapters
 
         self.phase = "loading_model"
         views = await self.run_torch(functools.partial(AdapterSet.load, cfg.model_path, cfg.adapter_dirs(),

@@ -20,11 +20,11 @@ from droidmesh.services.receiver.relay_watch import QualityWatch
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.holding.holder import Holder
 from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.pool import KVPool
 from droidmesh.shared.kv.screen import Screen
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.graphs import cuda_capture
-from droidmesh.shared.model.pool import KVPool
 from droidmesh.shared.service.batching import DecodeBatcher
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.service.runtime import Supervisor

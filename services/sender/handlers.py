@@ -18,8 +18,8 @@ from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.mesh import maps_store
 from droidmesh.shared.model import text
 from droidmesh.shared.model.sampling import make_sampler
+from droidmesh.shared.service.engine import drive_engine
 from droidmesh.shared.transport import codecs
-from droidmesh.shared.transport.pull import drive_engine
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.hashing import context_id
 

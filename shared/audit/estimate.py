@@ -1,7 +1,7 @@
 """The relay audit's estimate: what relaying did to TTFT (and more), measured against the
 randomized holdout, overall and per stratum.
 
-Called by `shared/cli/audit.py` (`run_audit`); its result feeds `relay.policy_proposal` and
+Called by `shared/tools/cli/audit.py` (`run_audit`); its result feeds `relay.policy_proposal` and
 `render`. Blocks on the CPU for the bootstrap (`n_boot` resamples per interval, ~4M indices at
 once at most). It trusts the requests `logs.read_logs` kept; the arms' randomization is the
 receivers' (`holdout_share`), taken as given.

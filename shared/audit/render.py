@@ -1,6 +1,6 @@
 """The relay audit's outputs for people: the table and summary lines on stdout, and the plot.
 
-Called by `shared/cli/audit.py` with an `estimate.audit` result, which it trusts to have every
+Called by `shared/tools/cli/audit.py` with an `estimate.audit` result, which it trusts to have every
 field `audit` writes. `plot_png` blocks on matplotlib (imported there, Agg backend) and writes
 one PNG, creating its folder.
 """
@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from droidmesh.shared import report
 from droidmesh.shared.audit.estimate import CI_LEVEL
 from droidmesh.shared.audit.relay import relay_decision
 
@@ -20,7 +21,7 @@ COLUMNS = ("stratum", "requests", "treatment", "control", "ate_ttft_s", "ci_low"
 
 
 def format_report(result: dict[str, Any]) -> str:
-    from droidmesh.shared.bench.output import format_table
+    from droidmesh.shared.report import format_table
 
     o = result["overall"]
     lines = [format_table([o, *result["strata"]], COLUMNS), ""]
@@ -44,12 +45,9 @@ def format_report(result: dict[str, Any]) -> str:
 def plot_png(result: dict[str, Any], path: str | Path) -> None:
     """Per stratum ATE on TTFT with its CI, horizontal bars (first stratum on top), blind relay's as
     a marker under each; no-data strata labelled."""
-    import matplotlib
+    plt = report.pyplot()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from droidmesh.shared.bench.output import label_bars
+    from droidmesh.shared.report import label_bars
 
     rows = [result["overall"], *result["strata"]]
     y = np.arange(len(rows))[::-1]

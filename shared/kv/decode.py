@@ -11,7 +11,7 @@ sizes) is what a step of one sequence spends its time on. Each request keeps its
 A request whose step fails in its own code (its sampler, its `on_token`) finishes with that error
 (`Decoding.error`) and the others go on; a failure of the forward itself fails that step's rows.
 With one row, or a model that cannot batch (`ModelAdapter.batches`), a step is exactly the solo
-path: `run_layers` over the one token. With a decode pool (`shared/model/pool.py`) the rows that
+path: `run_layers` over the one token. With a decode pool (`shared/kv/pool.py`) the rows that
 fit decode in its slots instead: the step's shapes fixed per bucket, replayable as a CUDA graph.
 
 Pure numeric core: blocking torch calls on the caller's (the compute) thread, no I/O.
@@ -30,8 +30,8 @@ from droidmesh.shared.model.sampling import Sampler
 from droidmesh.shared.wire.schemas import FinishReason
 
 if TYPE_CHECKING:
+    from droidmesh.shared.kv.pool import KVPool
     from droidmesh.shared.model.adapter import ModelAdapter
-    from droidmesh.shared.model.pool import KVPool
 
 
 Alternative = tuple[int, float]  # (token id, log-probability)
@@ -89,7 +89,7 @@ class Decoding:
 def step(model: ModelAdapter, rows: Sequence[Decoding], pool: KVPool | None = None) -> float:
     """One decode step of every unfinished row in `rows`, as one forward. A row past its deadline
     leaves first (finish "length"). Afterwards each row has one more token or has finished.
-    With a decode `pool` (`shared/model/pool.py`, the same model's), rows that fit step in its
+    With a decode `pool` (`shared/kv/pool.py`, the same model's), rows that fit step in its
     slots and the rest beside them; a finished row leaves its slot. Returns the step's seconds
     (0 when no row was left to step)."""
     now = time.monotonic()

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 
 import structlog
 
+from droidmesh.shared.alarms import alarm
 from droidmesh.shared.errors import BadRequestError, DroidMeshError
-from droidmesh.shared.service.metrics import alarm
 from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("configs")

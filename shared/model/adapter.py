@@ -62,7 +62,7 @@ class ModelAdapter:
     tokenizer: Any | None
     name: str
     # Called first by every engine-facing call: makes this view's adapter the active one where
-    # several views share one model's modules (`shared/model/adapters.py`). None: the model is
+    # several views share one model's modules (`shared/model/lora.py`). None: the model is
     # this adapter's alone, nothing to select. A direct `model(...)` call bypasses it.
     select: Callable[[], None] | None = dataclasses.field(default=None, repr=False, compare=False)
     # Short passes (batch 1, few tokens) replayed from captured layer pieces (`graphs.LayerGraphs`,
@@ -196,7 +196,7 @@ class ModelAdapter:
         return h
 
     def decode_slots(self, ids: torch.Tensor, positions: torch.Tensor, slots: hf_cache.SlotsStep) -> torch.Tensor:
-        """One decode step over a decode pool's first B slots (`shared/model/pool.py`): row b feeds
+        """One decode step over a decode pool's first B slots (`shared/kv/pool.py`): row b feeds
         `ids[b]` at position `positions[b]` (both [B] on the model's device) over slot b, whose
         tokens 0..positions[b]-1 are its cache, and writes that token's K/V at positions[b].
         Returns logits [B, vocab] (float32). Sizes follow from B and `slots.keys` alone and no

@@ -5,7 +5,7 @@ of microseconds each, so a 32-token suffix through 32 layers over a cached 64K-t
 ~60 ms issuing ~1,700 launches against ~29 ms of kernels. A CUDA graph replays a captured
 sequence of kernels with one launch. Two users:
 
-  - the decode pool's step (`shared/model/pool.py`): one graph per (batch, keys) bucket;
+  - the decode pool's step (`shared/kv/pool.py`): one graph per (batch, keys) bucket;
   - `LayerGraphs`, a pass of T <= 128 new tokens (a suffix over a reused prefix, a decode step of
     one request, a short prompt): each layer runs as its pieces (`shared/model/pieces.py`), the
     part before the attention and the part after it replayed from one graph each per token

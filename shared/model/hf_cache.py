@@ -171,7 +171,7 @@ class RaggedCache:
 
 
 class SlotsStep:
-    """The decode pool's slots (`shared/model/pool.py`), seen by the decoder layers as the cache
+    """The decode pool's slots (`shared/kv/pool.py`), seen by the decoder layers as the cache
     of one batch [B, 1, D] during one step: row b is slot b; `update` writes its new token's K/V
     at `positions[b]` of slot b (one indexed write per layer, no per-row call) and hands the
     attention the first B slots' first `keys` tokens, [B, kv_heads, keys, head_dim] views, which

@@ -62,29 +62,6 @@ def is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
 
 
-def tier_models(root: Path, manifest: dict) -> dict[str, ModelRef]:
-    """Every model of a built zoo tier (its directory and manifest), by name."""
-    return {name: ModelRef(root / m["path"], name, manifest["tier"], m["sha256"]) for name, m in manifest["models"].items()}
-
-
-def resolve_model(arg: str, name: str | None = None) -> ModelRef:
-    """A local checkpoint path or a zoo model name -> ModelRef; `name` overrides the model id.
-    Raises CheckpointNotFoundError (commands turn it into a one-line usage error)."""
-    from droidmesh.shared.zoo.manifest import find_tiers
-
-    p = Path(arg).expanduser()
-    if is_checkpoint(p):
-        return ModelRef(p, name or p.resolve().name)
-    tier_hint, _, short = arg.rpartition("/")
-    for tier, d, man in find_tiers():
-        if tier_hint in ("", tier) and short in man["models"]:
-            m = man["models"][short]
-            return ModelRef(d / m["path"], name or short, tier, m.get("sha256"))
-    raise CheckpointNotFoundError(
-        f"{arg!r} is neither a local checkpoint (a directory with config.json) nor a built zoo model; "
-        f"see `droidmesh zoo list`, or run `droidmesh zoo build --tier demo`")
-
-
 @functools.lru_cache(maxsize=16)
 def weights_sha256(path: Path) -> str:
     """sha256 over a checkpoint's weight files, in name order (one file: that file's sha256)."""

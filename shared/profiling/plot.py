@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from droidmesh.shared.bench.output import label_bars, label_points
+from droidmesh.shared import report
 from droidmesh.shared.model.names import Pair
+from droidmesh.shared.report import label_bars, label_points
 
 
 def frontier_png(result: dict[str, Any], path: str, all_points: list[dict[str, Any]] | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     robust = result.get("robustness") or []
     if len(robust) > 1:
@@ -71,10 +69,7 @@ def _robustness_bars(ax, rows: list[dict[str, Any]], chosen: dict[str, Any]) -> 
 def transfer_png(result: dict[str, Any], path: str, gbit_s: float = 0.25) -> None:
     """The transfer search: train quality vs predicted TTFT at `gbit_s` and the longest predicted
     context, one point per config (filled: meets the quality rule)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
 
     t = result["transfer"]
     tokens = str(max(t["tokens"]))

@@ -224,7 +224,7 @@ def load_rows(task: str, split: str, n: int, data: str | None = None, shape: Any
     """The first `n` rows (all when `n` is 0) of a user JSONL file (`data`; with `split_data`,
     its `split` half, see `split_rows`), or of the zoo's generated `task` split."""
     from droidmesh.shared.tasks.jsonl import read_jsonl
-    from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
     if data:
         rows = read_jsonl(data)

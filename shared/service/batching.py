@@ -16,7 +16,7 @@ prefill; a prefill waits at most one step per layer.
 The batch is at most `max_batch` requests (the rest wait in arrival order); memory is bounded
 before this: each request's cache was sized for its prompt and answer when its prefill began,
 and the receiver holds at most `max_queued_requests` requests. With a decode pool the batch
-decodes in its slots (`shared/model/pool.py`; fixed memory, allocated once; on a GPU each
+decodes in its slots (`shared/kv/pool.py`; fixed memory, allocated once; on a GPU each
 step a replayed CUDA graph); a request that does not fit a slot decodes beside it. A request's own fault (its
 sampler, its stream) ends only it (`Decoding.error`); a caller that is cancelled leaves at the
 next step; a failing step fails only the requests in it.
@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
+from droidmesh.shared.service.engine import RunTorch
 
 if TYPE_CHECKING:
     from droidmesh.shared.kv.decode import Decoding
 
 log = structlog.get_logger("batching")
 
-RunTorch = Callable[..., Awaitable[Any]]
 DEFAULT_MAX_BATCH = 16  # the receiver's `max_batch` default; a sender's own answers batch up to it
 
 
@@ -46,7 +47,7 @@ class DecodeBatcher:
     def __init__(self, model: Any, run_torch: RunTorch, max_batch: int,
                  on_step: Callable[[int], None] | None = None, pool: Any = None):
         """`on_step(rows)` after every step (metrics), on the loop. `pool`: a decode pool of the
-        model's (`shared/model/pool.KVPool`, `max_batch` slots) its steps run in; None: ragged."""
+        model's (`shared/kv/pool.KVPool`, `max_batch` slots) its steps run in; None: ragged."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self._torch, self.max_batch, self._on_step = model, run_torch, max_batch, on_step

@@ -21,24 +21,8 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from droidmesh.shared.alarms import alarms
 from droidmesh.shared.transport import slots
-
-# Control-plane alarms: a message refused for what it says (forged sender, over a cap, another
-# schema version, a hostile config). Process-wide so code without a `Metrics` at hand (the config
-# board, message decoding) can raise one; every service's registry exports them.
-_ALARMS: dict[tuple[str, str], int] = {}
-_ALARMS_LOCK = threading.Lock()
-
-
-def alarm(kind: str, reason: str) -> None:
-    """Count one refused control message of `kind` (message type or subject) for `reason`."""
-    with _ALARMS_LOCK:
-        _ALARMS[(kind, reason)] = _ALARMS.get((kind, reason), 0) + 1
-
-
-def alarms() -> dict[tuple[str, str], int]:
-    with _ALARMS_LOCK:
-        return dict(_ALARMS)
 
 
 class _AlarmCollector:

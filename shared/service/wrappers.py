@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import structlog
 
+from droidmesh.shared.alarms import alarm
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.mesh.bus import EventHandler, RequestHandler
-from droidmesh.shared.service.metrics import alarm
 from droidmesh.shared.wire import schemas
 
 log = structlog.get_logger("service")

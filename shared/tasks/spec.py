@@ -7,7 +7,7 @@ Tasks the zoo generates (name -> metric):
                             first comment-free line (LongBench)
   fact_lookup     f1        `ask <key>` -> the key's value in the context: what every pretrained
                             zoo model does (the family tier's translated pairs are scored on it)
-Tasks of the real tier (real text, `shared.zoo.realtext`):
+Tasks of the real tier (real text, `shared.tasks.realtext`):
   doc_qa          f1        which function a quoted docstring sentence documents; one line
   doc_summary     rouge_l   a manual page's NAME description (what `whatis` prints); one line
 A shift "<task>/<shift>" is the same task on data of another shape (`SHIFTS`: the fields of the
@@ -58,7 +58,7 @@ SHIFTS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "summarization": {"short": _SHORT, "long": _LONG},
     "code_completion": {"short": {"code_tokens": 300}, "long": {"code_tokens": 2000},
-                        "real": {}},  # the real tier's rows (`shared.zoo.realtext`), contexts sized in characters
+                        "real": {}},  # the real tier's rows (`shared.tasks.realtext`), contexts sized in characters
 }
 
 

@@ -11,18 +11,15 @@ items in the same order into the same buffers:
      landed item is handed to the source, which wakes the engine waiting for that layer. m is
      the reusable prefix of the receiver's own prompt (`source_for(holder, prompt)`), so a
      31-token match pulls 31 tokens, not the holder's whole context;
-  3. `drive_engine(...)`, concurrently: the engine's steps run on the torch thread, and where a
-     step needs a layer that has not landed the wait happens here, on the event loop, so the
-     compute thread serves other work meanwhile.
+  3. concurrently, the engine's steps run on the torch thread (`shared/service/engine.py`
+     `drive_engine`), waiting on the event loop for a layer that has not landed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -30,18 +27,13 @@ import torch
 from droidmesh.shared.errors import BadMessageError, CacheLayoutError, DroidMeshError, ReuseError, TransferError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.kv.blocks import reusable_prefix
-from droidmesh.shared.kv.decode import Decoding
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.kv.sources import ArrivingSource, Need, Steps, run_until
+from droidmesh.shared.kv.sources import ArrivingSource
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.model.fingerprint import ArchFingerprint
 from droidmesh.shared.transport.bulk import BulkClient
 from droidmesh.shared.wire import schemas, subjects
 from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, PullItem, PullRequest
-
-T = TypeVar("T")
-RunTorch = Callable[..., Awaitable[Any]]  # runs a blocking callable on the torch thread
-Decode = Callable[[Decoding], Awaitable[None]]  # decodes a request to its end (a batcher's `decode`)
 
 
 class Layout(Protocol):
@@ -70,13 +62,6 @@ class ForeignLayout:
 
     def kv_shape(self, tokens: int) -> tuple[int, ...]:
         return (1, self.fingerprint.num_kv_heads, tokens, self.fingerprint.head_dim)
-
-
-class Watched(Protocol):
-    """A source the driver can ask and be woken by (`ArrivingSource`, `TranslatedSource`)."""
-
-    def has(self, need: Need) -> bool: ...
-    def watch(self, fn: Callable[[], None]) -> None: ...
 
 
 def pull_items(plan: ReusePlan, num_layers: int, starts: Mapping[int, int] | None = None) -> list[PullItem]:
@@ -202,73 +187,3 @@ async def pull_into(bulk: BulkClient, holder: CacheAvailable, items: list[PullIt
         # malformed bytes from the holder are the holder's fault, not the request's: the caller
         # falls back to its own prefill instead of refusing the client
         raise TransferError(f"sender {holder.sender_id} sent a malformed reply: {e}") from None
-
-
-async def drive_engine(steps: Steps[T], source: Watched | None, run_torch: RunTorch, stamps: dict[str, float],
-                       busy: list[float] | None = None, decode: Decode | None = None,
-                       turn: Callable[[], Awaitable[None]] | None = None) -> T:
-    """Run the engine's steps on the torch thread (`run_torch`), waiting for each `Need` here, on
-    the loop; `stamps["engine_start"]` is when the first step began on that thread, and `busy`
-    gets the seconds each run of steps held it (not the waits for layers in between).
-
-    At a "turn" the thread goes back to whatever queued meanwhile (other requests' decode steps),
-    and with `turn` the steps wait for it (a batcher's next step) before going on. With `decode`,
-    the request's decodings are handed to it (a batcher that decodes them with other requests)
-    and the steps resume once they ended; without, the steps decode them in their last run.
-    `source` None: steps that read nothing (a full prefill)."""
-    loop = asyncio.get_running_loop()
-    landed = asyncio.Event()
-
-    def on_landed() -> None:  # from the producer's thread
-        loop.call_soon_threadsafe(landed.set)
-
-    def ready(need: Need) -> bool:  # on the torch thread: go on without a trip to the loop
-        if need.kind == "decode":
-            return decode is None
-        return need.kind != "turn" and (source is None or source.has(need))
-
-    if source is not None:
-        source.watch(on_landed)
-    after_decode: Any = None  # (finished, value) of the steps run on the loop after a decode
-    while True:
-        finished, value = after_decode if after_decode is not None else await run_torch(_advance, steps, ready,
-                                                                                         stamps, busy)
-        after_decode = None
-        if finished:
-            return value  # the final step's value is the steps' result
-        need: Need = value
-        if need.kind == "decode" and decode is not None:
-            await asyncio.gather(*(decode(d) for d in need.decodings))
-            # What is left only assembles the answer (no torch work): here, not queued behind a
-            # job that a deadline passed during decoding would drop.
-            after_decode = _advance(steps, ready, stamps, busy)
-            continue
-        if need.kind == "turn" and turn is not None:
-            await turn()
-        if need.kind == "turn" or source is None:
-            continue
-        while not source.has(need):
-            left = need.deadline - time.monotonic()
-            if left <= 0:
-                break  # the engine's read raises MissingLayerError
-            landed.clear()
-            if source.has(need):
-                break
-            try:
-                await asyncio.wait_for(landed.wait(), left)
-            except TimeoutError:
-                break
-
-
-def _advance(steps: Steps[T], ready: Callable[[Need], bool], stamps: dict[str, float], busy: list[float] | None
-             ) -> tuple[bool, object]:
-    """On the torch thread: run steps until one needs what is not `ready` (a layer that has not
-    landed, a turn, a decoding to hand over), (False, Need), or to the end, (True, result).
-    Landed layers cost no round trip to the loop."""
-    began = time.perf_counter()
-    stamps.setdefault("engine_start", began)  # in the worker: queueing is not compute
-    try:
-        return run_until(steps, ready)
-    finally:
-        if busy is not None:
-            busy.append(time.perf_counter() - began)

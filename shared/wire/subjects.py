@@ -55,7 +55,7 @@ def model_token(model_id: str) -> str:
 
 
 def agent_work(agent: str) -> str:
-    """Where `droidmesh agents` hands an agent its work (shared/apps/agents.py)."""
+    """Where `droidmesh agents` hands an agent its work (shared/tools/apps/agents.py)."""
     return f"{PREFIX}.agents.{model_token(agent)}"
 
 

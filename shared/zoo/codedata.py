@@ -6,7 +6,7 @@ import random
 from functools import lru_cache
 from pathlib import Path
 
-from droidmesh.shared.zoo.suite import stdlib_files
+from droidmesh.shared.tasks.suite import stdlib_files
 from droidmesh.shared.zoo.tokenizer import WordIds
 
 

@@ -160,7 +160,7 @@ def build_translators(out: Path, say: Callable[[str], None]) -> list[dict[str, A
     saved as translators/<pair>.safetensors; the manifest's entries name each file and its sha256."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.profiling.translate_fit import fit
-    from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
     contexts = [r["context"] for r in make_rows(TASK, "train", CALIBRATION, SuiteShape())]
     entries = []

@@ -1,5 +1,5 @@
 """Where built tiers live and what their manifests say: `droidmesh zoo list`, and the tier
-directories `shared.model.names.resolve_model` searches.
+directories `shared.zoo.manifest.resolve_model` searches.
 
 Tier directories are searched in order: $DROIDMESH_ZOO_DIR/<tier> (or the user cache dir),
 then the repository's committed `zoo/<tier>`; tiers in the order demo, ci, family, real,
@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from droidmesh.shared import ZOO_DIR
-from droidmesh.shared.model.names import Pair
+from droidmesh.shared.errors import CheckpointNotFoundError
+from droidmesh.shared.model.names import ModelRef, Pair, is_checkpoint
 
 MANIFEST = "manifest.json"
 REPO_ZOO = ZOO_DIR  # the demo tier ships in the package (in a checkout: the repository's zoo/)
@@ -92,3 +93,24 @@ def listing() -> dict[str, Any]:
                           "id": Pair(source.rpartition("/")[2], target.rpartition("/")[2]).id,
                           "translator": p.get("translator"), "translator_sha256": p.get("translator_sha256")})
     return {"models": models, "pairs": pairs}
+
+
+def tier_models(root: Path, manifest: dict) -> dict[str, ModelRef]:
+    """Every model of a built zoo tier (its directory and manifest), by name."""
+    return {name: ModelRef(root / m["path"], name, manifest["tier"], m["sha256"]) for name, m in manifest["models"].items()}
+
+
+def resolve_model(arg: str, name: str | None = None) -> ModelRef:
+    """A local checkpoint path or a zoo model name -> ModelRef; `name` overrides the model id.
+    Raises CheckpointNotFoundError (commands turn it into a one-line usage error)."""
+    p = Path(arg).expanduser()
+    if is_checkpoint(p):
+        return ModelRef(p, name or p.resolve().name)
+    tier_hint, _, short = arg.rpartition("/")
+    for tier, d, man in find_tiers():
+        if tier_hint in ("", tier) and short in man["models"]:
+            m = man["models"][short]
+            return ModelRef(d / m["path"], name or short, tier, m.get("sha256"))
+    raise CheckpointNotFoundError(
+        f"{arg!r} is neither a local checkpoint (a directory with config.json) nor a built zoo model; "
+        f"see `droidmesh zoo list`, or run `droidmesh zoo build --tier demo`")

@@ -6,7 +6,7 @@ Layout of the tier directory (default $DROIDMESH_ZOO_DIR/real or ~/.cache/droidm
     <fine-tune>/    a peft LoRA adapter whose base is ../base
 The adapters and the manifest are committed in the repository's zoo/real, so a build on a fresh
 clone only fetches the base and copies them; `--force` trains them again (an hour or so on two
-cores). Training rows come from the train split of `shared.zoo.realtext` (split by source file),
+cores). Training rows come from the train split of `shared.tasks.realtext` (split by source file),
 so no test context was ever trained on.
 """
 
@@ -28,7 +28,7 @@ from tqdm import tqdm
 from droidmesh.shared.model.names import Pair, sha256_file
 from droidmesh.shared.zoo.manifest import MANIFEST, REPO_ZOO, read_manifest, zoo_dir
 from droidmesh.shared.zoo.realbase import FACTS, write_base
-from droidmesh.shared.zoo.realtext import SOURCES, make_real_rows
+from droidmesh.shared.tasks.realtext import SOURCES, make_real_rows
 
 TIER = "real"
 

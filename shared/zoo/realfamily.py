@@ -159,7 +159,7 @@ def _profile(out: Path, pair: Pair, shas: tuple[str, str], tr_path: Path, say: C
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.profiling.translate_fit import profile_translated
     from droidmesh.shared.tasks.spec import task_spec
-    from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
     say(f"fitting and scoring translator {pair.id} ({N_TRAIN} train contexts, {N_TEST} test rows of {pair.task}; "
         "about 15 minutes on one CPU thread)")

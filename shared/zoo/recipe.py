@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from droidmesh.shared.model.names import Pair
-from droidmesh.shared.zoo.suite import SuiteShape
+from droidmesh.shared.tasks.suite import SuiteShape
 from droidmesh.shared.zoo.train import Arch, Stage
 
 # RECIPE_VERSION covers everything; BASE_VERSION only the code paths the base ops run (its

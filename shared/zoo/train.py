@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from droidmesh.shared.zoo import vocab as V
-from droidmesh.shared.zoo.tasks import (
+from droidmesh.shared.tasks import vocab as V
+from droidmesh.shared.tasks.synthetic import (
     context_seq,
     echo_seq,
     lookup_block,

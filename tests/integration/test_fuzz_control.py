@@ -19,9 +19,10 @@ from droidmesh.services.cache_broker.index import CacheIndex, Limits
 from droidmesh.services.cache_broker.service import BrokerService
 from droidmesh.services.receiver import handlers as receiver
 from droidmesh.services.sender import handlers as sender
+from droidmesh.shared.alarms import alarms
 from droidmesh.shared.mesh.bus import InProcessBus
 from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
-from droidmesh.shared.service.metrics import Metrics, alarms
+from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas, subjects
 from tests.unit.test_runtime import until
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from droidmesh.shared.bench import gpu_transfer
+from droidmesh.shared.tools.bench import gpu_transfer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
 """CUDA tensors over the bulk channels (skipped without CUDA): the raw codec's device handling,
 the device checksum on the GPU, and pulls between two processes on one GPU through UCX, device to
 device when UCX has its CUDA transports and staged through pinned host memory when it lacks them.
-The two-process pulls run `shared.bench.gpu_transfer` in a child, so that each runs with its own
+The two-process pulls run `shared.tools.bench.gpu_transfer` in a child, so that each runs with its own
 `UCX_TLS` (UCX is configured once per process); each pull there passes its checksum."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_inproc_channel_stages_cuda_tensors_through_host_memory():
 
 def _transfer(tmp_path: Path, tls: str) -> dict:
     out = tmp_path / f"{tls}.json"
-    proc = subprocess.run([sys.executable, "-m", "droidmesh.shared.bench.gpu_transfer", "--sizes", "4096,8388608", "--repeats", "1",
+    proc = subprocess.run([sys.executable, "-m", "droidmesh.shared.tools.bench.gpu_transfer", "--sizes", "4096,8388608", "--repeats", "1",
                            "--json", str(out)], cwd=ROOT, env={**os.environ, "UCX_TLS": tls},
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode in (0, 2), proc.stdout + proc.stderr

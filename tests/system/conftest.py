@@ -15,7 +15,7 @@ import pytest
 
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
 from droidmesh.shared.service.launch import Proc, start_nats, start_service
-from droidmesh.shared.zoo import vocab
+from droidmesh.shared.tasks import vocab
 
 
 def words(n: int, offset: int = 0) -> str:

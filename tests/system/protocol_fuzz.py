@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, GRANT_PREFIX
+from droidmesh.shared.tools.bench.tensor_server import ADDRESS_PREFIX, GRANT_PREFIX
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
 from tests.system.attackers import CANARY, forged
@@ -51,7 +51,7 @@ class Sender:
     """The sender process, its grants on request, and whether it still runs."""
 
     def __init__(self, channel: str, env: dict[str, str]):
-        argv = [sys.executable, "-m", "droidmesh.shared.bench.tensor_server", channel, f"{A},{B}",
+        argv = [sys.executable, "-m", "droidmesh.shared.tools.bench.tensor_server", channel, f"{A},{B}",
                 "--fill", "canary", "--grant-requests"]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)

@@ -1,6 +1,6 @@
 """One sender login flooding the cache broker with events each within every cap: a real nats-server
 with per-role users and a real broker process; the honest sender, the flooding sender and the
-receiver's lookups are plain NATS clients under their own logins (`shared/bench/broker_flood.py`).
+receiver's lookups are plain NATS clients under their own logins (`shared/tools/bench/broker_flood.py`).
 The flood is bounded in events and seconds; what is asserted is where the broker ends up, not how
 fast it got there."""
 
@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from droidmesh.shared.bench.broker_flood import FLOOD, HONEST, Flood, run_against, secured_nats, start_broker
+from droidmesh.shared.tools.bench.broker_flood import FLOOD, HONEST, Flood, run_against, secured_nats, start_broker
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
 

@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from droidmesh.shared.audit import estimate, logs, relay
-from droidmesh.shared.cli.main import main
 from droidmesh.shared.service.launch import Proc, start_nats
+from droidmesh.shared.tools.cli.main import main
 from tests.system.conftest import start_together, stop_together, words
 
 pytestmark = pytest.mark.system

@@ -17,11 +17,11 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.cli.main import main
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.service.launch import Proc, start_nats
+from droidmesh.shared.tools.cli.main import main
 from droidmesh.shared.wire.hashing import PUBLIC, tenant_scope
 from tests.system.conftest import start_together, stop_together, words
 

@@ -20,8 +20,8 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
+from droidmesh.shared.tasks.realtext import make_real_rows
 from droidmesh.shared.zoo import realbase
-from droidmesh.shared.zoo.realtext import make_real_rows
 from tests.conftest import ATOL
 
 pytestmark = pytest.mark.system

@@ -1,6 +1,6 @@
 """Hostile peers against real bulk-channel processes, in both directions.
 
-Sender side: a real bulk server process per channel (`python -m droidmesh.shared.bench.tensor_server`,
+Sender side: a real bulk server process per channel (`python -m droidmesh.shared.tools.bench.tensor_server`,
 the channel's own server class) gets malformed connection setups from 127.0.0.1: random bytes,
 wrong magic, oversized and zero length prefixes, truncated hellos, a UCX worker address whose
 version UCX asserts on, valid prefixes then garbage, flipped bytes, stalled connections, frames
@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX
 from droidmesh.shared.service.launch import Proc
+from droidmesh.shared.tools.bench.tensor_server import ADDRESS_PREFIX
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import NixlGrant, NixlRegion, PullItem, PullRequest, PullResponse, TensorHeader, UcxWelcome
@@ -56,7 +56,7 @@ def own_address() -> bytes:
 
 
 def _server(transport: str, services: list[Proc]) -> tuple[Proc, str]:
-    argv = [sys.executable, "-m", "droidmesh.shared.bench.tensor_server", transport, str(SIZE)]
+    argv = [sys.executable, "-m", "droidmesh.shared.tools.bench.tensor_server", transport, str(SIZE)]
     proc = Proc(f"bulk-{transport}", argv, env=ENV)
     services.append(proc)
     line = proc.wait_for(lambda l: l.startswith((ADDRESS_PREFIX, "BULK_ERROR=")), 120, "its address")

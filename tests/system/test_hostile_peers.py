@@ -1,7 +1,7 @@
 """Peers that speak valid NIXL and UCX against a real sender process: what they can read, and what
 they can kill.
 
-A sender (`python -m droidmesh.shared.bench.tensor_server`, the channel's own server class) holds
+A sender (`python -m droidmesh.shared.tools.bench.tensor_server`, the channel's own server class) holds
 two contexts, "38528" (A) and "40000" (B), each filled with its own canary, and needs a grant per
 pull (`--grants`). An attacker process (`tests/system/attackers.py`, its own NIXL agent) then:
   nixl  without a grant: gets no agent metadata and nothing to connect to;
@@ -29,8 +29,8 @@ import sys
 import pytest
 import torch
 
-from droidmesh.shared.bench.tensor_server import ADDRESS_PREFIX, GRANT_PREFIX, canary
 from droidmesh.shared.service.launch import Proc
+from droidmesh.shared.tools.bench.tensor_server import ADDRESS_PREFIX, GRANT_PREFIX, canary
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
@@ -47,7 +47,7 @@ TLS = {"default": {}, "tcp": {"UCX_TLS": "tcp"}}
 class Sender:
     def __init__(self, channel: str, tls: str, services: list[Proc]):
         self.env = {**ENV, **TLS[tls]}
-        argv = [sys.executable, "-m", "droidmesh.shared.bench.tensor_server", channel, f"{A},{B}",
+        argv = [sys.executable, "-m", "droidmesh.shared.tools.bench.tensor_server", channel, f"{A},{B}",
                 "--grants", str(3 * RUNS + 2), "--fill", "canary"]
         self.proc = Proc(f"sender-{channel}-{tls}", argv, env=self.env)
         services.append(self.proc)

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from droidmesh.shared.bench import netns
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.launch import Proc, free_port, start_nats
+from droidmesh.shared.tools.bench import netns
 from droidmesh.shared.wire import schemas
 from tests.system.conftest import start_together, until_indexed, words
 

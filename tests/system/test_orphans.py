@@ -1,6 +1,6 @@
 """Nothing a launcher started outlives it: a Python parent that starts nats-server and a service
 through `shared.service.launch` (and a benchmark's network namespaces through
-`shared.bench.netns`) is SIGKILLed, and every child and namespace it made goes away with it."""
+`shared.tools.bench.netns`) is SIGKILLed, and every child and namespace it made goes away with it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import psutil
 import pytest
 
-from droidmesh.shared.bench import netns
+from droidmesh.shared.tools.bench import netns
 
 pytestmark = pytest.mark.system
 
@@ -43,7 +43,7 @@ PARENT = textwrap.dedent("""
 # A benchmark's link with nats-server inside its sender namespace; prints the server's pid.
 NETNS_PARENT = textwrap.dedent("""
     import json, sys
-    from droidmesh.shared.bench import netns
+    from droidmesh.shared.tools.bench import netns
     from droidmesh.shared.service.launch import start_nats
     with netns.link() as (snd, rcv):
         nats, url = start_nats(host=netns.SND_IP, wrap=snd)

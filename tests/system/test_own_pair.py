@@ -29,17 +29,17 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from droidmesh.shared import ZOO_DIR
-from droidmesh.shared.cli.main import main as droidmesh_main
 from droidmesh.shared.kv.policy import eligible, option_label, plan_of
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.service.launch import Proc, start_service
+from droidmesh.shared.tasks import vocab
 from droidmesh.shared.tasks.jsonl import write_jsonl
 from droidmesh.shared.tasks.scorer import PairScorer
 from droidmesh.shared.tasks.spec import task_spec
+from droidmesh.shared.tools.cli.main import main as droidmesh_main
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.zoo import vocab
 from tests.system.conftest import until_indexed
 
 pytestmark = [pytest.mark.system,
@@ -114,7 +114,7 @@ def _data(dirs: dict[str, Path], receiver: str, path: Path) -> Path:
 
 def droidmesh(*args: object, cwd: Path) -> str:
     """Run the `droidmesh` CLI as a user would; a failure shows its (one-line) error."""
-    res = subprocess.run([sys.executable, "-m", "droidmesh.shared.cli.main", *map(str, args)], cwd=cwd,
+    res = subprocess.run([sys.executable, "-m", "droidmesh.shared.tools.cli.main", *map(str, args)], cwd=cwd,
                          capture_output=True, text=True, env={**os.environ, **THREADS}, timeout=300)
     assert res.returncode == 0, f"droidmesh {' '.join(map(str, args[:2]))} failed ({res.returncode}): {res.stderr[-2000:]}"
     return res.stdout

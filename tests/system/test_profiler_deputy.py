@@ -23,8 +23,8 @@ from droidmesh.shared.mesh.nats_auth import Roster, password_env, receiver_user,
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.service.launch import start_nats, start_service
 from droidmesh.shared.tasks.jsonl import write_jsonl
+from droidmesh.shared.tasks.suite import make_rows
 from droidmesh.shared.wire import schemas, subjects
-from droidmesh.shared.zoo.suite import make_rows
 from droidmesh.shared.zoo.tiers import get_recipe
 
 pytestmark = [pytest.mark.system, pytest.mark.security]

@@ -31,7 +31,7 @@ from droidmesh.shared.mesh.maps_store import NatsMapsStore
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
 from droidmesh.shared.profiling import translate_fit
-from droidmesh.shared.zoo.realtext import make_real_rows
+from droidmesh.shared.tasks.realtext import make_real_rows
 from tests.system.conftest import start_together, until_indexed
 
 pytestmark = [pytest.mark.system,

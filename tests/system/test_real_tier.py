@@ -19,7 +19,7 @@ from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.service.launch import start_service
-from droidmesh.shared.zoo.realtext import make_real_rows
+from droidmesh.shared.tasks.realtext import make_real_rows
 from tests.system.conftest import until_indexed
 
 pytestmark = [pytest.mark.system,

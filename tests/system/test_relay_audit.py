@@ -16,8 +16,8 @@ from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.config_board import NatsConfigBoard
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.service.launch import start_service
+from droidmesh.shared.tasks.suite import make_rows
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.zoo.suite import make_rows
 from droidmesh.shared.zoo.tiers import get_recipe
 from tests.system.conftest import until_indexed
 

@@ -76,7 +76,7 @@ def test_the_launch_helper_admits_only_the_rosters_users(tmp_path: Path):
 def _droidmesh() -> list[str]:
     """This environment's `droidmesh` command."""
     script = Path(sys.executable).parent / "droidmesh"
-    return [str(script)] if script.exists() else [sys.executable, "-c", "from droidmesh.shared.cli.main import main; main()"]
+    return [str(script)] if script.exists() else [sys.executable, "-c", "from droidmesh.shared.tools.cli.main import main; main()"]
 
 
 def test_the_demo_runs_under_auth_and_refuses_anonymous_connections(tmp_path: Path):

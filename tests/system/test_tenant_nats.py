@@ -11,10 +11,10 @@ import nats
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.cli.main import main
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import Roster, password_env, receiver_user, sender_user, tenant_user
 from droidmesh.shared.service.launch import start_nats, start_service
+from droidmesh.shared.tools.cli.main import main
 from droidmesh.shared.wire import schemas, subjects
 from droidmesh.shared.wire.hashing import tenant_scope
 from tests.system.conftest import until_indexed, words

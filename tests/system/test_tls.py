@@ -154,7 +154,7 @@ def test_the_deployment_tls_conf_and_generated_secrets_work_as_shipped(deployed_
 
     context = tmp_path / "context.txt"
     context.write_text("a small context")
-    ask = [sys.executable, "-m", "droidmesh.shared.cli.main", "ask", "--nats", url, "--user", "client", "--password",
+    ask = [sys.executable, "-m", "droidmesh.shared.tools.cli.main", "ask", "--nats", url, "--user", "client", "--password",
            password["client"], "--receiver", "qa", "--context", str(context), "--question", "what?"]
     out = subprocess.run([*ask, "--tls-ca", str(ca), "--timeout", "2"], capture_output=True, text=True, timeout=60)
     # connected, logged in and allowed to ask: only the receiver is missing

@@ -20,8 +20,8 @@ from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.service.launch import start_service
+from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 from droidmesh.shared.zoo.manifest import read_manifest
-from droidmesh.shared.zoo.suite import SuiteShape, make_rows
 from tests.system.conftest import until_indexed
 
 pytestmark = pytest.mark.system

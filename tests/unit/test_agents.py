@@ -3,11 +3,11 @@ the demo tier and the real one; answer budgets; pairs without a saved profile.""
 
 from __future__ import annotations
 
-from droidmesh.shared.apps.agents import AGENTS, BY_NAME, DEMO, REAL, prompt, summarize
 from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.tasks.spec import task_spec
+from droidmesh.shared.tasks.suite import SuiteShape
+from droidmesh.shared.tools.apps.agents import AGENTS, BY_NAME, DEMO, REAL, prompt, summarize
 from droidmesh.shared.wire.hashing import common_prefix
-from droidmesh.shared.zoo.suite import SuiteShape
 
 CONTEXT = " ".join(f"w{i}" for i in range(100))
 
@@ -88,7 +88,7 @@ def test_answer_budgets_come_from_each_agents_task_spec():
 def test_a_pair_without_a_saved_profile_runs_on_a_default_group(monkeypatch, tmp_path):
     """Unprofiled pair: its receiver gets the default group (a quarter of the layers), every other
     sender lists it as a reader; a profiled pair's receiver gets none, its sender waits for its config."""
-    from droidmesh.shared.apps import agents as A
+    from droidmesh.shared.tools.apps import agents as A
 
     senders, receivers = {}, {}
 

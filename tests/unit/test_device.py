@@ -76,7 +76,7 @@ def test_same_device_compares_type_and_index():
 def test_checking_names_loads_no_torch():
     """Device and dtype names are checked without importing torch (a CLI command starts fast)."""
     code = ("import sys; from droidmesh.shared.model.device import check_device_name, DTYPES, default_dtype_name; "
-            "check_device_name('cuda:1'); default_dtype_name('cuda'); import droidmesh.shared.cli.main; "
+            "check_device_name('cuda:1'); default_dtype_name('cuda'); import droidmesh.shared.tools.cli.main; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

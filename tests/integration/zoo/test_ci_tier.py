@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from droidmesh.shared.model.adapter import load_model
-from droidmesh.shared.model.names import resolve_model, sha256_file
+from droidmesh.shared.model.names import sha256_file
+from droidmesh.shared.zoo.manifest import resolve_model
 from droidmesh.shared.zoo import build_tier
 
 pytestmark = pytest.mark.slow
@@ -61,8 +62,8 @@ def test_cached_build_is_reused_and_a_damaged_one_rebuilt(ci_tier, tmp_path: Pat
 
 def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`zoo list --json` shows the tier's models and pairs; `eval` writes the required JSON keys."""
-    from droidmesh.shared.cli.eval import eval_cmd
-    from droidmesh.shared.cli.zoo import zoo
+    from droidmesh.shared.tools.cli.eval import eval_cmd
+    from droidmesh.shared.tools.cli.zoo import zoo
 
     out, _ = ci_tier
     monkeypatch.setenv("DROIDMESH_ZOO_DIR", str(out.parent))
@@ -88,7 +89,7 @@ def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_eval_cli_on_a_user_jsonl_dataset(ci_tier, tmp_path: Path) -> None:
     """`eval --data` scores any LongBench-style JSONL with local checkpoint paths."""
-    from droidmesh.shared.cli.eval import eval_cmd
+    from droidmesh.shared.tools.cli.eval import eval_cmd
     from droidmesh.shared.tasks.jsonl import write_jsonl
 
     out, _ = ci_tier

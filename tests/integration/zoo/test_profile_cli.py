@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.cli.main import main as cli
+from droidmesh.shared.tools.cli.main import main as cli
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.cli.eval import eval_cmd
-from droidmesh.shared.cli.profile import profile
+from droidmesh.shared.tools.cli.eval import eval_cmd
+from droidmesh.shared.tools.cli.profile import profile
 from droidmesh.shared.kv import translate
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft, building the ci tier
@@ -59,7 +59,7 @@ def test_the_same_calibration_gives_the_same_translator_file(ci_tier, tmp_path: 
     """A translator file is a function of its models and contexts: fit twice, the same sha256."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.profiling.translate_fit import fit
-    from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
     out, _ = ci_tier
     source, target = load_model(out / "base"), load_model(out / "qa")

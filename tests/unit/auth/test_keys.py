@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from droidmesh.shared.auth import keys
-from droidmesh.shared.cli.main import main
 from droidmesh.shared.errors import AuthenticationError, ConfigError
+from droidmesh.shared.tools.cli.main import main
 
 
 def entry(key: str, kid: str, **kw) -> keys.ApiKey:

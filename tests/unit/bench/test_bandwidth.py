@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from droidmesh.shared.bench import bandwidth
+from droidmesh.shared.tools.bench import bandwidth
 
 SEND = """\
 [1.0] [vm:1:0]   | ucp_context_0 inter-node cfg#2 | tagged message by ucp_tag_send* from host memory       |

@@ -1,4 +1,4 @@
-"""`shared/bench/bulk_transfer.py`: the memcpy reference, UCX protocol-table parsing and `bench
+"""`shared/tools/bench/bulk_transfer.py`: the memcpy reference, UCX protocol-table parsing and `bench
 transfer` built on them: the tensor server's one-line refusal, and a whole run over the
 in-process channel (structure only; no timing assertions)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from droidmesh.shared.bench import bulk_transfer, tensor_server
+from droidmesh.shared.tools.bench import bulk_transfer, tensor_server
 
 # Two tag-send tables as UCX_PROTO_INFO=y prints them (log prefix kept); the last one counts.
 PROTO_LINES = """\

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from droidmesh.shared.bench import codec_tradeoff as bc
+from droidmesh.shared.tools.bench import codec_tradeoff as bc
 
 
 def _row(config, family, ttft, quality, bytes_per_token, *, pair="base->qa", link=0.25, tokens=4096, enc=0.0, dec=0.0):
@@ -81,8 +81,8 @@ def test_configs_baselines_first_then_every_family_of_the_transfer_candidates():
 
 def test_probe_plans_round_trip_through_their_dict_form():
     """The probe rebuilds each plan, patch layers included, from `ReusePlan.to_dict`."""
-    from droidmesh.shared.bench.probe import plan_from_dict
     from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.tools.bench.probe import plan_from_dict
 
     for plan in (ReusePlan.full_prefill(), ReusePlan.full_reuse().patched([4, 5]),
                  ReusePlan.recompute(5, 6).patched([4]), ReusePlan.recompute_groups([(0, 2), (4, 6)])):

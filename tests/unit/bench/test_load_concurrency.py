@@ -9,9 +9,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.bench import load as suite
-from droidmesh.shared.bench.load import Sample, concurrency_compare, concurrency_prompts, concurrency_row
-from droidmesh.shared.cli import bench as cli
+from droidmesh.shared.tools.bench import load as suite
+from droidmesh.shared.tools.bench.load import Sample, concurrency_compare, concurrency_prompts, concurrency_row
+from droidmesh.shared.tools.cli import bench as cli
 
 
 def test_row_counts_decode_tokens_after_each_first_over_the_level_wall():

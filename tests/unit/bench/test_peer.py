@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from droidmesh.shared.bench import peer
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.tools.bench import peer
 
 FAKE_VLLM = '''
 __version__ = "0.0-fake"
@@ -125,7 +125,7 @@ def test_the_command_runs_both_sides_and_writes_its_json(tiny_pair, tmp_path, mo
 
     from click.testing import CliRunner
 
-    from droidmesh.shared.cli.main import main
+    from droidmesh.shared.tools.cli.main import main
 
     _stand_in_peer(tmp_path, monkeypatch)
     cores = os.sched_getaffinity(0)
@@ -148,7 +148,7 @@ def test_the_command_runs_both_sides_and_writes_its_json(tiny_pair, tmp_path, mo
 def test_the_command_refuses_an_adapter(tmp_path):
     from click.testing import CliRunner
 
-    from droidmesh.shared.cli.main import main
+    from droidmesh.shared.tools.cli.main import main
 
     for d in ("base", "lora"):
         (tmp_path / d).mkdir()

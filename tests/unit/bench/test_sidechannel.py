@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.bench import sidechannel as sc
-from droidmesh.shared.cli import bench as cli
+from droidmesh.shared.tools.bench import sidechannel as sc
+from droidmesh.shared.tools.cli import bench as cli
 
 
 def test_wilson_matches_known_values_and_stays_in_bounds():

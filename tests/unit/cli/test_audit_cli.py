@@ -8,7 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from droidmesh.shared.audit.relay import POLICY_SCHEMA
-from droidmesh.shared.cli.main import main
+from droidmesh.shared.tools.cli.main import main
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "audit"
 

@@ -13,7 +13,7 @@ import socket
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.cli.main import main
+from droidmesh.shared.tools.cli.main import main
 
 
 def _closed_port() -> str:

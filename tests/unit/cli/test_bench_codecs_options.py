@@ -9,10 +9,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.bench import codec_tradeoff as bc
-from droidmesh.shared.cli import bench as cli
-from droidmesh.shared.cli.params import checkpoint_layers
 from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.tools.bench import codec_tradeoff as bc
+from droidmesh.shared.tools.cli import bench as cli
+from droidmesh.shared.tools.cli.params import checkpoint_layers
 from droidmesh.shared.zoo import manifest
 
 
@@ -153,7 +153,7 @@ def test_scd_target_takes_the_fewest_bytes_within_tolerance():
 def test_codecs_command_passes_its_options_and_reports_the_target(zoo, monkeypatch, tmp_path):
     """A real pair, --no-mesh and a codec list reach the run; the table and the JSON carry bytes
     vs raw, quality vs full prefill, the group and the SCD target."""
-    from droidmesh.shared.bench import codec_sweep
+    from droidmesh.shared.tools.bench import codec_sweep
 
     seen = {}
 

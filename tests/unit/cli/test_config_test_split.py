@@ -9,9 +9,9 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.cli.config import load_config
-from droidmesh.shared.cli.connect import Conn
-from droidmesh.shared.cli.main import main
+from droidmesh.shared.tools.cli.config import load_config
+from droidmesh.shared.tools.cli.connect import Conn
+from droidmesh.shared.tools.cli.main import main
 from droidmesh.shared.zoo.manifest import REPO_ZOO
 
 PROFILE = REPO_ZOO / "demo" / "profiles" / "base-to-qa.json"  # chosen: train 0.92, test 0.90; full prefill 0.92 / 0.90

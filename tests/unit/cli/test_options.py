@@ -8,10 +8,10 @@ import click
 import msgspec
 import pytest
 
-from droidmesh.shared.cli.config import load_config
-from droidmesh.shared.cli.params import GROUP, check_group
-from droidmesh.shared.cli.profile import sample_warning
 from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.tools.cli.config import load_config
+from droidmesh.shared.tools.cli.params import GROUP, check_group
+from droidmesh.shared.tools.cli.profile import sample_warning
 from droidmesh.shared.zoo.manifest import REPO_ZOO
 
 PROFILE = REPO_ZOO / "demo" / "profiles" / "base-to-qa.json"
@@ -102,8 +102,8 @@ def test_default_receiver(monkeypatch, models, expect):
     """`ask` without --receiver takes the one model up; none or several is a one-line error naming them."""
     import asyncio
 
-    from droidmesh.shared.cli import ask
     from droidmesh.shared.mesh.discovery import ReceiverModel
+    from droidmesh.shared.tools.cli import ask
 
     async def fake(_nc, _window):
         return [ReceiverModel(m, ("i",), "0.1.0") for m in models]

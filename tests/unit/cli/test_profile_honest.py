@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.cli.main import main
 from droidmesh.shared.profiling import cost
+from droidmesh.shared.tools.cli.main import main
 
 
 def profile(pair: tuple[Path, Path], out: Path, *extra: str) -> tuple[int, str, list[str]]:
@@ -82,9 +82,9 @@ def test_publish_refuses_a_choice_that_fails_the_test_split(tmp_path, monkeypatc
     """`--publish` after a profile whose choice fails the test split: the JSON is written and
     marked, the warning names the rule, nothing is published (no NATS runs here) and the one
     `Error:` line points at `config publish --force`."""
-    from droidmesh.shared.model.names import resolve_model
     from droidmesh.shared.profiling import profile as profiling
     from droidmesh.shared.profiling.profile import ProfileSettings, recompute_config, run
+    from droidmesh.shared.zoo.manifest import resolve_model
 
     def train(plan):
         return 1.0 if plan.mode == "full_prefill" else 0.96

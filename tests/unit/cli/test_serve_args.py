@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.apps import serve as app
-from droidmesh.shared.cli.main import main
 from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.tools.apps import serve as app
+from droidmesh.shared.tools.cli.main import main
 from droidmesh.shared.zoo.manifest import REPO_ZOO
 
 DEMO = REPO_ZOO / "demo"

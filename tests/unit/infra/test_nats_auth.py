@@ -9,8 +9,8 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.cli.main import main
 from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, Roster, password_env, render, tenant_user
+from droidmesh.shared.tools.cli.main import main
 from droidmesh.shared.wire import schemas, subjects
 
 SHIPPED = Path(__file__).resolve().parents[3] / "infra" / "nats" / "nats-auth.conf"

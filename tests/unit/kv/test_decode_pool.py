@@ -1,4 +1,4 @@
-"""The decode pool (`shared/model/pool.py`): requests decoding in its fixed slots, eagerly or by
+"""The decode pool (`shared/kv/pool.py`): requests decoding in its fixed slots, eagerly or by
 replaying a captured step per (batch, keys) bucket, choose exactly the tokens they choose alone.
 
 The same five requests as `test_decode_batch.py` (mixed plans, lengths, limits and a seeded
@@ -17,10 +17,10 @@ import torch
 from droidmesh.shared.kv import decode
 from droidmesh.shared.kv.decode import Decoding
 from droidmesh.shared.kv.partial import Generation
+from droidmesh.shared.kv.pool import KVPool
 from droidmesh.shared.model import hf_cache
 from droidmesh.shared.model.adapter import ModelAdapter, random_model
 from droidmesh.shared.model.graphs import bucket, buckets, eager_capture
-from droidmesh.shared.model.pool import KVPool
 from tests.conftest import FAMILIES
 from tests.numeric import assert_close_computed
 from tests.unit.kv.test_decode_batch import _finish, _jobs, _solo, _start, spy

@@ -22,10 +22,10 @@ from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
 from droidmesh.shared.tasks.rows import encode_row
 from droidmesh.shared.tasks.spec import TASKS
+from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.transport.pull import pull_items
 from droidmesh.shared.zoo.manifest import REPO_ZOO
-from droidmesh.shared.zoo.suite import SuiteShape, make_rows
 from tests.system.garbage_sender import KINDS, garble
 
 DEMO = REPO_ZOO / "demo"

@@ -29,7 +29,7 @@ from droidmesh.shared.kv.partial import generate, generate_steps, prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
-from droidmesh.shared.model.adapters import AdapterSet
+from droidmesh.shared.model.lora import AdapterSet
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.zoo.tokenizer import hf_tokenizer
 from tests.conftest import ATOL

@@ -21,7 +21,7 @@ from droidmesh.shared.kv.partial import generate, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter, random_model
 from droidmesh.shared.service.batching import DecodeBatcher
-from droidmesh.shared.transport.pull import drive_engine
+from droidmesh.shared.service.engine import drive_engine
 from tests.conftest import FAMILIES
 
 

@@ -18,14 +18,14 @@ from droidmesh.services.gateway.handlers import make_app
 from droidmesh.services.gateway.state import GatewayState
 from droidmesh.services.receiver.checks import prompt_ids
 from droidmesh.services.sender.handlers import prefill_ids
-from droidmesh.shared.cli import ask as ask_cli
-from droidmesh.shared.cli.connect import Conn
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.mesh import discovery
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.service.metrics import Metrics
+from droidmesh.shared.tools.cli import ask as ask_cli
+from droidmesh.shared.tools.cli.connect import Conn
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.zoo.tokenizer import hf_tokenizer
 from tests.unit.model.test_chat_prefix import smol_tokenizer

@@ -179,7 +179,7 @@ def test_adapters_in_one_receiver_reuse_each_others_kv_in_process(tiny_pair, tmp
     """One receiver serves a base and two LoRAs of it from one copy of the weights: a request to
     adapter `a` is held; the same prompt to adapter `b` (recomputing [2, 6) by default) reuses it in
     process, nothing pulled, and its tokens equal the engine's with that plan over a capture by `a`."""
-    from droidmesh.shared.model.adapters import AdapterSet
+    from droidmesh.shared.model.lora import AdapterSet
 
     base = tiny_pair[1]
     a = _lora(base, tmp_path / "a", 1, ["q_proj", "v_proj"])

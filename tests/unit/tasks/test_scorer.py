@@ -12,7 +12,7 @@ from droidmesh.shared.model.adapter import ModelAdapter, random_model
 from droidmesh.shared.tasks.evaluation import all_groups, evaluate_pair, must_show
 from droidmesh.shared.tasks.scorer import PairScorer, per_layer_plan, score_text
 from droidmesh.shared.tasks.spec import TASKS, task_spec
-from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 from droidmesh.shared.zoo.tokenizer import WordIds, hf_tokenizer
 
 SHAPE = SuiteShape(facts=(3, 4), docs=(1, 2), filler=(10, 20))

@@ -6,7 +6,7 @@ import pytest
 
 from droidmesh.shared.tasks.rows import answer_text, encode_row
 from droidmesh.shared.tasks.spec import GENERIC, TASKS, known_tasks, shifts_of, task_spec
-from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 from droidmesh.shared.zoo.tokenizer import WordIds
 
 SMALL = SuiteShape(facts=(3, 6), docs=(2, 3), filler=(20, 40), code_tokens=120)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 from droidmesh.shared import ZOO_DIR
-from droidmesh.shared.cli.zoo import build
+from droidmesh.shared.tools.cli.zoo import build
 from droidmesh.shared.zoo import realfamily
 from droidmesh.shared.zoo.manifest import TIER_ORDER
 

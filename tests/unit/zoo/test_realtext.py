@@ -6,8 +6,8 @@ import pytest
 
 from droidmesh.shared.tasks.rows import encode_row
 from droidmesh.shared.tasks.spec import task_spec
-from droidmesh.shared.zoo.realtext import REAL_TASKS, make_real_rows, man_pages, split_of
-from droidmesh.shared.zoo.suite import SuiteShape, make_rows
+from droidmesh.shared.tasks.realtext import REAL_TASKS, make_real_rows, man_pages, split_of
+from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
 
 @pytest.mark.parametrize("task", REAL_TASKS)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from droidmesh.shared.tasks.spec import TASKS, known_tasks, task_spec
-from droidmesh.shared.zoo import vocab as V
-from droidmesh.shared.zoo.suite import SuiteShape, code_row, make_rows, stdlib_files
-from droidmesh.shared.zoo.tasks import CODE, make_context
+from droidmesh.shared.tasks import vocab as V
+from droidmesh.shared.tasks.suite import SuiteShape, code_row, make_rows, stdlib_files
+from droidmesh.shared.tasks.synthetic import CODE, make_context
 
 SMALL = SuiteShape(facts=(3, 6), docs=(2, 3), filler=(20, 40), code_tokens=120)
 

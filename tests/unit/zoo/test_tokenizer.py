@@ -6,8 +6,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from droidmesh.shared.zoo import vocab as V
-from droidmesh.shared.zoo.suite import stdlib_files
+from droidmesh.shared.tasks import vocab as V
+from droidmesh.shared.tasks.suite import stdlib_files
 from droidmesh.shared.zoo.tokenizer import WordIds, save_tokenizer
 
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from droidmesh.shared.zoo import vocab as V
+from droidmesh.shared.tasks import vocab as V
 from droidmesh.shared.zoo.build import _resolve_train
 from droidmesh.shared.zoo.recipe import ops_hash, recipe_hash
 from droidmesh.shared.zoo.tiers import get_recipe

@@ -1,0 +1,448 @@
+"""`droidmesh bench transfer`: pulls between two processes over each bulk channel, against a
+memcpy of the same bytes; its pieces are also the GPU transfer check's (`gpu_transfer`).
+
+Called by `shared/tools/cli/bench_data_plane.py` (`run_transfer`) and `gpu_transfer`. Blocks: a tensor
+server takes up to `SERVER_START_S` to listen, each size is pulled `repeats` + 1 times. It trusts
+UCX's own protocol tables (UCX_PROTO_INFO=y on stdout) to say which transport carried a payload.
+
+Sequence of a measurement:
+  1. the reference first, while no other process competes for the cores: `memcpy_reference`
+     (one CPU thread, warm and out of cache; the GPU check times its device copies itself);
+  2. `TensorServer`: `shared.bench.tensor_server TRANSPORT SIZES --device D` in a child process,
+     with `UCX_PROTO_INFO=y` for ucx (unless set), holding one bf16 tensor per size; its address
+     or why it did not start, and every line it printed;
+  3. `pull_rates`: per size, one warm-up pull, then the median wall time of `repeats` pulls into
+     one preallocated buffer on `device` (a pull ends when its payload has landed and passed its
+     checksum);
+  4. `ucx_tables` / `ucx_protocol_for`: which UCX transport and protocol carried a payload of a
+     given size, from the tables the server (or a reading client) printed.
+`run_transfer` does 1. for every size, then 2.-4. per channel, and reduces the rows to ratios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from droidmesh.shared.service.localmesh import THREADS
+from droidmesh.shared.tools.bench.nixl_raw import RAW_PREFIX
+from droidmesh.shared.tools.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX, GRANT_SENDER, one_line, start_server, tensors_for
+
+KIB, MIB = 1 << 10, 1 << 20
+TRANSFER_SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+RATIO_FROM_BYTES = 16 * MIB  # `over_memcpy` / `ucx_over_memcpy`: the smallest ratio from this size up
+NIXL_RAW = "nixl_raw"  # `bench transfer`'s row of NIXL itself (`nixl_raw.py`), beside the channels
+FIXED_BYTES = 4 * KIB  # a pull's fixed cost: one item this small
+FIXED_SAMPLES, FIXED_WARMUP = 200, 20
+SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
+# UCX prints the tables of the protocols it selected (one per endpoint configuration and
+# operation) on stdout when UCX_PROTO_INFO=y: each titled "<context> <cfg#N> | <operation>", then
+# one row per message-size range with the protocol and the transport (`sysv/memory`, `tcp/lo`,
+# `cuda_ipc/cuda`, ...) that carry it. The operation names the memory type last.
+UCX_TAG_SEND = "tagged message by ucp_tag_send* from "  # the ucx channel's sender: each payload
+UCX_GET = "remote memory read by ucp_get* from "  # the nixl channel's receiver reads each payload
+_UCX_RANGE = re.compile(r"(\d+[KMG]?)(?:\.\.(\d+[KMG]?|inf))?")
+
+Protocols = list[tuple[float, float, str]]  # (low, high, "transport: protocol") per size range
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size (sysfs, then sysconf; 64 MiB if neither says)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        for index in sorted(os.listdir(base)):
+            with open(f"{base}/{index}/size") as f:
+                text = f.read().strip().upper()
+            mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    if not best:
+        try:
+            best = int(os.sysconf("SC_LEVEL3_CACHE_SIZE"))
+        except (OSError, ValueError):
+            best = 0
+    return best if best > 0 else 64 * MIB
+
+
+def memcpy_reference(nbytes: int, repeats: int, llc: int | None = None) -> dict[str, Any]:
+    """A copy of `nbytes` with `torch.Tensor.copy_` into a preallocated destination, on one
+    thread (a bulk channel moves a payload on one thread too), median of `repeats` samples.
+
+    warm: one source/destination pair, both written before timing and copied once untimed, then
+    copied over and over (each sample times a batch of copies of at least 16 MiB in all, so
+    small sizes are not timer noise); they stay cached when they fit.
+    cold: a set of pairs whose footprint between two uses of a pair, (pairs - 1) x 2 x nbytes,
+    is at least twice the last-level cache; all written beforehand, then copied in turn,
+    cycling, so each copy reads a source (and writes a destination) evicted since its last use.
+    """
+    llc = llc or llc_bytes()
+    pairs = max(2, -(-2 * llc // nbytes) + 1)
+    batch = max(1, 16 * MIB // nbytes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bufs = [(torch.empty(nbytes, dtype=torch.uint8).fill_(i % 251), torch.empty(nbytes, dtype=torch.uint8).fill_(0))
+                for i in range(pairs)]
+        src, dst = bufs[0]
+        dst.copy_(src)
+        warm = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                dst.copy_(src)
+            warm.append((time.perf_counter() - t0) / batch)
+        cold_batch, i = min(batch, pairs - 1), 1
+        for _ in range(pairs):  # one untimed pass: every pair faulted in and written
+            s, d = bufs[i % pairs]
+            d.copy_(s)
+            i += 1
+        cold = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(cold_batch):
+                s, d = bufs[i % pairs]
+                d.copy_(s)
+                i += 1
+            cold.append((time.perf_counter() - t0) / cold_batch)
+    finally:
+        torch.set_num_threads(threads)
+    return {"bytes": nbytes, "memcpy_gb_s": nbytes / statistics.median(warm) / 1e9,
+            "memcpy_cold_gb_s": nbytes / statistics.median(cold) / 1e9, "cold_pairs": pairs, "threads": 1}
+
+
+class TensorServer:
+    """`shared.bench.tensor_server` (or, for `nixl_raw`, `shared.bench.nixl_raw`) in a child
+    process, `items` tensors per size on `device`, with `env` added to this process's environment
+    (`nats_url`: pulls need grants asked for there): its address (for `nixl_raw`, its JSON line), or
+    why it did not start; every stdout/stderr line it printed (UCX's protocol tables among them)."""
+
+    def __init__(self, transport: str, sizes: list[int], *, device: str | torch.device = "cpu",
+                 env: dict[str, str] | None = None, items: int = 1, nats_url: str = ""):
+        env = {**os.environ, **(env or {})}
+        if transport == "ucx":
+            env.setdefault("UCX_PROTO_INFO", "y")
+        sizes_arg = ",".join(map(str, sizes))
+        if transport == NIXL_RAW:
+            argv = ["-m", "droidmesh.shared.tools.bench.nixl_raw", sizes_arg, "--items", str(items)]
+            self._prefix = RAW_PREFIX
+        else:
+            argv = ["-m", "droidmesh.shared.tools.bench.tensor_server", transport, sizes_arg, "--device", str(device),
+                    "--items", str(items), *(["--nats", nats_url] if nats_url else [])]
+            self._prefix = ADDRESS_PREFIX
+        self.proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        self.lines: list[str] = []
+        self.address: str | None = None
+        self.error: str | None = None
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith(self._prefix):
+                self.address = line[len(self._prefix):].strip()
+                self._ready.set()
+            elif line.startswith(ERROR_PREFIX):
+                self.error = line[len(ERROR_PREFIX):].strip()
+                self._ready.set()
+        if self.address is None and self.error is None:
+            last = next((x for x in reversed(self.lines) if x.strip()), "no output")
+            self.error = f"tensor server exited ({self.proc.poll()}): {last.strip()}"
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float = SERVER_START_S) -> None:
+        if not self._ready.wait(timeout_s):
+            self.error = f"tensor server did not listen within {timeout_s:.0f}s"
+
+    def stop(self) -> list[str]:
+        """Terminate it; return everything it printed (complete once it has exited)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(5)
+        return self.lines
+
+
+class _Granting(NamedTuple):
+    sender_id: str
+    context_id: str
+
+
+GrantFn = Callable[[str], Awaitable[str]]  # context id -> a single-use grant for one pull of it
+
+
+async def pull_rates(transport: str, address: str, sizes: list[int], repeats: int,
+                     device: str | torch.device = "cpu", lanes: int | None = None, items: int = 1,
+                     grant: GrantFn | None = None) -> dict[int, float]:
+    """Pull throughput (GB/s) per size: one warm-up pull, then the median of `repeats` pulls of
+    all `items` items of that size's context in one request, each into the same preallocated,
+    already written bf16 buffers on `device`; `lanes`: the shm client's copy threads (None: the
+    receiver's); `grant`: each pull's grant, asked for before its clock starts."""
+    from droidmesh.shared.wire.schemas import PullItem, PullRequest
+
+    client = _client(transport, lanes)
+    rates = {}
+    try:
+        await client.warm(address)
+        for nbytes in sizes:
+            into = [torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device) for _ in range(items)]  # pages exist
+            times = []
+            for _ in range(repeats + 1):
+                token = await grant(str(nbytes)) if grant is not None else ""
+                req = PullRequest(context_id=str(nbytes), items=[PullItem(i, "K") for i in range(items)], token=token)
+                t0 = time.perf_counter()
+                await client.pull(address, req, into, lambda *a: None, 120)
+                times.append(time.perf_counter() - t0)
+            rates[nbytes] = nbytes * items / statistics.median(times[1:]) / 1e9
+    finally:
+        await client.close()
+    return rates
+
+
+def _client(transport: str, lanes: int | None) -> Any:
+    from droidmesh.shared.transport.bulk import make_client
+    from droidmesh.shared.transport.shm import ShmBulkClient
+
+    return ShmBulkClient(lanes) if transport == "shm" and lanes else make_client(transport)
+
+
+async def fixed_cost(transport: str, address: str, grant: GrantFn | None, samples: int = FIXED_SAMPLES,
+                     lanes: int | None = None) -> dict[str, Any]:
+    """A pull's fixed cost: one item of `FIXED_BYTES` (its own context), `samples` times after
+    `FIXED_WARMUP` untimed ones; medians in microseconds of the grant round trip (NATS request
+    to the server and back: None without `grant`), of the pull alone, and of both in turn."""
+    from droidmesh.shared.wire.schemas import PullItem, PullRequest
+
+    client = _client(transport, lanes)
+    into = [torch.zeros(FIXED_BYTES // 2, dtype=torch.bfloat16)]
+    grants, pulls, both = [], [], []
+    try:
+        await client.warm(address)
+        for i in range(FIXED_WARMUP + samples):
+            t0 = time.perf_counter()
+            token = await grant(str(FIXED_BYTES)) if grant is not None else ""
+            t1 = time.perf_counter()
+            await client.pull(address, PullRequest(context_id=str(FIXED_BYTES), items=[PullItem(0, "K")], token=token),
+                              into, lambda *a: None, 30)
+            t2 = time.perf_counter()
+            if i >= FIXED_WARMUP:
+                grants.append(t1 - t0)
+                pulls.append(t2 - t1)
+                both.append(t2 - t0)
+    finally:
+        await client.close()
+    us = 1e6
+    return {"grant_us": statistics.median(grants) * us if grant is not None else None,
+            "pull_us": statistics.median(pulls) * us,
+            "with_grant_us": statistics.median(both) * us if grant is not None else None,
+            "samples": samples, "bytes": FIXED_BYTES}
+
+
+async def _measure_client(transport: str, address: str, sizes: list[int], repeats: int, lanes: int, items: int,
+                          nats_url: str) -> tuple[dict[int, float], dict[str, Any]]:
+    """Rates per size, then the fixed cost, both as a receiver pulls (grants over NATS when
+    `nats_url`)."""
+    nc, grant = None, None
+    if nats_url:
+        import nats
+
+        from droidmesh.shared.transport.pull import request_grant, requester
+
+        nc = await nats.connect(nats_url)
+        ask = requester(nc)
+
+        async def grant(context_id: str) -> str:
+            return await request_grant(ask, _Granting(GRANT_SENDER, context_id), 10)
+    try:
+        rates = await pull_rates(transport, address, sizes, repeats, lanes=lanes, items=items, grant=grant)
+        return rates, await fixed_cost(transport, address, grant, lanes=lanes)
+    finally:
+        if nc is not None:
+            await nc.close()
+
+
+def _ucx_size(text: str) -> float:
+    if text == "inf":
+        return float("inf")
+    mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1], 1)
+    return int(text.rstrip("KMG")) * mult
+
+
+def ucx_tables(lines: list[str], operation: str = UCX_TAG_SEND) -> dict[str, Protocols]:
+    """The tables UCX printed (UCX_PROTO_INFO=y) in `lines` for operations starting with
+    `operation`, keyed by the rest of the title (for `UCX_TAG_SEND` and `UCX_GET`, the memory
+    type: "host memory", "cuda/GPU0", ...). Per key the last table, the endpoint configuration
+    wireup settled on last; the keys ordered by when that table was printed, so the last key is
+    the last table of the operation."""
+    tables: dict[str, Protocols] = {}
+    current: Protocols | None = None
+    for line in lines:
+        if "|" not in line:
+            continue
+        cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
+        if len(cells) == 2 and "cfg#" in cells[0]:  # a table's title: "<context> <cfg> | <operation>"
+            current = None
+            if cells[1].startswith(operation):
+                key = cells[1][len(operation):]
+                tables.pop(key, None)  # re-inserted: a key's place is its last table's
+                current = tables[key] = []
+        elif current is not None and len(cells) == 3 and (m := _UCX_RANGE.fullmatch(cells[0])):
+            low = _ucx_size(m.group(1))
+            high = _ucx_size(m.group(2)) if m.group(2) else low
+            current.append((low, high, f"{cells[2]}: {cells[1].removeprefix('(?) ')}"))
+    return tables
+
+
+def ucx_protocol_for(nbytes: int, protocols: Protocols) -> str | None:
+    """"transport: protocol" of the range holding `nbytes`; None if no range does."""
+    return next((p for low, high, p in protocols if low <= nbytes <= high), None)
+
+
+# -- the suite ----------------------------------------------------------------------------------
+def bench_transports() -> list[str]:
+    """`bench transfer`'s default: every bulk channel that runs between processes (all of
+    `bulk.TRANSPORTS` but inproc), so a channel added there is measured without a change here,
+    and `nixl_raw` right after `nixl`."""
+    from droidmesh.shared.transport.bulk import TRANSPORTS
+
+    channels = [t for t in TRANSPORTS if t != "inproc"]
+    return [x for t in channels for x in ([t, NIXL_RAW] if t == "nixl" else [t])]  # NIXL itself beside its channel
+
+
+async def _pull_inproc(sizes: list[int], repeats: int, items: int) -> tuple[dict[int, float], dict[str, Any]]:
+    """The in-process channel (no second process: the protocol's own cost, checksums included)."""
+    server = start_server("inproc", tensors_for(sorted({*sizes, FIXED_BYTES}), items=items), name="bench-transfer")
+    address = await server.start()
+    try:
+        return (await pull_rates("inproc", address, sizes, repeats, items=items),
+                await fixed_cost("inproc", address, None))
+    finally:
+        await server.close()
+
+
+Measured = tuple[dict[int, float], dict[int, str | None], dict[str, Any] | None, str | None]
+
+
+def _measure(transport: str, sizes: list[int], repeats: int, shm_lanes: int, items: int, nats_url: str) -> Measured:
+    """(GB/s per size, how each size travelled (UCX's transport and protocol; the shm copy; None
+    where the channel does not say), the pull's fixed cost, None) or ({}, {}, None, reason)."""
+    if transport == "inproc":
+        try:
+            inproc_rates, inproc_fixed = asyncio.run(_pull_inproc(sizes, repeats, items))
+            return inproc_rates, dict.fromkeys(sizes), inproc_fixed, None
+        except Exception as e:
+            return {}, {}, None, one_line(e)
+    server = TensorServer(transport, sorted({*sizes, FIXED_BYTES}), env=THREADS, items=items, nats_url=nats_url)
+    rates: dict[int, float] = {}
+    fixed: dict[str, Any] | None = None
+    reason = None
+    try:
+        server.wait_ready()
+        if server.address is None:
+            reason = server.error or "tensor server gave no address"
+        elif transport == NIXL_RAW:
+            from droidmesh.shared.tools.bench.nixl_raw import raw_rates
+
+            rates = raw_rates(server.address, sizes, items, repeats)
+            one = raw_rates(server.address, [FIXED_BYTES], items, FIXED_SAMPLES, read=1)[FIXED_BYTES]
+            fixed = {"grant_us": None, "pull_us": FIXED_BYTES / one / 1e3, "with_grant_us": None,
+                     "samples": FIXED_SAMPLES, "bytes": FIXED_BYTES}
+        else:
+            rates, fixed = asyncio.run(_measure_client(transport, server.address, sizes, repeats, shm_lanes, items,
+                                                       nats_url))
+    except Exception as e:
+        reason = one_line(e)
+    finally:
+        lines = server.stop()
+    if reason is not None:
+        return {}, {}, None, reason
+    if transport == "shm":
+        return rates, dict.fromkeys(sizes, f"memfd: preadv on {shm_lanes} lane(s)"), fixed, None
+    if transport != "ucx":
+        return rates, dict.fromkeys(sizes), fixed, None
+    protocols = ucx_tables(lines).get("host memory", [])
+    return rates, {n: ucx_protocol_for(n, protocols) or "unknown" for n in sizes}, fixed, None
+
+
+def run_transfer(sizes: list[int], repeats: int, transports: list[str] | None = None, shm_lanes: int = 2,
+                 items: int = 1, grants: bool = True) -> dict[str, Any]:
+    """Pulls over each bulk channel between two processes (a tensor server and this one) against
+    a memcpy of the same bytes (warm and out of cache): per size, one pull of `items` items of
+    that many bytes each (as a context's layers travel). With `grants`, a real nats-server runs
+    and every pull needs a single-use grant from the server, asked for over it as a receiver does
+    (outside the throughput clock; inside the fixed cost's `with_grant_us`).
+
+    Returns `rows` (one per transport and size; a transport that cannot start is one row with
+    `unavailable` and the reason), `over_memcpy` (per transport, the smallest ratio from 16 MiB
+    pulled up), `ucx_over_memcpy`, `fixed_cost` (per transport: one 4 KiB item, medians in µs),
+    `nixl_over_raw` (per size, the nixl channel's throughput over `nixl_raw`'s, when both ran)
+    and `memcpy` (how the reference was taken)."""
+    transports = transports or bench_transports()
+    llc = llc_bytes()
+    refs = {}
+    for n in sizes:  # before any server runs, so no other process competes for the cores
+        refs[n] = memcpy_reference(n * items, repeats, llc)
+        gc.collect()
+    nats, nats_url = None, ""
+    if grants and any(t not in ("inproc", NIXL_RAW) for t in transports):
+        from droidmesh.shared.service.launch import start_nats
+
+        nats, nats_url = start_nats()
+    rows: list[dict[str, Any]] = []
+    fixed: dict[str, Any] = {}
+    try:
+        for transport in transports:
+            rates, chosen, cost, reason = _measure(transport, sizes, repeats, shm_lanes, items, nats_url)
+            if reason is not None:
+                rows.append({"bytes": None, "items": items, "item_bytes": None, "transport": transport,
+                             "throughput_gb_s": None, "memcpy_gb_s": None, "memcpy_cold_gb_s": None, "ratio": None,
+                             "ucx_transports": None, "unavailable": reason})
+                continue
+            fixed[transport] = cost
+            for n in sizes:
+                ref = refs[n]
+                rows.append({"bytes": n * items, "items": items, "item_bytes": n, "transport": transport,
+                             "throughput_gb_s": rates[n], "memcpy_gb_s": ref["memcpy_gb_s"],
+                             "memcpy_cold_gb_s": ref["memcpy_cold_gb_s"], "ratio": rates[n] / ref["memcpy_gb_s"],
+                             "ucx_transports": chosen.get(n)})
+    finally:
+        if nats is not None:
+            nats.stop()
+    over: dict[str, float | None] = {}
+    for transport in transports:
+        ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
+                  and r["bytes"] >= RATIO_FROM_BYTES]
+        over[transport] = min(ratios) if ratios else None
+    rate = {(r["transport"], r["item_bytes"]): r["throughput_gb_s"] for r in rows if r["ratio"] is not None}
+    vs_raw = {str(n): rate[("nixl", n)] / rate[(NIXL_RAW, n)] for n in sizes
+              if ("nixl", n) in rate and (NIXL_RAW, n) in rate}
+    from droidmesh.shared.transport.memfd import shmem_thp
+    from droidmesh.shared.transport.ucx import ucx_options
+
+    return {"rows": rows, "items": items, "ucx_over_memcpy": over.get("ucx"), "over_memcpy": over, "fixed_cost": fixed,
+            "nixl_over_raw": vs_raw, "grants": nats is not None, "shm_lanes": shm_lanes, "shmem_thp": shmem_thp(),
+            "memcpy": {"method": "torch.Tensor.copy_ of the pull's bytes (items x size) into a preallocated "
+                                 "destination, 1 thread, median of repeats",
+                       "llc_bytes": llc, "cold_pairs": {str(n): refs[n]["cold_pairs"] for n in sizes}},
+            "ucx_options": {**{f"UCX_{k}": v for k, v in ucx_options().items()},
+                            **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}}

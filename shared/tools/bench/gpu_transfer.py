@@ -1,0 +1,154 @@
+"""Pulls between two processes on one GPU over the UCX channel, against the device's own copy
+bandwidth: `python -m droidmesh.shared.tools.bench.gpu_transfer` (run by `infra/gpu/transfer-check.sh`).
+
+Sequence:
+  1. facts: torch and its CUDA device, whether UCX here can move device memory
+     (`capabilities.ucx_cuda_support`), and the transports UCX runs with: DroidMesh's options
+     (`shared.transport.ucx.ucx_options`) name cuda_copy and cuda_ipc wherever CUDA is available,
+     in this process and the server's alike; an operator's `UCX_TLS` wins. Without CUDA, or with
+     `--dry-run`, every later step runs the same way on CPU tensors of tiny sizes;
+  2. the reference per size: `dst.copy_(src)` on the device, timed with CUDA events
+     (`perf_counter` on the CPU), one warm-up, then the median of `--repeats`;
+  3. a tensor server in a child process (`bulk_transfer.TensorServer`: `shared.bench.tensor_server
+     ucx SIZES --device D`, with `UCX_PROTO_INFO=y`) holding one bf16 tensor per size on the device;
+  4. per size, pulls from it over the UCX channel into one preallocated buffer on the same device
+     (`bulk_transfer.pull_rates`): one warm-up, then the median wall time of `--repeats` (a pull ends
+     when its payload has landed and passed its checksum); the path the capability check gives
+     and the protocol UCX printed for sending that memory (`bulk_transfer.ucx_tables`);
+  5. a table on stdout; JSON to `--json`, else `$OUT/gpu-transfer.json` when `OUT` is set.
+What is missing (ucxx, a server that cannot start) becomes the rows' `unavailable` reason and a
+`missing` entry with exit status 2, never a traceback; the copy reference is measured regardless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from droidmesh.shared.tools.bench.bulk_transfer import MIB, TensorServer, pull_rates, ucx_protocol_for, ucx_tables
+from droidmesh.shared.tools.bench.tensor_server import one_line
+from droidmesh.shared.transport import capabilities
+from droidmesh.shared.transport.ucx import ucx_options
+
+GPU_SIZES = [1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+DRY_SIZES = [64 << 10, 1 * MIB]
+SERVER_START_S = 60.0  # within the 170 s transfer-check.sh gives the whole run
+UCX_WHEELS = "ucxx-cu13, libucxx-cu13, libucx-cu13, rmm-cu13, librmm-cu13, rapids-logger (CUDA 13)"
+
+
+def copy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
+    """One `dst.copy_(src)`: CUDA events on a GPU (device time), `perf_counter` on the CPU."""
+    if src.device.type != "cuda":
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def copy_gb_s(nbytes: int, device: torch.device, repeats: int) -> float:
+    """The device's own copy bandwidth for `nbytes` (bytes copied / time, one direction)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)  # both written: pages exist before timing
+    copy_seconds(src, dst)
+    return nbytes / statistics.median(copy_seconds(src, dst) for _ in range(repeats)) / 1e9
+
+
+def path_name(device: torch.device, support: capabilities.CudaSupport) -> str:
+    if device.type != "cuda":
+        return "host (dry run)"
+    if support.ipc:
+        return "device-to-device (cuda_ipc)"
+    if support.device_memory:
+        return "device via UCX's host bounce buffers (cuda_copy)"
+    return "staged through pinned host memory"
+
+
+def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, Any]:
+    """Steps 1-4: the report (rows, facts, what is missing)."""
+    support = capabilities.ucx_cuda_support()
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dry_run": device.type != "cuda", "torch": torch.__version__, "ucx_tls": os.environ.get("UCX_TLS", ucx_options()["TLS"]),
+        "ucx_cuda": {"device_memory": support.device_memory, "ipc": support.ipc, "reason": support.reason},
+        "path": path_name(device, support), "missing": [],
+    }
+    refs = {n: copy_gb_s(n, device, repeats) for n in sizes}
+    rates: dict[int, float] = {}
+    lines: list[str] = []
+    try:
+        import ucxx  # noqa: F401  (only to say clearly when it is absent)
+    except Exception as e:
+        report["missing"].append(f"ucxx ({one_line(e)}); wheels: {UCX_WHEELS}")
+    else:
+        server = TensorServer("ucx", sizes, device=device)
+        try:
+            server.wait_ready(SERVER_START_S)
+            if server.address is None:
+                report["missing"].append(f"tensor server: {server.error}")
+            else:
+                rates = asyncio.run(pull_rates("ucx", server.address, sizes, repeats, device))
+        except Exception as e:
+            report["missing"].append(f"pull: {one_line(e)}")
+        finally:
+            lines = server.stop()
+    tables = ucx_tables(lines)  # tag-send tables by memory type
+    memory = next((m for m in tables if m.startswith("cuda")), "host memory") if device.type == "cuda" else "host memory"
+    report["rows"] = [{
+        "bytes": n, "pull_gb_s": rates.get(n), "copy_gb_s": refs[n],
+        "ratio": rates[n] / refs[n] if n in rates else None,
+        "ucx_send": ucx_protocol_for(n, tables.get(memory, [])), "ucx_memory": memory if tables else None,
+        "unavailable": None if n in rates else "; ".join(report["missing"]) or "not measured",
+    } for n in sizes]
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    head = (f"device: {report['device']}{'  (DRY RUN on CPU: not a GPU measurement)' if report['dry_run'] else ''}\n"
+            f"path: {report['path']}\nUCX CUDA: {report['ucx_cuda']['reason']}\n")
+    rows = [f"{'bytes':>12} {'pull GB/s':>10} {'copy GB/s':>10} {'pull/copy':>9}  UCX send protocol"]
+    for r in report["rows"]:
+        pull = f"{r['pull_gb_s']:10.2f}" if r["pull_gb_s"] is not None else f"{'-':>10}"
+        ratio = f"{r['ratio']:9.3f}" if r["ratio"] is not None else f"{'-':>9}"
+        rows.append(f"{r['bytes']:>12} {pull} {r['copy_gb_s']:10.2f} {ratio}  {r['ucx_send'] or '-'}")
+    missing = "".join(f"MISSING: {m}\n" for m in report["missing"])
+    return head + "\n".join(rows) + "\n" + missing
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m droidmesh.shared.tools.bench.gpu_transfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU tensors, tiny sizes (automatic without CUDA)")
+    parser.add_argument("--device", default="cuda", help="the GPU (ucxx's progress thread uses device 0)")
+    parser.add_argument("--sizes", help="bytes per pull, comma-separated (default: 1,16,64,256 MiB; dry run 64 KiB,1 MiB)")
+    parser.add_argument("--repeats", type=int, help="timed pulls and copies per size (default 5; dry run 2)")
+    parser.add_argument("--json", type=Path, help="default: $OUT/gpu-transfer.json when OUT is set")
+    args = parser.parse_args(argv)
+    dry = args.dry_run or not torch.cuda.is_available()
+    if dry and not args.dry_run:
+        print("CUDA is not available here: running the dry run on CPU tensors", flush=True)
+    device = torch.device("cpu") if dry else torch.device(args.device)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else DRY_SIZES if dry else GPU_SIZES
+    report = measure(sizes, device, args.repeats or (2 if dry else 5))
+    print(table(report), end="", flush=True)
+    path = args.json or (Path(os.environ["OUT"]) / "gpu-transfer.json" if os.environ.get("OUT") else None)
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"JSON: {path}")
+    return 2 if report["missing"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,111 @@
+"""`bench transfer`'s `nixl_raw` row: NIXL itself, used as its own documentation shows, between two
+processes — the reference the `nixl` channel is measured against.
+
+Server (`python -m droidmesh.shared.tools.bench.nixl_raw SIZE[,SIZE...] --items N`, a child process):
+per size N bf16 tensors of that many bytes, all registered once with an agent configured as the
+channel's sender is (`nixl.agent.Agent`: UCX backend, a progress thread that sleeps on UCX events;
+the remote side of the first READ's wire-up needs it); it prints one line `NIXL_RAW=<json>` (its
+agent metadata, base64, and each context's regions) and runs until SIGTERM. Client (`raw_rates`,
+this process): NIXL's own Python API (`nixl_agent`, no progress thread: the API hard-codes its
+delay to 0, which would spin a core; this thread polls instead) loads that metadata, registers
+its landing buffers once, prepares both descriptor lists once and one READ of all N items per
+size, then times re-posts of that READ polled to completion. Nothing per pull but the post and
+the polls: what the library costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import signal
+import statistics
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from droidmesh.shared.tools.bench.tensor_server import ERROR_PREFIX, one_line, tensors_for
+
+RAW_PREFIX = "NIXL_RAW="
+
+
+def _agent(role: str) -> Any:
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+    return nixl_agent(f"droidmesh-raw-{role}-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False))
+
+
+def serve(sizes: list[int], items: int) -> int:
+    from droidmesh.shared.transport.nixl.agent import Agent
+
+    try:
+        tensors = tensors_for(sizes, "cpu", items)
+        agent = Agent("raw-sender")  # NIXL's bindings, with a progress thread that sleeps on UCX events
+        asyncio.run(agent.start())
+        regions = [(t.data_ptr(), t.numel() * t.element_size()) for held in tensors.values() for t in held]
+        registered = agent.submit(agent.register, regions).result()
+        line = {"metadata": base64.b64encode(agent.submit(agent.metadata, regions, True).result()).decode(),
+                "contexts": {cid: [[t.data_ptr(), t.numel() * t.element_size()] for t in held]
+                             for cid, held in tensors.items()}}
+    except Exception as e:
+        print(ERROR_PREFIX + one_line(e), flush=True)
+        return 1
+    print(RAW_PREFIX + json.dumps(line), flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    agent.submit(agent.deregister, registered).result()
+    agent.close()
+    return 0
+
+
+def raw_rates(line: str, sizes: list[int], items: int, repeats: int, read: int | None = None) -> dict[int, float]:
+    """GB/s per size of one READ of the first `read` (default: all `items`) items of that size's
+    context (median of `repeats` after one warm-up)."""
+    read = read or items
+    info = json.loads(line)
+    agent = _agent("receiver")
+    peer = agent.add_remote_agent(base64.b64decode(info["metadata"]))
+    peer = peer.decode() if isinstance(peer, bytes) else peer
+    rates = {}
+    for n in sizes:
+        into = [torch.zeros(n // 2, dtype=torch.bfloat16) for _ in range(read)]  # written: pages exist
+        registered = agent.register_memory(into)
+        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", into)
+        remote = agent.prep_xfer_dlist(peer, [(a, b, 0) for a, b in info["contexts"][str(n)][:read]], "DRAM")
+        handle = agent.make_prepped_xfer("READ", local, list(range(read)), remote, list(range(read)))
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            times.append(time.perf_counter() - t0)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL READ failed ({state})")
+        agent.release_xfer_handle(handle)
+        agent.release_dlist_handle(local)
+        agent.release_dlist_handle(remote)
+        agent.deregister_memory(registered)
+        rates[n] = n * read / statistics.median(times[1:]) / 1e9
+    agent.remove_remote_agent(peer)
+    return rates
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m droidmesh.shared.tools.bench.nixl_raw")
+    parser.add_argument("sizes")
+    parser.add_argument("--items", type=int, default=1)
+    args = parser.parse_args(argv)
+    return serve([int(s) for s in args.sizes.split(",")], max(1, args.items))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

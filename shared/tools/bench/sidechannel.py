@@ -1,0 +1,246 @@
+"""`droidmesh bench sidechannel`: can a tenant tell, from timing alone, whether another tenant's
+context is cached?
+
+A mesh (nats-server under per-role users, broker, one sender, one receiver, the OpenAI gateway
+with a key file) serves two phases. In each trial an operator prefills a fresh context into the
+victim's scope (`tenant:victim`); the attacker then asks, through the gateway, either for that
+context (cached) or for another fresh one of the same length (uncached), in shuffled order, and
+times the request (`max_tokens` 1: its time is the time to first token as the attacker sees it).
+Every trial prefills, cached or not, so the two labels differ in nothing but the attacker's prompt.
+
+* before: the attacker's key has the victim's tenant: one scope, as every request had before
+  scopes (what a reply's timing told anyone who sent the same prompt);
+* after: the attacker's key is another tenant's.
+
+The attacker's best rule is a threshold on the time (`train_threshold`: any cut and either
+direction, fitted on a stratified half of the trials); its accuracy on the other half, with a
+Wilson interval (`wilson`), is the result. With scopes the interval should hold 0.5.
+
+Called by `shared/tools/cli/bench.py`; blocks for the run; every process is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from droidmesh.shared.auth import keys as api_keys
+from droidmesh.shared.mesh.nats_auth import Roster, receiver_user, sender_user
+from droidmesh.shared.service.launch import start_service
+from droidmesh.shared.service.localmesh import THREADS, launched_env, mesh
+
+SENDER, RECEIVER = "sc-sender", "sc-receiver"
+VICTIM, ATTACKER = "victim", "attacker"
+QUESTION = " who q"
+PHASES = {"before": VICTIM, "after": ATTACKER}  # phase -> the attacker key's tenant
+Z95 = 1.959963984540054
+
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a proportion k/n (valid near 0 and 1, unlike p +- z*se)."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _accuracy(times: np.ndarray, cached: np.ndarray, threshold: float, faster: bool) -> float:
+    guess = times < threshold if faster else times > threshold
+    return float(np.mean(guess == cached))
+
+
+def train_threshold(times: Sequence[float], cached: Sequence[bool]) -> dict[str, Any]:
+    """The attacker's best rule on training trials: "cached if time < t" (or "> t", whichever
+    direction fits better), t a midpoint between two observed times or beyond them all."""
+    x, y = np.asarray(times, float), np.asarray(cached, bool)
+    u = np.unique(x)
+    cuts = [float(u[0]) - 1.0, *((u[:-1] + u[1:]) / 2).tolist(), float(u[-1]) + 1.0] if len(u) else [0.0]
+    best = {"threshold_s": cuts[0], "faster_is_cached": True, "train_accuracy": -1.0}
+    for t in cuts:
+        for faster in (True, False):
+            acc = _accuracy(x, y, t, faster)
+            if acc > best["train_accuracy"]:
+                best = {"threshold_s": t, "faster_is_cached": faster, "train_accuracy": acc}
+    return best
+
+
+def split(cached: Sequence[bool] | np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stratified halves of the trial indices (train, test): each label split evenly."""
+    rng = np.random.default_rng(seed)
+    y = np.asarray(cached, bool)
+    train, test = [], []
+    for label in (True, False):
+        idx = rng.permutation(np.flatnonzero(y == label))
+        train += idx[: len(idx) // 2].tolist()
+        test += idx[len(idx) // 2:].tolist()
+    return np.array(sorted(train), int), np.array(sorted(test), int)
+
+
+def evaluate(times: Sequence[float], cached: Sequence[bool], seed: int = 0) -> dict[str, Any]:
+    """Train the threshold on one half, test it on the other: accuracy, its 95 % Wilson interval,
+    and whether that interval holds 0.5 (chance)."""
+    x, y = np.asarray(times, float), np.asarray(cached, bool)
+    train, test = split(y, seed)
+    rule = train_threshold(x[train], y[train])
+    hits = int(round(_accuracy(x[test], y[test], rule["threshold_s"], rule["faster_is_cached"]) * len(test)))
+    lo, hi = wilson(hits, len(test))
+    med = lambda sel: float(np.median(x[sel])) if sel.any() else None  # noqa: E731
+    return {**rule, "train_trials": len(train), "test_trials": len(test), "test_correct": hits,
+            "accuracy": hits / len(test) if len(test) else None, "ci95": [lo, hi], "chance_in_ci": lo <= 0.5 <= hi,
+            "median_cached_s": med(y), "median_uncached_s": med(~y)}
+
+
+def _context(rng: np.random.Generator, words: int) -> str:
+    from droidmesh.shared.tasks import vocab
+
+    return " ".join(rng.choice(vocab.FILLER, words).tolist())
+
+
+def _post(base: str, key: str, model: str, prompt: str, timeout_s: float) -> tuple[float, dict[str, Any]]:
+    """Seconds one completion (max_tokens 1) took, as the client sees it, and its reply."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{base}/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        reply = json.loads(r.read())
+    return time.perf_counter() - t0, reply
+
+
+def _until_listed(base: str, key: str, model: str, timeout_s: float = 60) -> None:
+    """Wait until the gateway has discovered `model`'s receivers (it lists them in /v1/models)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if model in [m["id"] for m in json.loads(r.read())["data"]]:
+                    return
+        except urllib.error.HTTPError as e:  # 503 until a receiver answers discovery
+            if e.code != 503:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gateway never listed {model}")
+        time.sleep(0.2)
+
+
+def _keys(path: Path) -> dict[str, str]:
+    """A key per tenant (victim, attacker), unmetered for the run: tenant -> key."""
+    out = {}
+    for tenant in (VICTIM, ATTACKER):
+        key, kid = api_keys.make_key()
+        api_keys.append(path, api_keys.ApiKey(id=kid, digest=api_keys.digest(key), tenant=tenant, models=(RECEIVER,),
+                                              requests_per_minute=10**6, tokens_per_minute=10**9, max_concurrent=4))
+        out[tenant] = key
+    return out
+
+
+def run_sidechannel(sender_path: str, receiver_path: str, group: tuple[int, int], words: int, trials: int,
+                    warmup: int, seed: int, device: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """Both phases on one mesh: per phase, `trials` cached and `trials` uncached requests (after
+    `warmup` untimed ones). Returns {"phases": {phase: evaluate(...) + raw trials}, ...}."""
+    from droidmesh.shared.model.adapter import load_model
+
+    model = load_model(receiver_path, device="cpu")  # tokenizer and fingerprint, to see when the broker has a context
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory(prefix="dm-bench-sidechannel-") as work:
+        return _run(Path(work), model, rng, sender_path, receiver_path, group, words, trials, warmup, seed, device,
+                    say)
+
+
+def _run(work: Path, model: Any, rng: np.random.Generator, sender_path: str, receiver_path: str,
+         group: tuple[int, int], words: int, trials: int, warmup: int, seed: int, device: str,
+         say: Callable[[str], None]) -> dict[str, Any]:
+    from droidmesh.shared.mesh.client import MeshClient
+    from droidmesh.shared.model import text
+
+    keys = _keys(work / "keys.toml")
+    victim_scope = next(k.scope for k in api_keys.load(work / "keys.toml").values() if k.tenant == VICTIM)
+    result: dict[str, Any] = {"phases": {}}
+    with mesh(Roster.local([SENDER], [RECEIVER])) as (access, procs):
+        url = access.url
+        procs.append(start_service("cache_broker", {}, url, env={**THREADS, **access.env_for("broker")}))
+        procs.append(start_service("sender", {"model_path": sender_path, "model_id": SENDER, "sender_id": SENDER,
+                                              "readers": [RECEIVER], "dtype": "bfloat16", "e_layers": [group[0]]}, url,
+                                   env={**launched_env(device), **access.env_for(sender_user(SENDER))}))
+        procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": RECEIVER, "dtype": "bfloat16",
+                                                "default_group": list(group)}, url,
+                                   env={**launched_env(device), **access.env_for(receiver_user(RECEIVER))}))
+        procs.append(start_service("gateway", {"http_port": 0, "api_keys": work / "keys.toml"}, url,
+                                   env={**THREADS, **access.env_for("gateway")}))
+        base = f"http://127.0.0.1:{procs[-1].events('gateway_started')[0]['http_port']}/v1"
+        _until_listed(base, keys[VICTIM], RECEIVER)
+
+        async def prefill(ops: MeshClient, context: str) -> None:
+            """Cache `context` for the victim; return once the broker answers it in that scope."""
+            await ops.prefill(SENDER, context, scope=victim_scope, timeout=300)
+            ids = text.context_ids(model.tokenizer, context)
+            deadline = time.monotonic() + 60
+            while (await ops.lookup(ids, model.fingerprint.id, scope=victim_scope)).holder is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the broker never indexed a prefilled context")
+                await asyncio.sleep(0.01)
+
+        async def phase(name: str, key: str) -> dict[str, Any]:
+            ops = await MeshClient.connect(url, **access.options("admin"))  # filling a store: an operator's
+            try:
+                labels = [True] * trials + [False] * trials
+                order = [True, False] * warmup + rng.permutation(labels).tolist()
+                rows: list[dict[str, Any]] = []
+                for i, cached in enumerate(order):
+                    victims = _context(rng, words)
+                    await prefill(ops, victims)
+                    prompt = (victims if cached else _context(rng, words)) + QUESTION
+                    s, reply = await asyncio.to_thread(_post, base, key, RECEIVER, prompt, 300)
+                    if i < 2 * warmup:
+                        continue
+                    ext = reply.get("droidmesh") or {}
+                    rows.append({"cached": bool(cached), "seconds": s, "path": ext.get("path"),
+                                 "prompt_tokens": (reply.get("usage") or {}).get("prompt_tokens")})
+                    if len(rows) % 10 == 0:
+                        say(f"sidechannel {name}: {len(rows)}/{len(labels)} trials")
+                return {"trials": rows}
+            finally:
+                await ops.close()
+
+        for name, tenant in PHASES.items():
+            say(f"sidechannel {name}: attacker's key is tenant {tenant!r}, the victim's contexts are {victim_scope!r}")
+            got = asyncio.run(phase(name, keys[tenant]))
+            rows = got["trials"]
+            ev = evaluate([r["seconds"] for r in rows], [r["cached"] for r in rows], seed)
+            paths: dict[str, dict[str, int]] = {"cached": {}, "uncached": {}}
+            for r in rows:
+                side = paths["cached" if r["cached"] else "uncached"]
+                side[str(r["path"])] = side.get(str(r["path"]), 0) + 1
+            tokens = [r["prompt_tokens"] for r in rows if r["prompt_tokens"]]
+            result["phases"][name] = {"attacker_tenant": tenant, **ev, "paths": paths,
+                                      "prompt_tokens": int(np.median(tokens)) if tokens else None, "trials": rows}
+    return result
+
+
+def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One printed row per phase."""
+    out = []
+    for name, p in result["phases"].items():
+        out.append({"phase": name, "attacker": p["attacker_tenant"], "tokens": p["prompt_tokens"],
+                    "test_trials": p["test_trials"], "median_cached_s": p["median_cached_s"],
+                    "median_uncached_s": p["median_uncached_s"], "threshold_s": p["threshold_s"],
+                    "accuracy": p["accuracy"], "ci95_lo": p["ci95"][0], "ci95_hi": p["ci95"][1],
+                    "chance_in_ci": p["chance_in_ci"]})
+    return out
+
+
+COLUMNS = ["phase", "attacker", "tokens", "test_trials", "median_cached_s", "median_uncached_s", "threshold_s",
+           "accuracy", "ci95_lo", "ci95_hi", "chance_in_ci"]

@@ -1,0 +1,251 @@
+"""`droidmesh config {publish,show,relay-policy}`: the pair configs in the JetStream bucket receivers watch.
+
+`publish FILE` takes either a profile JSON as `droidmesh profile --json` writes it (bound to the
+weights of --sender / --receiver, by default the models the profile names) or a RecomputeConfig
+as JSON; either is validated in full (`config_board.validate`) before anything connects.
+`relay-policy FILE` republishes the newest config of each pair with the relay audit's verdicts.
+NATS roles: publishing writes the bucket (`profiler` or `admin`); showing reads it (`admin`,
+`profiler`, and the `sender-<id>` / `receiver-<model>` service users).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+
+from droidmesh.shared.errors import BadRequestError, DroidMeshError
+from droidmesh.shared.tools.cli.connect import Conn, nats_options
+from droidmesh.shared.tools.cli.model_options import MODEL_HELP
+from droidmesh.shared.wire import schemas, subjects
+
+PROFILE_KEYS = ("sender", "receiver", "task", "tolerance", "total_layers", "chosen", "frontier", "full_prefill",
+                "full_reuse")
+
+
+@click.group()
+def config() -> None:
+    """Recompute configs: publish one to the bucket running receivers and senders watch, or show them."""
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequestError(f"{path} is not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BadRequestError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _from_profile(path: str, data: dict[str, Any], sender: str | None, receiver: str | None,
+                  version: int) -> schemas.RecomputeConfig:
+    from droidmesh.shared.profiling.profile import recompute_config
+    from droidmesh.shared.zoo.manifest import resolve_model
+
+    missing = [k for k in PROFILE_KEYS if k not in data]
+    if missing:
+        raise BadRequestError(f"{path} is neither a RecomputeConfig nor a profile (missing {', '.join(missing)})")
+    # The config binds the weights' sha256s: resolve the models the profile names (`models`: the
+    # zoo label or path `droidmesh profile` recorded, else the bare ids), unless overridden.
+    recorded = data.get("models")
+    models: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
+    s_ref = resolve_model(sender or str(models.get("sender") or data["sender"]))
+    r_ref = resolve_model(receiver or str(models.get("receiver") or data["receiver"]))
+    try:
+        cfg = recompute_config(data, s_ref, r_ref, version)
+    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as e:  # a malformed frontier point, say
+        raise BadRequestError(f"{path}: not a valid profile ({type(e).__name__}: {e})") from None
+    for role, ref in (("sender", s_ref), ("receiver", r_ref)):
+        profiled = models.get(f"{role}_sha256")
+        if profiled and profiled != ref.sha256:
+            raise BadRequestError(f"{path} profiled other {role} weights than {ref.label} holds now "
+                                  f"(sha256 {profiled[:12]} vs {ref.sha256[:12]}); profile it again")
+    return cfg
+
+
+def load_config(path: str, sender: str | None = None, receiver: str | None = None,
+                version: int | None = None) -> schemas.RecomputeConfig:
+    """The validated RecomputeConfig a file holds (a profile JSON or a RecomputeConfig JSON)."""
+    from droidmesh.shared.mesh.config_board import validate
+
+    data = _read_json(path)
+    if data.get("type") == "recompute.config" or "sender_model" in data:
+        if sender or receiver:
+            raise BadRequestError("--sender / --receiver apply to a profile JSON; a RecomputeConfig names its models")
+        try:
+            cfg = msgspec.convert({"type": "recompute.config", **data}, schemas.RecomputeConfig)
+        except msgspec.ValidationError as e:
+            raise BadRequestError(f"{path}: invalid RecomputeConfig: {e}") from None
+        if version is not None:
+            cfg = msgspec.structs.replace(cfg, profile_version=version)
+    else:
+        cfg = _from_profile(path, data, sender, receiver, version if version is not None else int(time.time()))
+    try:
+        return validate(cfg)
+    except DroidMeshError as e:
+        raise BadRequestError(f"{path}: {e}") from None
+
+
+def maps_files(path: str, cfg: schemas.RecomputeConfig) -> dict[str, bytes]:
+    """The maps files `cfg` names, read from maps/<sha256>.safetensors next to `path` and checked
+    against their names; `BadRequestError` for one missing or altered."""
+    import hashlib
+
+    from droidmesh.shared.mesh.maps_store import referenced
+
+    found = {}
+    for sha in sorted(referenced([*cfg.frontier, cfg.chosen])):
+        f = Path(path).parent / "maps" / f"{sha}.safetensors"
+        if not f.is_file():
+            raise BadRequestError(f"{path} names SCD maps {sha[:12]}...; {f} is missing")
+        data = f.read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise BadRequestError(f"{f} does not hash to its name: altered or truncated")
+        found[sha] = data
+    return found
+
+
+@config.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--sender", default=None, help=f"Sender of a profile JSON: {MODEL_HELP} (default: the one it names).")
+@click.option("--receiver", default=None, help=f"Receiver of a profile JSON: {MODEL_HELP} (default: the one it names).")
+@click.option("--version", type=click.IntRange(0), default=None,
+              help="profile_version to publish under (default: a profile's is the current time, a config's its own).")
+@click.option("--dry-run", is_flag=True, help="Validate and print the config; do not connect.")
+@click.option("--force", is_flag=True, help="Publish even a config whose chosen plan fails the test split's rule.")
+@nats_options(default_timeout=10.0)
+def publish(file: str, sender: str | None, receiver: str | None, version: int | None, dry_run: bool, force: bool,
+            conn: Conn) -> None:
+    """Validate FILE and publish it to the config bucket (NATS role: profiler or admin), with the
+    SCD maps files its lowrank plans name (read from maps/<sha256>.safetensors next to FILE).
+    A config whose chosen plan fails the tolerance rule on the profile's test split is refused
+    (also with --dry-run) unless --force: receivers would serve a plan the held-out rows reject."""
+    cfg = load_config(file, sender, receiver, version)
+    if cfg.passes_test is False and not force:
+        raise BadRequestError(f"{file}: {_test_failure(cfg)}; publish anyway with --force")
+    maps = maps_files(file, cfg)
+    key = f"{subjects.config_key(cfg.sender_model, cfg.receiver_model)}.v{cfg.profile_version}"
+    if dry_run:
+        click.echo(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode())
+        return
+
+    async def body(nc: Any) -> None:
+        from droidmesh.shared.mesh.config_board import NatsConfigBoard
+        from droidmesh.shared.mesh.maps_store import NatsMapsStore
+
+        store = NatsMapsStore(nc)
+        for data in maps.values():  # first: a service that sees the config can fetch its maps at once
+            await store.put(data)
+        await NatsConfigBoard(nc).put(cfg)
+
+    conn.run(body, "publishing the config")
+    if maps:
+        click.echo(f"published {len(maps)} SCD maps file(s) to {subjects.MAPS_BUCKET}")
+    click.echo(f"published {key} to {subjects.CONFIG_BUCKET}: {cfg.chosen.plan.groups or 'full reuse'} "
+               f"({cfg.chosen.recomputed_layers} of {cfg.total_layers} layers recomputed)")
+
+
+def _plan(p: schemas.FrontierPoint) -> str:
+    return " ".join(f"[{s},{e})" for s, e in p.plan.groups) or "full reuse"
+
+
+def _q(q: float | None) -> str:
+    return "-" if q is None else f"{q:.3f}"
+
+
+def _test_failure(cfg: schemas.RecomputeConfig) -> str:
+    return (f"the chosen plan fails the test split (test {_q(cfg.chosen_quality_test)} < {1 - cfg.tolerance:g} x "
+            f"full prefill {_q(cfg.full_prefill_quality_test)})")
+
+
+def _quality(c: schemas.RecomputeConfig) -> str:
+    """Train and test quality side by side: the choice was made on train, the test split checks it."""
+    return (f"quality train {c.chosen.quality:.3f} test {_q(c.chosen_quality_test)} vs full prefill "
+            f"train {c.full_prefill_quality:.3f} test {_q(c.full_prefill_quality_test)}"
+            + (", FAILS on test" if c.passes_test is False else ""))
+
+
+@config.command()
+@click.option("--sender", default=None, help="Only configs of this sender model id.")
+@click.option("--receiver", default=None, help="Only configs of this receiver model id.")
+@click.option("--json", "as_json", is_flag=True, help="Print the configs as JSON (newest version per pair).")
+@nats_options(default_timeout=10.0)
+def show(sender: str | None, receiver: str | None, as_json: bool, conn: Conn) -> None:
+    """List the pair configs in the bucket (newest version per pair; every version with --sender and --receiver)."""
+    from droidmesh.shared.mesh.config_board import NatsConfigBoard
+
+    async def body(nc: Any) -> dict[str, schemas.RecomputeConfig | str] | None:
+        return await NatsConfigBoard(nc).snapshot()
+
+    found = conn.run(body, "reading the config bucket")
+    if found is None:
+        raise BadRequestError(f"no config was ever published (bucket {subjects.CONFIG_BUCKET} does not exist)")
+    configs = [c for c in found.values() if isinstance(c, schemas.RecomputeConfig)
+               and sender in (None, c.sender_model) and receiver in (None, c.receiver_model)]
+    for key, why in sorted(found.items()):
+        if isinstance(why, str):
+            click.echo(f"skipping {key}: {why}", err=True)
+    if not (sender and receiver):  # an overview: the newest version of each pair
+        newest: dict[tuple[str, str], schemas.RecomputeConfig] = {}
+        for c in configs:
+            pair = (c.sender_model, c.receiver_model)
+            if pair not in newest or c.profile_version > newest[pair].profile_version:
+                newest[pair] = c
+        configs = list(newest.values())
+    configs.sort(key=lambda c: (c.sender_model, c.receiver_model, c.profile_version))
+    if as_json:
+        click.echo(msgspec.json.format(msgspec.json.encode(configs), indent=2).decode())
+        return
+    if not configs:
+        click.echo("no matching config")
+    for c in configs:
+        click.echo(f"{subjects.config_key(c.sender_model, c.receiver_model)}.v{c.profile_version}  task {c.task}  "
+                   f"chosen {_plan(c.chosen)} ({c.chosen.recomputed_layers}/{c.total_layers} layers, {_quality(c)})  "
+                   f"frontier {len(c.frontier)} points  sha256 {c.sender_sha256[:8]}->{c.receiver_sha256[:8]}")
+
+
+@config.command("relay-policy")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--sender", default=None, help="Only configs of this sender model id.")
+@click.option("--receiver", default=None, help="Only configs of this receiver model id.")
+@click.option("--dry-run", is_flag=True, help="Print what would be published; do not write the bucket.")
+@nats_options(default_timeout=10.0)
+def relay_policy(file: str, sender: str | None, receiver: str | None, dry_run: bool, conn: Conn) -> None:
+    """Apply the relay audit's policy FILE (`droidmesh audit --policy`) to the newest config of each
+    pair: republished under a new version, running receivers load it without a restart and stop
+    relaying where the audit found relaying slower (NATS role: profiler or admin)."""
+    from droidmesh.shared.audit.relay import relay_buckets, with_relay
+    from droidmesh.shared.mesh.config_board import NatsConfigBoard, validate
+
+    buckets = relay_buckets(_read_json(file), file)
+
+    async def body(nc: Any) -> list[schemas.RecomputeConfig]:
+        board = NatsConfigBoard(nc)
+        found = await board.snapshot()
+        newest: dict[tuple[str, str], schemas.RecomputeConfig] = {}
+        for c in (found or {}).values():
+            if isinstance(c, schemas.RecomputeConfig) and sender in (None, c.sender_model) \
+                    and receiver in (None, c.receiver_model):
+                pair = (c.sender_model, c.receiver_model)
+                if pair not in newest or c.profile_version > newest[pair].profile_version:
+                    newest[pair] = c
+        updated = [validate(with_relay(c, buckets, max(c.profile_version + 1, int(time.time()))))
+                   for c in newest.values()]
+        if not dry_run:
+            for c in updated:
+                await board.put(c)
+        return updated
+
+    updated = conn.run(body, "applying the relay policy")
+    if not updated:
+        raise BadRequestError("no matching config in the bucket to apply the policy to")
+    for c in updated:
+        verdicts = ", ".join(f"[{b.lo:g},{b.hi:g}) {'-' if b.relay is None else 'relay' if b.relay else 'own prefill'}"
+                             for b in c.relay)
+        click.echo(f"{'would publish' if dry_run else 'published'} "
+                   f"{subjects.config_key(c.sender_model, c.receiver_model)}.v{c.profile_version}: {verdicts}")
