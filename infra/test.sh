@@ -5,5 +5,6 @@ cd "$(dirname "$0")/.."
 bash infra/bootstrap.sh
 .venv/bin/ruff check shared services tests
 .venv/bin/python infra/typecheck.py
+.venv/bin/lint-imports --no-logo  # the layers point one way (pyproject.toml [tool.importlinter])
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
 exec .venv/bin/python -m pytest -q --durations=25 "$@"

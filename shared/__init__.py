@@ -9,10 +9,11 @@ outside a checkout and an editable install reads the checkout's own files.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("droidmesh")  # pyproject.toml's, as installed
 
 
 def _data_dir(package: str) -> Path:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
+from droidmesh.shared import __version__
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.mesh import discovery
 from droidmesh.shared.mesh.bus import Bus, NatsBus
@@ -37,7 +38,7 @@ class MeshClient:
         inbox prefix, the only one NATS lets it read (see infra/nats/nats-auth.conf)."""
         if options.get("user"):
             options.setdefault("inbox_prefix", subjects.inbox_prefix(options["user"]))
-        return cls(await NatsBus.connect(url, "droidmesh-client", "0.1.0", **options))
+        return cls(await NatsBus.connect(url, "droidmesh-client", __version__, **options))
 
     async def _call(self, subject: str, msg: schemas.Message, kind: type, timeout: float,
                     attempt_s: float | None = None) -> Any:

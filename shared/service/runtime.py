@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from droidmesh.shared import __version__
 from droidmesh.shared.errors import ConfigError, DroidMeshError
 from droidmesh.shared.mesh.bus import Bus, NatsBus
 from droidmesh.shared.service import settings
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from droidmesh.shared.model.adapter import ModelAdapter
 
 log = structlog.get_logger("runtime")
-VERSION = "0.1.0"
 C = TypeVar("C", bound=settings.BusSettings)
 
 
@@ -166,7 +166,7 @@ class ServiceRuntime(Generic[C]):
         self.phase = "connecting"
         opts = self.cfg.nats_options()
         log.info("nats_connecting", servers=[_without_credentials(u) for u in opts["servers"]])
-        self._own_bus = await NatsBus.connect(None, self.nats_name, VERSION, **opts)
+        self._own_bus = await NatsBus.connect(None, self.nats_name, __version__, **opts)
         log.info("nats_connected")
         return self._own_bus
 

@@ -24,8 +24,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from droidmesh.shared.model.names import sha256_file
-from droidmesh.shared.zoo import train as T
 from droidmesh.shared.tasks import vocab as V
+from droidmesh.shared.zoo import train as T
 from droidmesh.shared.zoo.manifest import MANIFEST, read_manifest, zoo_dir
 from droidmesh.shared.zoo.recipe import Derivative, Recipe, ops_hash, recipe_dict, recipe_hash
 from droidmesh.shared.zoo.tiers import get_recipe

@@ -26,9 +26,9 @@ import torch
 from tqdm import tqdm
 
 from droidmesh.shared.model.names import Pair, sha256_file
+from droidmesh.shared.tasks.realtext import SOURCES, make_real_rows
 from droidmesh.shared.zoo.manifest import MANIFEST, REPO_ZOO, read_manifest, zoo_dir
 from droidmesh.shared.zoo.realbase import FACTS, write_base
-from droidmesh.shared.tasks.realtext import SOURCES, make_real_rows
 
 TIER = "real"
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.model.names import Pair
-from droidmesh.shared.zoo.recipe import Derivative, Op, Recipe
 from droidmesh.shared.tasks.suite import SuiteShape
+from droidmesh.shared.zoo.recipe import Derivative, Op, Recipe
 from droidmesh.shared.zoo.train import Arch, Stage
 
 LOOKUP = (("recall", 0.5), ("ask", 0.3), ("echo", 0.2))

@@ -107,7 +107,7 @@ def new_model(arch: Arch, ids: WordIds, seed: int, family: str = "llama") -> Lla
 # -- batches -----------------------------------------------------------------------------------
 def sample_sequence(stage: Stage, rng: random.Random, ids: WordIds, code_sampler=None) -> tuple[list[int], list[int]]:
     """One training sequence of `stage` as (token ids with <bos>, target mask)."""
-    kinds, weights = zip(*stage.mix)
+    kinds, weights = zip(*stage.mix, strict=True)
     kind = rng.choices(kinds, weights)[0]
     if kind == "echo":
         words, mask = echo_seq(rng, units=max(4, stage.lookups))
@@ -175,7 +175,10 @@ def select_trainable(model: LlamaForCausalLM, stage: Stage, ids: WordIds) -> tup
     contains an alias, so the context's KV stays that of the frozen layers)."""
     for p in model.parameters():
         p.requires_grad_(stage.train == "all")
-    hook: Callable[[], None] = lambda: None
+
+    def hook() -> None:  # no gradient to mask unless only the aliases may move
+        return None
+
     if stage.train.startswith("layers:"):
         spec = stage.train.split(":", 1)[1]
         layer_part, _, extra = spec.partition("+")
@@ -335,5 +338,5 @@ def init_aliases(model: LlamaForCausalLM, ids: WordIds) -> None:
     new tokens from related ones). Only question tokens ever contain aliases, so this changes
     nothing about how any context is encoded."""
     emb = model.model.embed_tokens.weight
-    for k, a in zip(V.KEYS, V.ALIASES):
+    for k, a in zip(V.KEYS, V.ALIASES, strict=True):
         emb[ids[a]] = emb[ids[k]]

@@ -77,11 +77,11 @@ SYSTEM_HELP = "With --as-chat: this system message instead of the chat template'
 
 
 def _client(nc: Any) -> Any:
+    from droidmesh.shared import __version__
     from droidmesh.shared.mesh.bus import NatsBus
     from droidmesh.shared.mesh.client import MeshClient
-    from droidmesh.shared.service.runtime import VERSION
 
-    return MeshClient(NatsBus(nc, "droidmesh-client", VERSION))
+    return MeshClient(NatsBus(nc, "droidmesh-client", __version__))
 
 
 @click.command()

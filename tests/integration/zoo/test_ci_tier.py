@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.model.names import sha256_file
-from droidmesh.shared.zoo.manifest import resolve_model
 from droidmesh.shared.zoo import build_tier
+from droidmesh.shared.zoo.manifest import resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -89,8 +89,8 @@ def test_zoo_list_and_eval_cli(ci_tier, tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_eval_cli_on_a_user_jsonl_dataset(ci_tier, tmp_path: Path) -> None:
     """`eval --data` scores any LongBench-style JSONL with local checkpoint paths."""
-    from droidmesh.shared.tools.cli.eval import eval_cmd
     from droidmesh.shared.tasks.jsonl import write_jsonl
+    from droidmesh.shared.tools.cli.eval import eval_cmd
 
     out, _ = ci_tier
     data = tmp_path / "d.jsonl"

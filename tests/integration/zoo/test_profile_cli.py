@@ -20,7 +20,9 @@ def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path
     chosen - full prefill, and the transfer search's configs, each lowrank one with its maps file
     next to the JSON under its sha256; the frontier PNG is written."""
     out, man = ci_tier
-    path = lambda name: str(out / man["models"][name]["path"])
+    def path(name: str) -> str:
+        return str(out / man["models"][name]["path"])
+
     js, png = tmp_path / "p.json", tmp_path / "p.png"
     res = CliRunner().invoke(cli, ["profile", "--sender", path("base"), "--receiver", path("qa"),
                                    "--task", "multihop_qa", "--n-train", "3", "--n-test", "3", "--exhaustive",
@@ -57,7 +59,9 @@ def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path
 def test_profile_rejects_an_unknown_robustness_task(ci_tier, tmp_path: Path) -> None:
     """A robustness task the zoo does not know is a clear error, not a crash mid-profile."""
     out, man = ci_tier
-    path = lambda name: str(out / man["models"][name]["path"])
+    def path(name: str) -> str:
+        return str(out / man["models"][name]["path"])
+
     res = CliRunner().invoke(cli, ["profile", "--sender", path("base"), "--receiver", path("qa"),
                                    "--task", "multihop_qa", "--other-task", "poetry", "--n-train", "1",
                                    "--n-test", "1", "--json", str(tmp_path / "p.json")])

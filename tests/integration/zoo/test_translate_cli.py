@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from droidmesh.shared.kv import translate
 from droidmesh.shared.tools.cli.eval import eval_cmd
 from droidmesh.shared.tools.cli.profile import profile
-from droidmesh.shared.kv import translate
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft, building the ci tier
 

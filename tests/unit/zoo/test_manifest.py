@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.tools.cli.main import main as cli
 from droidmesh.shared.errors import CheckpointNotFoundError
 from droidmesh.shared.model.names import Pair
-from droidmesh.shared.zoo.manifest import resolve_model
-from droidmesh.shared.zoo.manifest import listing, profile_file
+from droidmesh.shared.tools.cli.main import main as cli
+from droidmesh.shared.zoo.manifest import listing, profile_file, resolve_model
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from droidmesh.shared.tasks.realtext import REAL_TASKS, make_real_rows, man_pages, split_of
 from droidmesh.shared.tasks.rows import encode_row
 from droidmesh.shared.tasks.spec import task_spec
-from droidmesh.shared.tasks.realtext import REAL_TASKS, make_real_rows, man_pages, split_of
 from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
 

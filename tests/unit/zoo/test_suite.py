@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from droidmesh.shared.tasks.spec import TASKS, known_tasks, task_spec
 from droidmesh.shared.tasks import vocab as V
+from droidmesh.shared.tasks.spec import TASKS, known_tasks, task_spec
 from droidmesh.shared.tasks.suite import SuiteShape, code_row, make_rows, stdlib_files
 from droidmesh.shared.tasks.synthetic import CODE, make_context
 

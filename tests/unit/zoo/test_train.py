@@ -71,6 +71,7 @@ def test_recipe_hash_tracks_the_recipe() -> None:
     r = get_recipe("ci")
     assert recipe_hash(r) == recipe_hash(get_recipe("ci"))
     d0 = r.derivatives[0]
-    changed = dataclasses.replace(r, derivatives=(dataclasses.replace(d0, stages=(dataclasses.replace(d0.stages[0], steps=1),)),) + r.derivatives[1:])
+    one_step = dataclasses.replace(d0, stages=(dataclasses.replace(d0.stages[0], steps=1),))
+    changed = dataclasses.replace(r, derivatives=(one_step,) + r.derivatives[1:])
     assert recipe_hash(changed) != recipe_hash(r)
     assert ops_hash(changed, len(r.base_ops)) == ops_hash(r, len(r.base_ops))
