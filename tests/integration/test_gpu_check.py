@@ -61,7 +61,7 @@ def test_named_shapes_have_the_real_architectures_sizes():
 
 def test_the_cli_lists_every_named_shape():
     """`bench ttft --shape` offers exactly the shapes the module builds."""
-    from droidmesh.shared.tools.cli.bench import SHAPE_NAMES
+    from droidmesh.shared.tools.cli.bench.engine import SHAPE_NAMES
 
     assert set(SHAPE_NAMES) == set(shapes.SHAPES)
 

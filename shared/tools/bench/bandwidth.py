@@ -1,6 +1,6 @@
 """`droidmesh bench bandwidth`: the pipeline probe across a rate-limited link, per link rate.
 
-Called by `shared/tools/cli/bench_data_plane.py`; `bandwidth_env` and `CROSS_HOST_UCX_TLS` also by
+Called by `shared/tools/cli/bench/data_plane.py`; `bandwidth_env` and `CROSS_HOST_UCX_TLS` also by
 `codec_sweep` (its mesh stage is this sweep's setup). Sender and nats-server run in one network
 namespace, the probe in another, over a veth whose rate `netns.set_rate` sets with tc (needs root
 and `ip`/`tc`: `netns.available` says why not). Blocks for the whole sweep; every process is

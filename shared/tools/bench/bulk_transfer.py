@@ -1,7 +1,7 @@
 """`droidmesh bench transfer`: pulls between two processes over each bulk channel, against a
 memcpy of the same bytes; its pieces are also the GPU transfer check's (`gpu_transfer`).
 
-Called by `shared/tools/cli/bench_data_plane.py` (`run_transfer`) and `gpu_transfer`. Blocks: a tensor
+Called by `shared/tools/cli/bench/data_plane.py` (`run_transfer`) and `gpu_transfer`. Blocks: a tensor
 server takes up to `SERVER_START_S` to listen, each size is pulled `repeats` + 1 times. It trusts
 UCX's own protocol tables (UCX_PROTO_INFO=y on stdout) to say which transport carried a payload.
 

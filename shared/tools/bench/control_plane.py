@@ -1,6 +1,6 @@
 """`droidmesh bench control`: how fast the control plane makes a cache findable.
 
-Called by `shared/tools/cli/bench_data_plane.py`. Starts a nats-server and a cache broker, then from
+Called by `shared/tools/cli/bench/data_plane.py`. Starts a nats-server and a cache broker, then from
 this process publishes `n` synthetic availability events (no sender, no tensors: the address is a
 placeholder nobody pulls from) as the sender `bench` and polls the broker's lookup as a receiver
 of model `bench` until each is indexed, each over its own connection as that role's user. Blocks for

@@ -32,6 +32,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
+from droidmesh.shared import report
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import start_service
@@ -314,3 +315,51 @@ def run_concurrency(receiver_path: str, tokens: int, concurrencies: list[int], b
                 rows.append({**concurrency_row(b, c, samples, wall, errors), "paths": paths})
     return {"rows": rows, "compare": concurrency_compare(rows), "loadavg_start": loadavg_start,
             "loadavg_end": list(os.getloadavg()), "mode": mode, "dtype": dtype, "pool_tokens": pool_tokens}
+
+
+def plot_concurrency(rows: list[dict], path: str) -> None:
+    plt = report.pyplot()
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for mb in sorted({r["max_batch"] for r in rows}):
+        rs = sorted((r for r in rows if r["max_batch"] == mb), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rs]
+        label = "one at a time" if mb == 1 else f"batched (max_batch {mb})"
+        for ax, key in ((a, "decode_tokens_per_s"), (b, "ttft_p50")):
+            ys = [r[key] for r in rs]
+            ax.plot(xs, ys, "o-" if mb > 1 else "s--", label=label)
+            report.label_points(ax, xs, ys)
+    levels = sorted({r["concurrency"] for r in rows})
+    for ax, ylabel in ((a, "decode tokens/s (aggregate)"), (b, "TTFT p50 (s)")):
+        ax.set_xlabel("concurrent requests")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_load(rows: list[dict], path: str, slo: float) -> None:
+    plt = report.pyplot()
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for n in sorted({r["receivers"] for r in rows}):
+        for mode, style in (("auto", "o-"), ("full_prefill", "s--")):
+            rs = [r for r in rows if r["receivers"] == n and r["mode"] == mode]
+            label = f"{'DroidMesh' if mode == 'auto' else 'full prefill'} x{n}"
+            a.plot([r["rate"] for r in rs], [r["ttft_p99"] for r in rs], style, label=label)
+            b.plot([r["rate"] for r in rs], [r["goodput"] for r in rs], style, label=label)
+            report.label_points(a, [r["rate"] for r in rs], [r["ttft_p99"] for r in rs])
+            report.label_points(b, [r["rate"] for r in rs], [r["goodput"] for r in rs])
+    a.axhline(slo, c="k", ls=":", label="SLO")
+    a.set_xlabel("arrival rate (req/s)")
+    a.set_ylabel("TTFT p99 (s)")
+    a.set_yscale("log")
+    b.set_xlabel("arrival rate (req/s)")
+    b.set_ylabel("goodput (req/s within SLO)")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

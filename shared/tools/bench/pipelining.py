@@ -1,6 +1,6 @@
 """`droidmesh bench pipeline`: does overlapping the pull with the compute pay, on one host?
 
-Called by `shared/tools/cli/bench_data_plane.py`. Starts a nats-server and one sender process serving
+Called by `shared/tools/cli/bench/data_plane.py`. Starts a nats-server and one sender process serving
 over `transport`, then runs the probe (`shared/tools/bench/probe.py`) as the receiver in a child
 process: it pulls over the channel the sender announces and times loading every layer's KV then
 computing, loading the reused KV then computing, and computing while the reused KV streams in.

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from droidmesh.shared.tools.bench import idle as suite
 from droidmesh.shared.tools.cli import bench as cli
-from droidmesh.shared.tools.cli import bench_data_plane
+from droidmesh.shared.tools.cli.bench import data_plane as bench_data_plane
 
 
 def test_idle_reports_each_process_against_the_target(monkeypatch, tmp_path):

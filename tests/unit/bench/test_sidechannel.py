@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from droidmesh.shared.tools.bench import sidechannel as sc
 from droidmesh.shared.tools.cli import bench as cli
+from droidmesh.shared.tools.cli.bench import mesh as mesh_cli
 
 
 def test_wilson_matches_known_values_and_stays_in_bounds():
@@ -63,8 +64,8 @@ def test_the_command_prints_both_phases_and_writes_json(tmp_path, monkeypatch):
         return {"phases": phases}
 
     monkeypatch.setattr(sc, "run_sidechannel", fake_run)
-    monkeypatch.setattr(cli, "demo_pair", lambda: ("s", "r"))
-    monkeypatch.setattr(cli, "checkpoint_layers", lambda path: 12)  # the demo receiver's layers
+    monkeypatch.setattr(mesh_cli, "demo_pair", lambda: ("s", "r"))
+    monkeypatch.setattr(mesh_cli, "checkpoint_layers", lambda path: 12)  # the demo receiver's layers
     out = CliRunner().invoke(cli.bench, ["sidechannel", "--tokens", "500", "--trials", "6", "--warmup", "0",
                                          "--json", str(tmp_path / "sc.json")])
     assert out.exit_code == 0, out.output

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.tools.bench import codec_tradeoff as bc
 from droidmesh.shared.tools.cli import bench as cli
+from droidmesh.shared.tools.cli.bench import codecs as codecs_cli
 from droidmesh.shared.tools.cli.params import checkpoint_layers
 from droidmesh.shared.zoo import manifest
 
@@ -51,13 +52,13 @@ def zoo(tmp_path, monkeypatch):
     (" base : qa ", ("base", "qa")),
 ])
 def test_pair_specs(spec, pair):
-    assert cli._split_pair(spec) == pair
+    assert codecs_cli._split_pair(spec) == pair
 
 
 @pytest.mark.parametrize("spec", ["base", "base:", ":qa", "real/base"])
 def test_bad_pair_specs(spec):
     with pytest.raises(click.BadParameter, match="SENDER:RECEIVER"):
-        cli._split_pair(spec)
+        codecs_cli._split_pair(spec)
 
 
 def test_checkpoint_layers_of_an_adapter_are_its_bases(zoo):
@@ -68,29 +69,29 @@ def test_checkpoint_layers_of_an_adapter_are_its_bases(zoo):
 def test_real_pair_resolves_with_the_default_group_then_its_saved_profile(zoo):
     """A real pair by tier-qualified names: paths, labels and ids; [6,12) without a profile, the
     profile's chosen group once zoo/real/profiles/<sender>-to-<receiver>.json exists."""
-    (p,) = cli._codec_pairs("real/base:real/docqa")
+    (p,) = codecs_cli._codec_pairs("real/base:real/docqa")
     assert (p["name"], p["sender_label"], p["receiver_label"]) == ("base->docqa", "real/base", "real/docqa")
     assert (p["sender"], p["receiver"]) == (str(zoo / "real" / "base"), str(zoo / "real" / "docqa"))
     assert p["group"] == (6, 12) and p["group_source"].startswith("default")
     (zoo / "real" / "profiles").mkdir()
     prof = zoo / "real" / "profiles" / "base-to-docqa.json"
     prof.write_text(json.dumps({"chosen": {"start": 3, "end": 9}}))
-    (p,) = cli._codec_pairs("real/base:docqa")
+    (p,) = codecs_cli._codec_pairs("real/base:docqa")
     assert p["group"] == (3, 9) and str(prof) in p["group_source"]
 
 
 def test_group_option_overrides_every_pair_and_must_fit(zoo):
-    pairs = cli._codec_pairs("base:qa,real/base:real/docqa", group=(2, 4))
+    pairs = codecs_cli._codec_pairs("base:qa,real/base:real/docqa", group=(2, 4))
     assert [(p["name"], p["group"], p["group_source"]) for p in pairs] == [
         ("base->qa", (2, 4), "--group"), ("base->docqa", (2, 4), "--group")]
     with pytest.raises(click.BadParameter, match="out of range"):
-        cli._codec_pairs("base:qa", group=(8, 13))  # the demo models have 12 layers
+        codecs_cli._codec_pairs("base:qa", group=(8, 13))  # the demo models have 12 layers
 
 
 def test_demo_pairs_keep_their_profiled_and_known_groups(zoo):
     """Bare names are the demo tier's: base->qa from its saved profile; a demo pair without one
     from the known groups."""
-    by_name = {p["name"]: p for p in cli._codec_pairs("base:qa,qa:base")}
+    by_name = {p["name"]: p for p in codecs_cli._codec_pairs("base:qa,qa:base")}
     assert by_name["base->qa"]["group"] == (4, 6)
     assert by_name["qa->base"]["group"] == (6, 12)
 
@@ -99,21 +100,21 @@ def test_demo_pairs_keep_their_profiled_and_known_groups(zoo):
                                         ("base:qa,", None)])
 def test_bad_pairs(zoo, spec, match):
     if match is None:  # a trailing comma is nothing
-        assert len(cli._codec_pairs(spec)) == 1
+        assert len(codecs_cli._codec_pairs(spec)) == 1
         return
     with pytest.raises(click.BadParameter, match=match):
-        cli._codec_pairs(spec)
+        codecs_cli._codec_pairs(spec)
 
 
 def test_codec_choices():
-    assert cli._codec_choices(None, None, "raw,int8,int4,scd") == ["raw", "int8", "int4", "scd"]
-    assert cli._codec_choices(None, None, "all") == list(bc.CODEC_CHOICES)
-    assert cli._codec_choices(None, None, "scd,scd") == ["scd"]
+    assert codecs_cli._codec_choices(None, None, "raw,int8,int4,scd") == ["raw", "int8", "int4", "scd"]
+    assert codecs_cli._codec_choices(None, None, "all") == list(bc.CODEC_CHOICES)
+    assert codecs_cli._codec_choices(None, None, "scd,scd") == ["scd"]
     with pytest.raises(click.BadParameter):
-        cli._codec_choices(None, None, "raw,zstd")
+        codecs_cli._codec_choices(None, None, "raw,zstd")
     with pytest.raises(click.BadParameter):
-        cli._shares(None, None, "0.9,1.5")
-    assert cli._shares(None, None, "0.9") == [0.9]
+        codecs_cli._shares(None, None, "0.9,1.5")
+    assert codecs_cli._shares(None, None, "0.9") == [0.9]
 
 
 def test_configs_of_a_30_layer_pair_restricted_to_some_codecs_and_shares():
@@ -195,7 +196,7 @@ def test_a_profile_that_chose_no_group_or_fails_its_test_is_not_the_codecs_group
     choice fails its test split gives way to the default group, and the source says why."""
     (zoo / "real" / "profiles").mkdir()
     (zoo / "real" / "profiles" / "base-to-docqa.json").write_text(json.dumps({"chosen": chosen}))
-    [pair] = cli._codec_pairs("real/base:real/docqa")
-    assert pair["group"] == tuple(cli.DEFAULT_GROUP) and why in pair["group_source"]
+    [pair] = codecs_cli._codec_pairs("real/base:real/docqa")
+    assert pair["group"] == tuple(codecs_cli.DEFAULT_GROUP) and why in pair["group_source"]
     (zoo / "real" / "profiles" / "base-to-docqa.json").write_text(json.dumps({"chosen": {"start": 3, "end": 9}}))
-    assert cli._codec_pairs("real/base:real/docqa")[0]["group"] == (3, 9)
+    assert codecs_cli._codec_pairs("real/base:real/docqa")[0]["group"] == (3, 9)

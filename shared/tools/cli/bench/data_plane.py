@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from droidmesh.shared import report
-from droidmesh.shared.tools.cli.bench_kit import GROUP_HELP, demo_pair, launched_device_option, model_pair, save
+from droidmesh.shared.tools.cli.bench.kit import GROUP_HELP, demo_pair, launched_device_option, model_pair, save
 from droidmesh.shared.tools.cli.params import GROUP, float_list, int_list
 
 
@@ -186,7 +186,7 @@ def idle(json_path, transport, idle_s, log_dir) -> None:
     from pathlib import Path
 
     from droidmesh.shared.tools.bench import idle as suite
-    from droidmesh.shared.tools.cli.bench import DEFAULT_GROUPS
+    from droidmesh.shared.tools.cli.bench.kit import DEFAULT_GROUPS
 
     group = DEFAULT_GROUPS["base"]
     sender, receiver = demo_pair(group)

@@ -65,3 +65,6 @@ def model_pair(spec: str | None, group: tuple[int, int] | None = None) -> tuple[
 def save(json_path: str | None, suite: str, payload: dict) -> None:
     report.write_json(json_path, {"suite": suite, "machine": report.machine(), **payload})
 
+
+DEFAULT_GROUPS = {"base": (4, 6), "summ": (0, 6)}  # the demo pairs' profiled groups, when no profile is saved
+DEFAULT_GROUP = (6, 12)  # any other pair's, when no profile is saved and no --group is given

@@ -7,7 +7,7 @@ import click
 
 from droidmesh.shared import report
 from droidmesh.shared.errors import DroidMeshError
-from droidmesh.shared.tools.cli.bench_kit import save
+from droidmesh.shared.tools.cli.bench.kit import save
 from droidmesh.shared.tools.cli.params import int_list
 
 
