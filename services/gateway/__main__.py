@@ -1,4 +1,4 @@
-"""`python -m droidmesh.services.gateway`: config -> logging -> run until SIGTERM / SIGINT (`shared.runtime`)."""
+"""`python -m droidmesh.services.gateway`: config -> logging -> run until SIGTERM / SIGINT (`shared/service/runtime.py`)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ MAX_REMEMBERED_MODELS = 4096  # ids ever seen (404 vs 503); bounded against a pe
 
 
 class Mesh(Protocol):
-    """The part of `shared.client.MeshClient` the gateway uses (tests pass a fake)."""
+    """The part of `shared/mesh/client.MeshClient` the gateway uses (tests pass a fake)."""
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
                   mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,

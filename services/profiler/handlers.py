@@ -52,9 +52,9 @@ async def reprofile(s: ProfilerState, model_id: str, req: schemas.ProfileRequest
 
 async def _profile(s: ProfilerState, who: checks.Requester, req: schemas.ProfileRequest) -> schemas.ProfileReply:
     """Profile the pair in the worker thread, publish the config, reply with the full result."""
-    # require_signal off, as before the CLI checked it: the drift bench and this service's system
-    # tests profile the ci tier's untrained models (full prefill scores 0 there); an operator's
-    # request should get the check through a ProfileRequest field (issue 29, left to do).
+    # require_signal off: the drift bench and this service's system tests profile the ci tier's
+    # untrained models (full prefill scores 0 there). A request cannot ask for the check yet (it
+    # would be a ProfileRequest field).
     settings = ProfileSettings(granularity=req.granularity, tolerance=req.tolerance, exhaustive=req.exhaustive,
                                require_signal=False)
     t0 = time.perf_counter()

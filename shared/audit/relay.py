@@ -4,7 +4,7 @@
 Called by `shared/tools/cli/audit.py` (`policy_proposal`: the policy file from an audit result),
 `shared/tools/cli/config.py` (`relay_buckets`, `with_relay`: `droidmesh config relay-policy FILE`
 writes the buckets into the newest pair configs, `RecomputeConfig.relay`, which receivers load
-hot), `shared/tools/cli/agents.py` and `shared/tools/cli/bench.py` (`read_relay_policy`), and the receiver
+hot), `shared/tools/cli/agents.py` and `shared/tools/cli/bench/` (`read_relay_policy`), and the receiver
 (`reusable_bucket`: the stratum its dashboard counts requests by). Nothing here blocks beyond
 reading one file. A policy file is not trusted: `relay_buckets` checks it before any of it is used.
 

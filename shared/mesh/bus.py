@@ -12,7 +12,7 @@
                                              (plain method; callers never reach the client under it)
   - `close()`                                drain and disconnect (its owner, once, at shutdown)
 Payloads are bytes of `shared.wire.schemas` messages; decoding and error replies live in
-`shared.service_kit`, so a bus never interprets what it carries.
+`shared/service/wrappers.py`, so a bus never interprets what it carries.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What every service's handlers share: the one error-reply wrapper and the event wrapper.
 
-The lifecycle (bus, torch thread, background loops, health, signals) is `shared.runtime`.
+The lifecycle (bus, torch thread, background loops, health, signals) is `shared/service/runtime.py`.
 
 `rpc` is the only place exceptions become `ErrorReply`s: it decodes the request (bad bytes ->
 a specific error reply), runs the handler, and encodes its reply; a `DroidMeshError` keeps its

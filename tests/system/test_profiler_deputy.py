@@ -1,5 +1,5 @@
 """The profiler is no confused deputy: on a real nats-server under per-role users (a conf
-`shared.nats_auth` renders) with a real profiler process, a receiver's login can neither have a
+`shared.mesh.nats_auth` renders) with a real profiler process, a receiver's login can neither have a
 config published with a version, relay buckets or files of its choosing, nor crowd an operator
 out with a flood, and an operator's data files are read only as regular files under the data
 root, every other name refused with the one message a missing file gets."""

@@ -1,4 +1,4 @@
-"""Access control: per-user permissions on a real nats-server (a conf `shared.nats_auth` renders
+"""Access control: per-user permissions on a real nats-server (a conf `shared.mesh.nats_auth` renders
 for this file's roster), single-use grants on UCX pulls, tenant isolation (nobody reads another's
 replies, speaks for another sender, joins another model's queue group or fills a store)."""
 

@@ -1,7 +1,7 @@
 """`droidmesh bench codecs`' run: every wire codec / SCD config of each pair scored in process,
 then timed over the mesh across a rate-limited link; the pieces are `codec_tradeoff`'s.
 
-Called by `shared/tools/cli/bench.py`. Three stages:
+Called by `shared/tools/cli/bench/`. Three stages:
   1. in process, per pair: calibrate the SCD fit on train rows (when a lowrank config is asked
      for), write the maps every lowrank config needs, score every config on the test split, time
      its encode / decode and count its payload bytes per context length (`codec_tradeoff.quality`,

@@ -9,7 +9,7 @@ Sequence:
      `--dry-run`, every later step runs the same way on CPU tensors of tiny sizes;
   2. the reference per size: `dst.copy_(src)` on the device, timed with CUDA events
      (`perf_counter` on the CPU), one warm-up, then the median of `--repeats`;
-  3. a tensor server in a child process (`bulk_transfer.TensorServer`: `shared.bench.tensor_server
+  3. a tensor server in a child process (`bulk_transfer.TensorServer`: `shared.tools.bench.tensor_server
      ucx SIZES --device D`, with `UCX_PROTO_INFO=y`) holding one bf16 tensor per size on the device;
   4. per size, pulls from it over the UCX channel into one preallocated buffer on the same device
      (`bulk_transfer.pull_rates`): one warm-up, then the median wall time of `--repeats` (a pull ends

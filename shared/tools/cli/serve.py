@@ -1,11 +1,11 @@
 """`droidmesh serve BASE [--adapter NAME=MODEL ...]`: one command, a local mesh serving a base and its adapters.
 
-The command checks its arguments (`shared.apps.serve.plan_models`: every adapter is an adapter
+The command checks its arguments (`shared.tools.apps.serve.plan_models`: every adapter is an adapter
 of BASE, ids are unique) and the gateway's address (loopback, or API keys through
 DM_GATEWAY_API_KEYS; a port that is free) before anything starts, gathers the pair configs to
 publish (the zoo tier's saved profiles of pairs among the served models, plus `--profile` files,
 each bound to the served models by the sha256 of their weights), then runs the mesh in the
-foreground (`shared.apps.serve.run`): progress on stderr, where to send requests on stdout
+foreground (`shared.tools.apps.serve.run`): progress on stderr, where to send requests on stdout
 ending in a `ready:` line, and `stopped` after Ctrl-C.
 """
 

@@ -1,4 +1,4 @@
-"""A profile's cost, said before it starts, and the work that fits a budget (issue 29 item 6)."""
+"""A profile's cost, said before it starts, and the work that fits a budget."""
 
 from __future__ import annotations
 

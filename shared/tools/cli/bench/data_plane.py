@@ -1,5 +1,5 @@
 """`droidmesh bench` suites of the data plane: pipelining, link bandwidth, same-host transfer, a
-stalled sender, the control plane (registered on the `bench` group by `shared/tools/cli/bench.py`)."""
+stalled sender, the control plane (registered on the `bench` group by `shared/tools/cli/bench/__init__.py`)."""
 
 from __future__ import annotations
 

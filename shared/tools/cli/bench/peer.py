@@ -1,5 +1,5 @@
 """`droidmesh bench peer`: our engine against vLLM on this machine, same checkpoint, prompts,
-dtype and core, in one run (registered on the `bench` group by `shared/tools/cli/bench.py`)."""
+dtype and core, in one run (registered on the `bench` group by `shared/tools/cli/bench/__init__.py`)."""
 
 from __future__ import annotations
 
