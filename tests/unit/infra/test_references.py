@@ -36,9 +36,10 @@ def _dotted_exists(ref: str) -> bool:
         if base.with_suffix(".py").is_file():
             return True
         if base.is_dir():
+            if k == len(parts) or parts[k].startswith("__"):
+                return True
             init = base / "__init__.py"
-            defined = init.is_file() and re.search(rf"\b{re.escape(parts[k])}\b", init.read_text()) is not None
-            return k == len(parts) or parts[k].startswith("__") or defined
+            return init.is_file() and re.search(rf"\b{re.escape(parts[k])}\b", init.read_text()) is not None
     return False
 
 
