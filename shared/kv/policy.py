@@ -8,44 +8,12 @@ loop; it never blocks) and `accepts` when a pair config arrives. The sequence:
      chat template or a system prompt, would cost quality for little compute, and the receiver's
      own prefill is what it can hold for the next request);
   3. the pair's config, if it was profiled for exactly these weights (both sha256s), picks an
-     online point (below); a config for other weights is stale and ignored; a holder running the
+     online point; a config for other weights is stale and ignored; a holder running the
      receiver's own weights needs no profile (`config_for`: full reuse is exact, still weighed);
   4. no config: the receiver's default group, if configured and the holder has its E;
   5. otherwise full prefill, with the reason.
-Online choice among the config's frontier (DroidSpeak Appendix B, plus bandwidth). Estimated
-TTFT of recomputing k of L layers on a T-token context, pipelined (E first, recompute while the
-reused KV streams):
-    ttft(k) = max(recompute(T, k), transfer(T, k))
-    recompute = the pair's fitted latency model at k layers; transfer = (E's + reused KV) / bandwidth
-Among points whose quality meets the target (>= (1 - tolerance) x full prefill) and whose E
-the holder keeps (a context prefilled before its pair's config arrived may keep none of them:
-then each group of those points is extended down to the nearest layer whose E the holder keeps,
-layer 0 needing none; recomputing more of the receiver's own layers below a group only brings
-its KV closer to the receiver's own prefill, so quality holds and the cost is the extra layers):
-  - requests queued (or no SLO): the lowest estimated TTFT (with unlimited bandwidth, the fewest
-    recomputed layers: the paper's rule);
-  - nothing queued: the most recomputation whose estimate still meets the request's SLO (quality
-    for free), else the lowest estimated TTFT.
-A slow link pushes the choice towards recomputing more layers (fewer bytes to pull).
-Relay or not (the causal audit's decision): with a latency fit, the chosen point's predicted TTFT is set
-against the receiver's own full prefill of the prompt, and the faster one serves. The reuse
-prediction counts what reuse really covers: the holder's reusable prefix m of the prompt's T
-tokens (recompute over m tokens, the other T - m tokens through every layer), m tokens' bytes at the
-bandwidth measured from this holder and the measured fixed cost of reusing at all, so a small overlap, a slow link or a long context with
-little reuse sends the request to its own prefill ("prefill_faster", with both predictions).
-Every prediction is kept in the decision (`predicted_s`), for the reply and the log, where the
-actual TTFT is logged beside it.
-Two corrections close the loop with what was measured:
-  - `Calibration` (the receiver keeps one): the fit was measured in the profiler with the cache
-    local, so it misses lookup, grant, thread hops and contention. Each prediction is scaled by the
-    median actual / predicted TTFT of the recent requests served the same way (own prefill; reuse
-    from one sender model), and the scaled predictions are compared and logged;
-  - `QueueWait`: requests already in the receiver hold its compute thread first, so every
-    option's prediction adds the expected wait for it (their number x the recent median time a
-    request holds the thread): the predictions include the queue, the choice is unchanged;
-  - the config's `relay` buckets (the audit's policy file): where the randomized audit found
-    relaying slower at the request's reusable-prefix fraction, the request gets its own prefill
-    ("audit_policy"), whatever the prediction says.
+Which online point, whether to relay at all, and the two corrections (`Calibration`, `QueueWait`)
+that close the loop with measured TTFTs: docs/reference/reuse-policy.md, the derivation.
 """
 
 from __future__ import annotations
