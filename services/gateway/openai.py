@@ -27,6 +27,8 @@ from aiohttp import web
 
 from droidmesh.shared.errors import BadRequestError, DroidMeshError, PermissionDeniedError, QuotaExceededError
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateChunk, GenerateRequest, Sampling
+from droidmesh.shared.wire.logprobs import TokenLogprob
 
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 StopList = Annotated[list[Text], msgspec.Meta(min_length=1, max_length=4)]
@@ -208,7 +210,7 @@ class MeshCall:
     context: str
     question: str
     chat: list[schemas.ChatMessage] | None
-    sampling: schemas.Sampling
+    sampling: Sampling
     max_new_tokens: int
     stream: bool
     include_usage: bool
@@ -251,7 +253,7 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
                                         "streaming", param="logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     # OpenAI's defaults (temperature 1, top_p 1) when a field is absent; temperature 0 is greedy.
-    sampling = schemas.Sampling(temperature=1.0 if req.temperature is None else req.temperature,
+    sampling = Sampling(temperature=1.0 if req.temperature is None else req.temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
                                 logprobs=logprobs)
     return dict(model=req.model, sampling=sampling, max_new_tokens=tokens, stream=req.stream,
@@ -261,7 +263,7 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
 def _fits_bus(call: MeshCall) -> MeshCall:
     """`call` as the bus will carry it (a GenerateRequest) must encode within one message: a value
     that passed every check above but not msgpack is a 400 now, never a 500 from the mesh client."""
-    probe = schemas.GenerateRequest(request_id="", context=call.context, question=call.question,
+    probe = GenerateRequest(request_id="", context=call.context, question=call.question,
                                     max_new_tokens=call.max_new_tokens, sampling=call.sampling, chat=call.chat)
     try:
         size = len(schemas.encode(probe))
@@ -335,7 +337,7 @@ def completion_body(call: MeshCall, rid: str, created: int, r: schemas.GenerateR
             "choices": choices, "usage": usage(r), "droidmesh": extension(r)}
 
 
-def logprobs_body(call: MeshCall, logprobs: list[schemas.TokenLogprob] | None) -> dict[str, Any] | None:
+def logprobs_body(call: MeshCall, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
     """OpenAI's `logprobs` of a choice: chat's `content` list, or completions' parallel lists
     (`text_offset` counted from the start of the answer: the prompt is not echoed)."""
     if logprobs is None:
@@ -405,7 +407,7 @@ class SseEncoder:
         assert self.reply is not None
         return sse(self._chunk(choice, droidmesh=extension(self.reply)))
 
-    def chunk(self, c: schemas.GenerateChunk) -> bytes:
+    def chunk(self, c: GenerateChunk) -> bytes:
         return self._delta(c.text) if c.text else b""
 
     def final(self, r: schemas.GenerateReply) -> bytes:

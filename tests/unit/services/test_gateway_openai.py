@@ -12,6 +12,8 @@ from droidmesh.services.gateway import openai as oa
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.mesh.client import MeshError
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateChunk, Sampling
+from droidmesh.shared.wire.logprobs import TokenLogprob, TopLogprob
 
 LIMITS = oa.Limits(default_max_tokens=16, max_tokens_limit=64)
 
@@ -39,7 +41,7 @@ def test_completion_prompt_is_the_context():
     """A completion's prompt goes as the context with an empty question, OpenAI's sampling defaults and the default max_tokens."""
     call = oa.parse_completion(body(model="qa", prompt="some doc", stop="\n", seed=3), LIMITS)
     assert (call.kind, call.model, call.context, call.question, call.chat) == ("completion", "qa", "some doc", "", None)
-    assert call.sampling == schemas.Sampling(temperature=1.0, top_p=1.0, seed=3, stop=["\n"])
+    assert call.sampling == Sampling(temperature=1.0, top_p=1.0, seed=3, stop=["\n"])
     assert call.max_new_tokens == 16 and not call.stream and not call.include_usage
 
 
@@ -171,8 +173,8 @@ def test_chat_stream_events():
     call = oa.parse_chat(body(model="qa", messages=[{"role": "user", "content": "q"}], stream=True,
                               stream_options={"include_usage": True}), LIMITS)
     enc = oa.SseEncoder(call, "abc", 7)
-    raw = enc.chunk(schemas.GenerateChunk(request_id="r", index=0, text="hello", token_ids=[1]))
-    raw += enc.chunk(schemas.GenerateChunk(request_id="r", index=1, text="", token_ids=[]))  # held back: no event
+    raw = enc.chunk(GenerateChunk(request_id="r", index=0, text="hello", token_ids=[1]))
+    raw += enc.chunk(GenerateChunk(request_id="r", index=1, text="", token_ids=[]))  # held back: no event
     raw += enc.final(reply(text="hello world"))
     data = events(raw)
     assert data[-1] == "[DONE]"
@@ -191,16 +193,16 @@ def test_completion_stream_events_without_usage():
     """Completion chunks carry `text`; without include_usage no chunk has a usage field."""
     call = oa.parse_completion(body(model="qa", prompt="p", stream=True), LIMITS)
     enc = oa.SseEncoder(call, "abc", 7)
-    raw = enc.chunk(schemas.GenerateChunk(request_id="r", index=0, text="hel", token_ids=[1])) + enc.final(reply(text="hello"))
+    raw = enc.chunk(GenerateChunk(request_id="r", index=0, text="hel", token_ids=[1])) + enc.final(reply(text="hello"))
     chunks = [msgspec.json.decode(d) for d in events(raw)[:-1]]
     assert [c["choices"][0]["text"] for c in chunks] == ["hel", "lo", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
     assert all("usage" not in c for c in chunks) and chunks[0]["object"] == "text_completion"
 
 
-def _lp(token_id: int, token: str, logprob: float, top: list[tuple[int, str, float]]) -> schemas.TokenLogprob:
-    return schemas.TokenLogprob(token_id=token_id, token=token, logprob=logprob,
-                                top=[schemas.TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in top])
+def _lp(token_id: int, token: str, logprob: float, top: list[tuple[int, str, float]]) -> TokenLogprob:
+    return TokenLogprob(token_id=token_id, token=token, logprob=logprob,
+                                top=[TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in top])
 
 
 def test_logprobs_are_asked_of_the_mesh_and_returned_in_openai_shapes():
