@@ -327,7 +327,7 @@ class PullRequest(Message, tag="pull.request"):
 class TensorHeader(Message, tag="tensor.header"):
     """Precedes each tensor's encoded bytes. `shape` and `dtype` are the decoded tensor's;
     `nbytes` is the encoded size and `checksum` covers exactly those bytes (xxh3-64 of host bytes,
-    `codecs.device_checksum` of device bytes)."""
+    `integrity.device_checksum` of device bytes)."""
 
     context_id: str
     layer: int
