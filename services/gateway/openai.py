@@ -254,8 +254,8 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     # OpenAI's defaults (temperature 1, top_p 1) when a field is absent; temperature 0 is greedy.
     sampling = Sampling(temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
-                                logprobs=logprobs)
+                        top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
+                        logprobs=logprobs)
     return dict(model=req.model, sampling=sampling, max_new_tokens=tokens, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage), n=n)
 
@@ -264,7 +264,7 @@ def _fits_bus(call: MeshCall) -> MeshCall:
     """`call` as the bus will carry it (a GenerateRequest) must encode within one message: a value
     that passed every check above but not msgpack is a 400 now, never a 500 from the mesh client."""
     probe = GenerateRequest(request_id="", context=call.context, question=call.question,
-                                    max_new_tokens=call.max_new_tokens, sampling=call.sampling, chat=call.chat)
+                            max_new_tokens=call.max_new_tokens, sampling=call.sampling, chat=call.chat)
     try:
         size = len(schemas.encode(probe))
     except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:

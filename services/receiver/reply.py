@@ -159,7 +159,7 @@ def _logprobs(s: ReceiverState, logprobs: list[Logprob] | None) -> list[TokenLog
         return token_text(tok, token_id) if tok is not None else ""
 
     return [TokenLogprob(token_id=t, token=piece(t), logprob=lp,
-                                 top=[TopLogprob(token_id=i, token=piece(i), logprob=v) for i, v in top])
+                         top=[TopLogprob(token_id=i, token=piece(i), logprob=v) for i, v in top])
             for t, lp, top in logprobs]
 
 

@@ -147,8 +147,8 @@ class MeshClient:
     async def sender_generate(self, sender: str, context: str, question: str, *, max_new_tokens: int = 32,
                               timeout: float = 60.0, scope: str = PUBLIC) -> schemas.GenerateReply:
         req = GenerateRequest(request_id=uuid.uuid4().hex[:12], context=context, question=question,
-                                      max_new_tokens=max_new_tokens, deadline=time.time() + timeout,
-                                      scope=check_scope(scope))
+                              max_new_tokens=max_new_tokens, deadline=time.time() + timeout,
+                              scope=check_scope(scope))
         return await self._call(subjects.sender_generate(sender), req, schemas.GenerateReply, timeout)
 
     async def prefill(self, sender: str, context: str, *, timeout: float = 60.0,

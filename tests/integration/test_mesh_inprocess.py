@@ -54,7 +54,7 @@ def test_partial_answer_equals_engine(tiny_pair, tiny_models):
             assert len(broker.index) == 1 and pre.tokens > 16
             return await _ask(bus, subjects.receiver_generate("receiver"),
                               GenerateRequest(request_id="r1", context=CONTEXT, question=QUESTION,
-                                                      max_new_tokens=6), schemas.GenerateReply)
+                                              max_new_tokens=6), schemas.GenerateReply)
 
     reply = asyncio.run(run())
     assert reply.path == "partial", reply
@@ -73,7 +73,7 @@ def test_no_cache_means_full_prefill(tiny_pair, tiny_models):
         async with mesh(tiny_pair, tiny_models) as (bus, *_):
             return await _ask(bus, subjects.receiver_generate("receiver"),
                               GenerateRequest(request_id="r2", context=CONTEXT, question=QUESTION,
-                                                      max_new_tokens=4), schemas.GenerateReply)
+                                              max_new_tokens=4), schemas.GenerateReply)
 
     reply = asyncio.run(run())
     assert reply.path == "full_prefill" and reply.fallback_reason == "no cached prefix"

@@ -29,7 +29,7 @@ def test_scoped_prefills_are_separate_contexts_reused_only_in_scope(tiny_pair, t
             for scope in (a, "tenant:c", PUBLIC):
                 reply = await _ask(bus, subjects.receiver_generate("receiver"),
                                    GenerateRequest(request_id=f"r-{scope}", context=CONTEXT, question=QUESTION,
-                                                           max_new_tokens=2, scope=scope), schemas.GenerateReply)
+                                                   max_new_tokens=2, scope=scope), schemas.GenerateReply)
                 paths[scope] = (reply.path, reply.bytes_pulled, reply.reused_tokens)
             events: list[schemas.CacheAvailable] = []
 

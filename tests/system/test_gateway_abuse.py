@@ -207,8 +207,8 @@ def test_streams_go_only_to_a_listening_stream_inbox(mesh):
             async def ask(stream_subject: str) -> schemas.ErrorReply:
                 """The receiver's error reply (an answer instead fails to decode as one)."""
                 req = GenerateRequest(request_id=uuid.uuid4().hex[:12], context=str(LONG["prompt"]), question="",
-                                              max_new_tokens=MAX_TOKENS, sampling=Sampling(temperature=1.0, seed=7),
-                                              stream_subject=stream_subject, budget_s=DEADLINE_S)
+                                      max_new_tokens=MAX_TOKENS, sampling=Sampling(temperature=1.0, seed=7),
+                                      stream_subject=stream_subject, budget_s=DEADLINE_S)
                 data = await client.bus.request(subjects.receiver_generate("qa"), schemas.encode(req), DEADLINE_S)
                 return schemas.decode(data, schemas.ErrorReply)
 

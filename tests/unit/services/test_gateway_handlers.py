@@ -57,7 +57,7 @@ class FakeMesh:
                 if i == len(self.pieces) and not self.endless:
                     break
                 yield GenerateChunk(request_id=kw["request_id"], index=i, text=self.pieces[i % len(self.pieces)],
-                                            token_ids=[i])
+                                    token_ids=[i])
                 i += 1
             yield reply(text="".join(self.pieces), request_id=kw["request_id"])
         finally:

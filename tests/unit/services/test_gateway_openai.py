@@ -203,7 +203,7 @@ def test_completion_stream_events_without_usage():
 
 def _lp(token_id: int, token: str, logprob: float, top: list[tuple[int, str, float]]) -> TokenLogprob:
     return TokenLogprob(token_id=token_id, token=token, logprob=logprob,
-                                top=[TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in top])
+                        top=[TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in top])
 
 
 def test_logprobs_are_asked_of_the_mesh_and_returned_in_openai_shapes():
@@ -227,7 +227,7 @@ def test_logprobs_are_asked_of_the_mesh_and_returned_in_openai_shapes():
                       "top_logprobs": [{"hello": -0.5, "hi": -1.5}, {" world": -0.25, " there": -2.0}],
                       "text_offset": [0, 5]}
     assert responses.completion_body(oa.parse_chat(body(model="qa", messages=msgs), LIMITS), "a", 1,
-                              reply())["choices"][0]["logprobs"] is None
+                                     reply())["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize("fields,param", [

@@ -37,7 +37,7 @@ def _receiver(path, model_id: str, **kw) -> ReceiverConfig:
 async def _ask(bus, model_id: str, request_id: str, mode: schemas.Mode = "auto", scope: str = PUBLIC,
                context: str = CONTEXT) -> schemas.GenerateReply:
     req = GenerateRequest(request_id=request_id, context=context, question=QUESTION, max_new_tokens=6, mode=mode,
-                                  scope=scope)
+                          scope=scope)
     return schemas.decode(await bus.request(subjects.receiver_generate(model_id), schemas.encode(req), timeout=30),
                           schemas.GenerateReply)
 

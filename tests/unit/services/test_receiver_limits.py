@@ -94,7 +94,7 @@ def test_budget_wins_over_a_skewed_absolute_deadline():
     """budget_s counts from arrival whatever the client's clock says; hostile values are refused."""
     now = time.monotonic()
     skewed = GenerateRequest(request_id="r", context="c", question="q", deadline=time.time() - 3600,
-                                     budget_s=30.0)
+                             budget_s=30.0)
     assert deadline_of(skewed, now, 60.0) == now + 30.0
     assert deadline_of(GenerateRequest(request_id="r", context="c", question="q"), now, 60.0) == now + 60.0
     for bad in (-1.0, float("nan"), float("inf")):

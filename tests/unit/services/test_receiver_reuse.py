@@ -85,7 +85,7 @@ async def _prefill(bus) -> None:
 async def _generate(bus, request_id: str = "r", max_new_tokens: int = 6) -> schemas.GenerateReply:
     return await _ask(bus, subjects.receiver_generate("receiver"),
                       GenerateRequest(request_id=request_id, context=CONTEXT, question=QUESTION,
-                                              max_new_tokens=max_new_tokens), schemas.GenerateReply)
+                                      max_new_tokens=max_new_tokens), schemas.GenerateReply)
 
 
 async def _prefill_and_ask(bus) -> schemas.GenerateReply:
