@@ -41,7 +41,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from droidmesh.services.gateway import fairness, openai
+from droidmesh.services.gateway import fairness, openai, responses
 from droidmesh.services.gateway.state import GatewayState
 from droidmesh.shared.auth.keys import ApiKey
 from droidmesh.shared.wire import schemas
@@ -161,7 +161,7 @@ async def health(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     state, key = request.app[STATE], CURRENT.get().key
     models = [m for m in await state.models() if key is None or key.allows(m.model_id)]
-    return web.json_response(openai.models_body(state.model_rows(models)))
+    return web.json_response(responses.models_body(state.model_rows(models)))
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -170,7 +170,7 @@ async def get_model(request: web.Request) -> web.Response:
     _check_allowed(model)
     await state.check_model(model)
     (row,) = [r for r in state.model_rows(await state.models()) if r[0] == model]
-    return web.json_response(openai.model_entry(*row))
+    return web.json_response(responses.model_entry(*row))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -232,7 +232,7 @@ async def _generate(request: web.Request, parse: Callable[[bytes, openai.Limits]
     async with asyncio.timeout(timeout):  # the client has its own; this also bounds one that overruns it
         reply = await state.client.ask(call.model, call.context, call.question, n=call.n, **kwargs)
     _account(state, ctx, reply)
-    return web.json_response(openai.completion_body(call, mesh_id, created, reply))
+    return web.json_response(responses.completion_body(call, mesh_id, created, reply))
 
 
 async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCall, kwargs: dict[str, Any],
@@ -242,7 +242,7 @@ async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCa
     client that goes away ends only its own stream (the async iterator is closed)."""
     ctx = CURRENT.get()
     facts = ctx.facts
-    enc = openai.SseEncoder(call, ctx.mesh_request_id, created)
+    enc = responses.SseEncoder(call, ctx.mesh_request_id, created)
     items = state.client.stream(call.model, call.context, call.question, **kwargs)
     resp: web.StreamResponse | None = None
     try:
@@ -270,7 +270,7 @@ async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCa
         _, body = openai.to_http(e, ctx.request_id)
         facts["error"] = body["error"]["code"]
         with contextlib.suppress(ConnectionResetError):
-            await resp.write(openai.sse(body))
+            await resp.write(responses.sse(body))
     finally:
         if resp is not None and enc.reply is None:  # ended mid-stream (client gone, cancelled, failed):
             ctx.used = max(ctx.used, ctx.reserved)  # what was sent is not free
@@ -284,8 +284,8 @@ async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCa
 
 
 def _account(state: GatewayState, ctx: RequestContext, reply: schemas.GenerateReply) -> None:
-    ctx.facts.update(openai.log_facts(reply))
-    completion = openai.completion_tokens(reply)
+    ctx.facts.update(responses.log_facts(reply))
+    completion = responses.completion_tokens(reply)
     ctx.used = reply.prompt_tokens + completion  # charged to the key when the request ends
     counts = {"prompt": reply.prompt_tokens, "completion": completion, "reused": reply.reused_tokens}
     for kind, n in counts.items():

@@ -12,7 +12,8 @@ and a chat is rendered by the receiver's own chat template.
 
 Errors: the `ApiError` classes below extend `shared.errors`, and `to_http` is the one place
 where any exception (these, the mesh's `MeshError`, timeouts, aiohttp's own HTTP errors) becomes
-an HTTP status and OpenAI's `{"error": {message, type, param, code}}` body.
+an HTTP status and OpenAI's `{"error": {message, type, param, code}}` body. The answers' shapes
+(JSON bodies, server-sent events) are `responses.py`'s.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from aiohttp import web
 
 from droidmesh.shared.errors import BadRequestError, DroidMeshError, PermissionDeniedError, QuotaExceededError
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateRequest, Sampling
 
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 StopList = Annotated[list[Text], msgspec.Meta(min_length=1, max_length=4)]
@@ -208,7 +210,7 @@ class MeshCall:
     context: str
     question: str
     chat: list[schemas.ChatMessage] | None
-    sampling: schemas.Sampling
+    sampling: Sampling
     max_new_tokens: int
     stream: bool
     include_usage: bool
@@ -251,9 +253,9 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
                                         "streaming", param="logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     # OpenAI's defaults (temperature 1, top_p 1) when a field is absent; temperature 0 is greedy.
-    sampling = schemas.Sampling(temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
-                                logprobs=logprobs)
+    sampling = Sampling(temperature=1.0 if req.temperature is None else req.temperature,
+                        top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
+                        logprobs=logprobs)
     return dict(model=req.model, sampling=sampling, max_new_tokens=tokens, stream=req.stream,
                 include_usage=bool(req.stream_options and req.stream_options.include_usage), n=n)
 
@@ -261,8 +263,8 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
 def _fits_bus(call: MeshCall) -> MeshCall:
     """`call` as the bus will carry it (a GenerateRequest) must encode within one message: a value
     that passed every check above but not msgpack is a 400 now, never a 500 from the mesh client."""
-    probe = schemas.GenerateRequest(request_id="", context=call.context, question=call.question,
-                                    max_new_tokens=call.max_new_tokens, sampling=call.sampling, chat=call.chat)
+    probe = GenerateRequest(request_id="", context=call.context, question=call.question,
+                            max_new_tokens=call.max_new_tokens, sampling=call.sampling, chat=call.chat)
     try:
         size = len(schemas.encode(probe))
     except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
@@ -295,133 +297,3 @@ def parse_chat(body: bytes, limits: Limits) -> MeshCall:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return _fits_bus(MeshCall(kind="chat", context="", question="", chat=chat,
                               **_common(req, limits, limit, param, logprobs)))
-
-
-# -- responses ------------------------------------------------------------------------------
-def extension(r: schemas.GenerateReply) -> dict[str, Any]:
-    """The `droidmesh` field: how the mesh served this answer."""
-    return {"path": r.path, "plan": r.plan, "ttft_ms": round(r.ttft_ms, 2), "bytes_pulled": r.bytes_pulled,
-            "reused_tokens": r.reused_tokens, "sender_id": r.sender_id, "served_by": r.served_by,
-            "fallback_reason": r.fallback_reason}
-
-
-def usage(r: schemas.GenerateReply) -> dict[str, Any]:
-    """OpenAI's usage; `cached_tokens` are the prompt tokens whose KV was reused, which the mesh
-    only finds within the request's scope (the tenant's own contexts and public ones)."""
-    completion = completion_tokens(r)
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": r.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": r.reused_tokens}}
-
-
-def completion_tokens(r: schemas.GenerateReply) -> int:
-    """Tokens decoded for the answer, every sample's."""
-    return len(r.token_ids) + sum(len(x.token_ids) for x in r.samples)
-
-
-def response_id(call: MeshCall, request_id: str) -> str:
-    return ("chatcmpl-" if call.kind == "chat" else "cmpl-") + request_id
-
-
-def completion_body(call: MeshCall, rid: str, created: int, r: schemas.GenerateReply) -> dict[str, Any]:
-    """The whole (non-streamed) answer: a choice per sample."""
-    samples = [(r.text, r.finish_reason, r.logprobs), *((x.text, x.finish_reason, x.logprobs) for x in r.samples)]
-    choices = []
-    for i, (text, finish, logprobs) in enumerate(samples):
-        content = {"message": {"role": "assistant", "content": text}} if call.kind == "chat" else {"text": text}
-        choices.append({"index": i, **content, "logprobs": logprobs_body(call, logprobs), "finish_reason": finish})
-    obj = "chat.completion" if call.kind == "chat" else "text_completion"
-    return {"id": response_id(call, rid), "object": obj, "created": created, "model": call.model,
-            "choices": choices, "usage": usage(r), "droidmesh": extension(r)}
-
-
-def logprobs_body(call: MeshCall, logprobs: list[schemas.TokenLogprob] | None) -> dict[str, Any] | None:
-    """OpenAI's `logprobs` of a choice: chat's `content` list, or completions' parallel lists
-    (`text_offset` counted from the start of the answer: the prompt is not echoed)."""
-    if logprobs is None:
-        return None
-    if call.kind == "chat":
-        def entry(token: str, logprob: float) -> dict[str, Any]:
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-        return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(a.token, a.logprob) for a in t.top]}
-                            for t in logprobs], "refusal": None}
-    offsets, at = [], 0
-    for t in logprobs:
-        offsets.append(at)
-        at += len(t.token)
-    return {"tokens": [t.token for t in logprobs], "token_logprobs": [t.logprob for t in logprobs],
-            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in logprobs]
-            if call.sampling.logprobs else None, "text_offset": offsets}
-
-
-def models_body(models: list[tuple[str, int, int]]) -> dict[str, Any]:
-    """GET /v1/models from (model id, first seen unix time, live instances)."""
-    return {"object": "list", "data": [model_entry(*m) for m in models]}
-
-
-def model_entry(model_id: str, created: int, instances: int) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "droidmesh",
-            "droidmesh": {"instances": instances}}
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    """One server-sent event carrying `obj` as JSON."""
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-class SseEncoder:
-    """One streamed request's events: a chunk per mesh chunk, then from the final reply any text
-    the chunks missed, the chunk with `finish_reason` (and the `droidmesh` field), the usage
-    chunk when asked for, and `[DONE]`."""
-
-    def __init__(self, call: MeshCall, rid: str, created: int):
-        self.call, self.created = call, created
-        self.id = response_id(call, rid)
-        self.sent: list[str] = []
-        self.reply: schemas.GenerateReply | None = None
-
-    def _chunk(self, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.call.kind == "chat" else "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.call.model, "choices": [choice], **extra}
-        if self.call.include_usage:
-            body.setdefault("usage", None)  # as OpenAI: every chunk but the last has usage null
-        return body
-
-    def _delta(self, text: str, finish: str | None = None) -> bytes:
-        if self.call.kind == "chat":
-            delta: dict[str, str] = {"content": text} if text or finish is None else {}
-            if not self.sent and finish is None:
-                delta = {"role": "assistant", **delta}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        if finish is None:
-            self.sent.append(text)
-            return sse(self._chunk(choice))
-        assert self.reply is not None
-        return sse(self._chunk(choice, droidmesh=extension(self.reply)))
-
-    def chunk(self, c: schemas.GenerateChunk) -> bytes:
-        return self._delta(c.text) if c.text else b""
-
-    def final(self, r: schemas.GenerateReply) -> bytes:
-        self.reply = r
-        so_far = "".join(self.sent)
-        # The reply carries the whole text: a chunk the stream lost is completed from it.
-        out = self._delta(r.text[len(so_far):]) if r.text.startswith(so_far) and len(r.text) > len(so_far) else b""
-        out += self._delta("", finish=r.finish_reason)
-        if self.call.include_usage:
-            body = self._chunk({}, usage=usage(r))
-            body["choices"] = []
-            out += sse(body)
-        return out + SSE_DONE
-
-
-def log_facts(r: schemas.GenerateReply) -> dict[str, Any]:
-    """What the canonical request log line records of an answer."""
-    return {**extension(r), "prompt_tokens": r.prompt_tokens, "completion_tokens": completion_tokens(r),
-            "finish_reason": r.finish_reason}

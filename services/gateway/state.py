@@ -19,6 +19,7 @@ from droidmesh.shared.auth.quota import Quotas
 from droidmesh.shared.mesh import discovery
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateChunk, Sampling
 
 MAX_REMEMBERED_MODELS = 4096  # ids ever seen (404 vs 503); bounded against a peer inventing names
 
@@ -28,13 +29,13 @@ class Mesh(Protocol):
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
                   mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,
-                  sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...,
+                  sampling: Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...,
                   scope: str = ..., n: int = ...) -> schemas.GenerateReply: ...
 
     def stream(self, receiver: str, context: str, question: str, *, max_new_tokens: int = ...,
                mode: schemas.Mode = ..., timeout: float = ..., request_id: str | None = ...,
-               sampling: schemas.Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...,
-               scope: str = ...) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]: ...
+               sampling: Sampling | None = ..., chat: list[schemas.ChatMessage] | None = ...,
+               scope: str = ...) -> AsyncIterator[GenerateChunk | schemas.GenerateReply]: ...
 
     async def receivers(self, window_s: float = ...) -> list[discovery.ReceiverModel]: ...
 
@@ -49,7 +50,7 @@ class _NotConnected:
     async def ask(self, *args: object, **kwargs: object) -> schemas.GenerateReply:
         raise self._down()
 
-    async def stream(self, *args: object, **kwargs: object) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]:
+    async def stream(self, *args: object, **kwargs: object) -> AsyncIterator[GenerateChunk | schemas.GenerateReply]:
         raise self._down()
         yield  # an async generator, as MeshClient.stream is
 

@@ -38,6 +38,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.policy import Reason
 from droidmesh.shared.service.engine import drive_engine
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateRequest
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.answer_stream import AnswerStream
@@ -52,7 +53,7 @@ class Job:
     """One request being answered: what it asked, its prompt tokens, where its answer streams,
     its deadline (time.monotonic()) and its stages (absolute time.perf_counter(); "start" first)."""
 
-    req: schemas.GenerateRequest
+    req: GenerateRequest
     prompt: list[int]
     stream: AnswerStream
     deadline: float
@@ -85,7 +86,7 @@ class Served:
     held: float = 0.0  # seconds this request held the torch thread
 
 
-async def answer(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,
+async def answer(s: ReceiverState, req: GenerateRequest, prompt: list[int], stream: AnswerStream,
                  deadline: float, t0: float) -> schemas.GenerateReply:
     """The reply to a checked request (`t0`: time.perf_counter() when it was taken up), by the
     steps of the module docstring. Raises what fails it: a deadline, a fault after decoding began."""
@@ -184,7 +185,7 @@ async def _try_reuse(s: ReceiverState, job: Job, route: Route, served: Served) -
                    pulled_at - out.stamps["pull_start"])
 
 
-def _may_translate(s: ReceiverState, req: schemas.GenerateRequest, route: Route) -> bool:
+def _may_translate(s: ReceiverState, req: GenerateRequest, route: Route) -> bool:
     """Translation is tried only for an auto-mode, non-chat request with no holder of our own
     family, on a receiver that has (or refused) translators."""
     return (route.holder is None and req.mode == "auto" and req.chat is None

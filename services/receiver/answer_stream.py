@@ -27,6 +27,7 @@ from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.model.text import TextStream
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateChunk, GenerateRequest
 
 log = structlog.get_logger("receiver")
 NO_RESPONDERS = "503"  # the NATS status of a message with a reply subject that reached no subscriber
@@ -80,7 +81,7 @@ class ListenerWatch:
 
 
 class AnswerStream:
-    def __init__(self, bus: Bus, tokenizer: object, req: schemas.GenerateRequest,
+    def __init__(self, bus: Bus, tokenizer: object, req: GenerateRequest,
                  watch: ListenerWatch | None = None) -> None:
         self.bus, self.request_id, self.subject = bus, req.request_id, req.stream_subject
         self.text = TextStream(tokenizer, req.sampling.stop)
@@ -91,7 +92,7 @@ class AnswerStream:
         self._index = 0  # next chunk's index (written on the torch thread, then on the loop after decoding)
         self._pending: list[int] = []  # token ids not yet carried by a chunk
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[schemas.GenerateChunk | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[GenerateChunk | None] = asyncio.Queue()
         self._task = self._loop.create_task(self._publish()) if self.subject else None
         self._watch = watch if self.subject else None
         self._reply = self._watch.enroll(self) if self._watch is not None else ""
@@ -116,7 +117,7 @@ class AnswerStream:
         ids, self._pending = self._pending, []
         if self._task is None:
             return
-        chunk = schemas.GenerateChunk(request_id=self.request_id, index=self._index, text=delta, token_ids=ids)
+        chunk = GenerateChunk(request_id=self.request_id, index=self._index, text=delta, token_ids=ids)
         self._index += 1
         self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
 

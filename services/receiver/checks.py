@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError
 from droidmesh.shared.kv.partial import MAX_LOGPROBS, MAX_SAMPLES
 from droidmesh.shared.model import sampling, text
-from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire import subjects
+from droidmesh.shared.wire.generation import GenerateRequest
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.config import ReceiverConfig
@@ -41,7 +42,7 @@ MAX_STREAM_SUBJECT = 128
 _STREAM_SUBJECT = re.compile(rf"^{subjects.INBOX_PREFIX}(_[A-Za-z0-9_-]+)?\.[A-Za-z0-9]{{16,64}}$")
 
 
-def check(req: schemas.GenerateRequest, cfg: ReceiverConfig) -> None:
+def check(req: GenerateRequest, cfg: ReceiverConfig) -> None:
     limit = cfg.max_new_tokens_limit
     if not 1 <= req.max_new_tokens <= limit:
         raise BadRequestError(f"max_new_tokens must be in [1, {limit}] (max_new_tokens_limit), got {req.max_new_tokens}")
@@ -64,7 +65,7 @@ def check(req: schemas.GenerateRequest, cfg: ReceiverConfig) -> None:
         raise BadRequestError(f"prompt of {chars} characters exceeds max_prompt_chars={cfg.max_prompt_chars}")
 
 
-def prompt_chars(req: schemas.GenerateRequest) -> int:
+def prompt_chars(req: GenerateRequest) -> int:
     """The prompt's characters: context + question, or every chat message's content."""
     if req.chat is not None:
         return sum(len(m.content) for m in req.chat)
@@ -130,7 +131,7 @@ def check_stream_subject(subject: str) -> None:
                               f"the token 16-64 letters and digits), got {subject[:64]!r}")
 
 
-def prompt_ids(tokenizer: object, req: schemas.GenerateRequest) -> list[int]:
+def prompt_ids(tokenizer: object, req: GenerateRequest) -> list[int]:
     """The request's prompt tokens by the one rule every path uses (`text.request_ids`): the chat
     rendered, or context + question (a completions-style prompt is `context=prompt, question=""`:
     its ids are exactly `context_ids(prompt)`, so a sender's cache of any token prefix of it is
@@ -138,7 +139,7 @@ def prompt_ids(tokenizer: object, req: schemas.GenerateRequest) -> list[int]:
     return text.request_ids(tokenizer, req.context, req.question, req.chat)
 
 
-def deadline_of(req: schemas.GenerateRequest, arrived: float, default_s: float) -> float:
+def deadline_of(req: GenerateRequest, arrived: float, default_s: float) -> float:
     """The request's deadline on this host's monotonic clock: `budget_s` after it arrived (immune
     to clock skew between client and receiver), else its absolute `deadline`, else the default."""
     if not math.isfinite(req.budget_s) or req.budget_s < 0:

@@ -33,6 +33,8 @@ from droidmesh.shared.errors import DroidMeshError, OverloadedError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.mesh import maps_store
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.channels import SenderEndpoint
+from droidmesh.shared.wire.generation import GenerateRequest
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.state import ReceiverState
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("receiver")
 
 
-async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
+async def generate(s: ReceiverState, req: GenerateRequest) -> schemas.GenerateReply:
     """Answer over a shared context: reuse a sender's cache per the pair's plan, else full prefill.
 
     The request is checked first (`checks.check`); tokens are chosen by its sampling and the
@@ -76,7 +78,7 @@ async def generate(s: ReceiverState, req: schemas.GenerateRequest) -> schemas.Ge
         s.inflight -= 1
 
 
-async def _generate(s: ReceiverState, req: schemas.GenerateRequest, arrived: float) -> schemas.GenerateReply:
+async def _generate(s: ReceiverState, req: GenerateRequest, arrived: float) -> schemas.GenerateReply:
     t0 = time.perf_counter()
     deadline = deadline_of(req, arrived, s.cfg.request_timeout_s)
     check_deadline(deadline, "before start")
@@ -125,7 +127,7 @@ async def _load_maps(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
             log.warning("maps_unavailable", sender_model=cfg.sender_model, maps=sha[:12], error=f"{e.code}: {e}")
 
 
-async def on_endpoint(s: ReceiverState, ev: schemas.SenderEndpoint) -> None:
+async def on_endpoint(s: ReceiverState, ev: SenderEndpoint) -> None:
     """A compatible sender announced a cache (its endpoint only): connect ahead so the first pull is warm."""
     if ev.fingerprint_id == s.model.fingerprint.id and ev.transport == s.bulk.transport:
         await s.warm(ev.address)

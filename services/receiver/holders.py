@@ -38,6 +38,7 @@ from droidmesh.shared.model import text
 from droidmesh.shared.model.sampling import MAX_SEED, Sampler, make_sampler
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateRequest
 from droidmesh.shared.wire.hashing import PUBLIC, common_prefix
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def maps_missing(s: ReceiverState, decision: policy.Decision) -> policy.Reason |
     return "maps_unavailable", f"maps_unavailable: SCD maps {sha[:12]}... not loaded ({why})"
 
 
-def sampler_for(s: ReceiverState, req: schemas.GenerateRequest, index: int = 0) -> Sampler:
+def sampler_for(s: ReceiverState, req: GenerateRequest, index: int = 0) -> Sampler:
     """A fresh sampler per attempt: a fallback after a failed reuse replays the same draws. Sample
     `index` of a request with a seed draws from seed + index (its own stream of draws)."""
     sp = req.sampling
@@ -112,7 +113,7 @@ def sampler_for(s: ReceiverState, req: schemas.GenerateRequest, index: int = 0) 
     return make_sampler(sp.temperature, sp.top_p, seed, device=s.model.device)
 
 
-def samples_for(s: ReceiverState, req: schemas.GenerateRequest) -> list[tuple[Sampler, Callable[[int], bool]]]:
+def samples_for(s: ReceiverState, req: GenerateRequest) -> list[tuple[Sampler, Callable[[int], bool]]]:
     """Samples 2..n of the request: each its own sampler, and decoding that ends at a stop string
     (its text is rebuilt from its tokens for the reply: `reply.sample_text`)."""
     out: list[tuple[Sampler, Callable[[int], bool]]] = []
@@ -126,7 +127,7 @@ def _stops_at(stops: text.TextStream) -> Callable[[int], bool]:
 
 
 async def reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision, prompt: list[int],
-                req: schemas.GenerateRequest, stream: AnswerStream, deadline: float) -> ReuseOutcome:
+                req: GenerateRequest, stream: AnswerStream, deadline: float) -> ReuseOutcome:
     """`reuse_generate`, its outcome counted by the holder's circuit breaker: a pull that fails
     (any `ReuseError`) is a failure, one that cannot even connect opens the circuit at once."""
     return await _pulled(s, holder, reuse_generate(
@@ -136,7 +137,7 @@ async def reuse(s: ReceiverState, holder: schemas.CacheAvailable, decision: poli
 
 
 async def reuse_held(s: ReceiverState, holder: schemas.CacheAvailable, decision: policy.Decision,
-                     prompt: list[int], req: schemas.GenerateRequest, stream: AnswerStream, deadline: float
+                     prompt: list[int], req: GenerateRequest, stream: AnswerStream, deadline: float
                      ) -> ReuseOutcome:
     """`local_generate`: the plan over a context this receiver holds itself (no pull, no breaker)."""
     return await local_generate(s, holder, decision, prompt, req.max_new_tokens, req.scope,
@@ -144,7 +145,7 @@ async def reuse_held(s: ReceiverState, holder: schemas.CacheAvailable, decision:
                                 logprobs=req.sampling.logprobs, samples=samples_for(s, req))
 
 
-async def translate(s: ReceiverState, req: schemas.GenerateRequest, prompt: list[int], stream: AnswerStream,
+async def translate(s: ReceiverState, req: GenerateRequest, prompt: list[int], stream: AnswerStream,
                     deadline: float) -> tuple[schemas.CacheAvailable, ReuseOutcome] | None:
     """The translated path: the first source model with a loaded translator whose holder caches
     this context (looked up in the source's own tokens) answers; None when no holder exists. Why

@@ -19,6 +19,8 @@ from droidmesh.shared.kv.decode import Logprob
 from droidmesh.shared.kv.partial import Generation
 from droidmesh.shared.model.text import TextStream, token_text
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateRequest
+from droidmesh.shared.wire.logprobs import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.answer import Job, Route, Served
@@ -134,7 +136,7 @@ def _reply(s: ReceiverState, job: Job, route: Route, served: Served, gen: Genera
     )
 
 
-def sample_text(s: ReceiverState, req: schemas.GenerateRequest, tokens: list[int]) -> tuple[str, bool]:
+def sample_text(s: ReceiverState, req: GenerateRequest, tokens: list[int]) -> tuple[str, bool]:
     """A further sample's text as its stop strings cut it (what its decoding stopped on), and
     whether one did."""
     if s.model.tokenizer is None:
@@ -147,7 +149,7 @@ def sample_text(s: ReceiverState, req: schemas.GenerateRequest, tokens: list[int
     return stream.text, stream.stopped
 
 
-def _logprobs(s: ReceiverState, logprobs: list[Logprob] | None) -> list[schemas.TokenLogprob] | None:
+def _logprobs(s: ReceiverState, logprobs: list[Logprob] | None) -> list[TokenLogprob] | None:
     """Log-probabilities with each token's text (the receiver's tokenizer)."""
     if logprobs is None:
         return None
@@ -156,8 +158,8 @@ def _logprobs(s: ReceiverState, logprobs: list[Logprob] | None) -> list[schemas.
     def piece(token_id: int) -> str:
         return token_text(tok, token_id) if tok is not None else ""
 
-    return [schemas.TokenLogprob(token_id=t, token=piece(t), logprob=lp,
-                                 top=[schemas.TopLogprob(token_id=i, token=piece(i), logprob=v) for i, v in top])
+    return [TokenLogprob(token_id=t, token=piece(t), logprob=lp,
+                         top=[TopLogprob(token_id=i, token=piece(i), logprob=v) for i, v in top])
             for t, lp, top in logprobs]
 
 

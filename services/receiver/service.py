@@ -34,6 +34,8 @@ from droidmesh.shared.service.runtime import ServiceRuntime
 from droidmesh.shared.service.wrappers import event, rpc
 from droidmesh.shared.transport.bulk import BulkServer, make_client, make_server
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.channels import SenderEndpoint
+from droidmesh.shared.wire.generation import GenerateRequest
 
 log = structlog.get_logger("receiver")
 
@@ -76,9 +78,9 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
                                            "to the roster (`droidmesh nats-auth --holder MODEL=ID`)")
         board = self._board or bus.config_board()
         self.tasks.supervise("config-watch", lambda: board.watch(self._on_config))
-        await bus.subscribe(subjects.SENDER_ENDPOINT_ALL, event(schemas.SenderEndpoint, self._on_endpoint))
+        await bus.subscribe(subjects.SENDER_ENDPOINT_ALL, event(SenderEndpoint, self._on_endpoint))
         for name, s in self.states.items():
-            await bus.serve(subjects.receiver_generate(name), rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)),
+            await bus.serve(subjects.receiver_generate(name), rpc(GenerateRequest, functools.partial(handlers.generate, s)),
                             queue=subjects.receiver_queue(name), metadata={discovery.MODEL_KEY: name})
             log.info("receiver_started", model_id=name, receiver_id=s.cfg.receiver_id, transport=cfg.transport,
                      fingerprint=s.model.fingerprint.id, layers=s.model.num_layers,
@@ -136,7 +138,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
         for s in self.states.values():
             await handlers.on_config(s, cfg)
 
-    async def _on_endpoint(self, ev: schemas.SenderEndpoint) -> None:
+    async def _on_endpoint(self, ev: SenderEndpoint) -> None:
         for s in self.states.values():
             await handlers.on_endpoint(s, ev)
 

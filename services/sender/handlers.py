@@ -21,6 +21,7 @@ from droidmesh.shared.model.sampling import make_sampler
 from droidmesh.shared.service.engine import drive_engine
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateRequest
 from droidmesh.shared.wire.hashing import context_id
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _check_deadline(deadline: float) -> None:
         raise DeadlineExceededError(f"deadline passed {time.time() - deadline:.3f}s ago; dropped")
 
 
-async def generate(s: SenderState, req: schemas.GenerateRequest) -> schemas.GenerateReply:
+async def generate(s: SenderState, req: GenerateRequest) -> schemas.GenerateReply:
     """Answer the sender's own question over a context; the context is captured and announced.
     Sampling and stop strings apply as on a receiver; chat and streaming are a receiver's."""
     _check_deadline(req.deadline)

@@ -23,6 +23,7 @@ from droidmesh.shared.service.runtime import ServiceRuntime
 from droidmesh.shared.service.wrappers import rpc
 from droidmesh.shared.transport.bulk import BulkServer, make_server
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateRequest
 
 log = structlog.get_logger("sender")
 
@@ -47,7 +48,7 @@ class SenderService(ServiceRuntime[SenderConfig]):
                                    port=cfg.ucx_port, name=cfg.sender_id, pin=s.store.hold, limits=cfg.slot_limits())
         await s.holder.start(self._server)
         await bus.serve(subjects.sender_generate(cfg.model_id),
-                        rpc(schemas.GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")
+                        rpc(GenerateRequest, functools.partial(handlers.generate, s)), queue="senders")
         await bus.serve(subjects.sender_prefill(cfg.model_id),
                         rpc(schemas.PrefillRequest, functools.partial(handlers.prefill, s)), queue="senders")
         self.tasks.supervise("heartbeat", s.holder.heartbeat)

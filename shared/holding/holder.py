@@ -40,6 +40,7 @@ from droidmesh.shared.service.wrappers import event, rpc
 from droidmesh.shared.transport.bulk import BulkServer
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.channels import SenderEndpoint
 from droidmesh.shared.wire.hashing import PUBLIC, common_prefix
 
 log = structlog.get_logger("holder")
@@ -137,7 +138,7 @@ class Holder:
         # on this holder's own subjects: NATS lets it publish only under its own id
         await self.bus.publish(subjects.cache_available(self.id), schemas.encode(msg))
         # receivers warm their bulk connection from this one; the event above, with its token ids, is the broker's
-        await self.bus.publish(subjects.sender_endpoint(self.id), schemas.encode(schemas.SenderEndpoint(
+        await self.bus.publish(subjects.sender_endpoint(self.id), schemas.encode(SenderEndpoint(
             sender_id=msg.sender_id, model_id=msg.model_id, fingerprint_id=msg.fingerprint_id, transport=msg.transport,
             address=msg.address, published_at=msg.published_at)))
 

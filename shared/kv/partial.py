@@ -131,19 +131,7 @@ def prefill_steps(
     stages: dict[str, float] = {}
     cache = receiver.new_cache(len(prompt) + min(max(decode_tokens, 0), DECODE_RESERVE))
     if plan.mode == "full_prefill":
-        h = receiver.embed(receiver.token_tensor(prompt))  # [1, T, D]
-        kept = sorted({l for l in keep_e if 0 <= l < L})
-        cuts = sorted({0, L, *kept} if not turns else set(range(L + 1)))  # segment bounds: run, snapshot, run
-        e_kept: dict[int, torch.Tensor] = {}
-        for s, e in itertools.pairwise(cuts):
-            if s and turns:
-                yield Need("turn", s, float("inf"))
-            if s in kept:
-                e_kept[s] = h.clone()  # E_s [1, T, D]: the next layers write new tensors, never this one
-            h = receiver.run_layers(h, s, e, cache, past=0)
-        stages["suffix_done"] = time.perf_counter() - t0
-        return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), 0, plan, stages,
-                             e_kept, t0)  # logits [n, vocab]
+        return (yield from _full_prefill(receiver, prompt, plan, cache, logits_for, turns, keep_e, stages, t0))
     if source is None:
         raise BadRequestError(f"plan {plan.label()} needs a sender cache")
     require_compatible(source.fingerprint, receiver.fingerprint)
@@ -152,12 +140,60 @@ def prefill_steps(
         raise ReuseError("the sender's context shares no token prefix with the prompt")
     deadline = time.monotonic() + timeout_s
     filled = yield from _fill_context(receiver, prompt[:m], plan, source, cache, deadline, stages, t0)
+    h, suffix_e = yield from _run_suffix(receiver, prompt[m:], m, source, cache, filled, deadline, keep_e, stages, t0)
+    stages["suffix_done"] = time.perf_counter() - t0
+    return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), m, plan, stages,
+                         suffix_e, t0)  # logits [n, vocab]
 
-    # Step 2: suffix through all layers; layer l waits only for layer l's KV.
-    h = receiver.embed(receiver.token_tensor(prompt[m:]))  # [1, S, D]
+
+def _full_prefill(
+    receiver: ModelAdapter,
+    prompt: list[int],
+    plan: ReusePlan,
+    cache: Any,
+    logits_for: int,
+    turns: bool,
+    keep_e: Sequence[int],
+    stages: dict[str, float],
+    t0: float,
+) -> Steps[PrefillResult]:
+    """The whole prompt through every layer, nothing reused: run in segments cut at each kept E
+    (snapshotted between them) and, with `turns`, at every layer (a "turn" `Need` between)."""
+    L = receiver.num_layers
+    h = receiver.embed(receiver.token_tensor(prompt))  # [1, T, D]
+    kept = sorted({l for l in keep_e if 0 <= l < L})
+    cuts = sorted({0, L, *kept} if not turns else set(range(L + 1)))  # segment bounds: run, snapshot, run
+    e_kept: dict[int, torch.Tensor] = {}
+    for s, e in itertools.pairwise(cuts):
+        if s and turns:
+            yield Need("turn", s, float("inf"))
+        if s in kept:
+            e_kept[s] = h.clone()  # E_s [1, T, D]: the next layers write new tensors, never this one
+        h = receiver.run_layers(h, s, e, cache, past=0)
+    stages["suffix_done"] = time.perf_counter() - t0
+    return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), 0, plan, stages,
+                         e_kept, t0)  # logits [n, vocab]
+
+
+def _run_suffix(
+    receiver: ModelAdapter,
+    suffix: list[int],
+    m: int,
+    source: LayerSource,
+    cache: Any,
+    filled: list[bool],
+    deadline: float,
+    keep_e: Sequence[int],
+    stages: dict[str, float],
+    t0: float,
+) -> Steps[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+    """Step 2: the suffix (positions m..) through all layers; layer l waits only for layer l's KV,
+    the sender's (checked, sliced to the m context tokens) where step 1 left it unfilled. Returns
+    E_L of the suffix [1, S, D] and the suffix's E at each `keep_e` layer."""
+    h = receiver.embed(receiver.token_tensor(suffix))  # [1, S, D]
     full = len(source.token_ids)
     suffix_e: dict[int, torch.Tensor] = {}
-    for layer in range(L):
+    for layer in range(receiver.num_layers):
         if layer in keep_e:
             suffix_e[layer] = h.clone()  # E_layer of the suffix tokens only [1, S, D]
         if not filled[layer]:
@@ -167,9 +203,7 @@ def prefill_steps(
             hf_cache.set_layer_kv(cache, layer, block.k[:, :, :m], block.v[:, :, :m])  # [1, kvh, m, hd]
             stages["kv_last_ready"] = time.perf_counter() - t0
         h = receiver.run_layers(h, layer, layer + 1, cache, past=m)
-    stages["suffix_done"] = time.perf_counter() - t0
-    return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), m, plan, stages,
-                         suffix_e, t0)  # logits [n, vocab]
+    return h, suffix_e
 
 
 def _fill_context(
@@ -252,12 +286,7 @@ def generate_steps(
     `samples`: more samples of the same prompt, each with its own sampler and `on_token`: they
     share the prefill (their first token is drawn from its logits) and decode with the first,
     each over its own copy of the prompt's cache (`Generation.samples`)."""
-    if max_new_tokens < 1:
-        raise BadRequestError("max_new_tokens must be >= 1")
-    if len(samples) + 1 > MAX_SAMPLES:
-        raise BadRequestError(f"at most {MAX_SAMPLES} samples per request, got {len(samples) + 1}")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise BadRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    _check_generate(max_new_tokens, len(samples) + 1, logprobs)
     choose = sampler or greedy
     t0 = time.perf_counter()
     pre = yield from prefill_steps(receiver, prompt_ids, plan, source, timeout_s=timeout_s,
@@ -283,6 +312,17 @@ def generate_steps(
                       finish_reason=d.finish, decode_batch=max(x.widest for x in (d, *more)),
                       logprobs=d.logprobs if logprobs is not None else None,
                       samples=[_sample(x, logprobs is not None) for x in more])
+
+
+def _check_generate(max_new_tokens: int, n: int, logprobs: int | None) -> None:
+    """Refuse what no generation serves: no token to decode, more than `MAX_SAMPLES` samples (each
+    holds a copy of the prompt's cache), more alternatives per token than `MAX_LOGPROBS`."""
+    if max_new_tokens < 1:
+        raise BadRequestError("max_new_tokens must be >= 1")
+    if n > MAX_SAMPLES:
+        raise BadRequestError(f"at most {MAX_SAMPLES} samples per request, got {n}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise BadRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
 
 
 def _sample(d: Decoding, logprobs: bool) -> Sample:

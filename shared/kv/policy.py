@@ -25,16 +25,7 @@ from collections.abc import Iterable
 
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import (
-    CacheAvailable,
-    CodecParams,
-    FrontierPoint,
-    LatencyFit,
-    Mode,
-    Path,
-    PlanSpec,
-    RecomputeConfig,
-)
+from droidmesh.shared.wire.schemas import CacheAvailable, CodecParams, FrontierPoint, LatencyFit, Mode, Path, PlanSpec, RecomputeConfig
 
 Reason = tuple[str, str]  # (bounded code for metrics, text for the reply and the log)
 

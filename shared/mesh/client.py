@@ -15,6 +15,7 @@ from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.mesh import discovery
 from droidmesh.shared.mesh.bus import Bus, NatsBus
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateChunk, GenerateRequest, Sampling
 from droidmesh.shared.wire.hashing import PUBLIC, check_scope
 
 MAX_BUFFERED_CHUNKS = 4096  # chunks held while an earlier index is missing (bounds a flooded inbox)
@@ -62,18 +63,18 @@ class MeshClient:
 
     @staticmethod
     def _generate_request(context: str, question: str, *, max_new_tokens: int, mode: schemas.Mode, timeout: float,
-                          request_id: str | None, ttft_slo_ms: float, sampling: schemas.Sampling | None,
+                          request_id: str | None, ttft_slo_ms: float, sampling: Sampling | None,
                           chat: list[schemas.ChatMessage] | None, stream_subject: str = "",
-                          scope: str = PUBLIC, n: int = 1) -> schemas.GenerateRequest:
-        return schemas.GenerateRequest(
+                          scope: str = PUBLIC, n: int = 1) -> GenerateRequest:
+        return GenerateRequest(
             request_id=request_id or uuid.uuid4().hex[:12], context=context, question=question,
             max_new_tokens=max_new_tokens, mode=mode, deadline=time.time() + timeout, ttft_slo_ms=ttft_slo_ms,
-            sampling=sampling if sampling is not None else schemas.Sampling(), chat=chat,
+            sampling=sampling if sampling is not None else Sampling(), chat=chat,
             stream_subject=stream_subject, budget_s=timeout, scope=check_scope(scope), n=n)
 
     async def ask(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
                   mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,
-                  attempt_s: float | None = None, ttft_slo_ms: float = 0.0, sampling: schemas.Sampling | None = None,
+                  attempt_s: float | None = None, ttft_slo_ms: float = 0.0, sampling: Sampling | None = None,
                   chat: list[schemas.ChatMessage] | None = None, scope: str = PUBLIC, n: int = 1
                   ) -> schemas.GenerateReply:
         """One answer. A completions-style prompt is `context=prompt, question=""`; a chat passes
@@ -87,9 +88,9 @@ class MeshClient:
 
     async def stream(self, receiver: str, context: str, question: str, *, max_new_tokens: int = 32,
                      mode: schemas.Mode = "auto", timeout: float = 60.0, request_id: str | None = None,
-                     ttft_slo_ms: float = 0.0, sampling: schemas.Sampling | None = None,
+                     ttft_slo_ms: float = 0.0, sampling: Sampling | None = None,
                      chat: list[schemas.ChatMessage] | None = None, scope: str = PUBLIC
-                     ) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]:
+                     ) -> AsyncIterator[GenerateChunk | schemas.GenerateReply]:
         """`ask`, streamed: the answer's chunks in index order as they arrive, then exactly one
         GenerateReply (its text is the whole answer: indices skip only where a chunk was lost).
         An ErrorReply raises MeshError, no reply within `timeout` raises TimeoutError; the inbox is
@@ -146,9 +147,9 @@ class MeshClient:
 
     async def sender_generate(self, sender: str, context: str, question: str, *, max_new_tokens: int = 32,
                               timeout: float = 60.0, scope: str = PUBLIC) -> schemas.GenerateReply:
-        req = schemas.GenerateRequest(request_id=uuid.uuid4().hex[:12], context=context, question=question,
-                                      max_new_tokens=max_new_tokens, deadline=time.time() + timeout,
-                                      scope=check_scope(scope))
+        req = GenerateRequest(request_id=uuid.uuid4().hex[:12], context=context, question=question,
+                              max_new_tokens=max_new_tokens, deadline=time.time() + timeout,
+                              scope=check_scope(scope))
         return await self._call(subjects.sender_generate(sender), req, schemas.GenerateReply, timeout)
 
     async def prefill(self, sender: str, context: str, *, timeout: float = 60.0,
@@ -174,11 +175,11 @@ class _InOrder:
     (peer data on an inbox), or repeats an index, is dropped; later indices wait for the gap."""
 
     def __init__(self, request_id: str) -> None:
-        self.request_id, self.next, self.held = request_id, 0, dict[int, schemas.GenerateChunk]()
+        self.request_id, self.next, self.held = request_id, 0, dict[int, GenerateChunk]()
 
-    def add(self, data: bytes) -> list[schemas.GenerateChunk]:
+    def add(self, data: bytes) -> list[GenerateChunk]:
         try:
-            chunk = schemas.decode(data, schemas.GenerateChunk)
+            chunk = schemas.decode(data, GenerateChunk)
         except DroidMeshError:
             return []
         if chunk.request_id != self.request_id or chunk.index < self.next or chunk.index in self.held \
@@ -191,7 +192,7 @@ class _InOrder:
             self.next += 1
         return ready
 
-    def rest(self) -> list[schemas.GenerateChunk]:
+    def rest(self) -> list[GenerateChunk]:
         """What is still held once the reply is in (a chunk before them was lost), in order."""
         ready = [self.held[i] for i in sorted(self.held)]
         self.held.clear()

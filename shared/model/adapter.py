@@ -10,10 +10,9 @@ every method blocks while torch computes):
   - `logits(h)`                       final norm + LM head
   - `attn_input(h, l)` / `project_kv(x, l)`  layer l's normalized attention input, and the K/V its
                                       own projections (and RoPE) make of one (SCD's patch, `shared/kv/scd.py`)
-A manual layer loop matches the model's own forward exactly when the causal pattern over a
-non-empty cache is lower-right aligned (with transformers' sdpa, `attention_mask=None` there
-silently aligns it top-left). The default attention (`shared/model/attention.py`) aligns it from
-the lengths, with no mask and no K/V head expansion; `sdpa` and `eager` get an explicit mask.
+The engine's own attention (`shared/model/attention.py`) needs no mask; `sdpa` and `eager` get
+the explicit one `masks.py` builds. `attn_input`, `attn_norm`, `project_kv` and `rope_tables`
+come from `projections.py`'s `LayerProjections`.
 
 Families: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (`gemma3_text`, transformers'
 `Gemma3ForCausalLM`). What Gemma 3 does differently lives in its own modules (q/k norms, the
@@ -48,6 +47,8 @@ from droidmesh.shared.errors import CheckpointNotFoundError, UnsupportedModelErr
 from droidmesh.shared.model import attention, hf_cache
 from droidmesh.shared.model.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
 from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of, layer_windows
+from droidmesh.shared.model.masks import additive, layer_mask
+from droidmesh.shared.model.projections import LayerProjections
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTN_IMPLEMENTATIONS = (attention.NAME, "sdpa", "eager")
@@ -55,7 +56,7 @@ attention.register()
 
 
 @dataclasses.dataclass
-class ModelAdapter:
+class ModelAdapter(LayerProjections):
     """A decoder-only LM plus what the engine needs to know about it."""
 
     model: PreTrainedModel
@@ -161,7 +162,7 @@ class ModelAdapter:
             if (kind := self.rope_kinds[l]) not in tables:
                 tables[kind] = self._rope(h, positions, l)  # each [1, T, head_dim]
             if (window := self.windows[l]) not in masks:
-                masks[window] = self._mask(past, t, window, h.dtype, h.device)
+                masks[window] = layer_mask(self.config._attn_implementation, past, t, window, h.dtype, h.device)
             h = layer(h, attention_mask=masks[window], position_ids=positions, position_embeddings=tables[kind],
                       **hf_cache.layer_kwargs(layer, cache))
         return h
@@ -236,65 +237,10 @@ class ModelAdapter:
             keys = torch.cat([torch.arange(past, device=positions.device), positions[0]])  # [past + n] key positions
             allowed = allowed & attention.visible(positions[0], keys, window)  # [1, 1, n, past + n]
         impl = self.config._attn_implementation
-        mask = allowed if impl in ("sdpa", attention.NAME) else _additive(allowed, h.dtype)
+        mask = allowed if impl in ("sdpa", attention.NAME) else additive(allowed, h.dtype)
         block = self.model.model.layers[layer]
         return block(h, attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin),
                      **hf_cache.layer_kwargs(block, cache))
-
-    def attn_input(self, h: torch.Tensor, layer: int) -> torch.Tensor:
-        """E_layer [1, T, D] -> layer `layer`'s normalized attention input [1, T, D]."""
-        if self.select is not None:
-            self.select()
-        return self.model.model.layers[layer].input_layernorm(h)
-
-    def attn_norm(self, layer: int) -> tuple[torch.Tensor, float]:
-        """(weight [D], epsilon) of layer `layer`'s input RMSNorm (what `attn_input` applies), in
-        the form weight * x / sqrt(mean(x²) + eps). Gemma stores the weight as an offset from 1
-        (its norm scales by 1 + w): the weight returned is that 1 + w."""
-        if self.select is not None:
-            self.select()
-        norm = self.model.model.layers[layer].input_layernorm
-        weight = norm.weight.detach()
-        if self.config.model_type == "gemma3_text":
-            weight = 1.0 + weight.float()  # float32, as Gemma's norm computes it
-        eps = getattr(norm, "variance_epsilon", None)
-        return weight, float(eps if eps is not None else norm.eps)
-
-    def project_kv(self, x: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A normalized attention input x [1, T, D] at positions 0..T-1 -> layer `layer`'s K, V
-        [1, kv_heads, T, head_dim], by the same operations as the layer's own forward (K/V
-        projections, the per-head K norm of Qwen3 and Gemma 3, the layer's RoPE), so the true input
-        gives the layer's own KV."""
-        if self.select is not None:
-            self.select()
-        attn = self.model.model.layers[layer].self_attn
-        t, hd = x.shape[1], self.fingerprint.head_dim
-        k = attn.k_proj(x).view(1, t, -1, hd)  # [1, T, kvh, hd]
-        if getattr(attn, "k_norm", None) is not None:
-            k = attn.k_norm(k)
-        k = k.transpose(1, 2)  # [1, kvh, T, hd]
-        v = attn.v_proj(x).view(1, t, -1, hd).transpose(1, 2)  # [1, kvh, T, hd]
-        positions = torch.arange(t, device=x.device)[None]  # [1, T]
-        cos, sin = self._rope(x, positions, layer)  # each [1, T, hd]
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, hd]
-        half = hd // 2
-        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)  # rotate_half(k)
-        return k * cos + rotated * sin, v
-
-    def rope_tables(self, layer: int | None = None) -> tuple[torch.Tensor, float]:
-        """(inv_freq [head_dim / 2] float32 on the CPU, attention scaling): layer `layer`'s RoPE.
-        Without a layer: the RoPE every layer shares; a model whose RoPE differs per layer type
-        (Gemma 3) refuses that, so no caller silently rotates a global layer by the local base."""
-        if self.select is not None:
-            self.select()
-        rot = self.model.model.rotary_emb
-        if layer is None:
-            if len(set(self.rope_kinds)) > 1:
-                raise UnsupportedModelError(f"{self.name}: RoPE differs per layer type; ask for it per layer")
-            layer = 0
-        kind = self.rope_kinds[layer]
-        prefix = "" if kind is None else f"{kind}_"  # Gemma 3 keeps `{layer_type}_inv_freq` per type
-        return getattr(rot, f"{prefix}inv_freq").detach().float().cpu(), float(getattr(rot, f"{prefix}attention_scaling"))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """E_L [1, T, D] -> logits [1, T, vocab] (final norm, LM head, the final soft cap where the
@@ -306,43 +252,6 @@ class ModelAdapter:
         if cap is not None:  # as the model's own forward: cap * tanh(logits / cap), in the model's dtype
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-    # -- helpers ---------------------------------------------------------------------------
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [1, T, head_dim], of layer `layer`'s RoPE at `positions` [1, T]."""
-        kind = self.rope_kinds[layer]
-        rot = self.model.model.rotary_emb
-        return rot(x, positions) if kind is None else rot(x, positions, kind)
-
-    def _mask(self, past: int, t: int, window: int | None, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor | None:
-        impl = self.config._attn_implementation
-        if impl == attention.NAME:
-            return None  # the kernel takes causality and the window from the lengths (`shared/model/attention.py`)
-        if window is not None and past + t <= window:
-            window = None  # no key is out of any query's window: plain causal
-        if past == 0 and window is None and impl == "sdpa":
-            return None  # plain causal over an empty cache: sdpa's is_causal path is exact and fast
-        return causal_mask(past, t, impl, dtype, device, window)
-
-
-def causal_mask(past: int, t: int, impl: str, dtype: torch.dtype, device: torch.device,
-                window: int | None = None) -> torch.Tensor:
-    """Mask [1, 1, T, past+T] letting query i (position past+i) see keys 0..past+i (with a
-    sliding `window` W, only the last W of them: past+i-W+1..past+i).
-
-    sdpa takes a boolean mask (True = attend); eager takes an additive float mask.
-    """
-    q = torch.arange(past, past + t, device=device)  # [T]
-    k = torch.arange(past + t, device=device)  # [past+T]
-    allowed = attention.visible(q, k, window)[None, None]  # [1, 1, T, past+T]
-    return allowed if impl in ("sdpa", attention.NAME) else _additive(allowed, dtype)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean visibility -> eager attention's additive mask (0 where visible, -inf-ish elsewhere)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
 
 def load_model(
     path: str | os.PathLike,

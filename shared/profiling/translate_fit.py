@@ -182,10 +182,39 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
         raise BadRequestError(f"need at least 2 calibration contexts, got {len(contexts)}")
     lt, ds, dt = target.num_layers, source.config.hidden_size, target.config.hidden_size
     layers = range(min(candidates, source.num_layers))
+    norms = [source.attn_norm(l) for l in range(source.num_layers)]
+    train, held, start_x, start_id = _statistics(source, target, contexts, n_hold, layers, norms, progress)
+    sources, best = _choose_sources(train, held, layers, ds, lambdas, lt - 1)
+    cols = _columns(sources, ds)
+    lam_of = [lambdas[int(i)] for i in best.argmax(0)]  # per target layer >= 1
+    rank, by_rank = _choose_rank(train, held, cols, lam_of, best.max(0).values, ranks)
+    train.absorb(held)
+    g, c = _sub(train, cols)
+    _, proj, maps, biases = _reduced(_maps(g, c, train.n, lam_of), g, train.n, rank)
+    ws, bs = [m.float().contiguous() for m in maps], [b.float().contiguous() for b in biases]
+    info: dict[str, Any] = {
+        "kind": "ridge", "contexts": len(contexts), "held_out_contexts": n_hold, "tokens": train.n,
+        "candidates": len(layers),
+        "r2_held_out": [round(float(r), 4) for r in best.max(0).values], "lambda": lam_of, "rank": rank, "r2_by_rank": by_rank,
+    }
+    return Translator(source.name, target.name, source.fingerprint, target.fingerprint, tuple(sources),
+                      tuple(ws), tuple(bs), None if proj is None else proj.float().contiguous(),
+                      start_x if start_x is not None else torch.zeros(lt, dt), start_id,
+                      torch.stack([w.float().cpu() for w, _ in norms]), norms[0][1], info,
+                      tokenizer_spec(source.tokenizer), *weights)
+
+
+def _statistics(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], n_hold: int, layers: range,
+                norms: list[tuple[torch.Tensor, float]], progress: Callable[[int], None] | None
+                ) -> tuple[_Stats, _Stats, torch.Tensor | None, int]:
+    """Steps 1-3 over every context: the training fold's statistics and the held-out fold's (the
+    last `n_hold` contexts), then the target's own start-token attention inputs [Lt, Dt] and its
+    token id, from the first context whose first target token matches no source span (None, -1:
+    none did). `norms`: each source layer's input RMSNorm (`attn_norm`)."""
+    lt, ds, dt = target.num_layers, source.config.hidden_size, target.config.hidden_size
     folds = [_Stats(2 * len(layers) * ds, lt, dt), _Stats(2 * len(layers) * ds, lt, dt)]
     start_x: torch.Tensor | None = None
     start_id = -1
-    norms = [source.attn_norm(l) for l in range(source.num_layers)]
     for i, text in enumerate(contexts):
         s_ids, s_spans = context_spans(source.tokenizer, text)
         t_ids, t_spans = context_spans(target.tokenizer, text)
@@ -201,9 +230,16 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
         folds[int(i >= len(contexts) - n_hold)].add(x[rows], [y[rows] for y in labels[1:]])
         if progress is not None:
             progress(i + 1)
-    train, held = folds
+    return folds[0], folds[1], start_x, start_id
+
+
+def _choose_sources(train: _Stats, held: _Stats, layers: range, ds: int, lambdas: Sequence[float], targets: int
+                    ) -> tuple[list[int], torch.Tensor]:
+    """Step 4: source layers added greedily (up to `MAX_SOURCES`) while the held-out R² averaged
+    over the `targets` target layers gains `MIN_GAIN`; returns them ascending, and their held-out
+    R² [len(lambdas), targets] (-inf throughout when there was no candidate)."""
     chosen: list[int] = []
-    best = torch.full((len(lambdas), lt - 1), -float("inf"), dtype=torch.float64)
+    best = torch.full((len(lambdas), targets), -float("inf"), dtype=torch.float64)
     while len(chosen) < min(MAX_SOURCES, len(layers)):
         tried = {s: _scores(train, held, _columns(sorted([*chosen, s]), ds), lambdas) for s in layers if s not in chosen}
         s, sc = max(tried.items(), key=lambda kv: float(kv[1].max(0).values.mean()))
@@ -211,16 +247,20 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
             break
         chosen.append(s)
         best = sc
-    sources = sorted(chosen)
-    cols = _columns(sources, ds)
-    lam_of = [lambdas[int(i)] for i in best.argmax(0)]  # per target layer >= 1
+    return sorted(chosen), best
+
+
+def _choose_rank(train: _Stats, held: _Stats, cols: torch.Tensor, lam_of: Sequence[float], full: torch.Tensor,
+                 ranks: Sequence[int]) -> tuple[int | None, dict[str, float]]:
+    """Step 5: the smallest shared bottleneck of `ranks` that keeps every target layer's held-out R²
+    within `MAX_RANK_LOSS` of full rank's (`full` [Lt-1]; None: none does, full rank), fit on the
+    training fold; and the mean held-out R² per rank tried."""
     g, c = _sub(train, cols)
     hg, hc = _sub(held, cols)
-    full = best.max(0).values  # [Lt-1]
-    rank = None  # the smallest shared bottleneck that keeps every target layer's held-out R²
-    by_rank = {"full": round(float(full.mean()), 4)}  # mean held-out R² per rank tried
-    w = _maps(g, c, train.n, lam_of)
-    tried_ranks = [q for q in ranks if q < min(len(cols) - 1, (lt - 1) * dt)]
+    rank = None
+    by_rank = {"full": round(float(full.mean()), 4)}
+    w = _maps(g, c, train.n, lam_of)  # [k+1, Lt-1, Dt]
+    tried_ranks = [q for q in ranks if q < min(len(cols) - 1, w.shape[1] * w.shape[2])]  # below k and out = (Lt-1) * Dt
     dirs = _directions(w, g, train.n) if tried_ranks else None  # once for every rank tried
     for r in tried_ranks:
         scored = _r2(_reduced(w, g, train.n, r, dirs)[0], hg, hc, held)  # [Lt-1]
@@ -228,20 +268,7 @@ def fit(source: ModelAdapter, target: ModelAdapter, contexts: Sequence[str], *, 
         if bool((scored >= full - MAX_RANK_LOSS).all()):
             rank = r
             break
-    train.absorb(held)
-    g, c = _sub(train, cols)
-    _, proj, maps, biases = _reduced(_maps(g, c, train.n, lam_of), g, train.n, rank)
-    ws, bs = [m.float().contiguous() for m in maps], [b.float().contiguous() for b in biases]
-    info: dict[str, Any] = {
-        "kind": "ridge", "contexts": len(contexts), "held_out_contexts": n_hold, "tokens": train.n,
-        "candidates": len(layers),
-        "r2_held_out": [round(float(r), 4) for r in best.max(0).values], "lambda": lam_of, "rank": rank, "r2_by_rank": by_rank,
-    }
-    return Translator(source.name, target.name, source.fingerprint, target.fingerprint, tuple(sources),
-                      tuple(ws), tuple(bs), None if proj is None else proj.float().contiguous(),
-                      start_x if start_x is not None else torch.zeros(lt, dt), start_id,
-                      torch.stack([w.float().cpu() for w, _ in norms]), norms[0][1], info,
-                      tokenizer_spec(source.tokenizer), *weights)
+    return rank, by_rank
 
 
 def profile_translated(source: ModelAdapter, target: ModelAdapter, train_contexts: Sequence[str],

@@ -55,7 +55,7 @@ import torch
 from droidmesh.shared.errors import BadMessageError, DroidMeshError, IntegrityError, TransferError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.model.device import dtype_name
-from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport import codecs, integrity, placement
 from droidmesh.shared.transport.limits import (  # the limits every request meets, re-exported: callers import them here
     MAX_CODEC_PARAMS as MAX_CODEC_PARAMS,
 )
@@ -257,11 +257,11 @@ _STORED_SUMS: dict[int, str] = {}
 def _payload_checksum(t: torch.Tensor, payload: torch.Tensor, cache: bool) -> str:
     """`cache`: `t` is the stored tensor itself (a per-pull slice is a new object every time)."""
     if not cache or payload.data_ptr() != t.data_ptr() or payload.numel() != t.numel() * t.element_size():
-        return codecs.checksum(payload)  # encoded afresh for this pull
+        return integrity.checksum(payload)  # encoded afresh for this pull
     key = id(t)
     known = _STORED_SUMS.get(key)
     if known is None:
-        known = _STORED_SUMS[key] = codecs.checksum(payload)
+        known = _STORED_SUMS[key] = integrity.checksum(payload)
         weakref.finalize(t, _STORED_SUMS.pop, key, None)
     return known
 
@@ -276,7 +276,7 @@ def _server_codec(name: str) -> codecs.Codec:
 # -- client side ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Landing:
-    """Where one item's payload is received (`codecs.receive_buffer`): straight into the caller's
+    """Where one item's payload is received (`placement.receive_buffer`): straight into the caller's
     buffer, or into a staging buffer that is decoded into it."""
 
     item: PullItem
@@ -291,7 +291,7 @@ class Landing:
         thread waits for them, the compute stream does not); return `out`, ready to use."""
         with streams.landing(self.out.device):
             if verify:
-                got = codecs.checksum(self.recv)
+                got = integrity.checksum(self.recv)
                 if got != self.header.checksum:
                     raise IntegrityError(f"checksum mismatch for layer {self.item.layer} {self.item.kind}: "
                                          f"{got} != {self.header.checksum}")
@@ -321,5 +321,5 @@ def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.
                                  f"{header.codec} allows at most {bound}")
         if codecs.asks_device(header.codec_params) and not codecs.asks_device(request.codec_params):
             raise IntegrityError(f"layer {item.layer} {item.kind}: a device payload this receiver did not ask for")
-        out.append(Landing(item, header, codec, buf, codecs.receive_buffer(codec, header, buf)))
+        out.append(Landing(item, header, codec, buf, placement.receive_buffer(codec, header, buf)))
     return out

@@ -11,7 +11,7 @@ Registered here: `raw` (the tensor's own bytes, no copy on either side when the 
 CPU), `int8` and `int4` (quantized, `shared/kv/quant.py`; see "Quantized codecs" below),
 `lowrank` (SCD codes under a pair's learned maps, `shared/kv/scd.py`; see "SCD codes" below);
 `register` adds more (compressed codecs plug in here, nothing else changes). Both ends share
-`checksum` and `payload_view`.
+`payload_view` and `integrity.checksum`; a receiver lands each payload where `placement.py` says.
 
 The sender passes the item's kind ("K", "V" or "E") and layer to `encode` and `max_nbytes` as the
 params `KIND_PARAM` and `LAYER_PARAM` (whatever the request said under those names is replaced); a
@@ -48,33 +48,19 @@ does, and only when UCX here has its CUDA transports, see `capabilities.py`):
      own device bytes and echoes `DEVICE_PARAM` in the header, or, not asked, with a copy in
      pinned host memory (a CPU tensor is always its own host bytes, the param not echoed);
   2. the receiver lands a header carrying `DEVICE_PARAM` in its CUDA buffer itself
-     (`receive_buffer`), any other payload for a CUDA buffer in pinned host memory;
+     (`placement.receive_buffer`), any other payload for a CUDA buffer in pinned host memory;
   3. `decode` copies a staged payload into `out` (host to device for pinned staging).
-Integrity: `checksum` is a function of where the payload's bytes are, and both ends hold them in
-the same kind of memory (device payloads only travel when both ends agreed, per step 1):
-  - host bytes: xxh3-64, as always;
-  - device bytes: `device_checksum`, two 64-bit sums over the bytes as int64 words, plain and
-    position-weighted (Fletcher-style), with torch integer ops on the GPU. Copying each payload
-    to the host to hash it would cost more than the device-to-device pull it checks. Integer sums
-    wrap the same way in any order, so the result does not depend on the reduction order. It
-    catches truncated, zero-filled, shifted or stale payloads and isolated corruption; like
-    xxh3 it is no defence against a sender that lies. The sender computes it once per stored
-    tensor (`bulk.answer` caches it), and reading it waits for the kernels queued before it on
-    the current stream: the capture's writes are complete before UCX reads the tensor (DroidMesh
-    runs its engine on the default stream).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Literal, Protocol
+from typing import Protocol
 
-import numpy as np
 import torch
-import xxhash
 
 from droidmesh.shared.errors import IntegrityError
-from droidmesh.shared.kv import quant, scd, streams
+from droidmesh.shared.kv import quant, scd
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
@@ -120,32 +106,6 @@ def payload_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1)  # [numel * itemsize]
 
 
-def checksum(payload: torch.Tensor) -> str:
-    """Of a uint8 payload: `device_checksum` for device bytes, else xxh3-64 of the host bytes."""
-    if payload.device.type == "cuda":
-        return device_checksum(payload)
-    buf: Any = payload.numpy()
-    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(buf).data)
-
-
-_MASK64 = (1 << 64) - 1
-_WEIGHTED_WORDS = 1 << 24  # int64 words per step of the weighted sum: bounds its temporaries to 256 MiB
-
-
-def device_checksum(payload: torch.Tensor) -> str:
-    """(sum of w, sum of (i + 1) * w) mod 2**64 over the uint8 payload read as int64 words w
-    (the last one zero-padded), on the payload's own device; "d" + 32 hex digits."""
-    if payload.numel() % 8 or payload.storage_offset() % 8:  # an int64 view needs whole, aligned words
-        payload = torch.cat([payload, payload.new_zeros(-payload.numel() % 8)])
-    words = payload.view(torch.int64)
-    weighted = words.new_zeros(())
-    for start in range(0, words.numel(), _WEIGHTED_WORDS):
-        chunk = words[start:start + _WEIGHTED_WORDS]
-        weighted += (chunk * torch.arange(start + 1, start + 1 + chunk.numel(), device=chunk.device)).sum()
-    plain, weighted_sum = torch.stack([words.sum(), weighted]).tolist()  # one device-to-host read
-    return f"d{plain & _MASK64:016x}{weighted_sum & _MASK64:016x}"
-
-
 def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
     numel = 1
     for d in shape:
@@ -165,7 +125,7 @@ def asks_device(params: CodecParams) -> bool:
 class RawCodec:
     """The tensor's own bytes. Decoding into a CPU buffer needs no copy at all: channels receive
     straight into `out`, nor into a CUDA buffer when the payload travels as device memory (see
-    `receive_buffer`)."""
+    `placement.receive_buffer`)."""
 
     name = "raw"
 
@@ -372,32 +332,6 @@ class LowRankCodec:
 
 
 LOWRANK = LowRankCodec()
-
-Place = Literal["out", "device", "pinned", "host"]
-
-
-def receive_place(codec: Codec, header: TensorHeader, out: torch.Tensor) -> Place:
-    """Where every channel lands `header`'s (checked) payload for `out`:
-    "out" (its own bytes: raw into a contiguous buffer, sent as device memory when `out` is on
-    CUDA), "device" (a staging buffer on `out`'s device), "pinned" (pinned host staging, for a
-    host payload bound for a CUDA buffer) or "host" (pageable host staging, for a CPU buffer)."""
-    fits = isinstance(codec, RawCodec) and out.is_contiguous() and header.nbytes == nbytes_of(out.shape, out.dtype)
-    if asks_device(header.codec_params):
-        return "out" if fits else "device"
-    if out.device.type == "cuda":
-        return "pinned"
-    return "out" if fits else "host"
-
-
-def receive_buffer(codec: Codec, header: TensorHeader, out: torch.Tensor) -> torch.Tensor:
-    """The uint8 [header.nbytes] buffer `receive_place` names."""
-    place = receive_place(codec, header, out)
-    if place == "out":
-        return payload_view(out)
-    if place == "device":
-        return streams.empty((header.nbytes,), torch.uint8, out.device)
-    return torch.empty(header.nbytes, dtype=torch.uint8, pin_memory=place == "pinned")
-
 
 register(RawCodec())
 register(Int8Codec())

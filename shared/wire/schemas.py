@@ -1,4 +1,8 @@
-"""Every wire message, typed, in one module (msgpack via msgspec, which validates types).
+"""The wire format (msgpack via msgspec, which validates types) and the mesh's bus messages.
+
+The sandbox IPC (`sandbox.py`), the bulk channels' control messages (`channels.py`), a generate
+request and its streamed chunks (`generation.py`) and the log-probabilities a reply reports
+(`logprobs.py`) are defined beside this module; every message is encoded and decoded here.
 
 Each message is a tagged struct: its msgpack map carries `type` (the message kind) and `v`
 (the schema version). `decode` checks, in order: size, msgpack-ness, version, then every field's
@@ -14,6 +18,7 @@ import msgspec
 
 from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 from droidmesh.shared.wire.hashing import MAX_SCOPE_CHARS, PUBLIC, SCOPE_PATTERN
+from droidmesh.shared.wire.logprobs import TokenLogprob
 
 SCHEMA_VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never ride the bus
@@ -67,18 +72,6 @@ class CacheAvailable(Message, tag="cache.available"):
     address: str  # ucx, nixl: "host:port"; shm: a Unix socket's path; inproc: the server's name
     published_at: float  # unix seconds
     scope: Scope = PUBLIC  # who may reuse it; `context_id` is seeded by it
-
-
-class SenderEndpoint(Message, tag="sender.endpoint"):
-    """Where a sender's bulk channel listens, for receivers to connect ahead of a pull. Sent with
-    each availability event, but without its context: receivers need no token ids to warm up."""
-
-    sender_id: str
-    model_id: str
-    fingerprint_id: str
-    transport: Transport
-    address: str
-    published_at: float  # unix seconds
 
 
 class CacheEvicted(Message, tag="cache.evicted"):
@@ -141,73 +134,13 @@ MODES: tuple[Mode, ...] = ("auto", "full_prefill", "full_reuse")
 # context another model (other size, family or tokenizer) holds, translated (shared/kv/translate.py).
 Path = Literal["partial", "full_reuse", "cacheblend", "full_prefill", "fallback", "sender_own", "translate"]
 
-
 Role = Literal["system", "user", "assistant"]
 FinishReason = Literal["stop", "length"]  # a stop sequence or EOS; max_new_tokens reached
-
-
-class Sampling(msgspec.Struct, kw_only=True):
-    """How the next token is chosen. temperature 0 is greedy (and ignores top_p and seed)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None  # same seed, prompt and plan: same tokens
-    stop: list[str] = []  # the answer ends before the first occurrence of any of these
-    logprobs: int | None = None  # None: none; k in 0..20: each token's log-probability and the k likeliest tokens'
-
-
-class TopLogprob(msgspec.Struct):
-    """One of the likeliest tokens at a position: its id, its text, its log-probability."""
-
-    token_id: int
-    token: str
-    logprob: float
-
-
-class TokenLogprob(msgspec.Struct):
-    """A chosen token's log-probability under the model's next-token distribution (before
-    temperature and top-p), and the `Sampling.logprobs` likeliest tokens there."""
-
-    token_id: int
-    token: str
-    logprob: float
-    top: list[TopLogprob] = []
 
 
 class ChatMessage(msgspec.Struct):
     role: Role
     content: str
-
-
-class GenerateRequest(Message, tag="generate.request"):
-    """The prompt is `context` followed by `question` (each tokenized on its own, see
-    `shared/model/text.py`), or, with `chat`, the conversation rendered by the receiver's chat
-    template (then `context` and `question` are empty). Either way the receiver reuses the longest
-    cached prefix of the prompt's tokens it finds."""
-
-    request_id: str
-    context: str  # the shared document (the sender's prefix)
-    question: str
-    max_new_tokens: int = 32
-    deadline: float = 0.0  # unix seconds; 0 = the service's default
-    mode: Mode = "auto"
-    ttft_slo_ms: float = 0.0  # 0 = none; lets an idle receiver spend spare time on quality
-    sampling: Sampling = msgspec.field(default_factory=Sampling)
-    chat: list[ChatMessage] | None = None
-    stream_subject: str = ""  # "" = no streaming; else GenerateChunks go there (an inbox: subjects.INBOX_PREFIX)
-    budget_s: float = 0.0  # seconds the client waits, counted from arrival (no clocks compared); 0 = use `deadline`
-    scope: Scope = PUBLIC  # whose cached contexts it may reuse (its own scope's and public ones); a sender caches it there
-    n: int = 1  # samples of the answer (OpenAI's n): the reply's own fields are the first, `samples` the others
-
-
-class GenerateChunk(Message, tag="generate.chunk"):
-    """One streamed piece of an answer, published while decoding; the final GenerateReply still
-    carries the whole text (a client that missed a chunk completes from it)."""
-
-    request_id: str
-    index: int  # 0, 1, 2, ... per request
-    text: str  # new text since the previous chunk (held back while it could start a stop sequence)
-    token_ids: list[int]
 
 
 class SampleReply(msgspec.Struct):
@@ -394,7 +327,7 @@ class PullRequest(Message, tag="pull.request"):
 class TensorHeader(Message, tag="tensor.header"):
     """Precedes each tensor's encoded bytes. `shape` and `dtype` are the decoded tensor's;
     `nbytes` is the encoded size and `checksum` covers exactly those bytes (xxh3-64 of host bytes,
-    `codecs.device_checksum` of device bytes)."""
+    `integrity.device_checksum` of device bytes)."""
 
     context_id: str
     layer: int
@@ -413,146 +346,6 @@ class PullResponse(Message, tag="pull.response"):
 
     headers: list[TensorHeader]
     error: str | None = None
-
-
-# -- the NIXL pull's control exchange (a TCP stream beside NIXL's one-sided reads) ---------
-# The first message on a connection is a PullRequest: nothing of the sender (no agent, no
-# address, no memory) is described to a peer before it has shown a grant.
-class NixlRegion(msgspec.Struct):
-    """One granted payload's bytes in the sender's registered memory."""
-
-    addr: int
-    nbytes: int
-
-
-class NixlGrant(Message, tag="nixl.grant"):
-    """The sender's answer to a PullRequest. Granted: the headers, NIXL metadata for exactly the
-    requested payloads' registrations (in the connection's sandbox process; the connection's
-    first grant also carries that agent's connection info) and one region per item, in order.
-    Refused: an error in `response` and no metadata or regions at all."""
-
-    response: PullResponse
-    metadata: bytes = b""
-    regions: list[NixlRegion] = []
-
-
-class NixlDone(Message, tag="nixl.done"):
-    """Receiver -> sender: the granted reads are over; the sender may release what it held."""
-
-
-# -- the UCX channel's wire-up (a TCP stream; the pulls then run over UCX endpoints) ------
-class UcxWelcome(Message, tag="ucx.welcome"):
-    """Sender -> receiver over the wire-up connection, answering the hello, which carries the
-    connection's first PullRequest. Refused: `error`, and nothing of the sender. Granted: the
-    UCX worker address of the connection's own sandbox process and its receive tag; that first
-    pull's response and payloads then come over the endpoint."""
-
-    error: str | None = None
-    tag: int = 0
-    address: bytes = b""
-
-
-# -- a sender and its sandbox processes (a Unix socket pair; memfds ride with the grants) -----
-class SandboxRegion(msgspec.Struct):
-    """One payload: `nbytes` at `offset` of memfd number `fd` of its grant."""
-
-    fd: int
-    offset: int
-    nbytes: int
-
-
-class SandboxServe(Message, tag="sandbox.serve"):
-    """Sender -> sandbox: one authorized pull, its encoded `PullResponse` and each payload's
-    region in the `fds` memfds passed with this frame."""
-
-    pull_id: int
-    response: bytes
-    regions: list[SandboxRegion]
-    fds: int
-
-
-class SandboxRelease(Message, tag="sandbox.release"):
-    """Sender -> sandbox (nixl): the pull is over; unmap and deregister what it granted."""
-
-    pull_id: int
-
-
-class SandboxWire(Message, tag="sandbox.wire"):
-    """Sender -> sandbox (ucx): a receiver's hello, to make the connection's endpoint from."""
-
-    tag: int
-    address: bytes
-    on_this_host: bool
-
-
-class SandboxReady(Message, tag="sandbox.ready"):
-    """Sandbox -> sender: started, its transport library loaded (a warm spare)."""
-
-    pid: int
-
-
-class SandboxWired(Message, tag="sandbox.wired"):
-    """Sandbox -> sender (ucx): the endpoint exists; the sandbox's worker address and receive tag."""
-
-    tag: int
-    address: bytes
-
-
-class SandboxMapped(Message, tag="sandbox.mapped"):
-    """Sandbox -> sender (nixl): the grant's payloads registered: their addresses there, and NIXL
-    metadata for exactly those (with the agent's connection info on a connection's first)."""
-
-    pull_id: int
-    addrs: list[int]
-    metadata: bytes
-
-
-class SandboxServed(Message, tag="sandbox.served"):
-    """Sandbox -> sender (ucx): the pull's response and payloads were sent (or why not)."""
-
-    pull_id: int
-    error: str | None = None
-
-
-class SandboxAsk(Message, tag="sandbox.ask"):
-    """Sandbox -> sender (ucx): the receiver's next request frame, unread."""
-
-    request: bytes
-
-
-class SandboxFailed(Message, tag="sandbox.failed"):
-    """Sandbox -> sender: what it was asked failed; the connection ends."""
-
-    error: str
-
-
-SandboxReport = SandboxReady | SandboxWired | SandboxMapped | SandboxServed | SandboxAsk | SandboxFailed
-SandboxOrder = SandboxServe | SandboxRelease | SandboxWire
-
-
-# -- the shm pull's control exchange (a Unix socket; the bytes are sealed memfds it passes) ----
-class ShmRegion(msgspec.Struct):
-    """Where one granted item lies in the grant's memfds: row r of the item (a K / V head, or E's
-    one row) starts at `offset + r * stride` of memfd number `fd`; the receiver derives the rows
-    and their length from its own buffer."""
-
-    fd: int
-    offset: int
-    stride: int
-
-
-class ShmGrant(Message, tag="shm.grant"):
-    """The sender's answer to a PullRequest. Granted: the headers, one region per item and
-    `fds` memfds passed with this frame (SCM_RIGHTS). Refused: an error in `response`, no
-    regions and no memfds."""
-
-    response: PullResponse
-    regions: list[ShmRegion] = []
-    fds: int = 0
-
-
-class ShmDone(Message, tag="shm.done"):
-    """Receiver -> sender: the granted reads are over; the sender may release what it held."""
 
 
 M = TypeVar("M", bound=Message)

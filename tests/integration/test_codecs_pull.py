@@ -30,7 +30,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.profiling import scd_fit
-from droidmesh.shared.transport import codecs, inproc
+from droidmesh.shared.transport import codecs, inproc, integrity
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.transport.pull import pull_into, pull_items, source_for
@@ -123,7 +123,7 @@ def test_a_poisoned_quantized_item_is_refused_and_never_delivered(tiny_models, c
         payloads[i] = payloads[i].clone()
         payloads[i][-4:].view(torch.float32)[0] = float("nan")  # the last per-token scale
         headers = list(response.headers)
-        headers[i] = msgspec.structs.replace(headers[i], checksum=codecs.checksum(payloads[i]))
+        headers[i] = msgspec.structs.replace(headers[i], checksum=integrity.checksum(payloads[i]))
         return msgspec.structs.replace(response, headers=headers), payloads, release
 
     monkeypatch.setattr(inproc, "answer", poison)
@@ -172,7 +172,7 @@ def _tamper(monkeypatch, layer: int, kind: str, change) -> None:
         i = next(j for j, h in enumerate(response.headers) if (h.layer, h.kind) == (layer, kind))
         header, payloads[i] = change(response.headers[i], payloads[i].clone())
         headers = list(response.headers)
-        headers[i] = msgspec.structs.replace(header, checksum=codecs.checksum(payloads[i]), nbytes=payloads[i].numel())
+        headers[i] = msgspec.structs.replace(header, checksum=integrity.checksum(payloads[i]), nbytes=payloads[i].numel())
         return msgspec.structs.replace(response, headers=headers), payloads, release
 
     monkeypatch.setattr(inproc, "answer", answer)

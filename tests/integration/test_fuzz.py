@@ -22,6 +22,7 @@ from droidmesh.shared.errors import BadMessageError
 from droidmesh.shared.mesh.bus import InProcessBus
 from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateRequest
 
 pytestmark = pytest.mark.fuzz
 
@@ -81,15 +82,15 @@ def wired(tiny_pair, tiny_models):
 
 ENDPOINTS = {
     subjects.BROKER_LOOKUP: (schemas.LookupRequest, schemas.LookupReply),
-    subjects.sender_generate("sender"): (schemas.GenerateRequest, schemas.GenerateReply),
+    subjects.sender_generate("sender"): (GenerateRequest, schemas.GenerateReply),
     subjects.sender_prefill("sender"): (schemas.PrefillRequest, schemas.PrefillReply),
-    subjects.receiver_generate("receiver"): (schemas.GenerateRequest, schemas.GenerateReply),
+    subjects.receiver_generate("receiver"): (GenerateRequest, schemas.GenerateReply),
     subjects.PROFILER_PROFILE: (schemas.ProfileRequest, schemas.ProfileReply),
 }
 texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=60)
 requests = st.one_of(
     st.builds(schemas.LookupRequest, token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=80), fingerprint_id=texts),
-    st.builds(schemas.GenerateRequest, request_id=texts, context=texts, question=texts,
+    st.builds(GenerateRequest, request_id=texts, context=texts, question=texts,
               max_new_tokens=st.integers(-3, 4), deadline=st.sampled_from([0.0, 1.0, 1e12]),
               mode=st.sampled_from([*schemas.MODES, "bogus"]), ttft_slo_ms=st.floats(0, 1e4)),
     st.builds(schemas.PrefillRequest, request_id=texts, context=texts, chat=st.none() | st.lists(

@@ -19,6 +19,7 @@ from droidmesh.shared.mesh.bus import InProcessBus
 from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.model import text
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateRequest
 
 CONTEXT = " ".join(["alpha beta gamma delta"] * 12)
 QUESTION = " what is gamma"
@@ -52,8 +53,8 @@ def test_partial_answer_equals_engine(tiny_pair, tiny_models):
             await bus.settle()
             assert len(broker.index) == 1 and pre.tokens > 16
             return await _ask(bus, subjects.receiver_generate("receiver"),
-                              schemas.GenerateRequest(request_id="r1", context=CONTEXT, question=QUESTION,
-                                                      max_new_tokens=6), schemas.GenerateReply)
+                              GenerateRequest(request_id="r1", context=CONTEXT, question=QUESTION,
+                                              max_new_tokens=6), schemas.GenerateReply)
 
     reply = asyncio.run(run())
     assert reply.path == "partial", reply
@@ -71,8 +72,8 @@ def test_no_cache_means_full_prefill(tiny_pair, tiny_models):
     async def run():
         async with mesh(tiny_pair, tiny_models) as (bus, *_):
             return await _ask(bus, subjects.receiver_generate("receiver"),
-                              schemas.GenerateRequest(request_id="r2", context=CONTEXT, question=QUESTION,
-                                                      max_new_tokens=4), schemas.GenerateReply)
+                              GenerateRequest(request_id="r2", context=CONTEXT, question=QUESTION,
+                                              max_new_tokens=4), schemas.GenerateReply)
 
     reply = asyncio.run(run())
     assert reply.path == "full_prefill" and reply.fallback_reason == "no cached prefix"
@@ -85,9 +86,9 @@ def test_bad_request_gets_error_reply(tiny_pair, tiny_models):
         async with mesh(tiny_pair, tiny_models) as (bus, *_):
             subject = subjects.receiver_generate("receiver")
             garbage = schemas.decode(await bus.request(subject, b"\xc1\x00", 5), schemas.ErrorReply)
-            bad_mode = await _ask(bus, subject, schemas.GenerateRequest(
+            bad_mode = await _ask(bus, subject, GenerateRequest(
                 request_id="r3", context=CONTEXT, question=QUESTION, mode="warp"), schemas.ErrorReply)
-            ok = await _ask(bus, subject, schemas.GenerateRequest(
+            ok = await _ask(bus, subject, GenerateRequest(
                 request_id="r4", context=CONTEXT, question=QUESTION, max_new_tokens=2), schemas.GenerateReply)
             return garbage, bad_mode, ok
 

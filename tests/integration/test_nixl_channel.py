@@ -12,7 +12,8 @@ from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import CodecParams, NixlGrant, PullItem, PullRequest, TensorHeader
+from droidmesh.shared.wire.channels import NixlGrant
+from droidmesh.shared.wire.schemas import CodecParams, PullItem, PullRequest, TensorHeader
 
 pytest.importorskip("nixl_cu12")
 

@@ -16,6 +16,7 @@ from droidmesh.shared.transport.sandbox import host
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.transport.ucx import wireup
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.channels import UcxWelcome
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
 CHANNELS = ["ucx", pytest.param("nixl", marks=pytest.mark.skipif(
@@ -142,7 +143,7 @@ def test_a_ucx_hello_with_a_refused_pull_learns_no_address():
     """A hello whose pull is refused gets the error, no worker address, and starts no sandbox."""
     issuer = TokenIssuer(ttl_s=60)
 
-    async def run() -> tuple[schemas.UcxWelcome, int]:
+    async def run() -> tuple[UcxWelcome, int]:
         server, address, _ = await _server("ucx", issuer)
         try:
             host_, port = address.rsplit(":", 1)

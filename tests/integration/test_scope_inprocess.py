@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateRequest
 from droidmesh.shared.wire.hashing import PUBLIC, tenant_scope
 from tests.integration.test_mesh_inprocess import CONTEXT, QUESTION, _ask, mesh
 
@@ -27,8 +28,8 @@ def test_scoped_prefills_are_separate_contexts_reused_only_in_scope(tiny_pair, t
             paths = {}
             for scope in (a, "tenant:c", PUBLIC):
                 reply = await _ask(bus, subjects.receiver_generate("receiver"),
-                                   schemas.GenerateRequest(request_id=f"r-{scope}", context=CONTEXT, question=QUESTION,
-                                                           max_new_tokens=2, scope=scope), schemas.GenerateReply)
+                                   GenerateRequest(request_id=f"r-{scope}", context=CONTEXT, question=QUESTION,
+                                                   max_new_tokens=2, scope=scope), schemas.GenerateReply)
                 paths[scope] = (reply.path, reply.bytes_pulled, reply.reused_tokens)
             events: list[schemas.CacheAvailable] = []
 

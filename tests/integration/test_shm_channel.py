@@ -19,7 +19,8 @@ from droidmesh.shared.errors import BadMessageError, IntegrityError
 from droidmesh.shared.transport import memfd, shm, shm_io
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, ShmGrant, ShmRegion, TensorHeader
+from droidmesh.shared.wire.channels import ShmGrant, ShmRegion
+from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader
 
 ITEMS = [PullItem(0, "K"), PullItem(0, "V")]
 

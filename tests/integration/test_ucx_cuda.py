@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport import codecs, integrity, placement
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, TensorHeader
 
@@ -42,9 +42,9 @@ def test_raw_encode_gives_device_bytes_only_when_asked():
 def test_raw_lands_device_payloads_in_place_and_host_payloads_via_pinned_memory():
     t = torch.randn(4, 64, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(t)
-    recv = codecs.receive_buffer(RAW, _header(t, {codecs.DEVICE_PARAM: "cuda"}), out)
+    recv = placement.receive_buffer(RAW, _header(t, {codecs.DEVICE_PARAM: "cuda"}), out)
     assert recv.data_ptr() == out.data_ptr()
-    staged = codecs.receive_buffer(RAW, _header(t, {}), out)
+    staged = placement.receive_buffer(RAW, _header(t, {}), out)
     assert staged.device.type == "cpu" and staged.is_pinned()
     staged.copy_(codecs.payload_view(t).cpu())
     RAW.decode(staged, _header(t, {}), out)
@@ -54,10 +54,10 @@ def test_raw_lands_device_payloads_in_place_and_host_payloads_via_pinned_memory(
 def test_device_checksum_is_the_same_on_gpu_and_cpu():
     """Integer sums wrap the same way in any reduction order: one value for the same bytes."""
     payload = codecs.payload_view(torch.randn(3 << 20, device="cuda"))
-    assert codecs.checksum(payload) == codecs.device_checksum(payload.cpu())
+    assert integrity.checksum(payload) == integrity.device_checksum(payload.cpu())
     corrupted = payload.clone()
     corrupted[12345] ^= 4
-    assert codecs.checksum(corrupted) != codecs.checksum(payload)
+    assert integrity.checksum(corrupted) != integrity.checksum(payload)
 
 
 def test_inproc_channel_stages_cuda_tensors_through_host_memory():

@@ -33,7 +33,12 @@ import numpy as np
 from droidmesh.shared.transport.nixl import metadata
 from droidmesh.shared.transport.nixl.agent import Agent
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import NixlGrant, PullItem, PullRequest
+from droidmesh.shared.wire.schemas import PullItem, PullRequest
+
+try:
+    from droidmesh.shared.wire.channels import NixlGrant
+except ImportError:  # a DroidMesh that defines the channels' messages in `schemas` (OLD's among them)
+    NixlGrant = schemas.NixlGrant
 
 CHUNK = 1 << 20
 AT_BYTES = 4096

@@ -39,6 +39,7 @@ import numpy as np
 
 from droidmesh.shared.tools.bench.tensor_server import ADDRESS_PREFIX, GRANT_PREFIX
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.channels import NixlDone, NixlGrant, ShmDone, ShmGrant
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
 from tests.system.attackers import CANARY, forged
 
@@ -167,7 +168,7 @@ async def nixl_sequence(f: Fuzz, conn: dict[str, Any]) -> None:
         if op == "pull":
             cid = f.rnd.choice([A, B])
             _, token = f.token(cid)
-            grant = schemas.decode(await frame(reader, writer, request(cid, token)), schemas.NixlGrant)
+            grant = schemas.decode(await frame(reader, writer, request(cid, token)), NixlGrant)
             if granted is not None:  # a pull while a grant is outstanding: the sender wanted its done
                 f.counts["refused" if grant.response.error else "granted_out_of_order"] += 1
             if grant.response.error:
@@ -188,10 +189,10 @@ async def nixl_sequence(f: Fuzz, conn: dict[str, Any]) -> None:
             conn["peer"] = await agent.call(load)
             conn["granted"] = (cid, grant.regions[0].addr, grant.regions[0].nbytes, grant.metadata)
         elif op == "done":
-            writer.write(len(d := schemas.encode(schemas.NixlDone())).to_bytes(4, "big") + d)
+            writer.write(len(d := schemas.encode(NixlDone())).to_bytes(4, "big") + d)
             await writer.drain()
             if granted is None:  # a done before any grant: answered as a (malformed) request
-                grant = schemas.decode(await asyncio.wait_for(_read_frame(reader), IO_S), schemas.NixlGrant)
+                grant = schemas.decode(await asyncio.wait_for(_read_frame(reader), IO_S), NixlGrant)
                 f.counts["refused" if grant.response.error else "granted_out_of_order"] += 1
             conn["granted"] = None
             conn["done"] = granted
@@ -261,7 +262,7 @@ async def ucx_sequence(f: Fuzz, conn: dict[str, Any]) -> None:
             return
         ep = conn.get("ep")
         if op == "garbage":  # a well-formed message of another kind as the next request
-            await ops.send_obj(ep, schemas.encode(schemas.NixlDone()))
+            await ops.send_obj(ep, schemas.encode(NixlDone()))
             response = schemas.decode(await asyncio.wait_for(ops.recv_frame(ep, schemas.MAX_MESSAGE_BYTES), IO_S),
                                       schemas.PullResponse)
             f.counts["refused" if response.error else "granted_out_of_order"] += 1
@@ -322,12 +323,12 @@ async def shm_sequence(f: Fuzz, conn: dict[str, Any]) -> None:
             conn["sock"] = None
             return
         if op == "done":
-            await shm_io.send_frame(sock, schemas.encode(schemas.ShmDone()))
+            await shm_io.send_frame(sock, schemas.encode(ShmDone()))
             if conn["granted"] is None:  # a done before any grant: answered as a (malformed) request
                 data, fds = await asyncio.wait_for(shm_io.recv_frame(sock, schemas.MAX_MESSAGE_BYTES, 64), IO_S)
                 for fd in fds:
                     os.close(fd)
-                f.counts["refused" if schemas.decode(data, schemas.ShmGrant).response.error else "granted_out_of_order"] += 1
+                f.counts["refused" if schemas.decode(data, ShmGrant).response.error else "granted_out_of_order"] += 1
             conn["granted"] = None
             continue
         cid = f.rnd.choice([A, B])
@@ -337,7 +338,7 @@ async def shm_sequence(f: Fuzz, conn: dict[str, Any]) -> None:
             f.counts["pull_before_done"] += 1
         data, fds = await asyncio.wait_for(shm_io.recv_frame(sock, schemas.MAX_MESSAGE_BYTES, 64), IO_S)
         try:
-            grant = schemas.decode(data, schemas.ShmGrant)
+            grant = schemas.decode(data, ShmGrant)
             if grant.response.error:
                 f.counts["refused"] += 1
                 if fds:

@@ -21,7 +21,8 @@ from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, password_env, receiv
 from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import NATS_AUTH_CONF, Proc, start_nats, start_service
 from droidmesh.shared.tools.cli.ask import prefill as prefill_cmd
-from droidmesh.shared.wire.schemas import ChatMessage, Sampling
+from droidmesh.shared.wire.generation import Sampling
+from droidmesh.shared.wire.schemas import ChatMessage
 from tests.system.conftest import until_indexed, words
 from tests.unit.model.test_chat_prefix import SMOL_TEMPLATE
 

@@ -24,6 +24,7 @@ import pytest
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.launch import Proc, free_port, start_nats, start_service
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateRequest, Sampling
 from tests.system.conftest import health_port, words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
@@ -205,9 +206,9 @@ def test_streams_go_only_to_a_listening_stream_inbox(mesh):
         try:
             async def ask(stream_subject: str) -> schemas.ErrorReply:
                 """The receiver's error reply (an answer instead fails to decode as one)."""
-                req = schemas.GenerateRequest(request_id=uuid.uuid4().hex[:12], context=str(LONG["prompt"]), question="",
-                                              max_new_tokens=MAX_TOKENS, sampling=schemas.Sampling(temperature=1.0, seed=7),
-                                              stream_subject=stream_subject, budget_s=DEADLINE_S)
+                req = GenerateRequest(request_id=uuid.uuid4().hex[:12], context=str(LONG["prompt"]), question="",
+                                      max_new_tokens=MAX_TOKENS, sampling=Sampling(temperature=1.0, seed=7),
+                                      stream_subject=stream_subject, budget_s=DEADLINE_S)
                 data = await client.bus.request(subjects.receiver_generate("qa"), schemas.encode(req), DEADLINE_S)
                 return schemas.decode(data, schemas.ErrorReply)
 

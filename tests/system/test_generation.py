@@ -11,6 +11,7 @@ from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateChunk, GenerateRequest, Sampling
 from tests.system.conftest import health_port, until_indexed, words
 
 pytestmark = pytest.mark.system
@@ -20,10 +21,10 @@ QUESTION = " what is gamma"
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
-async def _stream(client: MeshClient, **kwargs) -> tuple[list[schemas.GenerateChunk], schemas.GenerateReply]:
+async def _stream(client: MeshClient, **kwargs) -> tuple[list[GenerateChunk], schemas.GenerateReply]:
     chunks, replies = [], []
     async for item in client.stream("receiver", CONTEXT, QUESTION, **kwargs):
-        (chunks if isinstance(item, schemas.GenerateChunk) else replies).append(item)
+        (chunks if isinstance(item, GenerateChunk) else replies).append(item)
     assert len(replies) == 1, replies
     return chunks, replies[0]
 
@@ -37,17 +38,17 @@ async def _session(url: str, model) -> dict:
         out["greedy"] = await _stream(client, max_new_tokens=12)
         full = out["greedy"][1]
         stop = next(s for s in (text.decode(model.tokenizer, [t]) for t in full.token_ids[3:]) if s.strip())
-        out["stop"] = stop, await _stream(client, max_new_tokens=12, sampling=schemas.Sampling(stop=[stop]))
-        hot = schemas.Sampling(temperature=1.2, top_p=0.9, seed=1234)
+        out["stop"] = stop, await _stream(client, max_new_tokens=12, sampling=Sampling(stop=[stop]))
+        hot = Sampling(temperature=1.2, top_p=0.9, seed=1234)
         out["seeded"] = [await _stream(client, max_new_tokens=10, sampling=hot) for _ in range(2)]
         bad = []
-        for fields in (dict(stream_subject="dm.cache.available"), dict(sampling=schemas.Sampling(temperature=5.0))):
-            req = schemas.GenerateRequest(request_id=f"bad{len(bad)}", context=CONTEXT, question=QUESTION, **fields)
+        for fields in (dict(stream_subject="dm.cache.available"), dict(sampling=Sampling(temperature=5.0))):
+            req = GenerateRequest(request_id=f"bad{len(bad)}", context=CONTEXT, question=QUESTION, **fields)
             data = await client.bus.request(subjects.receiver_generate("receiver"), schemas.encode(req), timeout=30)
             bad.append(schemas.decode(data, schemas.ErrorReply))
         out["bad"] = bad
         try:
-            await _stream(client, sampling=schemas.Sampling(top_p=2.0))
+            await _stream(client, sampling=Sampling(top_p=2.0))
         except MeshError as e:
             out["stream_error"] = e
         out["after"] = await client.ask("receiver", CONTEXT, QUESTION, max_new_tokens=12)
@@ -117,9 +118,9 @@ def test_concurrent_requests_decode_in_one_batch_and_answer_as_alone(nats, servi
             alone = [await client.ask("receiver", c, q, max_new_tokens=n, mode=m) for c, q, n, m in asks]
             hot = dict(temperature=1.1, top_p=0.95, stop=["zzz"])
             n3 = await client.ask("receiver", CONTEXT, " why", max_new_tokens=9, n=3, mode="full_reuse",
-                                  sampling=schemas.Sampling(seed=40, logprobs=1, **hot))
+                                  sampling=Sampling(seed=40, logprobs=1, **hot))
             each = [await client.ask("receiver", CONTEXT, " why", max_new_tokens=9, mode="full_reuse",
-                                     sampling=schemas.Sampling(seed=40 + i, **hot)) for i in range(3)]
+                                     sampling=Sampling(seed=40 + i, **hot)) for i in range(3)]
             return list(together), alone, n3, each
         finally:
             await client.close()

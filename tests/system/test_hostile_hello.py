@@ -35,7 +35,8 @@ from droidmesh.shared.service.launch import Proc
 from droidmesh.shared.tools.bench.tensor_server import ADDRESS_PREFIX
 from droidmesh.shared.transport.bulk import make_client
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import NixlGrant, NixlRegion, PullItem, PullRequest, PullResponse, TensorHeader, UcxWelcome
+from droidmesh.shared.wire.channels import NixlGrant, NixlRegion, UcxWelcome
+from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader
 
 pytestmark = [pytest.mark.system, pytest.mark.fuzz, pytest.mark.security]
 

@@ -16,6 +16,8 @@ from droidmesh.shared.mesh.nats_auth import Roster, password_env, receiver_user,
 from droidmesh.shared.service.launch import start_nats, start_service
 from droidmesh.shared.tools.cli.main import main
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.channels import SenderEndpoint
+from droidmesh.shared.wire.generation import GenerateChunk
 from droidmesh.shared.wire.hashing import tenant_scope
 from tests.system.conftest import until_indexed, words
 
@@ -60,10 +62,10 @@ async def _raw(url: str, user: str, pw: dict[str, str], errors: list[str], inbox
                               inbox_prefix=inbox_prefix or subjects.inbox_prefix(user))
 
 
-async def _streamed(client: MeshClient, context: str, scope: str) -> tuple[list[schemas.GenerateChunk], schemas.GenerateReply]:
+async def _streamed(client: MeshClient, context: str, scope: str) -> tuple[list[GenerateChunk], schemas.GenerateReply]:
     chunks, reply = [], None
     async for item in client.stream("qa", context, " what is gamma", max_new_tokens=3, timeout=120, scope=scope):
-        if isinstance(item, schemas.GenerateChunk):
+        if isinstance(item, GenerateChunk):
             chunks.append(item)
         else:
             reply = item
@@ -120,13 +122,13 @@ def test_availability_events_reach_the_broker_and_not_receivers(mesh, tiny_model
         errors: list[str] = []
         spy = await _raw(url, RECEIVER, pw, errors)
         heard: list[str] = []
-        endpoints: list[schemas.SenderEndpoint] = []
+        endpoints: list[SenderEndpoint] = []
 
         async def on_event(msg):
             heard.append(msg.subject)
 
         async def on_endpoint(msg):
-            endpoints.append(schemas.decode(msg.data, schemas.SenderEndpoint))
+            endpoints.append(schemas.decode(msg.data, SenderEndpoint))
 
         await spy.subscribe(subjects.CACHE_AVAILABLE_ALL, cb=on_event)
         await spy.subscribe(f"{subjects.PREFIX}.cache.>", cb=on_event)

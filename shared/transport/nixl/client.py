@@ -44,7 +44,8 @@ from droidmesh.shared.transport.nixl import frames, metadata
 from droidmesh.shared.transport.nixl.agent import Agent
 from droidmesh.shared.transport.ucp_address import LocalView
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import NixlDone, NixlGrant, NixlRegion, PullRequest, Transport
+from droidmesh.shared.wire.channels import NixlDone, NixlGrant, NixlRegion
+from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 log = structlog.get_logger("nixl")
 CONNECT_S = 10.0  # dialling a sender

@@ -37,16 +37,9 @@ from droidmesh.shared.transport.sandbox.host import Sandbox, SandboxPool
 from droidmesh.shared.transport.sandbox.regions import export_async, host_only
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import (
-    NixlDone,
-    NixlGrant,
-    NixlRegion,
-    PullRequest,
-    SandboxMapped,
-    SandboxRelease,
-    SandboxServe,
-    Transport,
-)
+from droidmesh.shared.wire.channels import NixlDone, NixlGrant, NixlRegion
+from droidmesh.shared.wire.sandbox import SandboxMapped, SandboxRelease, SandboxServe
+from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 log = structlog.get_logger("nixl")
 HOLD_S = 120.0  # the longest a grant is held before its NixlDone

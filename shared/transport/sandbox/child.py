@@ -1,7 +1,7 @@
 """A sandbox process: one receiver connection's transport, holding only what that peer was granted.
 
 Started by `host.py` (`python -m droidmesh.shared.transport.sandbox CHANNEL FD`), it talks to its
-sender over the Unix socket FD (`shm_io` frames, `schemas.Sandbox*` messages, memfds attached to
+sender over the Unix socket FD (`shm_io` frames, `wire/sandbox.py`'s messages, memfds attached to
 grants) and to the receiver over its own NIXL agent or UCX worker. Torch-free: it maps the memfds
 it is passed and hands their bytes to the library as they are. It trusts its sender and nothing
 else; whatever the receiver makes UCX or NIXL do (a read of any address, an endpoint from a
@@ -40,7 +40,7 @@ from droidmesh.shared.transport import shm_io
 from droidmesh.shared.transport.limits import MAX_ITEMS, MAX_REQUEST_BYTES
 from droidmesh.shared.transport.seals import sealed_size
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import (
+from droidmesh.shared.wire.sandbox import (
     SandboxAsk,
     SandboxFailed,
     SandboxMapped,

@@ -29,7 +29,7 @@ from droidmesh.shared.errors import TransferError
 from droidmesh.shared.transport import shm_io
 from droidmesh.shared.transport.sandbox.child import UCX_OPTIONS_ENV
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import SandboxFailed, SandboxReady, SandboxReport
+from droidmesh.shared.wire.sandbox import SandboxFailed, SandboxReady, SandboxReport
 
 log = structlog.get_logger("sandbox")
 R = TypeVar("R", bound=schemas.Message)

@@ -18,7 +18,8 @@ import msgspec
 import torch
 
 from droidmesh.shared.transport import codecs, memfd
-from droidmesh.shared.wire.schemas import PullRequest, SandboxRegion
+from droidmesh.shared.wire.sandbox import SandboxRegion
+from droidmesh.shared.wire.schemas import PullRequest
 
 
 @dataclasses.dataclass

@@ -37,7 +37,8 @@ from droidmesh.shared.transport.bulk import Landing, OnItem, landings
 from droidmesh.shared.transport.client import ChannelClient
 from droidmesh.shared.transport.shm.layout import MAX_FDS, rows
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import PullRequest, ShmDone, ShmGrant, ShmRegion, Transport
+from droidmesh.shared.wire.channels import ShmDone, ShmGrant, ShmRegion
+from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 CONNECT_S = 10.0
 LANES = 2  # copy threads: one core's copy from a memfd reaches about half of memcpy

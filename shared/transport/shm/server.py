@@ -48,7 +48,8 @@ from droidmesh.shared.transport.bulk import (
 from droidmesh.shared.transport.shm.layout import rows
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits, Slots
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import PullRequest, ShmDone, ShmGrant, ShmRegion, TensorHeader, Transport
+from droidmesh.shared.wire.channels import ShmDone, ShmGrant, ShmRegion
+from droidmesh.shared.wire.schemas import PullRequest, TensorHeader, Transport
 
 log = structlog.get_logger("shm")
 HOLD_S = 120.0  # the longest a grant is held, from its send to its ShmDone

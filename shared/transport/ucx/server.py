@@ -44,16 +44,9 @@ from droidmesh.shared.transport.sandbox.regions import export_async, host_only
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits
 from droidmesh.shared.transport.ucx import runtime, wireup
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import (
-    PullRequest,
-    SandboxAsk,
-    SandboxServe,
-    SandboxServed,
-    SandboxWire,
-    SandboxWired,
-    Transport,
-    UcxWelcome,
-)
+from droidmesh.shared.wire.channels import UcxWelcome
+from droidmesh.shared.wire.sandbox import SandboxAsk, SandboxServe, SandboxServed, SandboxWire, SandboxWired
+from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 log = structlog.get_logger("ucx")
 WIRE_S = 30.0  # a sandbox's check of the receiver's address and its endpoint

@@ -31,7 +31,7 @@ from droidmesh.shared.transport.limits import MAX_REQUEST_BYTES
 from droidmesh.shared.transport.ucp_address import MAX_WORKER_ADDRESS
 from droidmesh.shared.transport.ucx.ops import abort
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.schemas import UcxWelcome
+from droidmesh.shared.wire.channels import UcxWelcome
 
 # ">4sQII": magic, the receiver's receive tag, its worker address's size, the request's size.
 _HELLO = struct.Struct(">4sQII")

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, Roster, password_env, render, tenant_user
 from droidmesh.shared.tools.cli.main import main
-from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire import subjects
+from droidmesh.shared.wire.channels import SenderEndpoint
 
 SHIPPED = Path(__file__).resolve().parents[3] / "infra" / "nats" / "nats-auth.conf"
 
@@ -92,7 +93,7 @@ def test_availability_events_reach_the_broker_only():
         assert not [x for x in _perms(conf, user)["subscribe"] if x.startswith(f"{subjects.PREFIX}.cache.")], user
     assert subjects.SENDER_ENDPOINT_ALL in _perms(conf, "receiver-qa")["subscribe"]
     assert subjects.CACHE_EVENTS in _perms(conf, "broker")["subscribe"]
-    assert "token_ids" not in {f.name for f in msgspec.structs.fields(schemas.SenderEndpoint)}
+    assert "token_ids" not in {f.name for f in msgspec.structs.fields(SenderEndpoint)}
 
 
 @pytest.mark.parametrize("roster,match", [

@@ -27,6 +27,7 @@ from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.tools.cli import ask as ask_cli
 from droidmesh.shared.tools.cli.connect import Conn
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateRequest
 from droidmesh.shared.zoo.tokenizer import hf_tokenizer
 from tests.unit.model.test_chat_prefix import smol_tokenizer
 from tests.unit.services.test_gateway_openai import reply
@@ -81,8 +82,8 @@ def cli(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[tuple[Recorder, A
     yield bus, invoke
 
 
-def _generate(data: bytes) -> schemas.GenerateRequest:
-    return schemas.decode(data, schemas.GenerateRequest)
+def _generate(data: bytes) -> GenerateRequest:
+    return schemas.decode(data, GenerateRequest)
 
 
 @pytest.mark.parametrize("templated", [True, False], ids=["chat-template", "no-template"])

@@ -22,6 +22,7 @@ from droidmesh.services.gateway.guard import connection_cap, refusal_bytes
 from droidmesh.services.gateway.service import GatewayService
 from droidmesh.services.gateway.state import NOT_CONNECTED
 from droidmesh.shared.mesh.bus import InProcessBus
+from droidmesh.shared.wire.generation import Sampling
 from tests.unit.services.test_gateway_handlers import CHAT, FakeMesh, _state, serve
 
 DEADLINE_S = 30.0  # every wait below ends by then
@@ -181,7 +182,7 @@ def test_fields_the_bus_cannot_carry_are_400(fields):
 def test_a_call_the_bus_cannot_encode_is_a_one_line_400():
     """Whatever passed the request's own checks but not the bus's encoding is a 400, never a 500."""
     call = oa.parse_completion(json.dumps({"model": "qa", "prompt": "p"}).encode(), oa.Limits(16, 64))
-    bad = oa.MeshCall(**{**call.__dict__, "sampling": oa.schemas.Sampling(seed=2**70)})
+    bad = oa.MeshCall(**{**call.__dict__, "sampling": Sampling(seed=2**70)})
     with pytest.raises(oa.InvalidRequestError) as e:
         oa._fits_bus(bad)
     assert oa.to_http(e.value, "r")[0] == 400 and "\n" not in str(e.value)

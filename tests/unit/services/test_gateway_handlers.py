@@ -24,6 +24,7 @@ from droidmesh.shared.mesh.client import MeshError
 from droidmesh.shared.service import settings
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateChunk
 from tests.unit.services.test_gateway_openai import NoRespondersError, reply
 
 CHAT = {"model": "qa", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
@@ -46,7 +47,7 @@ class FakeMesh:
         return reply(text="".join(self.pieces), request_id=kw["request_id"])
 
     async def stream(self, receiver: str, context: str, question: str, **kw: Any
-                     ) -> AsyncIterator[schemas.GenerateChunk | schemas.GenerateReply]:
+                     ) -> AsyncIterator[GenerateChunk | schemas.GenerateReply]:
         self.calls.append(dict(receiver=receiver, context=context, question=question, **kw))
         try:
             i = 0
@@ -55,8 +56,8 @@ class FakeMesh:
                     raise self.fail
                 if i == len(self.pieces) and not self.endless:
                     break
-                yield schemas.GenerateChunk(request_id=kw["request_id"], index=i, text=self.pieces[i % len(self.pieces)],
-                                            token_ids=[i])
+                yield GenerateChunk(request_id=kw["request_id"], index=i, text=self.pieces[i % len(self.pieces)],
+                                    token_ids=[i])
                 i += 1
             yield reply(text="".join(self.pieces), request_id=kw["request_id"])
         finally:

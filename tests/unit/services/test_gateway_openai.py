@@ -9,9 +9,12 @@ import pytest
 from aiohttp import web
 
 from droidmesh.services.gateway import openai as oa
+from droidmesh.services.gateway import responses
 from droidmesh.shared.errors import DeadlineExceededError
 from droidmesh.shared.mesh.client import MeshError
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateChunk, Sampling
+from droidmesh.shared.wire.logprobs import TokenLogprob, TopLogprob
 
 LIMITS = oa.Limits(default_max_tokens=16, max_tokens_limit=64)
 
@@ -39,7 +42,7 @@ def test_completion_prompt_is_the_context():
     """A completion's prompt goes as the context with an empty question, OpenAI's sampling defaults and the default max_tokens."""
     call = oa.parse_completion(body(model="qa", prompt="some doc", stop="\n", seed=3), LIMITS)
     assert (call.kind, call.model, call.context, call.question, call.chat) == ("completion", "qa", "some doc", "", None)
-    assert call.sampling == schemas.Sampling(temperature=1.0, top_p=1.0, seed=3, stop=["\n"])
+    assert call.sampling == Sampling(temperature=1.0, top_p=1.0, seed=3, stop=["\n"])
     assert call.max_new_tokens == 16 and not call.stream and not call.include_usage
 
 
@@ -145,7 +148,7 @@ def test_errors_map_to_http_in_openai_shape(exc, status, code):
 def test_completion_body_shapes():
     """Non-streamed answers carry OpenAI's fields, usage and the droidmesh extension."""
     comp = oa.parse_completion(body(model="qa", prompt="p"), LIMITS)
-    out = oa.completion_body(comp, "abc", 7, reply())
+    out = responses.completion_body(comp, "abc", 7, reply())
     assert out["id"] == "cmpl-abc" and out["object"] == "text_completion" and out["created"] == 7
     assert out["choices"] == [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "stop"}]
     assert out["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
@@ -153,7 +156,7 @@ def test_completion_body_shapes():
     assert out["droidmesh"] == {"path": "partial", "plan": "recompute [1,2)", "ttft_ms": 12.5, "bytes_pulled": 1000,
                                 "reused_tokens": 8, "sender_id": "s1", "served_by": "qa-1", "fallback_reason": None}
     chat = oa.parse_chat(body(model="qa", messages=[{"role": "user", "content": "q"}]), LIMITS)
-    out = oa.completion_body(chat, "abc", 7, reply(finish_reason="length"))
+    out = responses.completion_body(chat, "abc", 7, reply(finish_reason="length"))
     assert out["object"] == "chat.completion" and out["id"] == "chatcmpl-abc"
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "hello world"}
     assert out["choices"][0]["finish_reason"] == "length"
@@ -161,8 +164,8 @@ def test_completion_body_shapes():
 
 def test_sse_framing():
     """An event is `data: <json>` and a blank line; the stream ends with `data: [DONE]`."""
-    assert oa.sse({"a": 1}) == b'data: {"a":1}\n\n'
-    assert oa.SSE_DONE == b"data: [DONE]\n\n"
+    assert responses.sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert responses.SSE_DONE == b"data: [DONE]\n\n"
 
 
 def test_chat_stream_events():
@@ -170,9 +173,9 @@ def test_chat_stream_events():
     the finish_reason chunk with the extension, the usage chunk, then [DONE]."""
     call = oa.parse_chat(body(model="qa", messages=[{"role": "user", "content": "q"}], stream=True,
                               stream_options={"include_usage": True}), LIMITS)
-    enc = oa.SseEncoder(call, "abc", 7)
-    raw = enc.chunk(schemas.GenerateChunk(request_id="r", index=0, text="hello", token_ids=[1]))
-    raw += enc.chunk(schemas.GenerateChunk(request_id="r", index=1, text="", token_ids=[]))  # held back: no event
+    enc = responses.SseEncoder(call, "abc", 7)
+    raw = enc.chunk(GenerateChunk(request_id="r", index=0, text="hello", token_ids=[1]))
+    raw += enc.chunk(GenerateChunk(request_id="r", index=1, text="", token_ids=[]))  # held back: no event
     raw += enc.final(reply(text="hello world"))
     data = events(raw)
     assert data[-1] == "[DONE]"
@@ -190,17 +193,17 @@ def test_chat_stream_events():
 def test_completion_stream_events_without_usage():
     """Completion chunks carry `text`; without include_usage no chunk has a usage field."""
     call = oa.parse_completion(body(model="qa", prompt="p", stream=True), LIMITS)
-    enc = oa.SseEncoder(call, "abc", 7)
-    raw = enc.chunk(schemas.GenerateChunk(request_id="r", index=0, text="hel", token_ids=[1])) + enc.final(reply(text="hello"))
+    enc = responses.SseEncoder(call, "abc", 7)
+    raw = enc.chunk(GenerateChunk(request_id="r", index=0, text="hel", token_ids=[1])) + enc.final(reply(text="hello"))
     chunks = [msgspec.json.decode(d) for d in events(raw)[:-1]]
     assert [c["choices"][0]["text"] for c in chunks] == ["hel", "lo", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
     assert all("usage" not in c for c in chunks) and chunks[0]["object"] == "text_completion"
 
 
-def _lp(token_id: int, token: str, logprob: float, top: list[tuple[int, str, float]]) -> schemas.TokenLogprob:
-    return schemas.TokenLogprob(token_id=token_id, token=token, logprob=logprob,
-                                top=[schemas.TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in top])
+def _lp(token_id: int, token: str, logprob: float, top: list[tuple[int, str, float]]) -> TokenLogprob:
+    return TokenLogprob(token_id=token_id, token=token, logprob=logprob,
+                        top=[TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in top])
 
 
 def test_logprobs_are_asked_of_the_mesh_and_returned_in_openai_shapes():
@@ -216,15 +219,15 @@ def test_logprobs_are_asked_of_the_mesh_and_returned_in_openai_shapes():
     r = reply(text="hello world", token_ids=[5, 6],
               logprobs=[_lp(5, "hello", -0.5, [(5, "hello", -0.5), (7, "hi", -1.5)]),
                         _lp(6, " world", -0.25, [(6, " world", -0.25), (8, " there", -2.0)])])
-    content = oa.completion_body(chat, "a", 1, r)["choices"][0]["logprobs"]["content"]
+    content = responses.completion_body(chat, "a", 1, r)["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["hello", " world"] and content[1]["bytes"] == list(b" world")
     assert content[0]["logprob"] == -0.5 and [t["token"] for t in content[0]["top_logprobs"]] == ["hello", "hi"]
-    legacy = oa.completion_body(comp, "a", 1, r)["choices"][0]["logprobs"]
+    legacy = responses.completion_body(comp, "a", 1, r)["choices"][0]["logprobs"]
     assert legacy == {"tokens": ["hello", " world"], "token_logprobs": [-0.5, -0.25],
                       "top_logprobs": [{"hello": -0.5, "hi": -1.5}, {" world": -0.25, " there": -2.0}],
                       "text_offset": [0, 5]}
-    assert oa.completion_body(oa.parse_chat(body(model="qa", messages=msgs), LIMITS), "a", 1,
-                              reply())["choices"][0]["logprobs"] is None
+    assert responses.completion_body(oa.parse_chat(body(model="qa", messages=msgs), LIMITS), "a", 1,
+                                     reply())["choices"][0]["logprobs"] is None
 
 
 @pytest.mark.parametrize("fields,param", [
@@ -246,7 +249,7 @@ def test_n_samples_are_asked_of_the_mesh_and_each_is_a_choice():
     r = reply(text="a b", token_ids=[1, 2], finish_reason="length",
               samples=[schemas.SampleReply(text="c", token_ids=[3], finish_reason="stop"),
                        schemas.SampleReply(text="d e f", token_ids=[4, 5, 6], finish_reason="length")])
-    out = oa.completion_body(call, "a", 1, r)
+    out = responses.completion_body(call, "a", 1, r)
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in out["choices"]] == [
         (0, "a b", "length"), (1, "c", "stop"), (2, "d e f", "length")]
     assert out["usage"]["completion_tokens"] == 6

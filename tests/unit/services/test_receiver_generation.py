@@ -11,6 +11,7 @@ import pytest
 from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.model import text
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateChunk, GenerateRequest, Sampling
 from tests.unit.services.test_receiver_reuse import CONTEXT, QUESTION, mesh
 
 RECEIVER = "receiver"
@@ -23,10 +24,10 @@ async def _prefilled(bus) -> MeshClient:
     return client
 
 
-async def _collect(client: MeshClient, *args, **kwargs) -> tuple[list[schemas.GenerateChunk], schemas.GenerateReply]:
+async def _collect(client: MeshClient, *args, **kwargs) -> tuple[list[GenerateChunk], schemas.GenerateReply]:
     chunks, replies = [], []
     async for item in client.stream(RECEIVER, *args, **kwargs):
-        (chunks if isinstance(item, schemas.GenerateChunk) else replies).append(item)
+        (chunks if isinstance(item, GenerateChunk) else replies).append(item)
     assert len(replies) == 1
     return chunks, replies[0]
 
@@ -61,7 +62,7 @@ def test_stop_string_ends_the_answer_before_it(tiny_pair, tiny_models):
             full = await client.ask(RECEIVER, CONTEXT, QUESTION, max_new_tokens=12, mode="full_prefill")
             stop = next(s for s in (text.decode(tiny_models[1].tokenizer, [t]) for t in full.token_ids[3:]) if s)
             cut = await _collect(client, CONTEXT, QUESTION, max_new_tokens=12, mode="full_prefill",
-                                 sampling=schemas.Sampling(stop=[stop]))
+                                 sampling=Sampling(stop=[stop]))
             return full, stop, cut
 
     full, stop, (chunks, reply) = asyncio.run(run())
@@ -76,12 +77,12 @@ def test_seeded_sampling_is_reproducible(tiny_pair, tiny_models):
     async def run():
         async with mesh(tiny_pair, tiny_models) as (bus, *_):
             client = await _prefilled(bus)
-            hot = schemas.Sampling(temperature=1.5, top_p=0.95, seed=7)
+            hot = Sampling(temperature=1.5, top_p=0.95, seed=7)
             a = await client.ask(RECEIVER, CONTEXT, QUESTION, max_new_tokens=10, sampling=hot)
             b = await client.ask(RECEIVER, CONTEXT, QUESTION, max_new_tokens=10, sampling=hot)
             greedy = await client.ask(RECEIVER, CONTEXT, QUESTION, max_new_tokens=10)
             cold = await client.ask(RECEIVER, CONTEXT, QUESTION, max_new_tokens=10,
-                                    sampling=schemas.Sampling(temperature=0.0, seed=3))
+                                    sampling=Sampling(temperature=0.0, seed=3))
             return a, b, greedy, cold
 
     a, b, greedy, cold = asyncio.run(run())
@@ -108,9 +109,9 @@ def test_completions_and_chat_prompts_reuse_the_cached_document(tiny_pair, tiny_
 
 
 BAD = [
-    (dict(sampling=schemas.Sampling(temperature=5.0)), "temperature"),
-    (dict(sampling=schemas.Sampling(top_p=0.0)), "top_p"),
-    (dict(sampling=schemas.Sampling(stop=["a", "b", "c", "d", "e"])), "stop"),
+    (dict(sampling=Sampling(temperature=5.0)), "temperature"),
+    (dict(sampling=Sampling(top_p=0.0)), "top_p"),
+    (dict(sampling=Sampling(stop=["a", "b", "c", "d", "e"])), "stop"),
     (dict(max_new_tokens=5000), "max_new_tokens_limit"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(stream_subject="dm.cache.available"), "stream_subject"),
@@ -127,7 +128,7 @@ def test_bad_requests_get_an_error_reply(tiny_pair, tiny_models, fields, match):
 
     async def run() -> bytes:
         async with mesh(tiny_pair, tiny_models) as (bus, *_):
-            req = schemas.GenerateRequest(**{"request_id": "bad", "context": CONTEXT, "question": QUESTION, **fields})
+            req = GenerateRequest(**{"request_id": "bad", "context": CONTEXT, "question": QUESTION, **fields})
             return await bus.request(subjects.receiver_generate(RECEIVER), schemas.encode(req), timeout=30)
 
     err = schemas.decode(asyncio.run(run()), schemas.ErrorReply)
@@ -167,7 +168,7 @@ def test_mesh_error_ends_a_stream(tiny_pair, tiny_models):
 
     async def run():
         async with mesh(tiny_pair, tiny_models) as (bus, *_):
-            await _collect(MeshClient(bus), CONTEXT, QUESTION, sampling=schemas.Sampling(temperature=9.0))
+            await _collect(MeshClient(bus), CONTEXT, QUESTION, sampling=Sampling(temperature=9.0))
 
     with pytest.raises(MeshError, match="temperature"):
         asyncio.run(run())

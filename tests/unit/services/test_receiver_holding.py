@@ -23,6 +23,7 @@ from droidmesh.shared.mesh.bus import InProcessBus
 from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.model import text
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateRequest
 from droidmesh.shared.wire.hashing import PUBLIC, tenant_scope
 
 CONTEXT = " ".join(["alpha beta gamma delta"] * 12)
@@ -35,8 +36,8 @@ def _receiver(path, model_id: str, **kw) -> ReceiverConfig:
 
 async def _ask(bus, model_id: str, request_id: str, mode: schemas.Mode = "auto", scope: str = PUBLIC,
                context: str = CONTEXT) -> schemas.GenerateReply:
-    req = schemas.GenerateRequest(request_id=request_id, context=context, question=QUESTION, max_new_tokens=6, mode=mode,
-                                  scope=scope)
+    req = GenerateRequest(request_id=request_id, context=context, question=QUESTION, max_new_tokens=6, mode=mode,
+                          scope=scope)
     return schemas.decode(await bus.request(subjects.receiver_generate(model_id), schemas.encode(req), timeout=30),
                           schemas.GenerateReply)
 

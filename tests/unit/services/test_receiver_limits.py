@@ -16,7 +16,7 @@ from droidmesh.shared.errors import BadRequestError, MissingLayerError, PeerUnre
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.client import MeshClient, MeshError
-from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateRequest
 from tests.unit.services.test_receiver_reuse import CONTEXT, QUESTION, mesh
 
 
@@ -93,13 +93,13 @@ def test_prompt_past_the_models_positions_is_refused(tiny_models):
 def test_budget_wins_over_a_skewed_absolute_deadline():
     """budget_s counts from arrival whatever the client's clock says; hostile values are refused."""
     now = time.monotonic()
-    skewed = schemas.GenerateRequest(request_id="r", context="c", question="q", deadline=time.time() - 3600,
-                                     budget_s=30.0)
+    skewed = GenerateRequest(request_id="r", context="c", question="q", deadline=time.time() - 3600,
+                             budget_s=30.0)
     assert deadline_of(skewed, now, 60.0) == now + 30.0
-    assert deadline_of(schemas.GenerateRequest(request_id="r", context="c", question="q"), now, 60.0) == now + 60.0
+    assert deadline_of(GenerateRequest(request_id="r", context="c", question="q"), now, 60.0) == now + 60.0
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(BadRequestError):
-            deadline_of(schemas.GenerateRequest(request_id="r", context="c", question="q", budget_s=bad), now, 60.0)
+            deadline_of(GenerateRequest(request_id="r", context="c", question="q", budget_s=bad), now, 60.0)
 
 
 def test_decoding_stops_when_the_deadline_passes(tiny_models):

@@ -29,6 +29,7 @@ from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.bulk import BulkClient
 from droidmesh.shared.wire import schemas, subjects
+from droidmesh.shared.wire.generation import GenerateRequest
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
 CONTEXT = " ".join(["alpha beta gamma delta"] * 12)
@@ -83,8 +84,8 @@ async def _prefill(bus) -> None:
 
 async def _generate(bus, request_id: str = "r", max_new_tokens: int = 6) -> schemas.GenerateReply:
     return await _ask(bus, subjects.receiver_generate("receiver"),
-                      schemas.GenerateRequest(request_id=request_id, context=CONTEXT, question=QUESTION,
-                                              max_new_tokens=max_new_tokens), schemas.GenerateReply)
+                      GenerateRequest(request_id=request_id, context=CONTEXT, question=QUESTION,
+                                      max_new_tokens=max_new_tokens), schemas.GenerateReply)
 
 
 async def _prefill_and_ask(bus) -> schemas.GenerateReply:
@@ -184,10 +185,10 @@ def test_a_frozen_sender_does_not_hold_the_compute_thread(tiny_pair, tiny_models
                        schemas.PrefillRequest(request_id="p", context=CONTEXT), schemas.PrefillReply)
             await bus.settle()
             ask = functools.partial(_ask, bus, subjects.receiver_generate("receiver"), kind=schemas.GenerateReply)
-            stalled = asyncio.create_task(ask(schemas.GenerateRequest(
+            stalled = asyncio.create_task(ask(GenerateRequest(
                 request_id="r1", context=CONTEXT, question=QUESTION, max_new_tokens=6)))
             await asyncio.wait_for(frozen.entered.wait(), 30)
-            other = await asyncio.wait_for(ask(schemas.GenerateRequest(
+            other = await asyncio.wait_for(ask(GenerateRequest(
                 request_id="r2", context="other words entirely", question=QUESTION, max_new_tokens=6,
                 mode="full_prefill")), 30)
             state_then = (stalled.done(), frozen.abandoned)

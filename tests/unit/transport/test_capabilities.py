@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 from droidmesh.shared.errors import IntegrityError
-from droidmesh.shared.transport import capabilities, codecs, ucx
+from droidmesh.shared.transport import capabilities, codecs, integrity, placement, ucx
 from droidmesh.shared.transport.capabilities import CudaFacts, CudaSupport, decide
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, TensorHeader
 
@@ -106,17 +106,17 @@ RAW = codecs.get("raw")
 def test_receive_place():
     """A device payload lands in the CUDA buffer itself; a host payload bound for a CUDA buffer in
     pinned host memory; a CPU buffer takes raw bytes in place."""
-    assert codecs.receive_place(RAW, _header(device=True), _cuda_buffer()) == "out"
-    assert codecs.receive_place(RAW, _header(device=True), _cuda_buffer(contiguous=False)) == "device"
-    assert codecs.receive_place(RAW, _header(16, device=True), _cuda_buffer()) == "device"  # decode refuses the size
-    assert codecs.receive_place(RAW, _header(), _cuda_buffer()) == "pinned"
-    assert codecs.receive_place(RAW, _header(), torch.empty(2, 4)) == "out"
-    assert codecs.receive_place(RAW, _header(), torch.empty(4, 2).t()) == "host"
+    assert placement.receive_place(RAW, _header(device=True), _cuda_buffer()) == "out"
+    assert placement.receive_place(RAW, _header(device=True), _cuda_buffer(contiguous=False)) == "device"
+    assert placement.receive_place(RAW, _header(16, device=True), _cuda_buffer()) == "device"  # decode refuses the size
+    assert placement.receive_place(RAW, _header(), _cuda_buffer()) == "pinned"
+    assert placement.receive_place(RAW, _header(), torch.empty(2, 4)) == "out"
+    assert placement.receive_place(RAW, _header(), torch.empty(4, 2).t()) == "host"
 
 
 def test_receive_buffer_on_the_cpu_is_the_buffer_itself():
     out = torch.empty(2, 4)
-    assert codecs.receive_buffer(RAW, _header(), out).data_ptr() == out.data_ptr()
+    assert placement.receive_buffer(RAW, _header(), out).data_ptr() == out.data_ptr()
 
 
 def test_raw_cpu_tensor_is_its_own_bytes_even_when_asked_for_device_payloads():
@@ -139,26 +139,26 @@ def test_device_checksum_detects_changes_and_reorders():
     """Same bytes, same sum (wherever they start); a flipped bit, a swap of words or a missing tail
     changes it."""
     payload = codecs.payload_view(torch.randn(1000, generator=torch.Generator().manual_seed(0)))
-    base = codecs.device_checksum(payload)
+    base = integrity.device_checksum(payload)
     assert base.startswith("d") and len(base) == 33
-    assert codecs.device_checksum(payload.clone()) == base
+    assert integrity.device_checksum(payload.clone()) == base
     shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])[3:]  # same bytes, unaligned
-    assert codecs.device_checksum(shifted) == base
+    assert integrity.device_checksum(shifted) == base
     flipped = payload.clone()
     flipped[1234] ^= 1
     words = payload.clone().view(torch.int64)
     words[[3, 7]] = words[[7, 3]]
     for changed in (flipped, words.view(torch.uint8), payload[:-8], payload[:-3]):
-        assert codecs.device_checksum(changed) != base
+        assert integrity.device_checksum(changed) != base
 
 
 def test_checksum_of_host_bytes_stays_xxh3():
     payload = codecs.payload_view(torch.randn(10))
-    assert codecs.checksum(payload) == xxhash.xxh3_64_hexdigest(payload.numpy().tobytes())
+    assert integrity.checksum(payload) == xxhash.xxh3_64_hexdigest(payload.numpy().tobytes())
 
 
 def test_device_checksum_does_not_depend_on_the_step_size(monkeypatch):
     payload = codecs.payload_view(torch.randn(999, generator=torch.Generator().manual_seed(1)))
-    whole = codecs.device_checksum(payload)
-    monkeypatch.setattr(codecs, "_WEIGHTED_WORDS", 7)
-    assert codecs.device_checksum(payload) == whole
+    whole = integrity.device_checksum(payload)
+    monkeypatch.setattr(integrity, "_WEIGHTED_WORDS", 7)
+    assert integrity.device_checksum(payload) == whole

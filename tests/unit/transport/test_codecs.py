@@ -11,7 +11,7 @@ import torch
 
 from droidmesh.shared.errors import IntegrityError, TransferError
 from droidmesh.shared.kv import quant
-from droidmesh.shared.transport import codecs, inproc
+from droidmesh.shared.transport import codecs, inproc, integrity
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.wire.schemas import CodecParams, PullItem, PullRequest, TensorHeader
 
@@ -115,9 +115,9 @@ def test_oversize_payload_claim_is_refused_before_allocation(monkeypatch):
 def test_checksum_covers_the_payload():
     """One flipped byte changes the checksum both ends compare."""
     payload = codecs.payload_view(KV.clone())
-    before = codecs.checksum(payload)
+    before = integrity.checksum(payload)
     payload[3] ^= 1
-    assert codecs.checksum(payload) != before
+    assert integrity.checksum(payload) != before
 
 
 def test_a_stored_tensors_checksum_is_computed_once_and_dropped_with_it(monkeypatch):
@@ -125,8 +125,8 @@ def test_a_stored_tensors_checksum_is_computed_once_and_dropped_with_it(monkeypa
     from droidmesh.shared.transport import bulk
 
     calls = []
-    real = codecs.checksum
-    monkeypatch.setattr(codecs, "checksum", lambda p: calls.append(1) or real(p))
+    real = integrity.checksum
+    monkeypatch.setattr(integrity, "checksum", lambda p: calls.append(1) or real(p))
     store = {"ctx": KV.clone()}
     for _ in range(3):
         _pull(lookup=lambda c, l, k: store.get("ctx") if (l, k) == (0, "K") else None)
@@ -253,7 +253,7 @@ def _tamper(monkeypatch, edit):
     def tampered(*a):
         response, payloads, release = real(*a)
         headers = edit(list(response.headers), payloads)
-        headers = [msgspec.structs.replace(h, nbytes=p.numel(), checksum=codecs.checksum(p))
+        headers = [msgspec.structs.replace(h, nbytes=p.numel(), checksum=integrity.checksum(p))
                    for h, p in zip(headers, payloads, strict=True)]
         return msgspec.structs.replace(response, headers=headers), payloads, release
 

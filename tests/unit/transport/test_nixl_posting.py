@@ -16,7 +16,8 @@ from droidmesh.shared.errors import TransferError
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.transport.bulk import Landing
 from droidmesh.shared.transport.nixl import client as nixl_client
-from droidmesh.shared.wire.schemas import NixlRegion, PullItem, TensorHeader
+from droidmesh.shared.wire.channels import NixlRegion
+from droidmesh.shared.wire.schemas import PullItem, TensorHeader
 
 
 class FakeAgent:

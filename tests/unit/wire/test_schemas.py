@@ -7,10 +7,11 @@ import pytest
 
 from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateRequest
 
 
 def _req(**kw):
-    return schemas.GenerateRequest(**{"request_id": "r", "context": "c", "question": "q", **kw})
+    return GenerateRequest(**{"request_id": "r", "context": "c", "question": "q", **kw})
 
 
 def test_round_trip():
@@ -18,7 +19,7 @@ def test_round_trip():
     msg = _req(max_new_tokens=7)
     raw = msgspec.msgpack.decode(schemas.encode(msg))
     assert raw["type"] == "generate.request" and raw["v"] == schemas.SCHEMA_VERSION
-    assert schemas.decode(schemas.encode(msg), schemas.GenerateRequest) == msg
+    assert schemas.decode(schemas.encode(msg), GenerateRequest) == msg
 
 
 @pytest.mark.parametrize(
@@ -39,19 +40,19 @@ def test_round_trip():
 def test_bad_messages_raise_specific_errors(data, error, match):
     """Each malformed input raises its own BadMessageError subclass, naming the problem."""
     with pytest.raises(error, match=match):
-        schemas.decode(data, schemas.GenerateRequest)
+        schemas.decode(data, GenerateRequest)
 
 
 @pytest.mark.parametrize("field, value", [("mode", "partial"), ("mode", "warp")])
 def test_closed_sets_are_refused_at_decode(field, value):
     """Modes are a closed set: the retired `partial` alias and unknown names are bad messages."""
     with pytest.raises(BadMessageError, match=f"Invalid enum value '{value}'"):
-        schemas.decode(schemas.encode(_req(**{field: value})), schemas.GenerateRequest)
+        schemas.decode(schemas.encode(_req(**{field: value})), GenerateRequest)
 
 
 def test_decoders_are_built_once_per_kind():
     """Decoding the same kind twice reuses one msgspec decoder."""
-    schemas.decode(schemas.encode(_req()), schemas.GenerateRequest)
-    first = schemas._DECODERS[schemas.GenerateRequest]
-    schemas.decode(schemas.encode(_req()), schemas.GenerateRequest)
-    assert schemas._DECODERS[schemas.GenerateRequest] is first
+    schemas.decode(schemas.encode(_req()), GenerateRequest)
+    first = schemas._DECODERS[GenerateRequest]
+    schemas.decode(schemas.encode(_req()), GenerateRequest)
+    assert schemas._DECODERS[GenerateRequest] is first

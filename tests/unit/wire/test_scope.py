@@ -8,6 +8,7 @@ import pytest
 from droidmesh.services.cache_broker.index import CacheIndex, block_keys
 from droidmesh.shared.errors import BadMessageError, BadRequestError
 from droidmesh.shared.wire import schemas
+from droidmesh.shared.wire.generation import GenerateRequest
 from droidmesh.shared.wire.hashing import PUBLIC, check_scope, context_id, tenant_scope
 from tests.unit.services.test_index import _alive, _ev
 
@@ -18,7 +19,7 @@ BAD = ["", " ", "a b", "a/b", "a*", ".a", "-a", "a\n", "é", "a" * 129, "tenant:
 def test_malformed_scopes_are_refused_by_the_check_and_at_decode(scope):
     with pytest.raises(BadRequestError):
         check_scope(scope)
-    for msg in (schemas.GenerateRequest(request_id="r", context="c", question="", scope=scope),
+    for msg in (GenerateRequest(request_id="r", context="c", question="", scope=scope),
                 schemas.PrefillRequest(request_id="r", context="c", scope=scope),
                 schemas.LookupRequest(token_ids=[1], fingerprint_id="fp", scope=scope)):
         with pytest.raises(BadMessageError, match="scope"):
