@@ -46,7 +46,14 @@ class Metrics:
     def __init__(self, service: str):
         r = self.registry = CollectorRegistry()
         self.service = service
-        # receiver
+        # registered in this order, which is the order /metrics lists them in
+        self._receiver_series(r)
+        self._sender_series(r)
+        self._broker_series(r)
+        r.register(_AlarmCollector())
+        self._gateway_series(r)
+
+    def _receiver_series(self, r: CollectorRegistry) -> None:
         self.requests = Counter("dm_requests", "Generate requests by path taken and fallback reason",
                                 ["path", "reason"], registry=r)
         self.ttft = Histogram("dm_ttft_seconds", "Time to first token by path", ["path"], buckets=LATENCY_BUCKETS,
@@ -78,12 +85,14 @@ class Metrics:
                              "per sender model", ["sender_model"], registry=r)
         self.profile_version = Gauge("dm_profile_version", "Recompute profile version in use per sender model",
                                      ["sender_model"], registry=r)
-        # sender
+
+    def _sender_series(self, r: CollectorRegistry) -> None:
         self.store_bytes = Gauge("dm_store_bytes", "Bytes held in the KV/E store", registry=r)
         self.store_contexts = Gauge("dm_store_contexts", "Contexts held in the store", registry=r)
         self.evictions = Counter("dm_store_evictions", "Contexts evicted from the store", registry=r)
         self.prefills = Counter("dm_prefills", "Contexts captured (prefilled) by the sender", registry=r)
-        # broker
+
+    def _broker_series(self, r: CollectorRegistry) -> None:
         self.index_contexts = Gauge("dm_index_contexts", "(sender, context) holders in the broker index", registry=r)
         self.expired_senders = Counter("dm_expired_senders", "Senders dropped for missing heartbeats", registry=r)
         self.index_senders = Gauge("dm_index_senders", "Senders the broker tracks", registry=r)
@@ -94,8 +103,8 @@ class Metrics:
                                    "(deferred, dropped, evicted holders, dropped heartbeats)", ["reason"], registry=r)
         self.queued_events = Gauge("dm_broker_queued_events", "Sender events deferred for their sender's budget",
                                    registry=r)
-        r.register(_AlarmCollector())
-        # gateway
+
+    def _gateway_series(self, r: CollectorRegistry) -> None:
         self.gateway_requests = Counter("dm_gateway_requests", "Gateway HTTP requests by route and status",
                                         ["route", "status"], registry=r)
         self.gateway_seconds = Histogram("dm_gateway_request_seconds", "Gateway request duration (streams: to the last event)",

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from droidmesh.shared.mesh.client import MeshError
+from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user
 from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.report import format_table
@@ -143,103 +143,122 @@ async def _pipeline(access: MeshAccess, rows: list[dict[str, Any]], say: Callabl
                     rate: float | None = None, seed: int = 0, tier: AgentTier = DEMO) -> list[dict[str, Any]]:
     """Run every row through the planner and the agents over NATS subjects; one record per
     receiver request. `rate` None: one row in flight; else Poisson arrivals at `rate` per second."""
-    agents = tier.agents
-    spec = tier.spec()  # the row's task: the planner's budget, the analyst's score
     ops, client = await connect_as(access, "admin", "client")
-    records: list[dict[str, Any]] = []
-    done: asyncio.Queue[int | BaseException] = asyncio.Queue()  # a finished row, or what broke a work item
-    inbox: dict[str, asyncio.Queue[dict[str, Any]]] = {a.name: asyncio.Queue() for a in agents}
-    running: set[asyncio.Task[None]] = set()
+    run = _Pipeline(ops, client, say, rate, tier)
+    for a in tier.agents:
+        await ops.bus.subscribe(subjects.agent_work(a.name), functools.partial(_deliver, run.inbox[a.name]))
+    tasks = [asyncio.get_running_loop().create_task(run.agent_loop(a)) for a in tier.agents]
+    try:
+        await run.feed(rows, seed)
+    finally:
+        for t in [*tasks, *run.running]:
+            t.cancel()
+        await asyncio.gather(*tasks, *run.running, return_exceptions=True)
+        await client.close()
+        await ops.close()
+    return run.records
 
-    for a in agents:
-        await ops.bus.subscribe(subjects.agent_work(a.name), functools.partial(_deliver, inbox[a.name]))
 
-    async def handle(agent: Agent, work: dict[str, Any]) -> None:
-        context, question = prompt(agent, work, tier)
-        record: dict[str, Any] = {"row": work["row"], "agent": agent.name, "model": agent.model, "rate": rate}
-        try:
-            r = await client.ask(agent.model, context, question, max_new_tokens=tier.spec(agent).max_new_tokens,
-                                 timeout=120)
-        except (MeshError, TimeoutError) as e:  # counted, and the pipeline goes on
-            records.append({**record, "path": "error", "reason": str(e)})
-            say(f"  row {work['row'] + 1}: {agent.name} failed: {e}")
-            answer, output = "", context + question
-        else:
-            quality = score_text(spec, r.text, work["answers"]) if agent.name == "analyst" else None
-            record.update(path=r.path, plan=r.plan, ttft_ms=r.ttft_ms, predicted_ttft_ms=r.predicted_ttft_ms,
-                          sender_model=_sender_model(r.sender_id), reused_tokens=r.reused_tokens,
-                          prompt_tokens=r.prompt_tokens, quality=quality, reason=r.fallback_reason)
-            answer, output = r.text, context + question + r.text
-            try:  # the output is held by the agent's own model's sender before the next agent reads it
-                await ops.prefill(agent.model, output, timeout=120)
-            except (MeshError, TimeoutError) as e:  # the answer stands; the next agent finds no holder
-                record["hold_error"] = str(e)
-                say(f"  row {work['row'] + 1}: {agent.name}'s output not held: {e}")
-            records.append(record)
+class _Pipeline:
+    """One `_pipeline` run on its event loop: the agents' inboxes, the work items in flight (each
+    its own task, supervised: a bug in one ends the run through `done`) and the records so far."""
+
+    def __init__(self, ops: MeshClient, client: MeshClient, say: Callable[[str], None], rate: float | None,
+                 tier: AgentTier) -> None:
+        self.ops, self.client, self.say, self.rate, self.tier = ops, client, say, rate, tier
+        self.agents = tier.agents
+        self.spec = tier.spec()  # the row's task: the planner's budget, the analyst's score
+        self.records: list[dict[str, Any]] = []
+        self.done: asyncio.Queue[int | BaseException] = asyncio.Queue()  # a finished row, or what broke a work item
+        self.inbox: dict[str, asyncio.Queue[dict[str, Any]]] = {a.name: asyncio.Queue() for a in self.agents}
+        self.running: set[asyncio.Task[None]] = set()
+
+    async def feed(self, rows: list[dict[str, Any]], seed: int) -> None:
+        """Let the rows in (one at a time, or at Poisson arrivals) and wait until each is through."""
+        gaps = np.random.default_rng(seed).exponential(1.0 / self.rate, len(rows)) if self.rate else None
+        for i, row in enumerate(rows):
+            if gaps is None:
+                await self.plan_row(i, row)
+                await self.row_done()  # one row in flight: the receivers' queues stay light
+                self.say(f"  row {i + 1}/{len(rows)} through the pipeline")
+            else:
+                self.start(self.plan_row(i, row))
+                await asyncio.sleep(float(gaps[i]))  # the arrival process itself, not a wait for state
+        for _ in rows if gaps is not None else ():
+            await self.row_done()
+
+    async def handle(self, agent: Agent, work: dict[str, Any]) -> None:
+        """`agent`'s turn on a work item: ask, hold the output, hand the work to the next agent."""
+        context, question = prompt(agent, work, self.tier)
+        answer, output = await self._ask(agent, work, context, question)
         work["answers_by"][agent.name] = answer
         work["outputs"][agent.name] = output
-        i = agents.index(agent)
-        if i + 1 == len(agents):
-            await done.put(work["row"])
+        i = self.agents.index(agent)
+        if i + 1 == len(self.agents):
+            await self.done.put(work["row"])
         else:
-            await ops.bus.publish(subjects.agent_work(agents[i + 1].name), json.dumps(work).encode())
+            await self.ops.bus.publish(subjects.agent_work(self.agents[i + 1].name), json.dumps(work).encode())
 
-    def finished(task: asyncio.Task[None]) -> None:
-        running.discard(task)
+    async def _ask(self, agent: Agent, work: dict[str, Any], context: str, question: str) -> tuple[str, str]:
+        """(answer, output) of `agent`'s request, its record appended; a failed request is recorded
+        as an "error" path and answers nothing."""
+        record: dict[str, Any] = {"row": work["row"], "agent": agent.name, "model": agent.model, "rate": self.rate}
+        try:
+            r = await self.client.ask(agent.model, context, question,
+                                      max_new_tokens=self.tier.spec(agent).max_new_tokens, timeout=120)
+        except (MeshError, TimeoutError) as e:  # counted, and the pipeline goes on
+            self.records.append({**record, "path": "error", "reason": str(e)})
+            self.say(f"  row {work['row'] + 1}: {agent.name} failed: {e}")
+            return "", context + question
+        quality = score_text(self.spec, r.text, work["answers"]) if agent.name == "analyst" else None
+        record.update(path=r.path, plan=r.plan, ttft_ms=r.ttft_ms, predicted_ttft_ms=r.predicted_ttft_ms,
+                      sender_model=_sender_model(r.sender_id), reused_tokens=r.reused_tokens,
+                      prompt_tokens=r.prompt_tokens, quality=quality, reason=r.fallback_reason)
+        output = context + question + r.text
+        try:  # the output is held by the agent's own model's sender before the next agent reads it
+            await self.ops.prefill(agent.model, output, timeout=120)
+        except (MeshError, TimeoutError) as e:  # the answer stands; the next agent finds no holder
+            record["hold_error"] = str(e)
+            self.say(f"  row {work['row'] + 1}: {agent.name}'s output not held: {e}")
+        self.records.append(record)
+        return r.text, output
+
+    def finished(self, task: asyncio.Task[None]) -> None:
+        self.running.discard(task)
         failure = None if task.cancelled() else task.exception()
         if failure is not None:  # a bug, not a mesh failure: stop the run
-            done.put_nowait(failure)
+            self.done.put_nowait(failure)
 
-    async def agent_loop(agent: Agent) -> None:
+    async def agent_loop(self, agent: Agent) -> None:
         while True:
-            start(handle(agent, await inbox[agent.name].get()))
+            self.start(self.handle(agent, await self.inbox[agent.name].get()))
 
-    async def row_done() -> None:
-        got = await asyncio.wait_for(done.get(), 600)
+    async def row_done(self) -> None:
+        got = await asyncio.wait_for(self.done.get(), 600)
         if isinstance(got, BaseException):
             raise got
 
-    async def plan_row(i: int, row: dict[str, Any]) -> None:
+    async def plan_row(self, i: int, row: dict[str, Any]) -> None:
         """The planner: the sender answers over C, capturing it; then the work goes to the first
         agent. A planner that fails ends its row (the agents would find nothing held)."""
         try:
-            await ops.sender_generate(tier.planner, row["context"], row["input"], max_new_tokens=spec.max_new_tokens)
+            await self.ops.sender_generate(self.tier.planner, row["context"], row["input"],
+                                           max_new_tokens=self.spec.max_new_tokens)
         except (MeshError, TimeoutError) as e:
-            records.append({"row": i, "agent": "planner", "model": tier.planner, "rate": rate, "path": "error",
-                            "reason": str(e)})
-            say(f"  row {i + 1}: the planner failed: {e}")
-            await done.put(i)
+            self.records.append({"row": i, "agent": "planner", "model": self.tier.planner, "rate": self.rate,
+                                 "path": "error", "reason": str(e)})
+            self.say(f"  row {i + 1}: the planner failed: {e}")
+            await self.done.put(i)
             return
         work = {"row": i, "context": row["context"], "question": row["input"], "answers": row["answers"],
                 "answers_by": {}, "outputs": {}}
-        await ops.bus.publish(subjects.agent_work(agents[0].name), json.dumps(work).encode())
+        await self.ops.bus.publish(subjects.agent_work(self.agents[0].name), json.dumps(work).encode())
 
-    def start(coro: Coroutine[Any, Any, None]) -> None:
+    def start(self, coro: Coroutine[Any, Any, None]) -> None:
         """A supervised task: cancelled with the run; a bug in it ends the run (through `done`)."""
         task = asyncio.get_running_loop().create_task(coro)
-        running.add(task)
-        task.add_done_callback(finished)
-
-    tasks = [asyncio.get_running_loop().create_task(agent_loop(a)) for a in agents]
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(rows)) if rate else None
-    try:
-        for i, row in enumerate(rows):
-            if gaps is None:
-                await plan_row(i, row)
-                await row_done()  # one row in flight: the receivers' queues stay light
-                say(f"  row {i + 1}/{len(rows)} through the pipeline")
-            else:
-                start(plan_row(i, row))
-                await asyncio.sleep(float(gaps[i]))  # the arrival process itself, not a wait for state
-        for _ in rows if gaps is not None else ():
-            await row_done()
-    finally:
-        for t in [*tasks, *running]:
-            t.cancel()
-        await asyncio.gather(*tasks, *running, return_exceptions=True)
-        await client.close()
-        await ops.close()
-    return records
+        self.running.add(task)
+        task.add_done_callback(self.finished)
 
 
 def _sender_model(sender_id: str | None) -> str | None:

@@ -5,7 +5,8 @@ as `droidmesh demo` runs it), one broker, ONE receiver process that serves the b
 adapter from one copy of the base weights (each under its own model id) and holds what it
 prefills, so a later request over the same document (to the same model, or to another with a
 pair config) reuses it; and the OpenAI gateway on loopback. The pair configs found among the
-served models are published before the receiver starts, so no first request misses one.
+served models are published before the receiver starts, so no first request misses one
+(`serve_config` finds, reads and binds them).
 
 `plan_models` checks the command line before anything starts (each adapter is an adapter of the
 base, names are unique ids). `run` starts the mesh, waits until the gateway's `/health` lists
@@ -29,17 +30,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-import msgspec
 import psutil
 
 from droidmesh.shared.errors import ConfigError, DroidMeshError
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, valid_id
 from droidmesh.shared.model.device import DEVICE_ENV
-from droidmesh.shared.model.names import ModelRef, Pair
+from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.service.launch import Proc, start_secure_nats, start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS
-from droidmesh.shared.wire import schemas
+from droidmesh.shared.tools.apps.serve_config import Published
 from droidmesh.shared.zoo.manifest import resolve_model
 
 RECEIVER_START_S = 900.0  # a base and its adapters loading on a small CPU
@@ -82,23 +82,6 @@ class ServePlan:
     @property
     def holder_id(self) -> str:
         return f"{self.base.id}-holder"
-
-
-@dataclasses.dataclass(frozen=True)
-class Published:
-    """A pair config to put on the board, with the SCD maps files its plans name (sha256 -> bytes)."""
-
-    cfg: schemas.RecomputeConfig
-    maps: dict[str, bytes] = dataclasses.field(default_factory=dict)
-
-    @property
-    def pair(self) -> str:
-        return Pair(self.cfg.sender_model, self.cfg.receiver_model).id
-
-    @property
-    def plan(self) -> str:
-        groups = self.cfg.chosen.plan.groups
-        return "recompute " + ",".join(f"[{s},{e})" for s, e in groups) if groups else "full reuse"
 
 
 def _check_id(name: str, what: str) -> None:
@@ -148,40 +131,6 @@ def plan_models(base: str, adapters: Sequence[str]) -> ServePlan:
                 raise ConfigError(f"--adapter {spec!r}: {ref.label} is served already (as {other.id!r})")
         served.append(Served(mid, ref))
     return ServePlan(served[0], tuple(served[1:]))
-
-
-def zoo_profiles(plan: ServePlan) -> list[tuple[Served, Served, Path]]:
-    """(sender, receiver, profile file) for each ordered pair of served zoo models of one tier whose
-    tier saved a `droidmesh profile` result for it."""
-    from droidmesh.shared.zoo.manifest import find_tiers, profile_file
-
-    dirs = {tier: d for tier, d, _ in find_tiers()}
-    out = []
-    for s in plan.models:
-        for r in plan.models:
-            tier = s.ref.tier
-            if s is r or tier is None or tier != r.ref.tier or tier not in dirs:
-                continue
-            f = profile_file(dirs[tier], Pair(s.ref.name, r.ref.name))
-            if f.is_file():
-                out.append((s, r, f))
-    return out
-
-
-def bind(cfg: schemas.RecomputeConfig, plan: ServePlan) -> schemas.RecomputeConfig | None:
-    """`cfg` for the served models whose weights it was profiled on (by sha256; the first served
-    of equal weights), renamed to their served ids; None when the pair is not among them."""
-    by_sha: dict[str, str] = {}
-    for m in plan.models:
-        by_sha.setdefault(m.ref.sha256, m.id)
-    s, r = by_sha.get(cfg.sender_sha256), by_sha.get(cfg.receiver_sha256)
-    if s is None or r is None or s == r:
-        return None
-    return renamed(cfg, s, r)
-
-
-def renamed(cfg: schemas.RecomputeConfig, sender: str, receiver: str) -> schemas.RecomputeConfig:
-    return msgspec.structs.replace(cfg, sender_model=sender, receiver_model=receiver)
 
 
 # -- the mesh ------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.service.localmesh import launched_env, mesh
 from droidmesh.shared.tools.bench import netns
-from droidmesh.shared.tools.bench.bulk_transfer import UCX_GET, ucx_protocol_for, ucx_tables
 from droidmesh.shared.tools.bench.harness import run_probe
+from droidmesh.shared.tools.bench.ucx_proto import UCX_GET, ucx_protocol_for, ucx_tables
 
 # Two hosts share no memory: unless told otherwise, the bandwidth sweep's processes run UCX
 # without its shared-memory transports. In two network namespaces of one kernel UCX still finds

@@ -2,20 +2,20 @@
 memcpy of the same bytes; its pieces are also the GPU transfer check's (`gpu_transfer`).
 
 Called by `shared/tools/cli/bench/data_plane.py` (`run_transfer`) and `gpu_transfer`. Blocks: a tensor
-server takes up to `SERVER_START_S` to listen, each size is pulled `repeats` + 1 times. It trusts
+server takes up to `tensor_proc.SERVER_START_S` to listen, each size is pulled `repeats` + 1 times. It trusts
 UCX's own protocol tables (UCX_PROTO_INFO=y on stdout) to say which transport carried a payload.
 
 Sequence of a measurement:
   1. the reference first, while no other process competes for the cores: `memcpy_reference`
      (one CPU thread, warm and out of cache; the GPU check times its device copies itself);
-  2. `TensorServer`: `shared.bench.tensor_server TRANSPORT SIZES --device D` in a child process,
+  2. `TensorServer` (`tensor_proc`): `shared.bench.tensor_server TRANSPORT SIZES --device D` in a child process,
      with `UCX_PROTO_INFO=y` for ucx (unless set), holding one bf16 tensor per size; its address
      or why it did not start, and every line it printed;
   3. `pull_rates`: per size, one warm-up pull, then the median wall time of `repeats` pulls into
      one preallocated buffer on `device` (a pull ends when its payload has landed and passed its
      checksum);
-  4. `ucx_tables` / `ucx_protocol_for`: which UCX transport and protocol carried a payload of a
-     given size, from the tables the server (or a reading client) printed.
+  4. `ucx_proto.ucx_tables` / `ucx_protocol_for`: which UCX transport and protocol carried a
+     payload of a given size, from the tables the server (or a reading client) printed.
 `run_transfer` does 1. for every size, then 2.-4. per channel, and reduces the rows to ratios.
 """
 
@@ -24,11 +24,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import re
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
@@ -36,27 +32,15 @@ from typing import Any, NamedTuple
 import torch
 
 from droidmesh.shared.service.localmesh import THREADS
-from droidmesh.shared.tools.bench.nixl_raw import RAW_PREFIX
-from droidmesh.shared.tools.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX, GRANT_SENDER, one_line, start_server, tensors_for
+from droidmesh.shared.tools.bench.tensor_proc import NIXL_RAW, TensorServer
+from droidmesh.shared.tools.bench.tensor_server import GRANT_SENDER, one_line, start_server, tensors_for
+from droidmesh.shared.tools.bench.ucx_proto import ucx_protocol_for, ucx_tables
 
 KIB, MIB = 1 << 10, 1 << 20
 TRANSFER_SIZES = [256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 RATIO_FROM_BYTES = 16 * MIB  # `over_memcpy` / `ucx_over_memcpy`: the smallest ratio from this size up
-NIXL_RAW = "nixl_raw"  # `bench transfer`'s row of NIXL itself (`nixl_raw.py`), beside the channels
 FIXED_BYTES = 4 * KIB  # a pull's fixed cost: one item this small
 FIXED_SAMPLES, FIXED_WARMUP = 200, 20
-SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
-# UCX prints the tables of the protocols it selected (one per endpoint configuration and
-# operation) on stdout when UCX_PROTO_INFO=y: each titled "<context> <cfg#N> | <operation>", then
-# one row per message-size range with the protocol and the transport (`sysv/memory`, `tcp/lo`,
-# `cuda_ipc/cuda`, ...) that carry it. The operation names the memory type last.
-UCX_TAG_SEND = "tagged message by ucp_tag_send* from "  # the ucx channel's sender: each payload
-UCX_GET = "remote memory read by ucp_get* from "  # the nixl channel's receiver reads each payload
-_UCX_RANGE = re.compile(r"(\d+[KMG]?)(?:\.\.(\d+[KMG]?|inf))?")
-
-Protocols = list[tuple[float, float, str]]  # (low, high, "transport: protocol") per size range
-
-
 def llc_bytes() -> int:
     """The last-level cache's size (sysfs, then sysconf; 64 MiB if neither says)."""
     base = "/sys/devices/system/cpu/cpu0/cache"
@@ -121,66 +105,6 @@ def memcpy_reference(nbytes: int, repeats: int, llc: int | None = None) -> dict[
         torch.set_num_threads(threads)
     return {"bytes": nbytes, "memcpy_gb_s": nbytes / statistics.median(warm) / 1e9,
             "memcpy_cold_gb_s": nbytes / statistics.median(cold) / 1e9, "cold_pairs": pairs, "threads": 1}
-
-
-class TensorServer:
-    """`shared.bench.tensor_server` (or, for `nixl_raw`, `shared.bench.nixl_raw`) in a child
-    process, `items` tensors per size on `device`, with `env` added to this process's environment
-    (`nats_url`: pulls need grants asked for there): its address (for `nixl_raw`, its JSON line), or
-    why it did not start; every stdout/stderr line it printed (UCX's protocol tables among them)."""
-
-    def __init__(self, transport: str, sizes: list[int], *, device: str | torch.device = "cpu",
-                 env: dict[str, str] | None = None, items: int = 1, nats_url: str = ""):
-        env = {**os.environ, **(env or {})}
-        if transport == "ucx":
-            env.setdefault("UCX_PROTO_INFO", "y")
-        sizes_arg = ",".join(map(str, sizes))
-        if transport == NIXL_RAW:
-            argv = ["-m", "droidmesh.shared.tools.bench.nixl_raw", sizes_arg, "--items", str(items)]
-            self._prefix = RAW_PREFIX
-        else:
-            argv = ["-m", "droidmesh.shared.tools.bench.tensor_server", transport, sizes_arg, "--device", str(device),
-                    "--items", str(items), *(["--nats", nats_url] if nats_url else [])]
-            self._prefix = ADDRESS_PREFIX
-        self.proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
-        self.lines: list[str] = []
-        self.address: str | None = None
-        self.error: str | None = None
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith(self._prefix):
-                self.address = line[len(self._prefix):].strip()
-                self._ready.set()
-            elif line.startswith(ERROR_PREFIX):
-                self.error = line[len(ERROR_PREFIX):].strip()
-                self._ready.set()
-        if self.address is None and self.error is None:
-            last = next((x for x in reversed(self.lines) if x.strip()), "no output")
-            self.error = f"tensor server exited ({self.proc.poll()}): {last.strip()}"
-        self._ready.set()
-
-    def wait_ready(self, timeout_s: float = SERVER_START_S) -> None:
-        if not self._ready.wait(timeout_s):
-            self.error = f"tensor server did not listen within {timeout_s:.0f}s"
-
-    def stop(self) -> list[str]:
-        """Terminate it; return everything it printed (complete once it has exited)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._reader.join(5)
-        return self.lines
 
 
 class _Granting(NamedTuple):
@@ -281,43 +205,6 @@ async def _measure_client(transport: str, address: str, sizes: list[int], repeat
             await nc.close()
 
 
-def _ucx_size(text: str) -> float:
-    if text == "inf":
-        return float("inf")
-    mult = {"K": KIB, "M": MIB, "G": 1 << 30}.get(text[-1], 1)
-    return int(text.rstrip("KMG")) * mult
-
-
-def ucx_tables(lines: list[str], operation: str = UCX_TAG_SEND) -> dict[str, Protocols]:
-    """The tables UCX printed (UCX_PROTO_INFO=y) in `lines` for operations starting with
-    `operation`, keyed by the rest of the title (for `UCX_TAG_SEND` and `UCX_GET`, the memory
-    type: "host memory", "cuda/GPU0", ...). Per key the last table, the endpoint configuration
-    wireup settled on last; the keys ordered by when that table was printed, so the last key is
-    the last table of the operation."""
-    tables: dict[str, Protocols] = {}
-    current: Protocols | None = None
-    for line in lines:
-        if "|" not in line:
-            continue
-        cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
-        if len(cells) == 2 and "cfg#" in cells[0]:  # a table's title: "<context> <cfg> | <operation>"
-            current = None
-            if cells[1].startswith(operation):
-                key = cells[1][len(operation):]
-                tables.pop(key, None)  # re-inserted: a key's place is its last table's
-                current = tables[key] = []
-        elif current is not None and len(cells) == 3 and (m := _UCX_RANGE.fullmatch(cells[0])):
-            low = _ucx_size(m.group(1))
-            high = _ucx_size(m.group(2)) if m.group(2) else low
-            current.append((low, high, f"{cells[2]}: {cells[1].removeprefix('(?) ')}"))
-    return tables
-
-
-def ucx_protocol_for(nbytes: int, protocols: Protocols) -> str | None:
-    """"transport: protocol" of the range holding `nbytes`; None if no range does."""
-    return next((p for low, high, p in protocols if low <= nbytes <= high), None)
-
-
 # -- the suite ----------------------------------------------------------------------------------
 def bench_transports() -> list[str]:
     """`bench transfer`'s default: every bulk channel that runs between processes (all of
@@ -412,30 +299,14 @@ def run_transfer(sizes: list[int], repeats: int, transports: list[str] | None = 
     fixed: dict[str, Any] = {}
     try:
         for transport in transports:
-            rates, chosen, cost, reason = _measure(transport, sizes, repeats, shm_lanes, items, nats_url)
-            if reason is not None:
-                rows.append({"bytes": None, "items": items, "item_bytes": None, "transport": transport,
-                             "throughput_gb_s": None, "memcpy_gb_s": None, "memcpy_cold_gb_s": None, "ratio": None,
-                             "ucx_transports": None, "unavailable": reason})
-                continue
-            fixed[transport] = cost
-            for n in sizes:
-                ref = refs[n]
-                rows.append({"bytes": n * items, "items": items, "item_bytes": n, "transport": transport,
-                             "throughput_gb_s": rates[n], "memcpy_gb_s": ref["memcpy_gb_s"],
-                             "memcpy_cold_gb_s": ref["memcpy_cold_gb_s"], "ratio": rates[n] / ref["memcpy_gb_s"],
-                             "ucx_transports": chosen.get(n)})
+            measured = _measure(transport, sizes, repeats, shm_lanes, items, nats_url)
+            if measured[3] is None:
+                fixed[transport] = measured[2]
+            rows += _rows(transport, measured, sizes, items, refs)
     finally:
         if nats is not None:
             nats.stop()
-    over: dict[str, float | None] = {}
-    for transport in transports:
-        ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
-                  and r["bytes"] >= RATIO_FROM_BYTES]
-        over[transport] = min(ratios) if ratios else None
-    rate = {(r["transport"], r["item_bytes"]): r["throughput_gb_s"] for r in rows if r["ratio"] is not None}
-    vs_raw = {str(n): rate[("nixl", n)] / rate[(NIXL_RAW, n)] for n in sizes
-              if ("nixl", n) in rate and (NIXL_RAW, n) in rate}
+    over, vs_raw = _ratios(rows, transports, sizes)
     from droidmesh.shared.transport.memfd import shmem_thp
     from droidmesh.shared.transport.ucx import ucx_options
 
@@ -446,3 +317,32 @@ def run_transfer(sizes: list[int], repeats: int, transports: list[str] | None = 
                        "llc_bytes": llc, "cold_pairs": {str(n): refs[n]["cold_pairs"] for n in sizes}},
             "ucx_options": {**{f"UCX_{k}": v for k, v in ucx_options().items()},
                             **{k: v for k, v in os.environ.items() if k.startswith("UCX_")}}}
+
+
+def _rows(transport: str, measured: Measured, sizes: list[int], items: int,
+          refs: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """A transport's rows: one per size against its memcpy reference, or one `unavailable` row."""
+    rates, chosen, _, reason = measured
+    if reason is not None:
+        return [{"bytes": None, "items": items, "item_bytes": None, "transport": transport, "throughput_gb_s": None,
+                 "memcpy_gb_s": None, "memcpy_cold_gb_s": None, "ratio": None, "ucx_transports": None,
+                 "unavailable": reason}]
+    return [{"bytes": n * items, "items": items, "item_bytes": n, "transport": transport,
+             "throughput_gb_s": rates[n], "memcpy_gb_s": refs[n]["memcpy_gb_s"],
+             "memcpy_cold_gb_s": refs[n]["memcpy_cold_gb_s"], "ratio": rates[n] / refs[n]["memcpy_gb_s"],
+             "ucx_transports": chosen.get(n)} for n in sizes]
+
+
+def _ratios(rows: list[dict[str, Any]], transports: list[str], sizes: list[int]
+            ) -> tuple[dict[str, float | None], dict[str, float]]:
+    """(per transport the smallest ratio to memcpy from `RATIO_FROM_BYTES` up, per size nixl's
+    throughput over `nixl_raw`'s where both ran)."""
+    over: dict[str, float | None] = {}
+    for transport in transports:
+        ratios = [r["ratio"] for r in rows if r["transport"] == transport and r["ratio"] is not None
+                  and r["bytes"] >= RATIO_FROM_BYTES]
+        over[transport] = min(ratios) if ratios else None
+    rate = {(r["transport"], r["item_bytes"]): r["throughput_gb_s"] for r in rows if r["ratio"] is not None}
+    vs_raw = {str(n): rate[("nixl", n)] / rate[(NIXL_RAW, n)] for n in sizes
+              if ("nixl", n) in rate and (NIXL_RAW, n) in rate}
+    return over, vs_raw

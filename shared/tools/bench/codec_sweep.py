@@ -5,7 +5,7 @@ Called by `shared/tools/cli/bench/`. Three stages:
   1. in process, per pair: calibrate the SCD fit on train rows (when a lowrank config is asked
      for), write the maps every lowrank config needs, score every config on the test split, time
      its encode / decode and count its payload bytes per context length (`codec_tradeoff.quality`,
-     `codec_seconds`), against every layer sent raw and the profiled group's plan sent raw
+     `codec_timing.codec_seconds`), against every layer sent raw and the profiled group's plan sent raw
      (`transfer.Layout.plan_bytes`);
   2. (unless `over_mesh=False`: `bench codecs --no-mesh`) over the mesh, the bandwidth sweep's
      setup (`bandwidth`): sender and nats-server in one network namespace, the probe in the other,
@@ -57,6 +57,7 @@ def _in_process(pairs: list[dict[str, Any]], tokens: list[int], rows: int, work:
     from droidmesh.shared.tasks.scorer import RAW, PairScorer
     from droidmesh.shared.tasks.spec import task_spec
     from droidmesh.shared.tools.bench import codec_tradeoff as bc
+    from droidmesh.shared.tools.bench.codec_timing import codec_seconds
 
     spec = task_spec(task)
     test_rows = load_rows(task, "test", rows)
@@ -82,7 +83,7 @@ def _in_process(pairs: list[dict[str, Any]], tokens: list[int], rows: int, work:
         q = bc.quality(PairScorer(sender, receiver, test_rows, spec), cs, maps)
         stage_s[f"quality {name}"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        times = {t: bc.codec_seconds(sender, cs, maps, t) for t in tokens}
+        times = {t: codec_seconds(sender, cs, maps, t) for t in tokens}
         stage_s[f"codec timings {name}"] = time.perf_counter() - t1
         layout = Layout.of(sender)
         raw_bytes = {t: {"group": layout.plan_bytes(group, RAW, t), "all": layout.plan_bytes(ReusePlan.full_reuse(), RAW, t)}

@@ -9,7 +9,7 @@ config of `configs` (the baselines, then the transfer search's candidates for G:
   encode/decode  seconds per context to encode (sender, per pull) and decode (receiver) every item
                the config pulls, at each bench context length, CPU, one torch thread; for lowrank
                also `prepare_s`, the encode a sender does once when it stores a context, after
-               which a pull's encode is a slice of the prepared codes (`codec_seconds`); and the
+               which a pull's encode is a slice of the prepared codes (`codec_timing.codec_seconds`); and the
                payload bytes those items encode to (`wire_bytes`; against every layer's K/V sent raw,
                as full reuse does: `bytes_vs_raw`; against the profiled group's plan sent raw:
                `bytes_vs_raw_group`; no mesh needed)
@@ -20,7 +20,7 @@ config of `configs` (the baselines, then the transfer search's candidates for G:
 `choose` picks the SCD config the targets are about (`CHOSEN_RULE`); `targets` computes them;
 `scd_target` checks wire bytes <= 1/4 of raw at >= 95 % of full prefill's quality (`SCD_TARGET_RULE`,
 TTFT not needed); `pareto_front` marks the plots. The rest of this module runs in the `bench codecs` process
-(quality, codec timings, the maps files) or publishes maps and the pair config to the mesh
+(quality, the maps files; the codec timings are `codec_timing`'s) or publishes maps and the pair config to the mesh
 (`python -m droidmesh.shared.tools.bench.codec_tradeoff publish ...`, run inside the receiver's namespace).
 
 Called by `codec_sweep` (configs, maps, scoring, timings, the probe's and the mesh's forms of a
@@ -190,7 +190,7 @@ def targets(rows: Sequence[dict[str, Any]], pair: str, link_gbit: float | None, 
     return out
 
 
-# -- in process: maps, quality, codec timings ------------------------------------------------------
+# -- in process: maps, quality ---------------------------------------------------------------------
 def wire_of(c: Config, maps_sha: str | None) -> Any:
     from droidmesh.shared.tasks.scorer import RAW, Wire
     from droidmesh.shared.transport import codecs as wire_codecs
@@ -242,71 +242,6 @@ def quality(scorer: Any, cs: Sequence[Config], maps: dict[str, tuple[str, str]],
             a["kl"].append(measures.kl_divergence(ref.logits, r.logits))
             a["top1"].append(measures.top1_agreement(ref.logits, r.logits))
     return {name: {k: statistics.fmean(v) for k, v in a.items()} for name, a in acc.items()}
-
-
-def codec_seconds(sender: Any, cs: Sequence[Config], maps: dict[str, tuple[str, str]], tokens: int,
-                  repeats: int = 3) -> dict[str, tuple[float, float, float, int]]:
-    """Per config name: (encode per pull, decode, prepare once) seconds per context of `tokens`
-    tokens over every item the config pulls (`pull_items`), CPU, one torch thread, median of
-    `repeats` after a warm-up, and the payload bytes those items encode to (what a pull moves).
-    Lowrank items are prepared first, as a sender does when it stores a context
-    (`LowRankCodec.prepare`), so the per-pull encode is what a pull then costs."""
-    import torch
-
-    from droidmesh.shared.kv.capture import capture_prefill
-    from droidmesh.shared.model.device import dtype_name
-    from droidmesh.shared.transport import codecs as wire_codecs
-    from droidmesh.shared.transport.pull import pull_items
-    from droidmesh.shared.wire.schemas import TensorHeader
-
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.randint(3, sender.config.vocab_size, (tokens,), generator=g).tolist()
-    L = sender.num_layers
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        captured = capture_prefill(sender, ids, e_layers=range(L))
-        out: dict[str, tuple[float, float, float, int]] = {}
-        for c in cs:
-            if c.family == "full prefill":
-                out[c.name] = (0.0, 0.0, 0.0, 0)
-                continue
-            codec = wire_codecs.get(c.codec)
-            params = dict(wire_of(c, maps.get(c.name, (None,))[0]).params)
-            items = []
-            for it in pull_items(c.plan, L):
-                t = captured.e[it.layer] if it.kind == "E" else (
-                    captured.kv[it.layer].k if it.kind == "K" else captured.kv[it.layer].v)
-                items.append((it, t.contiguous()))
-            prepare_s, kept = 0.0, []
-            if c.codec == wire_codecs.LOWRANK.name:
-                m = wire_codecs.LOWRANK.maps(str(params[wire_codecs.MAPS_PARAM]))
-                t0 = time.perf_counter()
-                kept = [wire_codecs.LOWRANK.prepare(t, it.layer, it.kind, m) for it, t in items]
-                prepare_s = time.perf_counter() - t0
-            enc, dec = [], []
-            nbytes = 0
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                encoded = [(it, t, *codec.encode(t, {**params, wire_codecs.KIND_PARAM: it.kind,
-                                                     wire_codecs.LAYER_PARAM: it.layer})) for it, t in items]
-                t1 = time.perf_counter()
-                bufs = [torch.empty_like(t) for _, t, _, _ in encoded]
-                t2 = time.perf_counter()
-                for (it, t, payload, hp), buf in zip(encoded, bufs, strict=True):
-                    header = TensorHeader(context_id="bench", layer=it.layer, kind=it.kind, shape=list(t.shape),
-                                          dtype=dtype_name(t.dtype), codec=c.codec, codec_params=hp,
-                                          nbytes=payload.numel(), checksum="")
-                    codec.decode(payload, header, buf)
-                t3 = time.perf_counter()
-                enc.append(t1 - t0)
-                dec.append(t3 - t2)
-                nbytes = sum(payload.numel() * payload.element_size() for _, _, payload, _ in encoded)
-            out[c.name] = (statistics.median(enc[1:]), statistics.median(dec[1:]), prepare_s, nbytes)
-            del kept
-        return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def probe_config(c: Config, maps: dict[str, tuple[str, str]]) -> dict[str, Any]:

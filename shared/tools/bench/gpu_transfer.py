@@ -9,12 +9,12 @@ Sequence:
      `--dry-run`, every later step runs the same way on CPU tensors of tiny sizes;
   2. the reference per size: `dst.copy_(src)` on the device, timed with CUDA events
      (`perf_counter` on the CPU), one warm-up, then the median of `--repeats`;
-  3. a tensor server in a child process (`bulk_transfer.TensorServer`: `shared.tools.bench.tensor_server
+  3. a tensor server in a child process (`tensor_proc.TensorServer`: `shared.tools.bench.tensor_server
      ucx SIZES --device D`, with `UCX_PROTO_INFO=y`) holding one bf16 tensor per size on the device;
   4. per size, pulls from it over the UCX channel into one preallocated buffer on the same device
      (`bulk_transfer.pull_rates`): one warm-up, then the median wall time of `--repeats` (a pull ends
      when its payload has landed and passed its checksum); the path the capability check gives
-     and the protocol UCX printed for sending that memory (`bulk_transfer.ucx_tables`);
+     and the protocol UCX printed for sending that memory (`ucx_proto.ucx_tables`);
   5. a table on stdout; JSON to `--json`, else `$OUT/gpu-transfer.json` when `OUT` is set.
 What is missing (ucxx, a server that cannot start) becomes the rows' `unavailable` reason and a
 `missing` entry with exit status 2, never a traceback; the copy reference is measured regardless.
@@ -34,8 +34,10 @@ from typing import Any
 
 import torch
 
-from droidmesh.shared.tools.bench.bulk_transfer import MIB, TensorServer, pull_rates, ucx_protocol_for, ucx_tables
+from droidmesh.shared.tools.bench.bulk_transfer import MIB, pull_rates
+from droidmesh.shared.tools.bench.tensor_proc import TensorServer
 from droidmesh.shared.tools.bench.tensor_server import one_line
+from droidmesh.shared.tools.bench.ucx_proto import ucx_protocol_for, ucx_tables
 from droidmesh.shared.transport import capabilities
 from droidmesh.shared.transport.ucx import ucx_options
 

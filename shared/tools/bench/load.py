@@ -265,8 +265,6 @@ def run_concurrency(receiver_path: str, tokens: int, concurrencies: list[int], b
     most of the work, as when DroidMesh serves; a sender of other weights is reused on `group`
     (the receiver's default group, its start's E kept by the sender). `pool_tokens`: the batched
     receivers (max_batch > 1) decode in a decode pool of that many tokens per slot (0: none)."""
-    from droidmesh.shared.mesh.client import MeshClient
-
     n_prompts = max(concurrencies) * rounds
     tokenizer = receiver_tokenizer(receiver_path) if source == "real" else None
     prompts = concurrency_prompts(source, tokens, n_prompts + WARM_REQUESTS, tokenizer)
@@ -292,29 +290,34 @@ def run_concurrency(receiver_path: str, tokens: int, concurrencies: list[int], b
                                                     "decode_pool_tokens": pool_tokens if b > 1 else 0},
                                        access.url,
                                        env={**launched_env(device), **access.env_for(receiver_user("load-receiver"))}))
-
-            async def warm_up(access: MeshAccess = access) -> None:
-                client = await MeshClient.connect(access.url, **access.options("client"))
-                ops = await MeshClient.connect(access.url, **access.options("admin")) if mode == "reuse" else None
-                try:
-                    if ops is not None:  # every context held before any timed request
-                        for context, _ in tqdm([*warm, *prompts], desc="prefilling the sender", unit="context"):
-                            await ops.prefill("load-sender", context, timeout=timeout_s)
-                    for context, question in warm:
-                        await client.ask("load-receiver", context, question, max_new_tokens=new_tokens,
-                                         mode=ask_mode, timeout=timeout_s)
-                finally:
-                    await client.close()
-                    if ops is not None:
-                        await ops.close()
-
-            asyncio.run(warm_up())
+            asyncio.run(_warm_up(access, mode == "reuse", warm, prompts, new_tokens, ask_mode, timeout_s))
             for c in tqdm(concurrencies, desc=f"max_batch {b}", unit="level"):
                 samples, wall, errors, paths = asyncio.run(_concurrency_level(
                     access, "load-receiver", prompts, c, rounds, new_tokens, timeout_s, ask_mode))
                 rows.append({**concurrency_row(b, c, samples, wall, errors), "paths": paths})
     return {"rows": rows, "compare": concurrency_compare(rows), "loadavg_start": loadavg_start,
             "loadavg_end": list(os.getloadavg()), "mode": mode, "dtype": dtype, "pool_tokens": pool_tokens}
+
+
+async def _warm_up(access: MeshAccess, reuse: bool, warm: list[tuple[str, str]], prompts: list[tuple[str, str]],
+                   new_tokens: int, ask_mode: Mode, timeout_s: float) -> None:
+    """Before a max_batch's levels: with `reuse`, the sender holds every context first (as an
+    operator); then the warm-up requests, untimed."""
+    from droidmesh.shared.mesh.client import MeshClient
+
+    client = await MeshClient.connect(access.url, **access.options("client"))
+    ops = await MeshClient.connect(access.url, **access.options("admin")) if reuse else None
+    try:
+        if ops is not None:  # every context held before any timed request
+            for context, _ in tqdm([*warm, *prompts], desc="prefilling the sender", unit="context"):
+                await ops.prefill("load-sender", context, timeout=timeout_s)
+        for context, question in warm:
+            await client.ask("load-receiver", context, question, max_new_tokens=new_tokens,
+                             mode=ask_mode, timeout=timeout_s)
+    finally:
+        await client.close()
+        if ops is not None:
+            await ops.close()
 
 
 def plot_concurrency(rows: list[dict], path: str) -> None:

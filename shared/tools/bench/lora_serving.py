@@ -185,7 +185,6 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     memory at each stage; or (layout "timing") the merged model and the set side by side, their
     prefills alternated round by round so that load from other processes hits both alike."""
     import gc
-    import statistics
     import time
 
     import peft  # noqa: F401  # imported in every layout, so the import baseline is the same
@@ -220,27 +219,38 @@ def _run_child(spec: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     result["after_forward"] = rss()
     if spec["layout"] == "timing":
-        # Wall time (the TTFT a request sees) and this process's CPU time: with one torch thread
-        # the CPU time is the prefill's own compute, which other processes' load on a shared
-        # machine stretches far less than the wall time.
-        timed = ("merged", "view", "base_view")
-        wall: dict[str, list[float]] = {name: [] for name in timed}
-        cpu: dict[str, list[float]] = {name: [] for name in timed}
-        for _ in range(spec["repeats"] + 1):  # the first round is a warm-up
-            for name in timed:
-                c0 = time.process_time()
-                wall[name].append(generate(views[name], ids, ReusePlan.full_prefill(), max_new_tokens=1).ttft_s)
-                cpu[name].append(time.process_time() - c0)
-        result["prefill_tokens"] = len(ids)
-        result["prefill_runs"] = {"wall": {n: r[1:] for n, r in wall.items()}, "cpu": {n: r[1:] for n, r in cpu.items()}}
-        result["prefill_s"] = {n: statistics.median(r[1:]) for n, r in wall.items()}
-        result["prefill_cpu_s"] = {n: statistics.median(r[1:]) for n, r in cpu.items()}
+        result.update(_prefill_times(views, ids, spec["repeats"]))
         # An unmerged LoRA adds one multiply-add per token per LoRA weight (x A^T, then B): its
         # share of the decoder layers' own weights is its share of their multiply-adds.
         layers = views["merged"].model.model.layers
         own = sum(p.numel() for p in layers.parameters())
         result["lora_macs_share"] = aset.added_params(adapters[0][0]) / own
     return result
+
+
+def _prefill_times(views: dict[str, Any], ids: list[int], repeats: int) -> dict[str, Any]:
+    """The timing layout's prefills: the merged model and the set's views alternated round by
+    round, the first round a warm-up; each run's wall and CPU seconds, and their medians.
+    Wall time is the TTFT a request sees; with one torch thread the CPU time is the prefill's own
+    compute, which other processes' load on a shared machine stretches far less."""
+    import statistics
+    import time
+
+    from droidmesh.shared.kv.partial import generate
+    from droidmesh.shared.kv.plan import ReusePlan
+
+    timed = ("merged", "view", "base_view")
+    wall: dict[str, list[float]] = {name: [] for name in timed}
+    cpu: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        for name in timed:
+            c0 = time.process_time()
+            wall[name].append(generate(views[name], ids, ReusePlan.full_prefill(), max_new_tokens=1).ttft_s)
+            cpu[name].append(time.process_time() - c0)
+    return {"prefill_tokens": len(ids),
+            "prefill_runs": {"wall": {n: r[1:] for n, r in wall.items()}, "cpu": {n: r[1:] for n, r in cpu.items()}},
+            "prefill_s": {n: statistics.median(r[1:]) for n, r in wall.items()},
+            "prefill_cpu_s": {n: statistics.median(r[1:]) for n, r in cpu.items()}}
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -22,6 +22,7 @@ Called by `shared/tools/cli/bench.py`; blocks for the run; every process is stop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import tempfile
@@ -30,14 +31,17 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from droidmesh.shared.auth import keys as api_keys
-from droidmesh.shared.mesh.nats_auth import Roster, receiver_user, sender_user
-from droidmesh.shared.service.launch import start_service
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
+from droidmesh.shared.service.launch import Proc, start_service
 from droidmesh.shared.service.localmesh import THREADS, launched_env, mesh
+
+if TYPE_CHECKING:
+    from droidmesh.shared.mesh.client import MeshClient
 
 SENDER, RECEIVER = "sc-sender", "sc-receiver"
 VICTIM, ATTACKER = "victim", "attacker"
@@ -163,71 +167,99 @@ def run_sidechannel(sender_path: str, receiver_path: str, group: tuple[int, int]
 def _run(work: Path, model: Any, rng: np.random.Generator, sender_path: str, receiver_path: str,
          group: tuple[int, int], words: int, trials: int, warmup: int, seed: int, device: str,
          say: Callable[[str], None]) -> dict[str, Any]:
-    from droidmesh.shared.mesh.client import MeshClient
-    from droidmesh.shared.model import text
-
     keys = _keys(work / "keys.toml")
     victim_scope = next(k.scope for k in api_keys.load(work / "keys.toml").values() if k.tenant == VICTIM)
     result: dict[str, Any] = {"phases": {}}
     with mesh(Roster.local([SENDER], [RECEIVER])) as (access, procs):
-        url = access.url
-        procs.append(start_service("cache_broker", {}, url, env={**THREADS, **access.env_for("broker")}))
-        procs.append(start_service("sender", {"model_path": sender_path, "model_id": SENDER, "sender_id": SENDER,
-                                              "readers": [RECEIVER], "dtype": "bfloat16", "e_layers": [group[0]]}, url,
-                                   env={**launched_env(device), **access.env_for(sender_user(SENDER))}))
-        procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": RECEIVER, "dtype": "bfloat16",
-                                                "default_group": list(group)}, url,
-                                   env={**launched_env(device), **access.env_for(receiver_user(RECEIVER))}))
-        procs.append(start_service("gateway", {"http_port": 0, "api_keys": work / "keys.toml"}, url,
-                                   env={**THREADS, **access.env_for("gateway")}))
-        base = f"http://127.0.0.1:{procs[-1].events('gateway_started')[0]['http_port']}/v1"
+        base = _start(access, procs, work / "keys.toml", sender_path, receiver_path, group, device)
         _until_listed(base, keys[VICTIM], RECEIVER)
-
-        async def prefill(ops: MeshClient, context: str) -> None:
-            """Cache `context` for the victim; return once the broker answers it in that scope."""
-            await ops.prefill(SENDER, context, scope=victim_scope, timeout=300)
-            ids = text.context_ids(model.tokenizer, context)
-            deadline = time.monotonic() + 60
-            while (await ops.lookup(ids, model.fingerprint.id, scope=victim_scope)).holder is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the broker never indexed a prefilled context")
-                await asyncio.sleep(0.01)
-
-        async def phase(name: str, key: str) -> dict[str, Any]:
-            ops = await MeshClient.connect(url, **access.options("admin"))  # filling a store: an operator's
-            try:
-                labels = [True] * trials + [False] * trials
-                order = [True, False] * warmup + rng.permutation(labels).tolist()
-                rows: list[dict[str, Any]] = []
-                for i, cached in enumerate(order):
-                    victims = _context(rng, words)
-                    await prefill(ops, victims)
-                    prompt = (victims if cached else _context(rng, words)) + QUESTION
-                    s, reply = await asyncio.to_thread(_post, base, key, RECEIVER, prompt, 300)
-                    if i < 2 * warmup:
-                        continue
-                    ext = reply.get("droidmesh") or {}
-                    rows.append({"cached": bool(cached), "seconds": s, "path": ext.get("path"),
-                                 "prompt_tokens": (reply.get("usage") or {}).get("prompt_tokens")})
-                    if len(rows) % 10 == 0:
-                        say(f"sidechannel {name}: {len(rows)}/{len(labels)} trials")
-                return {"trials": rows}
-            finally:
-                await ops.close()
-
+        attack = _Attack(access, base, model, victim_scope, rng, words, trials, warmup, say)
         for name, tenant in PHASES.items():
             say(f"sidechannel {name}: attacker's key is tenant {tenant!r}, the victim's contexts are {victim_scope!r}")
-            got = asyncio.run(phase(name, keys[tenant]))
-            rows = got["trials"]
-            ev = evaluate([r["seconds"] for r in rows], [r["cached"] for r in rows], seed)
-            paths: dict[str, dict[str, int]] = {"cached": {}, "uncached": {}}
-            for r in rows:
-                side = paths["cached" if r["cached"] else "uncached"]
-                side[str(r["path"])] = side.get(str(r["path"]), 0) + 1
-            tokens = [r["prompt_tokens"] for r in rows if r["prompt_tokens"]]
-            result["phases"][name] = {"attacker_tenant": tenant, **ev, "paths": paths,
-                                      "prompt_tokens": int(np.median(tokens)) if tokens else None, "trials": rows}
+            rows = asyncio.run(attack.phase(name, keys[tenant]))
+            result["phases"][name] = _phase_result(tenant, rows, seed)
     return result
+
+
+def _start(access: MeshAccess, procs: list[Proc], keys_file: Path, sender_path: str, receiver_path: str,
+           group: tuple[int, int], device: str) -> str:
+    """Broker, sender, receiver (on a default group) and the gateway with `keys_file`; its OpenAI base URL."""
+    url = access.url
+    procs.append(start_service("cache_broker", {}, url, env={**THREADS, **access.env_for("broker")}))
+    procs.append(start_service("sender", {"model_path": sender_path, "model_id": SENDER, "sender_id": SENDER,
+                                          "readers": [RECEIVER], "dtype": "bfloat16", "e_layers": [group[0]]}, url,
+                               env={**launched_env(device), **access.env_for(sender_user(SENDER))}))
+    procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": RECEIVER, "dtype": "bfloat16",
+                                            "default_group": list(group)}, url,
+                               env={**launched_env(device), **access.env_for(receiver_user(RECEIVER))}))
+    procs.append(start_service("gateway", {"http_port": 0, "api_keys": keys_file}, url,
+                               env={**THREADS, **access.env_for("gateway")}))
+    return f"http://127.0.0.1:{procs[-1].events('gateway_started')[0]['http_port']}/v1"
+
+
+@dataclasses.dataclass
+class _Attack:
+    """The trials of a phase: the victim's contexts prefilled as an operator, the attacker's
+    requests through the gateway (`base`) with a phase's key."""
+
+    access: MeshAccess
+    base: str
+    model: Any  # the receiver's tokenizer and fingerprint: when the broker holds a context
+    victim_scope: str
+    rng: np.random.Generator
+    words: int
+    trials: int
+    warmup: int
+    say: Callable[[str], None]
+
+    async def prefill(self, ops: MeshClient, context: str) -> None:
+        """Cache `context` for the victim; return once the broker answers it in that scope."""
+        from droidmesh.shared.model import text
+
+        await ops.prefill(SENDER, context, scope=self.victim_scope, timeout=300)
+        ids = text.context_ids(self.model.tokenizer, context)
+        deadline = time.monotonic() + 60
+        while (await ops.lookup(ids, self.model.fingerprint.id, scope=self.victim_scope)).holder is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the broker never indexed a prefilled context")
+            await asyncio.sleep(0.01)
+
+    async def phase(self, name: str, key: str) -> list[dict[str, Any]]:
+        """The phase's timed trials (after the untimed warmup ones), cached and uncached shuffled."""
+        from droidmesh.shared.mesh.client import MeshClient
+
+        ops = await MeshClient.connect(self.access.url, **self.access.options("admin"))  # filling a store: an operator's
+        try:
+            labels = [True] * self.trials + [False] * self.trials
+            order = [True, False] * self.warmup + self.rng.permutation(labels).tolist()
+            rows: list[dict[str, Any]] = []
+            for i, cached in enumerate(order):
+                victims = _context(self.rng, self.words)
+                await self.prefill(ops, victims)
+                prompt = (victims if cached else _context(self.rng, self.words)) + QUESTION
+                s, reply = await asyncio.to_thread(_post, self.base, key, RECEIVER, prompt, 300)
+                if i < 2 * self.warmup:
+                    continue
+                ext = reply.get("droidmesh") or {}
+                rows.append({"cached": bool(cached), "seconds": s, "path": ext.get("path"),
+                             "prompt_tokens": (reply.get("usage") or {}).get("prompt_tokens")})
+                if len(rows) % 10 == 0:
+                    self.say(f"sidechannel {name}: {len(rows)}/{len(labels)} trials")
+            return rows
+        finally:
+            await ops.close()
+
+
+def _phase_result(tenant: str, rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    """A phase's result: the attacker's threshold rule evaluated, the paths per label, the prompt size."""
+    ev = evaluate([r["seconds"] for r in rows], [r["cached"] for r in rows], seed)
+    paths: dict[str, dict[str, int]] = {"cached": {}, "uncached": {}}
+    for r in rows:
+        side = paths["cached" if r["cached"] else "uncached"]
+        side[str(r["path"])] = side.get(str(r["path"]), 0) + 1
+    tokens = [r["prompt_tokens"] for r in rows if r["prompt_tokens"]]
+    return {"attacker_tenant": tenant, **ev, "paths": paths,
+            "prompt_tokens": int(np.median(tokens)) if tokens else None, "trials": rows}
 
 
 def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 `publish FILE` takes either a profile JSON as `droidmesh profile --json` writes it (bound to the
 weights of --sender / --receiver, by default the models the profile names) or a RecomputeConfig
-as JSON; either is validated in full (`config_board.validate`) before anything connects.
+as JSON; either is validated in full (`config_board.validate`, through
+`shared/tools/apps/serve_config.load_config`) before anything connects.
 `relay-policy FILE` republishes the newest config of each pair with the relay audit's verdicts.
 NATS roles: publishing writes the bucket (`profiler` or `admin`); showing reads it (`admin`,
 `profiler`, and the `sender-<id>` / `receiver-<model>` service users).
@@ -10,104 +11,22 @@ NATS roles: publishing writes the bucket (`profiler` or `admin`); showing reads 
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import click
 import msgspec
 
-from droidmesh.shared.errors import BadRequestError, DroidMeshError
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.tools.apps.serve_config import load_config, maps_files, read_json
 from droidmesh.shared.tools.cli.connect import Conn, nats_options
 from droidmesh.shared.tools.cli.model_options import MODEL_HELP
 from droidmesh.shared.wire import schemas, subjects
-
-PROFILE_KEYS = ("sender", "receiver", "task", "tolerance", "total_layers", "chosen", "frontier", "full_prefill",
-                "full_reuse")
 
 
 @click.group()
 def config() -> None:
     """Recompute configs: publish one to the bucket running receivers and senders watch, or show them."""
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequestError(f"{path} is not JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise BadRequestError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _from_profile(path: str, data: dict[str, Any], sender: str | None, receiver: str | None,
-                  version: int) -> schemas.RecomputeConfig:
-    from droidmesh.shared.profiling.profile import recompute_config
-    from droidmesh.shared.zoo.manifest import resolve_model
-
-    missing = [k for k in PROFILE_KEYS if k not in data]
-    if missing:
-        raise BadRequestError(f"{path} is neither a RecomputeConfig nor a profile (missing {', '.join(missing)})")
-    # The config binds the weights' sha256s: resolve the models the profile names (`models`: the
-    # zoo label or path `droidmesh profile` recorded, else the bare ids), unless overridden.
-    recorded = data.get("models")
-    models: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
-    s_ref = resolve_model(sender or str(models.get("sender") or data["sender"]))
-    r_ref = resolve_model(receiver or str(models.get("receiver") or data["receiver"]))
-    try:
-        cfg = recompute_config(data, s_ref, r_ref, version)
-    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as e:  # a malformed frontier point, say
-        raise BadRequestError(f"{path}: not a valid profile ({type(e).__name__}: {e})") from None
-    for role, ref in (("sender", s_ref), ("receiver", r_ref)):
-        profiled = models.get(f"{role}_sha256")
-        if profiled and profiled != ref.sha256:
-            raise BadRequestError(f"{path} profiled other {role} weights than {ref.label} holds now "
-                                  f"(sha256 {profiled[:12]} vs {ref.sha256[:12]}); profile it again")
-    return cfg
-
-
-def load_config(path: str, sender: str | None = None, receiver: str | None = None,
-                version: int | None = None) -> schemas.RecomputeConfig:
-    """The validated RecomputeConfig a file holds (a profile JSON or a RecomputeConfig JSON)."""
-    from droidmesh.shared.mesh.config_board import validate
-
-    data = _read_json(path)
-    if data.get("type") == "recompute.config" or "sender_model" in data:
-        if sender or receiver:
-            raise BadRequestError("--sender / --receiver apply to a profile JSON; a RecomputeConfig names its models")
-        try:
-            cfg = msgspec.convert({"type": "recompute.config", **data}, schemas.RecomputeConfig)
-        except msgspec.ValidationError as e:
-            raise BadRequestError(f"{path}: invalid RecomputeConfig: {e}") from None
-        if version is not None:
-            cfg = msgspec.structs.replace(cfg, profile_version=version)
-    else:
-        cfg = _from_profile(path, data, sender, receiver, version if version is not None else int(time.time()))
-    try:
-        return validate(cfg)
-    except DroidMeshError as e:
-        raise BadRequestError(f"{path}: {e}") from None
-
-
-def maps_files(path: str, cfg: schemas.RecomputeConfig) -> dict[str, bytes]:
-    """The maps files `cfg` names, read from maps/<sha256>.safetensors next to `path` and checked
-    against their names; `BadRequestError` for one missing or altered."""
-    import hashlib
-
-    from droidmesh.shared.mesh.maps_store import referenced
-
-    found = {}
-    for sha in sorted(referenced([*cfg.frontier, cfg.chosen])):
-        f = Path(path).parent / "maps" / f"{sha}.safetensors"
-        if not f.is_file():
-            raise BadRequestError(f"{path} names SCD maps {sha[:12]}...; {f} is missing")
-        data = f.read_bytes()
-        if hashlib.sha256(data).hexdigest() != sha:
-            raise BadRequestError(f"{f} does not hash to its name: altered or truncated")
-        found[sha] = data
-    return found
 
 
 @config.command()
@@ -222,7 +141,7 @@ def relay_policy(file: str, sender: str | None, receiver: str | None, dry_run: b
     from droidmesh.shared.audit.relay import relay_buckets, with_relay
     from droidmesh.shared.mesh.config_board import NatsConfigBoard, validate
 
-    buckets = relay_buckets(_read_json(file), file)
+    buckets = relay_buckets(read_json(file), file)
 
     async def body(nc: Any) -> list[schemas.RecomputeConfig]:
         board = NatsConfigBoard(nc)

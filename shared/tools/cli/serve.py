@@ -62,8 +62,7 @@ def gather_configs(plan: ServePlan, profiles: tuple[str, ...]) -> list[Published
     """The configs to publish: `--profile` files (an error if one does not fit the served models or
     fails its test split), then the zoo's saved profiles of the other served pairs (skipped, with
     a line, where one fails its test split or was profiled on other weights)."""
-    from droidmesh.shared.tools.apps.serve import Published, bind, renamed, zoo_profiles
-    from droidmesh.shared.tools.cli.config import load_config, maps_files
+    from droidmesh.shared.tools.apps.serve_config import Published, bind, load_config, maps_files, renamed, zoo_profiles
 
     out: dict[str, Published] = {}
     for f in profiles:

@@ -1,4 +1,4 @@
-"""`shared/tools/bench/bulk_transfer.py`: the memcpy reference, UCX protocol-table parsing and `bench
+"""`shared/tools/bench/bulk_transfer.py`: the memcpy reference, UCX protocol-table parsing (`ucx_proto.py`) and `bench
 transfer` built on them: the tensor server's one-line refusal, and a whole run over the
 in-process channel (structure only; no timing assertions)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from droidmesh.shared.tools.bench import bulk_transfer, tensor_server
+from droidmesh.shared.tools.bench import bulk_transfer, tensor_server, ucx_proto
 
 # Two tag-send tables as UCX_PROTO_INFO=y prints them (log prefix kept); the last one counts.
 PROTO_LINES = """\
@@ -33,13 +33,13 @@ def test_memcpy_reference_reports_warm_and_cold():
 
 
 def test_ucx_tables_take_the_last_tag_send_table():
-    tables = bulk_transfer.ucx_tables(PROTO_LINES)
+    tables = ucx_proto.ucx_tables(PROTO_LINES)
     assert list(tables) == ["host memory"]  # the active-message table is another operation's
     protocols = tables["host memory"]
     assert protocols[0] == (0, 92, "sysv/memory: eager short")
     assert protocols[-1] == (8192, math.inf, "sysv/memory: rendezvous fragmented copy-in copy-out")
-    assert bulk_transfer.ucx_protocol_for(16 << 20, protocols) == "sysv/memory: rendezvous fragmented copy-in copy-out"
-    assert bulk_transfer.ucx_protocol_for(1, []) is None
+    assert ucx_proto.ucx_protocol_for(16 << 20, protocols) == "sysv/memory: rendezvous fragmented copy-in copy-out"
+    assert ucx_proto.ucx_protocol_for(1, []) is None
 
 
 def test_ucx_tables_per_memory_type():
@@ -48,9 +48,9 @@ def test_ucx_tables_per_memory_type():
              "[1] [vm:1:0]   |                        8K..inf | rendezvous zero-copy read from remote | cma/memory |",
              "[1] [vm:1:0]   | ucp_context_0 intra-node cfg#2 | tagged message by ucp_tag_send* from cuda/GPU0 |",
              "[1] [vm:1:0]   |                         0..inf | (?) rendezvous zero-copy read from remote | cuda_ipc/cuda |"]
-    tables = bulk_transfer.ucx_tables(lines)
-    assert bulk_transfer.ucx_protocol_for(1 << 20, tables["host memory"]) == "cma/memory: rendezvous zero-copy read from remote"
-    assert bulk_transfer.ucx_protocol_for(64, tables["cuda/GPU0"]) == "cuda_ipc/cuda: rendezvous zero-copy read from remote"
+    tables = ucx_proto.ucx_tables(lines)
+    assert ucx_proto.ucx_protocol_for(1 << 20, tables["host memory"]) == "cma/memory: rendezvous zero-copy read from remote"
+    assert ucx_proto.ucx_protocol_for(64, tables["cuda/GPU0"]) == "cuda_ipc/cuda: rendezvous zero-copy read from remote"
 
 
 def test_ucx_tables_order_keys_by_their_last_table():
@@ -58,7 +58,7 @@ def test_ucx_tables_order_keys_by_their_last_table():
     lines = [f"| ctx cfg#1 | {get}host memory |", "| 0..inf | zero-copy | tcp/lo |",
              f"| ctx cfg#2 | {get}cuda/GPU0 |", "| 0..inf | zero-copy | cuda_ipc/cuda |",
              f"| ctx cfg#3 | {get}host memory |", "| 0..inf | zero-copy | sysv/memory |"]
-    tables = bulk_transfer.ucx_tables(lines, bulk_transfer.UCX_GET)
+    tables = ucx_proto.ucx_tables(lines, ucx_proto.UCX_GET)
     assert list(tables) == ["cuda/GPU0", "host memory"]
     assert tables["host memory"] == [(0, math.inf, "sysv/memory: zero-copy")]
 

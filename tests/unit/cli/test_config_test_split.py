@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.tools.cli.config import load_config
+from droidmesh.shared.tools.apps.serve_config import load_config
 from droidmesh.shared.tools.cli.connect import Conn
 from droidmesh.shared.tools.cli.main import main
 from droidmesh.shared.zoo.manifest import REPO_ZOO
