@@ -170,33 +170,11 @@ def codecs(json_path, plot_dir, table_path, pairs, group, task, codec_names, sha
         click.echo(str(e), err=True)
         save(json_path, "codecs", {"skipped": str(e)})
         return
-    table_rows = [{**row, "tokens": row["target_tokens"]} for row in r["rows"]]
-    table = report.format_table(table_rows, NO_MESH_COLUMNS if no_mesh else CODECS_COLUMNS)
     long = 4096 if 4096 in tokens else max(tokens)
     first = pair_list[0]["name"]
-    lines = [table, ""]
-    for p in r["pairs"]:
-        cal = p["calibration"]
-        lay = p["layout"]
-        lines.append(f"pair {p['name']} ({p['sender_label']} -> {p['receiver_label']}, task {task}, {lay['num_layers']} "
-                     f"layers, {lay['kv_heads']} KV heads x {lay['head_dim']}, hidden {lay['hidden']}): plan recompute "
-                     f"[{p['group'][0]},{p['group'][1]}) ({p['group_source']}); SCD fit "
-                     + (f"on {cal['contexts']} train contexts, {cal['tokens']} tokens, {cal['fit_s']:.0f} s" if cal
-                        else "not run (no scd config)"))
     st = suite.scd_target(r["rows"], first, long)
-    lines.append(f"SCD target ({first}, {long} tokens): wire bytes <= {st['max_bytes_vs_raw']:g} x raw at >= "
-                 f"{1 - st['tolerance']:.0%} of full prefill's quality: "
-                 + (f"{'MET' if st['met'] else 'NOT MET'} by {st['chosen']} (bytes_vs_raw {st['bytes_vs_raw']:.3f}, "
-                    f"bytes_vs_raw_group {st['bytes_vs_raw_group']:.3f}, quality_vs_full {st['quality_vs_full']:.3f})"
-                    if st["chosen"] else f"NOT MET: {st['why_none']}"))
     tg = suite.targets(r["rows"], first, None if no_mesh else target_rate, long)
-    if no_mesh:
-        lines.append("TTFT targets: not measured (--no-mesh)")
-    else:
-        lines += [f"targets ({first}, {target_rate:g} Gbit/s, {long} tokens): {tg['rule']}"]
-        lines += [f"  {k} = {v}" for k, v in tg.items() if k not in ("rule",)]
-    lines += [f"failure: {f}" for f in r["failures"]]
-    lines.append(f"runtime {r['seconds']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in r['stage_seconds'].items())})")
+    lines = _summary(r, task, no_mesh, target_rate, long, first, st, tg)
     text = "\n".join(lines)
     click.echo(text)
     if table_path:
@@ -212,6 +190,35 @@ def codecs(json_path, plot_dir, table_path, pairs, group, task, codec_names, sha
         Path(plot_dir).mkdir(parents=True, exist_ok=True)
         for rate in rates:
             suite.plot(r["rows"], str(Path(plot_dir) / f"codecs-{rate:g}gbit.png"), rate, long)
+
+
+def _summary(r: dict[str, Any], task: str, no_mesh: bool, target_rate: float, long: int, first: str,
+             st: dict[str, Any], tg: dict[str, Any]) -> list[str]:
+    """The printed report: the table, a line per pair (its layout, plan and SCD fit), the SCD and
+    TTFT targets of the first pair, failures and the run's time."""
+    table_rows = [{**row, "tokens": row["target_tokens"]} for row in r["rows"]]
+    lines = [report.format_table(table_rows, NO_MESH_COLUMNS if no_mesh else CODECS_COLUMNS), ""]
+    for p in r["pairs"]:
+        cal = p["calibration"]
+        lay = p["layout"]
+        lines.append(f"pair {p['name']} ({p['sender_label']} -> {p['receiver_label']}, task {task}, {lay['num_layers']} "
+                     f"layers, {lay['kv_heads']} KV heads x {lay['head_dim']}, hidden {lay['hidden']}): plan recompute "
+                     f"[{p['group'][0]},{p['group'][1]}) ({p['group_source']}); SCD fit "
+                     + (f"on {cal['contexts']} train contexts, {cal['tokens']} tokens, {cal['fit_s']:.0f} s" if cal
+                        else "not run (no scd config)"))
+    lines.append(f"SCD target ({first}, {long} tokens): wire bytes <= {st['max_bytes_vs_raw']:g} x raw at >= "
+                 f"{1 - st['tolerance']:.0%} of full prefill's quality: "
+                 + (f"{'MET' if st['met'] else 'NOT MET'} by {st['chosen']} (bytes_vs_raw {st['bytes_vs_raw']:.3f}, "
+                    f"bytes_vs_raw_group {st['bytes_vs_raw_group']:.3f}, quality_vs_full {st['quality_vs_full']:.3f})"
+                    if st["chosen"] else f"NOT MET: {st['why_none']}"))
+    if no_mesh:
+        lines.append("TTFT targets: not measured (--no-mesh)")
+    else:
+        lines += [f"targets ({first}, {target_rate:g} Gbit/s, {long} tokens): {tg['rule']}"]
+        lines += [f"  {k} = {v}" for k, v in tg.items() if k not in ("rule",)]
+    lines += [f"failure: {f}" for f in r["failures"]]
+    lines.append(f"runtime {r['seconds']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in r['stage_seconds'].items())})")
+    return lines
 
 
 COMMANDS = (codecs,)
