@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from droidmesh.shared.tools.bench import idle as suite
 from droidmesh.shared.tools.cli import bench as cli
 from droidmesh.shared.tools.cli.bench import data_plane as bench_data_plane
+from droidmesh.shared.tools.cli.bench.kit import DEFAULT_GROUPS
 
 
 def test_idle_reports_each_process_against_the_target(monkeypatch, tmp_path):
@@ -28,7 +29,7 @@ def test_idle_reports_each_process_against_the_target(monkeypatch, tmp_path):
     res = CliRunner().invoke(cli.bench, ["idle", "--transport", "shm", "--seconds", "5", "--json", str(out),
                                          "--log-dir", str(tmp_path / "logs")])
     assert res.exit_code == 0, res.output
-    assert seen == {"group": cli.DEFAULT_GROUPS["base"], "transport": "shm", "idle_s": 5.0}
+    assert seen == {"group": DEFAULT_GROUPS["base"], "transport": "shm", "idle_s": 5.0}
     assert "core_share" in res.output and "shm: 1 of 2 processes at most 1% of a core over 60 s idle" in res.output
     assert [r["process"] for r in json.loads(out.read_text())["rows"]] == ["sender", "receiver"]
 
