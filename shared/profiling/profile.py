@@ -8,6 +8,9 @@ the transfer check), plus the receiver for the latency fit, and for the transfer
 (`transfer.py`) the sender and the train contexts. Output: the profile JSON (schema in `run`'s
 docstring) and the SCD maps files it names; `recompute_config` turns the JSON into the
 published `RecomputeConfig`.
+
+`profile_checkpoints` is called by `droidmesh profile` (`job.py`, on the CLI's thread) and by the
+profiler service (in its torch worker thread); it blocks for the whole profile, as `run` does.
 """
 
 from __future__ import annotations
@@ -59,6 +62,21 @@ def _progress(evaluate: Evaluate, bar: tqdm) -> Evaluate:
     return run
 
 
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    """What `run`'s searches found on the train split, before the test split checks it."""
+    full_prefill: float
+    full_reuse: float
+    sensitivity: list[float]
+    critical: list[int]
+    evaluated: list[search.Point]  # the exhaustive search's points, else the search's own
+    frontier: list[search.Point]
+    chosen: search.Point
+    search_choice: search.Point  # the guided or coarse search's choice alone
+    search_cost: int  # plans the search added (beyond the shared sensitivity pass)
+    exhaustive_cost: int
+
+
 def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSettings, *,
         receiver: Any = None, pair: Pair | None = None, others: Mapping[str, Evaluate] | None = None,
         transfer_inputs: transfer.Inputs | None = None, maps_out: dict[str, bytes] | None = None,
@@ -76,80 +94,99 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
     pair = pair or Pair("", "")
     if settings.search not in ("guided", "coarse"):
         raise BadRequestError(f"search {settings.search!r}: guided or coarse")
-    L, g = num_layers, settings.granularity
-    plans = cost.train_evaluations(cost.Work(settings.search, settings.exhaustive, 0, 0), L, g)
+    plans = cost.train_evaluations(cost.Work(settings.search, settings.exhaustive, 0, 0), num_layers,
+                                   settings.granularity)
     with tqdm(total=plans, desc=f"profile {pair.id}", unit="config") as bar:  # closed on an error too
         memo, test_memo = Memo(train), Memo(test)
         ev = _progress(memo, bar)
-        full_prefill = ev(ReusePlan.full_prefill())
-        if settings.require_signal:  # the cheapest plans first: can these rows support any choice?
-            evidence.require_scores("train", full_prefill)
-            evidence.require_scores("test", test_memo(ReusePlan.full_prefill()))
-        full_reuse = ev(ReusePlan.full_reuse())
-        if settings.require_signal:
-            evidence.require_paths_differ("train", train)
-        sens: list[float] = []
-        critical: list[int] = []
-        if settings.search == "guided":
-            sens = search.sensitivity(ev, L)
-            critical = search.critical_layers(sens, full_prefill, settings.critical_threshold)
-            before = memo.seen
-            searched = search.guided(ev, sens, full_prefill, L, g)
-        else:
-            before = memo.seen
-            searched = search.coarse(ev, L, g, full_prefill, settings.tolerance)
-        search_cost = memo.seen - before  # plans the search added (beyond the shared sensitivity pass)
-        search_choice = search.choose(search.frontier(searched, full_reuse), full_prefill, settings.tolerance)
-        # The exhaustive search is charged every grid group it covers (memo hits included), as if run alone.
-        points = search.exhaustive(ev, L, g) if settings.exhaustive else searched
-        exhaustive_cost = len(points) if settings.exhaustive else 0
-        front = search.frontier(points + searched, full_reuse)
-        chosen = search.choose(front, full_prefill, settings.tolerance)
-        split = search.split(chosen.start, chosen.end)
-        scattered = search.scattered(critical) if settings.search == "guided" else None
-        full_prefill_test, chosen_test = test_memo(ReusePlan.full_prefill()), test_memo(chosen.plan())
-        result: dict[str, Any] = {
-            "sender": pair.sender, "receiver": pair.receiver, "task": pair.task, "total_layers": L,
-            "granularity": g, "tolerance": settings.tolerance, "search": settings.search,
-            "full_prefill": {"quality_train": full_prefill, "quality_test": full_prefill_test},
-            "full_reuse": {"quality_train": full_reuse, "quality_test": test_memo(ReusePlan.full_reuse())},
-            "chosen": {"start": chosen.start, "end": chosen.end, "recomputed_layers": chosen.layers,
-                       "quality_train": chosen.quality, "quality_test": chosen_test,
-                       "passes_test": evidence.passes_test(chosen_test, full_prefill_test, settings.tolerance)},
-            "sensitivity": [{"layer": l, "quality": q} for l, q in enumerate(sens)],
-            "sensitivity_probe": "only layer l's KV from the sender, every other layer the receiver's own (no E)",
-            "evaluated": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
-                          for p in points],
-            "critical_layers": critical,
-            "frontier": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
-                         for p in front],
-            "evaluations": {"exhaustive": exhaustive_cost, "guided": search_cost if settings.search == "guided" else 0,
-                            "coarse": search_cost if settings.search == "coarse" else 0, "sensitivity": len(sens)},
-            f"{settings.search}_choice": {"start": search_choice.start, "end": search_choice.end,
-                                          "quality": search_choice.quality},
-            "searches_agree": (search_choice.start, search_choice.end) == (chosen.start, chosen.end),
-            "scattered_critical": None if scattered is None else {
-                "groups": [list(gr) for gr in scattered.groups], "recomputed_layers": len(critical),
-                "quality_train": ev(scattered), "quality_test": test_memo(scattered),
-                "e_transitions": len(scattered.e_layers),
-            },
-            # The same layers as the chosen group, but one transition (own sender E) per layer.
-            "chosen_split": {
-                "groups": [list(gr) for gr in split.groups], "recomputed_layers": chosen.layers,
-                "quality_train": ev(split), "quality_test": test_memo(split), "e_transitions": len(split.e_layers),
-            },
-        }
-    result["robustness"] = robustness(result, chosen.plan(), test, dict(others or {}))
+        found = _search(ev, memo, train, test_memo, num_layers, settings)
+        result = _result(found, ev, test_memo, pair, num_layers, settings)
+    chosen = found.chosen.plan()
+    result["robustness"] = robustness(result, chosen, test, dict(others or {}))
     if receiver is not None:
-        ks = sorted({0, max(1, L // 4), L // 2, L})
+        ks = sorted({0, max(1, num_layers // 4), num_layers // 2, num_layers})
         fit = latency.fit(latency.measure(receiver, settings.latency_tokens, ks), receiver)
         result["latency_fit"] = msgspec.structs.asdict(fit)
         if transfer_inputs is not None:
-            result["transfer"], files = transfer.profile_transfer(transfer_inputs, receiver, chosen.plan(), full_prefill,
+            result["transfer"], files = transfer.profile_transfer(transfer_inputs, receiver, chosen, found.full_prefill,
                                                                   settings.tolerance, fit, settings.transfer_settings)
             if maps_out is not None:
                 maps_out.update(files)
     return result
+
+
+def _search(ev: Evaluate, memo: Memo, train: Evaluate, test_memo: Memo, num_layers: int,
+            settings: ProfileSettings) -> _Found:
+    """The first plans (with `settings.require_signal`, the evidence checks on them), then the
+    sensitivity pass and the search, the frontier and the choice, all scored through `ev`."""
+    L, g = num_layers, settings.granularity
+    full_prefill = ev(ReusePlan.full_prefill())
+    if settings.require_signal:  # the cheapest plans first: can these rows support any choice?
+        evidence.require_scores("train", full_prefill)
+        evidence.require_scores("test", test_memo(ReusePlan.full_prefill()))
+    full_reuse = ev(ReusePlan.full_reuse())
+    if settings.require_signal:
+        evidence.require_paths_differ("train", train)
+    sens: list[float] = []
+    critical: list[int] = []
+    if settings.search == "guided":
+        sens = search.sensitivity(ev, L)
+        critical = search.critical_layers(sens, full_prefill, settings.critical_threshold)
+        before = memo.seen
+        searched = search.guided(ev, sens, full_prefill, L, g)
+    else:
+        before = memo.seen
+        searched = search.coarse(ev, L, g, full_prefill, settings.tolerance)
+    search_cost = memo.seen - before
+    search_choice = search.choose(search.frontier(searched, full_reuse), full_prefill, settings.tolerance)
+    # The exhaustive search is charged every grid group it covers (memo hits included), as if run alone.
+    points = search.exhaustive(ev, L, g) if settings.exhaustive else searched
+    front = search.frontier(points + searched, full_reuse)
+    return _Found(full_prefill, full_reuse, sens, critical, points, front,
+                  search.choose(front, full_prefill, settings.tolerance), search_choice, search_cost,
+                  len(points) if settings.exhaustive else 0)
+
+
+def _result(found: _Found, ev: Evaluate, test_memo: Memo, pair: Pair, num_layers: int,
+            settings: ProfileSettings) -> dict[str, Any]:
+    """`run`'s JSON up to robustness: what the search found, with the test split's scores of the
+    headline plans and of the chosen layers recomputed apart (critical alone, one group each)."""
+    chosen, sens, critical, search_choice = found.chosen, found.sensitivity, found.critical, found.search_choice
+    split = search.split(chosen.start, chosen.end)
+    scattered = search.scattered(critical) if settings.search == "guided" else None
+    full_prefill_test, chosen_test = test_memo(ReusePlan.full_prefill()), test_memo(chosen.plan())
+    return {
+        "sender": pair.sender, "receiver": pair.receiver, "task": pair.task, "total_layers": num_layers,
+        "granularity": settings.granularity, "tolerance": settings.tolerance, "search": settings.search,
+        "full_prefill": {"quality_train": found.full_prefill, "quality_test": full_prefill_test},
+        "full_reuse": {"quality_train": found.full_reuse, "quality_test": test_memo(ReusePlan.full_reuse())},
+        "chosen": {"start": chosen.start, "end": chosen.end, "recomputed_layers": chosen.layers,
+                   "quality_train": chosen.quality, "quality_test": chosen_test,
+                   "passes_test": evidence.passes_test(chosen_test, full_prefill_test, settings.tolerance)},
+        "sensitivity": [{"layer": l, "quality": q} for l, q in enumerate(sens)],
+        "sensitivity_probe": "only layer l's KV from the sender, every other layer the receiver's own (no E)",
+        "evaluated": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
+                      for p in found.evaluated],
+        "critical_layers": critical,
+        "frontier": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
+                     for p in found.frontier],
+        "evaluations": {"exhaustive": found.exhaustive_cost,
+                        "guided": found.search_cost if settings.search == "guided" else 0,
+                        "coarse": found.search_cost if settings.search == "coarse" else 0, "sensitivity": len(sens)},
+        f"{settings.search}_choice": {"start": search_choice.start, "end": search_choice.end,
+                                      "quality": search_choice.quality},
+        "searches_agree": (search_choice.start, search_choice.end) == (chosen.start, chosen.end),
+        "scattered_critical": None if scattered is None else {
+            "groups": [list(gr) for gr in scattered.groups], "recomputed_layers": len(critical),
+            "quality_train": ev(scattered), "quality_test": test_memo(scattered),
+            "e_transitions": len(scattered.e_layers),
+        },
+        # The same layers as the chosen group, but one transition (own sender E) per layer.
+        "chosen_split": {
+            "groups": [list(gr) for gr in split.groups], "recomputed_layers": chosen.layers,
+            "quality_train": ev(split), "quality_test": test_memo(split), "e_transitions": len(split.e_layers),
+        },
+    }
 
 
 def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRef, version: int
@@ -257,13 +294,51 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     `settings.budget_s`, what was cut to fit it; a budget nothing fits is a BadRequestError then."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.model.fingerprint import require_compatible
-    from droidmesh.shared.tasks.rows import encode_row
     from droidmesh.shared.tasks.scorer import PairScorer
-    from droidmesh.shared.tasks.spec import TASKS, known_tasks, shifts_of, task_spec
+    from droidmesh.shared.tasks.spec import task_spec
 
     if data and (data_train or data_test):
         raise BadRequestError("give either --data (one file, split in two) or --data-train / --data-test")
-    user_data = bool(data or data_train or data_test)
+    other_tasks = _robustness_tasks(task, other_tasks, user_data=bool(data or data_train or data_test))
+    overrides: dict[str, Any] = {"metric": metric, "max_new_tokens": max_new_tokens, "stop": stop}
+    spec = task_spec(task, **overrides)
+    train_rows = load_rows(task, "train", n_train, data or data_train, split_data=bool(data))
+    test_rows = load_rows(task, "test", n_test, data or data_test, split_data=bool(data))
+    if not (train_rows and test_rows):
+        raise BadRequestError(f"no rows to profile on ({len(train_rows)} train, {len(test_rows)} test)")
+    other_rows = _robustness_rows(other_tasks, n_test, overrides)
+    s_model = load_model(sender.path, device=device, dtype=dtype, name=sender.name)
+    r_model = load_model(receiver.path, device=device, dtype=dtype, name=receiver.name)
+    require_compatible(s_model.fingerprint, r_model.fingerprint)
+    L = r_model.num_layers
+    work = cost.Work(settings.search, settings.exhaustive, len(train_rows), len(test_rows),
+                     tuple(len(rows) for rows, _ in other_rows.values()), transfer_search)
+    work, timing, cut = _fit_budget(work, s_model, r_model, train_rows, spec, L, settings, say)
+    settings = dataclasses.replace(settings, search=work.search, exhaustive=work.exhaustive)
+    train = PairScorer(s_model, r_model, train_rows[:work.n_train], spec)
+    test = PairScorer(s_model, r_model, test_rows[:work.n_test], spec)
+    others = {t: PairScorer(s_model, r_model, rows, t_spec) for t, (rows, t_spec) in other_rows.items()} if work.others else {}
+    xfer = transfer.Inputs(s_model, [r.context for r in train.rows], train.quality, test.quality,
+                           {"sender_sha256": sender.sha256, "receiver_sha256": receiver.sha256}) if work.transfer else None
+    t0 = time.perf_counter()
+    result = run(train, test, L, settings, receiver=r_model, pair=Pair(sender.name, receiver.name, task), others=others,
+                 transfer_inputs=xfer, maps_out=maps_out)
+    result["sender_alone"] = {"quality_train": train.sender_alone(), "quality_test": test.sender_alone()}
+    result["rows"] = {"train": len(train.rows), "test": len(test.rows)}
+    result["cost"] = {"measured_s": dataclasses.asdict(timing),
+                      "row_evaluations": cost.row_evaluations(work, L, settings.granularity)[1],
+                      "estimated_s": cost.seconds(work, L, settings.granularity, timing),
+                      "elapsed_s": time.perf_counter() - t0, "budget_s": settings.budget_s, "cut": cut}
+    cfg = recompute_config(result, sender, receiver, version if version is not None else int(time.time()))
+    return result, cfg
+
+
+def _robustness_tasks(task: str, other_tasks: Sequence[str] | None, *, user_data: bool) -> list[str]:
+    """The data sets the chosen config is checked on besides the task's test split: `other_tasks`
+    as given (None: the zoo task's shifts and every other zoo task, none for a user's rows), each a
+    zoo task or an existing JSONL file, else a BadRequestError before any model loads."""
+    from droidmesh.shared.tasks.spec import TASKS, known_tasks, shifts_of
+
     if other_tasks is None:
         other_tasks = [*shifts_of(task), *(t for t in TASKS if t != task)] if task in TASKS and not user_data else []
     other_tasks = [t for t in other_tasks if t != task]
@@ -273,45 +348,33 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     missing = [t for t in other_tasks if t not in known_tasks() and not Path(t).is_file()]
     if missing:
         raise BadRequestError(f"robustness data {missing}: no such file")
-    overrides: dict[str, Any] = {"metric": metric, "max_new_tokens": max_new_tokens, "stop": stop}
-    spec = task_spec(task, **overrides)
-    pair = Pair(sender.name, receiver.name, task)
-    train_rows = load_rows(task, "train", n_train, data or data_train, split_data=bool(data))
-    test_rows = load_rows(task, "test", n_test, data or data_test, split_data=bool(data))
-    if not (train_rows and test_rows):
-        raise BadRequestError(f"no rows to profile on ({len(train_rows)} train, {len(test_rows)} test)")
-    other_rows = {t: (load_rows(t, "test", n_test), task_spec(t)) if t in known_tasks()
-                  # a user's file: scored like the profiled data
-                  else (load_rows(t, "test", n_test, t), task_spec(Path(t).stem, **overrides)) for t in other_tasks}
-    s_model = load_model(sender.path, device=device, dtype=dtype, name=sender.name)
-    r_model = load_model(receiver.path, device=device, dtype=dtype, name=receiver.name)
-    require_compatible(s_model.fingerprint, r_model.fingerprint)
-    # The cost, measured and said before anything long runs; cut to the budget, or refused.
-    L, g = r_model.num_layers, settings.granularity
-    work = cost.Work(settings.search, settings.exhaustive, len(train_rows), len(test_rows),
-                     tuple(len(rows) for rows, _ in other_rows.values()), transfer_search)
+    return other_tasks
+
+
+def _robustness_rows(other_tasks: list[str], n: int, overrides: dict[str, Any]) -> dict[str, tuple[list[dict[str, Any]], Any]]:
+    """Each robustness data set's test rows and spec: a zoo task's own, a user's file scored like
+    the profiled data (`overrides`)."""
+    from droidmesh.shared.tasks.spec import known_tasks, task_spec
+
+    return {t: (load_rows(t, "test", n), task_spec(t)) if t in known_tasks()
+            else (load_rows(t, "test", n, t), task_spec(Path(t).stem, **overrides)) for t in other_tasks}
+
+
+def _fit_budget(work: cost.Work, s_model: Any, r_model: Any, train_rows: list[dict[str, Any]], spec: Any,
+                num_layers: int, settings: ProfileSettings, say: Callable[[str], None],
+                ) -> tuple[cost.Work, cost.Timing, list[str]]:
+    """The cost, measured on a typical train row and said before anything long runs; with
+    `settings.budget_s`, the work cut to fit it (said too), or a BadRequestError when nothing fits."""
+    from droidmesh.shared.tasks.rows import encode_row
+
+    g = settings.granularity
     row, scale = cost.typical_row(train_rows, lambda r: sum(map(len, encode_row(r_model.tokenizer, r, spec)[:2])))
     timing = cost.measure(s_model, r_model, row, spec).scaled(scale)
     cut: list[str] = []
     if settings.budget_s is not None:
-        work, cut = cost.fit(work, L, g, timing, settings.budget_s)
-    say(cost.announce(work, L, g, timing))
+        work, cut = cost.fit(work, num_layers, g, timing, settings.budget_s)
+    say(cost.announce(work, num_layers, g, timing))
     if cut:
         say(f"profile: cut to fit --budget {(settings.budget_s or 0) / 60:g} min (--budget 0: no limit): "
             f"{'; '.join(cut)}")
-    settings = dataclasses.replace(settings, search=work.search, exhaustive=work.exhaustive)
-    train = PairScorer(s_model, r_model, train_rows[:work.n_train], spec)
-    test = PairScorer(s_model, r_model, test_rows[:work.n_test], spec)
-    others = {t: PairScorer(s_model, r_model, rows, t_spec) for t, (rows, t_spec) in other_rows.items()} if work.others else {}
-    xfer = transfer.Inputs(s_model, [r.context for r in train.rows], train.quality, test.quality,
-                           {"sender_sha256": sender.sha256, "receiver_sha256": receiver.sha256}) if work.transfer else None
-    t0 = time.perf_counter()
-    result = run(train, test, L, settings, receiver=r_model, pair=pair, others=others,
-                 transfer_inputs=xfer, maps_out=maps_out)
-    result["sender_alone"] = {"quality_train": train.sender_alone(), "quality_test": test.sender_alone()}
-    result["rows"] = {"train": len(train.rows), "test": len(test.rows)}
-    result["cost"] = {"measured_s": dataclasses.asdict(timing), "row_evaluations": cost.row_evaluations(work, L, g)[1],
-                      "estimated_s": cost.seconds(work, L, g, timing), "elapsed_s": time.perf_counter() - t0,
-                      "budget_s": settings.budget_s, "cut": cut}
-    cfg = recompute_config(result, sender, receiver, version if version is not None else int(time.time()))
-    return result, cfg
+    return work, timing, cut

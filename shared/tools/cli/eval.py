@@ -42,6 +42,7 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
     from droidmesh.shared.errors import DroidMeshError
     from droidmesh.shared.kv import translate
     from droidmesh.shared.model.adapter import load_model
+    from droidmesh.shared.profiling.job import format_translated
     from droidmesh.shared.tasks.evaluation import evaluate_pair
     from droidmesh.shared.tasks.jsonl import read_jsonl
     from droidmesh.shared.tasks.spec import task_spec
@@ -97,19 +98,3 @@ def format_table(ev: dict) -> str:
                  f"({s['critical_fraction']:.0%}); smallest restoring group {s['smallest_restoring_group']}")
     return "\n".join(lines)
 
-
-def format_translated(ev: dict) -> str:
-    """The translated pair's paths: quality, TTFT and the share of full prefill's cost saved."""
-    lines = [f"{ev['task']} ({ev['metric']}, {ev['rows']} rows), translated from source layers {ev['source_layers']}",
-             f"{'path':34s} {'quality':>8s} {'ttft_ms':>8s} {'saved':>6s} {'fidelity':>8s}"]
-    for name in ("sender_alone", "receiver_alone_without_context", "receiver_full_prefill", "translated",
-                 *(k for k in ev if k.startswith("translated_recompute"))):
-        r = ev[name]
-        ttft = f"{r['ttft_s'] * 1e3:8.1f}" if "ttft_s" in r else f"{'':8s}"
-        saved = f"{r['prefill_cost_saved']:6.1%}" if "prefill_cost_saved" in r else f"{'':6s}"
-        fidelity = f" {r['fidelity']:8.4f}" if "fidelity" in r else ""  # against the target's own full prefill
-        lines.append(f"{name:34s} {r['quality']:8.4f} {ttft} {saved}{fidelity}".rstrip())
-    lines.append(f"translation compute {ev['translation_share']:.1%} of full prefill; bytes moved "
-                 f"{ev['bytes_moved']['source_e'] / 1e6:.2f} MB of source E (the target's own KV: "
-                 f"{ev['bytes_moved']['target_kv'] / 1e6:.2f} MB)")
-    return "\n".join(lines)

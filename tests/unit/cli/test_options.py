@@ -9,9 +9,9 @@ import msgspec
 import pytest
 
 from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.profiling.job import sample_warning
 from droidmesh.shared.tools.apps.serve_config import load_config
 from droidmesh.shared.tools.cli.params import GROUP, check_group
-from droidmesh.shared.tools.cli.profile import sample_warning
 from droidmesh.shared.zoo.manifest import REPO_ZOO
 
 PROFILE = REPO_ZOO / "demo" / "profiles" / "base-to-qa.json"
