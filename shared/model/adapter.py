@@ -262,7 +262,7 @@ def load_model(
     name: str | None = None,
 ) -> ModelAdapter:
     """Load a local HF checkpoint (config + weights [+ tokenizer]) onto `device`; never touches
-    the hub. `dtype` None follows the device (see `shared.device`).
+    the hub. `dtype` None follows the device (see `shared/model/device.py`).
 
     A directory holding `adapter_config.json` is a PEFT adapter (LoRA and the other adapter types
     peft can merge into their base, e.g. DoRA, IA3, LoHa): its base is loaded and the adapter

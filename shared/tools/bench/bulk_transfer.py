@@ -8,7 +8,7 @@ UCX's own protocol tables (UCX_PROTO_INFO=y on stdout) to say which transport ca
 Sequence of a measurement:
   1. the reference first, while no other process competes for the cores: `memcpy_reference`
      (one CPU thread, warm and out of cache; the GPU check times its device copies itself);
-  2. `TensorServer` (`tensor_proc`): `shared.bench.tensor_server TRANSPORT SIZES --device D` in a child process,
+  2. `TensorServer` (`tensor_proc`): `shared.tools.bench.tensor_server TRANSPORT SIZES --device D` in a child process,
      with `UCX_PROTO_INFO=y` for ucx (unless set), holding one bf16 tensor per size; its address
      or why it did not start, and every line it printed;
   3. `pull_rates`: per size, one warm-up pull, then the median wall time of `repeats` pulls into

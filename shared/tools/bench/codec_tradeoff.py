@@ -24,7 +24,7 @@ TTFT not needed); `pareto_front` marks the plots. The rest of this module runs i
 (`python -m droidmesh.shared.tools.bench.codec_tradeoff publish ...`, run inside the receiver's namespace).
 
 Called by `codec_sweep` (configs, maps, scoring, timings, the probe's and the mesh's forms of a
-config) and `shared/tools/cli/bench.py` (targets, plots). Scoring and timing block on the CPU for as
+config) and `shared/tools/cli/bench/` (targets, plots). Scoring and timing block on the CPU for as
 long as the rows and context lengths take; `publish` blocks on NATS and checks the pair config
 it is given (`config_board.validate`) before putting it on the board.
 """

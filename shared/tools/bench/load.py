@@ -2,7 +2,7 @@
 DroidMesh's own choice of path (`auto`) against full prefill; and its concurrency workload
 (continuous batching of decode against one request at a time, below).
 
-Called by `shared/tools/cli/bench.py` (the agents workload is `shared/tools/apps/agents.py`'s). Per number of
+Called by `shared/tools/cli/bench/` (the agents workload is `shared/tools/apps/agents.py`'s). Per number of
 copies it starts a mesh (nats-server, broker, one sender, the receiver copies under one model id),
 prefills a few contexts on the sender and warms every copy on them, then per rate and mode sends
 requests at exponential gaps for `seconds` and waits for them all. Blocks for the whole sweep;

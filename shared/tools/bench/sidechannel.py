@@ -16,7 +16,7 @@ The attacker's best rule is a threshold on the time (`train_threshold`: any cut 
 direction, fitted on a stratified half of the trials); its accuracy on the other half, with a
 Wilson interval (`wilson`), is the result. With scopes the interval should hold 0.5.
 
-Called by `shared/tools/cli/bench.py`; blocks for the run; every process is stopped at the end.
+Called by `shared/tools/cli/bench/`; blocks for the run; every process is stopped at the end.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The tensor server of `bench transfer` and the GPU transfer check, run as a child process.
 
 Used by `bulk_transfer` and `gpu_transfer` from the measuring process's main thread: `TensorServer`
-starts `shared.bench.tensor_server` (or `nixl_raw`) and a daemon thread that reads every line it
+starts `shared.tools.bench.tensor_server` (or `nixl_raw`) and a daemon thread that reads every line it
 prints; `wait_ready` blocks until its address or its refusal line (at most `SERVER_START_S`).
 It trusts the child's first `BULK_ADDRESS=` / `NIXL_RAW=` / `BULK_ERROR=` line.
 """
@@ -23,7 +23,7 @@ SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) befo
 
 
 class TensorServer:
-    """`shared.bench.tensor_server` (or, for `nixl_raw`, `shared.bench.nixl_raw`) in a child
+    """`shared.tools.bench.tensor_server` (or, for `nixl_raw`, `shared.tools.bench.nixl_raw`) in a child
     process, `items` tensors per size on `device`, with `env` added to this process's environment
     (`nats_url`: pulls need grants asked for there): its address (for `nixl_raw`, its JSON line), or
     why it did not start; every stdout/stderr line it printed (UCX's protocol tables among them)."""
