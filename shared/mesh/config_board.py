@@ -112,6 +112,12 @@ async def _deliver(on_config: OnConfig, cfg: schemas.RecomputeConfig, key: str) 
         log.exception("config_handler_failed", key=key)
 
 
+def _raise_if_cancelling() -> None:
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class ConfigBoard(Protocol):
     async def put(self, config: schemas.RecomputeConfig) -> None: ...
 
@@ -241,7 +247,12 @@ class NatsConfigBoard:
     async def _watch_once(self, on_config: OnConfig) -> None:
         watcher = await (await self._open_for_watch()).watchall()
         try:
+            # nats-py swallows a cancellation that lands while it flushes the subscription
+            # (`except CancelledError: pass`): the stop that asked for it must not wait on a
+            # watcher that would follow the bucket forever.
+            _raise_if_cancelling()
             async for entry in watcher:
+                _raise_if_cancelling()
                 if entry is None or not entry.value:  # end of the initial replay, or a delete
                     continue
                 try:

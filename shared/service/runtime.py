@@ -60,11 +60,13 @@ class Supervisor:
                                `healthy` is false from the fault until the loop runs again.
     - `spawn(coro, name)`      a one-shot task (an endpoint warm-up); a failure is logged only.
     - `healthy`                no supervised loop is down.
-    - `close()`                cancel every task and wait for each to finish.
+    - `close()`                cancel every task and wait for each to finish, for at most
+                               `stop_s`: a task that outlives it (a library that swallowed its
+                               cancellation) is logged and left, so a stop never hangs.
     """
 
-    def __init__(self, backoff_s: float = 0.5, max_backoff_s: float = 30.0):
-        self._backoff_s, self._max_backoff_s = backoff_s, max_backoff_s
+    def __init__(self, backoff_s: float = 0.5, max_backoff_s: float = 30.0, stop_s: float = 5.0):
+        self._backoff_s, self._max_backoff_s, self._stop_s = backoff_s, max_backoff_s, stop_s
         self._tasks: set[asyncio.Task] = set()
         self._down: set[str] = set()  # supervised loops between a fault and their restart
 
@@ -84,7 +86,11 @@ class Supervisor:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if not self._tasks:
+            return
+        _, stuck = await asyncio.wait(list(self._tasks), timeout=self._stop_s)
+        for task in stuck:
+            log.error("task_not_stopped", task=task.get_name(), after_s=self._stop_s)
 
     async def _keep_running(self, name: str, loop: Callable[[], Coroutine[Any, Any, Any]]) -> None:
         faults = 0

@@ -10,6 +10,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 
 import pytest
+import structlog
 
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.mesh.bus import InProcessBus
@@ -240,3 +241,32 @@ def test_a_service_is_started_only_once_its_own_connection_is_flushed():
 
     asyncio.run(body())
     assert order == ["subscribed", "flush", "ready", "close"]
+
+
+def test_a_task_that_swallows_its_cancellation_does_not_hang_the_stop():
+    """A library that catches CancelledError (nats-py does, while flushing) leaves its task
+    running: `close` stops waiting for it after `stop_s` and says which task it left."""
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # the first cancellation is swallowed, as the library does
+        await asyncio.sleep(3600)  # a second one ends it
+
+    async def go() -> list[str]:
+        sup = Supervisor(stop_s=0.2)
+        sup.supervise("stubborn", stubborn)
+        sup.spawn(asyncio.sleep(3600), "polite")
+        await asyncio.sleep(0)
+        await asyncio.wait_for(sup.close(), 30)  # the bound under test is stop_s; 30 s only catches a hang
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in left:
+            t.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        return [t.get_name() for t in left]
+
+    with structlog.testing.capture_logs() as logs:
+        left = asyncio.run(go())
+    assert left == ["stubborn"]  # the polite task ended within the stop; the stubborn one was left
+    assert [e["task"] for e in logs if e["event"] == "task_not_stopped"] == ["stubborn"]
