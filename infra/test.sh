@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
 # Install (if needed), lint and type-check, then run the whole test suite: unit, integration, system.
+# With arguments, one pytest run with them (`bash infra/test.sh -x tests/unit`). Without, the unit
+# and integration tiers run on two workers (pytest-xdist, one test file per worker at a time: they
+# are in-process and share nothing between files), then the system tier alone, in file order: its
+# tests start real services and a namespace or two each, and are measured one at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash infra/bootstrap.sh
 .venv/bin/ruff check shared services tests
-.venv/bin/python infra/typecheck.py
+# mypy's cache outside the checkout: a fresh clone re-checks only what changed (mypy validates
+# every cached file by its content's hash).
+MYPY_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/droidmesh/mypy" .venv/bin/python infra/typecheck.py
 .venv/bin/lint-imports --no-logo  # the layers point one way (pyproject.toml [tool.importlinter])
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q --durations=25 "$@"
+fi
+.venv/bin/python -m pytest -q --durations=15 -n 2 --dist loadfile tests/unit tests/integration
+exec .venv/bin/python -m pytest -q --durations=25 tests/system
