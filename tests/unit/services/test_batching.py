@@ -122,7 +122,9 @@ def test_a_cancelled_caller_leaves_the_batch_and_the_others_are_unchanged(model)
 def _jobs_beside_a_decoder(model: ModelAdapter) -> list[str]:
     """The thread's jobs from when one request is decoding until another's full prefill (a
     164-token prompt, a job per layer) has answered; the decoder runs until then (no race on its
-    length)."""
+    length). "Decoding" means a decode step has run: the first token comes from the decoder's own
+    prefill, before it joins the batch, and a prefill that starts in that gap owes no turn to a
+    batch with nobody in it (on a busy host the gap is long enough to be hit)."""
     prompts = _prompts()
     thread = Thread()
     batcher = DecodeBatcher(model, thread.run, max_batch=8)
@@ -132,8 +134,13 @@ def _jobs_beside_a_decoder(model: ModelAdapter) -> list[str]:
         loop = asyncio.get_running_loop()
         decoding_now = asyncio.Event()
 
+        tokens = 0
+
         def on_token(t: int) -> bool:
-            loop.call_soon_threadsafe(decoding_now.set)
+            nonlocal tokens
+            tokens += 1
+            if tokens == 2:  # the first token a decode step chose: the decoder is in the batch
+                loop.call_soon_threadsafe(decoding_now.set)
             return not stop.is_set()
 
         decoding = asyncio.create_task(_ask(model, thread, batcher, prompts[0], 500, on_token=on_token))
