@@ -33,7 +33,10 @@ from droidmesh.shared.service.launch import Proc, start_nats
 from droidmesh.shared.tools.cli.main import main
 from tests.system.conftest import start_together, stop_together, words
 
-pytestmark = pytest.mark.system
+# The invocation table is one scripted session over one mesh: `config publish` and `config show`
+# read the profile `profile` wrote, `keys list` the file `keys add` made. Its order is part of
+# the test, so `--random-order` leaves it as written.
+pytestmark = [pytest.mark.system, pytest.mark.random_order(disabled=True)]
 
 THREADS = {"OMP_NUM_THREADS": "1"}
 REPO = Path(__file__).resolve().parents[2]
