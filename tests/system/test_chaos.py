@@ -163,7 +163,9 @@ def test_chaos_mesh_answers_everything_and_stays_bounded(nats, services, tiny_pa
         paths = collections.Counter((o.phase, o.path or "UNANSWERED") for o in outcomes)
         tails = "\n".join(f"--- {n} (rc={p.popen.poll()}):\n{p.tail(8)}" for n, p in procs.items())
         marks = {n: lines[:20] for n, p in procs.items() if (lines := _crash_lines(p)[0])}
-        return f"phase={phase[0]} outcomes={dict(paths)}\ncrash marks: {json.dumps(marks, indent=1)[:6000]}\n{tails}"
+        # the summary last: a CI log that keeps only the end of the output still shows it
+        return (f"{tails}\ncrash marks: {json.dumps(marks, indent=1)[:6000]}\nfaults: {faults}\n"
+                f"phase={phase[0]} outcomes={dict(paths)}")
 
     async def run() -> None:
         client = await MeshClient.connect(url)
@@ -191,9 +193,9 @@ def test_chaos_mesh_answers_everything_and_stays_bounded(nats, services, tiny_pa
             while not pred():
                 dead = [n for n, p in live.items() if p.popen.poll() is not None and p not in frozen]
                 if dead:
-                    raise AssertionError(f"{dead} died while waiting for {what}:\n{state()}")
+                    raise AssertionError(f"{state()}\n{dead} died while waiting for {what}")
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"no {what} within {GUARD_S}s (hang guard):\n{state()}")
+                    raise AssertionError(f"{state()}\nno {what} within {GUARD_S}s (hang guard)")
                 await asyncio.wait(tasks, timeout=0.05)  # a poll tick; progress comes from the workers
                 for t in tasks:
                     if t.done():

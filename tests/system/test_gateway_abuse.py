@@ -140,18 +140,22 @@ def test_idle_connections_do_not_lock_out_an_honest_client(mesh):
 def test_a_client_leaving_its_stream_stops_the_receivers_decode(mesh):
     """A streaming client that goes away after its first event: the receiver stops decoding (its
     request line says cancelled, with fewer tokens than asked for) instead of decoding them all."""
-    async def leave_early() -> None:
+    async def leave_early() -> str:
         async with aiohttp.ClientSession() as s, s.post(f"{mesh.base}/completions", json={**LONG, "stream": True},
                                                         timeout=aiohttp.ClientTimeout(total=DEADLINE_S)) as r:
             assert r.status == 200
-            await r.content.readuntil(b"\n\n")
+            first = await r.content.readuntil(b"\n\n")
         # leaving the blocks closed the connection
+        return str(json.loads(first.decode().removeprefix("data: "))["id"]).removeprefix("cmpl-")
 
-    seen = len(mesh.receiver.events("request"))
-    asyncio.run(leave_early())
-    mesh.receiver.wait_for(lambda line: '"cancelled": true' in line, DEADLINE_S, "a cancelled request line")
-    (line,) = [r for r in mesh.receiver.events("request")[seen:] if r.get("cancelled")]
-    assert line["new_tokens"] < line["max_new_tokens"] == MAX_TOKENS, line
+    rid = asyncio.run(leave_early())  # the request id: only this request's line is read (other tests cancel too)
+
+    def mine() -> list[dict]:
+        return [r for r in mesh.receiver.events("request") if r.get("request_id") == rid]
+
+    _until(lambda: bool(mine()), f"the receiver's request line of {rid}")
+    (line,) = mine()
+    assert line.get("cancelled") and line["new_tokens"] < line["max_new_tokens"] == MAX_TOKENS, line
 
 
 def test_one_client_cannot_take_every_slot(mesh):

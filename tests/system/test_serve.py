@@ -120,9 +120,18 @@ def test_the_guide_marks_what_a_test_runs():
         assert GUIDE_URL in blocks[name], f"the {name} block no longer talks to {GUIDE_URL}: update this test"
 
 
-def test_the_guides_client_reuses_kv_across_adapters(serving: Serving, tmp_path: Path):
-    """The guide's health check lists the served models, and its openai script's second request (to
-    `docqa`, over the document `summ` read first) reuses KV: cached_tokens > 0 on a reuse path."""
+def test_the_guides_session_reuses_kv_across_adapters_then_ctrl_c_stops_it(serving: Serving, tmp_path: Path):
+    """The guide's session, in its order (one test: Ctrl-C ends the serve the first steps use).
+    Its health check lists the served models; its openai script's second request (to `docqa`, over
+    the document `summ` read first) reuses KV: cached_tokens > 0 on a reuse path. Then SIGINT (what
+    Ctrl-C sends): serve stops every process it started, says `stopped`, exits 0, and none of its
+    processes (children and theirs) is left, checked with a deadline."""
+    children = psutil.Process(serving.proc.pid).children(recursive=True)
+    names = " ".join(" ".join(c.cmdline()) for c in children)
+    assert len(children) >= 4 and "nats-server" in names, names
+    for service in ("cache_broker", "receiver", "gateway"):
+        assert f"droidmesh.services.{service}" in names, names
+
     blocks = guide_blocks()
     health = subprocess.run(["bash", "-c", blocks["health"].replace(GUIDE_URL, serving.url)], capture_output=True,
                             text=True, env=_env(), timeout=60)
@@ -139,15 +148,6 @@ def test_the_guides_client_reuses_kv_across_adapters(serving: Serving, tmp_path:
     assert int(cached1) == 0 and path1 == "full_prefill", run.stdout  # nothing read before
     assert 0 < int(cached2) <= int(prompt2) and path2 in ("partial", "full_reuse"), run.stdout
 
-
-def test_ctrl_c_stops_serve_and_leaves_no_process(serving: Serving):
-    """SIGINT (what Ctrl-C sends) to serve: it stops every process it started, says `stopped`, exits 0,
-    and none of its processes (children and theirs) is left, checked with a deadline."""
-    children = psutil.Process(serving.proc.pid).children(recursive=True)
-    names = " ".join(" ".join(c.cmdline()) for c in children)
-    assert len(children) >= 4 and "nats-server" in names, names
-    for service in ("cache_broker", "receiver", "gateway"):
-        assert f"droidmesh.services.{service}" in names, names
     serving.proc.send_signal(signal.SIGINT)
     assert serving.proc.wait(STOP_S) == 0, serving.output()
     assert serving.lines[-1] == "stopped", serving.output()
