@@ -7,6 +7,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash infra/bootstrap.sh
+# The vLLM environment the connector's system test runs (its own venv: vLLM pins torch and
+# transformers), installed beside the checks and the first tiers, awaited before the system tier.
+vllm_log=$(mktemp)
+bash infra/vllm/install.sh > "$vllm_log" 2>&1 &
+vllm_install=$!
+vllm_ready() {
+  if ! wait "$vllm_install"; then
+    cat "$vllm_log" >&2
+    echo "infra/vllm/install.sh failed" >&2
+    exit 1
+  fi
+  tail -n 1 "$vllm_log"
+}
 .venv/bin/ruff check shared services tests
 # mypy's cache outside the checkout: a fresh clone re-checks only what changed (mypy validates
 # every cached file by its content's hash).
@@ -14,7 +27,9 @@ MYPY_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/droidmesh/mypy" .venv/bin/python
 .venv/bin/lint-imports --no-logo  # the layers point one way (pyproject.toml [tool.importlinter])
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d "$(mktemp -d)"
 if [ "$#" -gt 0 ]; then
+  vllm_ready
   exec .venv/bin/python -m pytest -q --durations=25 "$@"
 fi
 .venv/bin/python -m pytest -q --durations=15 -n 2 --dist loadfile tests/unit tests/integration
+vllm_ready
 exec .venv/bin/python -m pytest -q --durations=25 tests/system

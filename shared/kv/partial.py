@@ -139,7 +139,7 @@ def prefill_steps(
     if m == 0:
         raise ReuseError("the sender's context shares no token prefix with the prompt")
     deadline = time.monotonic() + timeout_s
-    filled = yield from _fill_context(receiver, prompt[:m], plan, source, cache, deadline, stages, t0)
+    filled = yield from fill_context(receiver, prompt[:m], plan, source, cache, deadline, stages, t0)
     h, suffix_e = yield from _run_suffix(receiver, prompt[m:], m, source, cache, filled, deadline, keep_e, stages, t0)
     stages["suffix_done"] = time.perf_counter() - t0
     return PrefillResult(cache, receiver.logits(h[:, -logits_for:])[0], len(prompt), m, plan, stages,
@@ -206,7 +206,7 @@ def _run_suffix(
     return h, suffix_e
 
 
-def _fill_context(
+def fill_context(
     receiver: ModelAdapter,
     context: list[int],
     plan: ReusePlan,

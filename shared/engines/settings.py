@@ -1,0 +1,72 @@
+"""What an engine's DroidMesh connector is told by its operator (vLLM: `kv_connector_extra_config`).
+
+The NATS fields are the services' own (`BusSettings`: a receiver role's user, a password file,
+TLS); the rest names the models the engine serves as DroidMesh model ids and checkpoints, the
+scope its lookups read, and the deadlines. Unknown keys and wrong types are refused
+(`ConfigError`, one line), as the services' configs are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.service.settings import BusSettings
+from droidmesh.shared.transport.bulk import TRANSPORTS
+from droidmesh.shared.wire.hashing import PUBLIC
+
+MODES = ("auto", "full_prefill", "full_reuse")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSettings(BusSettings):
+    # model id -> checkpoint (a model directory or a LoRA adapter's); the engine's base model is
+    # `base_model`, and a LoRA request's adapter name is its model id
+    models: dict[str, str] = dataclasses.field(default_factory=dict)
+    base_model: str = ""
+    scope: str = PUBLIC  # the scope every lookup of this engine reads (its tenant), with public
+    transport: str = "ucx"  # the bulk channel pulls use (the holders' own)
+    lookup_timeout_s: float = 1.0
+    reuse_timeout_s: float = 10.0  # a pull and the recompute over it; past it the engine prefills
+    connect_timeout_s: float = 15.0
+    kv_screen: bool = True  # screen pulled tensors against the receiver's own statistics
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.models or self.base_model not in self.models:
+            raise ConfigError(f"base_model {self.base_model!r} must be one of models {sorted(self.models)}")
+        for name, path in self.models.items():
+            if not name or not Path(path).is_dir():
+                raise ConfigError(f"model {name!r}: checkpoint {path!r} is not a directory")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"transport {self.transport!r} not one of {TRANSPORTS}")
+        if not self.scope:
+            raise ConfigError("scope must not be empty")
+        for name in ("lookup_timeout_s", "reuse_timeout_s", "connect_timeout_s"):
+            if not 0 < getattr(self, name) <= 600:
+                raise ConfigError(f"{name} {getattr(self, name)} must be in (0, 600]")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> EngineSettings:
+        """From the engine's free-form dict: every key a field, every value of the field's type."""
+        hints = typing.get_type_hints(cls)
+        known = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown DroidMesh connector settings {unknown}; known: {sorted(known)}")
+        for key, value in raw.items():
+            kind = typing.get_origin(known[key]) or known[key]
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else isinstance(value, kind)
+            if not ok:
+                raise ConfigError(f"connector setting {key}: {type(value).__name__} where {kind.__name__} is expected")
+        values: dict[str, Any] = {k: float(v) if known[k] is float else v for k, v in raw.items()}
+        return cls(**values)
+
+    def model_for(self, lora_name: str | None) -> str | None:
+        """The model id a request is served as: its adapter's, or the base's; None if not ours."""
+        name = lora_name or self.base_model
+        return name if name in self.models else None

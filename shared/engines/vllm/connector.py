@@ -1,0 +1,195 @@
+"""`DroidMeshConnector`: vLLM's KV connector that reuses another model's cache from the mesh.
+
+Loaded by vLLM from outside (`--kv-transfer-config '{"kv_connector": "DroidMeshConnector",
+"kv_connector_module_path": "droidmesh.shared.engines.vllm.connector", "kv_role": "kv_consumer",
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'`, the settings of
+`engines/settings.py`). vLLM builds one instance per side, each in its own process:
+
+  scheduler (`get_num_new_matched_tokens`): the broker's holder and the pair's plan
+      (`MeshBridge.plan_for`); the tokens the plan reuses (all but the prompt's last) are reported
+      as matched, so vLLM allocates their blocks and computes only the rest of the prompt;
+  worker (`start_load_kv`, before the step's forward): the pull and the plan's recompute
+      (`MeshBridge.context_kv`), then every layer's K/V written into the request's blocks
+      (`pages.write_layer`).
+
+A miss, a refused plan, a fault, a deadline or a screen rejection: nothing is written, and the
+request's blocks are reported as failed loads (`get_block_ids_with_load_errors`), which vLLM's
+"recompute" policy turns into its own prefill of those tokens. So a request gets the plan's cache
+or vLLM's own, never a partial one. Each decision is one JSON log line (`request`, `reuse_fallback`)
+with the reason's code, as the receiver's.
+
+Loads are synchronous (the step waits for them, bounded by `reuse_timeout_s`); a request that
+vLLM's own prefix cache already covers is left to it. A request may ask for a mode in
+`SamplingParams.extra_args["droidmesh_mode"]` ("auto", "full_prefill", "full_reuse").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from droidmesh.shared.engines.bridge import Match, MeshBridge
+from droidmesh.shared.engines.settings import MODES, EngineSettings
+from droidmesh.shared.engines.vllm import pages
+from droidmesh.shared.errors import ConfigError, DroidMeshError
+from droidmesh.shared.service.log import configure_logging
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = structlog.get_logger("vllm_connector")
+
+
+@dataclasses.dataclass
+class Load:
+    """One request's load, scheduler -> worker: its match, prompt and the blocks vLLM gave it."""
+
+    request_id: str
+    match: Match
+    prompt: list[int]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass
+class DroidMeshMetadata(KVConnectorMetadata):
+    loads: list[Load] = dataclasses.field(default_factory=list)
+
+
+def _mode(request: Any) -> str:
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+    mode = extra.get("droidmesh_mode", "auto")
+    return mode if mode in MODES else "invalid"
+
+
+class DroidMeshConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = self._kv_transfer_config
+        self.settings = EngineSettings.from_mapping(tc.kv_connector_extra_config or {})
+        configure_logging("vllm_connector", self.settings.log_level, json=True)
+        if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
+            raise ConfigError('the DroidMesh connector needs "kv_load_failure_policy": "recompute": a failed '
+                              "pull must fall back to vLLM's own prefill, never fail the request")
+        if vllm_config.cache_config.cache_dtype not in ("auto", None):
+            raise ConfigError(f"kv cache dtype {vllm_config.cache_config.cache_dtype}: only the model's own dtype")
+        self.block_size = vllm_config.cache_config.block_size
+        side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self.bridge = MeshBridge(self.settings, side)
+        # scheduler side: per request id, what plan_for answered (vLLM may ask twice) and the loads
+        # allocated since the last step's metadata
+        self._matched: dict[str, tuple[Match | None, float]] = {}  # (match, when decided)
+        self._pending: dict[str, Load] = {}
+        # worker side
+        self._caches: dict[int, tuple[str, torch.Tensor]] = {}
+        self._failed_blocks: set[int] = set()
+
+    # -- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if rid in self._matched:
+            match, _ = self._matched[rid]
+            return (match.tokens if match is not None and num_computed_tokens == 0 else 0), False
+        match = self._decide(request, num_computed_tokens)
+        self._matched[rid] = (match, time.monotonic())
+        return (match.tokens if match is not None else 0), False
+
+    def _decide(self, request: Request, num_computed_tokens: int) -> Match | None:
+        prompt = list(request.prompt_token_ids or [])
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        model = self.settings.model_for(lora)
+        mode = _mode(request)
+        if model is None or mode == "invalid" or num_computed_tokens > 0:
+            why = ("not_served" if model is None else "bad_mode" if mode == "invalid" else "engine_prefix_cache")
+            log.info("request", request_id=request.request_id, path="full_prefill", reason=why, tokens=len(prompt))
+            return None
+        began = time.perf_counter()
+        match, reason = self.bridge.plan_for(prompt, model, mode)
+        ms = round((time.perf_counter() - began) * 1e3, 1)
+        if match is None:
+            code, why = reason or ("no_cache", "")
+            log.info("request", request_id=request.request_id, model=model, path="full_prefill", reason=code,
+                     detail=why[:200], tokens=len(prompt), lookup_ms=ms)
+            return None
+        log.info("request", request_id=request.request_id, model=model, path=match.path, plan=match.plan.label(),
+                 reused_tokens=match.tokens, tokens=len(prompt), lookup_ms=ms)
+        return match
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        match, _ = self._matched.get(request.request_id, (None, 0.0))
+        if num_external_tokens <= 0 or match is None:
+            return
+        (block_ids,) = blocks.get_block_ids()  # one KV cache group: full attention only
+        self._pending[request.request_id] = Load(request.request_id, match, list(request.prompt_token_ids or []),
+                                                 list(block_ids))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = DroidMeshMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            load = self._pending.pop(new.req_id, None)
+            if load is not None:
+                meta.loads.append(dataclasses.replace(load, block_ids=list(new.block_ids[0])))
+                # once only: a request vLLM preempts and resumes later is recomputed by vLLM, since
+                # its blocks are then new and nothing would load them
+                self._matched[new.req_id] = (None, time.monotonic())
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._matched.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = {pages.layer_index(name): (name, t) for name, t in kv_caches.items()}
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DroidMeshMetadata)
+        layers = getattr(forward_context, "no_compile_layers", {}) or {}
+        for load in meta.loads:
+            began = time.perf_counter()
+            try:
+                kv, pulled = self.bridge.context_kv(load.match, load.prompt)
+                if len(kv) != len(self._caches):
+                    raise DroidMeshError(f"{len(kv)} layers of K/V for an engine of {len(self._caches)}")
+                slots = pages.slots_of(load.block_ids, self.block_size, load.match.tokens)
+                for index, (name, cache) in sorted(self._caches.items()):
+                    k, v = kv[index]
+                    pages.write_layer(cache, k, v, slots, pages.isa_of(layers.get(name), cache, "auto"))
+            except (DroidMeshError, ValueError, TimeoutError) as e:
+                self._failed_blocks.update(load.block_ids)
+                code = getattr(e, "code", type(e).__name__)
+                log.warning("reuse_fallback", request_id=load.request_id, reason=f"{code}: {str(e)[:200]}")
+                continue
+            log.info("loaded", request_id=load.request_id, tokens=load.match.tokens, layers=len(kv),
+                     bytes_pulled=pulled, ms=round((time.perf_counter() - began) * 1e3, 1))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole before the forward (start_load_kv)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # a receiver only: publishing this engine's prefills is a sender's role
+
+    def wait_for_save(self) -> None:
+        return
+
+    def shutdown(self) -> None:
+        self.bridge.close()
