@@ -11,8 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from droidmesh.shared.engines.vllm.client import OfflineEngine
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.capture import capture_prefill
@@ -43,7 +42,6 @@ VLLM_PYTHON = Path(os.environ.get("DM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" 
 PLAN = ReusePlan.recompute(6, 9)  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
 NEW_TOKENS = 12
 READY_S = 600.0
-ANSWER_S = 300.0
 CONTEXT = ("The Python Software Foundation is the organization behind Python. It holds the intellectual "
            "property rights behind Python, runs the Python Package Index and organizes PyCon US. ") * 6
 QUESTION = "\nQuestion: Which index does the foundation run?\nAnswer:"
@@ -61,76 +59,8 @@ def real_tier() -> Path:
     return zoo_dir("real")
 
 
-class Engine:
-    """The offline vLLM engine (`engines/vllm/offline.py`) in the vLLM environment: one JSON line
-    per request; every line it prints is kept (the connector's JSON log lines among them)."""
-
-    def __init__(self, spec: dict[str, Any], workdir: Path):
-        path = workdir / "engine.json"
-        path.write_text(json.dumps(spec))
-        env = {**os.environ, **THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
-        self.proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "droidmesh.shared.engines.vllm.offline", str(path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=workdir, start_new_session=True)
-        self.lines: list[str] = []
-        self.results: dict[str, dict[str, Any]] = {}
-        self.changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self.changed:
-                self.lines.append(line.rstrip("\n"))
-                if line.startswith("RESULT "):
-                    r = json.loads(line[len("RESULT "):])
-                    self.results[r["id"]] = r
-                self.changed.notify_all()
-        with self.changed:
-            self.changed.notify_all()
-
-    def wait(self, pred, timeout: float, what: str) -> None:
-        with self.changed:
-            if not self.changed.wait_for(lambda: pred() or self.proc.poll() is not None, timeout) or not pred():
-                raise AssertionError(f"no {what} (engine exit {self.proc.poll()}):\n" + "\n".join(self.lines[-60:]))
-
-    def ask(self, rid: str, prompt: list[int], mode: str = "auto", lora: str | None = "docqa") -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"id": rid, "prompt": prompt, "max_tokens": NEW_TOKENS, "lora": lora,
-                                          "mode": mode}) + "\n")
-        self.proc.stdin.flush()
-        self.wait(lambda: rid in self.results, ANSWER_S, f"answer to {rid}")
-        return self.results[rid]
-
-    def events(self, event: str, request_id: str) -> list[dict[str, Any]]:
-        """The connector's `event` lines of one vLLM request (ids as the engine numbers them)."""
-        out = []
-        for line in list(self.lines):
-            start = line.find("{")
-            if start < 0 or f'"{event}"' not in line:
-                continue
-            try:
-                rec = json.loads(line[start:])
-            except ValueError:
-                continue
-            rid = str(rec.get("request_id", ""))
-            if rec.get("event") == event and (rid == request_id or rid.startswith(f"{request_id}-")):
-                out.append(rec)
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module")
-def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Any, list[int]]]:
+def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OfflineEngine, Any, list[int], list[int]]]:
     if not VLLM_PYTHON.is_file():
         pytest.fail(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
     base, docqa = ModelRef(real_tier / "base", "base"), ModelRef(real_tier / "docqa", "docqa")
@@ -152,8 +82,9 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         connector = {"nats_url": access.url, "nats_user": receiver_user("docqa"), "nats_password_file": str(password),
                      "models": {"base": str(base.path), "docqa": str(docqa.path)}, "base_model": "base",
                      "transport": "shm", "reuse_timeout_s": 10.0}
-        engine = Engine({"model": str(base.path), "dtype": "float32", "loras": {"docqa": str(docqa.path)},
-                         "connector": connector}, work)
+        engine = OfflineEngine(VLLM_PYTHON, {"model": str(base.path), "dtype": "float32",
+                                             "loras": {"docqa": str(docqa.path)}, "connector": connector}, work,
+                               env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
         try:
             receiver = load_model(docqa.path, device="cpu", dtype="float32", name="docqa")
             ctx, q = text.prompt_ids(receiver.tokenizer, CONTEXT, QUESTION)
@@ -170,7 +101,7 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                     await client.close()
 
             asyncio.run(hold())
-            engine.wait(lambda: any(line == "READY" for line in engine.lines), READY_S, "READY line")
+            engine.ready(READY_S)
             yield engine, sender, ctx, q
         finally:
             engine.stop()
@@ -182,7 +113,7 @@ def test_a_docqa_request_reuses_bases_cache_under_the_plan(served, real_tier):
     our kernels round differently, so the first token must agree and the greedy tokens in 10 of 12)."""
     engine, _, ctx, q = served
     prompt = ctx + q
-    got = engine.ask("reuse", prompt)
+    got = engine.ask("reuse", prompt, max_tokens=NEW_TOKENS, lora="docqa")
     (decided,) = engine.events("request", got["request_id"])
     assert decided["path"] == "partial" and decided["plan"] == PLAN.label(), decided
     assert decided["reused_tokens"] == len(ctx), decided
@@ -204,12 +135,12 @@ def test_a_frozen_senders_pull_falls_back_to_vllms_own_prefill(served):
     as failed loads and vLLM prefills them itself: the answer is vLLM's own (mode full_prefill)."""
     engine, sender, ctx, q = served
     prompt = ctx + q
-    alone = engine.ask("alone", prompt, mode="full_prefill")
+    alone = engine.ask("alone", prompt, max_tokens=NEW_TOKENS, lora="docqa", mode="full_prefill")
     (decided,) = engine.events("request", alone["request_id"])
     assert decided["path"] == "full_prefill" and decided["reason"] == "forced", decided
     sender.popen.send_signal(signal.SIGSTOP)
     try:
-        got = engine.ask("frozen", prompt)
+        got = engine.ask("frozen", prompt, max_tokens=NEW_TOKENS, lora="docqa")
     finally:
         sender.popen.send_signal(signal.SIGCONT)
     (decided,) = engine.events("request", got["request_id"])

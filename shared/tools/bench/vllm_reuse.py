@@ -1,0 +1,145 @@
+"""`droidmesh bench vllm`: vLLM alone against vLLM with the DroidMesh connector, in one run.
+
+One local mesh (nats-server under per-role users, a broker, a DroidMesh sender of the real
+tier's base holding each context over the shm channel, the pair's plan on the config board), and
+two offline vLLM engines in the vLLM environment, one after the other, on the same checkpoint,
+prompts, dtype and threads: vLLM alone, then vLLM with the connector serving `docqa` as a LoRA
+adapter of base. Per context length, TTFT (a one-token generate, median of `repeats`):
+  - vLLM alone, the whole prompt prefilled;
+  - with the connector and no holder (a context nobody holds: the lookup, then vLLM's prefill);
+  - partial: the pair's plan (layers [6, 9) recomputed from the sender's E, the rest pulled);
+  - full reuse: every layer pulled (forced with the request's mode);
+and decode tokens/s alone and with the connector (a `new_tokens` generate minus a one-token one).
+Each reuse row says whether the connector's path was the one asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from droidmesh.shared.engines.vllm.client import OfflineEngine
+from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.mesh.nats_auth import Roster, receiver_user
+from droidmesh.shared.model import text
+from droidmesh.shared.model.names import ModelRef
+from droidmesh.shared.profiling.profile import recompute_config
+from droidmesh.shared.service.launch import start_service
+from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
+from droidmesh.shared.wire import schemas
+
+PLAN = ReusePlan.recompute(6, 9)  # the real tier's plan for base -> docqa
+QUESTION = "\nQuestion: What does the text above describe?\nAnswer:"
+READY_S = 900.0
+
+
+def documents(tokenizer: Any, tokens: int, offset: int) -> str:
+    """About `tokens` tokens of real prose (the standard library's module docs), from the
+    `offset`-th module on: the same text for the same arguments."""
+    import importlib
+
+    names = ["json", "csv", "argparse", "logging", "asyncio", "pathlib", "subprocess", "threading", "socket",
+             "collections", "itertools", "functools", "datetime", "decimal", "fractions", "statistics", "random",
+             "sqlite3", "email", "http", "urllib", "xml", "zipfile", "tarfile", "shutil", "tempfile", "textwrap",
+             "string", "re", "difflib", "unittest", "doctest", "pickle", "copy", "heapq", "bisect", "array", "struct"]
+    out: list[str] = []
+    i = offset
+    while len(tokenizer.encode("".join(out))) < tokens:
+        doc = importlib.import_module(names[i % len(names)]).__doc__ or ""
+        out.append(doc)
+        i += 1
+    ids = tokenizer.encode("".join(out), add_special_tokens=False)[:tokens]
+    return str(tokenizer.decode(ids))
+
+
+def _median_ttft(engine: OfflineEngine, key: str, prompt: list[int], repeats: int, **kw: Any) -> tuple[float, list[dict]]:
+    runs = [engine.ask(f"{key}-{r}", prompt, max_tokens=1, **kw) for r in range(repeats + 1)]  # the first: warm-up
+    return statistics.median(r["seconds"] for r in runs[1:]), runs[1:]
+
+
+def _decode_rate(engine: OfflineEngine, key: str, prompt: list[int], new_tokens: int, **kw: Any) -> float:
+    one = engine.ask(f"{key}-1", prompt, max_tokens=1, **kw)["seconds"]
+    many = engine.ask(f"{key}-n", prompt, max_tokens=new_tokens, **kw)["seconds"]
+    return (new_tokens - 1) / max(many - one, 1e-9)
+
+
+def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: int, dtype: str, work: Path,
+        say: Callable[[str], None]) -> dict[str, Any]:
+    from droidmesh.shared.model.adapter import load_model
+
+    base, docqa = ModelRef(tier / "base", "base"), ModelRef(tier / "docqa", "docqa")
+    tok = load_model(base.path, device="cpu", dtype="float32").tokenizer
+    held = {n: text.prompt_ids(tok, documents(tok, n, 0), QUESTION) for n in contexts}
+    fresh = {n: text.prompt_ids(tok, documents(tok, n, 7), QUESTION) for n in contexts}
+    env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
+    spec = {"model": str(base.path), "dtype": dtype, "loras": {"docqa": str(docqa.path)},
+            "max_model_len": max(contexts) + 128}
+    out: dict[str, Any] = {"plan": PLAN.label(), "dtype": dtype, "repeats": repeats, "rows": []}
+    with mesh(Roster.local(senders=["base"], receivers=["docqa"])) as (access, procs):
+        profile = json.loads((tier / "profiles" / "base-to-docqa.json").read_text())
+        cfg = recompute_config(profile, base, docqa, 1)
+        point = schemas.FrontierPoint(plan=policy.spec_of(PLAN), recomputed_layers=PLAN.groups[0][1] - PLAN.groups[0][0],
+                                      quality=cfg.chosen.quality)
+        asyncio.run(publish_configs([msgspec.structs.replace(cfg, chosen=point, frontier=[point], latency=None)], access))
+        procs.append(start_service("cache_broker", {}, access.url, log_dir=work,
+                                   env={**THREADS, **NO_HEALTH_PORT, **access.env_for("broker")}))
+        procs.append(start_sender(access, base, "base", PLAN.e_layers, work, {**THREADS, **NO_HEALTH_PORT},
+                                  paired=["docqa"], transport="shm", heartbeat_s=30.0))  # float32: the connector's own layers are
+        asyncio.run(_hold(access, [documents(tok, n, 0) for n in contexts]))
+        password = work / "receiver.password"
+        password.write_text(access.password(receiver_user("docqa")))
+        connector = {"nats_url": access.url, "nats_user": receiver_user("docqa"), "nats_password_file": str(password),
+                     "models": {"base": str(base.path), "docqa": str(docqa.path)}, "base_model": "base",
+                     "transport": "shm", "reuse_timeout_s": 60.0}
+        alone = _measure(OfflineEngine(python, {**spec, "connector": None}, work, env), "alone", contexts, held,
+                         fresh, repeats, new_tokens, say)
+        mine = _measure(OfflineEngine(python, {**spec, "connector": connector}, work, env), "connector", contexts,
+                        held, fresh, repeats, new_tokens, say)
+    for n in contexts:
+        a, c = alone[n], mine[n]
+        out["rows"].append({"context_tokens": n, "alone_ttft_s": a["full"], "miss_ttft_s": c["full"],
+                            "miss_over_alone": c["full"] / a["full"], "partial_ttft_s": c["partial"],
+                            "alone_over_partial": a["full"] / c["partial"], "full_reuse_ttft_s": c["full_reuse"],
+                            "alone_over_full_reuse": a["full"] / c["full_reuse"], "paths": c["paths"],
+                            "decode_tok_s_alone": a["decode"], "decode_tok_s_connector": c["decode"],
+                            "decode_ratio": c["decode"] / a["decode"]})
+    return out
+
+
+async def _hold(access: Any, contexts: list[str]) -> None:
+    (ops,) = await connect_as(access, "admin")
+    try:
+        for ctx in contexts:
+            await ops.prefill("base", ctx, timeout=600.0)
+    finally:
+        await ops.close()
+
+
+def _measure(engine: OfflineEngine, name: str, contexts: list[int], held: dict, fresh: dict, repeats: int,
+             new_tokens: int, say: Callable[[str], None]) -> dict[int, dict[str, Any]]:
+    rows: dict[int, dict[str, Any]] = {}
+    try:
+        engine.ready(READY_S)
+        for n in contexts:
+            h, f = held[n][0] + held[n][1], fresh[n][0] + fresh[n][1]
+            row: dict[str, Any] = {"full": _median_ttft(engine, f"{name}-{n}-full", f, repeats, lora="docqa")[0]}
+            if name == "connector":
+                paths = {}
+                for mode, key in (("auto", "partial"), ("full_reuse", "full_reuse")):
+                    row[key], runs = _median_ttft(engine, f"{name}-{n}-{key}", h, repeats, lora="docqa", mode=mode)
+                    paths[key] = sorted({e["path"] for r in runs for e in engine.events("request", r["request_id"])}
+                                        | {"fallback" for r in runs if engine.events("reuse_fallback", r["request_id"])})
+                row["paths"] = paths
+            row["decode"] = _decode_rate(engine, f"{name}-{n}-decode", f, new_tokens, lora="docqa")
+            say(f"{name} {n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
+            rows[n] = row
+    finally:
+        engine.stop()
+    return rows
