@@ -34,6 +34,7 @@ class EngineSettings(BusSettings):
     reuse_timeout_s: float = 10.0  # a pull and the recompute over it; past it the engine prefills
     connect_timeout_s: float = 15.0
     kv_screen: bool = True  # screen pulled tensors against the receiver's own statistics
+    dtype: str = "float32"  # the receiver's own layers (the recomputed group), as the holders' K/V and E
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,6 +45,8 @@ class EngineSettings(BusSettings):
                 raise ConfigError(f"model {name!r}: checkpoint {path!r} is not a directory")
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport {self.transport!r} not one of {TRANSPORTS}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype {self.dtype!r} not one of float32, bfloat16, float16")
         if not self.scope:
             raise ConfigError("scope must not be empty")
         for name in ("lookup_timeout_s", "reuse_timeout_s", "connect_timeout_s"):

@@ -117,7 +117,10 @@ class DroidMeshConnector(KVConnectorBase_V1):
             log.info("request", request_id=request.request_id, path="full_prefill", reason=why, tokens=len(prompt))
             return None
         began = time.perf_counter()
-        match, reason = self.bridge.plan_for(prompt, model, mode)
+        try:
+            match, reason = self.bridge.plan_for(prompt, model, mode)
+        except Exception as e:  # a bug or a broken reply costs this request its reuse, never the scheduler
+            match, reason = None, ("lookup_failed", f"{type(e).__name__}: {e}")
         ms = round((time.perf_counter() - began) * 1e3, 1)
         if match is None:
             code, why = reason or ("no_cache", "")
@@ -170,7 +173,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
                 for index, (name, cache) in sorted(self._caches.items()):
                     k, v = kv[index]
                     pages.write_layer(cache, k, v, slots, pages.isa_of(layers.get(name), cache, "auto"))
-            except (DroidMeshError, ValueError, TimeoutError) as e:
+            except Exception as e:  # whatever a peer sent or did: this request falls back, the engine goes on
                 self._failed_blocks.update(load.block_ids)
                 code = getattr(e, "code", type(e).__name__)
                 log.warning("reuse_fallback", request_id=load.request_id, reason=f"{code}: {str(e)[:200]}")

@@ -3,8 +3,9 @@
 One local mesh (nats-server under per-role users, a broker, a DroidMesh sender of the real
 tier's base holding each context over the shm channel, the pair's plan on the config board), and
 two offline vLLM engines in the vLLM environment, one after the other, on the same checkpoint,
-prompts, dtype and threads: vLLM alone, then vLLM with the connector serving `docqa` as a LoRA
-adapter of base. Per context length, TTFT (a one-token generate, median of `repeats`):
+prompts, dtype and threads: vLLM alone, then vLLM with the connector, serving `docqa` merged into
+its base (one full checkpoint: vLLM at its fastest) or, with `lora`, as a LoRA adapter of base
+(vLLM's CPU LoRA kernels prefill far slower than its dense ones). Per context length, TTFT (a one-token generate, median of `repeats`):
   - vLLM alone, the whole prompt prefilled;
   - with the connector and no holder (a context nobody holds: the lookup, then vLLM's prefill);
   - partial: the pair's plan (layers [6, 9) recomputed from the sender's E, the rest pulled);
@@ -64,24 +65,46 @@ def _median_ttft(engine: OfflineEngine, key: str, prompt: list[int], repeats: in
     return statistics.median(r["seconds"] for r in runs[1:]), runs[1:]
 
 
-def _decode_rate(engine: OfflineEngine, key: str, prompt: list[int], new_tokens: int, **kw: Any) -> float:
-    one = engine.ask(f"{key}-1", prompt, max_tokens=1, **kw)["seconds"]
-    many = engine.ask(f"{key}-n", prompt, max_tokens=new_tokens, **kw)["seconds"]
-    return (new_tokens - 1) / max(many - one, 1e-9)
+def _decode_rate(engine: OfflineEngine, key: str, prompt: list[int], new_tokens: int, repeats: int,
+                 **kw: Any) -> float:
+    """Tokens a second after the first: the median over `repeats` of (a `new_tokens` generate
+    minus a one-token one over the same prompt), a warm-up pair first."""
+    rates = []
+    for r in range(repeats + 1):
+        one = engine.ask(f"{key}-{r}-1", prompt, max_tokens=1, **kw)["seconds"]
+        many = engine.ask(f"{key}-{r}-n", prompt, max_tokens=new_tokens, **kw)["seconds"]
+        if r:
+            rates.append((new_tokens - 1) / max(many - one, 1e-9))
+    return statistics.median(rates)
+
+
+def merged(adapter: Path, out: Path) -> Path:
+    """The adapter merged into its base, saved as a full checkpoint at `out` (what vLLM serves
+    without LoRA); its weights' hash is the receiver's in the pair's config."""
+    from droidmesh.shared.model.adapter import load_model
+
+    if not (out / "config.json").is_file():
+        model = load_model(adapter, device="cpu", dtype="float32")
+        assert model.tokenizer is not None  # the zoo's adapters carry their base's tokenizer
+        model.model.save_pretrained(out)
+        model.tokenizer.save_pretrained(out)
+    return out
 
 
 def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: int, dtype: str, work: Path,
-        say: Callable[[str], None]) -> dict[str, Any]:
+        say: Callable[[str], None], lora: bool = False) -> dict[str, Any]:
     from droidmesh.shared.model.adapter import load_model
 
-    base, docqa = ModelRef(tier / "base", "base"), ModelRef(tier / "docqa", "docqa")
+    base = ModelRef(tier / "base", "base")
+    docqa = ModelRef(tier / "docqa" if lora else merged(tier / "docqa", work / "docqa-merged"), "docqa")
     tok = load_model(base.path, device="cpu", dtype="float32").tokenizer
     held = {n: text.prompt_ids(tok, documents(tok, n, 0), QUESTION) for n in contexts}
     fresh = {n: text.prompt_ids(tok, documents(tok, n, 7), QUESTION) for n in contexts}
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
-    spec = {"model": str(base.path), "dtype": dtype, "loras": {"docqa": str(docqa.path)},
-            "max_model_len": max(contexts) + 128}
-    out: dict[str, Any] = {"plan": PLAN.label(), "dtype": dtype, "repeats": repeats, "rows": []}
+    served = {"model": str(base.path), "loras": {"docqa": str(docqa.path)}} if lora else {"model": str(docqa.path)}
+    spec = {**served, "dtype": dtype, "max_model_len": max(contexts) + 128}
+    out: dict[str, Any] = {"plan": PLAN.label(), "dtype": dtype, "repeats": repeats, "docqa": "lora" if lora else "merged",
+                           "rows": []}
     with mesh(Roster.local(senders=["base"], receivers=["docqa"])) as (access, procs):
         profile = json.loads((tier / "profiles" / "base-to-docqa.json").read_text())
         cfg = recompute_config(profile, base, docqa, 1)
@@ -91,17 +114,19 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
         procs.append(start_service("cache_broker", {}, access.url, log_dir=work,
                                    env={**THREADS, **NO_HEALTH_PORT, **access.env_for("broker")}))
         procs.append(start_sender(access, base, "base", PLAN.e_layers, work, {**THREADS, **NO_HEALTH_PORT},
-                                  paired=["docqa"], transport="shm", heartbeat_s=30.0))  # float32: the connector's own layers are
+                                  paired=["docqa"], transport="shm", heartbeat_s=30.0, dtype=dtype))
         asyncio.run(_hold(access, [documents(tok, n, 0) for n in contexts]))
         password = work / "receiver.password"
         password.write_text(access.password(receiver_user("docqa")))
         connector = {"nats_url": access.url, "nats_user": receiver_user("docqa"), "nats_password_file": str(password),
-                     "models": {"base": str(base.path), "docqa": str(docqa.path)}, "base_model": "base",
-                     "transport": "shm", "reuse_timeout_s": 60.0}
+                     "models": {"base": str(base.path), "docqa": str(docqa.path)},
+                     "base_model": "base" if lora else "docqa", "transport": "shm", "reuse_timeout_s": 60.0,
+                     "dtype": dtype}  # the holder's, and the connector's own layers
+        adapter = "docqa" if lora else None
         alone = _measure(OfflineEngine(python, {**spec, "connector": None}, work, env), "alone", contexts, held,
-                         fresh, repeats, new_tokens, say)
+                         fresh, repeats, new_tokens, say, adapter)
         mine = _measure(OfflineEngine(python, {**spec, "connector": connector}, work, env), "connector", contexts,
-                        held, fresh, repeats, new_tokens, say)
+                        held, fresh, repeats, new_tokens, say, adapter)
     for n in contexts:
         a, c = alone[n], mine[n]
         out["rows"].append({"context_tokens": n, "alone_ttft_s": a["full"], "miss_ttft_s": c["full"],
@@ -123,21 +148,21 @@ async def _hold(access: Any, contexts: list[str]) -> None:
 
 
 def _measure(engine: OfflineEngine, name: str, contexts: list[int], held: dict, fresh: dict, repeats: int,
-             new_tokens: int, say: Callable[[str], None]) -> dict[int, dict[str, Any]]:
+             new_tokens: int, say: Callable[[str], None], adapter: str | None) -> dict[int, dict[str, Any]]:
     rows: dict[int, dict[str, Any]] = {}
     try:
         engine.ready(READY_S)
         for n in contexts:
             h, f = held[n][0] + held[n][1], fresh[n][0] + fresh[n][1]
-            row: dict[str, Any] = {"full": _median_ttft(engine, f"{name}-{n}-full", f, repeats, lora="docqa")[0]}
+            row: dict[str, Any] = {"full": _median_ttft(engine, f"{name}-{n}-full", f, repeats, lora=adapter)[0]}
             if name == "connector":
                 paths = {}
                 for mode, key in (("auto", "partial"), ("full_reuse", "full_reuse")):
-                    row[key], runs = _median_ttft(engine, f"{name}-{n}-{key}", h, repeats, lora="docqa", mode=mode)
+                    row[key], runs = _median_ttft(engine, f"{name}-{n}-{key}", h, repeats, lora=adapter, mode=mode)
                     paths[key] = sorted({e["path"] for r in runs for e in engine.events("request", r["request_id"])}
                                         | {"fallback" for r in runs if engine.events("reuse_fallback", r["request_id"])})
                 row["paths"] = paths
-            row["decode"] = _decode_rate(engine, f"{name}-{n}-decode", f, new_tokens, lora="docqa")
+            row["decode"] = _decode_rate(engine, f"{name}-{n}-decode", f, new_tokens, repeats, lora=adapter)
             say(f"{name} {n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
             rows[n] = row
     finally:

@@ -27,8 +27,9 @@ COLUMNS = ["context_tokens", "alone_ttft_s", "miss_over_alone", "partial_ttft_s"
 @click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(2, 1024),
               help="Tokens of the decode-rate generation.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
-              help="vLLM's weights and cache (the mesh's tensors are float32).")
-def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype) -> None:
+              help="vLLM's weights and cache, the sender's and the connector's own layers.")
+@click.option("--lora", is_flag=True, help="Serve docqa as a LoRA adapter of base (default: merged into it).")
+def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora) -> None:
     """TTFT and decode rate: vLLM alone, and with the connector (miss, partial, full reuse)."""
     from droidmesh.shared.tools.bench import vllm_reuse
     from droidmesh.shared.zoo.manifest import zoo_dir
@@ -42,7 +43,7 @@ def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype) -> None:
         build_real(tier)
         with tempfile.TemporaryDirectory(prefix="dm-bench-vllm-") as work:
             result = vllm_reuse.run(vllm_python, tier, contexts, repeats, new_tokens, dtype, Path(work),
-                                    lambda line: click.echo(line, err=True))
+                                    lambda line: click.echo(line, err=True), lora=lora)
     except DroidMeshError as e:
         raise click.ClickException(str(e)) from None
     click.echo(report.format_table(result["rows"], COLUMNS))
