@@ -86,6 +86,10 @@ class DroidMeshConnector(KVConnectorBase_V1):
                               "pull must fall back to vLLM's own prefill, never fail the request")
         if vllm_config.cache_config.cache_dtype not in ("auto", None):
             raise ConfigError(f"kv cache dtype {vllm_config.cache_config.cache_dtype}: only the model's own dtype")
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:  # a hybrid model: a load would need blocks of every group
+            raise ConfigError(f"{len(groups)} KV cache groups (a hybrid or sliding-window model): the DroidMesh "
+                              "connector serves full-attention models only")
         self.block_size = vllm_config.cache_config.block_size
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.bridge = MeshBridge(self.settings, side)
