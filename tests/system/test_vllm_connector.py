@@ -32,6 +32,7 @@ from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.profiling.profile import recompute_config
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
+from droidmesh.shared.tools.bench import vllm_reuse
 from droidmesh.shared.wire import schemas
 
 pytestmark = [pytest.mark.timeout(1200),
@@ -148,3 +149,16 @@ def test_a_frozen_senders_pull_falls_back_to_vllms_own_prefill(served):
     (fallback,) = engine.events("reuse_fallback", got["request_id"])  # ...and its pull failed
     assert not engine.events("loaded", got["request_id"])
     assert got["tokens"] == alone["tokens"], (got["tokens"], alone["tokens"])
+
+
+def test_the_vllm_benchs_measure_on_this_engine(served):
+    """`droidmesh bench vllm`'s measurement on this module's engine (its mesh and engine start-up
+    are this module's): the held context is served `partial` and `full_reuse` as asked, never
+    a fallback, a context nobody holds by vLLM; every figure a positive number."""
+    engine, _, ctx, q = served
+    fresh = list(reversed(ctx))  # shares no block with the held context: a miss
+    rows = vllm_reuse.measure(engine, "connector", [len(ctx)], {len(ctx): (ctx, q)}, {len(ctx): (fresh, q)},
+                              repeats=1, new_tokens=2, say=lambda line: None, adapter="docqa")
+    row = rows[len(ctx)]
+    assert row["paths"] == {"partial": ["partial"], "full_reuse": ["full_reuse"]}, row
+    assert all(row[k] > 0 for k in ("full", "partial", "full_reuse", "decode")), row

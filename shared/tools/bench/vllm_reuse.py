@@ -123,10 +123,15 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
                      "base_model": "base" if lora else "docqa", "transport": "shm", "reuse_timeout_s": 60.0,
                      "dtype": dtype}  # the holder's, and the connector's own layers
         adapter = "docqa" if lora else None
-        alone = _measure(OfflineEngine(python, {**spec, "connector": None}, work, env), "alone", contexts, held,
-                         fresh, repeats, new_tokens, say, adapter)
-        mine = _measure(OfflineEngine(python, {**spec, "connector": connector}, work, env), "connector", contexts,
-                        held, fresh, repeats, new_tokens, say, adapter)
+        measured = {}
+        for name, conn in (("alone", None), ("connector", connector)):
+            engine = OfflineEngine(python, {**spec, "connector": conn}, work, env)
+            try:
+                engine.ready(READY_S)
+                measured[name] = measure(engine, name, contexts, held, fresh, repeats, new_tokens, say, adapter)
+            finally:
+                engine.stop()
+        alone, mine = measured["alone"], measured["connector"]
     for n in contexts:
         a, c = alone[n], mine[n]
         out["rows"].append({"context_tokens": n, "alone_ttft_s": a["full"], "miss_ttft_s": c["full"],
@@ -147,24 +152,24 @@ async def _hold(access: Any, contexts: list[str]) -> None:
         await ops.close()
 
 
-def _measure(engine: OfflineEngine, name: str, contexts: list[int], held: dict, fresh: dict, repeats: int,
-             new_tokens: int, say: Callable[[str], None], adapter: str | None) -> dict[int, dict[str, Any]]:
+def measure(engine: OfflineEngine, name: str, contexts: list[int], held: dict, fresh: dict, repeats: int,
+            new_tokens: int, say: Callable[[str], None], adapter: str | None) -> dict[int, dict[str, Any]]:
+    """Per context length on a ready `engine`: TTFT of a fresh prompt ("full"), and, on the
+    connector's engine ("connector"), of the held one with the plan ("partial") and with full
+    reuse, with the connector's paths for them; the decode rate. `held` / `fresh`: length ->
+    (context ids, question ids)."""
     rows: dict[int, dict[str, Any]] = {}
-    try:
-        engine.ready(READY_S)
-        for n in contexts:
-            h, f = held[n][0] + held[n][1], fresh[n][0] + fresh[n][1]
-            row: dict[str, Any] = {"full": _median_ttft(engine, f"{name}-{n}-full", f, repeats, lora=adapter)[0]}
-            if name == "connector":
-                paths = {}
-                for mode, key in (("auto", "partial"), ("full_reuse", "full_reuse")):
-                    row[key], runs = _median_ttft(engine, f"{name}-{n}-{key}", h, repeats, lora=adapter, mode=mode)
-                    paths[key] = sorted({e["path"] for r in runs for e in engine.events("request", r["request_id"])}
-                                        | {"fallback" for r in runs if engine.events("reuse_fallback", r["request_id"])})
-                row["paths"] = paths
-            row["decode"] = _decode_rate(engine, f"{name}-{n}-decode", f, new_tokens, repeats, lora=adapter)
-            say(f"{name} {n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
-            rows[n] = row
-    finally:
-        engine.stop()
+    for n in contexts:
+        h, f = held[n][0] + held[n][1], fresh[n][0] + fresh[n][1]
+        row: dict[str, Any] = {"full": _median_ttft(engine, f"{name}-{n}-full", f, repeats, lora=adapter)[0]}
+        if name == "connector":
+            paths = {}
+            for mode, key in (("auto", "partial"), ("full_reuse", "full_reuse")):
+                row[key], runs = _median_ttft(engine, f"{name}-{n}-{key}", h, repeats, lora=adapter, mode=mode)
+                paths[key] = sorted({e["path"] for r in runs for e in engine.events("request", r["request_id"])}
+                                    | {"fallback" for r in runs if engine.events("reuse_fallback", r["request_id"])})
+            row["paths"] = paths
+        row["decode"] = _decode_rate(engine, f"{name}-{n}-decode", f, new_tokens, repeats, lora=adapter)
+        say(f"{name} {n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
+        rows[n] = row
     return rows
