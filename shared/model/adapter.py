@@ -283,7 +283,7 @@ def load_model(
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(f"{p}: model_type {model_type!r} not in {SUPPORTED_MODEL_TYPES}")
         model = AutoModelForCausalLM.from_pretrained(p, **kw)
-    tok = _load_tokenizer(p)
+    tok = load_tokenizer(p)
     # Weights are read (and a LoRA merged) on the CPU, then moved once: the engine's tensors are
     # all born on `model.device` from here on.
     moved = model.to(dev)  # type: ignore[arg-type]  # transformers' stub wraps Module.to, mypy misreads it
@@ -313,7 +313,8 @@ def _load_lora(p: Path, kw: dict[str, Any]) -> PreTrainedModel:
         return peft_model.merge_and_unload()
 
 
-def _load_tokenizer(p: Path) -> Any | None:
+def load_tokenizer(p: Path) -> Any | None:
+    """The tokenizer of the checkpoint in `p`, else of its LoRA base; None when neither has one."""
     for candidate in (p, lora_base(p)):
         if candidate is not None and (candidate / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(candidate, local_files_only=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from droidmesh.shared.engines.vllm.client import OfflineEngine
+from droidmesh.shared.engines.vllm.client import PYTHON, OfflineEngine
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.capture import capture_prefill
@@ -34,12 +33,12 @@ from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
 from droidmesh.shared.tools.bench import vllm_reuse
 from droidmesh.shared.wire import schemas
+from tests.system.conftest import until_indexed
 
 pytestmark = [pytest.mark.timeout(1200),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("DM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
+VLLM_PYTHON = PYTHON
 PLAN = ReusePlan.recompute(6, 9)  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
 NEW_TOKENS = 12
 READY_S = 600.0
@@ -94,10 +93,7 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 (client,) = await connect_as(access, "admin")  # filling a sender is an operator's job
                 try:
                     await client.prefill("base", CONTEXT)
-                    for _ in range(2000):
-                        if (await client.lookup(ctx, receiver.fingerprint.id)).holder is not None:
-                            return
-                    raise TimeoutError("the broker never indexed the context")
+                    await until_indexed(client, receiver, CONTEXT, ids=ctx)
                 finally:
                     await client.close()
 

@@ -19,6 +19,10 @@ from typing import Any
 from droidmesh.shared.errors import DroidMeshError
 
 MODULE = "droidmesh.shared.engines.vllm.offline"
+# Where `infra/vllm/install.sh` builds the vLLM environment (the same expression there).
+VENV = Path(os.environ.get("DM_VLLM_VENV")
+            or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "droidmesh" / "venv-vllm")
+PYTHON = VENV / "bin" / "python"
 
 
 class EngineError(DroidMeshError):

@@ -95,7 +95,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
         self.bridge = MeshBridge(self.settings, side)
         # scheduler side: per request id, what plan_for answered (vLLM may ask twice) and the loads
         # allocated since the last step's metadata
-        self._matched: dict[str, tuple[Match | None, float]] = {}  # (match, when decided)
+        self._matched: dict[str, Match | None] = {}
         self._pending: dict[str, Load] = {}
         # worker side
         self._caches: dict[int, tuple[str, torch.Tensor]] = {}
@@ -105,10 +105,10 @@ class DroidMeshConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if rid in self._matched:
-            match, _ = self._matched[rid]
+            match = self._matched[rid]
             return (match.tokens if match is not None and num_computed_tokens == 0 else 0), False
         match = self._decide(request, num_computed_tokens)
-        self._matched[rid] = (match, time.monotonic())
+        self._matched[rid] = match
         return (match.tokens if match is not None else 0), False
 
     def _decide(self, request: Request, num_computed_tokens: int) -> Match | None:
@@ -136,7 +136,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
         return match
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        match, _ = self._matched.get(request.request_id, (None, 0.0))
+        match = self._matched.get(request.request_id)
         if num_external_tokens <= 0 or match is None:
             return
         (block_ids,) = blocks.get_block_ids()  # one KV cache group: full attention only
@@ -151,7 +151,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
                 meta.loads.append(dataclasses.replace(load, block_ids=list(new.block_ids[0])))
                 # once only: a request vLLM preempts and resumes later is recomputed by vLLM, since
                 # its blocks are then new and nothing would load them
-                self._matched[new.req_id] = (None, time.monotonic())
+                self._matched[new.req_id] = None
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

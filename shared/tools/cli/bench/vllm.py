@@ -9,18 +9,18 @@ from pathlib import Path
 import click
 
 from droidmesh.shared import report
+from droidmesh.shared.engines.vllm.client import PYTHON
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.tools.cli.bench.kit import save
 from droidmesh.shared.tools.cli.params import int_list
 
-DEFAULT_PYTHON = ".venv-vllm/bin/python"
 COLUMNS = ["context_tokens", "alone_ttft_s", "miss_over_alone", "partial_ttft_s", "alone_over_partial",
            "full_reuse_ttft_s", "alone_over_full_reuse", "decode_ratio"]
 
 
 @click.command("vllm")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows and the machine here.")
-@click.option("--vllm-python", default=DEFAULT_PYTHON, show_default=True, type=click.Path(dir_okay=False),
+@click.option("--vllm-python", default=str(PYTHON), show_default=True, type=click.Path(dir_okay=False),
               help="The python of the vLLM environment (`bash infra/vllm/install.sh`).")
 @click.option("--contexts", default="2048", callback=int_list, show_default=True, help="Context lengths in tokens.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50), help="Median of this many.")
