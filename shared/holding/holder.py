@@ -173,14 +173,31 @@ class Holder:
             # instead of overflowing the queue the broker keeps for an over-budget sender
             await asyncio.sleep(REANNOUNCE_GAP_S)
         log.info("reannounced", holder_id=self.id, broker_id=msg.broker_id, contexts=len(self.store.ids()))
+        # and a beat at once: a new broker serves a holder only once it heard it live
+        await self.beat()
+
+    async def beat(self) -> None:
+        """One heartbeat: liveness and the held context ids. Its publish has a deadline (one
+        interval): a beat that cannot go out is logged and the next one tried, never waited on."""
+        msg = schemas.SenderHeartbeat(sender_id=self.id, model_id=next(iter(self.models), ""),
+                                      context_ids=self.store.ids(), interval_s=self.heartbeat_s, sent_at=time.time())
+        try:
+            await asyncio.wait_for(self.bus.publish(subjects.sender_heartbeat(self.id), schemas.encode(msg)),
+                                   self.heartbeat_s)
+        except Exception as e:  # noqa: BLE001 - a lost beat costs liveness later, never the loop
+            log.warning("heartbeat_failed", holder_id=self.id, error=f"{type(e).__name__}: {e}"[:200])
 
     async def heartbeat(self) -> None:
-        """Forever: liveness and the held context ids, every `heartbeat_s` (supervised by the service)."""
-        model_id = next(iter(self.models), "")
+        """Forever: a beat every `heartbeat_s` (supervised by the service). A beat going out more
+        than one interval late (a frozen process, a starved loop) is logged: the broker may have
+        declared this holder dead meanwhile."""
+        last: float | None = None
         while True:
-            msg = schemas.SenderHeartbeat(sender_id=self.id, model_id=model_id, context_ids=self.store.ids(),
-                                          interval_s=self.heartbeat_s, sent_at=time.time())
-            await self.bus.publish(subjects.sender_heartbeat(self.id), schemas.encode(msg))
+            now = time.monotonic()
+            if last is not None and now - last > 2 * self.heartbeat_s:
+                log.warning("heartbeat_late", holder_id=self.id, late_s=round(now - last - self.heartbeat_s, 2))
+            last = now
+            await self.beat()
             await asyncio.sleep(self.heartbeat_s)
 
     async def withdraw(self) -> None:

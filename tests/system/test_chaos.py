@@ -136,6 +136,22 @@ def _crash_lines(p: Proc) -> tuple[list[str], int]:
     return marks, listener_errors
 
 
+LIVENESS = ("sender_live", "sender_expired", "sender_returned", "reannounced", "heartbeat_late", "heartbeat_failed",
+            "nats_disconnected", "nats_reconnected", "nats_error", "task_crashed", "task_restarted")
+
+
+def _liveness(procs: dict[str, Proc]) -> str:
+    """Each process's liveness events (heartbeats, expiries, re-announcements, NATS reconnects),
+    the last few of each kind, one line per process: what a hang guard's diagnosis needs."""
+    out = []
+    for n, p in procs.items():
+        seen = {k: [str(e.get("timestamp", ""))[11:22] + ":" + str(e.get("sender_id") or e.get("late_s") or
+                                                                 e.get("broker_id") or e.get("error") or "")[:40]
+                    for e in p.events(k)][-3:] for k in LIVENESS}
+        out.append(f"liveness {n}: {json.dumps({k: v for k, v in seen.items() if v})}")
+    return "\n".join(out)
+
+
 def test_chaos_mesh_answers_everything_and_stays_bounded(nats, services, tiny_pair, tmp_path):
     """Freeze/resume, kill/restart senders and restart the broker under load: all answered, no crash, peak RSS bounded."""
     nats_proc, url = nats
@@ -160,11 +176,11 @@ def test_chaos_mesh_answers_everything_and_stays_bounded(nats, services, tiny_pa
         phase[0], started[name] = name, time.monotonic()
 
     def state() -> str:
-        paths = collections.Counter((o.phase, o.path or "UNANSWERED") for o in outcomes)
+        paths = collections.Counter((o.phase, o.path or "UNANSWERED", (o.reason or "")[:40]) for o in outcomes)
         tails = "\n".join(f"--- {n} (rc={p.popen.poll()}):\n{p.tail(8)}" for n, p in procs.items())
         marks = {n: lines[:20] for n, p in procs.items() if (lines := _crash_lines(p)[0])}
         # the summary last: a CI log that keeps only the end of the output still shows it
-        return (f"{tails}\ncrash marks: {json.dumps(marks, indent=1)[:6000]}\nfaults: {faults}\n"
+        return (f"{tails}\ncrash marks: {json.dumps(marks, indent=1)[:6000]}\n{_liveness(procs)}\nfaults: {faults}\n"
                 f"phase={phase[0]} outcomes={dict(paths)}")
 
     async def run() -> None:
@@ -279,7 +295,10 @@ def test_chaos_mesh_answers_everything_and_stays_bounded(nats, services, tiny_pa
             for n in CONTEXTS:
                 await until(lambda n=n: any(e.get("broker_id") == new_id for e in live[n].events("reannounced")),
                             f"{n} re-announcing to the new broker")
-            await until(lambda: any(o.path == "partial" for o in outcomes[mark:]), "reuse after the broker restart")
+                await until(lambda n=n: any(e.get("sender_id") == sid[n] for e in live["broker"].events("sender_live")),
+                            f"the new broker hearing {n} live")
+            await until(lambda: reused_from(sid["sender_a"], mark)() and reused_from(sid["sender_b"], mark)(),
+                        "reuse from both senders after the broker restart")
             await more(STEP)
 
             # 4. Freeze sender_a again, this time until the broker declares it dead, then resume.

@@ -81,12 +81,12 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench adapters", ["--base", "ci/base", "--adapters", "ci/code", "--counts", "1", "--tokens", "32", "--repeats", "1"]),
     ("bench held", ["--base", "ci/base", "--adapters", "ci/code", "--pairs", "base:code", "--group", "2,4", "--docs", "1",
                     "--chars", "600,900", "--model", ""]),
-    ("demo", ["--rows", "1"]),
 ]
 # Commands that run in the foreground until stopped: started and stopped by their own tests.
 COVERED_ELSEWHERE = {"serve": "tests/system/test_serve.py",
                      "bench peer": "tests/unit/bench/test_peer.py",  # its peer is a stand-in there
-                     "bench vllm": "tests/system/test_vllm_connector.py"}  # its measure, on that test's engine
+                     "bench vllm": "tests/system/test_vllm_connector.py",  # its measure, on that test's engine
+                     "demo": "tests/system/test_secure_defaults.py"}  # the same invocation, under auth
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
          "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs", "--n-before", "--max-shifted",
          "--profile-rows", "--trials", "--warmup", "--counts", "--docs", "--chars", "--calibration-rows", "--shares"}
@@ -473,17 +473,6 @@ def expect_bench_held(r: Ran) -> None:
     assert not re.search(r"^single:", r.out, re.M)  # --model '': no same-model rows of another model
 
 
-def expect_demo(r: Ran) -> None:  # the committed demo tier's first two pairs
-    assert r.out.splitlines()[0] == "DroidMesh demo: tier demo, pairs base-to-qa (multihop_qa), summ-to-qa (multihop_qa)"
-    rows = table(r.out, "pair", "task", "path", "plan", "requests", "ttft_p50_ms", "speedup", "quality", "MB_pulled")
-    assert [(x["pair"], x["task"], x["requests"]) for x in rows] == [
-        (p, "multihop_qa", "1") for p in ("base-to-qa", "summ-to-qa") for _ in range(3)]  # a row per mode, --rows 1
-    plans = {"full_prefill": r"full prefill", "full_reuse": r"full reuse", "partial": r"recompute \[\d+,\d+\)"}
-    for x in rows:
-        assert x["path"] in plans and re.fullmatch(plans[x["path"]], x["plan"]), x
-    assert col(rows, "path")[::3] == ["full_prefill", "full_prefill"]  # full prefill asked: nothing else
-
-
 EXPECT: dict[str, Callable[[Ran], None]] = {
     "agents": expect_agents,
     "zoo list": expect_zoo_list,
@@ -516,7 +505,6 @@ EXPECT: dict[str, Callable[[Ran], None]] = {
     "bench idle": expect_bench_idle,
     "bench adapters": expect_bench_adapters,
     "bench held": expect_bench_held,
-    "demo": expect_demo,
 }
 
 

@@ -99,3 +99,7 @@ def test_the_demo_runs_under_auth_and_refuses_anonymous_connections(tmp_path: Pa
     assert rc == 0, demo.tail(60)
     rows = {(m.group(1), m.group(3)): (m.group(4), float(m.group(8))) for m in map(ROW.match, demo.lines) if m}
     assert rows == DEMO_ROWS, "\n".join(demo.lines[-12:])
+    # `droidmesh demo --rows 1`'s own output (test_cli leaves this invocation to this test): its header
+    # names the tier and the pairs, and each row is one request
+    assert "DroidMesh demo: tier demo, pairs base-to-qa (multihop_qa), summ-to-qa (multihop_qa)" in demo.lines
+    assert {(m.group(2), m.group(5)) for m in map(ROW.match, demo.lines) if m} == {("multihop_qa", "1")}
