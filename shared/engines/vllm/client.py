@@ -1,6 +1,10 @@
-"""The offline vLLM engine (`offline.py`) from another Python: a process in the vLLM environment,
-driven by JSON lines, whose every output line is kept (the connector's JSON log lines among
-them, prefixed by vLLM with the process that printed them).
+"""A vLLM engine with the DroidMesh connector, from another Python: a process in the vLLM
+environment whose every output line is kept (the connector's JSON log lines among them, prefixed
+by vLLM with the process that printed them). Two forms, one interface (`Engine`):
+
+  - `ServedEngine`: `vllm serve`, vLLM's own OpenAI server, as users run it (`serve_argv` is the
+    command the guide shows); requests go over HTTP (`/v1/completions`, token ids in and out);
+  - `OfflineEngine`: the offline engine of `offline.py`, driven by JSON lines.
 
 Used by the system test and `droidmesh bench vllm`; imports nothing of vLLM.
 """
@@ -12,13 +16,19 @@ import os
 import signal
 import subprocess
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from droidmesh.shared.errors import DroidMeshError
 
 MODULE = "droidmesh.shared.engines.vllm.offline"
+CLI = "droidmesh.shared.engines.vllm.cli"  # `vllm`'s own command line, in the CPU build's environment too
+CONNECTOR = "DroidMeshConnector"
+CONNECTOR_MODULE = "droidmesh.shared.engines.vllm.connector"
 # Where `infra/vllm/install.sh` builds the vLLM environment (the same expression there).
 VENV = Path(os.environ.get("DM_VLLM_VENV")
             or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "droidmesh" / "venv-vllm")
@@ -29,20 +39,46 @@ class EngineError(DroidMeshError):
     code = "engine_failed"
 
 
-class OfflineEngine:
-    """`python -m droidmesh.shared.engines.vllm.offline SPEC` under `python` (the vLLM
-    environment's), in its own session; `stop()` ends it (closing its input, then a kill)."""
+class Engine(Protocol):
+    def ask(self, rid: str, prompt: list[int], *, max_tokens: int, mode: str = "auto", lora: str | None = None,
+            timeout_s: float = 300.0) -> dict[str, Any]: ...
 
-    def __init__(self, python: str | Path, spec: Mapping[str, Any], workdir: Path, env: Mapping[str, str] | None = None):
-        if not Path(python).is_file():
-            raise EngineError(f"no vLLM environment's python at {python}: run `bash infra/vllm/install.sh`")
-        path = workdir / "engine.json"
-        path.write_text(json.dumps(spec))
-        self.proc = subprocess.Popen([str(Path(python).absolute()), "-m", MODULE, str(path)], stdin=subprocess.PIPE,
+    def events(self, event: str, request_id: str) -> list[dict[str, Any]]: ...
+
+
+def kv_transfer_config(connector: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` for the DroidMesh connector with `connector`'s settings."""
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": dict(connector)}
+
+
+def serve_argv(python: str | Path, spec: Mapping[str, Any], port: int) -> list[str]:
+    """`vllm serve` of an engine spec (`offline.py`'s ENGINE.json fields, and "name": the served
+    name of its base model) on 127.0.0.1:`port`."""
+    argv = [str(python), "-m", CLI, "serve", str(spec["model"]),
+            "--served-model-name", str(spec.get("name", "base")), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", str(spec.get("dtype", "float32")), "--max-model-len", str(spec.get("max_model_len", 4096)),
+            "--max-num-seqs", str(spec.get("max_num_seqs", 4)), "--no-enable-prefix-caching", "--enforce-eager",
+            "--seed", "0", "--disable-uvicorn-access-log"]
+    loras = spec.get("loras") or {}
+    if loras:
+        argv += ["--enable-lora", "--max-lora-rank", str(spec.get("max_lora_rank", 16)), "--max-loras",
+                 str(len(loras)), "--lora-modules", *(f"{n}={p}" for n, p in sorted(loras.items()))]
+    if spec.get("connector") is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec["connector"]))]
+    return argv
+
+
+class EngineProcess:
+    """An engine process in its own session, its output lines kept; `stop()` ends it."""
+
+    def __init__(self, argv: list[str], workdir: Path, env: Mapping[str, str] | None, stdin: bool):
+        if not Path(argv[0]).is_file():
+            raise EngineError(f"no vLLM environment's python at {argv[0]}: run `bash infra/vllm/install.sh`")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})}, cwd=workdir, start_new_session=True)
         self.lines: list[str] = []
-        self.results: dict[str, dict[str, Any]] = {}
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -51,12 +87,13 @@ class OfflineEngine:
         for line in self.proc.stdout:
             with self._changed:
                 self.lines.append(line.rstrip("\n"))
-                if line.startswith("RESULT "):
-                    r = json.loads(line[len("RESULT "):])
-                    self.results[str(r["id"])] = r
+                self.on_line(line)
                 self._changed.notify_all()
         with self._changed:
             self._changed.notify_all()
+
+    def on_line(self, line: str) -> None:
+        return
 
     def wait(self, pred: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Until `pred()`; `EngineError` with the engine's last lines if it exits or `timeout_s` passes."""
@@ -64,19 +101,6 @@ class OfflineEngine:
             if not self._changed.wait_for(lambda: pred() or self.proc.poll() is not None, timeout_s) or not pred():
                 tail = "\n".join(self.lines[-60:])
                 raise EngineError(f"no {what} within {timeout_s:g}s (engine exit {self.proc.poll()}):\n{tail}")
-
-    def ready(self, timeout_s: float) -> None:
-        self.wait(lambda: "READY" in self.lines, timeout_s, "READY line")
-
-    def ask(self, rid: str, prompt: list[int], *, max_tokens: int, mode: str = "auto", lora: str | None = None,
-            timeout_s: float = 300.0) -> dict[str, Any]:
-        """One greedy request: {"id", "request_id", "tokens", "seconds"}."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"id": rid, "prompt": prompt, "max_tokens": max_tokens, "lora": lora,
-                                          "mode": mode}) + "\n")
-        self.proc.stdin.flush()
-        self.wait(lambda: rid in self.results, timeout_s, f"answer to {rid}")
-        return self.results[rid]
 
     def events(self, event: str, request_id: str) -> list[dict[str, Any]]:
         """The connector's `event` lines of one vLLM request (the engine suffixes its ids)."""
@@ -97,10 +121,87 @@ class OfflineEngine:
     def stop(self) -> None:
         if self.proc.poll() is not None:
             return
-        assert self.proc.stdin is not None
         try:
-            self.proc.stdin.close()
+            self.close_gently()
             self.proc.wait(60)
         except (OSError, subprocess.TimeoutExpired):
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+    def close_gently(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+
+
+class OfflineEngine(EngineProcess):
+    """`python -m droidmesh.shared.engines.vllm.offline SPEC` under `python` (the vLLM
+    environment's); `stop()` closes its input (then kills it)."""
+
+    def __init__(self, python: str | Path, spec: Mapping[str, Any], workdir: Path, env: Mapping[str, str] | None = None):
+        path = workdir / "engine.json"
+        path.write_text(json.dumps(spec))
+        self.results: dict[str, dict[str, Any]] = {}
+        super().__init__([str(Path(python).absolute()), "-m", MODULE, str(path)], workdir, env, stdin=True)
+
+    def on_line(self, line: str) -> None:
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            self.results[str(r["id"])] = r
+
+    def ready(self, timeout_s: float) -> None:
+        self.wait(lambda: "READY" in self.lines, timeout_s, "READY line")
+
+    def ask(self, rid: str, prompt: list[int], *, max_tokens: int, mode: str = "auto", lora: str | None = None,
+            timeout_s: float = 300.0) -> dict[str, Any]:
+        """One greedy request: {"id", "request_id", "tokens", "seconds"}."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"id": rid, "prompt": prompt, "max_tokens": max_tokens, "lora": lora,
+                                          "mode": mode}) + "\n")
+        self.proc.stdin.flush()
+        self.wait(lambda: rid in self.results, timeout_s, f"answer to {rid}")
+        return self.results[rid]
+
+    def close_gently(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+
+
+class ServedEngine(EngineProcess):
+    """`vllm serve` (`serve_argv`) under `python`: vLLM's OpenAI server, asked over HTTP."""
+
+    def __init__(self, python: str | Path, spec: Mapping[str, Any], workdir: Path, port: int,
+                 env: Mapping[str, str] | None = None):
+        self.url = f"http://127.0.0.1:{port}"
+        self.base_name = str(spec.get("name", "base"))
+        super().__init__(serve_argv(Path(python).absolute(), spec, port), workdir, env, stdin=False)
+
+    def ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.wait(lambda: False, 0, f"healthy server at {self.url}")
+            time.sleep(1.0)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                return bool(r.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def ask(self, rid: str, prompt: list[int], *, max_tokens: int, mode: str = "auto", lora: str | None = None,
+            timeout_s: float = 300.0) -> dict[str, Any]:
+        """One greedy completion of token ids, its id `rid` (vLLM's request id is `cmpl-<rid>-0`
+        and a suffix): {"id", "request_id", "tokens", "seconds"}, seconds the whole HTTP call."""
+        body = {"model": lora or self.base_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "vllm_xargs": {"droidmesh_mode": mode}}
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "X-Request-Id": rid})
+        began = time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                out = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"vLLM answered {e.code} to {rid}: {e.read()[:300]!r}") from e
+        seconds = time.perf_counter() - began
+        return {"id": rid, "request_id": f"cmpl-{rid}-0", "tokens": list(out["choices"][0]["token_ids"]),
+                "seconds": seconds}

@@ -19,8 +19,7 @@ import sys
 import time
 from typing import Any
 
-CONNECTOR = "DroidMeshConnector"
-CONNECTOR_MODULE = "droidmesh.shared.engines.vllm.connector"
+from droidmesh.shared.engines.vllm.client import kv_transfer_config
 
 
 def engine(spec: dict[str, Any]) -> Any:
@@ -29,8 +28,7 @@ def engine(spec: dict[str, Any]) -> Any:
 
     kv = None
     if spec.get("connector") is not None:
-        kv = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_consumer",
-                              kv_load_failure_policy="recompute", kv_connector_extra_config=spec["connector"])
+        kv = KVTransferConfig(**kv_transfer_config(spec["connector"]))
     loras = spec.get("loras") or {}
     extra: dict[str, Any] = {"enable_lora": True, "max_lora_rank": spec.get("max_lora_rank", 16),
                              "max_loras": max(len(loras), 1)} if loras else {}

