@@ -86,6 +86,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
 COVERED_ELSEWHERE = {"serve": "tests/system/test_serve.py",
                      "bench peer": "tests/unit/bench/test_peer.py",  # its peer is a stand-in there
                      "bench vllm": "tests/system/test_vllm_connector.py",  # its measure, on that test's engine
+                     "bench vllm-rows": "tests/system/test_vllm_connector.py",  # its rows, on that test's engine
                      "demo": "tests/system/test_secure_defaults.py"}  # the same invocation, under auth
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
          "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs", "--n-before", "--max-shifted",

@@ -9,9 +9,10 @@ the request itself, with vLLM's own answer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,17 @@ def real_tier() -> Path:
     return zoo_dir("real")
 
 
+@dataclasses.dataclass
+class Served:
+    engine: ServedEngine
+    sender: Any  # the DroidMesh sender's process
+    ctx: list[int]  # the held context's ids
+    q: list[int]
+    hold: Callable[[list[str]], None]  # the sender prefills (and the broker indexes) more contexts
+
+
 @pytest.fixture(scope="module")
-def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServedEngine, Any, list[int], list[int]]]:
+def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     if not VLLM_PYTHON.is_file():
         pytest.fail(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
     base, docqa = ModelRef(real_tier / "base", "base"), ModelRef(real_tier / "docqa", "docqa")
@@ -90,17 +100,20 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             receiver = load_model(docqa.path, device="cpu", dtype="float32", name="docqa")
             ctx, q = text.prompt_ids(receiver.tokenizer, CONTEXT, QUESTION)
 
-            async def hold() -> None:
-                (client,) = await connect_as(access, "admin")  # filling a sender is an operator's job
-                try:
-                    await client.prefill("base", CONTEXT)
-                    await until_indexed(client, receiver, CONTEXT, ids=ctx)
-                finally:
-                    await client.close()
+            def hold(contexts: list[str]) -> None:
+                async def prefill() -> None:
+                    (client,) = await connect_as(access, "admin")  # filling a sender is an operator's job
+                    try:
+                        for c in contexts:
+                            await client.prefill("base", c, timeout=300.0)
+                            await until_indexed(client, receiver, c)
+                    finally:
+                        await client.close()
+                asyncio.run(prefill())
 
-            asyncio.run(hold())
+            hold([CONTEXT])
             engine.ready(READY_S)
-            yield engine, sender, ctx, q
+            yield Served(engine, sender, ctx, q, hold)
         finally:
             engine.stop()
 
@@ -109,7 +122,7 @@ def test_a_docqa_request_reuses_bases_cache_under_the_plan(served, real_tier):
     """The connector's path is `partial` with the plan's group, every context token taken from the
     mesh; the answer agrees with DroidMesh's own engine under the same plan (float32: vLLM's and
     our kernels round differently, so the first token must agree and the greedy tokens in 10 of 12)."""
-    engine, _, ctx, q = served
+    engine, ctx, q = served.engine, served.ctx, served.q
     prompt = ctx + q
     got = engine.ask("reuse", prompt, max_tokens=NEW_TOKENS, lora="docqa")
     (decided,) = engine.events("request", got["request_id"])
@@ -131,7 +144,7 @@ def test_a_docqa_request_reuses_bases_cache_under_the_plan(served, real_tier):
 def test_a_frozen_senders_pull_falls_back_to_vllms_own_prefill(served):
     """SIGSTOP the sender: the pull misses its deadline, the connector reports the request's blocks
     as failed loads and vLLM prefills them itself: the answer is vLLM's own (mode full_prefill)."""
-    engine, sender, ctx, q = served
+    engine, sender, ctx, q = served.engine, served.sender, served.ctx, served.q
     prompt = ctx + q
     alone = engine.ask("alone", prompt, max_tokens=NEW_TOKENS, lora="docqa", mode="full_prefill")
     (decided,) = engine.events("request", alone["request_id"])
@@ -152,10 +165,31 @@ def test_the_vllm_benchs_measure_on_this_engine(served):
     """`droidmesh bench vllm`'s measurement on this module's engine (its mesh and engine start-up
     are this module's): the held context is served `partial` and `full_reuse` as asked, never
     a fallback, a context nobody holds by vLLM; every figure a positive number."""
-    engine, _, ctx, q = served
+    engine, ctx, q = served.engine, served.ctx, served.q
     fresh = list(reversed(ctx))  # shares no block with the held context: a miss
     rows = vllm_reuse.measure(engine, "connector", [len(ctx)], {len(ctx): (ctx, q)}, {len(ctx): (fresh, q)},
                               repeats=1, new_tokens=2, say=lambda line: None, adapter="docqa")
     row = rows[len(ctx)]
     assert row["paths"] == {"partial": ["partial"], "full_reuse": ["full_reuse"]}, row
     assert all(row[k] > 0 for k in ("full", "partial", "full_reuse", "decode")), row
+
+
+def test_the_vllm_rows_bench_asks_each_row_both_ways_on_this_engine(served, real_tier):
+    """`droidmesh bench vllm-rows`' questions on this module's engine, a real doc_qa test row
+    held by the sender: the same model is served `full_reuse` and answers with vLLM's own first
+    token (same weights, float32: the cache is the one vLLM would compute, to rounding); docqa is
+    served `partial` under the plan; every score a task score."""
+    from droidmesh.shared.tasks.spec import task_spec
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
+    from droidmesh.shared.tools.bench import vllm_rows
+
+    rows = make_rows("doc_qa", "test", 1, SuiteShape())
+    served.hold([r["context"] for r in rows])
+    spec = task_spec("doc_qa")
+    tokenizer = load_model(real_tier / "base", device="cpu", dtype="float32").tokenizer
+    asked = vllm_rows.ask_rows(served.engine, tokenizer, rows, spec)
+    assert [(r["same_path"], r["pair_path"]) for r in asked] == [("full_reuse", "partial")], asked
+    assert all(r["first_token_equal"] for r in asked), asked
+    assert all(0.0 <= r[k] <= 1.0 for r in asked for k in ("quality_alone", "quality_plan", "greedy_agreement"))
+    summary = vllm_rows.summarize(asked, None)
+    assert summary["rows"] == 1 and summary["same_model"]["paths"] == {"full_reuse": 1}, summary

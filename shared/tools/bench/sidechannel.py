@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import tempfile
 import time
 import urllib.error
@@ -39,6 +38,7 @@ from droidmesh.shared.auth import keys as api_keys
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user, sender_user
 from droidmesh.shared.service.launch import Proc, start_service
 from droidmesh.shared.service.localmesh import THREADS, launched_env, mesh
+from droidmesh.shared.tasks.intervals import wilson
 
 if TYPE_CHECKING:
     from droidmesh.shared.mesh.client import MeshClient
@@ -47,17 +47,6 @@ SENDER, RECEIVER = "sc-sender", "sc-receiver"
 VICTIM, ATTACKER = "victim", "attacker"
 QUESTION = " who q"
 PHASES = {"before": VICTIM, "after": ATTACKER}  # phase -> the attacker key's tenant
-Z95 = 1.959963984540054
-
-
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a proportion k/n (valid near 0 and 1, unlike p +- z*se)."""
-    if n <= 0:
-        return 0.0, 1.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _accuracy(times: np.ndarray, cached: np.ndarray, threshold: float, faster: bool) -> float:

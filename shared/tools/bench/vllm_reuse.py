@@ -17,9 +17,10 @@ Each reuse row says whether the connector's path was the one asked for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,35 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
     spec = {**served, "dtype": dtype, "max_model_len": max(contexts) + 128}
     out: dict[str, Any] = {"plan": PLAN.label(), "dtype": dtype, "repeats": repeats, "docqa": "lora" if lora else "merged",
                            "rows": []}
+    adapter = "docqa" if lora else None
+    measured = {}
+    with pair_mesh(tier, base, docqa, work, dtype, [documents(tok, n, 0) for n in contexts], lora) as connector:
+        for name, conn in (("alone", None), ("connector", connector)):
+            engine = OfflineEngine(python, {**spec, "connector": conn}, work, env)
+            try:
+                engine.ready(READY_S)
+                measured[name] = measure(engine, name, contexts, held, fresh, repeats, new_tokens, say, adapter)
+            finally:
+                engine.stop()
+    alone, mine = measured["alone"], measured["connector"]
+    for n in contexts:
+        a, c = alone[n], mine[n]
+        out["rows"].append({"context_tokens": n, "alone_ttft_s": a["full"], "miss_ttft_s": c["full"],
+                            "miss_over_alone": c["full"] / a["full"], "partial_ttft_s": c["partial"],
+                            "alone_over_partial": a["full"] / c["partial"], "full_reuse_ttft_s": c["full_reuse"],
+                            "alone_over_full_reuse": a["full"] / c["full_reuse"], "paths": c["paths"],
+                            "decode_tok_s_alone": a["decode"], "decode_tok_s_connector": c["decode"],
+                            "decode_ratio": c["decode"] / a["decode"]})
+    return out
+
+
+@contextlib.contextmanager
+def pair_mesh(tier: Path, base: ModelRef, docqa: ModelRef, work: Path, dtype: str, contexts: list[str],
+              lora: bool) -> Iterator[dict[str, Any]]:
+    """A local mesh for base -> docqa: nats-server under per-role users, the pair's plan on the
+    config board, a broker, a DroidMesh sender of base (shm, `dtype`) holding `contexts`; yields
+    the connector's settings for an engine serving docqa (merged: its base model; `lora`: an
+    adapter of base), logged in as docqa's receiver."""
     with mesh(Roster.local(senders=["base"], receivers=["docqa"])) as (access, procs):
         profile = json.loads((tier / "profiles" / "base-to-docqa.json").read_text())
         cfg = recompute_config(profile, base, docqa, 1)
@@ -115,32 +145,13 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
                                    env={**THREADS, **NO_HEALTH_PORT, **access.env_for("broker")}))
         procs.append(start_sender(access, base, "base", PLAN.e_layers, work, {**THREADS, **NO_HEALTH_PORT},
                                   paired=["docqa"], transport="shm", heartbeat_s=30.0, dtype=dtype))
-        asyncio.run(_hold(access, [documents(tok, n, 0) for n in contexts]))
+        asyncio.run(_hold(access, contexts))
         password = work / "receiver.password"
         password.write_text(access.password(receiver_user("docqa")))
-        connector = {"nats_url": access.url, "nats_user": receiver_user("docqa"), "nats_password_file": str(password),
-                     "models": {"base": str(base.path), "docqa": str(docqa.path)},
-                     "base_model": "base" if lora else "docqa", "transport": "shm", "reuse_timeout_s": 60.0,
-                     "dtype": dtype}  # the holder's, and the connector's own layers
-        adapter = "docqa" if lora else None
-        measured = {}
-        for name, conn in (("alone", None), ("connector", connector)):
-            engine = OfflineEngine(python, {**spec, "connector": conn}, work, env)
-            try:
-                engine.ready(READY_S)
-                measured[name] = measure(engine, name, contexts, held, fresh, repeats, new_tokens, say, adapter)
-            finally:
-                engine.stop()
-        alone, mine = measured["alone"], measured["connector"]
-    for n in contexts:
-        a, c = alone[n], mine[n]
-        out["rows"].append({"context_tokens": n, "alone_ttft_s": a["full"], "miss_ttft_s": c["full"],
-                            "miss_over_alone": c["full"] / a["full"], "partial_ttft_s": c["partial"],
-                            "alone_over_partial": a["full"] / c["partial"], "full_reuse_ttft_s": c["full_reuse"],
-                            "alone_over_full_reuse": a["full"] / c["full_reuse"], "paths": c["paths"],
-                            "decode_tok_s_alone": a["decode"], "decode_tok_s_connector": c["decode"],
-                            "decode_ratio": c["decode"] / a["decode"]})
-    return out
+        yield {"nats_url": access.url, "nats_user": receiver_user("docqa"), "nats_password_file": str(password),
+               "models": {"base": str(base.path), "docqa": str(docqa.path)},
+               "base_model": "base" if lora else "docqa", "transport": "shm", "reuse_timeout_s": 60.0,
+               "dtype": dtype}  # the holder's, and the connector's own layers
 
 
 async def _hold(access: Any, contexts: list[str]) -> None:

@@ -1,0 +1,86 @@
+"""95 % intervals for the verdicts of quality claims, and the 5 % rule applied to them.
+
+  - `wilson(k, n)`: a proportion's interval (agreement rates, an attacker's accuracy): valid near
+    0 and 1, where p ± z·se is not;
+  - `paired(reference, other)`: the mean paired difference `other - reference` over the same rows
+    with a percentile bootstrap interval (rows resampled with replacement, one seed: the same
+    rows give the same interval), and that difference relative to the reference's mean;
+  - `verdict(...)`: the 5 % rule on the relative interval — "within" when its lower end is at or
+    above -5 %, "below" when its upper end is under -5 %, otherwise "undecided": the rows cannot
+    tell, and the verdict says so rather than reading the mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Sequence
+
+Z95 = 1.959963984540054
+TOLERANCE = 0.05  # the 5 % rule: a plan is within it when it loses at most this share of the reference
+
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a proportion k/n (valid near 0 and 1, unlike p +- z*se)."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    """`other - reference` on the same rows: the mean difference and its 95 % interval, absolute
+    and relative to the reference's mean (relative ones are None when that mean is 0)."""
+
+    rows: int
+    reference_mean: float
+    other_mean: float
+    diff: float
+    lo: float
+    hi: float
+    rel: float | None
+    rel_lo: float | None
+    rel_hi: float | None
+
+    def verdict(self, tolerance: float = TOLERANCE) -> str:
+        if self.rel_lo is None or self.rel_hi is None:
+            return "undecided"
+        if self.rel_lo >= -tolerance:
+            return "within"
+        if self.rel_hi < -tolerance:
+            return "below"
+        return "undecided"
+
+
+def paired(reference: Sequence[float], other: Sequence[float], n_boot: int = 4000, seed: int = 0) -> Paired:
+    """The paired difference `other - reference` over the same rows, with a percentile bootstrap
+    95 % interval; relative figures divide by the reference's mean in the same resample."""
+    if len(reference) != len(other) or not reference:
+        raise ValueError(f"paired rows: {len(reference)} and {len(other)}; need the same, at least one")
+    n = len(reference)
+    rng = random.Random(seed)
+    diffs, rels = [], []
+    for _ in range(n_boot):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ref = sum(reference[i] for i in idx) / n
+        oth = sum(other[i] for i in idx) / n
+        diffs.append(oth - ref)
+        if ref > 0:
+            rels.append((oth - ref) / ref)
+    diffs.sort()
+    rels.sort()
+    ref_mean, oth_mean = sum(reference) / n, sum(other) / n
+    lo, hi = _percentiles(diffs)
+    # relative only where every resample has a positive reference mean: else it is not defined
+    rel_lo, rel_hi = _percentiles(rels) if len(rels) == n_boot else (None, None)
+    return Paired(n, ref_mean, oth_mean, oth_mean - ref_mean, lo, hi,
+                  (oth_mean - ref_mean) / ref_mean if ref_mean > 0 else None, rel_lo, rel_hi)
+
+
+def _percentiles(sorted_xs: list[float]) -> tuple[float, float]:
+    k = len(sorted_xs)
+    return sorted_xs[int(0.025 * (k - 1))], sorted_xs[math.ceil(0.975 * (k - 1))]
