@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ pytestmark = [pytest.mark.timeout(1200),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
 VLLM_PYTHON = PYTHON
+HOSTILE = "hostile"  # the id of a sender of base serving garbage of the right layout
+GARBLER = Path(__file__).with_name("garbage_sender.py")
 PLAN = ReusePlan.recompute(6, 9)  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
 NEW_TOKENS = 12
 READY_S = 600.0
@@ -68,6 +71,9 @@ class Served:
     ctx: list[int]  # the held context's ids
     q: list[int]
     hold: Callable[[list[str]], None]  # the sender prefills (and the broker indexes) more contexts
+    access: Any  # the mesh's logins
+    work: Path
+    base: Path  # the sender's checkpoint (vLLM's base model)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +82,7 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         pytest.fail(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
     base, docqa = ModelRef(real_tier / "base", "base"), ModelRef(real_tier / "docqa", "docqa")
     work = tmp_path_factory.mktemp("vllm")
-    roster = Roster.local(senders=["base"], receivers=["docqa"])
+    roster = Roster(senders=(("base", "base"), (HOSTILE, "base")), receivers=("docqa",))
     with mesh(roster) as (access, procs):
         profile = json.loads((real_tier / "profiles" / "base-to-docqa.json").read_text())
         cfg = recompute_config(profile, base, docqa, 1)
@@ -113,7 +119,7 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
             hold([CONTEXT])
             engine.ready(READY_S)
-            yield Served(engine, sender, ctx, q, hold)
+            yield Served(engine, sender, ctx, q, hold, access, work, base.path)
         finally:
             engine.stop()
 
@@ -193,3 +199,57 @@ def test_the_vllm_rows_bench_asks_each_row_both_ways_on_this_engine(served, real
     assert all(0.0 <= r[k] <= 1.0 for r in asked for k in ("quality_alone", "quality_plan", "greedy_agreement"))
     summary = vllm_rows.summarize(asked, None)
     assert summary["rows"] == 1 and summary["same_model"]["paths"] == {"full_reuse": 1}, summary
+
+
+def test_a_hostile_senders_garbage_falls_back_and_vllm_lives_on(served):
+    """A second sender of base (its own id and NATS user) serves every layer's K/V as noise at the
+    right scale and layout (`garbage_sender.py`): checksums and range checks pass it, the
+    connector's KV screen does not. Nothing is written: vLLM prefills the request itself (the
+    answer is vLLM's own), and the engine serves the next request from the honest sender."""
+    from droidmesh.shared.mesh.nats_auth import sender_user
+
+    engine, access = served.engine, served.access
+    context = ("The json module encodes and decodes JSON. It maps Python dicts to JSON objects and lists "
+               "to arrays, and reads files with load and strings with loads. ") * 6
+    hostile = start_service(
+        "sender", {"model_path": str(served.base), "model_id": "base", "sender_id": HOSTILE, "transport": "shm",
+                   "e_layers": list(PLAN.e_layers), "heartbeat_s": 30.0}, access.url, name="sender-hostile",
+        log_dir=served.work, env={**THREADS, **NO_HEALTH_PORT, **access.env_for(sender_user(HOSTILE))},
+        wrap=[sys.executable, str(GARBLER), "random", "kv", "--"])
+    base = load_model(served.base, device="cpu", dtype="float32")
+    ctx, q = text.prompt_ids(base.tokenizer, context, QUESTION)
+    try:
+        hostile.wait_for(lambda line: '"reader_paired"' in line, 60, "the base-to-docqa pair config")
+
+        async def hold() -> None:
+            """Prefills of base go to either sender (one queue group): until the hostile one holds
+            the context and the broker answers it (the newest holder of a prefix wins a tie)."""
+            (client,) = await connect_as(access, "admin")
+            try:
+                for _ in range(40):
+                    if hostile.events("request"):
+                        break
+                    await client.prefill("base", context, timeout=300.0)
+                assert hostile.events("request"), "the hostile sender never got a prefill of base"
+                for _ in range(2000):
+                    found = (await client.lookup(ctx, base.fingerprint.id)).holder
+                    if found is not None and found.sender_id == HOSTILE:
+                        return
+                raise AssertionError("the broker never answered the hostile holder")
+            finally:
+                await client.close()
+        asyncio.run(hold())
+        alone = engine.ask("hostile-alone", ctx + q, max_tokens=NEW_TOKENS, lora="docqa", mode="full_prefill")
+        got = engine.ask("hostile", ctx + q, max_tokens=NEW_TOKENS, lora="docqa")
+        (decided,) = engine.events("request", got["request_id"])
+        assert decided["path"] == "partial", decided  # the hostile holder was found and the plan chosen...
+        (fallback,) = engine.events("reuse_fallback", got["request_id"])  # ...and the screen refused its cache
+        assert "screen" in fallback["reason"].lower(), fallback
+        assert not engine.events("loaded", got["request_id"])
+        assert got["tokens"] == alone["tokens"], (got["tokens"], alone["tokens"])
+    finally:
+        hostile.stop()
+    assert engine.proc.poll() is None
+    honest = engine.ask("after-hostile", served.ctx + served.q, max_tokens=2, lora="docqa")
+    (decided,) = engine.events("request", honest["request_id"])
+    assert decided["path"] == "partial" and engine.events("loaded", honest["request_id"]), decided
