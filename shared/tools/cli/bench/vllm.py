@@ -1,10 +1,13 @@
-"""`droidmesh bench vllm`: vLLM alone against vLLM with the DroidMesh connector, in one run
-(registered on the `bench` group by `shared/tools/cli/bench/__init__.py`)."""
+"""`droidmesh bench vllm` (vLLM alone against vLLM with the DroidMesh connector: TTFT and decode
+rate) and `droidmesh bench vllm-rows` (the same, answer by answer on the real tier's test rows),
+registered on the `bench` group by `shared/tools/cli/bench/__init__.py`."""
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -18,10 +21,30 @@ COLUMNS = ["context_tokens", "alone_ttft_s", "miss_over_alone", "partial_ttft_s"
            "full_reuse_ttft_s", "alone_over_full_reuse", "decode_ratio"]
 
 
+VLLM_PYTHON = click.option("--vllm-python", default=str(PYTHON), show_default=True, type=click.Path(dir_okay=False),
+                           help="The python of the vLLM environment (`bash infra/vllm/install.sh`).")
+
+
+def _on_real_tier(vllm_python: str, prefix: str, run: Callable[[Path, Path, Callable[[str], None]], Any]) -> Any:
+    """`run(tier, scratch dir, progress)` on the built real tier; one line for a user's error."""
+    from droidmesh.shared.zoo.manifest import zoo_dir
+    from droidmesh.shared.zoo.real import build_real
+
+    if not Path(vllm_python).is_file():
+        raise click.BadParameter(f"{vllm_python} does not exist: run `bash infra/vllm/install.sh`",
+                                 param_hint="--vllm-python")
+    try:
+        tier = zoo_dir("real")
+        build_real(tier)
+        with tempfile.TemporaryDirectory(prefix=prefix) as work:
+            return run(tier, Path(work), lambda line: click.echo(line, err=True))
+    except DroidMeshError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @click.command("vllm")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows and the machine here.")
-@click.option("--vllm-python", default=str(PYTHON), show_default=True, type=click.Path(dir_okay=False),
-              help="The python of the vLLM environment (`bash infra/vllm/install.sh`).")
+@VLLM_PYTHON
 @click.option("--contexts", default="2048", callback=int_list, show_default=True, help="Context lengths in tokens.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50), help="Median of this many.")
 @click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(2, 1024),
@@ -32,24 +55,45 @@ COLUMNS = ["context_tokens", "alone_ttft_s", "miss_over_alone", "partial_ttft_s"
 def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora) -> None:
     """TTFT and decode rate: vLLM alone, and with the connector (miss, partial, full reuse)."""
     from droidmesh.shared.tools.bench import vllm_reuse
-    from droidmesh.shared.zoo.manifest import zoo_dir
-    from droidmesh.shared.zoo.real import build_real
 
-    if not Path(vllm_python).is_file():
-        raise click.BadParameter(f"{vllm_python} does not exist: run `bash infra/vllm/install.sh`",
-                                 param_hint="--vllm-python")
-    try:
-        tier = zoo_dir("real")
-        build_real(tier)
-        with tempfile.TemporaryDirectory(prefix="dm-bench-vllm-") as work:
-            result = vllm_reuse.run(vllm_python, tier, contexts, repeats, new_tokens, dtype, Path(work),
-                                    lambda line: click.echo(line, err=True), lora=lora)
-    except DroidMeshError as e:
-        raise click.ClickException(str(e)) from None
+    result = _on_real_tier(vllm_python, "dm-bench-vllm-", lambda tier, work, say: vllm_reuse.run(
+        vllm_python, tier, contexts, repeats, new_tokens, dtype, work, say, lora=lora))
     click.echo(report.format_table(result["rows"], COLUMNS))
     for row in result["rows"]:
         click.echo(f"{row['context_tokens']} tokens, connector paths: {row['paths']}")
     save(json_path, "vllm", result)
 
 
-COMMANDS = (vllm,)
+def _interval(lo_hi: list[float] | tuple[float, float] | None) -> str:
+    return "n/a" if lo_hi is None else f"[{lo_hi[0]:+.3f}, {lo_hi[1]:+.3f}]"
+
+
+@click.command("vllm-rows")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the verdicts and every row here.")
+@VLLM_PYTHON
+@click.option("--rows", default=48, show_default=True, type=click.IntRange(1, 2000), help="Test rows of doc_qa.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
+              help="vLLM's weights and cache, the sender's and the connector's own layers.")
+@click.option("--no-engine", is_flag=True, help="Skip DroidMesh's own engine on the same rows.")
+def vllm_rows(json_path, vllm_python, rows, dtype, no_engine) -> None:
+    """Same-model first-token agreement under full reuse, and base -> docqa quality under the plan."""
+    from droidmesh.shared.tools.bench import vllm_rows as bench
+
+    result = _on_real_tier(vllm_python, "dm-bench-vllm-rows-", lambda tier, work, say: bench.run(
+        vllm_python, tier, rows, work, say, dtype, engine_too=not no_engine))
+    s = result["summary"]
+    same, pair = s["same_model"], s["pair"]
+    lo, hi = same["first_token_interval"]
+    click.echo(f"{s['rows']} rows of {result['task']} ({result['split']}), {result['dtype']}, plan {result['plan']}")
+    click.echo(f"same model, full reuse (paths {same['paths']}): first token equal {same['first_token_equal']:.3f} "
+               f"[{lo:.3f}, {hi:.3f}], greedy agreement {same['greedy_agreement']:.3f}")
+    for name in ("vllm", "droidmesh_engine"):
+        if name in pair:
+            v = pair[name]
+            click.echo(f"base -> docqa, {name}: {result['metric']} full prefill {v['full_prefill']:.3f}, plan "
+                       f"{v['plan']:.3f}, relative {v['relative']}, 95% {_interval(v['relative_interval'])}: {v['verdict']}")
+    click.echo(f"base -> docqa paths {pair['paths']}")
+    save(json_path, "vllm-rows", result)
+
+
+COMMANDS = (vllm, vllm_rows)
