@@ -193,12 +193,13 @@ def test_the_vllm_rows_bench_asks_each_row_both_ways_on_this_engine(served, real
     served.hold([r["context"] for r in rows])
     spec = task_spec("doc_qa")
     tokenizer = load_model(real_tier / "base", device="cpu", dtype="float32").tokenizer
-    asked = vllm_rows.ask_rows(served.engine, tokenizer, rows, spec)
-    assert [(r["same_path"], r["pair_path"]) for r in asked] == [("full_reuse", "partial")], asked
-    assert all(r["first_token_equal"] for r in asked), asked
-    assert all(0.0 <= r[k] <= 1.0 for r in asked for k in ("quality_alone", "quality_plan", "greedy_agreement"))
-    summary = vllm_rows.summarize(asked, None)
-    assert summary["rows"] == 1 and summary["same_model"]["paths"] == {"full_reuse": 1}, summary
+    same = vllm_rows.ask_same_model(served.engine, tokenizer, rows, spec)
+    pair = vllm_rows.ask_pair(served.engine, tokenizer, rows, spec, lora="docqa")
+    assert [r["same_path"] for r in same] == ["full_reuse"] and [r["pair_path"] for r in pair] == ["partial"], (same, pair)
+    assert all(r["first_token_equal"] for r in same), same
+    assert all(0.0 <= r[k] <= 1.0 for r in pair for k in ("quality_alone", "quality_plan"))
+    summary = vllm_rows.summarize(same, pair, None)
+    assert summary["rows"] == {"same_model": 1, "pair": 1} and summary["same_model"]["greedy_agreement"] >= 0.0, summary
 
 
 def test_a_hostile_senders_garbage_falls_back_and_vllm_lives_on(served):

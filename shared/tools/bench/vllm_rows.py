@@ -2,8 +2,8 @@
 answer, on the real tier's test rows (doc_qa, cut from the standard library's docs).
 
 One local mesh (`vllm_reuse.pair_mesh`: a DroidMesh sender of `real/base` holding every row's
-context, the pair's plan on the config board) and `vllm serve` of `real/base` with `docqa` as a
-LoRA adapter through the connector. Per row, greedy answers of the task's length:
+context, the pair's plan on the config board) and `vllm serve` with the connector, of `real/base`
+and then of `docqa` (merged into its base). Per row, greedy answers of the task's length:
   - same model: `base` asks, vLLM's own full prefill against full reuse of the sender's cache of
     the same weights (mode `full_reuse`): is the first token the same, and what share of the
     answer's tokens agree;
@@ -30,7 +30,7 @@ from droidmesh.shared.service.localmesh import THREADS
 from droidmesh.shared.tasks import intervals, measures
 from droidmesh.shared.tasks.rows import decode_answer, encode_row
 from droidmesh.shared.tasks.spec import TaskSpec, task_spec
-from droidmesh.shared.tools.bench.vllm_reuse import PLAN, READY_S, pair_mesh
+from droidmesh.shared.tools.bench.vllm_reuse import PLAN, READY_S, merged, pair_mesh
 
 TASK = "doc_qa"
 
@@ -47,32 +47,48 @@ def _path(engine: Engine, request_id: str) -> str:
     return ",".join(e["path"] for e in engine.events("request", request_id)) or "none"
 
 
-def ask_rows(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spec: TaskSpec, *,
-             adapter: str = "docqa", say: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
-    """Per row (its context held by a sender of the engine's base model): the same-model pair of
-    answers (full prefill, full reuse) and the cross-model one (full prefill, the plan), with the
-    connector's path of each reuse and the task score of each cross-model answer."""
+def _ask(engine: Engine, key: str, prompt: list[int], spec: TaskSpec, eos: int | None, **kw: Any
+         ) -> tuple[list[int], str]:
+    r = engine.ask(key, prompt, max_tokens=spec.max_new_tokens, **kw)
+    return _answer(r["tokens"], eos), _path(engine, r["request_id"])
+
+
+def ask_same_model(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spec: TaskSpec, *,
+                   say: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
+    """Per row (its context held by a sender of the engine's base model, same weights): vLLM's
+    full prefill against full reuse of the sender's cache: the reuse's path, whether the first
+    token is the same, the share of answer tokens that agree."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []
     for i, row in enumerate(rows):
         ctx, q, _ = encode_row(tokenizer, row, spec)
-        prompt = ctx + q
-        asked = {}
-        for key, lora, mode in (("base_alone", None, "full_prefill"), ("base_reuse", None, "full_reuse"),
-                                ("pair_alone", adapter, "full_prefill"), ("pair_plan", adapter, "auto")):
-            r = engine.ask(f"row{i}-{key}", prompt, max_tokens=spec.max_new_tokens, lora=lora, mode=mode)
-            asked[key] = (_answer(r["tokens"], eos), _path(engine, r["request_id"]))
-        (same_a, _), (same_r, same_path) = asked["base_alone"], asked["base_reuse"]
-        (pair_a, _), (pair_p, pair_path) = asked["pair_alone"], asked["pair_plan"]
-        res = {"row": row.get("_id", i), "context_tokens": len(ctx), "same_path": same_path, "pair_path": pair_path,
-               "first_token_equal": same_a[:1] == same_r[:1],
-               "greedy_agreement": measures.greedy_agreement(same_a, same_r),
-               "pair_first_token_equal": pair_a[:1] == pair_p[:1],
-               "quality_alone": measures.score(spec.metric, decode_answer(tokenizer, pair_a, spec), row["answers"]),
-               "quality_plan": measures.score(spec.metric, decode_answer(tokenizer, pair_p, spec), row["answers"])}
-        say(f"row {i + 1}/{len(rows)}: {res['context_tokens']} tokens, same model {same_path} "
-            f"first token {'=' if res['first_token_equal'] else '!='}, pair {pair_path} "
-            f"{spec.metric} {res['quality_alone']:.2f} -> {res['quality_plan']:.2f}")
+        alone, _ = _ask(engine, f"row{i}-base-alone", ctx + q, spec, eos, mode="full_prefill")
+        reused, path = _ask(engine, f"row{i}-base-reuse", ctx + q, spec, eos, mode="full_reuse")
+        out.append({"row": row.get("_id", i), "context_tokens": len(ctx), "same_path": path,
+                    "first_token_equal": alone[:1] == reused[:1],
+                    "greedy_agreement": measures.greedy_agreement(alone, reused)})
+        say(f"same model, row {i + 1}/{len(rows)}: {len(ctx)} tokens, {path}, first token "
+            f"{'=' if alone[:1] == reused[:1] else '!='}")
+    return out
+
+
+def ask_pair(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spec: TaskSpec, *,
+             lora: str | None = None, say: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
+    """Per row (its context held by a sender of the pair's sender model): the receiver (`lora`,
+    or the engine's base model) with vLLM's full prefill against the pair's plan: the plan's path,
+    the task score of each answer, whether their first tokens are the same."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    out = []
+    for i, row in enumerate(rows):
+        ctx, q, _ = encode_row(tokenizer, row, spec)
+        alone, _ = _ask(engine, f"row{i}-pair-alone", ctx + q, spec, eos, lora=lora, mode="full_prefill")
+        planned, path = _ask(engine, f"row{i}-pair-plan", ctx + q, spec, eos, lora=lora, mode="auto")
+        res = {"row": row.get("_id", i), "context_tokens": len(ctx), "pair_path": path,
+               "pair_first_token_equal": alone[:1] == planned[:1],
+               "quality_alone": measures.score(spec.metric, decode_answer(tokenizer, alone, spec), row["answers"]),
+               "quality_plan": measures.score(spec.metric, decode_answer(tokenizer, planned, spec), row["answers"])}
+        say(f"pair, row {i + 1}/{len(rows)}: {len(ctx)} tokens, {path}, {spec.metric} "
+            f"{res['quality_alone']:.2f} -> {res['quality_plan']:.2f}")
         out.append(res)
     return out
 
@@ -88,21 +104,21 @@ def ours(tier: Path, rows: Sequence[dict[str, Any]], spec: TaskSpec, plan: Reuse
     return {"full_prefill": scorer.scores(ReusePlan.full_prefill()), "plan": scorer.scores(plan)}
 
 
-def summarize(asked: list[dict[str, Any]], engine_scores: dict[str, list[float]] | None) -> dict[str, Any]:
+def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
+              engine_scores: dict[str, list[float]] | None) -> dict[str, Any]:
     """The verdicts: agreement rates with Wilson intervals, quality differences with bootstrap ones."""
-    n = len(asked)
-    first = sum(r["first_token_equal"] for r in asked)
+    n, m = len(same), len(pair)
+    first = sum(r["first_token_equal"] for r in same)
+    pair_first = sum(r["pair_first_token_equal"] for r in pair)
     out: dict[str, Any] = {
-        "rows": n,
-        "same_model": {"paths": dict(collections.Counter(r["same_path"] for r in asked)),
+        "rows": {"same_model": n, "pair": m},
+        "same_model": {"paths": dict(collections.Counter(r["same_path"] for r in same)),
                        "first_token_equal": first / n, "first_token_interval": intervals.wilson(first, n),
-                       "greedy_agreement": statistics.fmean(r["greedy_agreement"] for r in asked)},
+                       "greedy_agreement": statistics.fmean(r["greedy_agreement"] for r in same)},
+        "pair": {"paths": dict(collections.Counter(r["pair_path"] for r in pair)),
+                 "vllm": _verdict(intervals.paired([r["quality_alone"] for r in pair], [r["quality_plan"] for r in pair])),
+                 "first_token_equal": pair_first / m, "first_token_interval": intervals.wilson(pair_first, m)},
     }
-    vllm_pair = intervals.paired([r["quality_alone"] for r in asked], [r["quality_plan"] for r in asked])
-    pair_first = sum(r["pair_first_token_equal"] for r in asked)
-    out["pair"] = {"paths": dict(collections.Counter(r["pair_path"] for r in asked)),
-                   "vllm": _verdict(vllm_pair), "first_token_equal": pair_first / n,
-                   "first_token_interval": intervals.wilson(pair_first, n)}
     if engine_scores is not None:
         out["pair"]["droidmesh_engine"] = _verdict(intervals.paired(engine_scores["full_prefill"], engine_scores["plan"]))
     return out
@@ -117,25 +133,32 @@ def _verdict(p: intervals.Paired) -> dict[str, Any]:
 
 def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], None], dtype: str = "float32",
         engine_too: bool = True) -> dict[str, Any]:
+    """Two `vllm serve` engines one after the other, each with the connector: `real/base` (the
+    same-model questions) and `docqa` merged into its base (the pair's: vLLM's CPU LoRA kernels
+    prefill many times slower than its dense ones, and the question is the answers, not LoRA)."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
     spec = task_spec(TASK)
     rows = make_rows(TASK, "test", n_rows, SuiteShape())
-    base, docqa = ModelRef(tier / "base", "base"), ModelRef(tier / "docqa", "docqa")
+    base = ModelRef(tier / "base", "base")
+    docqa = ModelRef(merged(tier / "docqa", work / "docqa-merged"), "docqa")
     tok = load_model(base.path, device="cpu", dtype="float32").tokenizer
-    longest = max(len(encode_row(tok, r, spec)[0]) + len(encode_row(tok, r, spec)[1]) for r in rows)
+    longest = max(sum(len(x) for x in encode_row(tok, r, spec)[:2]) for r in rows)
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
-    with pair_mesh(tier, base, docqa, work, dtype, [r["context"] for r in rows], lora=True) as connector:
-        spec_engine = {"model": str(base.path), "name": "base", "loras": {"docqa": str(docqa.path)}, "dtype": dtype,
-                       "max_model_len": longest + spec.max_new_tokens + 16, "connector": connector}
-        engine = ServedEngine(python, spec_engine, work, free_port(), env)
-        try:
-            engine.ready(READY_S)
-            asked = ask_rows(engine, tok, rows, spec, say=say)
-        finally:
-            engine.stop()
+    engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
+    with pair_mesh(tier, base, docqa, work, dtype, list(dict.fromkeys(r["context"] for r in rows)), lora=False) as conn:
+        asked: dict[str, list[dict[str, Any]]] = {}
+        for name, model, base_model in (("same", base, "base"), ("pair", docqa, "docqa")):
+            engine = ServedEngine(python, {**engine_spec, "model": str(model.path), "name": base_model,
+                                           "connector": {**conn, "base_model": base_model}}, work, free_port(), env)
+            try:
+                engine.ready(READY_S)
+                asked[name] = (ask_same_model(engine, tok, rows, spec, say=say) if name == "same"
+                               else ask_pair(engine, tok, rows, spec, say=say))
+            finally:
+                engine.stop()
     scores = ours(tier, rows, spec, PLAN, dtype) if engine_too else None
     return {"task": TASK, "split": "test", "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric,
-            "summary": summarize(asked, scores), "per_row": asked,
-            "droidmesh_engine_per_row": scores}
+            "contexts": len({r["context"] for r in rows}), "summary": summarize(asked["same"], asked["pair"], scores),
+            "same_model_per_row": asked["same"], "pair_per_row": asked["pair"], "droidmesh_engine_per_row": scores}

@@ -84,7 +84,8 @@ def vllm_rows(json_path, vllm_python, rows, dtype, no_engine) -> None:
     s = result["summary"]
     same, pair = s["same_model"], s["pair"]
     lo, hi = same["first_token_interval"]
-    click.echo(f"{s['rows']} rows of {result['task']} ({result['split']}), {result['dtype']}, plan {result['plan']}")
+    click.echo(f"{s['rows']['pair']} rows of {result['task']} ({result['split']}, {result['contexts']} contexts), "
+               f"{result['dtype']}, plan {result['plan']}")
     click.echo(f"same model, full reuse (paths {same['paths']}): first token equal {same['first_token_equal']:.3f} "
                f"[{lo:.3f}, {hi:.3f}], greedy agreement {same['greedy_agreement']:.3f}")
     for name in ("vllm", "droidmesh_engine"):
