@@ -3,8 +3,9 @@
   - `wilson(k, n)`: a proportion's interval (agreement rates, an attacker's accuracy): valid near
     0 and 1, where p ± z·se is not;
   - `paired(reference, other)`: the mean paired difference `other - reference` over the same rows
-    with a percentile bootstrap interval (rows resampled with replacement, one seed: the same
-    rows give the same interval), and that difference relative to the reference's mean;
+    with a percentile bootstrap interval (rows, or groups of rows that share a document,
+    resampled with replacement; one seed: the same rows give the same interval), and that
+    difference relative to the reference's mean;
   - `verdict(...)`: the 5 % rule on the relative interval — "within" when its lower end is at or
     above -5 %, "below" when its upper end is under -5 %, otherwise "undecided": the rows cannot
     tell, and the verdict says so rather than reading the mean.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 Z95 = 1.959963984540054
 TOLERANCE = 0.05  # the 5 % rule: a plan is within it when it loses at most this share of the reference
@@ -56,18 +57,28 @@ class Paired:
         return "undecided"
 
 
-def paired(reference: Sequence[float], other: Sequence[float], n_boot: int = 4000, seed: int = 0) -> Paired:
+def paired(reference: Sequence[float], other: Sequence[float], n_boot: int = 4000, seed: int = 0,
+           groups: Sequence[Hashable] | None = None) -> Paired:
     """The paired difference `other - reference` over the same rows, with a percentile bootstrap
-    95 % interval; relative figures divide by the reference's mean in the same resample."""
+    95 % interval; relative figures divide by the reference's mean in the same resample. With
+    `groups` (one id per row: rows asking about one document share it), whole groups are
+    resampled: rows of one document are not independent, and resampling them one by one would
+    make the interval too narrow."""
     if len(reference) != len(other) or not reference:
         raise ValueError(f"paired rows: {len(reference)} and {len(other)}; need the same, at least one")
+    if groups is not None and len(groups) != len(reference):
+        raise ValueError(f"{len(groups)} group ids for {len(reference)} rows")
     n = len(reference)
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups if groups is not None else range(n)):
+        members.setdefault(g, []).append(i)
+    clusters = list(members.values())
     rng = random.Random(seed)
     diffs, rels = [], []
     for _ in range(n_boot):
-        idx = [rng.randrange(n) for _ in range(n)]
-        ref = sum(reference[i] for i in idx) / n
-        oth = sum(other[i] for i in idx) / n
+        idx = [i for _ in clusters for i in clusters[rng.randrange(len(clusters))]]
+        ref = sum(reference[i] for i in idx) / len(idx)
+        oth = sum(other[i] for i in idx) / len(idx)
         diffs.append(oth - ref)
         if ref > 0:
             rels.append((oth - ref) / ref)

@@ -11,12 +11,14 @@ and then of `docqa` (merged into its base). Per row, greedy answers of the task'
     [6, 9) recomputed from the sender's E), both scored by the task metric; DroidMesh's own engine
     scores the same plan and its own full prefill on the same rows, beside them.
 Verdicts carry intervals (`tasks/intervals.py`): agreement rates a Wilson interval, quality the
-paired difference to full prefill with a bootstrap interval and the 5 % rule applied to it.
+paired difference to full prefill with a bootstrap interval (by document: rows asking about one
+context are resampled together) and the 5 % rule applied to it.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +41,11 @@ def _answer(tokens: list[int], eos: int | None) -> list[int]:
     """A greedy answer as the engine's own decoding ends it: at the first EOS, kept (the server
     is asked to ignore EOS, so every request generates the same number of tokens)."""
     return tokens[:tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def document(row: dict[str, Any]) -> str:
+    """The id of a row's context: rows asking about one document share it (and its interval's resample)."""
+    return hashlib.sha1(row["context"].encode()).hexdigest()[:12]
 
 
 def _path(engine: Engine, request_id: str) -> str:
@@ -64,7 +71,7 @@ def ask_same_model(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]
         ctx, q, _ = encode_row(tokenizer, row, spec)
         alone, _ = _ask(engine, f"row{i}-base-alone", ctx + q, spec, eos, mode="full_prefill")
         reused, path = _ask(engine, f"row{i}-base-reuse", ctx + q, spec, eos, mode="full_reuse")
-        out.append({"row": row.get("_id", i), "context_tokens": len(ctx), "same_path": path,
+        out.append({"row": row.get("_id", i), "document": document(row), "context_tokens": len(ctx), "same_path": path,
                     "first_token_equal": alone[:1] == reused[:1],
                     "greedy_agreement": measures.greedy_agreement(alone, reused)})
         say(f"same model, row {i + 1}/{len(rows)}: {len(ctx)} tokens, {path}, first token "
@@ -83,7 +90,7 @@ def ask_pair(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spe
         ctx, q, _ = encode_row(tokenizer, row, spec)
         alone, _ = _ask(engine, f"row{i}-pair-alone", ctx + q, spec, eos, lora=lora, mode="full_prefill")
         planned, path = _ask(engine, f"row{i}-pair-plan", ctx + q, spec, eos, lora=lora, mode="auto")
-        res = {"row": row.get("_id", i), "context_tokens": len(ctx), "pair_path": path,
+        res = {"row": row.get("_id", i), "document": document(row), "context_tokens": len(ctx), "pair_path": path,
                "pair_first_token_equal": alone[:1] == planned[:1],
                "quality_alone": measures.score(spec.metric, decode_answer(tokenizer, alone, spec), row["answers"]),
                "quality_plan": measures.score(spec.metric, decode_answer(tokenizer, planned, spec), row["answers"])}
@@ -108,6 +115,7 @@ def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
               engine_scores: dict[str, list[float]] | None) -> dict[str, Any]:
     """The verdicts: agreement rates with Wilson intervals, quality differences with bootstrap ones."""
     n, m = len(same), len(pair)
+    docs = [r["document"] for r in pair]  # a document's rows are resampled together
     first = sum(r["first_token_equal"] for r in same)
     pair_first = sum(r["pair_first_token_equal"] for r in pair)
     out: dict[str, Any] = {
@@ -115,12 +123,14 @@ def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
         "same_model": {"paths": dict(collections.Counter(r["same_path"] for r in same)),
                        "first_token_equal": first / n, "first_token_interval": intervals.wilson(first, n),
                        "greedy_agreement": statistics.fmean(r["greedy_agreement"] for r in same)},
-        "pair": {"paths": dict(collections.Counter(r["pair_path"] for r in pair)),
-                 "vllm": _verdict(intervals.paired([r["quality_alone"] for r in pair], [r["quality_plan"] for r in pair])),
+        "pair": {"paths": dict(collections.Counter(r["pair_path"] for r in pair)), "documents": len(set(docs)),
+                 "vllm": _verdict(intervals.paired([r["quality_alone"] for r in pair], [r["quality_plan"] for r in pair],
+                                                   groups=docs)),
                  "first_token_equal": pair_first / m, "first_token_interval": intervals.wilson(pair_first, m)},
     }
     if engine_scores is not None:
-        out["pair"]["droidmesh_engine"] = _verdict(intervals.paired(engine_scores["full_prefill"], engine_scores["plan"]))
+        out["pair"]["droidmesh_engine"] = _verdict(intervals.paired(engine_scores["full_prefill"], engine_scores["plan"],
+                                                                    groups=docs))
     return out
 
 
