@@ -130,9 +130,10 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
 
 @contextlib.contextmanager
 def pair_mesh(tier: Path, base: ModelRef, docqa: ModelRef, work: Path, dtype: str, contexts: list[str],
-              lora: bool) -> Iterator[dict[str, Any]]:
+              lora: bool, store_bytes: int = 2 << 30) -> Iterator[dict[str, Any]]:
     """A local mesh for base -> docqa: nats-server under per-role users, the pair's plan on the
-    config board, a broker, a DroidMesh sender of base (shm, `dtype`) holding `contexts`; yields
+    config board, a broker, a DroidMesh sender of base (shm, `dtype`, a store of `store_bytes`:
+    what it cannot hold it evicts, oldest first) holding `contexts`; yields
     the connector's settings for an engine serving docqa (merged: its base model; `lora`: an
     adapter of base), logged in as docqa's receiver."""
     with mesh(Roster.local(senders=["base"], receivers=["docqa"])) as (access, procs):
@@ -144,7 +145,8 @@ def pair_mesh(tier: Path, base: ModelRef, docqa: ModelRef, work: Path, dtype: st
         procs.append(start_service("cache_broker", {}, access.url, log_dir=work,
                                    env={**THREADS, **NO_HEALTH_PORT, **access.env_for("broker")}))
         procs.append(start_sender(access, base, "base", PLAN.e_layers, work, {**THREADS, **NO_HEALTH_PORT},
-                                  paired=["docqa"], transport="shm", heartbeat_s=30.0, dtype=dtype))
+                                  paired=["docqa"], transport="shm", heartbeat_s=30.0, dtype=dtype,
+                                  store_bytes=store_bytes))
         asyncio.run(_hold(access, contexts))
         password = work / "receiver.password"
         password.write_text(access.password(receiver_user("docqa")))

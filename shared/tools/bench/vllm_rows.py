@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,7 +52,8 @@ def document(row: dict[str, Any]) -> str:
 def _path(engine: Engine, request_id: str) -> str:
     if engine.events("reuse_fallback", request_id):
         return "fallback"
-    return ",".join(e["path"] for e in engine.events("request", request_id)) or "none"
+    decided = engine.events("request", request_id)
+    return ",".join(e["path"] + (f" ({e['reason']})" if e.get("reason") else "") for e in decided) or "none"
 
 
 def _ask(engine: Engine, key: str, prompt: list[int], spec: TaskSpec, eos: int | None, **kw: Any
@@ -141,6 +143,15 @@ def _verdict(p: intervals.Paired) -> dict[str, Any]:
             "verdict": p.verdict()}
 
 
+def held_bytes_per_token(checkpoint: Path, dtype: str) -> int:
+    """What a sender holds per context token of a checkpoint: every layer's K and V, and E at
+    the plan's group start, in `dtype`."""
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv = cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    return (kv + cfg["hidden_size"] * len(PLAN.e_layers)) * (4 if dtype == "float32" else 2)
+
+
 def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], None], dtype: str = "float32",
         engine_too: bool = True) -> dict[str, Any]:
     """Two `vllm serve` engines one after the other, each with the connector: `real/base` (the
@@ -157,7 +168,10 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     longest = max(sum(len(x) for x in encode_row(tok, r, spec)[:2]) for r in rows)
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
-    with pair_mesh(tier, base, docqa, work, dtype, list(dict.fromkeys(r["context"] for r in rows)), lora=False) as conn:
+    contexts = list(dict.fromkeys(r["context"] for r in rows))
+    held = sum(len(encode_row(tok, {"context": c, "input": "", "answers": [""]}, spec)[0]) for c in contexts)
+    store = max(2 << 30, int(1.25 * held * held_bytes_per_token(base.path, dtype)))  # every context at once
+    with pair_mesh(tier, base, docqa, work, dtype, contexts, lora=False, store_bytes=store) as conn:
         asked: dict[str, list[dict[str, Any]]] = {}
         for name, model, base_model in (("same", base, "base"), ("pair", docqa, "docqa")):
             engine = ServedEngine(python, {**engine_spec, "model": str(model.path), "name": base_model,
