@@ -102,15 +102,22 @@ def ask_pair(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spe
     return out
 
 
-def ours(tier: Path, rows: Sequence[dict[str, Any]], spec: TaskSpec, plan: ReusePlan, dtype: str) -> dict[str, list[float]]:
-    """DroidMesh's own engine on the same rows: the receiver's full prefill and `plan`, per row."""
+def ours(tier: Path, rows: Sequence[dict[str, Any]], spec: TaskSpec, plan: ReusePlan, dtype: str,
+         chunk: int = 16) -> dict[str, list[float]]:
+    """DroidMesh's own engine on the same rows: the receiver's full prefill and `plan`, per row.
+    A scorer keeps every row's capture (all layers' K/V and E) to score plans over them, so rows
+    go `chunk` at a time: 200 rows of the real tier at once would hold ~24 GB."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.tasks.scorer import PairScorer
 
     sender = load_model(tier / "base", device="cpu", dtype=dtype, name="base")
     receiver = load_model(tier / "docqa", device="cpu", dtype=dtype, name="docqa")
-    scorer = PairScorer(sender, receiver, rows, spec)
-    return {"full_prefill": scorer.scores(ReusePlan.full_prefill()), "plan": scorer.scores(plan)}
+    out: dict[str, list[float]] = {"full_prefill": [], "plan": []}
+    for start in range(0, len(rows), chunk):
+        scorer = PairScorer(sender, receiver, rows[start:start + chunk], spec)
+        out["full_prefill"] += scorer.scores(ReusePlan.full_prefill())
+        out["plan"] += scorer.scores(plan)
+    return out
 
 
 def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
