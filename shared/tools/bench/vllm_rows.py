@@ -27,6 +27,7 @@ from typing import Any
 
 from droidmesh.shared.engines.vllm.client import Engine, ServedEngine
 from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.model import text
 from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.service.launch import free_port
 from droidmesh.shared.service.localmesh import THREADS
@@ -176,7 +177,7 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
     contexts = list(dict.fromkeys(r["context"] for r in rows))
-    held = sum(len(encode_row(tok, {"context": c, "input": "", "answers": [""]}, spec)[0]) for c in contexts)
+    held = sum(len(text.context_ids(tok, c)) for c in contexts)
     store = max(2 << 30, int(1.25 * held * held_bytes_per_token(base.path, dtype)))  # every context at once
     with pair_mesh(tier, base, docqa, work, dtype, contexts, lora=False, store_bytes=store) as conn:
         asked: dict[str, list[dict[str, Any]]] = {}
