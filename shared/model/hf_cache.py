@@ -111,9 +111,10 @@ class WriteOnceLayer(DynamicLayer):
         self._expose()
 
     def reset(self) -> None:
+        """Empty: the next update starts the layer afresh (`_empty`)."""
         self._k = self._v = None
         self.length = 0
-        super().reset()
+        _empty(self)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last tokens; the next update writes over their places (views taken before
@@ -234,8 +235,19 @@ def set_layer_kv(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tens
     """
     entry = _entry(cache, layer)
     if entry.is_initialized:
-        entry.reset()
+        entry.reset() if isinstance(entry, WriteOnceLayer) else _empty(entry)
     cache.update(k, v, layer)
+
+
+def _empty(entry: DynamicLayer) -> None:
+    """A full layer emptied, so that its next `update` initialises it again with what it is given.
+
+    Not transformers' `reset`, whose meaning changed within 5.x: in 5.17 (the GPU machine's) a
+    full layer inherits the mixin's, which zeroes K/V in place and leaves the layer initialised,
+    so the next update would append after zeros (a write-once layer's would find no storage);
+    later releases drop the tensors instead, which is what this does on every version."""
+    entry.keys = entry.values = None  # type: ignore[assignment]
+    entry.is_initialized = False
 
 
 def fork(cache: DynamicCache, config: Any, capacity: int) -> DynamicCache:

@@ -272,7 +272,7 @@ def _measure(transport: str, sizes: list[int], repeats: int, shm_lanes: int, ite
 
 
 def run_transfer(sizes: list[int], repeats: int, transports: list[str] | None = None, shm_lanes: int = 2,
-                 items: int = 1, grants: bool = True) -> dict[str, Any]:
+                 items: int = 1, grants: bool = True, llc: int | None = None) -> dict[str, Any]:
     """Pulls over each bulk channel between two processes (a tensor server and this one) against
     a memcpy of the same bytes (warm and out of cache): per size, one pull of `items` items of
     that many bytes each (as a context's layers travel). With `grants`, a real nats-server runs
@@ -283,9 +283,10 @@ def run_transfer(sizes: list[int], repeats: int, transports: list[str] | None = 
     `unavailable` and the reason), `over_memcpy` (per transport, the smallest ratio from 16 MiB
     pulled up), `ucx_over_memcpy`, `fixed_cost` (per transport: one 4 KiB item, medians in µs),
     `nixl_over_raw` (per size, the nixl channel's throughput over `nixl_raw`'s, when both ran)
-    and `memcpy` (how the reference was taken)."""
+    and `memcpy` (how the reference was taken). `llc`: the last-level cache's size the cold
+    reference must overflow (default: this machine's; its buffers are ~4x it)."""
     transports = transports or bench_transports()
-    llc = llc_bytes()
+    llc = llc or llc_bytes()
     refs = {}
     for n in sizes:  # before any server runs, so no other process competes for the cores
         refs[n] = memcpy_reference(n * items, repeats, llc)

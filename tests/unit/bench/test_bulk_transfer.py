@@ -74,7 +74,8 @@ def test_tensor_server_refuses_an_unknown_transport_in_one_line(capsys):
 
 
 def test_transfer_rows_over_the_inproc_channel():
-    r = bulk_transfer.run_transfer([4096, 8192], repeats=1, transports=["inproc"])
+    # a small cache to overflow: this machine's (480 MiB here) would mean ~2 GB of reference buffers
+    r = bulk_transfer.run_transfer([4096, 8192], repeats=1, transports=["inproc"], llc=1 << 20)
     assert [row["bytes"] for row in r["rows"]] == [4096, 8192]
     for row in r["rows"]:
         assert row["transport"] == "inproc" and row["ucx_transports"] is None

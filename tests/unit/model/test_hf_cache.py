@@ -1,12 +1,14 @@
-"""`hf_cache.WriteOnceLayer`: K/V written in place into preallocated storage, grown when it must be."""
+"""`hf_cache`: a `WriteOnceLayer`'s K/V written in place into preallocated storage, grown when it must
+be; a layer's K/V replaced whole on every transformers release the project allows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from droidmesh.shared.errors import UnsupportedModelError
-from droidmesh.shared.model.hf_cache import WriteOnceLayer
+from droidmesh.shared.model.hf_cache import WriteOnceLayer, layer_kv, new_cache, set_layer_kv
 
 
 def _kv(n: int, start: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,3 +58,25 @@ def test_batch_reshaping_is_refused():
     layer.update(*_kv(2))
     with pytest.raises(UnsupportedModelError):
         layer.batch_repeat_interleave(2)
+
+
+@pytest.mark.parametrize("capacity", [None, 8], ids=["full-layer", "write-once"])
+@pytest.mark.parametrize("reset", ["installed", "transformers-5.17"])
+def test_setting_a_filled_layer_holds_exactly_the_new_kv(capacity, reset, monkeypatch):
+    """`set_layer_kv` over a layer that already holds K/V (CacheBlend re-sets every layer) leaves
+    only the new K/V, whatever transformers' `reset` means: in 5.17 a full layer's reset zeroes its
+    tensors in place and stays initialised (an append after zeros, or a write-once layer with no
+    storage), in later releases it drops them."""
+    if reset == "transformers-5.17" and "reset" in vars(DynamicLayer):
+        monkeypatch.delattr(DynamicLayer, "reset")  # the mixin's: zero in place, stay initialised
+    from transformers import LlamaConfig
+
+    cache = new_cache(LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=8),
+                      capacity)
+    set_layer_kv(cache, 0, *_kv(5))
+    k, v = _kv(3, start=100)
+    set_layer_kv(cache, 0, k, v)
+    keys, values = layer_kv(cache, 0)
+    assert torch.equal(keys, k) and torch.equal(values, v)  # bitwise: copied into the cache's storage
+    set_layer_kv(cache, 0, *_kv(2, start=7))  # and again, after a re-set
+    assert layer_kv(cache, 0)[0].shape[2] == 2

@@ -31,7 +31,7 @@ def _alive(ix: CacheIndex, sender: str) -> None:
 
 def _tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(1000, 1 << 32) for _ in range(n)]
+    return [1000 + rng.getrandbits(31) for _ in range(n)]  # getrandbits: ~5x randrange's speed
 
 
 @pytest.mark.parametrize("shape", ["long", "short", "wide_metadata"])
