@@ -23,11 +23,21 @@ def machine() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "transformers": _version("transformers"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def model_record(adapter: Any) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def test_tiny_run_writes_every_row_target_and_an_exact_recompute_all(tmp_path):
     batched = report["batched_decode"]  # per way, every row of the batch chose the tokens one sequence alone chose
     assert [r["way"] for r in batched] == ["ragged", "pool", "graphs"]
     assert all(r["batch"] == 4 and r["same_tokens"] and r["first_divergence"] is None and r["batched_tokens_per_s"] > 0
-               for r in batched)
+               and (r["sequences"], r["rows_agree"], r["agree_share"]) == (5, 5, 1.0) for r in batched)
     assert "graphs" in proc.stdout and report["graphs"]["what"].startswith("cpu:")
 
 
@@ -50,6 +50,15 @@ def test_first_divergence_is_the_first_token_where_a_row_parts_from_the_solo_tok
     rows = [SimpleNamespace(tokens=[1, 2, 3, 4]), SimpleNamespace(tokens=[1, 2, 5, 4])]
     assert gpu_check._first_divergence(rows, [1, 2, 3, 4]) == 2
     assert gpu_check._first_divergence(rows[:1], [1, 2, 3, 4]) is None
+
+
+def test_a_row_parting_at_a_near_tie_is_rounding_and_elsewhere_a_changed_answer():
+    """The reference's relative top-2 margins per token: 0.5, 0.001, 0.5. A row parting at token 1
+    (margin 0.001 <= the tie bound 0.01) parted by rounding; one parting at token 2 changed."""
+    ref, margins = [1, 2, 3], [0.5, 0.001, 0.5]
+    got = gpu_check.agreement([[1, 2, 3], [1, 9, 9], [1, 2, 9]], ref, margins, tie=0.01)
+    assert got == {"sequences": 3, "rows_agree": 1, "rows_near_tie": 1, "rows_changed": 1, "agree_share": 1 / 3}
+    assert gpu_check.agreement([[1, 9, 9]], ref, margins, tie=0.0001)["rows_changed"] == 1  # a tighter bound: changed
 
 
 def test_named_shapes_have_the_real_architectures_sizes():

@@ -214,10 +214,10 @@ def batched_decode(model: ModelAdapter, n: int, batch: int, steps: int = 16, see
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
     pre = prefill(model, ids, ReusePlan.full_prefill(), decode_tokens=steps + 1)
 
-    def rows(count: int) -> list[Decoding]:
+    def rows(count: int, sampler: Any = greedy) -> list[Decoding]:
         out = []
         for _ in range(count):
-            d = Decoding(hf_cache.fork(pre.cache, model.config, n + steps + 1), n, steps + 1, None, greedy)
+            d = Decoding(hf_cache.fork(pre.cache, model.config, n + steps + 1), n, steps + 1, None, sampler)
             d.take(pre.logits[-1])
             out.append(d)
         return out
@@ -234,8 +234,10 @@ def batched_decode(model: ModelAdapter, n: int, batch: int, steps: int = 16, see
         return time.perf_counter() - t0
 
     made = steps - 1  # tokens each row decoded in the timed steps
-    reference = rows(1)
+    margins: list[float] = []  # per token of the reference: its top-1 over top-2 logit, relative
+    reference = rows(1, _recording(margins))
     timed(reference, "ragged")
+    tie = TIE_EPS * torch.finfo(model.dtype).eps
     out = []
     for way in DECODE_WAYS:
         solo, together = rows(1), rows(batch)
@@ -249,8 +251,39 @@ def batched_decode(model: ModelAdapter, n: int, batch: int, steps: int = 16, see
                     "batched_tokens_per_s": made * batch / batch_s,
                     "speedup": (made * batch / batch_s) / (made / solo_s),
                     "same_tokens": all(d.tokens == reference[0].tokens for d in solo + together),
-                    "first_divergence": _first_divergence(solo + together, reference[0].tokens)})
+                    "first_divergence": _first_divergence(solo + together, reference[0].tokens),
+                    **agreement([d.tokens for d in solo + together], reference[0].tokens, margins, tie)})
     return out
+
+
+# A row that parts from the solo reference where the reference's top two logits were within this
+# many units of the dtype's epsilon (relative to the top logit) parted by rounding: a batch sums
+# its products in another order, and in bfloat16 every logit carries that much rounding through
+# the layers. Where the reference was decided by more, the row's answer changed.
+TIE_EPS = 8
+
+
+def _recording(margins: list[float]) -> Any:
+    """Greedy, noting each step's top-1 over top-2 logit margin relative to the top logit."""
+    def pick(logits: torch.Tensor) -> int:
+        top = logits.detach().float().flatten().topk(2).values
+        margins.append(float(top[0] - top[1]) / max(1.0, abs(float(top[0]))))
+        return greedy(logits)
+    return pick
+
+
+def agreement(rows: list[list[int]], reference: list[int], margins: list[float], tie: float) -> dict[str, Any]:
+    """Each row's greedy tokens against the solo reference's: agreeing throughout, parting at a
+    near-tie of the reference (relative margin <= `tie` at that step: rounding), or changed."""
+    agree = near = 0
+    for tokens in rows:
+        if tokens == reference:
+            agree += 1
+            continue
+        at = common_prefix(tokens, reference)
+        near += at < len(margins) and margins[at] <= tie
+    return {"sequences": len(rows), "rows_agree": agree, "rows_near_tie": near, "rows_changed": len(rows) - agree - near,
+            "agree_share": agree / len(rows) if rows else None}
 
 
 def _first_divergence(rows: list[Decoding], reference: list[int]) -> int | None:
@@ -326,7 +359,8 @@ def main(argv: list[str]) -> int:
                                "cpu: graphs are the eager stand-in (the sequence, not the gain)")}}
     print(report.format_table(rows, COLUMNS))
     print(report.format_table(batched, ["way", "context", "batch", "solo_tokens_per_s", "batched_tokens_per_s",
-                                        "speedup", "same_tokens", "first_divergence"]))
+                                        "speedup", "same_tokens", "first_divergence", "rows_agree",
+                                        "rows_near_tie", "rows_changed"]))
     print(json.dumps({"targets": found, "exactness": exact, "cacheblend_s": blend_s, "overlap": overlapped,
                       "batched_decode": batched}, indent=1))
     if args.out:
