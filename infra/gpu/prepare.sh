@@ -3,7 +3,8 @@
 #   1. Python: $PYTHON, else the repo's .venv, else python3. Torch is never installed: the GPU
 #      machine's own CUDA build is the one to measure;
 #   2. with $WHEELS (a folder of carried wheels) install them offline, without dependencies, into
-#      a scratch folder put on PYTHONPATH;
+#      a scratch folder put on PYTHONPATH; with $CARRY (an archive `infra/gpu/carry.py` made of
+#      the channels' wheels, ~14 MiB instead of ~110) unpack it into one put on PYTHONPATH too;
 #   3. `require MODULE=WHEEL ...` names every missing module and exits 2, rather than a traceback.
 
 if [[ -n "${PYTHON:-}" ]]; then
@@ -14,10 +15,15 @@ else
   py=python3
 fi
 
-if [[ -n "${WHEELS:-}" ]]; then
+if [[ -n "${WHEELS:-}" || -n "${CARRY:-}" ]]; then
   deps=$(mktemp -d)
   trap 'rm -rf "$deps"' EXIT
-  "$py" -m pip install --quiet --no-index --no-deps --target "$deps" "$WHEELS"/*.whl
+  if [[ -n "${WHEELS:-}" ]]; then
+    "$py" -m pip install --quiet --no-index --no-deps --target "$deps" "$WHEELS"/*.whl
+  fi
+  if [[ -n "${CARRY:-}" ]]; then
+    tar -xJf "$CARRY" -C "$deps"
+  fi
   export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
 fi
 

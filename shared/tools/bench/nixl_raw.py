@@ -35,10 +35,13 @@ RAW_PREFIX = "NIXL_RAW="
 
 
 def _agent(role: str) -> Any:
-    try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore[no-redef]
+    import importlib
+    import importlib.util
+
+    # the CUDA 12 / 13 wheels, or a source build (as the channel's own agent finds them)
+    name = next((m for m in ("nixl_cu12", "nixl_cu13") if importlib.util.find_spec(m)), "nixl")
+    api = importlib.import_module(f"{name}._api")
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
     return nixl_agent(f"droidmesh-raw-{role}-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False))
 
 

@@ -1,0 +1,166 @@
+"""Pack the wheels a GPU check lacks into one small archive that travels with the working tree.
+
+A GPU machine has torch and transformers but not the bulk channels' native stacks, and a call
+carries at most 64 MiB: the tree (~48 MB) plus the UCX CUDA wheels (53 MB) or `nixl-cu13`
+(59 MB) does not fit. Most of those wheels is never loaded by a channel: static libraries, perf
+tools, headers, NIXL's torch-extension builds for three torch versions, and NIXL plugins for
+object stores, GDS and DOCA with their libraries (grpc, aws, azure, etcd...). This keeps what a
+channel loads:
+
+* every Python extension module of the kept packages, the UCX core libraries `libucx.load`
+  opens by name, UCX's transport modules (`libucx/lib/ucx`, loaded at run time; not perftest),
+  and NIXL's UCX plugin (NIXL loads a plugin by its name);
+* every shared library those reach through their ELF `NEEDED` entries, resolved inside the
+  archive by file name (the wheels' `$ORIGIN` run paths point there);
+
+and drops the rest. Copies of one library under several names (`libucp.so`, `.so.0`,
+`.so.0.0.0`: a zip has no links) become symbolic links, which the archive keeps.
+
+    python infra/gpu/carry.py WHEELS_DIR build/gpu-carry.tar.xz [--nixl-plugins UCX]
+
+`infra/gpu/prepare.sh` unpacks it with `CARRY=build/gpu-carry.tar.xz` and puts it on PYTHONPATH.
+`--check` imports ucxx and starts a NIXL agent with each kept plugin from the unpacked archive
+(on a CPU machine too: UCX skips its CUDA transports there), so a library dropped by mistake
+fails here, not on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+DROP_DIRS = ("include", "share", "cmake", "pkgconfig", "bin", "nixl_ep_cu12", "nixl_ep_cu13", "nixl_cu12.scripts",
+             "nixl_cu13.scripts")
+DROP_SUFFIXES = (".a", ".la", ".h", ".hpp", ".cmake", ".pc")
+UCX_CORE = ("libucs.so", "libucs_signal.so", "libuct.so", "libucp.so", "libucm.so")  # libucx/load.py, and libucm
+
+
+def unpack(wheels: Path, stage: Path) -> int:
+    """Every wheel of `wheels` unzipped into `stage` (a site-packages layout); their total bytes."""
+    found = sorted(wheels.glob("*.whl"))
+    if not found:
+        raise SystemExit(f"carry: no wheels in {wheels}")
+    for wheel in found:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(stage)
+    return sum(w.stat().st_size for w in found)
+
+
+def is_elf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"\x7fELF"
+
+
+def needed(path: Path) -> list[str]:
+    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=False).stdout
+    return [line.split("[", 1)[1].split("]", 1)[0] for line in out.splitlines() if "(NEEDED)" in line]
+
+
+def roots(stage: Path, plugins: tuple[str, ...]) -> list[Path]:
+    """What a channel loads by name or as a module (see the module's docstring)."""
+    out = []
+    for path in stage.rglob("*.so*"):
+        rel = path.relative_to(stage).as_posix()
+        if not path.is_file() or "perftest" in rel:
+            continue
+        extension = ".cpython-" in path.name or path.name.endswith(".abi3.so")
+        ucx = rel.startswith("libucx/lib/") and (path.name.split(".so")[0] + ".so" in UCX_CORE or "/ucx/" in rel)
+        plugin = "/plugins/" in rel or "/nixl/" in rel
+        if extension or ucx or (plugin and any(f"libplugin_{p}.so" == path.name for p in plugins)):
+            out.append(path)
+    return out
+
+
+def closure(stage: Path, start: list[Path]) -> set[Path]:
+    """`start` and every library they reach through NEEDED, found in `stage` by file name."""
+    by_name: dict[str, list[Path]] = {}
+    for path in stage.rglob("*"):
+        if path.is_file() and ".so" in path.name:
+            by_name.setdefault(path.name, []).append(path)
+    keep, todo = set(), list(start)
+    while todo:
+        path = todo.pop()
+        if path in keep:
+            continue
+        keep.add(path)
+        for name in needed(path):
+            todo += by_name.get(name, [])  # not found: a system library (libc, libcuda, ...)
+    return keep
+
+
+def trim(stage: Path, plugins: tuple[str, ...]) -> None:
+    for d in sorted((p for p in stage.rglob("*") if p.is_dir() and p.name in DROP_DIRS), reverse=True):
+        shutil.rmtree(d, ignore_errors=True)
+    for path in list(stage.rglob("*")):
+        if path.is_file() and (path.name.endswith(DROP_SUFFIXES) or "perftest" in path.name):
+            path.unlink()
+    keep = closure(stage, roots(stage, plugins))
+    for path in list(stage.rglob("*")):
+        if path.is_file() and ".so" in path.name and is_elf(path) and path not in keep:
+            path.unlink()
+    link_copies(stage)
+
+
+def link_copies(stage: Path) -> None:
+    """Within a folder, files of equal content become links to one of them (the longest name:
+    the versioned file a library's other names point at)."""
+    groups: dict[tuple[Path, str], list[Path]] = {}
+    for path in stage.rglob("*.so*"):
+        if path.is_file() and not path.is_symlink():
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            groups.setdefault((path.parent, digest), []).append(path)
+    for paths in groups.values():
+        target = max(paths, key=lambda p: len(p.name))
+        for path in paths:
+            if path != target:
+                path.unlink()
+                path.symlink_to(target.name)
+
+
+def check(archive: Path, plugins: tuple[str, ...]) -> None:
+    with tempfile.TemporaryDirectory() as site:
+        with tarfile.open(archive) as tar:
+            tar.extractall(site, filter="tar")
+        probe = ("import ucxx, importlib\n"
+                 "api = next(importlib.import_module(m) for m in ('nixl_cu13._api', 'nixl_cu12._api')\n"
+                 "           if importlib.util.find_spec(m.split('.')[0]))\n"
+                 f"for p in {list(plugins)!r}:\n"
+                 "    api.nixl_agent('carry-' + p, api.nixl_agent_config(backends=[p]))\n"
+                 "print('carry check: ucxx and NIXL', " + repr(", ".join(plugins)) + ", 'load')\n")
+        env = {**os.environ, "PYTHONPATH": site, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=120)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    ap.add_argument("wheels", type=Path, help="a folder of wheels (ucxx-cu13, libucx-cu13, ..., nixl-cu13, msgspec, ...)")
+    ap.add_argument("out", type=Path, help="the archive to write (.tar.xz)")
+    ap.add_argument("--nixl-plugins", default="UCX", help="NIXL plugins to keep, comma-separated (default UCX)")
+    ap.add_argument("--check", action="store_true", help="import the channels from the written archive")
+    args = ap.parse_args(argv)
+    plugins = tuple(p for p in args.nixl_plugins.split(",") if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = Path(tmp)
+        wheel_bytes = unpack(args.wheels, stage)
+        trim(stage, plugins)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(args.out, "w:xz", preset=6) as tar:
+            for path in sorted(stage.iterdir()):
+                tar.add(path, arcname=path.name)
+    size = args.out.stat().st_size
+    print(f"carry: {wheel_bytes / 2**20:.1f} MiB of wheels -> {args.out} {size / 2**20:.1f} MiB")
+    if args.check:
+        check(args.out, plugins)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

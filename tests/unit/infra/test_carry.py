@@ -1,0 +1,74 @@
+"""`infra/gpu/carry.py`: the archive keeps what a channel loads and drops the rest.
+
+Built from wheels made here of real ELF files (this interpreter's own extension modules and
+libraries), so the NEEDED-closure is the real one, not a stand-in."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import msgspec
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+CARRY = ROOT / "infra" / "gpu" / "carry.py"
+
+
+def _carry():
+    spec = importlib.util.spec_from_file_location("carry", CARRY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _wheel(path: Path, files: dict[str, bytes]) -> None:
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+
+
+def test_the_archive_keeps_what_is_loaded_and_drops_the_rest(tmp_path):
+    carry = _carry()
+    ext = next(Path(msgspec.__file__).parent.glob("_core*.so")).read_bytes()  # an extension module: a root
+    other = ext  # an ELF file no root NEEDs under the names it gets below
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels / "pkg-1-py3-none-any.whl", {
+        "pkg/__init__.py": b"", "pkg/_core.cpython-311-x86_64-linux-gnu.so": ext,
+        "pkg.libs/libunused-1a2b.so.1": other, "pkg/lib/libstatic.a": b"!<arch>\n", "pkg/bin/tool": b"#!/bin/sh\n",
+        "pkg/include/x.h": b"", "pkg-1.dist-info/METADATA": b"Name: pkg\n"})
+    _wheel(wheels / "libucx-1-py3-none-any.whl", {  # UCX's core libraries: loaded by name, kept with their aliases
+        "libucx/__init__.py": b"", "libucx/lib/libucs.so": other, "libucx/lib/libucs.so.0": other,
+        "libucx/lib/libucs.so.0.0.0": other, "libucx/lib/ucx/libucx_perftest_cuda.so.0": other})
+    out = tmp_path / "carry.tar.xz"
+    assert carry.main([str(wheels), str(out)]) == 0
+    with tarfile.open(out) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert "pkg/_core.cpython-311-x86_64-linux-gnu.so" in members and "pkg-1.dist-info/METADATA" in members
+    assert not any(n.startswith(("pkg.libs/libunused", "pkg/lib/libstatic", "pkg/bin", "pkg/include")) or
+                   "perftest" in n for n in members), sorted(members)
+    assert members["libucx/lib/libucs.so.0.0.0"].isfile()
+    assert [members[f"libucx/lib/libucs.so{v}"].linkname for v in ("", ".0")] == ["libucs.so.0.0.0"] * 2
+
+
+def test_no_wheels_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(CARRY), str(tmp_path), str(tmp_path / "x.tar.xz")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and proc.stderr.strip() == f"carry: no wheels in {tmp_path}"
+
+
+@pytest.mark.parametrize("plugins", ["UCX", "UCX,POSIX"])
+def test_only_the_named_nixl_plugins_are_roots(tmp_path, plugins):
+    carry = _carry()
+    for rel in ("nixl_cu13.libs/nixl/libplugin_UCX.so", "nixl_cu13.libs/nixl/libplugin_POSIX.so",
+                "nixl_cu13.libs/nixl/libplugin_GDS.so"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"\x7fELF")
+    found = {p.name for p in carry.roots(tmp_path, tuple(plugins.split(",")))}
+    assert found == {f"libplugin_{p}.so" for p in plugins.split(",")}
