@@ -246,7 +246,7 @@ def _empty(entry: DynamicLayer) -> None:
     full layer inherits the mixin's, which zeroes K/V in place and leaves the layer initialised,
     so the next update would append after zeros (a write-once layer's would find no storage);
     later releases drop the tensors instead, which is what this does on every version."""
-    entry.keys = entry.values = None  # type: ignore[assignment]
+    entry.keys = entry.values = None
     entry.is_initialized = False
 
 

@@ -9,6 +9,8 @@ channel's client.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from droidmesh.shared.wire.schemas import Message, PullResponse, Transport
@@ -65,23 +67,42 @@ class UcxWelcome(Message, tag="ucx.welcome"):
 
 # -- the shm pull's control exchange (a Unix socket; the bytes are sealed memfds it passes) ----
 class ShmRegion(msgspec.Struct):
-    """Where one granted item lies in the grant's memfds: row r of the item (a K / V head, or E's
-    one row) starts at `offset + r * stride` of memfd number `fd`; the receiver derives the rows
-    and their length from its own buffer."""
+    """Where one granted item lies: row r of the item (a K / V head, or E's one row) starts at
+    `offset + r * stride` of memfd number `fd`, or, with `export` >= 0, of the grant's device
+    export of that number (`fd` unused); the receiver derives the rows and their length from its
+    own buffer."""
 
     fd: int
     offset: int
     stride: int
+    export: int = -1
+
+
+MAX_HANDLE_BYTES = 512  # a CUDA IPC export as `cuda_ipc` encodes it is ~200 bytes
+
+
+class DeviceExport(msgspec.Struct):
+    """A sender's device allocation a grant reads (`transport/exports.py`): its number within the
+    sender's incarnation, its size and the handle a same-host receiver opens once."""
+
+    export_id: Annotated[int, msgspec.Meta(ge=1)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+    handle: Annotated[bytes, msgspec.Meta(max_length=MAX_HANDLE_BYTES)]
 
 
 class ShmGrant(Message, tag="shm.grant"):
-    """The sender's answer to a PullRequest. Granted: the headers, one region per item and
-    `fds` memfds passed with this frame (SCM_RIGHTS). Refused: an error in `response`, no
-    regions and no memfds."""
+    """The sender's answer to a PullRequest. Granted: the headers, one region per item, `fds`
+    memfds passed with this frame (SCM_RIGHTS) and the device exports its regions read, with the
+    sender's incarnation and the exports named on this connection that were released since its
+    last grant (the receiver closes their mappings). Refused: an error in `response`, no regions,
+    no memfds and no exports."""
 
     response: PullResponse
     regions: list[ShmRegion] = []
     fds: int = 0
+    incarnation: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    exports: list[DeviceExport] = []
+    released: list[int] = []
 
 
 class ShmDone(Message, tag="shm.done"):

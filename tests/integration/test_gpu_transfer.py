@@ -28,6 +28,9 @@ def test_dry_run_end_to_end(tmp_path):
     assert report["dry_run"] and report["missing"] == [] and report["path"] == "host (dry run)"
     assert [r["bytes"] for r in report["rows"]] == [4096, 65536]
     assert all(r["pull_gb_s"] > 0 and r["copy_gb_s"] > 0 and r["unavailable"] is None for r in report["rows"])
+    shm = report["shm"]  # the shm channel's rows, plan and fixed cost: on the CPU over sealed memfds
+    assert shm["missing"] is None and [r["bytes"] for r in shm["rows"]] == [4096, 65536]
+    assert shm["plan"]["items"] == 60 and shm["plan"]["ratio"] > 0 and shm["fixed_us"] > 0
 
 
 def test_missing_ucxx_is_named_and_the_copy_reference_still_measured(monkeypatch):

@@ -1,5 +1,5 @@
-"""Pulls between two processes on one GPU over the UCX channel, against the device's own copy
-bandwidth: `python -m droidmesh.shared.tools.bench.gpu_transfer` (run by `infra/gpu/transfer-check.sh`).
+"""Pulls between two processes on one GPU over the UCX and shm channels, against the device's own
+copy bandwidth: `python -m droidmesh.shared.tools.bench.gpu_transfer` (run by `infra/gpu/transfer-check.sh`).
 
 Sequence:
   1. facts: torch and its CUDA device, whether UCX here can move device memory
@@ -15,7 +15,9 @@ Sequence:
      (`bulk_transfer.pull_rates`): one warm-up, then the median wall time of `--repeats` (a pull ends
      when its payload has landed and passed its checksum); the path the capability check gives
      and the protocol UCX printed for sending that memory (`ucx_proto.ucx_tables`);
-  5. a table on stdout; JSON to `--json`, else `$OUT/gpu-transfer.json` when `OUT` is set.
+  5. the same over the shm channel (`shm_rows`: device exports opened once by the receiver; per
+     size, a 60-item plan in one pull, and the fixed cost of a 4 KiB pull);
+  6. a table on stdout; JSON to `--json`, else `$OUT/gpu-transfer.json` when `OUT` is set.
 What is missing (ucxx, a server that cannot start) becomes the rows' `unavailable` reason and a
 `missing` entry with exit status 2, never a traceback; the copy reference is measured regardless.
 """
@@ -107,6 +109,7 @@ def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, A
             report["missing"].append(f"pull: {one_line(e)}")
         finally:
             lines = server.stop()
+    report["shm"] = shm_rows(sizes, device, repeats, refs)
     tables = ucx_tables(lines)  # tag-send tables by memory type
     memory = next((m for m in tables if m.startswith("cuda")), "host memory") if device.type == "cuda" else "host memory"
     report["rows"] = [{
@@ -118,6 +121,42 @@ def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, A
     return report
 
 
+PLAN_ITEMS, PLAN_ITEM_BYTES = 60, 3 * MIB // 2  # a real small model's plan: 60 layer items of 1.5 MiB
+FIXED_BYTES = 4 << 10
+
+
+def shm_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[int, float]) -> dict[str, Any]:
+    """Step 4 over the shm channel: on a GPU the sender's contexts are device allocations
+    exported once (CUDA IPC) and read by offset; on the CPU, sealed memfds. Per size one item,
+    then a plan (PLAN_ITEMS items in one pull), then the fixed cost (one FIXED_BYTES item)."""
+    item = PLAN_ITEM_BYTES if device.type == "cuda" else 64 << 10
+    out: dict[str, Any] = {"rows": [], "plan": None, "fixed_us": None, "missing": None}
+    try:
+        rates = _shm_rates(sizes, device, repeats, 1)
+        plan = _shm_rates([item], device, repeats, PLAN_ITEMS)[item]
+        fixed = _shm_rates([FIXED_BYTES], device, max(repeats, 20), 1)[FIXED_BYTES]
+    except Exception as e:
+        out["missing"] = one_line(e)
+        return out
+    out["rows"] = [{"bytes": n, "pull_gb_s": rates[n], "ratio": rates[n] / refs[n]} for n in sizes]
+    plan_copy = copy_gb_s(item * PLAN_ITEMS, device, repeats)
+    out["plan"] = {"items": PLAN_ITEMS, "item_bytes": item, "pull_gb_s": plan, "copy_gb_s": plan_copy,
+                   "ratio": plan / plan_copy}
+    out["fixed_us"] = FIXED_BYTES / (fixed * 1e9) * 1e6
+    return out
+
+
+def _shm_rates(sizes: list[int], device: torch.device, repeats: int, items: int) -> dict[int, float]:
+    server = TensorServer("shm", sizes, device=device, items=items)
+    try:
+        server.wait_ready(SERVER_START_S)
+        if server.address is None:
+            raise RuntimeError(f"shm tensor server: {server.error}")
+        return asyncio.run(pull_rates("shm", server.address, sizes, repeats, device, items=items))
+    finally:
+        server.stop()
+
+
 def table(report: dict[str, Any]) -> str:
     head = (f"device: {report['device']}{'  (DRY RUN on CPU: not a GPU measurement)' if report['dry_run'] else ''}\n"
             f"path: {report['path']}\nUCX CUDA: {report['ucx_cuda']['reason']}\n")
@@ -127,6 +166,15 @@ def table(report: dict[str, Any]) -> str:
         ratio = f"{r['ratio']:9.3f}" if r["ratio"] is not None else f"{'-':>9}"
         rows.append(f"{r['bytes']:>12} {pull} {r['copy_gb_s']:10.2f} {ratio}  {r['ucx_send'] or '-'}")
     missing = "".join(f"MISSING: {m}\n" for m in report["missing"])
+    shm = report["shm"]
+    rows.append(f"shm channel ({'device exports' if not report['dry_run'] else 'sealed memfds'}):")
+    rows += [f"{r['bytes']:>12} {r['pull_gb_s']:10.2f} {'':>10} {r['ratio']:9.3f}" for r in shm["rows"]]
+    if shm["plan"]:
+        p = shm["plan"]
+        rows.append(f"plan {p['items']} x {p['item_bytes']} bytes: {p['pull_gb_s']:.2f} GB/s, {p['ratio']:.3f} of one copy; "
+                    f"fixed cost {shm['fixed_us']:.0f} us per pull")
+    if shm["missing"]:
+        missing += f"MISSING (shm): {shm['missing']}\n"
     return head + "\n".join(rows) + "\n" + missing
 
 

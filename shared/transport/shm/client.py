@@ -31,10 +31,12 @@ from collections.abc import Sequence
 import torch
 
 from droidmesh.shared.errors import IntegrityError
-from droidmesh.shared.transport import memfd, shm_io
+from droidmesh.shared.kv import streams
+from droidmesh.shared.transport import cuda_ipc, memfd, shm_io
 from droidmesh.shared.transport.address import check_unix_path
 from droidmesh.shared.transport.bulk import Landing, OnItem, landings
 from droidmesh.shared.transport.client import ChannelClient
+from droidmesh.shared.transport.exports import Export, Mapping, Mappings, Opener, check_region
 from droidmesh.shared.transport.shm.layout import MAX_FDS, rows
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.channels import ShmDone, ShmGrant, ShmRegion
@@ -56,11 +58,7 @@ class _Read:
 def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int]) -> list[_Read]:
     """The preadv calls that fill `land`'s receive buffer from `region`, checked against the
     memfd's sealed size first. Rows and their length come from our own buffer, never the peer."""
-    if land.header.codec != "raw":
-        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: codec {land.header.codec} over shm (raw only)")
-    n, row = rows(land.header.shape, land.item.kind, land.out.element_size())
-    if n * row != land.header.nbytes or land.recv.numel() != land.header.nbytes:
-        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: {land.header.nbytes} bytes for {n} x {row}")
+    n, row = _rows(land)
     if not 0 <= region.fd < len(fds) or region.offset < 0 or (n > 1 and region.stride < row):
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: bad region {region}")
     if n and row and region.offset + (n - 1) * region.stride + row > sizes[region.fd]:
@@ -72,6 +70,50 @@ def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int]) -
     if region.stride == row:  # rows back to back (a whole stored tensor, E, a per-pull copy): one read
         n, row = 1, n * row
     return [_Read(fds[region.fd], region.offset + r * region.stride, dest[r * row:(r + 1) * row]) for r in range(n)]
+
+
+def _device_reads(land: Landing, region: ShmRegion, exports: list[Export], mappings: Mappings) -> _DeviceRead:
+    """The copy that fills `land`'s buffer from a device export, checked against the export's size
+    first (the mapping opened here the first time a grant names it). Rows and their length come
+    from our own buffer, never the peer."""
+    n, row = _rows(land)
+    if not 0 <= region.export < len(exports):
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: bad region {region}")
+    export = exports[region.export]
+    check_region(export, region.offset, region.stride, n, row)
+    return _DeviceRead(mappings.get(export), region.offset, region.stride, n, row, land.recv)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceRead:
+    mapping: Mapping
+    offset: int
+    stride: int
+    rows: int
+    row: int
+    into: torch.Tensor
+
+    def run(self) -> None:
+        cuda_ipc.read(self.mapping, self.offset, self.stride, self.rows, self.row, self.into)
+
+
+def _read_device(reads: list[_DeviceRead]) -> None:
+    """A layer's device copies, on its buffers' copy stream; returns when they are done (one wait
+    per layer, on the loop: a layer's device-to-device copy takes microseconds)."""
+    if reads:
+        with streams.landing(reads[0].into.device):
+            for r in reads:
+                r.run()
+
+
+def _rows(land: Landing) -> tuple[int, int]:
+    """(rows, bytes per row) of a raw item, from the receiver's own buffer; checked against the header."""
+    if land.header.codec != "raw":
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: codec {land.header.codec} over shm (raw only)")
+    n, row = rows(land.header.shape, land.item.kind, land.out.element_size())
+    if n * row != land.header.nbytes or land.recv.numel() != land.header.nbytes:
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: {land.header.nbytes} bytes for {n} x {row}")
+    return n, row
 
 
 def _pieces(reads: list[_Read]) -> list[list[_Read]]:
@@ -118,41 +160,57 @@ def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -
     return running
 
 
-class ShmBulkClient(ChannelClient[socket.socket]):
+@dataclasses.dataclass
+class _Conn:
+    """A connection to one sender: its socket and the sender's device exports it has open."""
+
+    sock: socket.socket
+    mappings: Mappings
+
+
+class ShmBulkClient(ChannelClient[_Conn]):
     """Pulls over cached connections (one per sender socket, one pull at a time each)."""
 
     transport: Transport = "shm"
 
-    def __init__(self, lanes: int = LANES) -> None:
+    def __init__(self, lanes: int = LANES, opener: Opener | None = None) -> None:
         super().__init__()
         self._lanes = concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="shm-lane")
+        self._opener: Opener = opener or cuda_ipc.open_export
 
 
-    async def _pull_on(self, sock: socket.socket, request: PullRequest, into: Sequence[torch.Tensor],
+    async def _pull_on(self, conn: _Conn, request: PullRequest, into: Sequence[torch.Tensor],
                        on_item: OnItem) -> int:
-        await shm_io.send_frame(sock, schemas.encode(request))
-        data, fds = await shm_io.recv_frame(sock, schemas.MAX_MESSAGE_BYTES, MAX_FDS)
+        await shm_io.send_frame(conn.sock, schemas.encode(request))
+        data, fds = await shm_io.recv_frame(conn.sock, schemas.MAX_MESSAGE_BYTES, MAX_FDS)
         futures: list[concurrent.futures.Future] = []
         ok = False
         try:
             grant = schemas.decode(data, ShmGrant)
             lands = landings(request, grant.response, into)
-            if grant.fds != len(fds) or len(grant.regions) != len(lands):
-                raise IntegrityError(f"grant of {len(grant.regions)} regions and {grant.fds} memfds; "
-                                     f"{len(lands)} items and {len(fds)} memfds arrived")
+            if grant.fds != len(fds) or len(grant.regions) != len(lands) or len(grant.exports) > len(lands):
+                raise IntegrityError(f"grant of {len(grant.regions)} regions, {grant.fds} memfds and "
+                                     f"{len(grant.exports)} exports; {len(lands)} items and {len(fds)} memfds arrived")
+            exports = [Export(e.export_id, e.nbytes, e.handle) for e in grant.exports]
+            conn.mappings.update(grant.incarnation, exports, grant.released)
             sizes = [memfd.sealed_size(fd) for fd in fds]
             runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
                                                               key=lambda lr: lr[0].item.layer)]
-            tasks = [[r for land, region in run for r in _reads(land, region, fds, sizes)] for run in runs]
+            on_device = [[_device_reads(land, region, exports, conn.mappings) for land, region in run if region.export >= 0]
+                         for run in runs]  # every region checked (and mapped) before any byte is read
+            tasks = [[r for land, region in run if region.export < 0 for r in _reads(land, region, fds, sizes)]
+                     for run in runs]
             if sum(land.header.nbytes for land in lands) <= INLINE_BYTES:  # a lane's hand-off would cost more
-                for run, reads in zip(runs, tasks, strict=True):
+                for run, reads, device in zip(runs, tasks, on_device, strict=True):
                     _read(reads)
+                    _read_device(device)
                     for land, _ in run:
                         on_item(land.item, land.land(verify=False))
             else:
                 queued = [[self._lanes.submit(_read, t) for t in _pieces(reads)] for reads in tasks]
                 futures = [f for run in queued for f in run]
-                for run, run_futures in zip(runs, queued, strict=True):
+                for run, run_futures, device in zip(runs, queued, on_device, strict=True):
+                    _read_device(device)
                     for f in run_futures:
                         await asyncio.wrap_future(f)
                     for land, _ in run:
@@ -162,13 +220,13 @@ class ShmBulkClient(ChannelClient[socket.socket]):
             running = _close_when_done(fds, futures)
             if not ok and running:  # the caller's buffers are written no more once the pull has failed
                 await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, running), return_exceptions=True))
-        await shm_io.send_frame(sock, schemas.encode(ShmDone()))
+        await shm_io.send_frame(conn.sock, schemas.encode(ShmDone()))
         return sum(land.header.nbytes for land in lands)
 
-    def _alive(self, sock: socket.socket) -> bool:
-        return shm_io.alive(sock)
+    def _alive(self, conn: _Conn) -> bool:
+        return shm_io.alive(conn.sock)
 
-    async def _connect(self, address: str) -> socket.socket:
+    async def _connect(self, address: str) -> _Conn:
         check_unix_path(address, "shm")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
@@ -178,10 +236,11 @@ class ShmBulkClient(ChannelClient[socket.socket]):
         except BaseException:
             sock.close()
             raise
-        return sock
+        return _Conn(sock, Mappings(self._opener))
 
-    async def _disconnect(self, address: str, sock: socket.socket) -> None:
-        sock.close()
+    async def _disconnect(self, address: str, conn: _Conn) -> None:
+        conn.mappings.close()  # a sender we no longer talk to keeps none of its memory alive through us
+        conn.sock.close()
 
     async def _shutdown(self) -> None:
         await asyncio.to_thread(self._lanes.shutdown, wait=True, cancel_futures=True)

@@ -26,7 +26,7 @@ import shutil
 import socket
 import struct
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import structlog
@@ -34,7 +34,7 @@ import torch
 
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.model.device import dtype_name
-from droidmesh.shared.transport import memfd, shm_io
+from droidmesh.shared.transport import cuda_ipc, memfd, shm_io
 from droidmesh.shared.transport.bulk import (
     MAX_REQUEST_BYTES,
     Authorize,
@@ -45,11 +45,12 @@ from droidmesh.shared.transport.bulk import (
     refusal,
     token_axis,
 )
+from droidmesh.shared.transport.exports import Export, Exporter, Sent
 from droidmesh.shared.transport.shm.layout import rows
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits, Slots
 from droidmesh.shared.wire import schemas
-from droidmesh.shared.wire.channels import ShmDone, ShmGrant, ShmRegion
-from droidmesh.shared.wire.schemas import PullRequest, TensorHeader, Transport
+from droidmesh.shared.wire.channels import DeviceExport, ShmDone, ShmGrant, ShmRegion
+from droidmesh.shared.wire.schemas import PullItem, PullRequest, TensorHeader, Transport
 
 log = structlog.get_logger("shm")
 HOLD_S = 120.0  # the longest a grant is held, from its send to its ShmDone
@@ -62,15 +63,18 @@ class ShmBulkServer:
     transport: Transport = "shm"
 
     def __init__(self, lookup: TensorLookup, authorize: Authorize | None, *, pin: Pin | None = None,
-                 limits: SlotLimits | None = None):
+                 limits: SlotLimits | None = None, device: Exporter | None = None):
         self._lookup, self._authorize, self._pin = lookup, authorize, pin
+        self._device = device or cuda_ipc.CudaExporter()
         self.slots = Slots("shm", limits)
         self._dir = ""
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
 
-    place = staticmethod(memfd.place)
+    def place(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """A host context into one sealed memfd; a device one into one exported allocation."""
+        return memfd.place(tensors) if not tensors or tensors[0].device.type == "cpu" else self._device.place(tensors)
 
     async def start(self) -> str:
         """Listen on a Unix socket in a fresh directory of mode 0700; return its path."""
@@ -106,12 +110,13 @@ class ShmBulkServer:
 
     async def _serve(self, conn: socket.socket) -> None:
         slot: Slot | None = None
+        sent = Sent(self._device.registry)  # the device exports this connection's grants named
         try:
             slot = self.slots.admit(_peer(conn))  # before a byte is read; None: refused (logged)
             while slot is not None:
                 async with slot.waiting():
                     data, _ = await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0)
-                grant, fds, release = await self._grant(data)
+                grant, fds, release = await self._grant(data, sent)
                 try:
                     async with asyncio.timeout(HOLD_S):  # a receiver that stops reading holds nothing longer
                         await shm_io.send_frame(conn, schemas.encode(grant), fds)
@@ -129,7 +134,7 @@ class ShmBulkServer:
                 self.slots.release(slot)
             conn.close()
 
-    async def _grant(self, data: bytes) -> tuple[ShmGrant, list[int], Callable[[], None]]:
+    async def _grant(self, data: bytes, sent: Sent) -> tuple[ShmGrant, list[int], Callable[[], None]]:
         """The grant for one request, the memfds it passes and the release of what it holds."""
         try:
             request = schemas.decode(data, PullRequest)
@@ -145,7 +150,7 @@ class ShmBulkServer:
             stored.clear()
 
         try:
-            return (*await self._regions(request, stored, views, hold, scratch), release)
+            return (*await self._regions(request, stored, views, hold, scratch, sent), release)
         except DroidMeshError as e:
             release()
             return ShmGrant(response=refusal(e)), [], _nothing
@@ -154,23 +159,27 @@ class ShmBulkServer:
             raise
 
     async def _regions(self, request: PullRequest, stored: list[torch.Tensor], views: list[torch.Tensor],
-                       hold: PullHold, scratch: list[int]) -> tuple[ShmGrant, list[int]]:
-        """Each item where it lies in a placed memfd, or in the per-pull memfd (fd -1 until it exists)."""
+                       hold: PullHold, scratch: list[int], sent: Sent) -> tuple[ShmGrant, list[int]]:
+        """Each item where it lies in a placed memfd or a device export, or in the per-pull memfd
+        (fd -1 until it exists)."""
         fds: list[int] = []
+        exports: list[Export] = []
         regions: list[ShmRegion] = []
         copies: list[tuple[int, torch.Tensor]] = []  # (offset in the per-pull memfd, view)
         copy_bytes = 0
         for item, t, view in zip(request.items, stored, views, strict=True):
-            found = memfd.placed(t)
+            found, on_device = memfd.placed(t), self._device.exported(t)
             if found is not None:
                 seg, offset = found
                 if seg.fd not in fds:
                     fds.append(seg.fd)
-                n, _ = rows(t.shape, item.kind, t.element_size())
-                stride = t.numel() * t.element_size() // max(n, 1)
-                # a row is one head's [T, hd]: a later start skips its first tokens in every row
-                skip = item.start * stride // t.shape[token_axis(item.kind)] if item.start else 0  # admitted: has the axis
-                regions.append(ShmRegion(fd=fds.index(seg.fd), offset=offset + skip, stride=stride))
+                regions.append(ShmRegion(fd=fds.index(seg.fd), **_where(t, item, offset)))
+            elif on_device is not None:
+                export, offset = on_device
+                if export not in exports:
+                    exports.append(export)
+                    sent.name(export.export_id)
+                regions.append(ShmRegion(fd=-1, export=exports.index(export), **_where(t, item, offset)))
             else:  # copied contiguous: row r right after row r - 1
                 _, row = rows(view.shape, item.kind, view.element_size())
                 regions.append(ShmRegion(fd=-1, offset=copy_bytes, stride=row))
@@ -181,12 +190,14 @@ class ShmBulkServer:
             fd = await _off_loop(memfd.sealed_memfd, copy_bytes, copies)
             scratch.append(fd)
             fds.append(fd)
-            regions = [msgspec.structs.replace(r, fd=len(fds) - 1) if r.fd < 0 else r for r in regions]
+            regions = [msgspec.structs.replace(r, fd=len(fds) - 1) if r.fd < 0 and r.export < 0 else r for r in regions]
         headers = [TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind, shape=list(v.shape),
                                 dtype=dtype_name(v.dtype), codec="raw", codec_params={},
                                 nbytes=v.numel() * v.element_size(), checksum="")
                    for item, v in zip(request.items, views, strict=True)]
-        return ShmGrant(response=schemas.PullResponse(headers=headers), regions=regions, fds=len(fds)), fds
+        device = [DeviceExport(export_id=e.export_id, nbytes=e.nbytes, handle=e.handle) for e in exports]
+        return ShmGrant(response=schemas.PullResponse(headers=headers), regions=regions, fds=len(fds),
+                        incarnation=self._device.registry.incarnation, exports=device, released=sent.released()), fds
 
     async def close(self) -> None:
         if self._accepting is not None:
@@ -200,6 +211,16 @@ class ShmBulkServer:
             self._sock = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _where(t: torch.Tensor, item: PullItem, offset: int) -> dict[str, int]:
+    """A stored tensor's rows at byte `offset` of its memory: where the item's first row starts
+    and the bytes between rows."""
+    n, _ = rows(t.shape, item.kind, t.element_size())
+    stride = t.numel() * t.element_size() // max(n, 1)
+    # a row is one head's [T, hd]: a later start skips its first tokens in every row
+    skip = item.start * stride // t.shape[token_axis(item.kind)] if item.start else 0  # admitted: has the axis
+    return {"offset": offset + skip, "stride": stride}
 
 
 def _nothing() -> None:
