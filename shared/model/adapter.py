@@ -48,6 +48,7 @@ from droidmesh.shared.model import attention, hf_cache
 from droidmesh.shared.model.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
 from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of, layer_windows
 from droidmesh.shared.model.masks import additive, layer_mask
+from droidmesh.shared.model.names import RANDOM_INIT
 from droidmesh.shared.model.projections import LayerProjections
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -276,6 +277,8 @@ def load_model(
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise UnsupportedModelError(f"attention implementation {attn_implementation!r}; use {ATTN_IMPLEMENTATIONS}")
     kw = dict(dtype=resolve_dtype(dtype, dev), attn_implementation=attn_implementation, local_files_only=True)
+    if (p / RANDOM_INIT).is_file():
+        return ModelAdapter(model=_random_init(p, kw, dev), tokenizer=load_tokenizer(p), name=name or p.name)
     if (p / "adapter_config.json").is_file():
         model = _load_lora(p, kw)
     else:
@@ -288,6 +291,20 @@ def load_model(
     # all born on `model.device` from here on.
     moved = model.to(dev)  # type: ignore[arg-type]  # transformers' stub wraps Module.to, mypy misreads it
     return ModelAdapter(model=moved, tokenizer=tok, name=name or p.name)
+
+
+def _random_init(p: Path, kw: dict[str, Any], dev: torch.device) -> PreTrainedModel:
+    """A checkpoint of a named shape without weights: its config random-initialised on `dev`
+    itself with the checkpoint's seed (an 8B model is built in seconds on a GPU, never copied
+    from the host). The same checkpoint on the same device gives the same weights."""
+    seed = json.loads((p / RANDOM_INIT).read_text())["seed"]
+    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"{p}: model_type {config.model_type!r} not in {SUPPORTED_MODEL_TYPES}")
+    torch.manual_seed(int(seed))
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=kw["attn_implementation"], dtype=kw["dtype"])
+    return model.eval()
 
 
 def _load_lora(p: Path, kw: dict[str, Any]) -> PreTrainedModel:

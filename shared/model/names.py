@@ -17,6 +17,7 @@ from pathlib import Path
 from droidmesh.shared.errors import CheckpointNotFoundError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+RANDOM_INIT = "random_init.json"  # a named shape's checkpoint without weights: {"seed": N} (`zoo/shapes.py`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,8 @@ def is_checkpoint(path: Path) -> bool:
 def weights_sha256(path: Path) -> str:
     """sha256 over a checkpoint's weight files, in name order (one file: that file's sha256)."""
     files = sorted(f for f in Path(path).iterdir() if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+    if not files and (Path(path) / RANDOM_INIT).is_file():  # a named shape's weights: its config and seed
+        files = [Path(path) / "config.json", Path(path) / RANDOM_INIT]
     if not files:
         raise CheckpointNotFoundError(f"no weight files (*.safetensors, *.bin) in {path}")
     return sha256_files(files)

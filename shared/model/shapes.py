@@ -29,6 +29,9 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3.2-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                                   num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
                                   max_position_embeddings=131072, tie_word_embeddings=True)),
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                   num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0,
+                                   max_position_embeddings=8192, tie_word_embeddings=True)),
     "tiny": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192)),
 }

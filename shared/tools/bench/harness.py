@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from droidmesh.shared.mesh.nats_auth import MeshAccess
@@ -44,6 +45,26 @@ def run_probe(access: MeshAccess, model: str, sender: str, tokens: int, group: t
                          env={**os.environ, **(env or {}), **probe_env(access), DEVICE_ENV: device})
     if lines is not None:
         lines.extend(out.stdout.splitlines())
+    result = probe_result(out.stdout)
+    if result is None:
+        raise RuntimeError(f"probe failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return result
+
+
+def run_probe_configs(access: MeshAccess, model: str, sender: str, tokens: list[int], configs: list[dict[str, Any]],
+                      repeats: int, device: str, dtype: str = "bfloat16", timeout_s: float = 1800) -> dict[str, Any]:
+    """Run the configs probe (`probe.probe_configs`) against `sender`: every config timed on one
+    fresh context per length in `tokens`. Raises RuntimeError with its stderr's tail if it gave
+    no result."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(configs, f)
+    try:
+        argv = [sys.executable, "-m", PROBE_MODULE, "--nats", access.url, "--model", model, "--sender", sender,
+                "--tokens", ",".join(map(str, tokens)), "--repeats", str(repeats), "--configs", f.name, "--dtype", dtype]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                             env={**os.environ, **probe_env(access), DEVICE_ENV: device})
+    finally:
+        os.unlink(f.name)
     result = probe_result(out.stdout)
     if result is None:
         raise RuntimeError(f"probe failed ({out.returncode}):\n{out.stderr[-3000:]}")

