@@ -10,6 +10,7 @@ import structlog
 import torch
 
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError
+from droidmesh.shared.holding.store import on_device
 from droidmesh.shared.kv.blocks import CapturedContext
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate_steps
@@ -38,8 +39,28 @@ async def _ensure_captured(s: SenderState, ctx_ids: list[int], scope: str) -> tu
     if captured is None:
         captured = dataclasses.replace(await s.run_torch(_capture, s, ctx_ids, s.e_layers()), scope=scope)
         s.metrics.prefills.inc()
+        await _make_room_on_device(s, captured)
         await s.holder.put(cid, captured)
     return cid, captured
+
+
+async def _make_room_on_device(s: SenderState, incoming: CapturedContext) -> None:
+    """Past the device budget the least recently used device contexts move to host memory (copied
+    on the torch thread, placed where the channel serves host memory from) before `incoming` is
+    stored: still held and served, evicted only when the whole store is full."""
+    if not on_device(incoming):
+        return
+    for cid, old in s.store.device_victims(incoming.nbytes):
+        new = await s.run_torch(_to_host, s, old)
+        if s.store.move(cid, old, new):
+            s.metrics.tier_moves.inc()
+
+
+def _to_host(s: SenderState, captured: CapturedContext) -> CapturedContext:
+    """On the torch thread: `captured`'s tensors copied to host memory and placed there."""
+    host = [t.to("cpu") for t in captured.items()]
+    codes = {k: t.to("cpu") for k, t in captured.codes.items()}
+    return dataclasses.replace(captured.with_items(s.holder.place(host)), codes=codes)
 
 
 def _capture(s: SenderState, ctx_ids: list[int], e_layers: list[int]) -> CapturedContext:

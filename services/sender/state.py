@@ -24,7 +24,7 @@ class SenderState:
         self.cfg, self.bus, self.model, self._torch, self.metrics = cfg, bus, model, run_torch, metrics
         self.model_sha256 = model_sha256
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
-        self.holder = Holder(cfg.sender_id, bus, CacheStore(cfg.store_bytes, cfg.pull_bytes), metrics,
+        self.holder = Holder(cfg.sender_id, bus, CacheStore(cfg.store_bytes, cfg.pull_bytes, cfg.device_store_bytes), metrics,
                              grant_ttl_s=cfg.grant_ttl_s, heartbeat_s=cfg.heartbeat_s, authenticated=bool(cfg.nats_user))
         self.held = self.holder.add_model(cfg.model_id, model_sha256, model.dtype, cfg.readers)
         self.store = self.holder.store

@@ -78,6 +78,7 @@ class Holder:
         self.place: Callable[[list[torch.Tensor]], list[torch.Tensor]] = list
         metrics.store_bytes.set_function(lambda: self.store.resident_bytes)  # pulls' pinned tensors and copies too
         metrics.store_contexts.set_function(lambda: len(self.store.ids()))
+        metrics.store_device_bytes.set_function(lambda: self.store.device_bytes)
 
     def add_model(self, model_id: str, sha256: str, dtype: torch.dtype, readers: Sequence[str] = ()) -> HeldModel:
         held = self.models[model_id] = HeldModel(model_id, sha256, dtype, Readers(model_id, tuple(readers)))

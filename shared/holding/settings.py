@@ -15,6 +15,9 @@ class HolderSettings(BusSettings):
     read, and where its bulk server listens."""
 
     store_bytes: int = dataclasses.field(default=2 << 30, metadata={"help": "byte budget of the KV/E store (pinned by pulls too)"})
+    device_store_bytes: int = dataclasses.field(default=0, metadata={
+        "help": "on a GPU, device bytes the store's contexts may take; past it the least recently used move to host "
+                "memory (still served) before any is evicted (0: store_bytes bounds them alone)"})
     pull_bytes: int = dataclasses.field(default=1 << 30, metadata={
         "help": "byte budget of copies made for pulls in flight (prefix slices, CUDA staging); past it a pull is refused"})
     heartbeat_s: float = dataclasses.field(default=1.0, metadata={"help": "heartbeat interval"})
@@ -38,6 +41,8 @@ class HolderSettings(BusSettings):
         super().__post_init__()
         if self.store_bytes <= 0:
             raise ConfigError("store_bytes must be positive")
+        if not 0 <= self.device_store_bytes <= self.store_bytes:
+            raise ConfigError("device_store_bytes must be in [0, store_bytes]")
         if self.pull_bytes < 0:
             raise ConfigError("pull_bytes must be >= 0")
         if self.heartbeat_s <= 0:

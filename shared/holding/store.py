@@ -11,6 +11,12 @@ Invariants (touched by the event loop only, so no lock):
     refuses that pull (the receiver falls back), never grows memory.
 Channels release a hold when the pull's sends complete, fail or time out, so a pull that never
 drains holds memory only until its send deadline.
+
+Tiers: with a `device_budget`, contexts held in device memory (a GPU sender's) take at most that
+many bytes of it; past it the least recently used ones move to host memory (`device_victims`
+names them, the holder copies them off the device on its torch thread, `move` swaps each in
+place, keeping its recency) before anything is evicted, so a GPU sender keeps serving them, from
+host memory, until the whole store's budget runs out. A context a pull holds is not moved.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from droidmesh.shared.kv.blocks import CapturedContext
 
 
 class CacheStore:
-    def __init__(self, budget_bytes: int, pull_budget_bytes: int | None = None):
+    def __init__(self, budget_bytes: int, pull_budget_bytes: int | None = None, device_budget_bytes: int = 0):
         self.budget = budget_bytes
         self.pull_budget = budget_bytes if pull_budget_bytes is None else pull_budget_bytes
+        self.device_budget = device_budget_bytes  # 0: device-held contexts are bounded by `budget` alone
+        self.moves = 0  # contexts moved from device to host memory
         self._items: OrderedDict[str, CapturedContext] = OrderedDict()
         self.nbytes = 0
         self.evictions = 0
@@ -64,6 +72,36 @@ class CacheStore:
         self.nbytes += size
         self.evictions += len(evicted)
         return evicted
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the stored contexts held in device memory."""
+        return sum(c.nbytes for c in self._items.values() if on_device(c))
+
+    def device_victims(self, incoming: int) -> list[tuple[str, CapturedContext]]:
+        """The device contexts to move to host memory, least recently used first, so that
+        `incoming` more device bytes fit the device budget (none without one); contexts pulls
+        hold stay where they are."""
+        if not self.device_budget:
+            return []
+        over = self.device_bytes + incoming - self.device_budget
+        out = []
+        for cid, c in self._items.items():
+            if over <= 0:
+                break
+            if on_device(c) and id(c) not in self._pins:
+                out.append((cid, c))
+                over -= c.nbytes
+        return out
+
+    def move(self, context_id: str, old: CapturedContext, new: CapturedContext) -> bool:
+        """Swap `old` (still stored under `context_id`, not held by a pull) for `new`, the same
+        context in other memory, keeping its place in the recency order; False if it changed meanwhile."""
+        if self._items.get(context_id) is not old or id(old) in self._pins or new.nbytes != old.nbytes:
+            return False
+        self._items[context_id] = new  # an existing key keeps its position in the OrderedDict
+        self.moves += 1
+        return True
 
     def _drop(self, old: CapturedContext) -> None:
         self.nbytes -= old.nbytes
@@ -143,3 +181,9 @@ class PullHold:
         self.refund(self._charged)
         if self._captured is not None:
             self._store._unpin(self._captured)
+
+
+def on_device(captured: CapturedContext) -> bool:
+    """Whether a context's tensors live in device memory (anything but the host's)."""
+    items = captured.items()
+    return bool(items) and items[0].device.type != "cpu"

@@ -90,6 +90,10 @@ class Metrics:
         self.store_bytes = Gauge("dm_store_bytes", "Bytes held in the KV/E store", registry=r)
         self.store_contexts = Gauge("dm_store_contexts", "Contexts held in the store", registry=r)
         self.evictions = Counter("dm_store_evictions", "Contexts evicted from the store", registry=r)
+        self.store_device_bytes = Gauge("dm_store_device_bytes", "Bytes of the store's contexts in device memory",
+                                        registry=r)
+        self.tier_moves = Counter("dm_store_tier_moves", "Contexts moved from device to host memory to stay within "
+                                  "the device budget (served from there, not evicted)", registry=r)
         self.prefills = Counter("dm_prefills", "Contexts captured (prefilled) by the sender", registry=r)
 
     def _broker_series(self, r: CollectorRegistry) -> None:
