@@ -17,6 +17,7 @@ import dataclasses
 
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.mesh.config_board import MAX_RELAY_BUCKETS
+from droidmesh.shared.profiling import evidence
 from droidmesh.shared.wire import schemas
 
 # Versions are unix seconds: one further ahead than this would outrank every config published
@@ -111,6 +112,17 @@ def check_paired(newest: schemas.RecomputeConfig | None, sender_model: str, rece
     if newest is None:
         raise BadRequestError(f"no config for {sender_model} -> {receiver_model}: receivers re-profile only pairs an "
                               "operator profiled")
+
+
+def check_publishable(cfg: schemas.RecomputeConfig) -> None:
+    """The profiler publishes what `droidmesh config publish` would without --force: never a
+    config whose chosen plan fails the rule on the profile's test split (its interval all below
+    the tolerance; or its means, for a profile without per-row scores). An undecided interval is
+    published and says so (`test_verdict`)."""
+    if cfg.passes_test is False:
+        line = evidence.test_line(cfg.passes_test, cfg.test_verdict, cfg.test_interval, cfg.test_rows, cfg.tolerance)
+        raise BadRequestError(f"{cfg.sender_model} -> {cfg.receiver_model}: the chosen plan {line}; not published "
+                              "(the receivers keep the pair's current config)")
 
 
 def next_version(newest: int | None, now: float) -> int:

@@ -74,6 +74,13 @@ async def _profile(s: ProfilerState, who: checks.Requester, req: schemas.Profile
                                         data=data, data_train=files.data_train, data_test=files.data_test,
                                         device=s.cfg.device, dtype=s.cfg.dtype, other_tasks=files.other_tasks,
                                         transfer_search=req.transfer, maps_out=maps))
+    try:
+        checks.check_publishable(cfg)
+    except BadRequestError:  # what the profile found stays in the log; the requester gets the one-line reason
+        log.warning("profile_not_published", request_id=req.request_id, requester=who.name,
+                    pair=Pair(cfg.sender_model, cfg.receiver_model).id, chosen=cfg.chosen.plan.groups,
+                    test_verdict=cfg.test_verdict, test_interval=cfg.test_interval, test_rows=cfg.test_rows)
+        raise
     newest = s.newest(cfg.sender_model, cfg.receiver_model)
     version = req.version or checks.next_version(newest.profile_version if newest else None, time.time())
     # the relay audit's verdicts outlive a re-profile of the same pair; only an operator sets others

@@ -11,17 +11,19 @@ prefill. Two kinds of rows make that choice empty, however long the search runs:
                    apart, so no group can be shown to matter.
 
 Both are checked on the first plans a profile scores, before the search (`require_signal`),
-and are errors, not results. The test split then checks the choice (`passes_test`): it is
-reported and carried in the published config, which `droidmesh config publish` refuses
-without `--force` when it fails.
+and are errors, not results. The test split then checks the choice (`test_interval`): the 5 %
+rule applied to the paired difference's 95 % interval, "undecided" when the rows cannot tell. It
+is reported and carried in the published config, which `droidmesh config publish` and the
+profiler service refuse when it fails (publish: without `--force`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from droidmesh.shared.errors import NoSignalError
 from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.tasks import intervals
 
 MIN_FULL_PREFILL = 0.05  # mean task score in [0, 1]; below it the receiver cannot do the task on these rows
 SAME = 1e-9  # scores closer than this are the same score (floating-point means of equal answers)
@@ -59,5 +61,33 @@ def require_paths_differ(split: str, oracle: object) -> None:
 
 
 def passes_test(chosen_test: float, full_prefill_test: float, tolerance: float) -> bool:
-    """The profile's rule, on the test split: the chosen plan within `tolerance` of full prefill."""
+    """The profile's rule on the test split's means, for a profile without per-row scores (one
+    written before intervals): the chosen plan within `tolerance` of full prefill."""
     return chosen_test >= (1.0 - tolerance) * full_prefill_test
+
+
+PASSES = {"within": True, "below": False, "undecided": None}  # a verdict as `passes_test`: None = the rows cannot tell
+
+
+def test_interval(oracle: object, plan: ReusePlan, tolerance: float) -> dict[str, Any] | None:
+    """The rule applied to an interval: `plan` against the receiver's full prefill on the same test
+    rows, the paired relative difference with its bootstrap 95 % interval (rows of one document
+    resampled together) and the verdict (`intervals.Paired.verdict`): "within" when the whole
+    interval is above -tolerance, "below" when it is all under, else "undecided". None for an
+    oracle without per-row scores."""
+    if not isinstance(oracle, RowScores):
+        return None
+    groups = getattr(oracle, "documents", None)
+    p = intervals.paired(oracle.scores(ReusePlan.full_prefill()), oracle.scores(plan), groups=groups)
+    return {"rows": p.rows, "documents": len(set(groups)) if groups is not None else p.rows, "rel": p.rel,
+            "rel_lo": p.rel_lo, "rel_hi": p.rel_hi, "verdict": p.verdict(tolerance)}
+
+
+def test_line(passes: bool | None, verdict: str | None, interval: list[float] | None, rows: int | None,
+              tolerance: float) -> str:
+    """How a chosen plan fared on the test split, in a few words (the CLI, the profiler's refusal)."""
+    if verdict is None:
+        return {True: "holds on test", False: "FAILS on test", None: "not checked on test"}[passes]
+    span = f"[{interval[0]:+.1%}, {interval[1]:+.1%}]" if interval else "no interval (full prefill scores 0)"
+    words = {"within": "holds on test", "below": "FAILS on test", "undecided": "undecided on test"}[verdict]
+    return f"{words}: {span} against full prefill, 95 % over {rows} rows, rule -{tolerance:.0%}"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.model.names import ModelRef, Pair
+from droidmesh.shared.profiling import evidence
 
 if TYPE_CHECKING:
     from droidmesh.shared.wire import schemas
@@ -91,11 +92,22 @@ def sample_warning(result: dict, n_test_rows: int) -> str | None:
     return None
 
 
+def chosen_test_line(result: dict) -> str:
+    """The chosen plan on the test split (`evidence.test_line`)."""
+    ch, interval = result["chosen"], result["chosen"].get("test_interval")
+    span = [interval["rel_lo"], interval["rel_hi"]] if interval and interval["rel_lo"] is not None else None
+    return evidence.test_line(ch.get("passes_test"), interval["verdict"] if interval else None, span,
+                              interval["rows"] if interval else None, result["tolerance"])
+
+
 def test_rule_warning(result: dict) -> str | None:
-    """Why the chosen plan must not be published as it is, or None when it holds on the test split."""
+    """Why the chosen plan must not be published as it is, or None when it is not shown to fail on
+    the test split (an undecided interval is said in the summary, not refused)."""
     ch, fp, tol = result["chosen"], result["full_prefill"], result["tolerance"]
-    if ch.get("passes_test", True):
+    if ch.get("passes_test", True) is not False:
         return None
+    if ch.get("test_interval"):
+        return f"the chosen group {chosen_test_line(result)}; `droidmesh config publish` refuses it without --force"
     return (f"the chosen group fails the {tol:.0%} rule on the test split: test {ch['quality_test']:.3f} < "
             f"{1 - tol:g} x full prefill {fp['quality_test']:.3f}; `droidmesh config publish` refuses it without --force")
 
@@ -162,8 +174,7 @@ def summary_lines(job: ProfileJob, result: dict[str, Any]) -> list[str]:
              f"  full prefill  train {fp['quality_train']:.3f}  test {fp['quality_test']:.3f}",
              f"  full reuse    train {fr['quality_train']:.3f}  test {fr['quality_test']:.3f}",
              f"  chosen [{ch['start']},{ch['end']}) ({ch['recomputed_layers']} layers)  "
-             f"train {ch['quality_train']:.3f}  test {ch['quality_test']:.3f}  "
-             + ("holds on test" if ch["passes_test"] else "FAILS on test")]
+             f"train {ch['quality_train']:.3f}  test {ch['quality_test']:.3f}  " + chosen_test_line(result)]
     sc = result["scattered_critical"]
     if sc is not None:  # a coarse search runs no sensitivity pass
         lines.append(f"  critical layers {result['critical_layers']}  recomputed alone: train {sc['quality_train']:.3f}"

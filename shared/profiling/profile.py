@@ -101,6 +101,7 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         ev = _progress(memo, bar)
         found = _search(ev, memo, train, test_memo, num_layers, settings)
         result = _result(found, ev, test_memo, pair, num_layers, settings)
+        result["chosen"].update(_test_check(test, found.chosen.plan(), result, settings.tolerance))
     chosen = found.chosen.plan()
     result["robustness"] = robustness(result, chosen, test, dict(others or {}))
     if receiver is not None:
@@ -189,6 +190,15 @@ def _result(found: _Found, ev: Evaluate, test_memo: Memo, pair: Pair, num_layers
     }
 
 
+def _test_check(test: Evaluate, plan: ReusePlan, result: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """The chosen plan's check on the test split: the rule on the paired interval where the test
+    oracle has per-row scores (`evidence.test_interval`), else on the means."""
+    interval = evidence.test_interval(test, plan, tolerance)
+    if interval is None:
+        return {"test_interval": None}
+    return {"test_interval": interval, "passes_test": evidence.PASSES[interval["verdict"]]}
+
+
 def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRef, version: int
                      ) -> schemas.RecomputeConfig:
     """The published config of a profile result (`run`'s JSON, fresh or read back from a file):
@@ -213,6 +223,9 @@ def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRe
     # The test split's check travels with the config (recomputed, not read: a profile JSON
     # written before the check existed has both qualities too).
     chosen_test, full_prefill_test = result["chosen"].get("quality_test"), result["full_prefill"].get("quality_test")
+    interval = result["chosen"].get("test_interval")
+    passes = (evidence.PASSES[interval["verdict"]] if interval else None if chosen_test is None or full_prefill_test is None
+              else evidence.passes_test(chosen_test, full_prefill_test, result["tolerance"]))
     return schemas.RecomputeConfig(
         sender_model=sender.name, receiver_model=receiver.name, sender_sha256=sender.sha256,
         receiver_sha256=receiver.sha256, profile_version=version, task=result["task"],
@@ -220,9 +233,10 @@ def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRe
         frontier=[point(p) for p in result["frontier"]] + extra, full_prefill_quality=result["full_prefill"]["quality_train"],
         full_reuse_quality=result["full_reuse"]["quality_train"], total_layers=result["total_layers"],
         latency=schemas.LatencyFit(**fit) if fit else None, created_at=time.time(),
-        chosen_quality_test=chosen_test, full_prefill_quality_test=full_prefill_test,
-        passes_test=None if chosen_test is None or full_prefill_test is None
-        else evidence.passes_test(chosen_test, full_prefill_test, result["tolerance"]),
+        chosen_quality_test=chosen_test, full_prefill_quality_test=full_prefill_test, passes_test=passes,
+        test_rows=interval["rows"] if interval else None,
+        test_interval=[interval["rel_lo"], interval["rel_hi"]] if interval and interval["rel_lo"] is not None else None,
+        test_verdict=interval["verdict"] if interval else None,
     )
 
 

@@ -6,9 +6,16 @@ the demo (which gets text back from a receiver service) score the same answer te
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from droidmesh.shared.tasks.spec import TaskSpec
+
+
+def document_id(context: str) -> str:
+    """The id of a row's context: rows asking about one document share it (an interval resamples
+    them together: they are not independent)."""
+    return hashlib.sha1(context.encode()).hexdigest()[:12]
 
 
 def encode_row(tokenizer: Any, row: dict[str, Any], spec: TaskSpec) -> tuple[list[int], list[int], list[int]]:

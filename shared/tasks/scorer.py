@@ -38,7 +38,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.tasks import measures
-from droidmesh.shared.tasks.rows import answer_text, decode_answer, encode_row
+from droidmesh.shared.tasks.rows import answer_text, decode_answer, document_id, encode_row
 from droidmesh.shared.tasks.spec import TaskSpec
 from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.wire.schemas import CodecParams
@@ -108,6 +108,7 @@ class PairScorer:
         self.sender, self.receiver, self.spec = sender, receiver, spec
         self.rows = [Encoded(*encode_row(receiver.tokenizer, r, spec), tuple(r["answers"])) for r in rows]
         self.ids = [r.get("_id") for r in rows]
+        self.documents = [document_id(r["context"]) for r in rows]  # an interval resamples a document's rows together
         self._captured: dict[int, CapturedContext] = {}
         # per-row scores, not only their mean: the profiler asks whether paths differ on any row
         self._scores: dict[tuple[ReusePlan, Wire], list[float]] = {}

@@ -258,11 +258,18 @@ class RecomputeConfig(Message, tag="recompute.config"):
     created_at: float = 0.0
     relay: list[RelayBucket] = []  # the audit's policy file, when one was applied (`droidmesh config relay-policy`)
     # The chosen plan checked on the profile's test split, never used to choose (None: a config
-    # made without one). passes_test: chosen_quality_test >= (1 - tolerance) x
-    # full_prefill_quality_test; `droidmesh config publish` refuses a False without --force.
+    # made without one). test_interval: the chosen plan's relative difference to full prefill on
+    # the same test_rows, 95 % bootstrap [lo, hi]; test_verdict: the rule applied to it ("within",
+    # "below", "undecided"). passes_test: True / False / None for those verdicts, or, for a
+    # profile without per-row scores, chosen_quality_test >= (1 - tolerance) x
+    # full_prefill_quality_test. `droidmesh config publish` refuses a False without --force, the
+    # profiler service refuses it outright.
     chosen_quality_test: float | None = None
     full_prefill_quality_test: float | None = None
     passes_test: bool | None = None
+    test_rows: int | None = None
+    test_interval: list[float] | None = None
+    test_verdict: Literal["within", "below", "undecided"] | None = None
 
 
 class ProfileRow(msgspec.Struct):

@@ -18,7 +18,6 @@ context are resampled together) and the 5 % rule applied to it.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -32,7 +31,7 @@ from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.service.launch import free_port
 from droidmesh.shared.service.localmesh import THREADS
 from droidmesh.shared.tasks import intervals, measures
-from droidmesh.shared.tasks.rows import decode_answer, encode_row
+from droidmesh.shared.tasks.rows import decode_answer, document_id, encode_row
 from droidmesh.shared.tasks.spec import TaskSpec, task_spec
 from droidmesh.shared.tools.bench.vllm_reuse import PLAN, READY_S, merged, pair_mesh
 
@@ -46,8 +45,8 @@ def _answer(tokens: list[int], eos: int | None) -> list[int]:
 
 
 def document(row: dict[str, Any]) -> str:
-    """The id of a row's context: rows asking about one document share it (and its interval's resample)."""
-    return hashlib.sha1(row["context"].encode()).hexdigest()[:12]
+    """The id of a row's context (`rows.document_id`)."""
+    return document_id(row["context"])
 
 
 def _path(engine: Engine, request_id: str) -> str:

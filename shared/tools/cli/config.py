@@ -18,6 +18,7 @@ import click
 import msgspec
 
 from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.profiling import evidence
 from droidmesh.shared.tools.apps.serve_config import load_config, maps_files, read_json
 from droidmesh.shared.tools.cli.connect import Conn, nats_options
 from droidmesh.shared.tools.cli.model_options import MODEL_HELP
@@ -78,15 +79,21 @@ def _q(q: float | None) -> str:
 
 
 def _test_failure(cfg: schemas.RecomputeConfig) -> str:
+    if cfg.test_verdict is not None:
+        return f"the chosen plan {_test_line(cfg)}"
     return (f"the chosen plan fails the test split (test {_q(cfg.chosen_quality_test)} < {1 - cfg.tolerance:g} x "
             f"full prefill {_q(cfg.full_prefill_quality_test)})")
+
+
+def _test_line(c: schemas.RecomputeConfig) -> str:
+    return evidence.test_line(c.passes_test, c.test_verdict, c.test_interval, c.test_rows, c.tolerance)
 
 
 def _quality(c: schemas.RecomputeConfig) -> str:
     """Train and test quality side by side: the choice was made on train, the test split checks it."""
     return (f"quality train {c.chosen.quality:.3f} test {_q(c.chosen_quality_test)} vs full prefill "
             f"train {c.full_prefill_quality:.3f} test {_q(c.full_prefill_quality_test)}"
-            + (", FAILS on test" if c.passes_test is False else ""))
+            + (f", {_test_line(c)}" if c.test_verdict is not None else ", FAILS on test" if c.passes_test is False else ""))
 
 
 @config.command()

@@ -91,3 +91,51 @@ def test_the_chosen_group_is_checked_on_the_test_split_and_the_config_carries_it
     assert result["chosen"]["passes_test"] is passes
     cfg = recompute_config(result, ModelRef(tmp_path / "s", "s", "ci", "a" * 64), ModelRef(tmp_path / "r", "r", "ci", "b" * 64), 1)
     assert (cfg.chosen_quality_test, cfg.full_prefill_quality_test, cfg.passes_test) == (chosen_on_test, 1.0, passes)
+
+
+def _test_rows(chosen: list[float], documents: list[str] | None = None) -> Rows:
+    """A test split of per-row scores: full prefill answers every row; the chosen group [4, 8) `chosen`."""
+    n = len(chosen)
+
+    class TestRows(Rows):
+        def scores(self, plan: ReusePlan) -> list[float]:
+            return chosen if plan == ReusePlan.recompute(4, 8) else [oracle(plan)] * n
+
+    rows = TestRows({}, sender=[0.0] * n)
+    if documents is not None:
+        rows.documents = documents  # type: ignore[attr-defined]
+    return rows
+
+
+@pytest.mark.parametrize("chosen,verdict,passes", [
+    ([1.0] * 40, "within", True),  # every row kept: the interval is [0, 0]
+    ([1.0] * 20 + [0.0] * 20, "below", False),  # half the rows lost: -50 %, all of the interval under -5 %
+    ([1.0] * 37 + [0.0] * 3, "undecided", None),  # 3 of 40 lost: -7.5 %, the interval straddles -5 %
+])
+def test_the_rule_is_applied_to_the_test_interval_and_undecided_says_so(chosen, verdict, passes, tmp_path):
+    """Per-row test scores: the chosen plan's paired difference to full prefill with its 95 %
+    interval decides; one that straddles the rule is reported undecided (neither holds nor fails),
+    and the config carries the interval, the rows and the verdict."""
+    result = run(oracle, _test_rows(chosen), L, ProfileSettings(), pair=Pair("s", "r", "t"))
+    check = result["chosen"]["test_interval"]
+    assert check["verdict"] == verdict and check["rows"] == 40 and result["chosen"]["passes_test"] is passes
+    assert check["rel_lo"] <= check["rel"] <= check["rel_hi"]
+    cfg = recompute_config(result, ModelRef(tmp_path / "s", "s", "ci", "a" * 64), ModelRef(tmp_path / "r", "r", "ci", "b" * 64), 1)
+    assert (cfg.test_verdict, cfg.passes_test, cfg.test_rows) == (verdict, passes, 40)
+    assert cfg.test_interval == [check["rel_lo"], check["rel_hi"]]
+    from droidmesh.shared.profiling.job import chosen_test_line
+
+    line = chosen_test_line(result)
+    assert line.startswith({"within": "holds", "below": "FAILS", "undecided": "undecided"}[verdict]) and "40 rows" in line
+
+
+def test_rows_of_one_document_widen_the_interval():
+    """The same 3 lost rows out of 40, the 40 rows asking about 4 documents: a document's rows are
+    resampled together, so the interval is wider than over 40 independent rows."""
+    from droidmesh.shared.profiling import evidence
+
+    chosen = [1.0] * 37 + [0.0] * 3
+    alone = evidence.test_interval(_test_rows(chosen), ReusePlan.recompute(4, 8), 0.05)
+    grouped = evidence.test_interval(_test_rows(chosen, [f"d{i // 10}" for i in range(40)]), ReusePlan.recompute(4, 8), 0.05)
+    assert alone is not None and grouped is not None and grouped["documents"] == 4
+    assert grouped["rel_hi"] - grouped["rel_lo"] > alone["rel_hi"] - alone["rel_lo"]

@@ -195,3 +195,24 @@ def test_a_receiver_reprofiles_only_a_pair_that_has_a_config():
     with pytest.raises(BadRequestError, match="receivers re-profile only pairs an operator profiled"):
         checks.check_paired(None, "summ", "qa")
     checks.check_paired(object(), "summ", "qa")  # type: ignore[arg-type]  # any config on the board
+
+
+def test_the_profiler_never_publishes_a_plan_that_fails_its_test_split():
+    """A config whose test interval lies below the rule is refused with the interval in the reason;
+    an undecided one and one without a test check are published."""
+    import msgspec
+
+    from droidmesh.services.profiler.checks import check_publishable
+    from droidmesh.shared.wire.schemas import FrontierPoint, PlanSpec, RecomputeConfig
+
+    point = FrontierPoint(PlanSpec(groups=[(2, 4)]), 2, 0.9)
+    cfg = RecomputeConfig(sender_model="s", receiver_model="r", sender_sha256="a" * 64, receiver_sha256="b" * 64,
+                          profile_version=1, task="qa", tolerance=0.05, chosen=point, frontier=[point],
+                          full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6)
+    failing = msgspec.structs.replace(cfg, passes_test=False, test_verdict="below", test_interval=[-0.4, -0.2],
+                                      test_rows=200)
+    with pytest.raises(BadRequestError, match=r"FAILS on test: \[-40\.0%, -20\.0%\].*200 rows.*not published"):
+        check_publishable(failing)
+    check_publishable(msgspec.structs.replace(failing, passes_test=None, test_verdict="undecided",
+                                              test_interval=[-0.1, 0.02]))
+    check_publishable(cfg)
