@@ -329,6 +329,7 @@ class PullRequest(Message, tag="pull.request"):
     codec: str = "raw"  # how the receiver wants the tensors encoded
     codec_params: CodecParams = {}
     tokens: int = 0  # leading context tokens wanted (0: all); the sender slices [.., item.start:tokens, ..]
+    device_exports: bool = False  # shm: the receiver opens device exports (CUDA IPC); else device-held items come copied
 
 
 class TensorHeader(Message, tag="tensor.header"):

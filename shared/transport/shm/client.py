@@ -28,6 +28,7 @@ import socket
 import threading
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from droidmesh.shared.errors import IntegrityError
@@ -177,10 +178,14 @@ class ShmBulkClient(ChannelClient[_Conn]):
         super().__init__()
         self._lanes = concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="shm-lane")
         self._opener: Opener = opener or cuda_ipc.open_export
+        # a receiver with CUDA opens a GPU sender's exports; one without gets their items copied
+        self._device_exports = opener is not None or torch.cuda.is_available()
 
 
     async def _pull_on(self, conn: _Conn, request: PullRequest, into: Sequence[torch.Tensor],
                        on_item: OnItem) -> int:
+        if self._device_exports and not request.device_exports:  # this receiver maps a sender's device memory
+            request = msgspec.structs.replace(request, device_exports=True)
         await shm_io.send_frame(conn.sock, schemas.encode(request))
         data, fds = await shm_io.recv_frame(conn.sock, schemas.MAX_MESSAGE_BYTES, MAX_FDS)
         futures: list[concurrent.futures.Future] = []

@@ -168,7 +168,8 @@ class ShmBulkServer:
         copies: list[tuple[int, torch.Tensor]] = []  # (offset in the per-pull memfd, view)
         copy_bytes = 0
         for item, t, view in zip(request.items, stored, views, strict=True):
-            found, on_device = memfd.placed(t), self._device.exported(t)
+            found = memfd.placed(t)
+            on_device = self._device.exported(t) if request.device_exports else None  # else: copied below
             if found is not None:
                 seg, offset = found
                 if seg.fd not in fds:

@@ -251,3 +251,25 @@ def test_region_checks_on_their_own():
     for args in [(-1, 100, 2, 10), (0, 5, 2, 10), (901, 100, 1, 100), (0, 100, 11, 100)]:
         with pytest.raises(IntegrityError):
             check_region(e, *args)
+
+
+def test_a_receiver_that_cannot_map_device_memory_gets_the_items_copied():
+    """A receiver without CUDA (no opener of its own) does not ask for device exports: the sender
+    copies those items into a per-pull memfd, as it does for anything it did not place."""
+    exporter = HostExporter()
+    store = {"a": _context(exporter, 0)}
+
+    async def run():
+        server = ShmBulkServer(lambda c, l, k: store.get(c, {}).get((l, k)), None, device=exporter)
+        address = await server.start()
+        client = ShmBulkClient()  # the CPU's: no CUDA here
+        try:
+            got = await _pull(client, address, "a", 7)
+            return got, len(client._conns[address].mappings)
+        finally:
+            await client.close()
+            await server.close()
+
+    got, mapped = asyncio.run(run())
+    assert mapped == 0
+    assert all(torch.equal(g, store["a"][(0, k)][:, :, :7]) for g, k in zip(got, "KV", strict=True))  # bitwise: copied bytes
