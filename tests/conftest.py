@@ -10,14 +10,37 @@ the order of its sums still differs, which `tests/numeric.py` allows for), and t
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import structlog
-import torch
 
-from droidmesh.shared.model.adapter import ModelAdapter, load_model, random_model
-from droidmesh.shared.zoo.tokenizer import hf_tokenizer
+
+def _xdist_controller() -> bool:
+    """Whether this process is a pytest-xdist controller (`-n N`, N not 0): it runs no test."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return False
+    args = [*os.environ.get("PYTEST_ADDOPTS", "").split(), *sys.argv[1:]]
+    for i, a in enumerate(args):
+        if a in ("-n", "--numprocesses"):
+            return i + 1 < len(args) and args[i + 1] != "0"
+        if a.startswith("--numprocesses="):
+            return a.split("=", 1)[1] != "0"
+        if a.startswith("-n") and not a.startswith("--"):
+            return a[2:] != "0"
+    return False
+
+
+# The controller loads this file before it starts its workers: torch and the model classes
+# (~6 s) are imported only where tests run, so the workers do not wait for them.
+_CONTROLLER = _xdist_controller()
+if not _CONTROLLER:
+    import torch
+
+    from droidmesh.shared.model.adapter import ModelAdapter, load_model, random_model
+    from droidmesh.shared.zoo.tokenizer import hf_tokenizer
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, vocab_size=97)
 FAMILIES = {
@@ -26,7 +49,8 @@ FAMILIES = {
 }
 ATOL = 1e-4  # float32 logits, max-abs-diff against the receiver's own full prefill
 
-torch.set_num_threads(1)
+if not _CONTROLLER:
+    torch.set_num_threads(1)
 
 # In-process services log as they do in production (JSON lines, `configure_logging` when stderr is
 # not a terminal), not through structlog's default development renderer: that one formats every
