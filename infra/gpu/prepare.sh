@@ -5,9 +5,9 @@
 #   2. with $WHEELS (a folder of carried wheels) install them offline, without dependencies, into
 #      a scratch folder put on PYTHONPATH; with $CARRY (an archive `infra/gpu/carry.py` made of
 #      the channels' wheels, ~14 MiB instead of ~110) unpack it into one put on PYTHONPATH too;
-#      `bin/` of that folder goes on PATH (a carried nats-server); the project is installed there
-#      from this tree when the machine's Python lacks it;
-#   3. `require MODULE=WHEEL ...` names every missing module and exits 2, rather than a traceback.
+#      `bin/` of that folder goes on PATH (a carried nats-server);
+#   3. `require MODULE=WHEEL ...` names every missing module and exits 2, rather than a traceback;
+#      then `require_project` installs the project there from this tree when the Python lacks it.
 
 if [[ -n "${PYTHON:-}" ]]; then
   py=$PYTHON
@@ -26,12 +26,15 @@ if [[ -n "${CARRY:-}" ]]; then
   tar -xJf "$CARRY" -C "$deps"
 fi
 export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}" PATH="$deps/bin:$PATH"  # bin: carried programs (nats-server)
-# The project itself where the machine's Python lacks it (a GPU machine has no install): built from
-# this tree without dependencies or downloads, with the machine's setuptools, into the same folder.
-if ! "$py" -c "import droidmesh.shared" 2>/dev/null; then
-  "$py" -m pip install --quiet --no-index --no-deps --no-build-isolation --target "$deps" . \
-    || { echo "cannot install DroidMesh from this tree (needs setuptools>=77 and wheel: carry their wheels)" >&2; exit 2; }
-fi
+# `require_project`, after `require`: the project itself where the machine's Python lacks it (a GPU
+# machine has no install), built from this tree without dependencies or downloads, with
+# setuptools >= 77 (the machine's or carried), into the same folder.
+require_project() {
+  if ! "$py" -c "import droidmesh.shared" 2>/dev/null; then
+    "$py" -m pip install --quiet --no-index --no-deps --no-build-isolation --target "$deps" . \
+      || { echo "cannot install DroidMesh from this tree (needs pip, setuptools>=77 and wheel: carry them)" >&2; exit 2; }
+  fi
+}
 
 require() {
   "$py" - "$@" <<'PY'

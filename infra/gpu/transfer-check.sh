@@ -17,4 +17,5 @@ cd "$(dirname "$0")/../.."
 source infra/gpu/prepare.sh
 require "torch=the machine's CUDA build (never installed by this script)" numpy=numpy xxhash=xxhash msgspec=msgspec structlog=structlog
 
-exec timeout 170 "$py" -m shared.tools.bench.gpu_transfer "$@"
+require_project
+exec timeout 170 "$py" -m droidmesh.shared.tools.bench.gpu_transfer "$@"

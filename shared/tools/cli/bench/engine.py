@@ -15,7 +15,7 @@ from droidmesh.shared.tools.cli.model_options import device_options
 from droidmesh.shared.tools.cli.params import int_list
 
 # Before the zoo's demo tier exists, latency runs on a random-init 12-layer model of this shape.
-SHAPE_NAMES = ("llama3-8b", "qwen2.5-7b", "llama3.2-1b", "tiny")  # shared/model/shapes.py (imported lazily: transformers)
+SHAPE_NAMES = ("llama3-8b", "qwen2.5-7b", "llama3.2-1b", "smollm2-135m", "tiny")  # shared/model/shapes.py (imported lazily: transformers)
 RANDOM_BENCH_MODEL: dict[str, Any] = dict(
     hidden_size=384, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=6,
     num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192,
