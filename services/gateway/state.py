@@ -77,15 +77,16 @@ class GatewayState:
         self._fetched: float | None = None  # monotonic time of the last discovery
         self._lock = asyncio.Lock()  # one discovery at a time; requests arriving meanwhile share it
 
-    async def models(self) -> list[discovery.ReceiverModel]:
+    async def models(self, again: bool = False) -> list[discovery.ReceiverModel]:
         """Receiver models up now: a discovery at most every `models_ttl_s` (each one blocks for
-        `discovery_window_s`), shared by every request that needs it meanwhile."""
+        `discovery_window_s`), shared by every request that needs it meanwhile. `again`: a fresh
+        one unless the last is under a window old (a request naming a model the last one missed)."""
         if not self.mesh_up():
             raise openai.MeshUnavailableError("the mesh's control plane (NATS) is unreachable")
-        if self._fresh():
+        if self._fresh(again):
             return self._models
         async with self._lock:
-            if not self._fresh():
+            if not self._fresh(again):
                 try:
                     found = await self.client.receivers(self.cfg.discovery_window_s)
                 except Exception as e:  # NATS lost meanwhile, a flush timing out: the mesh is unavailable
@@ -97,12 +98,17 @@ class GatewayState:
                         self.first_seen.setdefault(m.model_id, now)
         return self._models
 
-    def _fresh(self) -> bool:
-        return self._fetched is not None and time.monotonic() - self._fetched < self.cfg.models_ttl_s
+    def _fresh(self, again: bool = False) -> bool:
+        age = self.cfg.discovery_window_s if again else self.cfg.models_ttl_s
+        return self._fetched is not None and time.monotonic() - self._fetched < age
 
     async def check_model(self, model: str) -> None:
-        """404 for a model never discovered; 503 for one seen before that has no receiver up now."""
+        """404 for a model never discovered; 503 for one seen before that has no receiver up now.
+        A model the cached discovery lacks gets one fresh discovery first: a receiver busy when
+        the last one asked (a window of `discovery_window_s`) is not thereby gone."""
         if any(m.model_id == model for m in await self.models()):
+            return
+        if any(m.model_id == model for m in await self.models(again=True)):
             return
         if model in self.first_seen:
             raise openai.MeshUnavailableError(f"no receiver of model {model!r} is up", param="model")

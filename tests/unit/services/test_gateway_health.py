@@ -68,3 +68,28 @@ def test_health_needs_no_key_and_names_no_model_with_a_key_file():
     assert anon == 200 and anon_body == {"status": "ok"}
     assert keyed_status == 200 and keyed_body == {"status": "ok"}
     assert models == 401
+
+
+def test_a_model_the_cached_discovery_missed_gets_one_fresh_discovery_not_a_404():
+    """A receiver busy when the gateway last asked (its answer missed the window) is not gone: a
+    request naming its model triggers one fresh discovery, which finds it; a model nobody serves is
+    a 404 after that one discovery, not a stream of them."""
+    import asyncio
+
+    from droidmesh.services.gateway import openai
+
+    mesh = FakeMesh(models=("code",))  # qa's receiver did not answer the first discovery
+    state = GatewayState(GatewayConfig(discovery_window_s=1e-9), mesh, Metrics("gateway"))  # any earlier one is stale
+
+    async def go() -> tuple[int, int]:
+        await state.models()
+        mesh.models.append("qa")  # it answers the next one
+        await state.check_model("qa")
+        found = mesh.discoveries
+        try:
+            await state.check_model("nobody")
+        except openai.ModelNotFoundError:
+            return found, mesh.discoveries
+        raise AssertionError("no 404")
+
+    assert asyncio.run(go()) == (2, 3)
