@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from droidmesh.shared.mesh.nats_auth import MeshAccess
@@ -69,3 +70,12 @@ def run_probe_configs(access: MeshAccess, model: str, sender: str, tokens: list[
     if result is None:
         raise RuntimeError(f"probe failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return result
+
+
+def held_bytes_per_token(checkpoint: Path, dtype: str, e_layers: int) -> int:
+    """What a sender holds per context token of a checkpoint: every layer's K and V, and E at
+    `e_layers` group starts, in `dtype` (a store sized for a bench's contexts)."""
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv = cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    return (kv + cfg["hidden_size"] * e_layers) * (4 if dtype == "float32" else 2)

@@ -33,7 +33,7 @@ from droidmesh.shared.mesh.nats_auth import Roster, sender_user
 from droidmesh.shared.model.shapes import SHAPES
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.service.localmesh import launched_env, mesh
-from droidmesh.shared.tools.bench.harness import run_probe_configs
+from droidmesh.shared.tools.bench.harness import held_bytes_per_token, run_probe_configs
 from droidmesh.shared.zoo.shapes import write_checkpoint
 
 
@@ -107,7 +107,8 @@ def run_shape(shape: str, contexts: list[int], channels: list[str], repeats: int
         for channel, sid in zip(channels, senders, strict=True):
             procs.append(start_service("sender", {
                 "model_path": ckpt, "model_id": sid, "sender_id": sid, "dtype": dtype, "e_layers": [g],
-                "transport": channel, "store_bytes": _store_bytes(shape, contexts, dtype)},
+                "transport": channel,
+                "store_bytes": max(1 << 30, 2 * held_bytes_per_token(Path(ckpt), dtype, 1) * sum(contexts))},
                 access.url, env={**launched_env(device), **access.env_for(sender_user(sid))}))
         for channel, sid in zip(channels, senders, strict=True):
             try:
@@ -119,15 +120,6 @@ def run_shape(shape: str, contexts: list[int], channels: list[str], repeats: int
             rows += rows_of(shape, channel, probed)
             print(report.format_table(rows[-len(contexts) * 2:], COLUMNS), flush=True)
     return rows
-
-
-def _store_bytes(shape: str, contexts: list[int], dtype: str) -> int:
-    """Every context's K, V and E held at once (the probe makes one per length), with room."""
-    _, cfg = SHAPES[shape]
-    head = cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = (2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head + cfg["hidden_size"]) * (
-        2 if dtype == "bfloat16" else 4)
-    return max(1 << 30, 2 * per_token * sum(contexts))
 
 
 COLUMNS = ["shape", "channel", "context", "plan", "prefill_s", "mesh_s", "engine_s", "pull_s", "mesh_over_engine",

@@ -18,7 +18,6 @@ context are resampled together) and the 5 % rule applied to it.
 from __future__ import annotations
 
 import collections
-import json
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ from droidmesh.shared.service.localmesh import THREADS
 from droidmesh.shared.tasks import intervals, measures
 from droidmesh.shared.tasks.rows import decode_answer, document_id, encode_row
 from droidmesh.shared.tasks.spec import TaskSpec, task_spec
+from droidmesh.shared.tools.bench.harness import held_bytes_per_token
 from droidmesh.shared.tools.bench.vllm_reuse import PLAN, READY_S, merged, pair_mesh
 
 TASK = "doc_qa"
@@ -150,15 +150,6 @@ def _verdict(p: intervals.Paired) -> dict[str, Any]:
             "verdict": p.verdict()}
 
 
-def held_bytes_per_token(checkpoint: Path, dtype: str) -> int:
-    """What a sender holds per context token of a checkpoint: every layer's K and V, and E at
-    the plan's group start, in `dtype`."""
-    cfg = json.loads((checkpoint / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv = cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
-    return (kv + cfg["hidden_size"] * len(PLAN.e_layers)) * (4 if dtype == "float32" else 2)
-
-
 def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], None], dtype: str = "float32",
         engine_too: bool = True) -> dict[str, Any]:
     """Two `vllm serve` engines one after the other, each with the connector: `real/base` (the
@@ -177,7 +168,7 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
     contexts = list(dict.fromkeys(r["context"] for r in rows))
     held = sum(len(text.context_ids(tok, c)) for c in contexts)
-    store = max(2 << 30, int(1.25 * held * held_bytes_per_token(base.path, dtype)))  # every context at once
+    store = max(2 << 30, int(1.25 * held * held_bytes_per_token(base.path, dtype, len(PLAN.e_layers))))  # every context at once
     with pair_mesh(tier, base, docqa, work, dtype, contexts, lora=False, store_bytes=store) as conn:
         asked: dict[str, list[dict[str, Any]]] = {}
         for name, model, base_model in (("same", base, "base"), ("pair", docqa, "docqa")):
