@@ -153,3 +153,40 @@ def test_the_guides_session_reuses_kv_across_adapters_then_ctrl_c_stops_it(servi
     assert serving.lines[-1] == "stopped", serving.output()
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"left behind: {alive}"
+
+
+def test_serve_with_api_keys_starts_and_answers_only_keyed_requests(real_tier: Path, tmp_path: Path):
+    """With DM_GATEWAY_API_KEYS naming a key file, serve reaches its ready line (the keyed
+    gateway's /health names no model, so serve finds them through the mesh's own discovery), the
+    probe still learns no model name, a request without the key is refused (401) and one with it
+    lists the served model; then Ctrl-C stops it cleanly."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    keys_file = tmp_path / "keys.toml"
+    add = subprocess.run(["droidmesh", "keys", "add", "--file", str(keys_file), "--tenant", "acme", "--models", "*"],
+                         capture_output=True, text=True, env=_env(), timeout=120)
+    assert add.returncode == 0, add.stderr
+    key = add.stdout.strip()
+    proc = subprocess.Popen(["droidmesh", "serve", "real/base", "--port", "0", "--logs", str(tmp_path / "logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**_env(), "DM_GATEWAY_API_KEYS": str(keys_file)}, start_new_session=True)
+    s = Serving(proc)
+    threading.Thread(target=s.read, daemon=True).start()
+    try:
+        assert s.ready.wait(READY_S) and s.url, f"serve printed no ready line (exit {proc.poll()}):\n{s.output()}"
+        with urllib.request.urlopen(f"{s.url}/health", timeout=30) as r:
+            assert json.loads(r.read()) == {"status": "ok"}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{s.url}/v1/models", timeout=30)
+        assert refused.value.code == 401
+        ask = urllib.request.Request(f"{s.url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(ask, timeout=30) as r:
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["base"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(STOP_S) == 0, s.output()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -10,9 +10,10 @@ served models are published before the receiver starts, so no first request miss
 
 `plan_models` checks the command line before anything starts (each adapter is an adapter of the
 base, names are unique ids). `run` starts the mesh, waits until the gateway's `/health` lists
-every served model, hands the caller what to print, then watches the children: SIGINT or SIGTERM
-stops them all (gateway first, nats-server last) and returns 0; a child that exits on its own is
-reported with its last log lines, the rest are stopped and `ServeFailed` is raised.
+every served model (with API keys, the mesh's discovery names them), hands the caller what to
+print, then watches the children: SIGINT or SIGTERM stops them all (gateway first, nats-server
+last) and returns 0; a child that exits on its own is reported with its last log lines, the rest
+are stopped and `ServeFailed` is raised.
 """
 
 from __future__ import annotations
@@ -190,9 +191,9 @@ def run(plan: ServePlan, published: Sequence[Published], opts: Options, log_dir:
     handlers = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         say(f"logs in {log_dir}")
-        _start(plan, published, opts, log_dir, store, procs, say)
+        access = _start(plan, published, opts, log_dir, store, procs, say)
         url = _url(opts.host, _port(procs[-1]))
-        models = _until_listed(f"{url}/health", plan.ids, procs, READY_S)
+        models = _until_listed(f"{url}/health", plan.ids, procs, READY_S, lambda: asyncio.run(_discover(access)))
         if models is not None:
             ready(Ready(f"{url}/v1", f"{url}/health", models, list(published), log_dir))
         dead = _watch(procs)
@@ -222,7 +223,7 @@ def run(plan: ServePlan, published: Sequence[Published], opts: Options, log_dir:
 
 
 def _start(plan: ServePlan, published: Sequence[Published], opts: Options, log_dir: Path, store: str,
-           procs: list[Proc], say: Callable[[str], None]) -> None:
+           procs: list[Proc], say: Callable[[str], None]) -> MeshAccess:
     env = {DEVICE_ENV: opts.device, **({"DM_DTYPE": opts.dtype} if opts.dtype else {}), **NO_HEALTH_PORT}
     say("starting nats-server (a user per role, fresh passwords, anonymous connections refused)")
     nats, access = start_secure_nats(roster(plan), store_dir=store, log_dir=log_dir)
@@ -245,6 +246,7 @@ def _start(plan: ServePlan, published: Sequence[Published], opts: Options, log_d
     say(f"starting the gateway on {opts.host}:{opts.port}")
     procs.append(start_service("gateway", {"http_host": opts.host, "http_port": opts.port}, access.url,
                                log_dir=log_dir, env={**THREADS, **NO_HEALTH_PORT, **access.env_for("gateway")}))
+    return access
 
 
 async def _publish(published: Sequence[Published], access: MeshAccess) -> None:
@@ -271,23 +273,36 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _until_listed(health: str, ids: list[str], procs: list[Proc], timeout: float) -> list[str] | None:
-    """Poll the gateway's /health until it lists every served model: the list it gave (None: a
-    child exited meanwhile, which the watch that follows reports)."""
+def _until_listed(health: str, ids: list[str], procs: list[Proc], timeout: float,
+                  discover: Callable[[], list[str]]) -> list[str] | None:
+    """Poll the gateway's /health until every served model is listed: the list it gave (None: a
+    child exited meanwhile, which the watch that follows reports). A gateway with API keys answers
+    `status` without the models (an unauthenticated probe learns nothing it serves); then the
+    models are the mesh's own discovery, asked as the gateway's user (`discover`)."""
     deadline, seen = time.monotonic() + timeout, "no answer"
     while time.monotonic() < deadline:
         if any(p.popen.poll() is not None for p in procs):
             return None
         try:
             with urllib.request.urlopen(health, timeout=5) as r:
-                listed = json.loads(r.read()).get("models") or []
+                body = json.loads(r.read())
+            listed = body["models"] if "models" in body else discover()
             if set(ids) <= set(listed):
                 return sorted(listed)
             seen = f"models {sorted(listed)}"
-        except (OSError, ValueError) as e:  # 503 until the gateway has joined the mesh
+        except (OSError, ValueError, DroidMeshError) as e:  # 503 until the gateway has joined the mesh
             seen = str(getattr(e, "reason", e))
         time.sleep(0.5)
     raise TimeoutError(f"the gateway did not list {', '.join(ids)} within {timeout:.0f} s (last: {seen})")
+
+
+async def _discover(access: MeshAccess) -> list[str]:
+    """The receiver models the mesh's discovery finds, as the gateway's user sees them."""
+    client = await MeshClient.connect(access.url, **access.options("gateway"))
+    try:
+        return sorted(m.model_id for m in await client.receivers())
+    finally:
+        await client.close()
 
 
 def _status(rc: int) -> str:
