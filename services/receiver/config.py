@@ -85,13 +85,17 @@ class ReceiverConfig(HolderSettings):
                 "and such requests get the receiver's own prefill, with the reason"})
 
     min_reuse_fraction: float = dataclasses.field(default=0.5, metadata={
-        "help": "in auto mode, a holder of other weights is used only when it covers at least this share of the "
-                "prompt's tokens: a shared opening (chat template, system prompt) would cost quality for little "
-                "compute, and the own prefill is what this receiver holds for the next request"})
+        "help": "in auto mode, a holder (of any weights) is used only when it covers at least this share of "
+                "the prompt's tokens: a shared opening (chat template, system prompt) would cost quality or a pull "
+                "for little compute, and the own prefill is what this receiver holds for the next request"})
     hold: bool = dataclasses.field(default=True, metadata={
         "help": "offer what this receiver's own full prefills computed (the prompt's KV, and E at the layers pair "
                 "configs naming its model as the sender use) as a holder, within store_bytes: the next request over "
                 "the same text, to this model or a paired one, reuses it with no prefill command"})
+    public_holding: bool = dataclasses.field(default=False, metadata={
+        "help": "a request that names no scope reads and is held in `public`: every client and tenant may reuse "
+                "what it caused to be held, and tell from reused-token counts what its prompt began with. Off (the "
+                "default): it is its NATS user's own (`user:<name>`), reused by that user alone"})
     holder_id: str = dataclasses.field(default="", metadata={
         "help": "id its held contexts are announced and granted under (default: receiver_id, without NATS auth); "
                 "under NATS auth the roster must name it (`droidmesh nats-auth --holder MODEL=ID`), and without "

@@ -16,6 +16,7 @@ import hashlib
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 
 from droidmesh.services.receiver import answer
@@ -32,9 +33,11 @@ from droidmesh.services.receiver.checks import (
 from droidmesh.shared.errors import DroidMeshError, OverloadedError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.mesh import maps_store
+from droidmesh.shared.mesh.caller import CALLER
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.channels import SenderEndpoint
 from droidmesh.shared.wire.generation import GenerateRequest
+from droidmesh.shared.wire.hashing import request_scope
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.state import ReceiverState
@@ -53,7 +56,8 @@ async def generate(s: ReceiverState, req: GenerateRequest) -> schemas.GenerateRe
     same result. Another request that reuses a known id is a different key: it gets its own answer.
     Past `max_queued_requests` held at once, a new request is refused at once ("overloaded")."""
     arrived = time.monotonic()  # the budget counts from here: no clock is compared with the client's
-    key = (req.request_id, hashlib.blake2b(schemas.encode(req), digest_size=16).digest())
+    caller = CALLER.get()
+    key = (req.request_id, caller, hashlib.blake2b(schemas.encode(req), digest_size=16).digest())
     known = s.replies.get(key)
     if known is not None:
         log.info("duplicate_request", request_id=req.request_id)
@@ -83,6 +87,8 @@ async def _generate(s: ReceiverState, req: GenerateRequest, arrived: float) -> s
     deadline = deadline_of(req, arrived, s.cfg.request_timeout_s)
     check_deadline(deadline, "before start")
     check(req, s.cfg)
+    # from here on the request's scope is the one it reads and is held in (its caller's own)
+    req = msgspec.structs.replace(req, scope=request_scope(req.scope, CALLER.get(), s.cfg.public_holding))
     check_room(s.model, prompt_chars(req), req.max_new_tokens)  # before tokenizing: O(1)
     prompt = prompt_ids(s.model.tokenizer, req)
     check_positions(s.model, len(prompt), req.max_new_tokens)

@@ -73,9 +73,9 @@ class ReceiverState:
                                   threshold=cfg.quality_threshold)
         self.eos_token_id = model.tokenizer.eos_token_id if model.tokenizer is not None else None
         self._warmed: set[str] = set()  # bulk addresses connected ahead of a pull
-        # Recent (request id, digest of the request's bytes) -> answer: a retry or a redelivery
+        # Recent (request id, caller, digest of the request's bytes) -> answer: a retry or a redelivery
         # shares the first copy's answer; another request reusing a known id gets its own.
-        self.replies: OrderedDict[tuple[str, bytes], asyncio.Future] = OrderedDict()
+        self.replies: OrderedDict[tuple[str, str, bytes], asyncio.Future] = OrderedDict()
         self.breaker = Breaker(cfg.breaker_failures, cfg.breaker_cooldown_s)
         self.listeners: ListenerWatch | None = None  # set by the service once connected (None: in-process bus)
         self.holder: Holder | None = None  # set by the service when it holds what it prefills (`hold`)
@@ -97,7 +97,7 @@ class ReceiverState:
         """Whether `holder` is this receiver's own holder (then its context is read in process)."""
         return self.holder is not None and holder.sender_id == self.holder.id
 
-    def remember(self, key: tuple[str, bytes], fut: asyncio.Future, keep: int = 4096) -> None:
+    def remember(self, key: tuple[str, str, bytes], fut: asyncio.Future, keep: int = 4096) -> None:
         self.replies[key] = fut
         while len(self.replies) > keep:
             self.replies.popitem(last=False)

@@ -3,10 +3,11 @@
 Pure: no bus, no transport, no clock; the receiver calls `decide` once per request (on its event
 loop; it never blocks) and `accepts` when a pair config arrives. The sequence:
   1. a forced mode wins (`full_prefill`, `full_reuse`: benchmarks and the demo's columns);
-  2. no holder (the broker's miss reason is kept) -> full prefill; a holder of other weights that
+  2. no holder (the broker's miss reason is kept) -> full prefill; a holder (of any weights) that
      covers less than `min_reuse_fraction` of the prompt -> full prefill too (a shared opening, a
-     chat template or a system prompt, would cost quality for little compute, and the receiver's
-     own prefill is what it can hold for the next request);
+     chat template or a system prompt, would cost quality for little compute, or with the same
+     weights a pull for a few tokens' compute; the reply then reports no reuse, not a "full
+     reuse" of three tokens, and the receiver's own prefill is what it holds for the next request);
   3. the pair's config, if it was profiled for exactly these weights (both sha256s), picks an
      online point; a config for other weights is stale and ignored; a holder running the
      receiver's own weights needs no profile (`config_for`: full reuse is exact, still weighed);
@@ -116,8 +117,7 @@ def decide(mode: Mode, holder: CacheAvailable | None, miss: Reason | None, cfg: 
     if mode == "full_reuse":
         return Decision(ReusePlan.full_reuse(), "full_reuse")
     reused = online.tokens - 1 if online.reused_tokens is None else online.reused_tokens
-    if (mode == "auto" and holder.model_sha256 != receiver.model_sha256
-            and reused < receiver.min_reuse_fraction * online.tokens):
+    if mode == "auto" and reused < receiver.min_reuse_fraction * online.tokens:
         return _prefill(("short_prefix", f"the holder's {holder.model_id} covers {reused} of {online.tokens} prompt "
                                          f"tokens, under min_reuse_fraction {receiver.min_reuse_fraction:g}"))
     if cfg is not None and cfg.sender_sha256 != holder.model_sha256:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from droidmesh.shared.mesh.caller import CALLER, user_of
 from droidmesh.shared.mesh.config_board import ConfigBoard, InMemoryConfigBoard, NatsConfigBoard
 from droidmesh.shared.mesh.maps_store import InMemoryMapsStore, MapsStore, NatsMapsStore
 
@@ -144,6 +145,8 @@ class NatsBus:
             self._micro = await micro.add_service(self.nc, name=self._service_name, version=self._version)
 
         async def respond(req: Any) -> None:
+            # the asker's identity, for this request's task only (`shared/mesh/caller.py`)
+            CALLER.set(user_of(getattr(getattr(req, "_msg", None), "reply", None)))
             reply = await handler(req.data)  # never raises: handlers are wrapped by service_kit.rpc
             try:
                 await req.respond(reply)

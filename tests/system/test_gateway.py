@@ -187,6 +187,33 @@ def test_chat_over_a_document_prefilled_as_chat_reuses_it(mesh, chat_pair, tiny_
     assert ext["path"] != "full_prefill" and ext["bytes_pulled"] > 0 and ext["reused_tokens"] == len(prefix), ext
 
 
+def test_a_fresh_chat_sharing_only_the_opening_reports_no_reuse(mesh, chat_pair, tiny_models):
+    """The receiver holds the chats it prefilled; a fresh chat that shares only the template's
+    opening (its default system turn) with a held one is a full prefill with cached_tokens 0,
+    not a "full reuse" of the opening."""
+    tok = AutoTokenizer.from_pretrained(chat_pair[1])
+    held, fresh = ([ChatMessage("user", words(200, offset=k))] for k in (11, 29))
+    mesh.client.chat.completions.create(model="qa", messages=[{"role": "user", "content": held[0].content}],
+                                        max_tokens=2, temperature=0)
+    ids, other = text.chat_prompt_ids(tok, fresh), text.chat_prompt_ids(tok, held)
+    shared = next(i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b)
+    assert 0 < shared < len(ids) // 2  # the precondition: a short common opening, under min_reuse_fraction
+
+    async def indexed() -> None:  # the broker answers the fresh prompt with the held chat's opening
+        client = await MeshClient.connect(mesh.url)
+        try:
+            await until_indexed(client, tiny_models[1], "", ids=ids)
+        finally:
+            await client.close()
+
+    asyncio.run(indexed())
+    chat = mesh.client.chat.completions.create(model="qa", max_tokens=2, temperature=0,
+                                               messages=[{"role": "user", "content": fresh[0].content}])
+    ext = (chat.model_extra or {})["droidmesh"]
+    assert (ext["path"], ext["reused_tokens"]) == ("full_prefill", 0), ext
+    assert chat.usage is not None and chat.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_errors_are_openai_errors(mesh):
     """An unknown model is NotFoundError, max_tokens above the limit BadRequestError, n=2 streamed
     BadRequestError (samples are answered whole)."""

@@ -23,17 +23,18 @@ from tests.system.conftest import until_indexed, words
 
 pytestmark = [pytest.mark.system, pytest.mark.security]
 
-ROSTER = Roster(senders=(("summ", "summ"),), receivers=("qa",), tenants=("A", "B"))
+ROSTER = Roster(senders=(("summ", "summ"),), receivers=("qa",), tenants=("A", "B"), holders=(("qa", "qa-hold"),))
 TENANT_A, TENANT_B, RECEIVER = tenant_user("A"), tenant_user("B"), receiver_user("qa")
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_pair):
-    """nats-server with the CLI's conf for ROSTER; broker, sender and receiver each as its own user."""
+    """nats-server with the CLI's conf for ROSTER; broker, sender and receiver each as its own user
+    (the receiver holds what it prefills, under its holder id)."""
     conf = tmp_path_factory.mktemp("nats") / "nats-auth.conf"
     out = CliRunner().invoke(main, ["nats-auth", "--sender", "summ=summ", "--receiver", "qa", "--tenant", "A",
-                                    "--tenant", "B", "--out", str(conf)])
+                                    "--tenant", "B", "--holder", "qa=qa-hold", "--out", str(conf)])
     assert out.exit_code == 0, out.output
     pw = {u: secrets.token_hex(12) for u in ROSTER.users}
     proc, url = start_nats(store_dir=str(tmp_path_factory.mktemp("js")), conf=conf,
@@ -45,7 +46,8 @@ def mesh(tmp_path_factory, tiny_pair):
         procs.append(start_service("cache_broker", {}, url, env=login("broker")))
         procs.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "summ", "sender_id": "summ",
                                               "e_layers": [2], "readers": ["qa"]}, url, env=login(sender_user("summ"))))
-        procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa", "default_group": [2, 4]},
+        procs.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "qa", "default_group": [2, 4],
+                                              "holder_id": "qa-hold"},
                                    url, env=login(RECEIVER)))
         yield url, pw
     finally:
@@ -154,3 +156,33 @@ def test_availability_events_reach_the_broker_and_not_receivers(mesh, tiny_model
             (pattern, errors)
     assert endpoints and endpoints[0].sender_id == "summ" and endpoints[0].address
     assert answer.path == "partial" and answer.bytes_pulled > 0
+
+
+def test_what_a_client_caused_to_be_held_is_its_own_and_no_oracle(mesh):
+    """Client A asks over a document naming no scope: the receiver holds it as A's own, and A's
+    repeat reuses it. Others asking for the first time: the mesh's `client` user sending the same
+    document is its own full prefill (cached nothing); tenant B guessing the document's next word
+    after a known opening reads the same reused-token count (0) for the right word as `admin` for a
+    wrong one, so the count tells nothing of A's document."""
+    url, pw = mesh
+    secret = words(100, offset=61).split()
+    wrong = words(1, offset=62)
+    assert secret[80] != wrong
+
+    async def run():
+        users = (TENANT_A, TENANT_B, "client", "admin")
+        c = {u: await MeshClient.connect(url, user=u, password=pw[u]) for u in users}
+        ask = lambda u, words: c[u].ask("qa", " ".join(words), "", max_new_tokens=1, timeout=120)  # noqa: E731
+        try:
+            first, repeat = await ask(TENANT_A, secret), await ask(TENANT_A, secret)
+            right, same = await ask(TENANT_B, secret[:81]), await ask("client", secret)
+            control = await ask("admin", [*secret[:80], wrong])
+        finally:
+            for client in c.values():
+                await client.close()
+        return first, repeat, right, same, control
+
+    first, repeat, right, same, control = asyncio.run(run())
+    assert first.path == "full_prefill" and repeat.path == "full_reuse" and repeat.reused_tokens > 0, (first, repeat)
+    assert (same.path, same.reused_tokens) == ("full_prefill", 0), same
+    assert right.reused_tokens == control.reused_tokens == 0, (right, control)

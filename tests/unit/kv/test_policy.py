@@ -300,3 +300,17 @@ def test_queue_wait_is_the_requests_ahead_times_the_recent_median_hold():
     q.observe(0.1)
     q.observe(float("nan"))  # ignored
     assert q.wait(0) == 0.0 and q.wait(3) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("sha", ["S1", "R1"], ids=["other weights", "the receiver's own weights"])
+def test_a_holder_sharing_only_the_opening_is_not_reused(sha):
+    """A holder covering 3 of 40 prompt tokens (a shared chat opening) under min_reuse_fraction 0.5:
+    full prefill with the short-prefix reason, for a holder of other weights and of the receiver's
+    own weights alike (a reply must not call 3 tokens a full reuse); at half the prompt it is used."""
+    me = policy.Receiver(model_id="r", model_sha256="R1", num_layers=12, min_reuse_fraction=0.5)
+    h = holder(sha=sha)
+    cfg = policy.config_for(h, me, {"s": CFG})
+    d = policy.decide("auto", h, None, cfg, me, policy.Online(tokens=40, queued=3, reused_tokens=3))
+    assert (d.path, d.reason[0] if d.reason else None) == ("full_prefill", "short_prefix")
+    d = policy.decide("auto", h, None, cfg, me, policy.Online(tokens=40, queued=3, reused_tokens=20))
+    assert d.path != "full_prefill"

@@ -24,7 +24,7 @@ from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
 from droidmesh.shared.model import text
 from droidmesh.shared.wire import schemas, subjects
 from droidmesh.shared.wire.generation import GenerateRequest
-from droidmesh.shared.wire.hashing import PUBLIC, tenant_scope
+from droidmesh.shared.wire.hashing import PUBLIC, caller_scope, tenant_scope
 
 CONTEXT = " ".join(["alpha beta gamma delta"] * 12)
 QUESTION = " what is gamma"
@@ -70,7 +70,8 @@ def test_a_served_prefill_becomes_a_holder_the_broker_returns_and_the_repeat_reu
     """No sender, no prefill command: the first request is a full prefill, held before its reply;
     the repeat, sent the moment that reply arrives, reuses it in process (full reuse of its own KV,
     nothing pulled; its tokens equal the first answer's); the broker returns the receiver itself
-    as the holder of the whole prompt."""
+    as the holder of the whole prompt, in the asker's own scope (a request naming no scope is its
+    caller's: here an anonymous one), and to a public lookup nothing."""
     model = tiny_models[1]
     prompt = _prompt(model)
 
@@ -79,11 +80,13 @@ def test_a_served_prefill_becomes_a_holder_the_broker_returns_and_the_repeat_reu
             first = await _ask(bus, "receiver", "r1")
             second = await _ask(bus, "receiver", "r2")  # at once: held before the first reply went out
             await _held(svc)
-            found = schemas.decode(await bus.request(subjects.BROKER_LOOKUP, schemas.encode(schemas.LookupRequest(
-                token_ids=prompt, fingerprint_id=model.fingerprint.id)), timeout=5), schemas.LookupReply)
-            return first, found, second, svc.state.holder.id
+            found, public = [schemas.decode(await bus.request(subjects.BROKER_LOOKUP, schemas.encode(
+                schemas.LookupRequest(token_ids=prompt, fingerprint_id=model.fingerprint.id, scope=scope)), timeout=5),
+                schemas.LookupReply) for scope in (caller_scope(""), PUBLIC)]
+            return first, found, public, second, svc.state.holder.id
 
-    first, found, second, holder_id = asyncio.run(run())
+    first, found, public, second, holder_id = asyncio.run(run())
+    assert public.holder is None
     assert first.path == "full_prefill" and first.reused_tokens == 0
     assert found.holder is not None and found.holder.sender_id == holder_id and found.holder.model_id == "receiver"
     assert found.holder.token_ids == prompt and found.matched_tokens == len(prompt)
@@ -111,9 +114,10 @@ def test_what_a_tenant_prefilled_is_held_in_its_scope_only(tiny_pair, tiny_model
     assert scopes == sorted([a, b])
 
 
-def test_a_prompt_extending_a_held_prefix_is_held_whole(tiny_pair, tiny_models):
-    """A second document that shares only its opening with a held one reuses that opening (full
-    reuse of the model's own KV) and is then held whole: its repeat reuses all of it."""
+def test_a_prompt_sharing_only_a_held_opening_is_prefilled_and_held_whole(tiny_pair, tiny_models):
+    """A second document that shares only its opening (under min_reuse_fraction) with a held one is
+    a full prefill reporting no reuse, not a "full reuse" of the opening; it is then held whole:
+    its repeat reuses all of it."""
     other = " ".join(CONTEXT.split()[:8] + ["epsilon zeta eta theta"] * 10)
 
     async def run():
@@ -124,7 +128,7 @@ def test_a_prompt_extending_a_held_prefix_is_held_whole(tiny_pair, tiny_models):
             return second, third, len(svc.state.holder.store.ids())
 
     second, third, held = asyncio.run(run())
-    assert second.path == "full_reuse" and 0 < second.reused_tokens < second.prompt_tokens // 2
+    assert second.path == "full_prefill" and second.reused_tokens == 0
     assert held == 2 and third.path == "full_reuse" and third.reused_tokens == third.prompt_tokens - 1
     assert third.token_ids == second.token_ids
 

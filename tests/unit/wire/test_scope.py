@@ -7,9 +7,10 @@ import pytest
 
 from droidmesh.services.cache_broker.index import CacheIndex, block_keys
 from droidmesh.shared.errors import BadMessageError, BadRequestError
+from droidmesh.shared.mesh.caller import user_of
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.generation import GenerateRequest
-from droidmesh.shared.wire.hashing import PUBLIC, check_scope, context_id, tenant_scope
+from droidmesh.shared.wire.hashing import PUBLIC, caller_scope, check_scope, context_id, request_scope, tenant_scope
 from tests.unit.services.test_index import _alive, _ev
 
 BAD = ["", " ", "a b", "a/b", "a*", ".a", "-a", "a\n", "é", "a" * 129, "tenant:a\x00"]
@@ -74,3 +75,22 @@ def test_on_a_tie_the_askers_own_scope_wins_and_models_still_rank_first():
     ix.add(msgspec.structs.replace(_ev("s3", "pub-qa", tokens, model="qa"), scope=PUBLIC))
     _alive(ix, "s3", ["pub-qa"])
     assert ix.lookup(tokens, "fp", models=["qa"], scope=a)[0].context_id == "pub-qa"  # type: ignore[union-attr]
+
+
+def test_a_request_naming_no_scope_is_its_callers_own_and_public_only_by_the_operator():
+    """`public` (the default) becomes the caller's private scope unless the operator set public
+    holding; a named scope stands; a caller scope may be named by that caller alone."""
+    assert request_scope(PUBLIC, "client-a", public_holding=False) == "user:client-a"
+    assert request_scope(PUBLIC, "", public_holding=False) == caller_scope("") == "user:anonymous"
+    assert request_scope(PUBLIC, "client-a", public_holding=True) == PUBLIC
+    assert request_scope(tenant_scope("t"), "gateway", public_holding=False) == tenant_scope("t")
+    assert request_scope("user:client-a", "client-a", public_holding=False) == "user:client-a"
+    with pytest.raises(BadRequestError, match="caller"):
+        request_scope("user:client-a", "client-b", public_holding=True)
+
+
+@pytest.mark.parametrize(("reply", "user"), [
+    ("_INBOX_client-a.abc.1", "client-a"), ("_INBOX_gateway.x", "gateway"),
+    ("_INBOX.abc.1", ""), ("", ""), (None, ""), ("_INBOX_", ""), ("_INBOX_client-a", ""), ("other.subject", "")])
+def test_the_caller_is_the_user_whose_inbox_the_reply_names(reply, user):
+    assert user_of(reply) == user
