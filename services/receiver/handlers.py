@@ -33,11 +33,10 @@ from droidmesh.services.receiver.checks import (
 from droidmesh.shared.errors import DroidMeshError, OverloadedError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.mesh import maps_store
-from droidmesh.shared.mesh.caller import CALLER
+from droidmesh.shared.mesh.caller import CALLER, request_scope
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.channels import SenderEndpoint
 from droidmesh.shared.wire.generation import GenerateRequest
-from droidmesh.shared.wire.hashing import request_scope
 
 if TYPE_CHECKING:
     from droidmesh.services.receiver.state import ReceiverState

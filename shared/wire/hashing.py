@@ -57,19 +57,6 @@ def caller_scope(user: str) -> str:
     return check_scope(f"{CALLER_SCOPE_PREFIX}{user or 'anonymous'}")
 
 
-def request_scope(named: str, user: str, public_holding: bool) -> str:
-    """The scope a request reads and is held in. A scope it names (a gateway tenant's) stands; one
-    naming no scope (`public`, the default) is its caller's own (`caller_scope`), so what it
-    causes to be held is reused by that user alone, never by another client or tenant; `public`
-    only where the operator set `public_holding`. A caller's scope may be named only by itself."""
-    if named.startswith(CALLER_SCOPE_PREFIX) and named != caller_scope(user):
-        raise BadRequestError(f"scopes starting {CALLER_SCOPE_PREFIX!r} are each NATS user's own; "
-                              "a request may name only its caller's")
-    if named != PUBLIC:
-        return named
-    return PUBLIC if public_holding else caller_scope(user)
-
-
 def scope_seed(scope: str) -> int:
     """The xxh3 seed a scope's hashes use: 0 (no seed) for `public`."""
     return 0 if scope == PUBLIC else xxhash.xxh3_64_intdigest(b"droidmesh-scope\0" + scope.encode())

@@ -11,7 +11,7 @@ import nats
 import pytest
 from click.testing import CliRunner
 
-from droidmesh.shared.mesh.client import MeshClient
+from droidmesh.shared.mesh.client import MeshClient, MeshError
 from droidmesh.shared.mesh.nats_auth import Roster, password_env, receiver_user, sender_user, tenant_user
 from droidmesh.shared.service.launch import start_nats, start_service
 from droidmesh.shared.tools.cli.main import main
@@ -186,3 +186,25 @@ def test_what_a_client_caused_to_be_held_is_its_own_and_no_oracle(mesh):
     assert first.path == "full_prefill" and repeat.path == "full_reuse" and repeat.reused_tokens > 0, (first, repeat)
     assert (same.path, same.reused_tokens) == ("full_prefill", 0), same
     assert right.reused_tokens == control.reused_tokens == 0, (right, control)
+
+
+def test_a_client_may_name_only_its_own_or_its_tenants_scope(mesh):
+    """Tenant B's client user naming tenant A's scope, or client A's own scope, is refused with one
+    line (what B could then reuse, look up or time is bound to who asks, not to who knows a name)."""
+    url, pw = mesh
+
+    async def run():
+        b = await MeshClient.connect(url, user=TENANT_B, password=pw[TENANT_B])
+        errors = []
+        try:
+            for scope in (tenant_scope("A"), f"user:{TENANT_A}"):
+                with pytest.raises(MeshError) as refused:
+                    await b.ask("qa", words(20, offset=7), "", max_new_tokens=1, timeout=60, scope=scope)
+                errors.append(refused.value)
+        finally:
+            await b.close()
+        return errors
+
+    errors = asyncio.run(run())
+    assert [e.code for e in errors] == ["bad_request", "bad_request"], errors
+    assert "its tenant" in str(errors[0]) and "caller" in str(errors[1])

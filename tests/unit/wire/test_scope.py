@@ -7,10 +7,10 @@ import pytest
 
 from droidmesh.services.cache_broker.index import CacheIndex, block_keys
 from droidmesh.shared.errors import BadMessageError, BadRequestError
-from droidmesh.shared.mesh.caller import user_of
+from droidmesh.shared.mesh.caller import request_scope, user_of
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.generation import GenerateRequest
-from droidmesh.shared.wire.hashing import PUBLIC, caller_scope, check_scope, context_id, request_scope, tenant_scope
+from droidmesh.shared.wire.hashing import PUBLIC, caller_scope, check_scope, context_id, tenant_scope
 from tests.unit.services.test_index import _alive, _ev
 
 BAD = ["", " ", "a b", "a/b", "a*", ".a", "-a", "a\n", "é", "a" * 129, "tenant:a\x00"]
@@ -87,6 +87,23 @@ def test_a_request_naming_no_scope_is_its_callers_own_and_public_only_by_the_ope
     assert request_scope("user:client-a", "client-a", public_holding=False) == "user:client-a"
     with pytest.raises(BadRequestError, match="caller"):
         request_scope("user:client-a", "client-b", public_holding=True)
+
+
+def test_a_named_scope_is_bound_to_the_users_allowed_it():
+    """A tenant's scope from that tenant's client user or the gateway; a free-form scope from the
+    gateway or an operator; neither from another user. Without users (anonymous) nothing binds."""
+    secret = b"k" * 32
+    for scope in (tenant_scope("acme"), tenant_scope("acme", secret)):
+        assert request_scope(scope, "client-acme", public_holding=False) == scope
+        assert request_scope(scope, "gateway", public_holding=False) == scope
+        with pytest.raises(BadRequestError, match="its tenant"):
+            request_scope(scope, "client-other", public_holding=False)
+        with pytest.raises(BadRequestError):
+            request_scope(scope, "client", public_holding=False)
+    assert request_scope("my-salt", "admin", public_holding=False) == "my-salt"
+    assert request_scope("my-salt", "", public_holding=False) == "my-salt"
+    with pytest.raises(BadRequestError):
+        request_scope("my-salt", "client-acme", public_holding=False)
 
 
 @pytest.mark.parametrize(("reply", "user"), [
