@@ -9,6 +9,8 @@ Two halves, one per side of the engine (each a separate process in vLLM):
   - `plan_for` (scheduler side): the broker's best holder of the prompt under the engine's scope,
     and the pair's published plan (`kv/policy.decide`, as a receiver decides), as a `Match` the
     engine carries to its worker; configs follow the config board.
+  - `hold` (worker side, with `hold`): a prompt the engine prefilled, held for the mesh by an
+    `EngineHolder` on this loop (vLLM as a sender);
   - `context_kv` (worker side): one pull of the match's items (E first) while the receiver's own
     layers recompute the plan's groups over it (`kv/context.py`), every tensor screened
     (`kv/screen.py`) and checked; the reused prefix's K/V of every layer, or a `ReuseError`.
@@ -32,6 +34,7 @@ import structlog
 import torch
 
 from droidmesh.shared import __version__
+from droidmesh.shared.engines.holding import EngineHolder
 from droidmesh.shared.engines.settings import EngineSettings
 from droidmesh.shared.errors import DroidMeshError, ReuseError, TransferError
 from droidmesh.shared.kv import policy
@@ -101,6 +104,10 @@ class MeshBridge:
         self._models: dict[str, ModelAdapter] = {}
         self._screens: dict[str, Screen | None] = {}
         self._bulk: BulkClient | None = None
+        self._holder: EngineHolder | None = None
+        if side == "worker" and cfg.hold:  # vLLM as a sender: what it prefills, held here
+            self._holder = EngineHolder(cfg, self._bus, self._loop, self._model)
+            self._wait(self._holder.start(), cfg.connect_timeout_s)
         if side == "scheduler":
             self._facts = {m: facts_of(m, p) for m, p in cfg.models.items()}
             self._watch = asyncio.run_coroutine_threadsafe(self._follow_configs(), self._loop)
@@ -195,6 +202,13 @@ class MeshBridge:
             source.fail(e)
             raise
 
+    def hold(self, model_id: str, prompt: list[int], kv: list[KV]) -> None:
+        """Hold a prompt the engine prefilled itself (its every layer's K/V, copied out of the
+        engine's cache); returns at once (`engines/holding.py`)."""
+        if self._holder is None:
+            raise DroidMeshError("this engine does not hold (the connector's `hold` is off)")
+        self._holder.hold(model_id, prompt, kv)
+
     def _model(self, model_id: str) -> ModelAdapter:
         """The receiver's own weights (the settings' dtype, CPU), loaded on first use: the plan's
         groups run on them, and pulled tensors must be of their dtype."""
@@ -213,6 +227,8 @@ class MeshBridge:
 
     def close(self) -> None:
         async def shut() -> None:
+            if self._holder is not None:
+                await self._holder.stop()
             if self._bulk is not None:
                 await self._bulk.close()
             await self._bus.close()

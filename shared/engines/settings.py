@@ -1,8 +1,9 @@
 """What an engine's DroidMesh connector is told by its operator (vLLM: `kv_connector_extra_config`).
 
 The NATS fields are the services' own (`BusSettings`: a receiver role's user, a password file,
-TLS); the rest names the models the engine serves as DroidMesh model ids and checkpoints, the
-scope its lookups read, and the deadlines. Unknown keys and wrong types are refused
+TLS), the holding ones the holders' (`HolderSettings`: store, readers, bulk server, used with
+`hold`); the rest names the models the engine serves as DroidMesh model ids and checkpoints, the
+scope its lookups read (and its holds are in), and the deadlines. Unknown keys and wrong types are refused
 (`ConfigError`, one line), as the services' configs are.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from droidmesh.shared.errors import ConfigError
-from droidmesh.shared.service.settings import BusSettings
+from droidmesh.shared.holding.settings import HolderSettings
 from droidmesh.shared.transport.bulk import TRANSPORTS
 from droidmesh.shared.wire.hashing import PUBLIC
 
@@ -23,7 +24,7 @@ MODES = ("auto", "full_prefill", "full_reuse")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineSettings(BusSettings):
+class EngineSettings(HolderSettings):
     # model id -> checkpoint (a model directory or a LoRA adapter's); the engine's base model is
     # `base_model`, and a LoRA request's adapter name is its model id
     models: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -35,6 +36,13 @@ class EngineSettings(BusSettings):
     connect_timeout_s: float = 15.0
     kv_screen: bool = True  # screen pulled tensors against the receiver's own statistics
     dtype: str = "float32"  # the receiver's own layers (the recomputed group), as the holders' K/V and E
+    # vLLM as a sender (`engines/holding.py`): hold what the engine prefilled itself, in `scope`,
+    # under `holder_id` (under NATS auth the roster's `--holder MODEL=ID` of this receiver user),
+    # with E at `hold_e_layers` besides those the pair configs naming its models as senders use;
+    # the store and bulk server are the holder settings' (`store_bytes`, `readers`, `ucx_host`, ...)
+    hold: bool = False
+    holder_id: str = ""
+    hold_e_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -49,6 +57,8 @@ class EngineSettings(BusSettings):
             raise ConfigError(f"dtype {self.dtype!r} not one of float32, bfloat16, float16")
         if not self.scope:
             raise ConfigError("scope must not be empty")
+        if self.hold and not self.holder_id:
+            raise ConfigError("hold needs a holder_id (under NATS auth, one the roster gives this user)")
         for name in ("lookup_timeout_s", "reuse_timeout_s", "connect_timeout_s"):
             if not 0 < getattr(self, name) <= 600:
                 raise ConfigError(f"{name} {getattr(self, name)} must be in (0, 600]")
@@ -61,11 +71,16 @@ class EngineSettings(BusSettings):
         unknown = sorted(set(raw) - set(known))
         if unknown:
             raise ConfigError(f"unknown DroidMesh connector settings {unknown}; known: {sorted(known)}")
+        raw = {k: tuple(v) if isinstance(v, list) and typing.get_origin(known.get(k)) is tuple else v
+               for k, v in raw.items()}  # JSON has lists where the settings keep tuples
         for key, value in raw.items():
             kind = typing.get_origin(known[key]) or known[key]
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else isinstance(value, kind)
-            if not ok:
-                raise ConfigError(f"connector setting {key}: {type(value).__name__} where {kind.__name__} is expected")
+            items = value if kind is tuple and isinstance(value, tuple) else (value,)
+            item_kind = typing.get_args(known[key])[0] if kind is tuple else kind
+            for item in items:
+                if not _is(item, item_kind):
+                    raise ConfigError(f"connector setting {key}: {type(item).__name__} where {item_kind.__name__} "
+                                      "is expected")
         values: dict[str, Any] = {k: float(v) if known[k] is float else v for k, v in raw.items()}
         return cls(**values)
 
@@ -73,3 +88,12 @@ class EngineSettings(BusSettings):
         """The model id a request is served as: its adapter's, or the base's; None if not ours."""
         name = lora_name or self.base_model
         return name if name in self.models else None
+
+
+def _is(value: Any, kind: type) -> bool:
+    """`value` is of `kind`, as JSON spells it: a float setting takes an int, no setting a bool for a number."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)

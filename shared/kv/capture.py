@@ -77,3 +77,35 @@ def captured_of(model: ModelAdapter, prompt: Sequence[int], pre: PrefillResult,
         kv.append(KVBlock(l, k[:, :, :t].clone(), v[:, :, :t].clone()))  # [1, kvh, t, hd], contiguous
     return CapturedContext(token_ids=tuple(int(i) for i in prompt), fingerprint=model.fingerprint,
                            model_name=model.name, kv=tuple(kv), e=e)
+
+
+@torch.inference_mode()
+def captured_from_engine(model: ModelAdapter, token_ids: Sequence[int], kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                         e_layers: Iterable[int] = ()) -> CapturedContext:
+    """A context another engine prefilled with `model`'s weights: its K/V of every layer as that
+    engine computed them (each [1, kv_heads, T, head_dim]), and E at each of `e_layers` computed
+    here, since no engine hands its hidden states out: the embedding and layers [0, max E) over the
+    tokens (a fraction of a prefill; their K/V go to a scratch cache and are dropped). E is this
+    model's, in its dtype: within the tolerance of two kernels of the engine's own E."""
+    ids = list(token_ids)
+    wanted = sorted(set(e_layers))
+    if not ids or len(kv) != model.num_layers:
+        raise BadRequestError(f"{len(kv)} layers of K/V over {len(ids)} tokens for a model of {model.num_layers} layers")
+    shape = model.kv_shape(len(ids))
+    for l, (k, v) in enumerate(kv):
+        if tuple(k.shape) != shape or tuple(v.shape) != shape:
+            raise BadRequestError(f"layer {l}: K {tuple(k.shape)} V {tuple(v.shape)}, expected {shape}")
+    if any(not 0 <= l < model.num_layers for l in wanted):
+        raise BadRequestError(f"E layers {wanted} outside 0..{model.num_layers - 1}")
+    e: dict[int, torch.Tensor] = {}
+    if wanted:
+        scratch = model.new_cache(len(ids))
+        h = model.embed(model.token_tensor(ids))  # [1, T, D]
+        start = 0
+        for stop in wanted:
+            h = model.run_layers(h, start, stop, scratch, past=0)
+            e[stop] = h.clone()
+            start = stop
+    blocks = tuple(KVBlock(l, k.to(model.dtype).contiguous(), v.to(model.dtype).contiguous())
+                   for l, (k, v) in enumerate(kv))
+    return CapturedContext(token_ids=tuple(ids), fingerprint=model.fingerprint, model_name=model.name, kv=blocks, e=e)

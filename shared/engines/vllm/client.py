@@ -48,7 +48,8 @@ class Engine(Protocol):
 
 def kv_transfer_config(connector: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's `--kv-transfer-config` for the DroidMesh connector with `connector`'s settings."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_consumer",
+    role = "kv_both" if connector.get("hold") else "kv_consumer"  # holding makes it a sender too
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": role,
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": dict(connector)}
 
 

@@ -18,6 +18,11 @@ request's blocks are reported as failed loads (`get_block_ids_with_load_errors`)
 or vLLM's own, never a partial one. Each decision is one JSON log line (`request`, `reuse_fallback`)
 with the reason's code, as the receiver's.
 
+With `hold` (role `kv_both`), vLLM is a sender too: a prompt it prefilled itself is, once its
+last prefill step ran (`build_connector_meta` follows chunked prefills), copied out of its blocks
+in `wait_for_save` (`pages.read_slots`) and held for the mesh (`engines/holding.py`: E computed
+beside the engine, announced, served over the bulk channel). Blocks are never kept past the step.
+
 Loads are synchronous (the step waits for them, bounded by `reuse_timeout_s`); a request that
 vLLM's own prefix cache already covers is left to it. A request may ask for a mode in
 `SamplingParams.extra_args["droidmesh_mode"]` ("auto", "full_prefill", "full_reuse").
@@ -65,8 +70,20 @@ class Load:
 
 
 @dataclasses.dataclass
+class Save:
+    """A prompt vLLM prefilled itself, to hold once its last prefill step ran: scheduler -> worker."""
+
+    request_id: str
+    model_id: str
+    prompt: list[int]
+    block_ids: list[int]
+    computed: int = 0  # prompt tokens computed before the step this is sent in (scheduler side)
+
+
+@dataclasses.dataclass
 class DroidMeshMetadata(KVConnectorMetadata):
     loads: list[Load] = dataclasses.field(default_factory=list)
+    saves: list[Save] = dataclasses.field(default_factory=list)
 
 
 def _mode(request: Any) -> str:
@@ -84,6 +101,8 @@ class DroidMeshConnector(KVConnectorBase_V1):
         if getattr(tc, "kv_load_failure_policy", "recompute") != "recompute":
             raise ConfigError('the DroidMesh connector needs "kv_load_failure_policy": "recompute": a failed '
                               "pull must fall back to vLLM's own prefill, never fail the request")
+        if self.settings.hold and not tc.is_kv_producer:
+            raise ConfigError('"hold" makes vLLM a sender too: it needs "kv_role": "kv_both"')
         if vllm_config.cache_config.cache_dtype not in ("auto", None):
             raise ConfigError(f"kv cache dtype {vllm_config.cache_config.cache_dtype}: only the model's own dtype")
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
@@ -97,9 +116,15 @@ class DroidMeshConnector(KVConnectorBase_V1):
         # allocated since the last step's metadata
         self._matched: dict[str, Match | None] = {}
         self._pending: dict[str, Load] = {}
+        self._saving: dict[str, Save] = {}  # prompts being prefilled by vLLM itself (`hold`)
         # worker side
         self._caches: dict[int, tuple[str, torch.Tensor]] = {}
+        self._isa: dict[str, str] = {}  # layer name -> its cache layout, as its attention writes it
         self._failed_blocks: set[int] = set()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a save is a cache for others: one dropped is a later miss, never a wrong answer
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -145,18 +170,47 @@ class DroidMeshConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = DroidMeshMetadata()
+        loaded = set()
         for new in scheduler_output.scheduled_new_reqs:
             load = self._pending.pop(new.req_id, None)
             if load is not None:
                 meta.loads.append(dataclasses.replace(load, block_ids=list(new.block_ids[0])))
+                loaded.add(new.req_id)
                 # once only: a request vLLM preempts and resumes later is recomputed by vLLM, since
                 # its blocks are then new and nothing would load them
                 self._matched[new.req_id] = None
+        if self.settings.hold:
+            meta.saves = self._saves(scheduler_output, loaded)
         return meta
+
+    def _saves(self, out: SchedulerOutput, loaded: set[str]) -> list[Save]:
+        """The prompts whose prefill ends in this step, computed by vLLM itself (a load's blocks
+        hold the mesh's K/V, which is not this model's own). A prompt prefilled in chunks is
+        followed from step to step: its blocks grow, or are replaced when vLLM resumes it."""
+        for new in out.scheduled_new_reqs:
+            prompt = list(new.prompt_token_ids or [])
+            model = self.settings.model_for(new.lora_request.lora_name if new.lora_request is not None else None)
+            if model is not None and new.req_id not in loaded and len(prompt) >= 2:
+                self._saving[new.req_id] = Save(new.req_id, model, prompt, list(new.block_ids[0]), new.num_computed_tokens)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            save = self._saving.get(rid)
+            if save is None:
+                continue
+            grown = cached.new_block_ids[i]
+            if grown is not None:
+                save.block_ids = list(grown[0]) if rid in cached.resumed_req_ids else save.block_ids + list(grown[0])
+            save.computed = cached.num_computed_tokens[i]
+        done = [save for rid, save in self._saving.items()
+                if out.num_scheduled_tokens.get(rid, 0) and save.computed + out.num_scheduled_tokens[rid] >= len(save.prompt)]
+        for save in done:
+            del self._saving[save.request_id]
+        return done
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._matched.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._saving.pop(request.request_id, None)
         return False, None
 
     # -- worker side ----------------------------------------------------------------------
@@ -167,6 +221,8 @@ class DroidMeshConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, DroidMeshMetadata)
         layers = getattr(forward_context, "no_compile_layers", {}) or {}
+        if layers and not self._isa:
+            self._isa = {name: pages.isa_of(layers.get(name), cache, "auto") for name, cache in self._caches.values()}
         for load in meta.loads:
             began = time.perf_counter()
             try:
@@ -176,7 +232,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
                 slots = pages.slots_of(load.block_ids, self.block_size, load.match.tokens)
                 for index, (name, cache) in sorted(self._caches.items()):
                     k, v = kv[index]
-                    pages.write_layer(cache, k, v, slots, pages.isa_of(layers.get(name), cache, "auto"))
+                    pages.write_layer(cache, k, v, slots, self._layout(name, cache))
             except Exception as e:  # whatever a peer sent or did: this request falls back, the engine goes on
                 self._failed_blocks.update(load.block_ids)
                 code = getattr(e, "code", type(e).__name__)
@@ -192,11 +248,31 @@ class DroidMeshConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole before the forward (start_load_kv)
 
+    def _layout(self, name: str, cache: torch.Tensor) -> str:
+        return self._isa.get(name) or pages.isa_of(None, cache, "auto")
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # a receiver only: publishing this engine's prefills is a sender's role
+        return  # prompts are copied out whole, after the step's forward (`wait_for_save`)
 
     def wait_for_save(self) -> None:
-        return
+        """Copy out each prompt whose prefill this step finished and hand it to the holder; a
+        failure costs that prompt its holding, never the step."""
+        if not self.settings.hold or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DroidMeshMetadata)
+        for save in meta.saves:
+            began = time.perf_counter()
+            try:
+                slots = pages.slots_of(save.block_ids, self.block_size, len(save.prompt))
+                kv = [pages.read_slots(cache, slots, self._layout(name, cache))
+                      for _, (name, cache) in sorted(self._caches.items())]
+                self.bridge.hold(save.model_id, save.prompt, kv)
+            except Exception as e:  # noqa: BLE001 - not held; the request itself is unaffected
+                log.warning("hold_skipped", request_id=save.request_id, reason=f"{type(e).__name__}: {str(e)[:200]}")
+                continue
+            log.info("saved", request_id=save.request_id, model=save.model_id, tokens=len(save.prompt),
+                     ms=round((time.perf_counter() - began) * 1e3, 1))
 
     def shutdown(self) -> None:
         self.bridge.close()

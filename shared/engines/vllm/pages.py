@@ -1,4 +1,4 @@
-"""Writing K/V into vLLM's paged cache, layer by layer, through vLLM's own cache-write kernel.
+"""K/V into and out of vLLM's paged cache, layer by layer.
 
 vLLM's CPU attention keeps a layer as [num_blocks, kv_heads, block_size, 2 * head_dim]: K in the
 first block_size rows of each (block, head) viewed as [blocks, heads, 2 * block_size, head_dim],
@@ -7,6 +7,10 @@ both tiled for "amx"). So K/V go in through the op vLLM's own attention writes w
 (`cpu_attn_reshape_and_cache`), never by indexing: what lands is exactly what vLLM would have
 written had it computed those tokens. GPU backends (flash attention's [2, blocks, block_size,
 heads, head_dim]) go through `reshape_and_cache_flash` the same way.
+
+Reading back (`read_slots`: what vLLM prefilled, held for the mesh) has no op of vLLM's to go
+through, so it undoes the write's layout by a view and a permute per ISA; the system test checks
+it against the write op itself (every element read back is the one written, bit for bit).
 """
 
 from __future__ import annotations
@@ -60,3 +64,34 @@ def isa_of(layer: object, cache: torch.Tensor, cache_dtype: str) -> str:
 
         isa = _get_attn_isa(cache.dtype, cache.shape[2], cache.shape[3] // 2, cache_dtype)
     return str(isa)
+
+
+def block_kv(cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's cache [blocks, heads, block_size, 2 * head_dim] as K, V views, each
+    [blocks, heads, block_size, head_dim] in token order, for the layout `isa` writes."""
+    blocks, heads, bs, width = cache.shape
+    d = width // 2
+    halves = cache.view(blocks, heads, 2, bs * d)  # per (block, head): the K half, then the V half
+    k, v = halves[:, :, 0], halves[:, :, 1]
+    if isa in ("vec", "vec16"):  # K stored [head_dim, block_size] (transposed), V [block_size, head_dim]
+        return k.view(blocks, heads, d, bs).transpose(2, 3), v.view(blocks, heads, bs, d)
+    if isa == "amx":  # 16 x 2 tiles: K [bs/16, d/2, 16, 2], V [d/16, bs/2, 16, 2]
+        key = k.view(blocks, heads, bs // 16, d // 2, 16, 2).permute(0, 1, 2, 4, 3, 5).reshape(blocks, heads, bs, d)
+        value = v.view(blocks, heads, d // 16, bs // 2, 16, 2).permute(0, 1, 3, 5, 2, 4).reshape(blocks, heads, bs, d)
+        return key, value
+    raise ValueError(f"no read-back for vLLM's CPU attention layout {isa!r}")
+
+
+def read_slots(cache: torch.Tensor, slots: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V at `slots` [T] of one layer's paged `cache` (slot = block * block_size + offset, split
+    by the cache's own block size, which may be a fraction of the scheduler's), each a fresh
+    contiguous [1, kv_heads, T, head_dim] in the cache's dtype."""
+    blocks, _, bs, _ = cache.shape
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= blocks * bs):
+        raise ValueError("a slot outside the cache")
+    block, offset = slots // bs, slots % bs  # [T] each
+    touched, which = torch.unique(block, return_inverse=True)  # only the request's blocks are viewed
+    k, v = block_kv(cache[touched], isa)  # [n, H, bs, D] each
+    key = k[which, :, offset].permute(1, 0, 2)[None]  # [T, H, D] -> [1, H, T, D]
+    value = v[which, :, offset].permute(1, 0, 2)[None]
+    return key.contiguous(), value.contiguous()

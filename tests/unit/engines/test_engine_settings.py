@@ -32,10 +32,19 @@ def test_settings_from_the_engines_dict(tmp_path):
     ({"transport": "carrier-pigeon"}, "transport"),
     ({"lookup_timeout_s": 0}, "lookup_timeout_s"),
     ({"models": {"base": "/does/not/exist"}}, "is not a directory"),
+    ({"hold": True}, "holder_id"),
+    ({"hold_e_layers": ["6"]}, "str where int"),
+    ({"store_bytes": True}, "bool where int"),
 ])
 def test_bad_settings_are_one_line_errors(tmp_path, over, message):
     with pytest.raises(ConfigError, match=message):
         EngineSettings.from_mapping(_raw(tmp_path, **over))
+
+
+def test_holding_settings_from_json_lists(tmp_path):
+    s = EngineSettings.from_mapping(_raw(tmp_path, hold=True, holder_id="vllm-base", hold_e_layers=[6],
+                                         readers=["qa"], store_bytes=1 << 20))
+    assert (s.hold, s.holder_id, s.hold_e_layers, s.readers, s.store_bytes) == (True, "vllm-base", (6,), ("qa",), 1 << 20)
 
 
 def test_layer_names_and_slots():

@@ -77,3 +77,35 @@ def test_captured_of_a_full_reuse_of_its_own_prefix_is_its_cache_of_the_whole_pr
     grouped = prefill(model, longer, ReusePlan.recompute(1, 3), CapturedSource(capture_prefill(tiny_models[0], longer, [1])))
     with pytest.raises(BadRequestError, match="own KV"):
         captured_of(model, longer, grouped, held)
+
+
+@pytest.mark.parametrize("e_layers", [(), (0,), (2,), (1, 4)])
+def test_an_engines_kv_with_e_computed_here_is_a_capturing_prefills_context(tiny_models, e_layers):
+    """Another engine's K/V (here a capture's, standing in for vLLM's) plus E computed from the
+    layers below: every E within the computed tolerance of the capturing prefill's, the K/V its
+    own, and a plan over it answers like one over the capture."""
+    from droidmesh.shared.kv.capture import captured_from_engine
+
+    model = tiny_models[1]
+    ids = _ids(model)
+    ref = capture_prefill(model, ids, e_layers)
+    got = captured_from_engine(model, ids, [(b.k, b.v) for b in ref.kv], e_layers)
+    assert sorted(got.e) == sorted(ref.e) and got.token_ids == ref.token_ids and got.fingerprint == ref.fingerprint
+    for l, e in ref.e.items():
+        assert_close_computed(got.e[l], e, dtype=model.dtype, layers=max(l, 1), what=f"E_{l}")
+    for a, b in zip(got.kv, ref.kv, strict=True):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)  # bitwise: copied, same dtype
+
+
+def test_an_engines_kv_of_the_wrong_shape_or_layer_count_is_refused(tiny_models):
+    from droidmesh.shared.kv.capture import captured_from_engine
+
+    model = tiny_models[1]
+    ids = _ids(model)
+    kv = [(b.k, b.v) for b in capture_prefill(model, ids).kv]
+    with pytest.raises(BadRequestError, match="layers"):
+        captured_from_engine(model, ids, kv[:-1])
+    with pytest.raises(BadRequestError, match="expected"):
+        captured_from_engine(model, ids[:-1], kv)
+    with pytest.raises(BadRequestError, match="outside"):
+        captured_from_engine(model, ids, kv, [model.num_layers])

@@ -1,0 +1,148 @@
+"""vLLM as a DroidMesh sender: a real nats-server (per-role users), a broker and a DroidMesh
+receiver of `real/docqa` as processes, and `vllm serve real/base` with the connector holding what
+it prefills (`hold`, role `kv_both`). A prompt vLLM prefilled is announced under its holder id
+and pulled by the DroidMesh receiver under the pair's plan: the layers outside the group are
+vLLM's K/V, the group is recomputed from E_6, which the connector computed beside vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
+from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.kv import policy
+from droidmesh.shared.kv.capture import capture_prefill
+from droidmesh.shared.kv.partial import generate
+from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.kv.sources import CapturedSource
+from droidmesh.shared.mesh.nats_auth import Roster, receiver_user
+from droidmesh.shared.model import text
+from droidmesh.shared.model.adapter import load_model
+from droidmesh.shared.model.names import ModelRef
+from droidmesh.shared.profiling.profile import recompute_config
+from droidmesh.shared.service.launch import free_port, start_service
+from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs
+from droidmesh.shared.wire import schemas
+from tests.system.conftest import until_indexed
+
+pytestmark = [pytest.mark.timeout(1200),
+              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
+
+HOLDER = "vllm-base"  # the holder id vLLM's connector holds under (the roster's --holder base=vllm-base)
+PLAN = ReusePlan.recompute(6, 9)  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
+NEW_TOKENS = 12
+READY_S = 600.0
+CONTEXT = ("The Rust Foundation supports the Rust language. It funds the maintainers of the compiler, "
+           "runs the crates.io package registry and hosts RustConf each year. ") * 6
+QUESTION = "\nQuestion: Which registry does the foundation run?\nAnswer:"
+
+
+def test_the_cache_layout_reads_back_what_vllms_write_op_wrote():
+    """`pages.read_slots` against vLLM's own cache-write op, in vLLM's environment: random K/V
+    written at shuffled blocks (a partial last one) come back bit for bit, for every layout this
+    CPU's attention picks (fp32 and bf16; block sizes 16, 32, 128)."""
+    if not PYTHON.is_file():
+        pytest.fail(f"no vLLM environment at {PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
+    script = """
+import torch
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from droidmesh.shared.engines.vllm import pages
+for dt in (torch.float32, torch.bfloat16):
+    for bs, d in ((16, 64), (32, 64), (128, 64)):
+        isa, h, nb, t = _get_attn_isa(dt, bs, d, "auto"), 3, 7, 2 * bs + 5
+        slots = pages.slots_of(torch.randperm(nb)[: (t + bs - 1) // bs].tolist(), bs, t)
+        k, v = torch.randn(1, h, t, d).to(dt), torch.randn(1, h, t, d).to(dt)
+        cache = torch.full((nb, h, bs, 2 * d), float("nan"), dtype=dt)
+        pages.write_layer(cache, k, v, slots, isa)
+        got_k, got_v = pages.read_slots(cache, slots, isa)
+        print(isa, torch.equal(got_k, k) and torch.equal(got_v, v))
+"""
+    out = subprocess.run([str(PYTHON), "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    results = [line.split() for line in lines if line.strip()]
+    assert len(results) == 6 and all(ok == "True" for _, ok in results), out.stdout
+
+
+@pytest.fixture(scope="module")
+def real_tier() -> Path:
+    from droidmesh.shared.zoo.manifest import zoo_dir
+    from droidmesh.shared.zoo.real import build_real
+
+    try:
+        build_real(zoo_dir("real"))
+    except DroidMeshError as e:
+        pytest.skip(f"the real tier cannot be built here: {e}")
+    return zoo_dir("real")
+
+
+@pytest.fixture(scope="module")
+def sending(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServedEngine, object]]:
+    """The mesh (broker, DroidMesh receiver of docqa) and vLLM serving base, holding its prefills."""
+    if not PYTHON.is_file():
+        pytest.fail(f"no vLLM environment at {PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
+    base, docqa = ModelRef(real_tier / "base", "base"), ModelRef(real_tier / "docqa", "docqa")
+    work = tmp_path_factory.mktemp("vllm-sender")
+    roster = Roster(senders=(), receivers=("base", "docqa"), holders=(("base", HOLDER),))
+    with mesh(roster) as (access, procs):
+        profile = json.loads((real_tier / "profiles" / "base-to-docqa.json").read_text())
+        cfg = recompute_config(profile, base, docqa, 1)
+        point = schemas.FrontierPoint(plan=policy.spec_of(PLAN), recomputed_layers=3, quality=cfg.chosen.quality)
+        asyncio.run(publish_configs([msgspec.structs.replace(cfg, chosen=point, frontier=[point], latency=None)], access))
+        env = {**THREADS, **NO_HEALTH_PORT}
+        procs.append(start_service("cache_broker", {}, access.url, env={**env, **access.env_for("broker")}, log_dir=work))
+        procs.append(start_service("receiver", {"model_path": str(docqa.path), "model_id": "docqa", "transport": "shm",
+                                                "hold": False}, access.url, name="receiver-docqa", log_dir=work,
+                                   env={**env, **access.env_for(receiver_user("docqa"))}))
+        password = work / "base.password"
+        password.write_text(access.password(receiver_user("base")))
+        connector = {"nats_url": access.url, "nats_user": receiver_user("base"), "nats_password_file": str(password),
+                     "models": {"base": str(base.path)}, "base_model": "base", "transport": "shm",
+                     "hold": True, "holder_id": HOLDER, "hold_e_layers": list(PLAN.e_layers), "readers": ["docqa"]}
+        engine = ServedEngine(PYTHON, {"model": str(base.path), "name": "base", "dtype": "float32",
+                                       "connector": connector}, work, free_port(),
+                              env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
+        try:
+            engine.ready(READY_S)
+            yield engine, access
+        finally:
+            engine.stop()
+
+
+def test_a_prompt_vllm_prefilled_is_pulled_by_a_droidmesh_receiver_under_the_plan(sending, real_tier):
+    """vLLM answers over the context (its own prefill, logged `saved`); the broker then answers its
+    holder id; the docqa receiver's request over context + question is `partial` from that holder,
+    every context token reused, and answers as DroidMesh's engine does under the plan over a
+    DroidMesh capture of the same context (float32, two kernels: the first token equal, the greedy
+    tokens in 10 of 12)."""
+    engine, access = sending
+    base = load_model(real_tier / "base", device="cpu", dtype="float32")
+    receiver = load_model(real_tier / "docqa", device="cpu", dtype="float32", name="docqa")
+    ctx, q = text.prompt_ids(receiver.tokenizer, CONTEXT, QUESTION)
+    first = engine.ask("prefill", ctx, max_tokens=1)
+    assert engine.events("saved", first["request_id"]), "vLLM's connector did not hand its prefill to the holder"
+    # the holder computes E (loading DroidMesh's copy of the weights the first time) before it announces
+    engine.wait(lambda: any('"event": "held"' in line for line in engine.lines), 300, "the holder's `held` line")
+
+    async def ask() -> schemas.GenerateReply:
+        (client,) = await connect_as(access, "admin")
+        try:
+            await until_indexed(client, receiver, CONTEXT)
+            return await client.ask("docqa", CONTEXT, QUESTION, max_new_tokens=NEW_TOKENS, timeout=300)
+        finally:
+            await client.close()
+
+    reply = asyncio.run(ask())
+    assert (reply.path, reply.sender_id, reply.plan) == ("partial", HOLDER, PLAN.label()), reply
+    assert reply.reused_tokens == len(ctx) and reply.bytes_pulled > 0, reply
+    src = CapturedSource(capture_prefill(base, ctx, e_layers=PLAN.e_layers))
+    ours = generate(receiver, ctx + q, PLAN, src, max_new_tokens=NEW_TOKENS).tokens
+    assert reply.token_ids[0] == ours[0], (reply.token_ids, ours)
+    assert sum(a == b for a, b in zip(reply.token_ids, ours, strict=True)) >= NEW_TOKENS - 2, (reply.token_ids, ours)
