@@ -1,8 +1,9 @@
 """vLLM as a DroidMesh sender: a real nats-server (per-role users), a broker and a DroidMesh
-receiver of `real/docqa` as processes, and `vllm serve real/base` with the connector holding what
-it prefills (`hold`, role `kv_both`). A prompt vLLM prefilled is announced under its holder id
-and pulled by the DroidMesh receiver under the pair's plan: the layers outside the group are
-vLLM's K/V, the group is recomputed from E_6, which the connector computed beside vLLM."""
+receiver of `real/docqa` as processes, and `vllm serve real/base` (with the `docqa` LoRA adapter)
+and the connector both loading and holding what it prefills (`hold`, role `kv_both`). A prompt
+vLLM prefilled as `base` is announced under its holder id, then reused under the pair's plan by
+the DroidMesh receiver and by vLLM's own `docqa` adapter: the layers outside the group are vLLM's
+K/V, the group is recomputed from E_6, which the connector computed beside vLLM."""
 
 from __future__ import annotations
 
@@ -104,10 +105,11 @@ def sending(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         password = work / "base.password"
         password.write_text(access.password(receiver_user("base")))
         connector = {"nats_url": access.url, "nats_user": receiver_user("base"), "nats_password_file": str(password),
-                     "models": {"base": str(base.path)}, "base_model": "base", "transport": "shm",
+                     "models": {"base": str(base.path), "docqa": str(docqa.path)}, "base_model": "base",
+                     "transport": "shm", "reuse_timeout_s": 30.0,
                      "hold": True, "holder_id": HOLDER, "hold_e_layers": list(PLAN.e_layers), "readers": ["docqa"]}
         engine = ServedEngine(PYTHON, {"model": str(base.path), "name": "base", "dtype": "float32",
-                                       "connector": connector}, work, free_port(),
+                                       "loras": {"docqa": str(docqa.path)}, "connector": connector}, work, free_port(),
                               env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
         try:
             engine.ready(READY_S)
@@ -116,20 +118,42 @@ def sending(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             engine.stop()
 
 
-def test_a_prompt_vllm_prefilled_is_pulled_by_a_droidmesh_receiver_under_the_plan(sending, real_tier):
-    """vLLM answers over the context (its own prefill, logged `saved`); the broker then answers its
-    holder id; the docqa receiver's request over context + question is `partial` from that holder,
-    every context token reused, and answers as DroidMesh's engine does under the plan over a
-    DroidMesh capture of the same context (float32, two kernels: the first token equal, the greedy
-    tokens in 10 of 12)."""
-    engine, access = sending
-    base = load_model(real_tier / "base", device="cpu", dtype="float32")
-    receiver = load_model(real_tier / "docqa", device="cpu", dtype="float32", name="docqa")
-    ctx, q = text.prompt_ids(receiver.tokenizer, CONTEXT, QUESTION)
+@pytest.fixture(scope="module")
+def held(sending, real_tier: Path) -> tuple[list[int], list[int]]:
+    """(context ids, question ids): vLLM answers over the context as `base` (its own prefill,
+    logged `saved`), and its holder has held it (`held`, once E is computed)."""
+    engine, _ = sending
+    tok = load_model(real_tier / "docqa", device="cpu", dtype="float32").tokenizer
+    ctx, q = text.prompt_ids(tok, CONTEXT, QUESTION)
     first = engine.ask("prefill", ctx, max_tokens=1)
+    (decided,) = engine.events("request", first["request_id"])
+    assert decided["path"] == "full_prefill", decided  # nothing held it before
     assert engine.events("saved", first["request_id"]), "vLLM's connector did not hand its prefill to the holder"
     # the holder computes E (loading DroidMesh's copy of the weights the first time) before it announces
     engine.wait(lambda: any('"event": "held"' in line for line in engine.lines), 300, "the holder's `held` line")
+    return ctx, q
+
+
+def _ours(real_tier: Path, ctx: list[int], q: list[int]) -> list[int]:
+    """DroidMesh's engine under the plan, over a DroidMesh capture of the context by base."""
+    base = load_model(real_tier / "base", device="cpu", dtype="float32")
+    receiver = load_model(real_tier / "docqa", device="cpu", dtype="float32", name="docqa")
+    src = CapturedSource(capture_prefill(base, ctx, e_layers=PLAN.e_layers))
+    return generate(receiver, ctx + q, PLAN, src, max_new_tokens=NEW_TOKENS).tokens
+
+
+def _agrees(got: list[int], ours: list[int]) -> bool:
+    """float32 through two kernels: the first token equal, the greedy tokens in 10 of 12."""
+    return got[0] == ours[0] and sum(a == b for a, b in zip(got, ours, strict=True)) >= NEW_TOKENS - 2
+
+
+def test_a_prompt_vllm_prefilled_is_pulled_by_a_droidmesh_receiver_under_the_plan(sending, held, real_tier):
+    """The broker answers vLLM's holder id; the docqa receiver's request over context + question
+    is `partial` from that holder, every context token reused, and answers as DroidMesh's engine
+    does under the plan over a DroidMesh capture of the same context."""
+    engine, access = sending
+    ctx, q = held
+    receiver = load_model(real_tier / "docqa", device="cpu", dtype="float32", name="docqa")
 
     async def ask() -> schemas.GenerateReply:
         (client,) = await connect_as(access, "admin")
@@ -142,7 +166,20 @@ def test_a_prompt_vllm_prefilled_is_pulled_by_a_droidmesh_receiver_under_the_pla
     reply = asyncio.run(ask())
     assert (reply.path, reply.sender_id, reply.plan) == ("partial", HOLDER, PLAN.label()), reply
     assert reply.reused_tokens == len(ctx) and reply.bytes_pulled > 0, reply
-    src = CapturedSource(capture_prefill(base, ctx, e_layers=PLAN.e_layers))
-    ours = generate(receiver, ctx + q, PLAN, src, max_new_tokens=NEW_TOKENS).tokens
-    assert reply.token_ids[0] == ours[0], (reply.token_ids, ours)
-    assert sum(a == b for a, b in zip(reply.token_ids, ours, strict=True)) >= NEW_TOKENS - 2, (reply.token_ids, ours)
+    ours = _ours(real_tier, ctx, q)
+    assert _agrees(reply.token_ids, ours), (reply.token_ids, ours)
+
+
+def test_what_the_base_prefilled_is_reused_by_vllms_own_adapter(sending, held, real_tier):
+    """Across what vLLM keeps apart (its prefix cache is per adapter): a `docqa` request over the
+    context `base` prefilled is `partial` under the pair's plan, loaded from vLLM's own holder,
+    and answers as DroidMesh's engine does under the plan."""
+    engine, _ = sending
+    ctx, q = held
+    got = engine.ask("adapter", ctx + q, max_tokens=NEW_TOKENS, lora="docqa")
+    (decided,) = engine.events("request", got["request_id"])
+    assert (decided["path"], decided["plan"], decided["reused_tokens"]) == ("partial", PLAN.label(), len(ctx)), decided
+    (loaded,) = engine.events("loaded", got["request_id"])
+    assert loaded["bytes_pulled"] > 0, loaded
+    ours = _ours(real_tier, ctx, q)
+    assert _agrees(got["tokens"], ours), (got["tokens"], ours)
