@@ -17,6 +17,7 @@ from typing import Any
 
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.holding.settings import HolderSettings
+from droidmesh.shared.service.settings import value_is
 from droidmesh.shared.transport.bulk import TRANSPORTS
 from droidmesh.shared.wire.hashing import PUBLIC
 
@@ -78,7 +79,7 @@ class EngineSettings(HolderSettings):
             items = value if kind is tuple and isinstance(value, tuple) else (value,)
             item_kind = typing.get_args(known[key])[0] if kind is tuple else kind
             for item in items:
-                if not _is(item, item_kind):
+                if not value_is(item_kind, item):
                     raise ConfigError(f"connector setting {key}: {type(item).__name__} where {item_kind.__name__} "
                                       "is expected")
         values: dict[str, Any] = {k: float(v) if known[k] is float else v for k, v in raw.items()}
@@ -89,11 +90,3 @@ class EngineSettings(HolderSettings):
         name = lora_name or self.base_model
         return name if name in self.models else None
 
-
-def _is(value: Any, kind: type) -> bool:
-    """`value` is of `kind`, as JSON spells it: a float setting takes an int, no setting a bool for a number."""
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)

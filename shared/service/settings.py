@@ -50,22 +50,25 @@ def _toml_name(kind: Any) -> str:
     return _TOML_TYPES.get(kind, getattr(kind, "__name__", str(kind)))
 
 
+def value_is(kind: Any, value: Any) -> bool:
+    """`value` is of `kind` as a parsed file (TOML, JSON) spells it: a float field takes an
+    integer, no number field takes a bool."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
 def _from_toml(kind: Any, value: Any, name: str) -> Any:
     """A file's value as the field's type; TOML already typed it, so only exact kinds pass
     (an integer for a float field is fine; a string "3" for an integer field is not)."""
-    def ok(k: Any, v: Any) -> bool:
-        if k is float:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-        if k is int:
-            return isinstance(v, int) and not isinstance(v, bool)
-        return isinstance(v, k)
-
     if typing.get_origin(kind) is tuple:
         inner = typing.get_args(kind)[0]
-        if isinstance(value, list) and all(ok(inner, v) for v in value):
+        if isinstance(value, list) and all(value_is(inner, v) for v in value):
             return tuple(inner(v) for v in value)
         raise ConfigError(f"{name}: expected an array of {inner.__name__}, got {value!r}")
-    if kind in (bool, int, float, str) and ok(kind, value):
+    if kind in (bool, int, float, str) and value_is(kind, value):
         return kind(value)
     raise ConfigError(f"{name}: expected {_toml_name(kind)}, got {_toml_name(type(value))} {value!r}")
 

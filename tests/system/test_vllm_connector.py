@@ -21,7 +21,6 @@ import msgspec
 import pytest
 
 from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
-from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
@@ -50,18 +49,6 @@ READY_S = 600.0
 CONTEXT = ("The Python Software Foundation is the organization behind Python. It holds the intellectual "
            "property rights behind Python, runs the Python Package Index and organizes PyCon US. ") * 6
 QUESTION = "\nQuestion: Which index does the foundation run?\nAnswer:"
-
-
-@pytest.fixture(scope="module")
-def real_tier() -> Path:
-    from droidmesh.shared.zoo.manifest import zoo_dir
-    from droidmesh.shared.zoo.real import build_real
-
-    try:
-        build_real(zoo_dir("real"))
-    except DroidMeshError as e:
-        pytest.skip(f"the real tier cannot be built here: {e}")
-    return zoo_dir("real")
 
 
 @dataclasses.dataclass

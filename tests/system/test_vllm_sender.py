@@ -17,7 +17,6 @@ import msgspec
 import pytest
 
 from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
-from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
@@ -70,18 +69,6 @@ for dt in (torch.float32, torch.bfloat16):
     lines = out.stdout.split("\n")
     results = [line.split() for line in lines if line.strip()]
     assert len(results) == 6 and all(ok == "True" for _, ok in results), out.stdout
-
-
-@pytest.fixture(scope="module")
-def real_tier() -> Path:
-    from droidmesh.shared.zoo.manifest import zoo_dir
-    from droidmesh.shared.zoo.real import build_real
-
-    try:
-        build_real(zoo_dir("real"))
-    except DroidMeshError as e:
-        pytest.skip(f"the real tier cannot be built here: {e}")
-    return zoo_dir("real")
 
 
 @pytest.fixture(scope="module")

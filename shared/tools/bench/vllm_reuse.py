@@ -11,7 +11,10 @@ its base (one full checkpoint: vLLM at its fastest) or, with `lora`, as a LoRA a
   - partial: the pair's plan (layers [6, 9) recomputed from the sender's E, the rest pulled);
   - full reuse: every layer pulled (forced with the request's mode);
 and decode tokens/s alone and with the connector (a `new_tokens` generate minus a one-token one).
-Each reuse row says whether the connector's path was the one asked for.
+Each reuse row says whether the connector's path was the one asked for. A third engine holds what
+it prefills (`hold`, vLLM as a sender, E kept at the plan's layer as a sender of a pair would):
+its TTFT of a fresh prompt it prefills itself, the copy out of its cache inside the step
+(`saved` ms) and the holding beside it (`held` ms: E, the store, the announcement), its decode rate.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_
 from droidmesh.shared.wire import schemas
 
 PLAN = ReusePlan.recompute(6, 9)  # the real tier's plan for base -> docqa
+HOLDER = "vllm-docqa"  # the holding engine's holder id (its roster entry)
 QUESTION = "\nQuestion: What does the text above describe?\nAnswer:"
 READY_S = 900.0
 
@@ -109,22 +113,27 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
     adapter = "docqa" if lora else None
     measured = {}
     with pair_mesh(tier, base, docqa, work, dtype, [documents(tok, n, 0) for n in contexts], lora) as connector:
-        for name, conn in (("alone", None), ("connector", connector)):
+        holding = {**connector, "hold": True, "holder_id": HOLDER, "hold_e_layers": list(PLAN.e_layers)}
+        for name, conn in (("alone", None), ("connector", connector), ("holding", holding)):
             engine = OfflineEngine(python, {**spec, "connector": conn}, work, env)
             try:
                 engine.ready(READY_S)
-                measured[name] = measure(engine, name, contexts, held, fresh, repeats, new_tokens, say, adapter)
+                measured[name] = (measure_hold(engine, contexts, fresh, repeats, new_tokens, say, adapter)
+                                  if name == "holding" else
+                                  measure(engine, name, contexts, held, fresh, repeats, new_tokens, say, adapter))
             finally:
                 engine.stop()
-    alone, mine = measured["alone"], measured["connector"]
+    alone, mine, holds = measured["alone"], measured["connector"], measured["holding"]
     for n in contexts:
-        a, c = alone[n], mine[n]
+        a, c, h = alone[n], mine[n], holds[n]
         out["rows"].append({"context_tokens": n, "alone_ttft_s": a["full"], "miss_ttft_s": c["full"],
                             "miss_over_alone": c["full"] / a["full"], "partial_ttft_s": c["partial"],
                             "alone_over_partial": a["full"] / c["partial"], "full_reuse_ttft_s": c["full_reuse"],
                             "alone_over_full_reuse": a["full"] / c["full_reuse"], "paths": c["paths"],
                             "decode_tok_s_alone": a["decode"], "decode_tok_s_connector": c["decode"],
-                            "decode_ratio": c["decode"] / a["decode"]})
+                            "decode_ratio": c["decode"] / a["decode"], "hold_ttft_s": h["full"],
+                            "hold_over_alone": h["full"] / a["full"], "save_copy_ms": h["saved_ms"],
+                            "hold_ms": h["held_ms"], "decode_ratio_holding": h["decode"] / a["decode"]})
     return out
 
 
@@ -136,7 +145,7 @@ def pair_mesh(tier: Path, base: ModelRef, docqa: ModelRef, work: Path, dtype: st
     what it cannot hold it evicts, oldest first) holding `contexts`; yields
     the connector's settings for an engine serving docqa (merged: its base model; `lora`: an
     adapter of base), logged in as docqa's receiver."""
-    with mesh(Roster.local(senders=["base"], receivers=["docqa"])) as (access, procs):
+    with mesh(Roster.local(senders=["base"], receivers=["docqa"], holders={"docqa": HOLDER})) as (access, procs):
         profile = json.loads((tier / "profiles" / "base-to-docqa.json").read_text())
         cfg = recompute_config(profile, base, docqa, 1)
         point = schemas.FrontierPoint(plan=policy.spec_of(PLAN), recomputed_layers=PLAN.groups[0][1] - PLAN.groups[0][0],
@@ -186,3 +195,31 @@ def measure(engine: Engine, name: str, contexts: list[int], held: dict, fresh: d
         say(f"{name} {n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
         rows[n] = row
     return rows
+
+
+def measure_hold(engine: OfflineEngine, contexts: list[int], fresh: dict, repeats: int, new_tokens: int,
+                 say: Callable[[str], None], adapter: str | None) -> dict[int, dict[str, Any]]:
+    """Per context length on the holding engine: TTFT of the fresh prompt prefilled by vLLM itself
+    (mode full_prefill, so a repeat does not reuse what the first held), the median `saved` ms of
+    those runs (the copy out of vLLM's cache, inside its step) and `held` ms (beside it), and the
+    decode rate."""
+    rows: dict[int, dict[str, Any]] = {}
+    for n in contexts:
+        f = fresh[n][0] + fresh[n][1]
+        ttft, runs = _median_ttft(engine, f"holding-{n}-full", f, repeats, lora=adapter, mode="full_prefill")
+        saved = [e["ms"] for r in runs for e in engine.events("saved", r["request_id"])]
+        engine.wait(lambda: bool(_held_ms(engine, len(f))), 120, "the holder's `held` line")  # noqa: B023
+        held = _held_ms(engine, len(f))
+        row = {"full": ttft, "saved_ms": statistics.median(saved) if saved else float("nan"),
+               "held_ms": statistics.median(held) if held else float("nan"),
+               "decode": _decode_rate(engine, f"holding-{n}-decode", f, new_tokens, repeats, lora=adapter,
+                                      mode="full_prefill")}
+        say(f"holding {n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
+        rows[n] = row
+    return rows
+
+
+def _held_ms(engine: OfflineEngine, tokens: int) -> list[float]:
+    """The `ms` of the holder's `held` lines for prompts of `tokens` tokens."""
+    events = [json.loads(line[line.index("{"):]) for line in list(engine.lines) if '"event": "held"' in line]
+    return [float(e["ms"]) for e in events if e.get("tokens") == tokens]

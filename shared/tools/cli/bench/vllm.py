@@ -18,7 +18,7 @@ from droidmesh.shared.tools.cli.bench.kit import save
 from droidmesh.shared.tools.cli.params import int_list
 
 COLUMNS = ["context_tokens", "alone_ttft_s", "miss_over_alone", "partial_ttft_s", "alone_over_partial",
-           "full_reuse_ttft_s", "alone_over_full_reuse", "decode_ratio"]
+           "full_reuse_ttft_s", "alone_over_full_reuse", "decode_ratio", "hold_over_alone", "save_copy_ms", "hold_ms"]
 
 
 VLLM_PYTHON = click.option("--vllm-python", default=str(PYTHON), show_default=True, type=click.Path(dir_okay=False),
