@@ -102,6 +102,7 @@ class MeshBridge:
         self._facts: dict[str, Facts] = {}
         self._configs: dict[str, dict[str, schemas.RecomputeConfig]] = {}  # receiver model -> sender model ->
         self._models: dict[str, ModelAdapter] = {}
+        self._loading = threading.Lock()
         self._screens: dict[str, Screen | None] = {}
         self._bulk: BulkClient | None = None
         self._holder: EngineHolder | None = None
@@ -212,9 +213,10 @@ class MeshBridge:
     def _model(self, model_id: str) -> ModelAdapter:
         """The receiver's own weights (the settings' dtype, CPU), loaded on first use: the plan's
         groups run on them, and pulled tensors must be of their dtype."""
-        if model_id not in self._models:
-            self._models[model_id] = load_model(self.cfg.models[model_id], device="cpu", dtype=self.cfg.dtype,
-                                                name=model_id)
+        with self._loading:  # the worker's step and the holder's thread may both ask first
+            if model_id not in self._models:
+                self._models[model_id] = load_model(self.cfg.models[model_id], device="cpu",
+                                                    dtype=self.cfg.dtype, name=model_id)
         return self._models[model_id]
 
     def _screen(self, model_id: str, model: ModelAdapter) -> Screen | None:

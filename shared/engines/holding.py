@@ -83,11 +83,11 @@ class EngineHolder:
         cid = held_context_id(prompt, scope, self._sha[model_id])
         if len(prompt) < 2 or self.store.get(cid) is not None:
             return
-        model = self._model(model_id)
-        e_layers = self.holder.models[model_id].e_layers(self.cfg.hold_e_layers, model.num_layers)
+        held = self.holder.models[model_id]
 
-        def capture() -> Any:
-            captured = captured_from_engine(model, prompt, kv, e_layers)
+        def capture() -> Any:  # off the loop: the first call loads DroidMesh's copy of the weights
+            model = self._model(model_id)
+            captured = captured_from_engine(model, prompt, kv, held.e_layers(self.cfg.hold_e_layers, model.num_layers))
             placed = captured.with_items(self.holder.place(captured.items()))
             return dataclasses.replace(placed, scope=scope, model_name=model_id)
 
