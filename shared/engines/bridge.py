@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -203,12 +203,13 @@ class MeshBridge:
             source.fail(e)
             raise
 
-    def hold(self, model_id: str, prompt: list[int], kv: list[KV]) -> None:
-        """Hold a prompt the engine prefilled itself (its every layer's K/V, copied out of the
-        engine's cache); returns at once (`engines/holding.py`)."""
+    def hold(self, model_id: str, prompt: list[int], read: Callable[[], list[KV]]) -> bool:
+        """Hold a prompt the engine prefilled itself (`read()` copies its every layer's K/V out of
+        the engine's cache, on the caller's thread); returns at once, False (nothing read) when
+        the holder is too busy to take it (`engines/holding.py`)."""
         if self._holder is None:
             raise DroidMeshError("this engine does not hold (the connector's `hold` is off)")
-        self._holder.hold(model_id, prompt, kv)
+        return self._holder.hold(model_id, prompt, read)
 
     def _model(self, model_id: str) -> ModelAdapter:
         """The receiver's own weights (the settings' dtype, CPU), loaded on first use: the plan's

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +43,7 @@ from droidmesh.shared.wire.hashing import held_context_id
 
 log = structlog.get_logger("engine_holder")
 KV = tuple[torch.Tensor, torch.Tensor]
+MAX_PENDING = 4  # prompts copied out and waiting for their E: the memory a burst of prefills may take
 
 
 class EngineHolder:
@@ -60,6 +62,7 @@ class EngineHolder:
         self._tasks: list[asyncio.Task[Any]] = []
         # E is computed here, one context at a time, beside the engine's own threads
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="droidmesh-hold")
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -73,12 +76,30 @@ class EngineHolder:
     async def _on_config(self, cfg: schemas.RecomputeConfig) -> None:
         self.holder.on_config(cfg)  # readers paired, and the E layers its plans start at
 
-    def hold(self, model_id: str, prompt: Sequence[int], kv: list[KV]) -> None:
-        """Hold `prompt` as `model_id` computed it (`kv`: every layer's [1, kv_heads, T, head_dim],
-        already copied out of the engine's cache). Returns at once; the rest runs off the step."""
+    def hold(self, model_id: str, prompt: Sequence[int], read: Callable[[], list[KV]]) -> bool:
+        """Hold `prompt` as `model_id` computed it: `read()` (called here, on the engine's thread,
+        while its blocks are still the prompt's) copies every layer's K/V out of the engine's
+        cache, each [1, kv_heads, T, head_dim]; the rest runs off the step. False, and nothing
+        read, while `MAX_PENDING` holds wait already: copies would pile up faster than E is
+        computed beside an engine prefilling at full speed."""
+        if not self._pending.acquire(blocking=False):
+            log.info("hold_skipped", model=model_id, tokens=len(prompt), reason=f"busy: {MAX_PENDING} holds pending")
+            return False
+        try:
+            kv = read()
+        except BaseException:
+            self._pending.release()
+            raise
         asyncio.run_coroutine_threadsafe(self._hold(model_id, list(prompt), kv), self.loop)
+        return True
 
     async def _hold(self, model_id: str, prompt: list[int], kv: list[KV]) -> None:
+        try:
+            await self._capture_and_put(model_id, prompt, kv)
+        finally:
+            self._pending.release()
+
+    async def _capture_and_put(self, model_id: str, prompt: list[int], kv: list[KV]) -> None:
         began, scope = time.perf_counter(), self.cfg.scope
         cid = held_context_id(prompt, scope, self._sha[model_id])
         if len(prompt) < 2 or self.store.get(cid) is not None:

@@ -31,6 +31,7 @@ vLLM's own prefix cache already covers is left to it. A request may ask for a mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -248,6 +249,10 @@ class DroidMeshConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole before the forward (start_load_kv)
 
+    def _read(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K/V at `slots`, copied out of vLLM's cache (each [1, kv_heads, T, head_dim])."""
+        return [pages.read_slots(cache, slots, self._layout(name, cache)) for _, (name, cache) in sorted(self._caches.items())]
+
     def _layout(self, name: str, cache: torch.Tensor) -> str:
         return self._isa.get(name) or pages.isa_of(None, cache, "auto")
 
@@ -265,9 +270,8 @@ class DroidMeshConnector(KVConnectorBase_V1):
             began = time.perf_counter()
             try:
                 slots = pages.slots_of(save.block_ids, self.block_size, len(save.prompt))
-                kv = [pages.read_slots(cache, slots, self._layout(name, cache))
-                      for _, (name, cache) in sorted(self._caches.items())]
-                self.bridge.hold(save.model_id, save.prompt, kv)
+                if not self.bridge.hold(save.model_id, save.prompt, functools.partial(self._read, slots)):
+                    continue  # the holder is busy (it logged why)
             except Exception as e:  # noqa: BLE001 - not held; the request itself is unaffected
                 log.warning("hold_skipped", request_id=save.request_id, reason=f"{type(e).__name__}: {str(e)[:200]}")
                 continue

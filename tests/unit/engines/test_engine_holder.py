@@ -48,7 +48,7 @@ def test_what_the_engine_prefilled_is_held_with_e_and_announced(tiny_pair, tiny_
     holder = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     try:
         for _ in range(2):
-            holder.hold("base", ids, [(b.k, b.v) for b in ref.kv])
+            assert holder.hold("base", ids, lambda: [(b.k, b.v) for b in ref.kv])
             deadline = time.monotonic() + 60
             while not heard and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -63,3 +63,33 @@ def test_what_the_engine_prefilled_is_held_with_e_and_announced(tiny_pair, tiny_
     assert held is not None
     assert all(torch.equal(a.k, b.k) and torch.equal(a.v, b.v) for a, b in zip(held.kv, ref.kv, strict=True))  # bitwise: copies
     assert_close_computed(held.e[2], ref.e[2], dtype=model.dtype, layers=2, what="E_2")
+
+
+def test_a_holder_busy_with_max_pending_holds_reads_nothing_more(tiny_pair, tiny_models):
+    """With MAX_PENDING holds waiting for their E (here: a loop not yet running), the next hold is
+    refused before its read: nothing is copied out of the engine's cache, and `hold` says False.
+    Once the loop drains them (these are refused for their empty K/V), holds are taken again."""
+    from droidmesh.shared.engines.holding import MAX_PENDING
+
+    cfg = EngineSettings.from_mapping({"nats_url": "nats://127.0.0.1:4222", "models": {"base": str(tiny_pair[0])},
+                                       "base_model": "base", "hold": True, "holder_id": "engine-1",
+                                       "transport": "inproc"})
+    loop = asyncio.new_event_loop()
+    holder = EngineHolder(cfg, InProcessBus(), loop, lambda _: tiny_models[0])
+    reads: list[int] = []
+
+    def read() -> list:
+        reads.append(1)
+        return []
+
+    taken = [holder.hold("base", [1, 2, 3], read) for _ in range(MAX_PENDING + 1)]
+    assert taken == [True] * MAX_PENDING + [False] and len(reads) == MAX_PENDING
+
+    async def drained() -> None:  # the pending holds run: each refused, each released
+        while holder._pending._value < MAX_PENDING:  # type: ignore[attr-defined]
+            await asyncio.sleep(0.01)
+
+    loop.run_until_complete(asyncio.wait_for(drained(), 60))
+    assert holder.hold("base", [1, 2, 3], read) and len(reads) == MAX_PENDING + 1
+    loop.run_until_complete(asyncio.wait_for(drained(), 60))
+    loop.close()
