@@ -29,6 +29,12 @@ class GatewayConfig(BusSettings):
     max_tokens_limit: int = dataclasses.field(default=1024, metadata={"help": "largest max_tokens accepted (400 above)"})
     models_ttl_s: float = dataclasses.field(default=5.0, metadata={"help": "how long a receiver discovery is reused"})
     discovery_window_s: float = dataclasses.field(default=0.25, metadata={"help": "how long a discovery collects answers"})
+    miss_window_s: float = dataclasses.field(default=1.0, metadata={
+        "help": "how long the one fresh discovery a request naming an unlisted model triggers collects answers "
+                "(longer than discovery_window_s: a 404 should not come from a receiver busy for a quarter second)"})
+    models_keep_s: float = dataclasses.field(default=30.0, metadata={
+        "help": "how long a model stays listed after the last discovery that found it: a receiver too busy to answer "
+                "one discovery in its window is not gone (one whose receivers are gone answers 503 meanwhile)"})
     shutdown_grace_s: float = dataclasses.field(default=30.0, metadata={"help": "how long a stop waits for requests in flight"})
     header_timeout_s: float = dataclasses.field(default=10.0, metadata={
         "help": "how long a connection may take to send a complete request head, from its start or its previous "
@@ -52,7 +58,8 @@ class GatewayConfig(BusSettings):
             raise ConfigError(f"http_port {self.http_port} out of range")
         if not self.http_host:
             raise ConfigError("http_host must not be empty")
-        for name in ("request_timeout_s", "models_ttl_s", "discovery_window_s", "shutdown_grace_s", "header_timeout_s",
+        for name in ("request_timeout_s", "models_ttl_s", "discovery_window_s", "miss_window_s", "models_keep_s", "shutdown_grace_s",
+                     "header_timeout_s",
                      "body_timeout_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be positive")

@@ -74,13 +74,15 @@ class GatewayState:
         self.clients = ClientLimits(cfg.max_inflight_per_client, cfg.max_inflight_per_peer)
         self.first_seen: dict[str, int] = {}  # model id -> unix time first discovered ("created")
         self._models: list[discovery.ReceiverModel] = []
+        self._seen: dict[str, tuple[discovery.ReceiverModel, float]] = {}  # model id -> (as last found, when)
         self._fetched: float | None = None  # monotonic time of the last discovery
         self._lock = asyncio.Lock()  # one discovery at a time; requests arriving meanwhile share it
 
     async def models(self, again: bool = False) -> list[discovery.ReceiverModel]:
         """Receiver models up now: a discovery at most every `models_ttl_s` (each one blocks for
-        `discovery_window_s`), shared by every request that needs it meanwhile. `again`: a fresh
-        one unless the last is under a window old (a request naming a model the last one missed)."""
+        `discovery_window_s`), shared by every request that needs it meanwhile, and the models one
+        found within `models_keep_s` (`_keep`). `again`: a fresh one, collecting for `miss_window_s`,
+        unless the last is under a window old (a request naming a model the last one missed)."""
         if not self.mesh_up():
             raise openai.MeshUnavailableError("the mesh's control plane (NATS) is unreachable")
         if self._fresh(again):
@@ -88,15 +90,28 @@ class GatewayState:
         async with self._lock:
             if not self._fresh(again):
                 try:
-                    found = await self.client.receivers(self.cfg.discovery_window_s)
+                    found = await self.client.receivers(self.cfg.miss_window_s if again else self.cfg.discovery_window_s)
+                    if not found and not again and not self._seen:  # none answered in time, none known yet
+                        found = await self.client.receivers(self.cfg.miss_window_s)
                 except Exception as e:  # NATS lost meanwhile, a flush timing out: the mesh is unavailable
                     raise openai.MeshUnavailableError(f"receiver discovery failed: {type(e).__name__}") from e
-                self._models, self._fetched = found, time.monotonic()
+                self._models, self._fetched = self._keep(found), time.monotonic()
                 now = int(time.time())
                 for m in found:
                     if len(self.first_seen) < MAX_REMEMBERED_MODELS:
                         self.first_seen.setdefault(m.model_id, now)
         return self._models
+
+    def _keep(self, found: list[discovery.ReceiverModel]) -> list[discovery.ReceiverModel]:
+        """`found`, and the models a discovery found within `models_keep_s` that this one missed
+        (their receivers were too busy to answer within the window), as last found."""
+        now = time.monotonic()
+        for m in found:
+            if m.model_id in self._seen or len(self._seen) < MAX_REMEMBERED_MODELS:
+                self._seen[m.model_id] = (m, now)
+        self._seen = {k: (m, t) for k, (m, t) in self._seen.items() if now - t < self.cfg.models_keep_s}
+        ids = {m.model_id for m in found}
+        return found + sorted((m for m, _ in self._seen.values() if m.model_id not in ids), key=lambda m: m.model_id)
 
     def _fresh(self, again: bool = False) -> bool:
         age = self.cfg.discovery_window_s if again else self.cfg.models_ttl_s

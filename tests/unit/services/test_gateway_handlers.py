@@ -170,7 +170,7 @@ def test_no_responders_and_nats_down_are_503():
 def test_unknown_model_is_404_and_a_vanished_one_503():
     """A model never discovered is 404 model_not_found; one seen before with no receiver up now is 503."""
     mesh = FakeMesh()
-    state = _state(mesh, models_ttl_s=1e-9)  # every request discovers afresh
+    state = _state(mesh, models_ttl_s=1e-9, models_keep_s=1e-9)  # every request discovers afresh, keeps nothing
 
     async def go(c: TestClient) -> list[tuple[int, Any]]:
         out = []

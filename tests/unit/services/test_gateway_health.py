@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aiohttp.test_utils import TestClient
@@ -93,3 +94,22 @@ def test_a_model_the_cached_discovery_missed_gets_one_fresh_discovery_not_a_404(
         raise AssertionError("no 404")
 
     assert asyncio.run(go()) == (2, 3)
+
+
+def test_a_model_a_busy_receiver_left_out_of_one_discovery_stays_listed():
+    """A discovery that misses a model found a moment ago (its receiver too busy to answer within
+    the window) keeps it listed, as last found, for `models_keep_s`; past that it is gone."""
+    import asyncio
+
+    mesh = FakeMesh(models=("qa", "code"))
+    state = GatewayState(GatewayConfig(models_ttl_s=1e-9, models_keep_s=30.0), mesh, Metrics("gateway"))
+
+    async def go() -> list[list[str]]:
+        seen = [[m.model_id for m in await state.models()]]
+        mesh.models.remove("qa")
+        seen.append([m.model_id for m in await state.models()])
+        state.cfg = dataclasses.replace(state.cfg, models_keep_s=1e-9)
+        seen.append([m.model_id for m in await state.models()])
+        return seen
+
+    assert asyncio.run(go()) == [["qa", "code"], ["code", "qa"], ["code"]]
