@@ -69,7 +69,7 @@ async def generate(s: ReceiverState, req: GenerateRequest) -> schemas.GenerateRe
     s.remember(key, fut)
     s.inflight += 1
     try:
-        reply = await _generate(s, req, arrived)
+        reply = await _generate(s, req, arrived, caller)
         fut.set_result(reply)
         return reply
     except BaseException as e:
@@ -81,13 +81,13 @@ async def generate(s: ReceiverState, req: GenerateRequest) -> schemas.GenerateRe
         s.inflight -= 1
 
 
-async def _generate(s: ReceiverState, req: GenerateRequest, arrived: float) -> schemas.GenerateReply:
+async def _generate(s: ReceiverState, req: GenerateRequest, arrived: float, caller: str) -> schemas.GenerateReply:
     t0 = time.perf_counter()
     deadline = deadline_of(req, arrived, s.cfg.request_timeout_s)
     check_deadline(deadline, "before start")
     check(req, s.cfg)
     # from here on the request's scope is the one it reads and is held in (its caller's own)
-    req = msgspec.structs.replace(req, scope=request_scope(req.scope, CALLER.get(), s.cfg.public_holding))
+    req = msgspec.structs.replace(req, scope=request_scope(req.scope, caller, s.cfg.public_holding))
     check_room(s.model, prompt_chars(req), req.max_new_tokens)  # before tokenizing: O(1)
     prompt = prompt_ids(s.model.tokenizer, req)
     check_positions(s.model, len(prompt), req.max_new_tokens)

@@ -10,31 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
-from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
-from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.mesh.nats_auth import Roster, receiver_user
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.model.names import ModelRef
-from droidmesh.shared.profiling.profile import recompute_config
 from droidmesh.shared.service.launch import free_port, start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
 from droidmesh.shared.tools.bench import vllm_reuse
-from droidmesh.shared.wire import schemas
 from tests.system.conftest import until_indexed
 
 pytestmark = [pytest.mark.timeout(1200),
@@ -43,7 +37,7 @@ pytestmark = [pytest.mark.timeout(1200),
 VLLM_PYTHON = PYTHON
 HOSTILE = "hostile"  # the id of a sender of base serving garbage of the right layout
 GARBLER = Path(__file__).with_name("garbage_sender.py")
-PLAN = ReusePlan.recompute(6, 9)  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
+PLAN = vllm_reuse.PLAN  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
 NEW_TOKENS = 12
 READY_S = 600.0
 CONTEXT = ("The Python Software Foundation is the organization behind Python. It holds the intellectual "
@@ -71,10 +65,7 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     work = tmp_path_factory.mktemp("vllm")
     roster = Roster(senders=(("base", "base"), (HOSTILE, "base")), receivers=("docqa",))
     with mesh(roster) as (access, procs):
-        profile = json.loads((real_tier / "profiles" / "base-to-docqa.json").read_text())
-        cfg = recompute_config(profile, base, docqa, 1)
-        point = schemas.FrontierPoint(plan=policy.spec_of(PLAN), recomputed_layers=3, quality=cfg.chosen.quality)
-        asyncio.run(publish_configs([msgspec.structs.replace(cfg, chosen=point, frontier=[point], latency=None)], access))
+        asyncio.run(publish_configs([vllm_reuse.plan_config(real_tier, base, docqa)], access))
         procs.append(start_service("cache_broker", {}, access.url, env={**THREADS, **NO_HEALTH_PORT,
                                                                         **access.env_for("broker")}, log_dir=work))
         sender = start_sender(access, base, "base", PLAN.e_layers, work, {**THREADS, **NO_HEALTH_PORT},

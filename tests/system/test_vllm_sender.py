@@ -8,27 +8,23 @@ K/V, the group is recomputed from E_6, which the connector computed beside vLLM.
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
-from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
-from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.mesh.nats_auth import Roster, receiver_user
 from droidmesh.shared.model import text
 from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.model.names import ModelRef
-from droidmesh.shared.profiling.profile import recompute_config
 from droidmesh.shared.service.launch import free_port, start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs
+from droidmesh.shared.tools.bench import vllm_reuse
 from droidmesh.shared.wire import schemas
 from tests.system.conftest import until_indexed
 
@@ -36,7 +32,7 @@ pytestmark = [pytest.mark.timeout(1200),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
 HOLDER = "vllm-base"  # the holder id vLLM's connector holds under (the roster's --holder base=vllm-base)
-PLAN = ReusePlan.recompute(6, 9)  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
+PLAN = vllm_reuse.PLAN  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
 NEW_TOKENS = 12
 READY_S = 600.0
 CONTEXT = ("The Rust Foundation supports the Rust language. It funds the maintainers of the compiler, "
@@ -80,10 +76,7 @@ def sending(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     work = tmp_path_factory.mktemp("vllm-sender")
     roster = Roster(senders=(), receivers=("base", "docqa"), holders=(("base", HOLDER),))
     with mesh(roster) as (access, procs):
-        profile = json.loads((real_tier / "profiles" / "base-to-docqa.json").read_text())
-        cfg = recompute_config(profile, base, docqa, 1)
-        point = schemas.FrontierPoint(plan=policy.spec_of(PLAN), recomputed_layers=3, quality=cfg.chosen.quality)
-        asyncio.run(publish_configs([msgspec.structs.replace(cfg, chosen=point, frontier=[point], latency=None)], access))
+        asyncio.run(publish_configs([vllm_reuse.plan_config(real_tier, base, docqa)], access))
         env = {**THREADS, **NO_HEALTH_PORT}
         procs.append(start_service("cache_broker", {}, access.url, env={**env, **access.env_for("broker")}, log_dir=work))
         procs.append(start_service("receiver", {"model_path": str(docqa.path), "model_id": "docqa", "transport": "shm",

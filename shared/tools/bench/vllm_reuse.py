@@ -137,6 +137,16 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
     return out
 
 
+def plan_config(tier: Path, base: ModelRef, docqa: ModelRef) -> schemas.RecomputeConfig:
+    """The real tier's base -> docqa config with `PLAN` as its one point (no latency fit: the
+    engine is vLLM, not DroidMesh's), for these checkpoints' weights."""
+    profile = json.loads((tier / "profiles" / "base-to-docqa.json").read_text())
+    cfg = recompute_config(profile, base, docqa, 1)
+    point = schemas.FrontierPoint(plan=policy.spec_of(PLAN), recomputed_layers=PLAN.groups[0][1] - PLAN.groups[0][0],
+                                  quality=cfg.chosen.quality)
+    return msgspec.structs.replace(cfg, chosen=point, frontier=[point], latency=None)
+
+
 @contextlib.contextmanager
 def pair_mesh(tier: Path, base: ModelRef, docqa: ModelRef, work: Path, dtype: str, contexts: list[str],
               lora: bool, store_bytes: int = 2 << 30) -> Iterator[dict[str, Any]]:
@@ -146,11 +156,7 @@ def pair_mesh(tier: Path, base: ModelRef, docqa: ModelRef, work: Path, dtype: st
     the connector's settings for an engine serving docqa (merged: its base model; `lora`: an
     adapter of base), logged in as docqa's receiver."""
     with mesh(Roster.local(senders=["base"], receivers=["docqa"], holders={"docqa": HOLDER})) as (access, procs):
-        profile = json.loads((tier / "profiles" / "base-to-docqa.json").read_text())
-        cfg = recompute_config(profile, base, docqa, 1)
-        point = schemas.FrontierPoint(plan=policy.spec_of(PLAN), recomputed_layers=PLAN.groups[0][1] - PLAN.groups[0][0],
-                                      quality=cfg.chosen.quality)
-        asyncio.run(publish_configs([msgspec.structs.replace(cfg, chosen=point, frontier=[point], latency=None)], access))
+        asyncio.run(publish_configs([plan_config(tier, base, docqa)], access))
         procs.append(start_service("cache_broker", {}, access.url, log_dir=work,
                                    env={**THREADS, **NO_HEALTH_PORT, **access.env_for("broker")}))
         procs.append(start_sender(access, base, "base", PLAN.e_layers, work, {**THREADS, **NO_HEALTH_PORT},
