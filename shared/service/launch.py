@@ -19,6 +19,7 @@ import ctypes
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -33,11 +34,36 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from droidmesh.shared import NATS_CONFIG_DIR
-from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, render
+from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, fresh_password, password_env, render
 
-NATS_CONF = NATS_CONFIG_DIR / "nats.conf"
+NATS_CONF = NATS_CONFIG_DIR / "nats.conf"  # one login, LOCAL_USER's
 NATS_AUTH_CONF = NATS_CONFIG_DIR / "nats-auth.conf"
-NATS_CLUSTER_CONF = NATS_CONFIG_DIR / "cluster" / "node.conf"
+NATS_CLUSTER_CONF = NATS_CONFIG_DIR / "cluster" / "node.conf"  # the same one login
+LOCAL_USER = "admin"  # the one user of nats.conf and node.conf: a mesh in one trust domain
+
+
+def conf_has_users(conf: Path) -> bool:
+    """Whether a nats-server conf asks for a login: an `authorization` block naming users, here or
+    in a file it includes (nats-tls.conf includes nats-auth.conf)."""
+    text = conf.read_text()
+    if re.search(r"^\s*authorization\s*\{[^}]*\buser:", text, re.M | re.S):
+        return True
+    return any(conf_has_users(conf.parent / inc) for inc in re.findall(r"^\s*include\s+(\S+)", text, re.M))
+
+
+def _refuse_anonymous(conf: Path) -> None:
+    if not conf_has_users(conf):
+        raise ValueError(f"{conf}: a nats-server conf without users lets anyone in; add an authorization block "
+                         "(nats.conf's one login, or `droidmesh nats-auth`'s users)")
+
+
+def local_login(password: str | None = None) -> tuple[str, dict[str, str]]:
+    """(`user:password@`, nats-server's environment) for a server on nats.conf or node.conf: its one
+    user's `password`, a fresh one if None. A URL with that part in front of its host logs in as it
+    (nats-py reads a URL's user and password), so every process given the URL authenticates and an
+    anonymous connection is refused."""
+    password = password or fresh_password()  # letters and digits: nothing to escape in a URL
+    return f"{LOCAL_USER}:{password}@", {password_env(LOCAL_USER): password}
 
 
 def free_port() -> int:
@@ -206,17 +232,26 @@ class Proc:
 
 def start_nats(port: int | None = None, store_dir: str | None = None, extra: list[str] | None = None,
                log_dir: Path | None = None, conf: Path = NATS_CONF, env: dict[str, str] | None = None,
-               host: str = "127.0.0.1", wrap: list[str] | None = None) -> tuple[Proc, str]:
-    """A real nats-server with JetStream on a free port; returns (process, url). With
-    `conf=NATS_AUTH_CONF`, pass its users' passwords in `env` (named by `nats_auth.password_env`);
+               host: str = "127.0.0.1", wrap: list[str] | None = None,
+               password: str | None = None) -> tuple[Proc, str]:
+    """A real nats-server with JetStream on a free port; returns (process, url). On the default
+    conf (nats.conf: one user, `LOCAL_USER`) the server gets `password` (a fresh one if None: pass
+    the old one to restart a server its clients reconnect to) and the url carries the login
+    (`nats://admin:<password>@host:port`). With another conf (`NATS_AUTH_CONF`, a rendered roster),
+    pass its users' passwords in `env` (named by `nats_auth.password_env`); the url is bare.
     `wrap` prefixes the command (e.g. `ip netns exec NS` to run it inside a network namespace)."""
+    _refuse_anonymous(conf)
     port = port or free_port()
     store = store_dir or tempfile.mkdtemp(prefix="dm-js-")
+    login = ""
+    if conf == NATS_CONF:
+        login, server_env = local_login(password)
+        env = {**(env or {}), **server_env}
     argv = [*(wrap or []), nats_server_binary(), "-c", str(conf), "-a", host, "-p", str(port), "-js", "-sd", store,
             *(extra or [])]
     proc = Proc("nats", argv, env=env, log_path=log_dir / "nats.log" if log_dir else None)
     proc.wait_for(lambda l: "Server is ready" in l, 30, "readiness")
-    return proc, f"nats://{host}:{port}"
+    return proc, f"nats://{login}{host}:{port}"
 
 
 def start_secure_nats(roster: Roster, port: int | None = None, store_dir: str | None = None,
@@ -276,20 +311,23 @@ def start_nats_cluster(n: int = 3, store_dir: str | None = None, log_dir: Path |
                        conf: Path = NATS_CLUSTER_CONF, env: dict[str, str] | None = None, host: str = "127.0.0.1",
                        timeout: float = 60.0) -> NatsCluster:
     """`n` nats-server nodes (JetStream, one cluster, up to 3 routes in `conf`) on free ports of
-    `host`. Ready when every node logged "Server is ready" and a JetStream metadata leader, and the
+    `host`, each URL carrying the login of node.conf's one user (a fresh password). Ready when every
+    node logged "Server is ready" and a JetStream metadata leader, and the
     monitoring endpoints say every node is healthy and the meta group has all `n` peers current
     (so a bucket with `n` replicas can be placed at once)."""
     if not 1 <= n <= 3:
         raise ValueError(f"{conf.name} lists 3 routes: n must be 1..3, got {n}")
+    _refuse_anonymous(conf)
     base = Path(store_dir or tempfile.mkdtemp(prefix="dm-js-cluster-"))
     ports = [(free_port(), free_port(), free_port()) for _ in range(n)]  # client, route, monitoring
+    login, server_env = local_login() if conf == NATS_CLUSTER_CONF else ("", {})
     routes = [f"nats://{host}:{route}" for _, route, _ in ports]
     routes += routes[-1:] * (3 - n)  # the file names three routes: repeat the last one
     procs: list[Proc] = []
     try:
         for i, (client, route, monitor) in enumerate(ports):
             node = f"n{i + 1}"
-            node_env = {**(env or {}), "DM_NATS_NODE": node, "DM_NATS_LISTEN": f"{host}:{client}",
+            node_env = {**(env or {}), **server_env, "DM_NATS_NODE": node, "DM_NATS_LISTEN": f"{host}:{client}",
                         "DM_NATS_HTTP": f"{host}:{monitor}", "DM_NATS_STORE": str(base / node),
                         "DM_NATS_CLUSTER_LISTEN": f"{host}:{route}",
                         **{f"DM_NATS_ROUTE_{k + 1}": r for k, r in enumerate(routes)}}
@@ -299,7 +337,7 @@ def start_nats_cluster(n: int = 3, store_dir: str | None = None, log_dir: Path |
             p.wait_for(lambda l: "Server is ready" in l, timeout, "readiness")
         for p in procs:
             p.wait_for(lambda l: any(m in l for m in _META_LEADER), timeout, "a JetStream metadata leader")
-        cluster = NatsCluster(procs, [f"nats://{host}:{c}" for c, _, _ in ports], [m for _, _, m in ports],
+        cluster = NatsCluster(procs, [f"nats://{login}{host}:{c}" for c, _, _ in ports], [m for _, _, m in ports],
                               [f"n{i + 1}" for i in range(n)])
         _until(lambda: _cluster_healthy(cluster), timeout, "a healthy cluster (/healthz, /jsz)")
         return cluster

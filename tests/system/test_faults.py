@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -70,7 +71,7 @@ def test_broker_and_nats_restarts_under_load_lose_nothing(tmp_path, services, ti
     request is answered (clients retry with the same id; receivers answer duplicates once)."""
     store = str(tmp_path / "js")
     nats_proc, url = start_nats(store_dir=store)
-    port = int(url.rsplit(":", 1)[1])
+    port, password = urlsplit(url).port, urlsplit(url).password  # the restart keeps both
     services.append(start_service("cache_broker", {}, url, env=THREADS, name="broker1"))
     services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [2]},
                                   url, env=THREADS))
@@ -106,7 +107,8 @@ def test_broker_and_nats_restarts_under_load_lose_nothing(tmp_path, services, ti
         # nats-server restart on the same port and store, with requests in flight.
         down = time.monotonic()
         holder["nats"].stop()
-        holder["nats"], _ = await asyncio.to_thread(start_nats, port=port, store_dir=store)
+        holder["nats"], _ = await asyncio.to_thread(start_nats, port=port, store_dir=store,
+                                                      password=password)
         await until(len(results) + 10)
         stop.set()
         await asyncio.gather(*load)  # any lost request would raise here (TimeoutError)

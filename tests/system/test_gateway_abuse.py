@@ -22,7 +22,8 @@ import aiohttp
 import pytest
 
 from droidmesh.shared.mesh.client import MeshClient
-from droidmesh.shared.service.launch import Proc, free_port, start_nats, start_service
+from droidmesh.shared.mesh.nats_auth import fresh_password
+from droidmesh.shared.service.launch import Proc, free_port, local_login, start_nats, start_service
 from droidmesh.shared.wire import schemas, subjects
 from droidmesh.shared.wire.generation import GenerateRequest, Sampling
 from tests.system.conftest import health_port, words
@@ -232,15 +233,17 @@ def test_with_nats_down_the_port_answers_503_until_nats_is_up(tmp_path):
     """A gateway started while NATS is down listens anyway and answers a one-line 503; once NATS
     is up on its URL the same port serves."""
     nats_port, http_port = free_port(), free_port()
+    password = fresh_password()  # the server started later takes it
+    login, _ = local_login(password)
     gateway = Proc("gateway", [sys.executable, "-m", "droidmesh.services.gateway", "--nats-url",
-                               f"nats://127.0.0.1:{nats_port}", "--http-port", str(http_port)],
+                               f"nats://{login}127.0.0.1:{nats_port}", "--http-port", str(http_port)],
                    env={"PYTHONUNBUFFERED": "1"})
     nats = None
     try:
         gateway.wait_for(lambda line: '"gateway_started"' in line, DEADLINE_S, "the API listening")
         base = f"http://127.0.0.1:{http_port}/v1"
         down = http(base, "GET", "/models")
-        nats, _ = start_nats(port=nats_port, store_dir=str(tmp_path / "js"))
+        nats, _ = start_nats(port=nats_port, store_dir=str(tmp_path / "js"), password=password)
         _until(lambda: http(base, "GET", "/models")[0] == 200, "an answer once NATS is up")
     finally:
         gateway.stop()

@@ -24,7 +24,8 @@ def _sender(ctx: click.Context, param: click.Parameter, values: tuple[str, ...])
               help="A model whose receivers log in as receiver-MODEL. Repeatable.")
 @click.option("--holder", "holders", multiple=True, metavar="MODEL=ID", callback=_sender,
               help="Receivers of MODEL hold what they prefill under holder id ID (DM_RECEIVER_HOLDER_ID): they may "
-                   "announce and grant under ID only. Repeatable; without it receivers must run with hold off.")
+                   "announce and grant under ID only. Repeatable: one ID per copy of a model's receiver; without it "
+                   "receivers hold nothing.")
 @click.option("--hosted", "hosted", multiple=True, metavar="MODEL=ADAPTER", callback=_sender,
               help="Receivers of MODEL also serve ADAPTER (DM_RECEIVER_ADAPTERS): they may join its queue group too. "
                    "Repeatable.")
@@ -45,7 +46,8 @@ def nats_auth(senders: tuple[tuple[str, str], ...], receivers: tuple[str, ...], 
         for model, adapter in hosted:
             adapters.setdefault(model, []).append(adapter)
         roster = Roster(base.senders, base.receivers, tuple(dict.fromkeys(tenants)),
-                        hosted=tuple((m, tuple(a)) for m, a in adapters.items()), holders=holders)
+                        hosted=tuple((m, tuple(a)) for m, a in adapters.items()),
+                        holders=holders or (() if senders or receivers else base.holders))
     except ValueError as e:  # a name NATS users or env variables cannot carry, or a model no --receiver names
         raise click.BadParameter(str(e), param_hint="'--tenant' / '--holder' / '--hosted'") from None
     text = render(roster)

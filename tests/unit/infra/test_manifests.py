@@ -22,7 +22,10 @@ from droidmesh.shared.mesh.nats_auth import DEFAULT_ROSTER, receiver_user, sende
 from droidmesh.shared.service.metrics import Metrics
 
 INFRA = Path(__file__).resolve().parents[3] / "infra"
-SERVICES = ("sender", "receiver", "cache_broker", "profiler", "gateway")
+SERVICES = ("sender", "receiver", "cache_broker", "profiler", "gateway")  # images
+# compose runs the receiver image as two services, each holding under its own holder id
+COMPOSE_SERVICES = ("sender", "receiver-0", "receiver-1", "cache_broker", "profiler", "gateway")
+WORKLOADS = ("Deployment", "StatefulSet")  # kinds that run the services (the receivers: a StatefulSet)
 K8S_VERSION = "1.37.0"
 
 
@@ -64,7 +67,7 @@ def test_entrypoints_are_the_service_modules():
     for name, entry in targets.items():
         assert json.loads(entry) == ["python", "-m", f"droidmesh.services.{name}"]
         assert (Path(__file__).resolve().parents[3] / "services" / name / "__main__.py").is_file()
-    deployments = [d for _, d in _k8s_docs() if d["kind"] == "Deployment"]
+    deployments = [d for _, d in _k8s_docs() if d["kind"] in WORKLOADS and d["metadata"]["name"] != "nats"]
     assert len(deployments) == len(SERVICES)
     for d in deployments:
         (c,) = d["spec"]["template"]["spec"]["containers"]
@@ -76,7 +79,7 @@ def test_entrypoints_are_the_service_modules():
 def test_model_hosts_have_a_generous_startup_probe():
     """Sender, receiver and profiler Deployments gate liveness behind a startup probe on /readyz
     that allows at least 10 minutes (a large model's load is not restart-looped)."""
-    deployments = {d["metadata"]["name"]: d for _, d in _k8s_docs() if d["kind"] == "Deployment"}
+    deployments = {d["metadata"]["name"]: d for _, d in _k8s_docs() if d["kind"] in WORKLOADS}
     for name in ("sender", "receiver", "profiler"):
         (c,) = deployments[name]["spec"]["template"]["spec"]["containers"]
         probe = c["startupProbe"]
@@ -124,7 +127,7 @@ def test_gateway_is_reachable_only_where_meant():
     assert port["targetPort"] in {p["name"] for p in c["ports"]}
     for (kind, _), d in docs.items():
         if kind == "HorizontalPodAutoscaler":
-            assert ("Deployment", d["spec"]["scaleTargetRef"]["name"]) in docs
+            assert (d["spec"]["scaleTargetRef"]["kind"], d["spec"]["scaleTargetRef"]["name"]) in docs
 
 
 # --- secure by default: TLS, per-role passwords from secrets, nothing published beyond loopback ---
@@ -136,6 +139,13 @@ LOOPBACK = ("127.0.0.1", "::1", "[::1]", "localhost")
 
 def _compose() -> dict:
     return yaml.safe_load((INFRA / "compose.yaml").read_text())
+
+
+def _workload(name: str) -> dict:
+    """The Deployment or StatefulSet that runs `name`."""
+    docs = _docs_by_name()
+    (d,) = [docs[(k, name)] for k in WORKLOADS if (k, name) in docs]
+    return d
 
 
 def _docs_by_name() -> dict[tuple[str, str], dict]:
@@ -263,7 +273,7 @@ def _compose_service_env(name: str) -> tuple[dict, dict[str, str]]:
     return svc["environment"], files
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", COMPOSE_SERVICES)
 def test_compose_services_connect_with_tls_and_their_own_role_password(service, generated):
     """Each compose service connects to a tls:// URL whose host the generated certificate names, verifies
     it with the CA (a secret), and logs in as a nats-auth.conf user with that user's password file (a secret)."""
@@ -299,7 +309,7 @@ def test_k8s_services_connect_with_tls_and_their_own_role_password(deployment, g
     """Each Deployment connects to a tls:// URL whose host the generated certificate names, verifies it with
     the CA from droidmesh-nats-tls, and logs in as a nats-auth.conf user with a file holding only that
     user's key of droidmesh-nats."""
-    d = _docs_by_name()[("Deployment", deployment)]
+    d = _workload(deployment)
     (c,) = d["spec"]["template"]["spec"]["containers"]
     env = _k8s_container_env(d)
     files = _k8s_mounted_files(d["spec"]["template"]["spec"], c)
@@ -334,7 +344,8 @@ def test_model_hosts_log_in_as_the_user_pinned_to_their_id_and_model():
     receiver-<the model id their path gives>: the users nats-auth.conf pins to those subjects."""
     k8s = _docs_by_name()
     envs = [_compose_service_env("sender")[0], _k8s_container_env(k8s[("Deployment", "sender")]),
-            _compose_service_env("receiver")[0], _k8s_container_env(k8s[("Deployment", "receiver")])]
+            _compose_service_env("receiver-0")[0], _compose_service_env("receiver-1")[0],
+            _k8s_container_env(_workload("receiver"))]
     for env in envs[:2]:
         assert env["DM_NATS_USER"] == sender_user(env["DM_SENDER_SENDER_ID"])
         assert (env["DM_SENDER_SENDER_ID"], PurePosixPath(env["DM_SENDER_MODEL_PATH"]).name) in DEFAULT_ROSTER.senders
@@ -342,6 +353,25 @@ def test_model_hosts_log_in_as_the_user_pinned_to_their_id_and_model():
         model = PurePosixPath(env["DM_RECEIVER_MODEL_PATH"]).name  # the receiver's default model id
         assert env["DM_NATS_USER"] == receiver_user(model) and model in DEFAULT_ROSTER.receivers
     assert k8s[("Deployment", "sender")]["spec"]["replicas"] == 1  # one process per sender id
+
+
+def test_every_receiver_copy_holds_under_an_id_of_its_own_the_roster_names():
+    """Compose's receivers each name a holder id of their own; k8s' take their pod's name, and the
+    roster names one for every pod its autoscaler may run; each copy is reached at its own address."""
+    holders = [h for m, h in DEFAULT_ROSTER.holders if m == "qa"]
+    compose = [_compose_service_env(f"receiver-{i}")[0] for i in range(2)]
+    assert [e["DM_RECEIVER_HOLDER_ID"] for e in compose] == holders[:2]
+    assert [e["DM_RECEIVER_UCX_HOST"] for e in compose] == ["receiver-0", "receiver-1"]  # their service names
+    sts = _workload("receiver")
+    assert sts["kind"] == "StatefulSet"
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["DM_RECEIVER_HOLDER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["DM_RECEIVER_UCX_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    hpa = _docs_by_name()[("HorizontalPodAutoscaler", "receiver")]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "receiver"}
+    pods = [f"{sts['metadata']['name']}-{i}" for i in range(max(hpa["spec"]["maxReplicas"], sts["spec"]["replicas"]))]
+    assert pods == holders
 
 
 def test_no_compose_port_is_published_on_all_interfaces():

@@ -28,7 +28,8 @@ def _perms(conf: str, user: str) -> dict[str, list[str]]:
 def test_the_shipped_conf_is_the_default_roster_rendered():
     """infra/nats/nats-auth.conf is exactly `droidmesh nats-auth` for the shipped roster (no drift)."""
     assert SHIPPED.read_text() == render(DEFAULT_ROSTER)
-    assert DEFAULT_ROSTER == Roster(senders=(("summ", "summ"),), receivers=("qa",))
+    assert DEFAULT_ROSTER == Roster(senders=(("summ", "summ"),), receivers=("qa",),
+                                    holders=tuple(("qa", f"receiver-{i}") for i in range(16)))
 
 
 def test_a_sender_user_is_pinned_to_its_own_id():
@@ -68,6 +69,20 @@ def test_a_holding_receiver_of_a_base_and_its_adapters_speaks_only_for_its_holde
     assert subjects.sender_grant("base-h") not in other["subscribe"]
     with pytest.raises(ValueError, match="not a receiver"):
         Roster.local((), ["base"], holders={"nobody": "h"})
+
+
+def test_each_copy_of_a_receiver_may_speak_for_its_listed_holder_ids_only():
+    """Several holder ids for one model (one per copy): the model's user may announce and grant
+    under each, and under no other; an id named twice is refused."""
+    conf = render(Roster(senders=(("s", "m"),), receivers=("qa",), holders=(("qa", "r-0"), ("qa", "r-1"))))
+    qa = _perms(conf, "receiver-qa")
+    for h in ("r-0", "r-1"):
+        assert {subjects.cache_available(h), subjects.cache_evicted(h), subjects.sender_endpoint(h)} <= set(qa["publish"])
+        assert subjects.sender_grant(h) in qa["subscribe"]
+    assert subjects.cache_available("s") not in qa["publish"] and subjects.sender_grant("s") not in qa["subscribe"]
+    assert qa["subscribe"].count(subjects.BROKER_HELLO) == 1
+    with pytest.raises(ValueError, match="named twice"):
+        Roster(senders=(("r-0", "m"),), receivers=("qa",), holders=(("qa", "r-0"),))
 
 
 def test_each_tenant_reads_only_its_own_inbox_and_receivers_may_stream_to_every_one():
@@ -120,7 +135,8 @@ def test_the_cli_writes_a_conf_and_refuses_bad_input_in_one_line(tmp_path):
     assert CliRunner().invoke(main, ["nats-auth"]).output == render(DEFAULT_ROSTER)
     tenants = CliRunner().invoke(main, ["nats-auth", "--tenant", "A", "--tenant", "B", "--tenant", "A"])
     assert tenants.exit_code == 0 and tenants.output == render(Roster(DEFAULT_ROSTER.senders, DEFAULT_ROSTER.receivers,
-                                                                      ("A", "B")))
-    for argv in (["--sender", "summ"], ["--receiver", "q.a"], ["--tenant", "a b"]):
+                                                                      ("A", "B"), holders=DEFAULT_ROSTER.holders))
+    for argv in (["--sender", "summ"], ["--receiver", "q.a"], ["--tenant", "a b"],
+                 ["--receiver", "qa", "--holder", "qa=h", "--holder", "qa=h"]):
         bad = CliRunner().invoke(main, ["nats-auth", *argv])
         assert bad.exit_code != 0 and bad.output.count("\n") == 1 and bad.output.startswith("Error: "), bad.output
