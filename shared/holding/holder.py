@@ -34,6 +34,7 @@ from droidmesh.shared.holding.store import CacheStore
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.blocks import CapturedContext, tensor_nbytes
 from droidmesh.shared.mesh.bus import Bus
+from droidmesh.shared.mesh.caller import user_of
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.service.wrappers import event, rpc
@@ -156,11 +157,11 @@ class Holder:
         grants.check(readers, reply, authenticated=self.authenticated)
         if captured is None:
             raise TransferError(f"{self.id} does not hold context {req.context_id[:80]}")
-        token, expires = self.tokens.issue(req.context_id)
+        token, expires = self.tokens.issue(req.context_id, grantee=user_of(reply))
         return schemas.GrantReply(token=token, expires_at=expires)
 
-    def authorize(self, req: schemas.PullRequest) -> None:
-        self.tokens.verify(req.context_id, req.token)
+    def authorize(self, req: schemas.PullRequest) -> str:
+        return self.tokens.verify(req.context_id, req.token)
 
     # -- the broker ------------------------------------------------------------------------
     async def broker_hello(self, msg: schemas.BrokerHello) -> None:

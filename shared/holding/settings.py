@@ -32,6 +32,9 @@ class HolderSettings(BusSettings):
         "help": "bulk-channel connections held at once (ucx, nixl, shm); at the cap an idle one makes room"})
     bulk_peer_connections: int = dataclasses.field(default=slots.PER_PEER, metadata={
         "help": "bulk-channel connections one peer holds at once (a source address; over shm a process)"})
+    bulk_grantee_connections: int = dataclasses.field(default=slots.PER_GRANTEE, metadata={
+        "help": "bulk-channel connections one grantee holds at once (the NATS user its pull grants went to: every "
+                "copy of a receiver model is one); at the cap its idle ones make room, else its next pull is refused"})
     bulk_setup_s: float = dataclasses.field(default=slots.SETUP_S, metadata={
         "help": "how long a bulk-channel connection is held before it completes its first pull"})
     bulk_idle_s: float = dataclasses.field(default=slots.IDLE_S, metadata={
@@ -58,4 +61,5 @@ class HolderSettings(BusSettings):
     def slot_limits(self) -> slots.SlotLimits:
         """The bulk server's connection limits (`make_server(..., limits=...)`)."""
         return slots.SlotLimits(max_connections=self.bulk_max_connections, per_peer=self.bulk_peer_connections,
+                                per_grantee=self.bulk_grantee_connections,
                                 setup_s=self.bulk_setup_s, idle_s=self.bulk_idle_s)

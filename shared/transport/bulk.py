@@ -73,8 +73,9 @@ log = structlog.get_logger("bulk")
 
 # (context_id, layer, kind) -> the stored tensor, or None when the sender does not hold it.
 TensorLookup = Callable[[str, int, str], "torch.Tensor | None"]
-# Raises (e.g. `UnauthorizedError`) to refuse a pull.
-Authorize = Callable[[PullRequest], None]
+# Raises (e.g. `UnauthorizedError`) to refuse a pull; returns the grantee (the NATS user the grant
+# went to, "" or None where unknown), whose connections the server's slots cap.
+Authorize = Callable[[PullRequest], "str | None"]
 # Called on the client's event loop as each item lands, in request order.
 OnItem = Callable[[PullItem, torch.Tensor], None]
 
@@ -150,6 +151,7 @@ class Served(NamedTuple):
     response: PullResponse
     payloads: list[torch.Tensor]
     release: Callable[[], None]
+    grantee: str = ""  # whose grant the pull used ("" where unknown, or refused)
 
 
 class _NoHold:
@@ -167,6 +169,7 @@ class Admitted(NamedTuple):
     stored: list[torch.Tensor]
     views: list[torch.Tensor]
     hold: PullHold
+    grantee: str = ""
 
 
 def admit(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None = None) -> Admitted:
@@ -174,8 +177,7 @@ def admit(request: PullRequest, lookup: TensorLookup, authorize: Authorize | Non
     `DroidMeshError` (bad message, unauthorized, unknown item, more tokens than stored) to refuse.
     Every channel's server starts a pull here."""
     check_request(request)
-    if authorize is not None:
-        authorize(request)
+    grantee = (authorize(request) or "") if authorize is not None else ""
     stored, views = [], []
     for item in request.items:
         t = lookup(request.context_id, item.layer, item.kind)
@@ -183,7 +185,7 @@ def admit(request: PullRequest, lookup: TensorLookup, authorize: Authorize | Non
             raise TransferError(f"sender does not hold {request.context_id} layer {item.layer} {item.kind}")
         stored.append(t)
         views.append(_tokens(t, item, request.tokens))
-    return Admitted(stored, views, pin(request.context_id) if pin is not None else _NoHold())
+    return Admitted(stored, views, pin(request.context_id) if pin is not None else _NoHold(), grantee)
 
 
 def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None = None,
@@ -194,7 +196,7 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
     carry none (a channel that copies the sender's own memory, with no stream to corrupt)."""
     hold: PullHold = _NoHold()
     try:
-        stored, tensors, hold = admit(request, lookup, authorize, pin)
+        stored, tensors, hold, grantee = admit(request, lookup, authorize, pin)
         codec = _server_codec(request.codec)
         headers, payloads = [], []
         for item, t, whole in zip(request.items, tensors, stored, strict=True):
@@ -216,7 +218,7 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
     except BaseException:
         hold.release()
         raise
-    return Served(PullResponse(headers=headers), payloads, hold.release)
+    return Served(PullResponse(headers=headers), payloads, hold.release, grantee)
 
 
 def refusal(e: DroidMeshError) -> PullResponse:

@@ -49,7 +49,7 @@ class InProcessBulkServer:
         """The encoded response, the payloads (exactly as a network server would send them) and
         the hold's release, called once the client has copied them."""
         request = schemas.decode(request_bytes, PullRequest)
-        response, payloads, release = answer(request, self._lookup, self._authorize, self._pin)
+        response, payloads, release, _ = answer(request, self._lookup, self._authorize, self._pin)
         return schemas.encode(response), payloads, release
 
     async def close(self) -> None:
@@ -132,7 +132,7 @@ class CodedSource:
 
     def _pull(self, layer: int, kind: ItemKind) -> torch.Tensor:
         request = msgspec.structs.replace(self._request, items=[PullItem(layer=layer, kind=kind)])
-        response, payloads, release = answer(request, self._lookup, None, None)
+        response, payloads, release, _ = answer(request, self._lookup, None, None)
         try:
             stored = self._lookup("", layer, kind)
             assert stored is not None  # looked up by `answer` already, which refuses a missing item

@@ -10,6 +10,11 @@ loop) admits each new connection here before reading a byte of it, marks each wa
     keeps its connection to a sender cached between pulls);
   - one peer (`per_peer`: a source address; over shm the process the kernel names) holds at most
     that many connections: its next one takes the place of its own least recently active idle one;
+  - one grantee (`per_grantee`: the NATS user the grants a connection pulls with went to, known
+    from its first pull) holds at most that many: a connection's first pull takes the place of its
+    grantee's least recently active idle connection, and is refused when they are all pulling, so
+    one identity spread over many addresses (many hosts, or one host's many processes) cannot
+    take the whole server from the others;
   - at `max_connections` a newcomer takes the place of the least recently active idle connection,
     those that never completed a pull first;
   - a connection in the middle of a pull is never taken (every pull is bounded by its channel's
@@ -37,6 +42,7 @@ log = structlog.get_logger("transport")
 
 MAX_CONNECTIONS = 256  # connections one server holds at once
 PER_PEER = 32  # connections one peer holds at once
+PER_GRANTEE = 128  # connections one grantee holds at once (every copy of a receiver model is one user)
 SETUP_S = 10.0  # a connection's life until it completes its first pull
 IDLE_S = 600.0  # a proven connection's wait for its next request
 LOG_EVERY_S = 10.0  # at most one line per channel and reason in this long
@@ -46,8 +52,10 @@ SETUP_DEADLINE = "setup_deadline"  # no pull completed within setup_s
 IDLE = "idle"  # a proven connection sent no request within idle_s
 EVICTED = "evicted"  # its slot went to a newcomer (the server was full)
 EVICTED_PEER = "evicted_peer"  # its slot went to a newcomer from the same peer (the peer was at its cap)
+EVICTED_GRANTEE = "evicted_grantee"  # its slot went to another connection of its grantee (at its cap)
 REFUSED = "refused"  # a newcomer found every slot it could take busy with a pull
-REASONS = (SETUP_DEADLINE, IDLE, EVICTED, EVICTED_PEER, REFUSED)
+REFUSED_GRANTEE = "refused_grantee"  # a first pull found every connection of its grantee pulling, at the cap
+REASONS = (SETUP_DEADLINE, IDLE, EVICTED, EVICTED_PEER, EVICTED_GRANTEE, REFUSED, REFUSED_GRANTEE)
 
 _DROPPED: collections.Counter[tuple[str, str]] = collections.Counter()  # (channel, reason) -> count
 
@@ -63,6 +71,7 @@ class SlotLimits:
 
     max_connections: int = MAX_CONNECTIONS
     per_peer: int = PER_PEER
+    per_grantee: int = PER_GRANTEE
     setup_s: float = SETUP_S
     idle_s: float = IDLE_S
 
@@ -71,6 +80,8 @@ class SlotLimits:
             raise ConfigError(f"max_connections must be >= 1 (got {self.max_connections})")
         if not 1 <= self.per_peer <= self.max_connections:
             raise ConfigError(f"per_peer must be in [1, max_connections={self.max_connections}] (got {self.per_peer})")
+        if self.per_grantee < 1:  # above max_connections it never binds: the server's cap comes first
+            raise ConfigError(f"per_grantee must be >= 1 (got {self.per_grantee})")
         if not 0 < self.setup_s <= self.idle_s:
             raise ConfigError(f"need 0 < setup_s <= idle_s (got {self.setup_s}, {self.idle_s})")
 
@@ -90,6 +101,7 @@ class Slot:
 
     def __init__(self, table: Slots, peer: str, task: asyncio.Task, now: float):
         self.peer, self.opened, self.last, self.pulls = peer, now, now, 0
+        self.grantee = ""  # whose grants it pulls with, from its first pull that named one
         self.ended = ""  # why it was let go, once it was
         self._table, self._task = table, task
         self._waiting = False
@@ -113,6 +125,18 @@ class Slot:
         """`async with slot.waiting():` around a wait for the peer: bounded by `wait_s`, and the
         slot may be taken meanwhile. Both end it with `SlotEnded`."""
         return _Wait(self)
+
+    def claim(self, grantee: str) -> None:
+        """Before a pull with `grantee`'s grant is served: count the connection as `grantee`'s (at
+        its first such pull), making room among that grantee's idle connections at the cap;
+        `SlotEnded` (refused, counted) when all of them are pulling. A connection whose grants
+        change grantee is refused too: one connection, one identity."""
+        if not grantee or grantee == self.grantee:
+            return
+        if self.grantee:
+            self._table.drop(self, REFUSED_GRANTEE)
+            raise SlotEnded(REFUSED_GRANTEE)
+        self._table.bind(self, grantee)
 
     def pulled(self) -> None:
         """It completed a pull (answered without error and, where the channel has one, its done)."""
@@ -166,6 +190,7 @@ class Slots:
         self.counts: collections.Counter[str] = collections.Counter()  # reason -> connections
         self._slots: dict[Slot, None] = {}  # in admission order
         self._per_peer: collections.Counter[str] = collections.Counter()
+        self._per_grantee: collections.Counter[str] = collections.Counter()
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line's time, unlogged since)
 
     def __len__(self) -> int:
@@ -174,6 +199,22 @@ class Slots:
     def held(self) -> dict[str, int]:
         """Connections held per peer."""
         return {peer: n for peer, n in self._per_peer.items() if n}
+
+    def held_by_grantee(self) -> dict[str, int]:
+        """Connections held per grantee (those that pulled with a known one)."""
+        return {g: n for g, n in self._per_grantee.items() if n}
+
+    def bind(self, slot: Slot, grantee: str) -> None:
+        """Count `slot` as `grantee`'s (`Slot.claim`): at the cap, `grantee`'s least recently
+        active idle connection gives way; when none is idle, `slot` is refused (`SlotEnded`)."""
+        if self._per_grantee[grantee] >= self.limits.per_grantee and not self._make_room(
+                EVICTED_GRANTEE, None, grantee=grantee):
+            self._note(REFUSED_GRANTEE, peer=slot.peer, grantee=grantee, cap=f"per_grantee={self.limits.per_grantee}")
+            self.release(slot)
+            slot.ended = REFUSED_GRANTEE
+            raise SlotEnded(REFUSED_GRANTEE)
+        slot.grantee = grantee
+        self._per_grantee[grantee] += 1
 
     def admit(self, peer: str, task: asyncio.Task | None = None) -> Slot | None:
         """A slot for a new connection from `peer` served by `task` (default: the current task),
@@ -199,6 +240,10 @@ class Slots:
             self._per_peer[slot.peer] -= 1
             if not self._per_peer[slot.peer]:
                 del self._per_peer[slot.peer]
+            if slot.grantee:
+                self._per_grantee[slot.grantee] -= 1
+                if not self._per_grantee[slot.grantee]:
+                    del self._per_grantee[slot.grantee]
 
     def drop(self, slot: Slot, reason: str) -> None:
         """Let `slot` go for `reason` (its deadline passed): counted, logged, freed."""
@@ -206,10 +251,11 @@ class Slots:
         self._note(reason, peer=slot.peer, held_s=round(time.monotonic() - slot.opened, 3), pulls=slot.pulls)
         self.release(slot)
 
-    def _make_room(self, reason: str, peer: str | None) -> bool:
-        """Evict the least recently active idle slot (of `peer`, or of anyone), never-proven ones
-        first; False when every candidate is busy."""
-        idle = [s for s in self._slots if s.idle and (peer is None or s.peer == peer)]
+    def _make_room(self, reason: str, peer: str | None, grantee: str | None = None) -> bool:
+        """Evict the least recently active idle slot (of `peer`, of `grantee`, or of anyone),
+        never-proven ones first; False when every candidate is busy."""
+        idle = [s for s in self._slots if s.idle and (peer is None or s.peer == peer)
+                and (grantee is None or s.grantee == grantee)]
         if not idle:
             return False
         victim = min(idle, key=lambda s: (s.proven, s.last))

@@ -31,24 +31,27 @@ class TokenIssuer:
         self._key = key or secrets.token_bytes(32)
         self._clock = clock
         self._max = max_outstanding
-        self._live: dict[str, float] = {}  # nonce -> expiry, issued and not used yet
+        self._live: dict[str, tuple[float, str]] = {}  # nonce -> (expiry, grantee), issued and not used yet
 
     def _mac(self, context_id: str, expires_ms: int, nonce: str) -> str:
         return hmac.new(self._key, f"{context_id}|{expires_ms}|{nonce}".encode(), hashlib.sha256).hexdigest()
 
-    def issue(self, context_id: str) -> tuple[str, float]:
-        """(grant, expiry as unix seconds) for one pull of `context_id`."""
+    def issue(self, context_id: str, grantee: str = "") -> tuple[str, float]:
+        """(grant, expiry as unix seconds) for one pull of `context_id` by `grantee` (the NATS user
+        that asked, whom the grant's reply reached; "" where users are unknown): `verify` returns
+        it, so the bulk server knows whose connection a pull proves (its slots are capped per
+        grantee)."""
         now = self._clock()
         self._prune(now)
         if len(self._live) >= self._max:
             raise OverloadedError(f"{len(self._live)} pull grants outstanding; try again")
         expires_ms, nonce = int((now + self.ttl_s) * 1000), secrets.token_hex(12)
-        self._live[nonce] = expires_ms / 1000
+        self._live[nonce] = (expires_ms / 1000, grantee)
         return f"{expires_ms}.{nonce}.{self._mac(context_id, expires_ms, nonce)}", expires_ms / 1000
 
-    def verify(self, context_id: str, token: str) -> None:
-        """Raise `UnauthorizedError` unless `token` is an unused, unexpired grant for
-        `context_id` from this issuer; a grant that passes is used up."""
+    def verify(self, context_id: str, token: str) -> str:
+        """The grantee of `token` if it is an unused, unexpired grant for `context_id` from this
+        issuer (it is then used up); else `UnauthorizedError`."""
         if not token:
             raise UnauthorizedError("pull without a grant")
         expires_s, _, rest = token.partition(".")
@@ -62,9 +65,11 @@ class TokenIssuer:
         now = self._clock()
         if now > expires_ms / 1000:
             raise UnauthorizedError(f"grant expired {now - expires_ms / 1000:.1f}s ago")
-        if self._live.pop(nonce, None) is None:
+        live = self._live.pop(nonce, None)
+        if live is None:
             raise UnauthorizedError("grant already used")
+        return live[1]
 
     def _prune(self, now: float) -> None:
         if len(self._live) >= self._max // 2:
-            self._live = {n: e for n, e in self._live.items() if e >= now}
+            self._live = {n: e for n, e in self._live.items() if e[0] >= now}

@@ -130,9 +130,9 @@ def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypa
     real = module.answer
 
     def corrupt(*a):
-        response, payloads, release = real(*a)
+        response, payloads, release, grantee = real(*a)
         headers = [msgspec.structs.replace(h, checksum="0" * 16) for h in response.headers]
-        return msgspec.structs.replace(response, headers=headers), payloads, release
+        return msgspec.structs.replace(response, headers=headers), payloads, release, grantee
 
     monkeypatch.setattr(module, "answer", corrupt)
     with pytest.raises(IntegrityError, match="checksum mismatch"):

@@ -118,13 +118,13 @@ def test_a_poisoned_quantized_item_is_refused_and_never_delivered(tiny_models, c
     real = inproc.answer
 
     def poison(*a):
-        response, payloads, release = real(*a)
+        response, payloads, release, grantee = real(*a)
         i = next(j for j, h in enumerate(response.headers) if (h.layer, h.kind) == (4, "V"))
         payloads[i] = payloads[i].clone()
         payloads[i][-4:].view(torch.float32)[0] = float("nan")  # the last per-token scale
         headers = list(response.headers)
         headers[i] = msgspec.structs.replace(headers[i], checksum=integrity.checksum(payloads[i]))
-        return msgspec.structs.replace(response, headers=headers), payloads, release
+        return msgspec.structs.replace(response, headers=headers), payloads, release, grantee
 
     monkeypatch.setattr(inproc, "answer", poison)
     with pytest.raises(IntegrityError, match="layer 4 V: int8: negative or NaN scales"):
@@ -168,12 +168,12 @@ def _tamper(monkeypatch, layer: int, kind: str, change) -> None:
     real = inproc.answer
 
     def answer(*a):
-        response, payloads, release = real(*a)
+        response, payloads, release, grantee = real(*a)
         i = next(j for j, h in enumerate(response.headers) if (h.layer, h.kind) == (layer, kind))
         header, payloads[i] = change(response.headers[i], payloads[i].clone())
         headers = list(response.headers)
         headers[i] = msgspec.structs.replace(header, checksum=integrity.checksum(payloads[i]), nbytes=payloads[i].numel())
-        return msgspec.structs.replace(response, headers=headers), payloads, release
+        return msgspec.structs.replace(response, headers=headers), payloads, release, grantee
 
     monkeypatch.setattr(inproc, "answer", answer)
 

@@ -51,28 +51,31 @@ from droidmesh.shared.transport.bulk import make_server
 from droidmesh.shared.transport.slots import SlotLimits
 from droidmesh.shared.transport.tokens import TokenIssuer
 
-async def main(transport, cap, per_peer, size):
+async def main(transport, cap, per_peer, size, per_grantee):
     tensors = {str(size): torch.randn(size // 2).to(torch.bfloat16)}
     issuer = TokenIssuer(ttl_s=600)
     server = make_server(transport, lambda c, l, k: tensors.get(c) if (l, k) == (0, "K") else None,
                          lambda req: issuer.verify(req.context_id, req.token),
-                         limits=SlotLimits(max_connections=cap, per_peer=per_peer, setup_s=3600, idle_s=3600))
+                         limits=SlotLimits(max_connections=cap, per_peer=per_peer, per_grantee=per_grantee,
+                                           setup_s=3600, idle_s=3600))
     tensors.update(zip(tensors, server.place(list(tensors.values())), strict=True))
     address = await server.start()
     print("GRANT=" + issuer.issue(str(size))[0], flush=True)
+    print("GRANTEE_GRANTS=" + ",".join(issuer.issue(str(size), grantee="receiver-x")[0] for _ in range(4)), flush=True)
     print("BULK_ADDRESS=" + address, flush=True)
     loop, stop, seq = asyncio.get_running_loop(), asyncio.Event(), [0]
 
     def report():
         seq[0] += 1
-        print(f"SLOTS {seq[0]} " + json.dumps({"held": server.slots.held(), "counts": server.slots.counts}), flush=True)
+        print(f"SLOTS {seq[0]} " + json.dumps({"held": server.slots.held(), "counts": server.slots.counts,
+                                               "grantees": server.slots.held_by_grantee()}), flush=True)
 
     loop.add_signal_handler(signal.SIGUSR1, report)
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
     await server.close()
 
-asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
 """
 
 HOSTILE = """
@@ -178,8 +181,8 @@ def _honest_pull(transport: str, address: str, grant: str) -> int:
 def test_idle_peers_at_the_cap_do_not_lock_out_an_honest_receiver(services, transport, engaged):
     if transport == "nixl":
         pytest.importorskip("nixl_cu12")
-    proc = Proc(f"bulk-{transport}", [sys.executable, "-c", SERVER, transport, str(CAP), str(PER_PEER), str(SIZE)],
-                env=ENV)
+    proc = Proc(f"bulk-{transport}", [sys.executable, "-c", SERVER, transport, str(CAP), str(PER_PEER), str(SIZE),
+                                      str(CAP)], env=ENV)
     services.append(proc)
     grant = proc.wait_for(lambda l: l.startswith(("GRANT=", "Traceback")), 120, "its grant")
     if not grant.startswith("GRANT="):
@@ -219,3 +222,43 @@ def test_idle_peers_at_the_cap_do_not_lock_out_an_honest_receiver(services, tran
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _hold_pulls(transport: str, address: str, grants: list[str], then: Callable[[], dict]) -> dict:
+    """One client per grant, each pulling once with it and keeping its connection (as a receiver
+    caches one per sender), then `then()` while all are open."""
+    async def go() -> dict:
+        clients = [make_client(transport) for _ in grants]
+        try:
+            for client, grant in zip(clients, grants, strict=True):
+                into = [torch.empty(SIZE // 2, dtype=torch.bfloat16)]
+                await client.pull(address, PullRequest(context_id=str(SIZE), items=[PullItem(0, "K")], token=grant),
+                                  into, lambda *a: None, 60)
+            return await asyncio.to_thread(then)
+        finally:
+            for client in clients:
+                await client.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("transport", ["ucx", "shm"])
+def test_one_grantee_holds_at_most_its_cap_of_connections(services, transport):
+    """Connections whose pulls use grants that went to one NATS user (three of them, where the
+    per-peer cap would allow eight) hold at most `per_grantee` (2) of the server's slots: the third
+    connection's first pull takes the place of the grantee's least recently active one."""
+    per_grantee = 2
+    proc = Proc(f"bulk-{transport}", [sys.executable, "-c", SERVER, transport, str(CAP), str(CAP), str(SIZE),
+                                      str(per_grantee)], env=ENV)
+    services.append(proc)
+    line = proc.wait_for(lambda l: l.startswith(("GRANTEE_GRANTS=", "Traceback")), 120, "its grants")
+    if not line.startswith("GRANTEE_GRANTS="):
+        pytest.skip(f"{transport} server unavailable here: {proc.tail()}")
+    grants = line[len("GRANTEE_GRANTS="):].split(",")
+    address = proc.wait_for(lambda l: l.startswith("BULK_ADDRESS="), IO_S, "its address")[len("BULK_ADDRESS="):]
+    seq = iter(range(1, 10**6))
+    report = _hold_pulls(transport, address, grants[:3], lambda: _slots(
+        proc, seq, lambda r: r["counts"].get(slots.EVICTED_GRANTEE, 0) >= 1, "the grantee's oldest connection let go"))
+    assert report["grantees"] == {"receiver-x": per_grantee}, report
+    assert report["counts"].get(slots.EVICTED_GRANTEE) == 1 and not report["counts"].get(slots.REFUSED_GRANTEE), report
+    assert proc.popen.poll() is None, proc.tail()

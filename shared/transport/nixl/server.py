@@ -79,6 +79,7 @@ class NixlBulkServer:
                     data = await frames.read_frame(reader, MAX_REQUEST_BYTES)
                 served = _answer(data, self._lookup, self._authorize, self._pin)
                 try:
+                    slot.claim(served.grantee)  # "" for a refusal: nothing to claim
                     if served.response.error:
                         await frames.send(writer, NixlGrant(response=served.response))
                         continue

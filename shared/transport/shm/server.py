@@ -116,7 +116,7 @@ class ShmBulkServer:
             while slot is not None:
                 async with slot.waiting():
                     data, _ = await shm_io.recv_frame(conn, MAX_REQUEST_BYTES, 0)
-                grant, fds, release = await self._grant(data, sent)
+                grant, fds, release = await self._grant(data, sent, slot)
                 try:
                     async with asyncio.timeout(HOLD_S):  # a receiver that stops reading holds nothing longer
                         await shm_io.send_frame(conn, schemas.encode(grant), fds)
@@ -134,13 +134,19 @@ class ShmBulkServer:
                 self.slots.release(slot)
             conn.close()
 
-    async def _grant(self, data: bytes, sent: Sent) -> tuple[ShmGrant, list[int], Callable[[], None]]:
-        """The grant for one request, the memfds it passes and the release of what it holds."""
+    async def _grant(self, data: bytes, sent: Sent, slot: Slot) -> tuple[ShmGrant, list[int], Callable[[], None]]:
+        """The grant for one request, the memfds it passes and the release of what it holds;
+        `SlotEnded` when the connection's grantee is at its cap with every connection pulling."""
         try:
             request = schemas.decode(data, PullRequest)
-            stored, views, hold = admit(request, self._lookup, self._authorize, self._pin)
+            stored, views, hold, grantee = admit(request, self._lookup, self._authorize, self._pin)
         except DroidMeshError as e:
             return ShmGrant(response=refusal(e)), [], _nothing
+        try:
+            slot.claim(grantee)
+        except SlotEnded:
+            hold.release()
+            raise
         scratch: list[int] = []
 
         def release() -> None:  # keeps `stored` (so every placed memfd granted stays open) until the pull ends

@@ -132,6 +132,7 @@ class UcxBulkServer:
         """One answered request: the sandbox sends its response and payloads within SEND_S (a
         pull sent in full proves the connection: `slot.pulled`); the hold is released after."""
         try:
+            slot.claim(served.grantee)
             exported = await export_async(served.payloads)  # `served` (its payloads: the memfds' views) lives till the end
             try:
                 pull_id = next(self._pulls)

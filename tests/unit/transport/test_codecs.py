@@ -80,9 +80,9 @@ def test_unknown_codec_in_a_header_is_refused(monkeypatch):
     real = inproc.answer
 
     def relabel(*a):
-        response, payloads, release = real(*a)
+        response, payloads, release, grantee = real(*a)
         return msgspec.structs.replace(response, headers=[
-            msgspec.structs.replace(h, codec="zstd-9000") for h in response.headers]), payloads, release
+            msgspec.structs.replace(h, codec="zstd-9000") for h in response.headers]), payloads, release, grantee
 
     monkeypatch.setattr(inproc, "answer", relabel)
     with pytest.raises(IntegrityError, match="unknown codec 'zstd-9000'"):
@@ -97,9 +97,9 @@ def test_oversize_payload_claim_is_refused_before_allocation(monkeypatch):
     empty = torch.empty
 
     def inflate(*a):
-        response, payloads, release = real(*a)
+        response, payloads, release, grantee = real(*a)
         return msgspec.structs.replace(response, headers=[
-            msgspec.structs.replace(h, nbytes=1 << 40) for h in response.headers]), payloads, release
+            msgspec.structs.replace(h, nbytes=1 << 40) for h in response.headers]), payloads, release, grantee
 
     def spy(*shape, **kw):
         allocated.append(shape[0] if shape and isinstance(shape[0], int) else 0)
@@ -142,9 +142,9 @@ def test_a_device_payload_the_receiver_did_not_ask_for_is_refused(monkeypatch):
     real = inproc.answer
 
     def claim_device(*a):
-        response, payloads, release = real(*a)
+        response, payloads, release, grantee = real(*a)
         return msgspec.structs.replace(response, headers=[
-            msgspec.structs.replace(h, codec_params={codecs.DEVICE_PARAM: "cuda"}) for h in response.headers]), payloads, release
+            msgspec.structs.replace(h, codec_params={codecs.DEVICE_PARAM: "cuda"}) for h in response.headers]), payloads, release, grantee
 
     monkeypatch.setattr(inproc, "answer", claim_device)
     with pytest.raises(IntegrityError, match="did not ask for"):
@@ -251,11 +251,11 @@ def _tamper(monkeypatch, edit):
     real = inproc.answer
 
     def tampered(*a):
-        response, payloads, release = real(*a)
+        response, payloads, release, grantee = real(*a)
         headers = edit(list(response.headers), payloads)
         headers = [msgspec.structs.replace(h, nbytes=p.numel(), checksum=integrity.checksum(p))
                    for h, p in zip(headers, payloads, strict=True)]
-        return msgspec.structs.replace(response, headers=headers), payloads, release
+        return msgspec.structs.replace(response, headers=headers), payloads, release, grantee
 
     monkeypatch.setattr(inproc, "answer", tampered)
 

@@ -21,8 +21,8 @@ class Conn:
     """A connection's task: admitted to `table`, then waiting on its slot until `go` is set (or
     busy, outside any wait, while `busy` is set); `ended` is how it ended."""
 
-    def __init__(self, table: Slots, peer: str):
-        self.table, self.peer = table, peer
+    def __init__(self, table: Slots, peer: str, grantee: str = ""):
+        self.table, self.peer, self.grantee = table, peer, grantee
         self.go, self.busy = asyncio.Event(), asyncio.Event()
         self.slot: Slot | None = None
         self.admitted = asyncio.Event()
@@ -40,6 +40,7 @@ class Conn:
                 async with self.slot.waiting():
                     await self.go.wait()
                 self.go.clear()
+                self.slot.claim(self.grantee)  # a pull's grant names its grantee before it is served
                 self.slot.pulled()
                 await self.busy.wait()  # busy until the test lets it wait again
                 self.busy.clear()
@@ -67,8 +68,8 @@ class Conn:
         raise AssertionError("it did not wait again")
 
 
-async def open_conn(table: Slots, peer: str) -> Conn:
-    c = Conn(table, peer)
+async def open_conn(table: Slots, peer: str, grantee: str = "") -> Conn:
+    c = Conn(table, peer, grantee)
     await asyncio.wait_for(c.admitted.wait(), DEADLINE_S)
     await asyncio.sleep(0)  # into its wait
     return c
@@ -84,7 +85,7 @@ def run(coro):
 
 
 def test_limits_must_fit_together():
-    for bad in ({"max_connections": 0}, {"per_peer": 0}, {"max_connections": 4, "per_peer": 5},
+    for bad in ({"max_connections": 0}, {"per_peer": 0}, {"max_connections": 4, "per_peer": 5}, {"per_grantee": 0},
                 {"setup_s": 0}, {"setup_s": 20, "idle_s": 10}):
         with pytest.raises(ConfigError):
             SlotLimits(**bad)
@@ -191,6 +192,66 @@ def test_busy_connections_are_kept_and_a_newcomer_is_refused_when_all_are_busy()
         c.task.cancel()
 
     run(go())
+
+
+def test_a_grantee_at_its_cap_gives_up_its_own_oldest_idle_connection_whatever_its_address():
+    """One identity over many addresses (per-peer caps do not see it) holds at most `per_grantee`
+    connections that pulled: its next first pull takes its own least recently active idle one."""
+    async def go():
+        table = Slots("t", SlotLimits(max_connections=8, per_peer=8, per_grantee=2, setup_s=600))
+        mine = [await open_conn(table, f"10.0.0.{i}", grantee="receiver-qa") for i in range(3)]
+        theirs = await open_conn(table, "10.0.1.1", grantee="receiver-docqa")
+        for c in (*mine[:2], theirs):
+            await c.pull()
+            await c.idle()
+        assert table.held_by_grantee() == {"receiver-qa": 2, "receiver-docqa": 1}
+        await mine[2].pull()
+        assert await ended(mine[0]) == slots.EVICTED_GRANTEE and table.counts[slots.EVICTED_GRANTEE] == 1
+        assert table.held_by_grantee() == {"receiver-qa": 2, "receiver-docqa": 1}
+        assert not theirs.task.done() and not mine[1].task.done()
+        for c in (*mine[1:], theirs):
+            c.task.cancel()
+
+    run(go())
+
+
+def test_a_grantee_with_every_connection_pulling_is_refused_and_others_are_not():
+    async def go():
+        table = Slots("t", SlotLimits(max_connections=8, per_peer=8, per_grantee=1, setup_s=600))
+        busy = await open_conn(table, "a", grantee="g")
+        await busy.pull()  # mid-pull: not to be taken
+        second = await open_conn(table, "b", grantee="g")
+        await second.pull()
+        assert await ended(second) == slots.REFUSED_GRANTEE and table.counts[slots.REFUSED_GRANTEE] == 1
+        other = await open_conn(table, "c", grantee="h")
+        await other.pull()
+        assert table.held_by_grantee() == {"g": 1, "h": 1} and len(table) == 2
+        busy.task.cancel()
+        other.task.cancel()
+
+    run(go())
+
+
+def test_a_connection_pulls_for_one_grantee_only():
+    async def go():
+        table = Slots("t", SlotLimits(max_connections=8, per_peer=8, setup_s=600))
+        c = await open_conn(table, "a", grantee="g")
+        await c.pull()
+        await c.idle()
+        c.grantee = "h"  # its next grant went to another user
+        await c.pull()
+        assert await ended(c) == slots.REFUSED_GRANTEE and table.held_by_grantee() == {} and len(table) == 0
+
+    run(go())
+
+
+def test_a_grant_names_whom_it_went_to():
+    from droidmesh.shared.transport.tokens import TokenIssuer
+
+    issuer = TokenIssuer(ttl_s=10)
+    mine, _ = issuer.issue("ctx", grantee="receiver-qa")
+    anyone, _ = issuer.issue("ctx")
+    assert issuer.verify("ctx", mine) == "receiver-qa" and issuer.verify("ctx", anyone) == ""
 
 
 def test_closing_the_server_cancels_a_waiting_connection_as_a_cancellation():
