@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM environment the DroidMesh KV connector runs in: ~/.cache/droidmesh/venv-vllm (or $DM_VLLM_VENV,
 # outside the checkout: a venv is links and binaries, never part of the tree) with
-# vLLM's CPU build and DroidMesh beside it (editable, with the mesh's control-plane extra).
+# vLLM's CPU build and DroidMesh beside it (editable, with the mesh extra: control plane and bulk channels).
 # Its own venv: vLLM pins torch and a transformers range of its own (docs/guides/vllm.md).
 # Idempotent: a venv whose stamp matches this script and pyproject.toml is left alone.
 # CUDA hosts: DM_VLLM_PACKAGE=vllm DM_TORCH_INDEX=https://download.pytorch.org/whl/cu130.
@@ -39,10 +39,12 @@ else
   "${pip[@]}" "$torch_pin"
 fi
 "${pip[@]}" "$package==$version" "${pins[@]}"
-"${pip[@]}" -e ".[mesh-base]" "${pins[@]}"
+# the mesh extra: the bulk channels' UCX and NIXL builds, so a vLLM on another host (or container)
+# than its senders pulls over ucx, as compose's vllm-qa service does (shm needs one host)
+"${pip[@]}" -e ".[mesh]" "${pins[@]}"
 # vLLM's CPU build does not need them and, beside this torch, they fail to import.
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" -c "import vllm, droidmesh.shared" >/dev/null
+"$venv/bin/python" -c "import vllm, ucxx, droidmesh.shared" >/dev/null
 # `vllm serve` as on a CUDA host: vLLM's CLI reads its version from a distribution named `vllm`,
 # which the CPU build is not (droidmesh/shared/engines/vllm/cli.py). Guarded: vLLM's engine
 # processes are spawned, and re-import the entry script.

@@ -170,10 +170,14 @@ class ServedEngine(EngineProcess):
     """`vllm serve` (`serve_argv`) under `python`: vLLM's OpenAI server, asked over HTTP."""
 
     def __init__(self, python: str | Path, spec: Mapping[str, Any], workdir: Path, port: int,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, args: list[str] | None = None):
+        """`args`: `vllm` CLI arguments to run instead of `serve_argv(spec)` (e.g. a deployment's
+        own command); they must serve on 127.0.0.1:`port`, the name `spec["name"]`."""
         self.url = f"http://127.0.0.1:{port}"
         self.base_name = str(spec.get("name", "base"))
-        super().__init__(serve_argv(Path(python).absolute(), spec, port), workdir, env, stdin=False)
+        argv = serve_argv(Path(python).absolute(), spec, port) if args is None else \
+            [str(Path(python).absolute()), "-m", CLI, *args]
+        super().__init__(argv, workdir, env, stdin=False)
 
     def ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -403,3 +403,36 @@ def test_no_kubernetes_service_or_pod_is_reachable_from_outside_the_cluster():
             pod = d["spec"]["template"]["spec"]
             assert not pod.get("hostNetwork"), name
             assert all("hostPort" not in p for c in pod["containers"] for p in c.get("ports", [])), name
+
+
+def test_composes_vllm_service_logs_in_as_its_models_receiver_with_its_own_secrets(tmp_path, generated):
+    """The vLLM service's connector (its JSON in the command) logs in over TLS as the roster's
+    receiver of the model it serves, with that user's password file and the CA, both mounted from
+    the compose secrets generate.sh makes; the settings are ones the connector accepts."""
+    from droidmesh.shared.engines.settings import EngineSettings
+
+    svc = _compose()["services"]["vllm-qa"]
+    args = [str(a) for a in svc["command"]]
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_module_path"] == "droidmesh.shared.engines.vllm.connector"
+    assert config["kv_role"] == "kv_consumer" and config["kv_load_failure_policy"] == "recompute"
+    extra = config["kv_connector_extra_config"]
+    served = args[args.index("--served-model-name") + 1]
+    assert extra["base_model"] == served and extra["models"][served] == args[args.index("serve") + 1]
+    assert extra["nats_user"] == receiver_user(served) and served in DEFAULT_ROSTER.receivers
+    assert _host_named_by(extra["nats_url"], _sans(generated / "tls" / "server.pem"))
+    _, files = _compose_service_env("vllm-qa")
+    assert files[extra["nats_tls_ca"]] == COMPOSE_SECRETS_DIR + "tls/ca.pem"
+    assert files[extra["nats_password_file"]] == COMPOSE_SECRETS_DIR + f"passwords/{extra['nats_user']}"
+    # what the connector makes of it, with the container's files at their paths here
+    here = {p: tmp_path / Path(p).name for p in (extra["nats_tls_ca"], extra["nats_password_file"])}
+    for path in here.values():
+        path.write_text("x")
+    model = tmp_path / "qa"
+    (model).mkdir()
+    (model / "config.json").write_text("{}")
+    local = {**extra, "nats_tls_ca": str(here[extra["nats_tls_ca"]]),
+             "nats_password_file": str(here[extra["nats_password_file"]]), "models": {served: str(model)}}
+    settings = EngineSettings.from_mapping(local)
+    assert settings.nats_user == receiver_user(served) and settings.transport == "ucx" and not settings.hold
+    assert all(p.startswith("127.0.0.1:") for p in svc["ports"])
