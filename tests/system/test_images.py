@@ -263,10 +263,13 @@ def installs(tmp_path_factory: pytest.TempPathFactory) -> Installs:
 
 def test_every_image_is_a_known_target():
     """Every stage with an ENTRYPOINT is an image this test runs, for every VARIANT, and every
-    image runs a DroidMesh service module."""
+    image runs a DroidMesh service module; besides them the `vllm` image runs vLLM's CLI with the
+    connector (not installed here: vLLM pins its own torch; `infra/vllm/install.sh` installs the
+    same packages, and tests/system/test_vllm_compose.py runs compose's command for it)."""
     for variant in VARIANTS:
         stages = parse(DOCKERFILE.read_text(), {"VARIANT": variant})
-        assert {s.name for s in stages.values() if s.entrypoint} == set(IMAGES)
+        assert {s.name for s in stages.values() if s.entrypoint} == {*IMAGES, "vllm"}
+        assert stages["vllm"].entrypoint == ["python", "-m", "droidmesh.shared.engines.vllm.cli"]
         for t in IMAGES:
             assert stages[t].entrypoint == ["python", "-m", f"droidmesh.services.{t}"], stages[t].entrypoint
 
