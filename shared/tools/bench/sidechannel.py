@@ -12,6 +12,10 @@ Every trial prefills, cached or not, so the two labels differ in nothing but the
   scopes (what a reply's timing told anyone who sent the same prompt);
 * after: the attacker's key is another tenant's.
 
+With `holding`, nobody prefills as an operator: the victim asks its own question over the
+context through the gateway, and the receiver holds what its prefill computed (in the victim's
+scope), as it does for every request; the attacker then asks as above. No sender runs.
+
 The attacker's best rule is a threshold on the time (`train_threshold`: any cut and either
 direction, fitted on a stratified half of the trials); its accuracy on the other half, with a
 Wilson interval (`wilson`), is the result. With scopes the interval should hold 0.5.
@@ -43,9 +47,10 @@ from droidmesh.shared.tasks.intervals import wilson
 if TYPE_CHECKING:
     from droidmesh.shared.mesh.client import MeshClient
 
-SENDER, RECEIVER = "sc-sender", "sc-receiver"
+SENDER, RECEIVER, HOLDER = "sc-sender", "sc-receiver", "sc-receiver-hold"
 VICTIM, ATTACKER = "victim", "attacker"
 QUESTION = " who q"
+VICTIM_QUESTION = " what q"  # the victim's own question (holding): its context is what is held
 PHASES = {"before": VICTIM, "after": ATTACKER}  # phase -> the attacker key's tenant
 
 
@@ -140,47 +145,65 @@ def _keys(path: Path) -> dict[str, str]:
     return out
 
 
-def run_sidechannel(sender_path: str, receiver_path: str, group: tuple[int, int], words: int, trials: int,
-                    warmup: int, seed: int, device: str, say: Callable[[str], None]) -> dict[str, Any]:
-    """Both phases on one mesh: per phase, `trials` cached and `trials` uncached requests (after
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a run serves: the sender's checkpoint (unused with `holding`), the receiver's, its
+    default group (the recomputed layers of a reuse), and whether contexts come from the
+    receiver's own holding of the victim's requests."""
+
+    sender_path: str
+    receiver_path: str
+    group: tuple[int, int]
+    device: str = "cpu"
+    holding: bool = False
+    phases: tuple[str, ...] = tuple(PHASES)
+
+
+def run_sidechannel(setup: Setup, words: int, trials: int, warmup: int, seed: int,
+                    say: Callable[[str], None]) -> dict[str, Any]:
+    """Each phase on one mesh: per phase, `trials` cached and `trials` uncached requests (after
     `warmup` untimed ones). Returns {"phases": {phase: evaluate(...) + raw trials}, ...}."""
     from droidmesh.shared.model.adapter import load_model
 
-    model = load_model(receiver_path, device="cpu")  # tokenizer and fingerprint, to see when the broker has a context
+    model = load_model(setup.receiver_path, device="cpu")  # tokenizer and fingerprint: when the broker has a context
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory(prefix="dm-bench-sidechannel-") as work:
-        return _run(Path(work), model, rng, sender_path, receiver_path, group, words, trials, warmup, seed, device,
-                    say)
+        return _run(Path(work), model, rng, setup, words, trials, warmup, seed, say)
 
 
-def _run(work: Path, model: Any, rng: np.random.Generator, sender_path: str, receiver_path: str,
-         group: tuple[int, int], words: int, trials: int, warmup: int, seed: int, device: str,
-         say: Callable[[str], None]) -> dict[str, Any]:
+def _run(work: Path, model: Any, rng: np.random.Generator, setup: Setup, words: int, trials: int, warmup: int,
+         seed: int, say: Callable[[str], None]) -> dict[str, Any]:
     keys = _keys(work / "keys.toml")
     victim_scope = next(k.scope for k in api_keys.load(work / "keys.toml").values() if k.tenant == VICTIM)
-    result: dict[str, Any] = {"phases": {}}
-    with mesh(Roster.local([SENDER], [RECEIVER])) as (access, procs):
-        base = _start(access, procs, work / "keys.toml", sender_path, receiver_path, group, device)
+    result: dict[str, Any] = {"phases": {}, "holding": setup.holding}
+    roster = Roster.local([] if setup.holding else [SENDER], [RECEIVER],
+                          holders={RECEIVER: HOLDER} if setup.holding else None)
+    with mesh(roster) as (access, procs):
+        base = _start(access, procs, work / "keys.toml", setup)
         _until_listed(base, keys[VICTIM], RECEIVER)
-        attack = _Attack(access, base, model, victim_scope, rng, words, trials, warmup, say)
-        for name, tenant in PHASES.items():
+        attack = _Attack(access, base, model, victim_scope, rng, words, trials, warmup, say,
+                         keys[VICTIM] if setup.holding else None)
+        for name, tenant in ((n, PHASES[n]) for n in setup.phases):
             say(f"sidechannel {name}: attacker's key is tenant {tenant!r}, the victim's contexts are {victim_scope!r}")
             rows = asyncio.run(attack.phase(name, keys[tenant]))
             result["phases"][name] = _phase_result(tenant, rows, seed)
     return result
 
 
-def _start(access: MeshAccess, procs: list[Proc], keys_file: Path, sender_path: str, receiver_path: str,
-           group: tuple[int, int], device: str) -> str:
-    """Broker, sender, receiver (on a default group) and the gateway with `keys_file`; its OpenAI base URL."""
-    url = access.url
+def _start(access: MeshAccess, procs: list[Proc], keys_file: Path, setup: Setup) -> str:
+    """Broker, sender (unless holding), receiver (on a default group; holding under HOLDER or not at
+    all) and the gateway with `keys_file`; its OpenAI base URL."""
+    url, env = access.url, launched_env(setup.device)
     procs.append(start_service("cache_broker", {}, url, env={**THREADS, **access.env_for("broker")}))
-    procs.append(start_service("sender", {"model_path": sender_path, "model_id": SENDER, "sender_id": SENDER,
-                                          "readers": [RECEIVER], "dtype": "bfloat16", "e_layers": [group[0]]}, url,
-                               env={**launched_env(device), **access.env_for(sender_user(SENDER))}))
-    procs.append(start_service("receiver", {"model_path": receiver_path, "model_id": RECEIVER, "dtype": "bfloat16",
-                                            "default_group": list(group)}, url,
-                               env={**launched_env(device), **access.env_for(receiver_user(RECEIVER))}))
+    if not setup.holding:
+        procs.append(start_service("sender", {"model_path": setup.sender_path, "model_id": SENDER, "sender_id": SENDER,
+                                              "readers": [RECEIVER], "dtype": "bfloat16",
+                                              "e_layers": [setup.group[0]]}, url,
+                                   env={**env, **access.env_for(sender_user(SENDER))}))
+    hold = {"holder_id": HOLDER} if setup.holding else {"hold": False}
+    procs.append(start_service("receiver", {"model_path": setup.receiver_path, "model_id": RECEIVER, "dtype": "bfloat16",
+                                            "default_group": list(setup.group), **hold}, url,
+                               env={**env, **access.env_for(receiver_user(RECEIVER))}))
     procs.append(start_service("gateway", {"http_port": 0, "api_keys": keys_file}, url,
                                env={**THREADS, **access.env_for("gateway")}))
     return f"http://127.0.0.1:{procs[-1].events('gateway_started')[0]['http_port']}/v1"
@@ -200,12 +223,17 @@ class _Attack:
     trials: int
     warmup: int
     say: Callable[[str], None]
+    victim_key: str | None = None  # holding: the victim asks itself, and the receiver holds its context
 
     async def prefill(self, ops: MeshClient, context: str) -> None:
-        """Cache `context` for the victim; return once the broker answers it in that scope."""
+        """Cache `context` for the victim (an operator's prefill into its scope, or, holding, the
+        victim's own request); return once the broker answers it in that scope."""
         from droidmesh.shared.model import text
 
-        await ops.prefill(SENDER, context, scope=self.victim_scope, timeout=300)
+        if self.victim_key is None:
+            await ops.prefill(SENDER, context, scope=self.victim_scope, timeout=300)
+        else:
+            await asyncio.to_thread(_post, self.base, self.victim_key, RECEIVER, context + VICTIM_QUESTION, 300)
         ids = text.context_ids(self.model.tokenizer, context)
         deadline = time.monotonic() + 60
         while (await ops.lookup(ids, self.model.fingerprint.id, scope=self.victim_scope)).holder is None:

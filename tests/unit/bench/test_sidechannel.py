@@ -42,8 +42,8 @@ def test_distinguishable_times_are_caught_and_identical_distributions_are_at_cha
 
 
 def test_the_command_prints_both_phases_and_writes_json(tmp_path, monkeypatch):
-    def fake_run(sender, receiver, group, tokens, trials, warmup, seed, device, say):
-        assert (tokens, trials, warmup, group) == (500, 6, 0, (4, 6))
+    def fake_run(setup, tokens, trials, warmup, seed, say):
+        assert (tokens, trials, warmup, setup.group, setup.holding) == (500, 6, 0, (4, 6), False)
         phases = {}
         for name, tenant, gap in (("before", sc.VICTIM, 1.0), ("after", sc.ATTACKER, 0.0)):
             times = [0.5 + gap * (i % 2) + 0.01 * i for i in range(2 * trials)]

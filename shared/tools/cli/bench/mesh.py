@@ -66,26 +66,42 @@ def drift(json_path, plot_path, log_dir, before, after, n_before, n_settled, max
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(0, 100),
               help="Untimed cached + uncached pairs before each phase's trials.")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--holding", is_flag=True,
+              help="Contexts are the victim's own requests, held by the receiver (no sender, no operator prefill).")
+@click.option("--receiver", "receiver_arg", default=None,
+              help="With --holding: the receiver's model (zoo name, e.g. real/base, or a checkpoint); default the demo "
+                   "pair's receiver.")
 @launched_device_option
-def sidechannel(json_path, tokens, trials, warmup, seed, device) -> None:
+def sidechannel(json_path, tokens, trials, warmup, seed, holding, receiver_arg, device) -> None:
     """Timing side channel through the gateway: another tenant times its requests for cached and
     uncached contexts of a victim tenant; its best TTFT threshold's accuracy (95 % Wilson interval)
     before scopes (one tenant) and after (two)."""
     from droidmesh.shared.tools.bench import sidechannel as suite
+    from droidmesh.shared.zoo.manifest import resolve_model
 
+    if receiver_arg is not None and not holding:
+        raise click.BadParameter("only with --holding (a sender of the demo pair serves the other mode)",
+                                 param_hint="'--receiver'")
     sender, receiver = demo_pair()
+    if receiver_arg is not None:
+        try:
+            receiver = str(resolve_model(receiver_arg).path)
+        except DroidMeshError as e:
+            raise click.BadParameter(str(e), param_hint="'--receiver'") from None
     layers = checkpoint_layers(receiver)
-    # the demo pair's profiled group; a smaller receiver (the ci tier's) recomputes its upper half
-    group = DEFAULT_GROUPS["base"] if layers >= DEFAULT_GROUPS["base"][1] else (layers // 2, layers)
-    result = suite.run_sidechannel(sender, receiver, group, tokens, trials, warmup, seed, device,
-                                   lambda m: click.echo(m, err=True))
+    # the demo pair's profiled group; another receiver (the ci tier's, the real tier's) recomputes its upper half
+    group = DEFAULT_GROUPS["base"] if receiver_arg is None and layers >= DEFAULT_GROUPS["base"][1] else \
+        (layers // 2, layers)
+    setup = suite.Setup(sender, receiver, group, device, holding)
+    result = suite.run_sidechannel(setup, tokens, trials, warmup, seed, lambda m: click.echo(m, err=True))
     click.echo(report.format_table(suite.table_rows(result), suite.COLUMNS))
     for name, p in result["phases"].items():
         lo, hi = p["ci95"]
         click.echo(f"{name}: accuracy {p['accuracy']:.3f} on {p['test_trials']} test trials, 95% CI [{lo:.3f}, {hi:.3f}]"
                    f" {'contains' if p['chance_in_ci'] else 'excludes'} 0.5; paths {p['paths']}")
     save(json_path, "sidechannel", {"tokens": tokens, "trials_per_label": trials, "warmup": warmup, "seed": seed,
-                                    "group": list(group), "sender": sender, "receiver": receiver, **result})
+                                    "group": list(group), "sender": None if holding else sender, "receiver": receiver,
+                                    **result})
 
 
 @click.command()
