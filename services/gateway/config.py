@@ -50,6 +50,18 @@ class GatewayConfig(BusSettings):
     api_keys: str = dataclasses.field(default="", metadata={
         "help": "file of API keys (`droidmesh keys add`; a mounted secret works the same): every /v1 request then "
                 "needs one. Without it the API binds loopback only"})
+    keys_reload_s: float = dataclasses.field(default=1.0, metadata={
+        "help": "how often the key file is checked for changes, read again without a restart (a file that does not "
+                "load keeps the keys before it; 0: read at start only)"})
+    quota_lease_fraction: float = dataclasses.field(default=0.05, metadata={
+        "help": "share of a key's per-minute limits a replica takes from the rate buckets it shares with the other "
+                "replicas through NATS at once (at least one request; larger: fewer NATS round trips)"})
+    quota_lease_s: float = dataclasses.field(default=1.0, metadata={
+        "help": "how long a replica keeps the unspent share it took before giving it back (what the other replicas "
+                "may miss of a key's limits, at most)"})
+    quota_timeout_s: float = dataclasses.field(default=0.5, metadata={
+        "help": "deadline of each call to the shared rate buckets; past it the replica enforces its keys' limits on "
+                "its own until NATS answers again"})
     gateway_id: str = dataclasses.field(default="", metadata={"help": "unique id (default: gateway-pid)"})
 
     def __post_init__(self) -> None:
@@ -59,10 +71,13 @@ class GatewayConfig(BusSettings):
         if not self.http_host:
             raise ConfigError("http_host must not be empty")
         for name in ("request_timeout_s", "models_ttl_s", "discovery_window_s", "miss_window_s", "models_keep_s", "shutdown_grace_s",
-                     "header_timeout_s",
-                     "body_timeout_s"):
+                     "header_timeout_s", "body_timeout_s", "quota_lease_s", "quota_timeout_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be positive")
+        if not 0 < self.quota_lease_fraction <= 1:
+            raise ConfigError("quota_lease_fraction must be in (0, 1]")
+        if not 0 <= self.keys_reload_s < float("inf"):
+            raise ConfigError("keys_reload_s must be >= 0 (0: read at start only)")
         if self.max_connections < 1:
             raise ConfigError("max_connections must be >= 1")
         for name in ("max_inflight_per_client", "max_inflight_per_peer"):

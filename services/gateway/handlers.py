@@ -17,8 +17,10 @@ what the connection cap closes first) and it counts against its client's in-flig
 (`fairness.ClientLimits`: 429 above). A response is sent in full before its connection is idle.
 With a key file every request needs a key (`shared.auth.keys`: 401), its model must be one the
 key may use (403, checked before the model's existence, so a key learns nothing of others'
-models) and it counts against the key's quotas (`shared.auth.quota`: 429 with `Retry-After`).
-The key's id and tenant are in the request's log line and per-key metrics; the key never is.
+models) and it counts against the key's quotas (`shared.auth.shared_quota`, shared by the gateway's
+replicas: 429 with `Retry-After`). The key's id and tenant are in the request's log line and
+per-key metrics; the key never is. A request reads and is held in its key's tenant scope, narrowed
+by its `cache_salt` when it sends one (`openai.salted_scope`).
 
 `GET /health` is the one route that needs no key: a probe's answer on the API port itself (the
 metrics port keeps /livez /readyz), 200 `{"status": "ok", "models": [...]}` while the gateway is
@@ -44,6 +46,7 @@ from aiohttp import web
 from droidmesh.services.gateway import fairness, openai, responses
 from droidmesh.services.gateway.state import GatewayState
 from droidmesh.shared.auth.keys import ApiKey
+from droidmesh.shared.auth.shared_quota import Reservation
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.hashing import PUBLIC, tenant_scope
 
@@ -60,7 +63,7 @@ class RequestContext:
     mesh_request_id: str
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # what the canonical log line adds
     key: ApiKey | None = None  # the authenticated key (None: the gateway has no key file)
-    reserved: int = 0  # tokens reserved from the key's budget, settled when the request ends
+    reserved: Reservation | None = None  # tokens reserved from the key's budget, settled when the request ends
     used: int = 0  # tokens the reply used (prompt + completion)
 
 
@@ -99,12 +102,12 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     authorization = request.headers.get("authorization", "")
     with structlog.contextvars.bound_contextvars(request_id=rid):
         try:
-            with contextlib.ExitStack() as admitted:
+            async with contextlib.AsyncExitStack() as admitted:
                 admitted.enter_context(state.clients.admit(peer, fairness.key_digest(authorization)))
                 if state.keys is not None and route not in OPEN_ROUTES:
                     ctx.key = key = state.keys.authenticate(authorization)
                     ctx.facts.update(key_id=key.id, tenant=key.tenant)
-                    admitted.enter_context(state.quotas.admit(key))
+                    await admitted.enter_async_context(state.quotas.admit(key))
                 resp = await handler(request)
         except Exception as e:
             failure = e
@@ -114,7 +117,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         finally:
             state.metrics.gateway_inflight.dec()
             CURRENT.reset(reset)
-            if ctx.key is not None and ctx.reserved:  # a failed request gives its reservation back
+            if ctx.key is not None and ctx.reserved is not None:  # a failed request gives its reservation back
                 state.quotas.settle(ctx.key, ctx.reserved, ctx.used)
         if not resp.prepared:  # a stream set it before its first byte
             resp.headers["x-request-id"] = rid
@@ -215,15 +218,18 @@ async def _generate(request: web.Request, parse: Callable[[bytes, openai.Limits]
     facts.update(model=call.model, kind=call.kind, stream=call.stream, max_new_tokens=call.max_new_tokens)
     _check_allowed(call.model)
     if ctx.key is not None:
-        state.quotas.reserve(ctx.key, call.max_new_tokens * call.n)
-        ctx.reserved = call.max_new_tokens * call.n
+        ctx.reserved = await state.quotas.reserve(ctx.key, call.max_new_tokens * call.n)
     timeout = _timeout(request, state.cfg.request_timeout_s)
     async with asyncio.timeout(timeout):  # discovery counts against the deadline too
         await state.check_model(call.model)
     mesh_id = ctx.mesh_request_id
     # A key's requests reuse only their tenant's cached contexts and public ones (so a reply's
     # reuse fields and timing say nothing of another tenant's); without keys every request is public.
-    scope = (ctx.key.scope or tenant_scope(ctx.key.tenant)) if ctx.key is not None else PUBLIC
+    # A `cache_salt` narrows that to the requests with the same salt (and key tenant), as vLLM's does.
+    scope = openai.salted_scope((ctx.key.scope or tenant_scope(ctx.key.tenant)) if ctx.key is not None else PUBLIC,
+                                call.cache_salt)
+    if call.cache_salt is not None:
+        facts["cache_salt"] = True  # that one was sent, never its value
     kwargs: dict[str, Any] = dict(max_new_tokens=call.max_new_tokens, timeout=timeout, request_id=mesh_id,
                                   sampling=call.sampling, chat=call.chat, scope=scope)
     created = int(time.time())
@@ -273,7 +279,7 @@ async def _stream(request: web.Request, state: GatewayState, call: openai.MeshCa
             await resp.write(responses.sse(body))
     finally:
         if resp is not None and enc.reply is None:  # ended mid-stream (client gone, cancelled, failed):
-            ctx.used = max(ctx.used, ctx.reserved)  # what was sent is not free
+            ctx.used = max(ctx.used, ctx.reserved.tokens if ctx.reserved else 0)  # what was sent is not free
         aclose = getattr(items, "aclose", None)
         if aclose is not None:
             await aclose()

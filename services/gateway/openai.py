@@ -8,7 +8,8 @@ served without streaming: chat's `logprobs` / `top_logprobs` (0..20) and complet
 (0..5), each token's under the model's distribution before temperature and top-p; so are `n`
 samples (up to MAX_N), which share the receiver's prefill and decode together. A completion's prompt
 is the mesh's `context` (so a prompt starting with a context a sender prefilled reuses its cache)
-and a chat is rendered by the receiver's own chat template.
+and a chat is rendered by the receiver's own chat template. `cache_salt` (a non-empty string, as
+vLLM's server takes it) makes the request's cache scope a sub-scope of its tenant's (`salted_scope`).
 
 Errors: the `ApiError` classes below extend `shared.errors`, and `to_http` is the one place
 where any exception (these, the mesh's `MeshError`, timeouts, aiohttp's own HTTP errors) becomes
@@ -19,6 +20,7 @@ an HTTP status and OpenAI's `{"error": {message, type, param, code}}` body. The 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 from typing import Annotated, Any, Literal, TypeVar
@@ -29,6 +31,7 @@ from aiohttp import web
 from droidmesh.shared.errors import BadRequestError, DroidMeshError, PermissionDeniedError, QuotaExceededError
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.generation import GenerateRequest, Sampling
+from droidmesh.shared.wire.hashing import PUBLIC, check_scope
 
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 StopList = Annotated[list[Text], msgspec.Meta(min_length=1, max_length=4)]
@@ -37,6 +40,8 @@ MAX_N = 8  # samples per request (each holds a copy of the prompt's cache at the
 # Receivers' seed range (`shared.model.sampling.MAX_SEED`, not imported: that module loads torch);
 # an unbounded JSON integer would pass decoding here and then fail the bus's msgpack encoding.
 MAX_SEED = 2**63 - 1
+MAX_SALT_CHARS = 1024  # only its hash travels
+SALT_HEX = 20  # the salt's part of a scope: 80 bits, and a tenant's scope (<= 104 characters) stays within 128
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -146,6 +151,7 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # accepted, unused
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SALT_CHARS)] | None = None  # vLLM's
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None  # samples, answered whole (not streamed)
     # OpenAI parameters the mesh cannot honour: accepted only at their neutral value (NEUTRAL).
     logit_bias: Any = None
@@ -215,6 +221,7 @@ class MeshCall:
     stream: bool
     include_usage: bool
     n: int = 1
+    cache_salt: str | None = None
 
 
 def _decode(body: bytes, kind: type[R]) -> R:
@@ -257,7 +264,19 @@ def _common(req: _Request, limits: Limits, max_tokens: int | None, max_param: st
                         top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=stop,
                         logprobs=logprobs)
     return dict(model=req.model, sampling=sampling, max_new_tokens=tokens, stream=req.stream,
-                include_usage=bool(req.stream_options and req.stream_options.include_usage), n=n)
+                include_usage=bool(req.stream_options and req.stream_options.include_usage), n=n,
+                cache_salt=req.cache_salt)
+
+
+def salted_scope(scope: str, salt: str | None) -> str:
+    """The scope of a request with `cache_salt` `salt`: `<scope>.<hash>` under a tenant's scope
+    (a receiver still reads it as that tenant's: never another's, whatever the salt), `salt:<hash>`
+    without keys (`public`), the hash of the scope and the salt; `scope` itself without a salt."""
+    if salt is None:
+        return scope
+    salted = b"droidmesh-cache-salt\0" + scope.encode() + b"\0" + salt.encode("utf-8", "surrogatepass")
+    mark = hashlib.sha256(salted).hexdigest()[:SALT_HEX]
+    return check_scope(f"salt:{mark}" if scope == PUBLIC else f"{scope}.{mark}")
 
 
 def _fits_bus(call: MeshCall) -> MeshCall:

@@ -11,12 +11,19 @@ retries every 0.5 s, forever) every request that needs the mesh is a one-line 50
 refused connection; `gateway_mesh_joined` is logged once it is up.
 The API listens through `guard.py` (its own accept loop, the connection cap) with aiohttp's
 keep-alive timeout set to `header_timeout_s` (the head deadline, see `guard.py`).
+Keys: the key file is checked every `keys_reload_s` and read again when it changed (`KeyFile`).
+Quotas: until NATS is up each key's limits are this process's alone; once it is, its rates are
+shared with the other replicas through a JetStream bucket (`shared.auth.shared_quota`), and the
+slices this copy took are given back every half `quota_lease_s` (and all of them at stop).
 Stop: not ready -> `withdraw()` stops listening and lets requests in flight finish (up to
-`shutdown_grace_s`) while the bus is still open -> the bus drains. The gateway imports no torch.
+`shutdown_grace_s`) while the bus is still open, gives its quota slices back -> the bus drains.
+The gateway imports no torch.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import structlog
@@ -27,11 +34,13 @@ from droidmesh.services.gateway.config import GatewayConfig
 from droidmesh.services.gateway.guard import ConnectionGuard, GuardedSite, connection_cap
 from droidmesh.services.gateway.state import NOT_CONNECTED, GatewayState, Mesh
 from droidmesh.shared.auth import keys as api_keys
+from droidmesh.shared.auth.quota_nats import NatsQuotaStore
 from droidmesh.shared.mesh.bus import Bus
 from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.service.runtime import ServiceRuntime
 
 log = structlog.get_logger("gateway")
+GIVE_BACK_S = 5.0  # at stop, how long giving quota slices back may take (NATS slow or away)
 LINGER_S = 1.0  # aiohttp's default (10 s) would let a refused body trickle on that long
 
 
@@ -67,6 +76,8 @@ class GatewayService(ServiceRuntime[GatewayConfig]):
         if cfg.api_keys and not api_keys.has_scope_secret(cfg.api_keys):
             log.warning("key_file_without_scope_secret", effect="a tenant's cache scope is its name: a direct mesh "
                         "client that knows the name can reuse and time its contexts; make a new file with `keys add`")
+        if state.key_file is not None and cfg.keys_reload_s > 0:
+            self.tasks.supervise("key-file", self._watch_keys)
         if self._given_bus is not None:  # in-process wiring (tests): the mesh is there already
             await self._join_mesh()
         else:
@@ -79,11 +90,33 @@ class GatewayService(ServiceRuntime[GatewayConfig]):
         assert self.state is not None  # set before this runs
         self.state.client = self._client or MeshClient(bus)
         self.state.mesh_up = (lambda: nc.is_connected) if nc is not None else (lambda: True)
+        if nc is not None and self.state.keys is not None:
+            self.state.quotas.attach(NatsQuotaStore(nc, self.cfg.quota_timeout_s))
+            self.tasks.supervise("quota-slices", self._give_back_slices)
         if self._started:
             self.phase = "serving"  # `connect` named its own phase meanwhile
         log.info("gateway_mesh_joined")
+
+    async def _watch_keys(self) -> None:
+        state = self.state
+        assert state is not None and state.key_file is not None
+        while True:
+            await asyncio.sleep(self.cfg.keys_reload_s)
+            keys = await asyncio.to_thread(state.key_file.poll)  # a changed file is read and checked off the loop
+            if keys is not None:
+                state.use_keys(keys)
+
+    async def _give_back_slices(self) -> None:
+        assert self.state is not None
+        while True:
+            await asyncio.sleep(self.cfg.quota_lease_s / 2)
+            await self.state.quotas.expire()
 
     async def withdraw(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()  # stop listening, finish requests in flight (they need the bus)
             self._runner = None
+        if self.state is not None:  # what this copy took of its keys' shared rates is the others' again
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(GIVE_BACK_S):
+                    await self.state.quotas.expire(force=True)

@@ -16,6 +16,7 @@ from droidmesh.services.gateway.fairness import ClientLimits
 from droidmesh.services.gateway.guard import ConnectionGuard
 from droidmesh.shared.auth import keys as api_keys
 from droidmesh.shared.auth.quota import Quotas
+from droidmesh.shared.auth.shared_quota import SharedQuotas
 from droidmesh.shared.mesh import discovery
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.wire import schemas
@@ -64,11 +65,15 @@ NOT_CONNECTED: Mesh = _NotConnected()
 class GatewayState:
     def __init__(self, cfg: GatewayConfig, client: Mesh, metrics: Metrics, mesh_up: Callable[[], bool] = lambda: True,
                  guard: ConnectionGuard | None = None, keys: api_keys.KeyRing | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.cfg, self.client, self.metrics, self.mesh_up = cfg, client, metrics, mesh_up
+        # the key file, re-read when it changes (`reload_keys`); None when the keys were given (tests) or there are none
+        self.key_file = api_keys.KeyFile(cfg.api_keys) if keys is None and cfg.api_keys else None
         # None: no key file, so no authentication (the config allows that on loopback only)
-        self.keys = keys if keys is not None or not cfg.api_keys else api_keys.KeyRing(api_keys.load(cfg.api_keys))
-        self.quotas = Quotas(clock)
+        self.keys = keys if self.key_file is None else api_keys.KeyRing(self.key_file.keys)
+        # Local limits until the service attaches the shared buckets (NATS); see shared_quota.py.
+        self.quotas = SharedQuotas(Quotas(clock), clock=clock, wall=wall, lease_fraction=cfg.quota_lease_fraction,
+                                   lease_s=cfg.quota_lease_s, timeout_s=cfg.quota_timeout_s)
         self.limits = openai.Limits(cfg.default_max_tokens, cfg.max_tokens_limit)
         self.guard = guard or ConnectionGuard(cfg.max_connections)  # the service's, when it listens through one
         self.clients = ClientLimits(cfg.max_inflight_per_client, cfg.max_inflight_per_peer)
@@ -77,6 +82,22 @@ class GatewayState:
         self._seen: dict[str, tuple[discovery.ReceiverModel, float]] = {}  # model id -> (as last found, when)
         self._fetched: float | None = None  # monotonic time of the last discovery
         self._lock = asyncio.Lock()  # one discovery at a time; requests arriving meanwhile share it
+
+    def reload_keys(self) -> bool:
+        """Switch to the key file's keys if it changed and loads (a removed key is refused from the
+        next request on); whether it switched."""
+        if self.key_file is None or self.keys is None:
+            return False
+        keys = self.key_file.poll()
+        if keys is not None:
+            self.use_keys(keys)
+        return keys is not None
+
+    def use_keys(self, keys: dict[str, api_keys.ApiKey]) -> None:
+        """Authenticate with `keys` from the next request on, and drop what removed keys left."""
+        if self.keys is not None:
+            self.keys.keys = keys
+            self.quotas.forget(set(keys))
 
     async def models(self, again: bool = False) -> list[discovery.ReceiverModel]:
         """Receiver models up now: a discovery at most every `models_ttl_s` (each one blocks for

@@ -11,7 +11,8 @@ id is unknown is compared against a dummy digest, so the time a refusal takes do
 whether an id exists.
 
 The file is TOML: `scope_secret` (64 hex digits, made with the file) and one `[[key]]` table per
-key, read once at start (a k8s Secret mounted as a file works the same). A tenant's cache scope
+key, read at start and again whenever it changes (`KeyFile`: a k8s Secret mounted as a file works
+the same; a file that no longer loads keeps the keys loaded before). A tenant's cache scope
 is an HMAC of its name under `scope_secret` (`hashing.tenant_scope`): whoever lacks the file
 cannot name a tenant's scope. Every value is checked: an entry with an unknown field, a bad name,
 a non-positive limit or a duplicate id stops the gateway with one line naming it.
@@ -28,9 +29,12 @@ import secrets
 import tomllib
 from pathlib import Path
 
+import structlog
+
 from droidmesh.shared.errors import AuthenticationError, ConfigError
 from droidmesh.shared.wire.hashing import tenant_scope
 
+log = structlog.get_logger("keys")
 KEY = re.compile(r"dmk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # tenants and model ids as the file may name them
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -172,3 +176,38 @@ class KeyRing:
         if entry is None or not ok:
             raise AuthenticationError("incorrect API key provided")
         return entry
+
+
+class KeyFile:
+    """The key file as last loaded (`keys`), re-read by `poll` when it has changed (its mtime, size
+    or inode: a k8s Secret is swapped in by a rename). A change that does not load keeps the keys
+    loaded before and is logged once, in one line naming what is wrong; the next change is read."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._seen = self._signature()
+        self.keys = load(self.path)  # at start a bad file stops the gateway (the config checked it first)
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def poll(self) -> dict[str, ApiKey] | None:
+        """The file's keys when it changed since the last look and loads; else None."""
+        seen = self._signature()
+        if seen == self._seen:
+            return None
+        self._seen = seen
+        try:
+            keys = load(self.path)
+        except ConfigError as e:
+            log.warning("key_file_refused", error=str(e), keys=len(self.keys), effect="the keys loaded before stay in use")
+            return None
+        old = self.keys
+        log.info("key_file_reloaded", keys=len(keys), added=len(keys.keys() - old.keys()),
+                 removed=len(old.keys() - keys.keys()), changed=sum(1 for k, v in keys.items() if k in old and old[k] != v))
+        self.keys = keys
+        return keys

@@ -7,8 +7,10 @@ is refused); once the reply is known the reservation is replaced by what it real
 and completion. A long prompt can therefore take the bucket below zero; the key's next request
 waits until it has refilled. Every refusal says when a retry can succeed (`retry_after_s`).
 
-Limits are per gateway process (replicas each allow a key its limits). The clock is injected,
-so the tests pin it. State is per key id, bounded by the key file.
+`Quotas` counts one gateway process; `shared_quota.SharedQuotas` shares a key's rates across
+replicas through NATS and keeps a `Quotas` too (its concurrency, and its limits while NATS is
+away). The clock is injected, so the tests pin it. State is per key id, bounded by the key file
+(`forget` drops the keys a reloaded file no longer has).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Quotas:
             now = self._clock()
             st = self._state[key.id] = _KeyState(Bucket(key.requests_per_minute, key.requests_per_minute, now),
                                                  Bucket(key.tokens_per_minute, key.tokens_per_minute, now))
+        # a reloaded key file may change a key's limits: its buckets take the new ones from here on
+        st.requests.capacity, st.tokens.capacity = key.requests_per_minute, key.tokens_per_minute
         return st
 
     @contextlib.contextmanager
@@ -67,15 +71,11 @@ class Quotas:
         """One request of `key` while the block runs: its concurrency and request rate are checked
         and charged (`QuotaExceededError` over either); tokens are `reserve`d once they are known."""
         st, now = self._of(key), self._clock()
-        if st.inflight >= key.max_concurrent:
-            raise QuotaExceededError(f"this key already has {st.inflight} requests in flight (its limit); "
-                                     "retry when one finishes", retry_after_s=1.0)
+        self.check_concurrency(key)
         if st.requests.refill(now) < 1:
-            raise QuotaExceededError(f"this key's limit of {key.requests_per_minute} requests per minute is reached",
-                                     retry_after_s=_seconds(st.requests.wait_for(1)))
+            raise requests_refused(key, st.requests.wait_for(1))
         if st.tokens.refill(now) <= 0:  # a previous request's prompt overdrew it
-            raise QuotaExceededError(f"this key's budget of {key.tokens_per_minute} tokens per minute is spent",
-                                     retry_after_s=_seconds(st.tokens.wait_for(1)))
+            raise tokens_spent(key, st.tokens.wait_for(1))
         st.requests.level -= 1
         st.inflight += 1
         try:
@@ -88,13 +88,9 @@ class Quotas:
         st = self._of(key)
         bucket = st.tokens
         bucket.refill(self._clock())
-        if tokens > bucket.capacity:
-            raise QuotaExceededError(f"max_tokens {tokens} exceeds this key's budget of {key.tokens_per_minute} "
-                                     "tokens per minute", retry_after_s=60.0)
+        check_size(key, tokens)
         if bucket.level < tokens:
-            raise QuotaExceededError(f"this key's budget of {key.tokens_per_minute} tokens per minute holds "
-                                     f"{max(0, int(bucket.level))} now, {tokens} asked",
-                                     retry_after_s=_seconds(bucket.wait_for(tokens)))
+            raise tokens_short(key, bucket.level, tokens, bucket.wait_for(tokens))
         bucket.level -= tokens
 
     def settle(self, key: ApiKey, reserved: int, used: int) -> None:
@@ -104,6 +100,40 @@ class Quotas:
     def inflight(self, key: ApiKey) -> int:
         st = self._state.get(key.id)
         return st.inflight if st is not None else 0
+
+    def check_concurrency(self, key: ApiKey) -> None:
+        """`QuotaExceededError` when `key` has as many requests in flight here as it may."""
+        n = self.inflight(key)
+        if n >= key.max_concurrent:
+            raise QuotaExceededError(f"this key already has {n} requests in flight (its limit); "
+                                     "retry when one finishes", retry_after_s=1.0)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the state of key ids not in `keep` (a reloaded key file) that have nothing in flight."""
+        self._state = {k: st for k, st in self._state.items() if k in keep or st.inflight}
+
+
+# The refusals, one wording whichever account refused (this process's or the shared one).
+def requests_refused(key: ApiKey, wait_s: float) -> QuotaExceededError:
+    return QuotaExceededError(f"this key's limit of {key.requests_per_minute} requests per minute is reached",
+                              retry_after_s=_seconds(wait_s))
+
+
+def tokens_spent(key: ApiKey, wait_s: float) -> QuotaExceededError:
+    return QuotaExceededError(f"this key's budget of {key.tokens_per_minute} tokens per minute is spent",
+                              retry_after_s=_seconds(wait_s))
+
+
+def tokens_short(key: ApiKey, level: float, tokens: int, wait_s: float) -> QuotaExceededError:
+    return QuotaExceededError(f"this key's budget of {key.tokens_per_minute} tokens per minute holds "
+                              f"{max(0, int(level))} now, {tokens} asked", retry_after_s=_seconds(wait_s))
+
+
+def check_size(key: ApiKey, tokens: int) -> None:
+    """Refuse a reservation no full bucket could hold (retrying cannot help before a minute)."""
+    if tokens > key.tokens_per_minute:
+        raise QuotaExceededError(f"max_tokens {tokens} exceeds this key's budget of {key.tokens_per_minute} "
+                                 "tokens per minute", retry_after_s=60.0)
 
 
 def _seconds(s: float) -> float:

@@ -193,6 +193,10 @@ def _kv_read(bucket: str, watch: bool) -> list[str]:
 
 # Senders and receivers watch the recompute configs and read SCD maps files.
 _KV_READ = _kv_read(subjects.CONFIG_BUCKET, watch=True) + _kv_read(subjects.MAPS_BUCKET, watch=False)
+# The gateway's replicas share its keys' rate buckets: it makes the bucket if none is there, and
+# gets and compare-and-sets its entries (a JetStream publish; the acknowledgement comes to its inbox).
+_QUOTA_KV = [f"$JS.API.STREAM.CREATE.KV_{subjects.QUOTA_BUCKET}", *_kv_read(subjects.QUOTA_BUCKET, watch=False),
+             f"$KV.{subjects.QUOTA_BUCKET}.>"]
 _SRV = "$SRV.>"  # micro-service discovery (PING / INFO / STATS) of the services' endpoints
 
 
@@ -249,8 +253,9 @@ def _fixed() -> list[tuple[str, str, dict[str, list[str]] | None]]:
             "subscribe": [subjects.PROFILER_PROFILE, subjects.PROFILER_REPROFILE_ALL, _inbox("profiler"), _SRV]}),
         ("client", "Clients may only ask receivers; replies and streamed chunks arrive on their own inboxes.", {
             "publish": [subjects.RECEIVER_GENERATE_ALL], "subscribe": [_inbox("client")]}),
-        ("gateway", "The OpenAI gateway: asks receivers, discovers them ($SRV.INFO of their micro service).", {
-            "publish": [subjects.RECEIVER_GENERATE_ALL, f"$SRV.INFO.{RECEIVER_SERVICE}"],
+        ("gateway", "The OpenAI gateway: asks receivers, discovers them ($SRV.INFO of their micro service), shares "
+         "rate buckets with its replicas (the quota bucket only).", {
+            "publish": [subjects.RECEIVER_GENERATE_ALL, f"$SRV.INFO.{RECEIVER_SERVICE}", *_QUOTA_KV],
             "subscribe": [_inbox("gateway")]}),
         ("admin", "Operators: prefill jobs, sender generate, profile requests, discovery, buckets.", None),
     ]

@@ -42,6 +42,7 @@ PROFILER_REPROFILE_ALL = f"{PROFILER_REPROFILE}.*"  # every model's receivers' r
 
 CONFIG_BUCKET = "dm_recompute_configs"
 MAPS_BUCKET = "dm_scd_maps"  # SCD maps files named by sha256, chunked (shared/mesh/maps_store.py)
+QUOTA_BUCKET = "dm_gateway_quotas"  # API keys' rate buckets, shared by gateway replicas (shared/auth/quota_nats.py)
 
 BROKER_QUEUE = "broker"
 PROFILER_QUEUE = "profiler"

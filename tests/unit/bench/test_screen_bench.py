@@ -47,8 +47,11 @@ def test_the_attacks_change_what_they_say(tiny_models):
     g = torch.Generator().manual_seed(0)
     kinds = suite.attacks()
     flipped = kinds["flip_K"](a, b, [0, 1], g)
+    # bitwise: a sign flip and a copy change no value's bits but the sign
     assert torch.equal(flipped.kv[0].k, -a.kv[0].k) and torch.equal(flipped.kv[0].v, a.kv[0].v)
     two = kinds["flip_KV_2_layers"](a, b, [4, 5, 0], g)
+    # bitwise: the same tensors, negated or passed through
     assert torch.equal(two.kv[4].v, -a.kv[4].v) and torch.equal(two.kv[0].k, a.kv[0].k)
     other = kinds["other_context"](a, b, [], g)
+    # bitwise: the other capture's tensors, passed through
     assert other.token_ids == a.token_ids and torch.equal(other.kv[1].k, b.kv[1].k)
