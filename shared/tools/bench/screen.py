@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -139,9 +139,52 @@ def contexts(tokenizer: Any, n: int, tokens: int, seed: int = 0) -> list[list[in
     return out
 
 
-def _captures(pair: Pair, contexts: Sequence[list[int]]) -> Iterator[CapturedContext]:
-    for ids in contexts:
-        yield capture_prefill(pair.sender, ids, e_layers=pair.plan.e_layers)
+class _PairRun:
+    """One pair's tally: honest pulls, and attacks on every `attack_every`-th context."""
+
+    def __init__(self, pair: Pair, seed: int, attack_every: int):
+        screen = Screen.of_model(pair.receiver)
+        if screen is None:
+            raise ValueError(f"{pair.receiver.name} has no tokenizer: no screen")
+        self.pair, self.screen, self.attack_every = pair, screen, attack_every
+        self.g = torch.Generator().manual_seed(seed)
+        self.reused = pair.plan.reused_layers(pair.receiver.num_layers)
+        self.kinds = {k: a for k, a in attacks().items() if pair.plan.e_layers or k != "flip_E"}
+        self.trials: dict[str, int] = dict.fromkeys(self.kinds, 0)
+        self.caught: dict[str, int] = dict.fromkeys(self.kinds, 0)
+        self.honest: list[dict[str, Any]] = []
+
+    def add(self, i: int, cap: CapturedContext, previous: CapturedContext | None) -> None:
+        pair = self.pair
+        why, seconds = judge(self.screen, pair.receiver, pair.plan, cap)
+        self.honest.append({"tokens": len(cap.token_ids), "refused": why, "screen_s": seconds})
+        for name, attack in self.kinds.items() if i % self.attack_every == 0 else ():
+            if name == "other_context" and previous is None:
+                continue
+            refused, _ = judge(self.screen, pair.receiver, pair.plan, attack(cap, previous or cap, self.reused, self.g))
+            self.caught[name] += refused is not None
+            self.trials[name] += 1
+
+    def summary(self) -> dict[str, Any]:
+        return _summary(self.pair, self.honest, self.caught, self.trials)
+
+
+def run_pairs(pairs: Sequence[Pair], contexts: Sequence[list[int]], seed: int = 0, attack_every: int = 1,
+              progress: bool = True) -> list[dict[str, Any]]:
+    """Pairs of one sender (the same weights): each context captured once, with the E every plan
+    pulls, and judged by each pair's receiver under its plan (`run_pair` each)."""
+    sender = pairs[0].sender
+    if any(p.sender is not sender for p in pairs):
+        raise ValueError("run_pairs takes pairs of one sender model")
+    runs = [_PairRun(p, seed, attack_every) for p in pairs]
+    e_layers = sorted({l for p in pairs for l in p.plan.e_layers})
+    previous: CapturedContext | None = None
+    for i, ids in enumerate(tqdm(contexts, desc=", ".join(p.name for p in pairs), disable=not progress)):
+        cap = capture_prefill(sender, ids, e_layers=e_layers)
+        for run in runs:
+            run.add(i, cap, previous)
+        previous = cap
+    return [run.summary() for run in runs]
 
 
 def run_pair(pair: Pair, contexts: Sequence[list[int]], seed: int = 0, attack_every: int = 1,
@@ -149,29 +192,7 @@ def run_pair(pair: Pair, contexts: Sequence[list[int]], seed: int = 0, attack_ev
     """An honest pull of every context, and each attack on every `attack_every`-th (the previous
     context's capture is the `other_context` attack's: contexts are of one length, `contexts`).
     An attack on what the plan does not pull (E under full reuse) is left out."""
-    screen = Screen.of_model(pair.receiver)
-    if screen is None:
-        raise ValueError(f"{pair.receiver.name} has no tokenizer: no screen")
-    g = torch.Generator().manual_seed(seed)
-    reused = pair.plan.reused_layers(pair.receiver.num_layers)
-    kinds = {k: a for k, a in attacks().items() if pair.plan.e_layers or k != "flip_E"}
-    trials: dict[str, int] = dict.fromkeys(kinds, 0)
-    honest: list[dict[str, Any]] = []
-    caught: dict[str, int] = dict.fromkeys(kinds, 0)
-    previous: CapturedContext | None = None
-    caps = _captures(pair, contexts)
-    for i, cap in enumerate(tqdm(caps, total=len(contexts), desc=pair.name, disable=not progress)):
-        why, seconds = judge(screen, pair.receiver, pair.plan, cap)
-        honest.append({"tokens": len(cap.token_ids), "refused": why, "screen_s": seconds})
-        other = previous if previous is not None else cap
-        for name, attack in kinds.items() if i % attack_every == 0 else ():
-            if name == "other_context" and other is cap:
-                continue
-            refused, _ = judge(screen, pair.receiver, pair.plan, attack(cap, other, reused, g))
-            caught[name] += refused is not None
-            trials[name] += 1
-        previous = cap
-    return _summary(pair, honest, caught, trials)
+    return run_pairs([pair], contexts, seed, attack_every, progress)[0]
 
 
 def _summary(pair: Pair, honest: list[dict[str, Any]], caught: dict[str, int], trials: dict[str, int]

@@ -13,6 +13,7 @@ from droidmesh.shared.tools.cli.bench.kit import save
 
 if TYPE_CHECKING:
     from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.model.adapter import ModelAdapter
     from droidmesh.shared.model.names import ModelRef
 
 DEFAULT_PAIRS = "real/base:real/docqa,real/base:real/summ,real/base:real/code"
@@ -55,22 +56,34 @@ def screen(pairs, n, tokens, plan_arg, dtype, attack_every, seed, json_path) -> 
     from droidmesh.shared.tools.bench import screen as suite
     from droidmesh.shared.zoo.manifest import resolve_model
 
-    results = []
+    loaded: dict[str, ModelAdapter] = {}  # checkpoint -> model: pairs of one sender share its captures
+
+    def load(ref: ModelRef) -> ModelAdapter:
+        if str(ref.path) not in loaded:
+            loaded[str(ref.path)] = load_model(ref.path, device="cpu", dtype=dtype, name=ref.name)
+        return loaded[str(ref.path)]
+
+    groups: dict[str, list[suite.Pair]] = {}
     for spec in (p.strip() for p in pairs.split(",") if p.strip()):
         s_arg, sep, r_arg = spec.partition(":")
         if not sep:
             raise click.BadParameter(f"{spec!r}: expected SENDER:RECEIVER", param_hint="'--pairs'")
         try:
             s_ref, r_ref = resolve_model(s_arg), resolve_model(r_arg)
-            sender = load_model(s_ref.path, device="cpu", dtype=dtype, name=s_ref.name)
-            receiver = load_model(r_ref.path, device="cpu", dtype=dtype, name=r_ref.name)
-            contexts = suite.contexts(receiver.tokenizer, n, tokens, seed)
-        except (DroidMeshError, ValueError) as e:
+            pair = suite.Pair(f"{s_ref.name}->{r_ref.name}", load(s_ref), load(r_ref), _plan(s_ref, r_ref, plan_arg))
+        except DroidMeshError as e:
             raise click.ClickException(str(e)) from None
-        pair = suite.Pair(f"{s_ref.name}->{r_ref.name}", sender, receiver, _plan(s_ref, r_ref, plan_arg))
+        groups.setdefault(str(s_ref.path), []).append(pair)
+    results = []
+    for group in groups.values():
+        try:
+            contexts = suite.contexts(group[0].receiver.tokenizer, n, tokens, seed)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
         with torch.inference_mode():
-            results.append(suite.run_pair(pair, contexts, seed, attack_every))
-        click.echo(f"{pair.name}: {results[-1]['false_positives']} of {n} honest pulls refused", err=True)
+            results += suite.run_pairs(group, contexts, seed, attack_every)
+        for r in results[-len(group):]:
+            click.echo(f"{r['pair']}: {r['false_positives']} of {r['honest_pulls']} honest pulls refused", err=True)
     click.echo(report.format_table(suite.table_rows(results), suite.COLUMNS))
     save(json_path, "screen", {"contexts": n, "tokens": tokens, "plan": plan_arg, "dtype": dtype, "seed": seed,
                                "attack_every": attack_every, "pairs": results})
