@@ -164,6 +164,21 @@ def _hostile(transport: str, address: str, source: str, mode: str, count: int) -
     return p
 
 
+def _server(services: list[Proc], transport: str, per_peer: int, per_grantee: int) -> tuple[Proc, str, list[str], str]:
+    """The bulk server process (skipped where the channel is unavailable): (process, a grant for
+    anyone, grants that went to one grantee, its address)."""
+    proc = Proc(f"bulk-{transport}", [sys.executable, "-c", SERVER, transport, str(CAP), str(per_peer), str(SIZE),
+                                      str(per_grantee)], env=ENV)
+    services.append(proc)
+    grant = proc.wait_for(lambda l: l.startswith(("GRANT=", "Traceback")), 120, "its grant")
+    if not grant.startswith("GRANT="):
+        pytest.skip(f"{transport} server unavailable here: {proc.tail()}")
+    grants = proc.wait_for(lambda l: l.startswith("GRANTEE_GRANTS="), IO_S, "its grantee's grants")
+    address = proc.wait_for(lambda l: l.startswith("BULK_ADDRESS="), IO_S, "its address")
+    return (proc, grant[len("GRANT="):], grants[len("GRANTEE_GRANTS="):].split(","),
+            address[len("BULK_ADDRESS="):])
+
+
 def _honest_pull(transport: str, address: str, grant: str) -> int:
     async def pull() -> int:
         client = make_client(transport)
@@ -181,14 +196,7 @@ def _honest_pull(transport: str, address: str, grant: str) -> int:
 def test_idle_peers_at_the_cap_do_not_lock_out_an_honest_receiver(services, transport, engaged):
     if transport == "nixl":
         pytest.importorskip("nixl_cu12")
-    proc = Proc(f"bulk-{transport}", [sys.executable, "-c", SERVER, transport, str(CAP), str(PER_PEER), str(SIZE),
-                                      str(CAP)], env=ENV)
-    services.append(proc)
-    grant = proc.wait_for(lambda l: l.startswith(("GRANT=", "Traceback")), 120, "its grant")
-    if not grant.startswith("GRANT="):
-        pytest.skip(f"{transport} server unavailable here: {proc.tail()}")
-    grant = grant[len("GRANT="):]
-    address = proc.wait_for(lambda l: l.startswith("BULK_ADDRESS="), IO_S, "its address")[len("BULK_ADDRESS="):]
+    proc, grant, _, address = _server(services, transport, PER_PEER, CAP)
     seq = iter(range(1, 10**6))
     peer = (lambda p: f"pid {p.pid} uid {os.getuid()}") if transport == "shm" else None
     hostile: list[subprocess.Popen] = []
@@ -248,14 +256,7 @@ def test_one_grantee_holds_at_most_its_cap_of_connections(services, transport):
     per-peer cap would allow eight) hold at most `per_grantee` (2) of the server's slots: the third
     connection's first pull takes the place of the grantee's least recently active one."""
     per_grantee = 2
-    proc = Proc(f"bulk-{transport}", [sys.executable, "-c", SERVER, transport, str(CAP), str(CAP), str(SIZE),
-                                      str(per_grantee)], env=ENV)
-    services.append(proc)
-    line = proc.wait_for(lambda l: l.startswith(("GRANTEE_GRANTS=", "Traceback")), 120, "its grants")
-    if not line.startswith("GRANTEE_GRANTS="):
-        pytest.skip(f"{transport} server unavailable here: {proc.tail()}")
-    grants = line[len("GRANTEE_GRANTS="):].split(",")
-    address = proc.wait_for(lambda l: l.startswith("BULK_ADDRESS="), IO_S, "its address")[len("BULK_ADDRESS="):]
+    proc, _, grants, address = _server(services, transport, CAP, per_grantee)
     seq = iter(range(1, 10**6))
     report = _hold_pulls(transport, address, grants[:3], lambda: _slots(
         proc, seq, lambda r: r["counts"].get(slots.EVICTED_GRANTEE, 0) >= 1, "the grantee's oldest connection let go"))
