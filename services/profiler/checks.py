@@ -1,12 +1,15 @@
 """What a profile request may ask, by who asks: pure checks the handlers run before any work.
 
-Two requesters, told apart by the subject a request came in on (NATS permissions let only user
-receiver-<model> publish on `profiler_reprofile(model)`, and only admin on `PROFILER_PROFILE`):
+Two requesters, told apart by the subject a request came in on (NATS permissions let only users
+receiver-<model> and admin publish on `profiler_reprofile(model)`, only admin on `PROFILER_PROFILE`):
 
-* a receiver's drift re-profile: calibration rows only (bounded in count and bytes) for one of
-  its own pairs, its models named by the ids this profiler maps. No data files, robustness files,
-  version, relay buckets, transfer search or exhaustive search: the profiler picks the version
-  (`next_version`) and keeps the relay buckets of the pair's current config.
+* a drift re-profile: calibration rows only (bounded in count and bytes) for one of the model's
+  own pairs, its models named by the ids this profiler maps, at the tolerance of the pair's
+  current config (`check_same_rule`). No data files, robustness files, version, relay buckets,
+  transfer search or exhaustive search: the profiler picks the version (`next_version`) and
+  keeps the relay buckets of the pair's current config. It is run and published only when an
+  operator sent it (`check_reprofiler`); the receivers' own (their quality watch) is refused and
+  recorded for operators, so a receiver identity cannot switch a pair's plan.
 * an operator's profile: may also name data files (read under the data root only, see
   `datafiles`), relay buckets and a version, but never one far ahead of this profiler's clock.
 """
@@ -15,9 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.errors import BadRequestError, UnauthorizedError
 from droidmesh.shared.mesh.config_board import MAX_RELAY_BUCKETS
-from droidmesh.shared.profiling import evidence
 from droidmesh.shared.wire import schemas
 
 # Versions are unix seconds: one further ahead than this would outrank every config published
@@ -26,6 +28,7 @@ MAX_VERSION_AHEAD_S = 300.0
 MAX_GRANULARITY = 64
 MAX_OTHER_TASKS = 16
 MAX_NAME_CHARS = 256  # a task name, a request id: logged and published, never long
+OPERATORS = frozenset({"admin"})  # the roster's operator login (`shared/mesh/nats_auth.py`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,24 +108,36 @@ def check_receiver(req: schemas.ProfileRequest, model_id: str, model_ids: set[st
                               "sender_model empty or that id")
 
 
-def check_paired(newest: schemas.RecomputeConfig | None, sender_model: str, receiver_model: str) -> None:
+def check_paired(newest: schemas.RecomputeConfig | None, sender_model: str, receiver_model: str
+                 ) -> schemas.RecomputeConfig:
     """A receiver re-profiles only a pair that already has a config: publishing one for a new pair
     would make it a reader of that sender's cache (a config names the pair), which only an
     operator's profile may do."""
     if newest is None:
         raise BadRequestError(f"no config for {sender_model} -> {receiver_model}: receivers re-profile only pairs an "
                               "operator profiled")
+    return newest
 
 
-def check_publishable(cfg: schemas.RecomputeConfig) -> None:
-    """The profiler publishes what `droidmesh config publish` would without --force: never a
-    config whose chosen plan fails the rule on the profile's test split (its interval all below
-    the tolerance; or its means, for a profile without per-row scores). An undecided interval is
-    published and says so (`test_verdict`)."""
-    if cfg.passes_test is False:
-        line = evidence.test_line(cfg.passes_test, cfg.test_verdict, cfg.test_interval, cfg.test_rows, cfg.tolerance)
-        raise BadRequestError(f"{cfg.sender_model} -> {cfg.receiver_model}: the chosen plan {line}; not published "
-                              "(the receivers keep the pair's current config)")
+def check_same_rule(newest: schemas.RecomputeConfig, req: schemas.ProfileRequest) -> None:
+    """A re-profile is judged by the rule the pair's config in use was published under: its
+    tolerance (what the receiver's quality watch sends). Another would move the test split's
+    check itself (at 0.99 every plan passes); an operator sets one on `PROFILER_PROFILE`."""
+    if req.tolerance != newest.tolerance:
+        raise BadRequestError(f"tolerance {req.tolerance:g}: a re-profile keeps the tolerance of the pair's config in "
+                              f"use ({newest.tolerance:g})")
+
+
+def check_reprofiler(caller: str, pair: str) -> None:
+    """A re-profile is published only when an operator asked: `caller`, the NATS user behind the
+    request (`shared/mesh/caller.py`), must be one of `OPERATORS`. A receiver's login may ask (its
+    quality watch), and is told no, so that its rows cannot choose the plan its own pair runs. On
+    a server without users the caller is "" for everyone: nobody can be told apart, and the
+    request is served as every request there is."""
+    if caller and caller not in OPERATORS:
+        raise UnauthorizedError(f"NATS user {caller} may ask for a re-profile of {pair}, not have one published: the "
+                                "request is recorded for operators (profiler log reprofile_wanted); the pair keeps its "
+                                "config until an operator publishes another")
 
 
 def next_version(newest: int | None, now: float) -> int:

@@ -1,9 +1,12 @@
 """Profiler handlers: operators' profiles (`profile`) and receivers' re-profiles (`reprofile`).
 
 Both check the request for who asks (`checks`) before any work, take a place in the queue
-(`admission`: refused at once when full), then profile in the worker thread and publish. The
-published version is the profiler's (`checks.next_version`) unless an operator named one; a
-re-profile keeps the relay buckets of the pair's newest config, never a requester's."""
+(`admission`: refused at once when full), then profile in the worker thread and publish what
+passes the test split's rule (`evidence.check_publishable`, the rule `droidmesh config publish`
+applies). The published version is the profiler's (`checks.next_version`) unless an operator
+named one; a re-profile keeps the relay buckets of the pair's newest config, never a
+requester's, and runs only when an operator sent it (`checks.check_reprofiler`): a receiver's
+login is refused before any work and its request logged for operators (`reprofile_wanted`)."""
 
 from __future__ import annotations
 
@@ -18,10 +21,13 @@ import msgspec
 import structlog
 
 from droidmesh.services.profiler import checks, datafiles
-from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.alarms import alarm
+from droidmesh.shared.errors import BadRequestError, UnauthorizedError
+from droidmesh.shared.mesh.caller import CALLER
 from droidmesh.shared.mesh.config_board import validate
 from droidmesh.shared.mesh.maps_store import referenced
 from droidmesh.shared.model.names import ModelRef, Pair, weights_sha256
+from droidmesh.shared.profiling import evidence
 from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
 from droidmesh.shared.tasks.jsonl import write_jsonl
 from droidmesh.shared.wire import schemas
@@ -41,11 +47,22 @@ async def profile(s: ProfilerState, req: schemas.ProfileRequest) -> schemas.Prof
 
 
 async def reprofile(s: ProfilerState, model_id: str, req: schemas.ProfileRequest) -> schemas.ProfileReply:
-    """A re-profile from the receivers of `model_id` (`subjects.profiler_reprofile(model_id)`)."""
+    """A re-profile of a pair of `model_id` (`subjects.profiler_reprofile(model_id)`): its
+    receivers' (refused, recorded) or an operator's."""
     who = checks.receiver(model_id)
     checks.check_receiver(req, model_id, set(s.cfg.model_paths()), min(s.cfg.max_rows, s.cfg.reprofile_rows),
                           s.cfg.rows_bytes)
-    checks.check_paired(s.newest(req.sender_path, model_id), req.sender_path, model_id)
+    newest = checks.check_paired(s.newest(req.sender_path, model_id), req.sender_path, model_id)
+    checks.check_same_rule(newest, req)
+    pair = Pair(req.sender_path, model_id)
+    caller = CALLER.get()
+    try:
+        checks.check_reprofiler(caller, pair.id)
+    except UnauthorizedError:  # what the quality watch asks for, said where operators look
+        alarm("profiler.reprofile", "not_an_operator")
+        log.warning("reprofile_wanted", request_id=req.request_id, requester=who.name, user=caller,
+                    pair=pair.versioned(newest.profile_version), rows=len(req.rows))
+        raise
     async with s.admission.slot(who):
         return await _profile(s, who, req)
 
@@ -75,7 +92,8 @@ async def _profile(s: ProfilerState, who: checks.Requester, req: schemas.Profile
                                         device=s.cfg.device, dtype=s.cfg.dtype, other_tasks=files.other_tasks,
                                         transfer_search=req.transfer, maps_out=maps))
     try:
-        checks.check_publishable(cfg)
+        evidence.check_publishable(cfg, f"{cfg.sender_model} -> {cfg.receiver_model}",
+                                   "not published (the receivers keep the pair's current config)")
     except BadRequestError:  # what the profile found stays in the log; the requester gets the one-line reason
         log.warning("profile_not_published", request_id=req.request_id, requester=who.name,
                     pair=Pair(cfg.sender_model, cfg.receiver_model).id, chosen=cfg.chosen.plan.groups,

@@ -3,10 +3,11 @@ the recompute-config board that receivers and senders watch. Models are loaded p
 the worker thread, so the profiler is ready as soon as it is connected.
 
 Operators ask on `PROFILER_PROFILE`; the receivers of each model id in `models` on that model's
-own `profiler_reprofile` subject, which only their NATS user may publish on: the subject a request
-came in on is who asks, and decides what it may ask (`checks`) and which limits it counts against
-(`admission`). The profiler watches the board for each pair's newest config (the version it must
-outrank, the relay buckets a re-profile keeps)."""
+own `profiler_reprofile` subject, which only their NATS user (and operators) may publish on: the
+subject a request came in on decides what it may ask (`checks`) and which limits it counts
+against (`admission`); its NATS user whether a re-profile is published (operators only). The
+profiler watches the board for each pair's newest config (the version it must outrank, the relay
+buckets a re-profile keeps), and for withdrawn ones."""
 
 from __future__ import annotations
 
@@ -43,7 +44,11 @@ class ProfilerService(ServiceRuntime[ProfilerConfig]):
             state.keep(cfg)
             log.info("config_seen", pair=Pair(cfg.sender_model, cfg.receiver_model).versioned(cfg.profile_version))
 
-        self.tasks.supervise("config_watch", lambda: watched.watch(seen))
+        async def withdrawn(cfg: schemas.RecomputeConfig, left: list[schemas.RecomputeConfig]) -> None:
+            state.forget(cfg, left)
+            log.info("config_withdrawn", pair=Pair(cfg.sender_model, cfg.receiver_model).versioned(cfg.profile_version))
+
+        self.tasks.supervise("config_watch", lambda: watched.watch(seen, withdrawn))
         await bus.serve(subjects.PROFILER_PROFILE, rpc(schemas.ProfileRequest, functools.partial(handlers.profile, state)),
                         queue=subjects.PROFILER_QUEUE)
         for model_id in self.cfg.model_paths():

@@ -32,5 +32,17 @@ class ProfilerState:
         if key not in self._newest or cfg.profile_version > self._newest[key].profile_version:
             self._newest[key] = cfg
 
+    def forget(self, cfg: schemas.RecomputeConfig, left: list[schemas.RecomputeConfig]) -> None:
+        """`cfg` was withdrawn from the board (`left`: those still on it): the pair's newest is the
+        newest left, or none (then only an operator's profile may declare the pair again)."""
+        key = (cfg.sender_model, cfg.receiver_model)
+        current = self._newest.get(key)
+        if current is None or current.profile_version != cfg.profile_version:
+            return
+        del self._newest[key]
+        for c in left:
+            if (c.sender_model, c.receiver_model) == key:
+                self.keep(c)
+
     def newest(self, sender_model: str, receiver_model: str) -> schemas.RecomputeConfig | None:
         return self._newest.get((sender_model, receiver_model))

@@ -3,7 +3,8 @@
 `generate` (the model's queue-group subject) admits a request: duplicates share one answer, past
 `max_queued_requests` a request is refused, the request is checked (`checks.py`) and answered
 (`answer.py`). `on_config` (the config board) keeps the newest recompute config per sender model
-and fetches the codec maps it names; `on_endpoint` (senders' endpoint events) warms bulk channels.
+and fetches the codec maps it names; `on_withdrawn` falls back when the board withdraws it;
+`on_endpoint` (senders' endpoint events) warms bulk channels.
 Nothing here blocks the loop but `checks.prompt_ids`, which tokenizes a prompt bounded by
 `max_prompt_chars` and `checks.check_room` (one the model's positions could not hold is refused
 before tokenizing); the rest awaits the bus, the maps bucket and the torch thread.
@@ -12,6 +13,7 @@ before tokenizing); the rest awaits the bus, the maps bucket and the torch threa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from typing import TYPE_CHECKING
@@ -31,6 +33,7 @@ from droidmesh.services.receiver.checks import (
     prompt_ids,
 )
 from droidmesh.shared.errors import DroidMeshError, OverloadedError
+from droidmesh.shared.holding import grants
 from droidmesh.shared.kv import policy
 from droidmesh.shared.mesh import maps_store
 from droidmesh.shared.mesh.caller import CALLER, request_scope
@@ -118,6 +121,34 @@ async def on_config(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:
         s.metrics.profile_version.labels(cfg.sender_model).set(cfg.profile_version)
         log.info("config_loaded", sender_model=cfg.sender_model, version=cfg.profile_version,
                  chosen=cfg.chosen.plan.groups)
+
+
+async def on_withdrawn(s: ReceiverState, cfg: schemas.RecomputeConfig, left: list[schemas.RecomputeConfig]) -> None:
+    """A config was withdrawn from the board (`left`: those still on it). The holder keeps only the
+    pairs `left` declares. If it was the plan in use for its sender model, the newest config left
+    for that model takes its place, else none does: requests reusing that sender's cache get the
+    receiver's default (its default group, or full prefill), from the next request on. Either way
+    a new plan: the quality watch judges it on its own shadows (a hold on the old one is lifted)."""
+    if s.holder is not None:
+        grants.unpair_withdrawn(s.holder, left)
+    current = s.configs.get(cfg.sender_model)
+    if current is None or (current.receiver_model, current.profile_version) != (cfg.receiver_model,
+                                                                                cfg.profile_version):
+        return
+    fallback = max((c for c in left if c.sender_model == cfg.sender_model and policy.accepts(c, s.policy_facts)),
+                   key=lambda c: c.profile_version, default=None)
+    if fallback is not None:
+        await _load_maps(s, fallback)
+        s.configs[cfg.sender_model] = fallback
+        s.metrics.profile_version.labels(cfg.sender_model).set(fallback.profile_version)
+    else:
+        del s.configs[cfg.sender_model]
+        with contextlib.suppress(KeyError):  # no series: no config in use
+            s.metrics.profile_version.remove(cfg.sender_model)
+    s.watch.reset(cfg.sender_model)
+    log.info("config_withdrawn", sender_model=cfg.sender_model, version=cfg.profile_version,
+             now_version=fallback.profile_version if fallback else None,
+             chosen=fallback.chosen.plan.groups if fallback else None)
 
 
 async def _load_maps(s: ReceiverState, cfg: schemas.RecomputeConfig) -> None:

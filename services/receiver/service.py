@@ -77,7 +77,7 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
                                            "user may announce under: set holder_id (DM_RECEIVER_HOLDER_ID) and give it "
                                            "to the roster (`droidmesh nats-auth --holder MODEL=ID`)")
         board = self._board or bus.config_board()
-        self.tasks.supervise("config-watch", lambda: board.watch(self._on_config))
+        self.tasks.supervise("config-watch", lambda: board.watch(self._on_config, self._on_withdrawn))
         await bus.subscribe(subjects.SENDER_ENDPOINT_ALL, event(SenderEndpoint, self._on_endpoint))
         for name, s in self.states.items():
             await bus.serve(subjects.receiver_generate(name), rpc(GenerateRequest, functools.partial(handlers.generate, s)),
@@ -137,6 +137,10 @@ class ReceiverService(ServiceRuntime[ReceiverConfig]):
     async def _on_config(self, cfg: schemas.RecomputeConfig) -> None:
         for s in self.states.values():
             await handlers.on_config(s, cfg)
+
+    async def _on_withdrawn(self, cfg: schemas.RecomputeConfig, left: list[schemas.RecomputeConfig]) -> None:
+        for s in self.states.values():
+            await handlers.on_withdrawn(s, cfg, left)
 
     async def _on_endpoint(self, ev: SenderEndpoint) -> None:
         for s in self.states.values():

@@ -10,6 +10,7 @@ import structlog
 import torch
 
 from droidmesh.shared.errors import BadRequestError, DeadlineExceededError, DroidMeshError
+from droidmesh.shared.holding import grants
 from droidmesh.shared.holding.store import on_device
 from droidmesh.shared.kv.blocks import CapturedContext
 from droidmesh.shared.kv.capture import capture_prefill
@@ -161,7 +162,7 @@ async def on_config(s: SenderState, cfg: schemas.RecomputeConfig) -> None:
     """A profile naming this sender's model: its receiver model becomes a reader and, for these
     exact weights, E is kept for every group start and patch layer it may use (`Holder.on_config`);
     the SCD maps its coded plans name are loaded (a failure only costs those plans: the receiver's
-    pull under them is refused and it falls back). A config's removal is not seen until a restart."""
+    pull under them is refused and it falls back). A withdrawn config: `on_withdrawn`."""
     if not s.holder.on_config(cfg):
         return
     points = (*cfg.frontier, cfg.chosen)
@@ -171,4 +172,15 @@ async def on_config(s: SenderState, cfg: schemas.RecomputeConfig) -> None:
         except DroidMeshError as e:
             log.warning("maps_unavailable", receiver_model=cfg.receiver_model, maps=sha[:12], error=f"{e.code}: {e}")
     log.info("config_loaded", receiver_model=cfg.receiver_model, version=cfg.profile_version,
+             e_layers=sorted(s.held.profiled_e.get(cfg.receiver_model, ())))
+
+
+async def on_withdrawn(s: SenderState, cfg: schemas.RecomputeConfig, left: list[schemas.RecomputeConfig]) -> None:
+    """A config was withdrawn from the board (`left`: those still on it): a receiver model no
+    config pairs with this sender's model any more is refused its next grant, and E is kept only
+    for the plans of the configs left (`grants.unpair_withdrawn`)."""
+    grants.unpair_withdrawn(s.holder, left)
+    if cfg.sender_model != s.cfg.model_id:
+        return
+    log.info("config_withdrawn", receiver_model=cfg.receiver_model, version=cfg.profile_version,
              e_layers=sorted(s.held.profiled_e.get(cfg.receiver_model, ())))

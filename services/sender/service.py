@@ -2,7 +2,7 @@
 
 Start: load the model (worker thread) -> connect -> start the bulk server (UCX: ephemeral port by
 default) -> serve generate/prefill requests and pull grants (to readers of this model only:
-`shared/holding`) -> heart-beat and follow the config board (both
+`shared/holding`) -> heart-beat and follow the config board, pairs declared and withdrawn (both
 supervised: a crashed loop is restarted, the sender not ready until it is). Stop: withdraw every
 cache (eviction events) while the bus is open, drain the bus, close the bulk server.
 """
@@ -53,7 +53,8 @@ class SenderService(ServiceRuntime[SenderConfig]):
                         rpc(schemas.PrefillRequest, functools.partial(handlers.prefill, s)), queue="senders")
         self.tasks.supervise("heartbeat", s.holder.heartbeat)
         board = self._board or bus.config_board()
-        self.tasks.supervise("config-watch", lambda: board.watch(functools.partial(handlers.on_config, s)))
+        self.tasks.supervise("config-watch", lambda: board.watch(functools.partial(handlers.on_config, s),
+                                                                 functools.partial(handlers.on_withdrawn, s)))
         log.info("sender_started", model_id=cfg.model_id, sender_id=cfg.sender_id, transport=s.holder.transport,
                  address=s.holder.address,
                  fingerprint=model.fingerprint.id, layers=model.num_layers)

@@ -5,7 +5,8 @@ A grant is one pull of a context's KV/E, and those tensors carry what was prefil
 grants only to the receivers of a model that may reuse its own:
   - its own model;
   - every receiver model a pair config on the board names with it (only the profiler and
-    operators write the board);
+    operators write the board), while one does: a pair whose configs are all withdrawn
+    (`droidmesh config delete`) is unpaired at once (`unpair_withdrawn`);
   - the sender's `readers` setting: receivers that reuse it without a config (a default group, a
     translator, explicit modes), or '*' for any.
 
@@ -25,8 +26,8 @@ there is unnamed).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -34,6 +35,10 @@ from droidmesh.shared.errors import UnauthorizedError
 from droidmesh.shared.mesh.bus import Bus, NatsBus, RequestHandler
 from droidmesh.shared.mesh.nats_auth import receiver_user
 from droidmesh.shared.wire.subjects import inbox_prefix, model_token
+
+if TYPE_CHECKING:  # the holder calls into this module: its type is only an annotation here
+    from droidmesh.shared.holding.holder import Holder
+    from droidmesh.shared.wire.schemas import RecomputeConfig
 
 log = structlog.get_logger("sender")
 
@@ -61,11 +66,34 @@ class Readers:
         self.paired.add(token)
         return new
 
+    def keep_paired(self, receiver_models: Iterable[str]) -> list[str]:
+        """Only `receiver_models` stay paired (those the board's configs still name with this
+        sender's model); returns the tokens of the pairs revoked."""
+        keep = {model_token(m) for m in receiver_models}
+        revoked = sorted(self.paired - keep)
+        self.paired &= keep
+        return revoked
+
     def allows(self, model: str) -> bool:
         if ANY in self.configured:
             return True
         token = model_token(model)
         return token == model_token(self.own) or token in self.paired or token in map(model_token, self.configured)
+
+
+def unpair_withdrawn(holder: Holder, left: Iterable[RecomputeConfig]) -> None:
+    """A pair config was withdrawn; `left` are the configs still on the board. Each held model
+    keeps as readers only the receiver models `left` pairs it with (a withdrawn pair's receivers
+    are refused their next grant), and the E layers of those configs' plans, read again from them
+    newest last (`Holder.on_config`, which pairs nobody new here)."""
+    left = list(left)
+    for held in holder.models.values():
+        mine = sorted((c for c in left if c.sender_model == held.model_id), key=lambda c: c.profile_version)
+        for token in held.readers.keep_paired(c.receiver_model for c in mine):
+            log.info("reader_unpaired", sender_model=held.model_id, receiver_model=token)
+        held.profiled_e.clear()
+        for c in mine:
+            holder.on_config(c)
 
 
 def check(readers: Readers, reply: str, authenticated: bool) -> None:

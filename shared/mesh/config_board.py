@@ -2,11 +2,19 @@
 
 `ConfigBoard` (coroutines on the caller's loop):
   - `put(config)`        profiler: publish a pair's config under (sender, receiver, version)
-  - `watch(on_config)`   receivers / senders: every current config, then each new one, until
-                         cancelled; `on_config` runs on the loop and must not block
+  - `delete(s, r[, v])`  operators: withdraw a pair's configs (every version, or one)
+  - `watch(on_config, on_withdrawn)`  receivers / senders: every current config, then each new
+                         one, and each withdrawn one with the configs still in force, until
+                         cancelled; the handlers run on the loop and must not block
 `NatsConfigBoard.snapshot()` reads what the bucket holds now (`droidmesh config show`), and
 `validate(config)` is what a config must satisfy to be published (`droidmesh config publish`).
 Backed by a JetStream key-value bucket, so configs survive restarts and late joiners see them.
+
+A config is in force while its key holds it: a delete or purge of the key (`droidmesh config
+delete`, or `nats kv del`) withdraws it. The watcher hands `on_withdrawn` the withdrawn config
+and every config it still holds, so a handler falls back to the newest that is left (another
+version of the pair) or to none; a key gone while the watcher was away (a server restart, its
+tombstone purged) is withdrawn when the re-opened watch has replayed the bucket without it.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from droidmesh.shared.wire import schemas, subjects
 
 log = structlog.get_logger("configs")
 OnConfig = Callable[[schemas.RecomputeConfig], Awaitable[None]]
+# (the withdrawn config, every config the watch still holds: other pairs' and other versions')
+OnWithdrawn = Callable[[schemas.RecomputeConfig, list[schemas.RecomputeConfig]], Awaitable[None]]
+_GONE = ("DEL", "PURGE")  # the KV operations that leave a key empty
 
 
 def config_key(cfg: schemas.RecomputeConfig) -> str:
@@ -97,19 +108,48 @@ def refusal(cfg: schemas.RecomputeConfig, now: float | None = None) -> str | Non
     return None
 
 
-async def _deliver(on_config: OnConfig, cfg: schemas.RecomputeConfig, key: str) -> None:
-    """Hand a config to the watcher unless it must be refused; a handler that fails on one
-    config neither stops the watch nor keeps later configs from arriving."""
-    reason = refusal(cfg)
-    if reason is not None:
-        alarm("recompute.config", reason)
-        log.warning("config_refused", key=key, reason=reason)
-        return
-    try:
-        await on_config(cfg)
-    except Exception:
-        alarm("recompute.config", "handler_failed")
-        log.exception("config_handler_failed", key=key)
+class _Held:
+    """The configs one watch handed its handler, by key: what it withdraws when a key empties.
+    Kept across re-opened watches (a replay re-delivers, handlers keep the newest version)."""
+
+    def __init__(self, on_config: OnConfig, on_withdrawn: OnWithdrawn | None):
+        self.on_config, self.on_withdrawn = on_config, on_withdrawn
+        self.configs: dict[str, schemas.RecomputeConfig] = {}
+
+    async def put(self, key: str, cfg: schemas.RecomputeConfig) -> None:
+        """Hand a config to the watcher unless it must be refused (a refused one leaves the key's
+        last good config in force); a handler that fails on one config neither stops the watch
+        nor keeps later configs from arriving."""
+        reason = refusal(cfg)
+        if reason is not None:
+            alarm("recompute.config", reason)
+            log.warning("config_refused", key=key, reason=reason)
+            return
+        self.configs[key] = cfg
+        try:
+            await self.on_config(cfg)
+        except Exception:
+            alarm("recompute.config", "handler_failed")
+            log.exception("config_handler_failed", key=key)
+
+    async def gone(self, key: str) -> None:
+        """`key` holds no config any more: withdraw the one handed over under it, if any."""
+        cfg = self.configs.pop(key, None)
+        if cfg is None:
+            return
+        log.info("config_withdrawn", key=key)
+        if self.on_withdrawn is None:
+            return
+        try:
+            await self.on_withdrawn(cfg, list(self.configs.values()))
+        except Exception:
+            alarm("recompute.config", "handler_failed")
+            log.exception("config_handler_failed", key=key)
+
+    async def keep_only(self, present: set[str]) -> None:
+        """After a replay: every key held but not replayed is gone."""
+        for key in sorted(self.configs.keys() - present):
+            await self.gone(key)
 
 
 def _raise_if_cancelling() -> None:
@@ -121,7 +161,19 @@ def _raise_if_cancelling() -> None:
 class ConfigBoard(Protocol):
     async def put(self, config: schemas.RecomputeConfig) -> None: ...
 
-    async def watch(self, on_config: OnConfig) -> None: ...
+    async def delete(self, sender_model: str, receiver_model: str, version: int | None = None) -> list[str]: ...
+
+    async def watch(self, on_config: OnConfig, on_withdrawn: OnWithdrawn | None = None) -> None: ...
+
+
+def _pair_keys(found: dict[str, schemas.RecomputeConfig | str], sender_model: str, receiver_model: str,
+               version: int | None) -> list[str]:
+    """The keys of `found` holding the pair's configs (exactly these model ids: two ids may share a
+    key's tokens), of `version` or every one, oldest first: the newest stays in force until last."""
+    keys = [(c.profile_version, k) for k, c in found.items() if isinstance(c, schemas.RecomputeConfig)
+            and (c.sender_model, c.receiver_model) == (sender_model, receiver_model)
+            and version in (None, c.profile_version)]
+    return [k for _, k in sorted(keys)]
 
 
 CLUSTER_REPLICAS = 3  # copies of the bucket in a NATS cluster: survives the loss of any one node
@@ -231,12 +283,25 @@ class NatsConfigBoard:
                     log.info("config_bucket_unavailable", error=repr(e), retry_s=self._retry_s)
                     await asyncio.sleep(self._retry_s)
 
-    async def watch(self, on_config: OnConfig) -> None:
+    async def delete(self, sender_model: str, receiver_model: str, version: int | None = None) -> list[str]:
+        """Withdraw the pair's configs, every version or `version` (oldest first), by purging their
+        keys: watchers drop them at once. Returns the keys purged ([] when the pair has none)."""
+        found = await self.snapshot()
+        if not found:
+            return []
+        keys = _pair_keys(found, sender_model, receiver_model, version)
+        kv = await self._bucket(create=False)
+        for key in keys:
+            await kv.purge(key)
+        return keys
+
+    async def watch(self, on_config: OnConfig, on_withdrawn: OnWithdrawn | None = None) -> None:
         """Follow the bucket forever; a broken watcher (server restart) is re-opened and
         replays the current configs (handlers keep the newest version, so replays are harmless)."""
+        held = _Held(on_config, on_withdrawn)
         while True:
             try:
-                await self._watch_once(on_config)
+                await self._watch_once(held)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -244,8 +309,9 @@ class NatsConfigBoard:
                 self._kv = None
                 await asyncio.sleep(self._retry_s)
 
-    async def _watch_once(self, on_config: OnConfig) -> None:
+    async def _watch_once(self, held: _Held) -> None:
         watcher = await (await self._open_for_watch()).watchall()
+        replayed: set[str] | None = set()  # the keys of the replay (last entry per key), until its end
         try:
             # nats-py swallows a cancellation that lands while it flushes the subscription
             # (`except CancelledError: pass`): the stop that asked for it must not wait on a
@@ -253,7 +319,15 @@ class NatsConfigBoard:
             _raise_if_cancelling()
             async for entry in watcher:
                 _raise_if_cancelling()
-                if entry is None or not entry.value:  # end of the initial replay, or a delete
+                if entry is None:  # the end of the replay: keys held but not in it are gone
+                    if replayed is not None:
+                        await held.keep_only(replayed)
+                        replayed = None
+                    continue
+                if replayed is not None:
+                    replayed.add(entry.key)
+                if entry.operation in _GONE or not entry.value:  # deleted or purged: withdrawn
+                    await held.gone(entry.key)
                     continue
                 try:
                     cfg = schemas.decode(entry.value, schemas.RecomputeConfig)
@@ -261,31 +335,46 @@ class NatsConfigBoard:
                     alarm("recompute.config", e.code)
                     log.warning("bad_config_entry", key=entry.key, error=str(e))
                     continue
-                await _deliver(on_config, cfg, entry.key)
+                await held.put(entry.key, cfg)
         finally:
             await watcher.stop()
 
 
 class InMemoryConfigBoard:
-    """In-process twin for tests: `watch` replays what was put, then follows new puts."""
+    """In-process twin for tests: `watch` replays what was put, then follows new puts and deletes."""
 
     def __init__(self) -> None:
-        self._configs: dict[str, schemas.RecomputeConfig] = {}
+        self._configs: dict[str, tuple[int, schemas.RecomputeConfig]] = {}  # key -> (revision, config)
+        self._revision = 0
         self._new = asyncio.Condition()
 
     async def put(self, config: schemas.RecomputeConfig) -> None:
         async with self._new:
-            self._configs[config_key(config)] = config
+            self._revision += 1
+            self._configs[config_key(config)] = (self._revision, config)
             self._new.notify_all()
 
-    async def watch(self, on_config: OnConfig) -> None:
-        seen: set[str] = set()
+    async def delete(self, sender_model: str, receiver_model: str, version: int | None = None) -> list[str]:
+        async with self._new:
+            keys = _pair_keys({k: c for k, (_, c) in self._configs.items()}, sender_model, receiver_model, version)
+            for key in keys:
+                del self._configs[key]
+            self._new.notify_all()
+        return keys
+
+    async def watch(self, on_config: OnConfig, on_withdrawn: OnWithdrawn | None = None) -> None:
+        held = _Held(on_config, on_withdrawn)
+        seen: dict[str, int] = {}  # key -> the revision handed over
         while True:
             async with self._new:
-                fresh = [(k, c) for k, c in self._configs.items() if k not in seen]
-                if not fresh:
+                fresh = [(k, r, c) for k, (r, c) in self._configs.items() if seen.get(k) != r]
+                gone = [k for k in seen if k not in self._configs]
+                if not (fresh or gone):
                     await self._new.wait()
                     continue
-            for key, cfg in fresh:
-                seen.add(key)
-                await _deliver(on_config, cfg, key)
+            for key in gone:
+                del seen[key]
+                await held.gone(key)
+            for key, revision, cfg in fresh:
+                seen[key] = revision
+                await held.put(key, cfg)

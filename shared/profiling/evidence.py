@@ -13,17 +13,20 @@ prefill. Two kinds of rows make that choice empty, however long the search runs:
 Both are checked on the first plans a profile scores, before the search (`require_signal`),
 and are errors, not results. The test split then checks the choice (`test_interval`): the 5 %
 rule applied to the paired difference's 95 % interval, "undecided" when the rows cannot tell. It
-is reported and carried in the published config, which `droidmesh config publish` and the
-profiler service refuse when it fails (publish: without `--force`).
+is reported and carried in the published config; `check_publishable` is the one rule on it that
+`droidmesh config publish` (without `--force`) and the profiler service apply before publishing.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from droidmesh.shared.errors import NoSignalError
+from droidmesh.shared.errors import BadRequestError, NoSignalError
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.tasks import intervals
+
+if TYPE_CHECKING:
+    from droidmesh.shared.wire.schemas import RecomputeConfig
 
 MIN_FULL_PREFILL = 0.05  # mean task score in [0, 1]; below it the receiver cannot do the task on these rows
 SAME = 1e-9  # scores closer than this are the same score (floating-point means of equal answers)
@@ -91,3 +94,29 @@ def test_line(passes: bool | None, verdict: str | None, interval: list[float] | 
     span = f"[{interval[0]:+.1%}, {interval[1]:+.1%}]" if interval else "no interval (full prefill scores 0)"
     words = {"within": "holds on test", "below": "FAILS on test", "undecided": "undecided on test"}[verdict]
     return f"{words}: {span} against full prefill, 95 % over {rows} rows, rule -{tolerance:.0%}"
+
+
+def unpublishable(cfg: RecomputeConfig) -> str | None:
+    """Why `cfg` must not be published, or None when its chosen plan is not shown to fail the rule
+    on the profile's test split: its interval all below the tolerance, or, for a profile without
+    per-row scores, its means. An undecided interval, or a config made before the check (no
+    test qualities), is publishable: the config says so."""
+    if cfg.passes_test is not False:
+        return None
+    if cfg.test_verdict is not None:
+        return "the chosen plan " + test_line(cfg.passes_test, cfg.test_verdict, cfg.test_interval, cfg.test_rows,
+                                              cfg.tolerance)
+
+    def q(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    return (f"the chosen plan fails the test split (test {q(cfg.chosen_quality_test)} < {1 - cfg.tolerance:g} x "
+            f"full prefill {q(cfg.full_prefill_quality_test)})")
+
+
+def check_publishable(cfg: RecomputeConfig, what: str, then: str) -> None:
+    """`BadRequestError` ("<what>: <the failure>; <then>") when `unpublishable` refuses `cfg`:
+    receivers would serve a plan the held-out rows reject."""
+    failure = unpublishable(cfg)
+    if failure is not None:
+        raise BadRequestError(f"{what}: {failure}; {then}")

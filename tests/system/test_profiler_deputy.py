@@ -1,8 +1,10 @@
 """The profiler is no confused deputy: on a real nats-server under per-role users (a conf
-`shared.mesh.nats_auth` renders) with a real profiler process, a receiver's login can neither have a
-config published with a version, relay buckets or files of its choosing, nor crowd an operator
-out with a flood, and an operator's data files are read only as regular files under the data
-root, every other name refused with the one message a missing file gets."""
+`shared.mesh.nats_auth` renders) with a real profiler process, a receiver's login can have no
+config published at all (a re-profile with its rows is refused and recorded for operators, one
+naming a version, relay buckets or files is refused as malformed), while an operator's re-profile
+is published; no plan failing the test split is published, whoever asks; and an operator's data
+files are read only as regular files under the data root, every other name refused with the one
+message a missing file gets."""
 
 from __future__ import annotations
 
@@ -142,8 +144,9 @@ async def _versions(url: str, passwords: dict[str, str]) -> list[int]:
 def test_a_receivers_request_with_a_path_a_version_or_relay_buckets_is_refused_and_nothing_is_published(mesh, tiny_pair):
     """The operators' subject and another model's re-profile subject are closed to a receiver's
     login (the server refuses the publish); on its own subject, a request naming a data file, a
-    robustness file, a checkpoint path, a version or relay buckets is refused at once; the board
-    holds the versions it held before (other tests of the module may have published some)."""
+    robustness file, a checkpoint path, a version, relay buckets or a tolerance other than the
+    config in use's (the test split's rule) is refused at once; the board holds the versions it
+    held before (other tests of the module may have published some)."""
     url, pw, root, _, _, in_use = mesh
     before = asyncio.run(_versions(url, pw))
     assert in_use.profile_version in before
@@ -154,6 +157,7 @@ def test_a_receivers_request_with_a_path_a_version_or_relay_buckets_is_refused_a
         "data_train": dict(rows=[], data_train=str(root / "train.jsonl"), data_test=str(root / "test.jsonl")),
         "other_tasks": dict(other_tasks=["/dev/zero"]),
         "sender_path": dict(sender_path=str(tiny_pair[0]), sender_model=""),
+        "tolerance": dict(tolerance=0.99),  # at 0.99 every plan would pass the test split
     }
 
     async def run() -> tuple[list[str], dict[str, schemas.ProfileReply | schemas.ErrorReply]]:
@@ -181,43 +185,91 @@ def test_a_receivers_request_with_a_path_a_version_or_relay_buckets_is_refused_a
     assert asyncio.run(_versions(url, pw)) == before
 
 
-def test_a_flood_from_one_receiver_gets_busy_replies_while_an_operator_is_served(mesh):
-    """Six re-profiles at once from the receivers of qa: one is taken, the others are refused at
-    once as busy; an operator's request sent meanwhile is still served within its deadline. The
-    profiler picks each version (above the newest) and the re-profile keeps the relay buckets of
-    the config in use."""
-    url, pw, _, _, _, in_use = mesh
+def test_a_receivers_reprofile_is_refused_and_recorded_while_an_operators_is_published(mesh):
+    """Three well-formed re-profiles at once from the receivers of qa (what their quality watch
+    sends): each refused before any work (unauthorized), logged for operators (reprofile_wanted,
+    with the user and the pair's version in use, no rows); nothing published. The same request
+    from an operator's login is run and published: the profiler picks the version (above the
+    newest) and keeps the relay buckets of the config in use."""
+    url, pw, _, _, profiler, in_use = mesh
+    before = asyncio.run(_versions(url, pw))
 
-    async def run() -> tuple[list, schemas.ProfileReply | schemas.ErrorReply]:
+    async def run() -> tuple[list[schemas.ProfileReply | schemas.ErrorReply], schemas.ProfileReply | schemas.ErrorReply]:
         recv = await _connect(url, RECEIVER, pw, [])
         admin = await _connect(url, "admin", pw, [])
         try:
-            flood = [asyncio.create_task(_ask(recv, subjects.profiler_reprofile("qa"), _reprofile(in_use, f"flood-{i}")))
-                     for i in range(6)]
-            done: set[asyncio.Task] = set()
-            while not any(isinstance(t.result(), schemas.ErrorReply) for t in done):  # the first busy reply
-                assert set(flood) - done, "every request of the flood was served: none was refused as busy"
-                finished, _ = await asyncio.wait(set(flood) - done, timeout=DEADLINE_S,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                assert finished, "no reply to the flood within the deadline"
-                done |= finished
-            operator = await _ask(admin, subjects.PROFILER_PROFILE, _operator("operator", "train.jsonl"))
-            return await asyncio.wait_for(asyncio.gather(*flood), DEADLINE_S), operator
+            asked = await asyncio.gather(*[_ask(recv, subjects.profiler_reprofile("qa"), _reprofile(in_use, f"drift-{i}"))
+                                           for i in range(3)])
+            return list(asked), await _ask(admin, subjects.profiler_reprofile("qa"), _reprofile(in_use, "operator"))
         finally:
             await recv.close()
             await admin.close()
 
-    flood, operator = asyncio.run(run())
-    busy = [r for r in flood if isinstance(r, schemas.ErrorReply)]
-    served = [r for r in flood if isinstance(r, schemas.ProfileReply)]
-    assert busy and served and len(busy) + len(served) == 6, flood
-    assert all(r.code == "overloaded" and "limit per receiver model" in r.message for r in busy), busy
+    asked, operator = asyncio.run(run())
+    assert all(isinstance(r, schemas.ErrorReply) and r.code == "unauthorized" for r in asked), asked
+    assert all(f"{RECEIVER} may ask for a re-profile of summ-to-qa, not have one published" in r.message
+               for r in asked if isinstance(r, schemas.ErrorReply))
+    wanted = profiler.events("reprofile_wanted")
+    assert {e["request_id"] for e in wanted} >= {"drift-0", "drift-1", "drift-2"}
+    assert all(e["user"] == RECEIVER and e["pair"].startswith("summ-to-qa v") for e in wanted), wanted
+    assert not any(r.startswith("drift-") for e in profiler.events("request") for r in [e.get("request_id", "")])
     assert isinstance(operator, schemas.ProfileReply), operator
-    versions = sorted(r.config.profile_version for r in [*served, operator])
-    assert versions[0] > in_use.profile_version and len(set(versions)) == len(versions)
-    assert all(r.config.relay == VETO for r in served)  # kept from the config in use, not the requester's
-    assert operator.config.relay == []  # an operator's request sets its own (here none)
-    assert asyncio.run(_versions(url, pw)) == [in_use.profile_version, *versions]
+    assert operator.config.profile_version > max(before) and operator.config.relay == VETO
+    assert asyncio.run(_versions(url, pw)) == [*before, operator.config.profile_version]
+
+
+def _failing_rows(tiny_models, root) -> None:
+    """train.jsonl / test.jsonl under `root` on which the profile's choice fails its test split:
+    train rows where full reuse of the sender's KV answers as the receiver's full prefill does
+    (so the fewest recomputed layers, full reuse, is chosen), test rows where it answers
+    otherwise; each row's reference answer is the receiver's own full-prefill answer."""
+    import torch
+
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.tasks.scorer import PairScorer
+    from droidmesh.shared.tasks.spec import task_spec
+
+    rows = make_rows(TASK, "test", 24, get_recipe("ci").suite)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the profiler runs (OMP_NUM_THREADS=1): the same sums, the same greedy tokens
+    try:
+        paths = list(PairScorer(*tiny_models, rows, task_spec(TASK)).paths({"reuse": ReusePlan.full_reuse()},
+                                                                         sender_alone=False))
+    finally:
+        torch.set_num_threads(threads)
+    same, other = [], []
+    for row, p in zip(rows, paths, strict=True):
+        own, reused = p["receiver_full_prefill"].prediction, p["reuse"].prediction
+        if own:
+            (same if reused == own else other).append({**row, "answers": [own]})
+    assert len(same) >= 2 and len(other) >= 6, (len(same), len(other))
+    write_jsonl(root / "same.jsonl", same[:2])
+    write_jsonl(root / "other.jsonl", other[:6])
+
+
+def test_a_profile_whose_plan_fails_the_test_split_is_not_published(mesh, tiny_models):
+    """An operator's profile whose chosen plan (full reuse, all the train rows support) scores
+    below the receiver's full prefill on every test row is refused as `droidmesh config publish`
+    refuses it without --force: bad_request naming the failed interval; the board unchanged."""
+    url, pw, root, _, profiler, _ = mesh
+    _failing_rows(tiny_models, root)
+    before = asyncio.run(_versions(url, pw))
+    req = msgspec.structs.replace(_operator("fails-test", "same.jsonl", "other.jsonl"), n_test=6)
+
+    async def run() -> schemas.ProfileReply | schemas.ErrorReply:
+        admin = await _connect(url, "admin", pw, [])
+        try:
+            return await _ask(admin, subjects.PROFILER_PROFILE, req)
+        finally:
+            await admin.close()
+
+    reply = asyncio.run(run())
+    assert isinstance(reply, schemas.ErrorReply) and reply.code == "bad_request", _outcome(reply)
+    assert reply.message.startswith("summ -> qa: the chosen plan FAILS on test: [-100.0%, -100.0%] against full "
+                                    "prefill, 95 % over 6 rows"), reply.message
+    assert reply.message.endswith("not published (the receivers keep the pair's current config)")
+    assert [e["request_id"] for e in profiler.events("profile_not_published")] == ["fails-test"]
+    assert asyncio.run(_versions(url, pw)) == before
 
 
 def test_device_files_and_paths_outside_the_data_root_are_refused_like_a_missing_file(mesh):

@@ -1,12 +1,13 @@
-"""`droidmesh config {publish,show,relay-policy}`: the pair configs in the JetStream bucket receivers watch.
+"""`droidmesh config {publish,show,delete,relay-policy}`: the pair configs in the JetStream bucket receivers watch.
 
 `publish FILE` takes either a profile JSON as `droidmesh profile --json` writes it (bound to the
 weights of --sender / --receiver, by default the models the profile names) or a RecomputeConfig
 as JSON; either is validated in full (`config_board.validate`, through
 `shared/tools/apps/serve_config.load_config`) before anything connects.
 `relay-policy FILE` republishes the newest config of each pair with the relay audit's verdicts.
-NATS roles: publishing writes the bucket (`profiler` or `admin`); showing reads it (`admin`,
-`profiler`, and the `sender-<id>` / `receiver-<model>` service users).
+`delete` withdraws a pair's configs: running receivers and senders drop them within seconds.
+NATS roles: publishing and deleting write the bucket (`profiler` or `admin`); showing reads it
+(`admin`, `profiler`, and the `sender-<id>` / `receiver-<model>` service users).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def publish(file: str, sender: str | None, receiver: str | None, version: int | 
     A config whose chosen plan fails the tolerance rule on the profile's test split is refused
     (also with --dry-run) unless --force: receivers would serve a plan the held-out rows reject."""
     cfg = load_config(file, sender, receiver, version)
-    if cfg.passes_test is False and not force:
-        raise BadRequestError(f"{file}: {_test_failure(cfg)}; publish anyway with --force")
+    if not force:
+        evidence.check_publishable(cfg, file, "publish anyway with --force")
     maps = maps_files(file, cfg)
     key = f"{subjects.config_key(cfg.sender_model, cfg.receiver_model)}.v{cfg.profile_version}"
     if dry_run:
@@ -76,13 +77,6 @@ def _plan(p: schemas.FrontierPoint) -> str:
 
 def _q(q: float | None) -> str:
     return "-" if q is None else f"{q:.3f}"
-
-
-def _test_failure(cfg: schemas.RecomputeConfig) -> str:
-    if cfg.test_verdict is not None:
-        return f"the chosen plan {_test_line(cfg)}"
-    return (f"the chosen plan fails the test split (test {_q(cfg.chosen_quality_test)} < {1 - cfg.tolerance:g} x "
-            f"full prefill {_q(cfg.full_prefill_quality_test)})")
 
 
 def _test_line(c: schemas.RecomputeConfig) -> str:
@@ -133,6 +127,29 @@ def show(sender: str | None, receiver: str | None, as_json: bool, conn: Conn) ->
         click.echo(f"{subjects.config_key(c.sender_model, c.receiver_model)}.v{c.profile_version}  task {c.task}  "
                    f"chosen {_plan(c.chosen)} ({c.chosen.recomputed_layers}/{c.total_layers} layers, {_quality(c)})  "
                    f"frontier {len(c.frontier)} points  sha256 {c.sender_sha256[:8]}->{c.receiver_sha256[:8]}")
+
+
+@config.command()
+@click.option("--sender", required=True, help="Sender model id of the pair.")
+@click.option("--receiver", required=True, help="Receiver model id of the pair.")
+@click.option("--version", type=click.IntRange(0), default=None,
+              help="Only this profile_version (default: every version of the pair).")
+@nats_options(default_timeout=10.0)
+def delete(sender: str, receiver: str, version: int | None, conn: Conn) -> None:
+    """Withdraw a pair's configs from the bucket (NATS role: profiler or admin). Running receivers
+    drop the plan within seconds and use the newest version left, else their default (default
+    group or full prefill); the sender refuses the receivers' next pull grants unless its
+    `readers` setting lists them."""
+    from droidmesh.shared.mesh.config_board import NatsConfigBoard
+
+    async def body(nc: Any) -> list[str]:
+        return await NatsConfigBoard(nc).delete(sender, receiver, version)
+
+    keys = conn.run(body, "withdrawing the config")
+    if not keys:
+        which = "" if version is None else f" version {version}"
+        raise BadRequestError(f"no config of {sender} -> {receiver}{which} in {subjects.CONFIG_BUCKET}")
+    click.echo(f"withdrew {', '.join(keys)} from {subjects.CONFIG_BUCKET}")
 
 
 @config.command("relay-policy")

@@ -1,5 +1,6 @@
 """The profiler's request checks by requester (services/profiler/checks.py) and its queue
-(services/profiler/admission.py): pure, no models, no bus."""
+(services/profiler/admission.py): pure, no models, no bus; and a receiver's re-profile refused
+through its handler, on an in-memory board."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from droidmesh.services.profiler import checks
 from droidmesh.services.profiler.admission import Admission
 from droidmesh.services.profiler.config import ProfilerConfig
-from droidmesh.shared.errors import BadRequestError, ConfigError, OverloadedError
+from droidmesh.shared.errors import BadRequestError, ConfigError, OverloadedError, UnauthorizedError
 from droidmesh.shared.wire import schemas
 
 NOW = 1_800_000_000.0
@@ -24,6 +25,15 @@ def reprofile(**changes) -> schemas.ProfileRequest:
                   sender_model="summ", receiver_model="qa", n_train=4, n_test=4, exhaustive=False, other_tasks=[],
                   rows=ROWS, sender_sha256="a" * 64, receiver_sha256="b" * 64)
     return schemas.ProfileRequest(**{**fields, **changes})
+
+
+def _in_use() -> schemas.RecomputeConfig:
+    """The config of summ -> qa in use when a receiver of qa re-profiles."""
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)]), 2, 0.9)
+    return schemas.RecomputeConfig(sender_model="summ", receiver_model="qa", sender_sha256="a" * 64,
+                                   receiver_sha256="b" * 64, profile_version=7, task="multihop_qa", tolerance=0.05,
+                                   chosen=point, frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5,
+                                   total_layers=6)
 
 
 def check_receiver(req: schemas.ProfileRequest, max_rows: int = 64, max_bytes: int = 1 << 16) -> None:
@@ -197,22 +207,51 @@ def test_a_receiver_reprofiles_only_a_pair_that_has_a_config():
     checks.check_paired(object(), "summ", "qa")  # type: ignore[arg-type]  # any config on the board
 
 
-def test_the_profiler_never_publishes_a_plan_that_fails_its_test_split():
-    """A config whose test interval lies below the rule is refused with the interval in the reason;
-    an undecided one and one without a test check are published."""
-    import msgspec
+def test_a_reprofile_keeps_the_rule_of_the_config_in_use():
+    """The test split's rule is the config in use's tolerance: a re-profile asking another (a
+    looser one would let any plan pass) is refused; the same one passes."""
+    in_use = _in_use()
+    with pytest.raises(BadRequestError, match=r"tolerance 0.99: a re-profile keeps the tolerance of the pair's config "
+                                              r"in use \(0.05\)"):
+        checks.check_same_rule(in_use, reprofile(tolerance=0.99))
+    checks.check_same_rule(in_use, reprofile(tolerance=0.05))
 
-    from droidmesh.services.profiler.checks import check_publishable
-    from droidmesh.shared.wire.schemas import FrontierPoint, PlanSpec, RecomputeConfig
 
-    point = FrontierPoint(PlanSpec(groups=[(2, 4)]), 2, 0.9)
-    cfg = RecomputeConfig(sender_model="s", receiver_model="r", sender_sha256="a" * 64, receiver_sha256="b" * 64,
-                          profile_version=1, task="qa", tolerance=0.05, chosen=point, frontier=[point],
-                          full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6)
-    failing = msgspec.structs.replace(cfg, passes_test=False, test_verdict="below", test_interval=[-0.4, -0.2],
-                                      test_rows=200)
-    with pytest.raises(BadRequestError, match=r"FAILS on test: \[-40\.0%, -20\.0%\].*200 rows.*not published"):
-        check_publishable(failing)
-    check_publishable(msgspec.structs.replace(failing, passes_test=None, test_verdict="undecided",
-                                              test_interval=[-0.1, 0.02]))
-    check_publishable(cfg)
+@pytest.mark.parametrize("caller", ["receiver-qa", "receiver-summ", "client", "gateway", "profiler"])
+def test_only_an_operators_reprofile_is_run_and_published(caller):
+    """A receiver's login (or any other but admin's) is refused: its rows would choose its pair's
+    plan. On a server without users nobody can be told apart (caller ""): served as before."""
+    with pytest.raises(UnauthorizedError, match=f"NATS user {caller} may ask for a re-profile of summ-to-qa, not have "
+                                                "one published.*reprofile_wanted"):
+        checks.check_reprofiler(caller, "summ-to-qa")
+    checks.check_reprofiler("admin", "summ-to-qa")
+    checks.check_reprofiler("", "summ-to-qa")
+
+
+def test_a_receivers_reprofile_is_refused_before_any_work_and_recorded_for_operators():
+    """As `NatsBus.serve` runs it for user receiver-qa: refused (unauthorized) without a place in
+    the queue or a model load, the board untouched, counted in dm_control_rejected."""
+    from droidmesh.services.profiler import handlers
+    from droidmesh.services.profiler.state import ProfilerState
+    from droidmesh.shared.alarms import alarms
+    from droidmesh.shared.mesh.caller import CALLER
+    from droidmesh.shared.mesh.config_board import InMemoryConfigBoard
+    from droidmesh.shared.mesh.maps_store import InMemoryMapsStore
+
+    async def no_torch(fn, *args):
+        raise AssertionError("a refused re-profile ran torch work")
+
+    in_use = _in_use()
+    cfg = ProfilerConfig(models=("summ=/no/such/summ", "qa=/no/such/qa"))
+    state = ProfilerState(cfg, InMemoryConfigBoard(), InMemoryMapsStore(), no_torch)
+    state.keep(in_use)
+    before = alarms().get(("profiler.reprofile", "not_an_operator"), 0)
+
+    async def run() -> None:
+        CALLER.set("receiver-qa")
+        await handlers.reprofile(state, "qa", reprofile())
+
+    with pytest.raises(UnauthorizedError, match="receiver-qa may ask for a re-profile of summ-to-qa"):
+        asyncio.run(run())
+    assert alarms()[("profiler.reprofile", "not_an_operator")] == before + 1
+    assert not state.admission.held and state.newest("summ", "qa") == in_use
