@@ -6,7 +6,11 @@ sender `base`, receiver `qa` shadowing every relayed request; logs in `log_dir`)
      full reuse is as good as full prefill) and publishes that config, the one in use;
   2. `n_before` requests over `before` rows, then requests over `after` rows (default
      `multihop_qa/coded`, where full reuse loses the answer) until the receiver has loaded a
-     re-profiled config and served `n_settled` requests on it (at most `max_shifted` after the shift);
+     re-profiled config and served `n_settled` requests on it (at most `max_shifted` after the shift).
+     The receiver's quality watch raises the alarm (`quality_drift`) and holds the pair on its own
+     prefill; re-profiles are published for operators only, so the bench, as the operator, then
+     profiles the pair on `after` rows in the profiler service (while requests go on) and the
+     receiver loads what it publishes;
   3. per request: the plan, the task score of its answer and of the receiver's own full prefill
      of the same prompt (mode full_prefill), and the shadow's token agreement (receiver log).
 Summary: requests from the shift to the drift alarm and to the new config, and per phase (before;
@@ -81,6 +85,7 @@ async def _stream(access: MeshAccess, receiver: Proc, before: str, after: str, n
         rows = [(before, r) for r in make_rows(before, "test", n_before, shape)]
         rows += [(after, r) for r in make_rows(after, "test", max_shifted, shape)]
         settled_at = None
+        reprofile: asyncio.Task[schemas.RecomputeConfig] | None = None
         for i, (task, row) in enumerate(rows):
             spec = task_spec(task)
             await ops.prefill(SENDER, row["context"])
@@ -90,6 +95,8 @@ async def _stream(access: MeshAccess, receiver: Proc, before: str, after: str, n
             loaded = [e for e in _events(receiver, "config_loaded") if e.get("version", 0) > old.profile_version]
             if "drift_at" not in marks and _events(receiver, "quality_drift"):
                 marks["drift_at"] = i
+                say(f"  alarm after {i + 1} requests: the operator re-profiles {SENDER} -> {RECEIVER} on {after}")
+                reprofile = asyncio.create_task(_timed(_profile(ops, after, n_profile), marks))
             if loaded and "reprofiled_at" not in marks:
                 marks.update(reprofiled_at=i, new_version=loaded[0]["version"], new_plan=loaded[0].get("chosen"))
             held = "quality_hold" in (r.fallback_reason or "")
@@ -104,9 +111,19 @@ async def _stream(access: MeshAccess, receiver: Proc, before: str, after: str, n
             if settled_at is not None and i - settled_at + 1 >= n_settled:
                 break
     finally:
+        if reprofile is not None and not reprofile.done():
+            reprofile.cancel()
         await client.close()
         await ops.close()
     return records, marks
+
+
+async def _timed(profile: Any, marks: dict[str, Any]) -> schemas.RecomputeConfig:
+    """`profile` awaited, its seconds in `marks["reprofile_s"]`."""
+    t0 = time.perf_counter()
+    cfg = await profile
+    marks["reprofile_s"] = round(time.perf_counter() - t0, 1)
+    return cfg
 
 
 def _label(cfg: schemas.RecomputeConfig) -> str:
@@ -161,24 +178,13 @@ def run_drift(models: dict[str, ModelRef], shape: SuiteShape, log_dir: Path, say
         agreements = {e["request_id"]: e["agreement"] for e in _events(receiver, "shadow")}
         for r in records:
             r["agreement"] = agreements.get(r["request_id"])
-        reprofile = _events(receiver, "reprofile_done")
         out = summarize(records, agreements, marks, n_before)
-        out.update(before=before, after=after, threshold=threshold, window=window, records=records,
-                   reprofile_s=_seconds_between(receiver, "reprofile_requested", "reprofile_done") if reprofile else None)
+        out.update(before=before, after=after, threshold=threshold, window=window, records=records)
+        out.setdefault("reprofile_s", None)
         return out
     finally:
         for p in reversed(procs):
             p.stop()
-
-
-def _seconds_between(proc: Proc, first: str, then: str) -> float | None:
-    from datetime import datetime
-
-    a, b = _events(proc, first), _events(proc, then)
-    if not (a and b and "timestamp" in a[0] and "timestamp" in b[0]):
-        return None
-    parse = datetime.fromisoformat
-    return round((parse(b[0]["timestamp"]) - parse(a[0]["timestamp"])).total_seconds(), 1)
 
 
 def plot_png(result: dict[str, Any], path: str | Path) -> None:
