@@ -76,7 +76,8 @@ class ReceiverConfig(HolderSettings):
                 "raises dm_quality_drift and asks the profiler to re-profile the pair on recent contexts; 0: off"})
     quality_window: int = dataclasses.field(default=20, metadata={"help": "shadows the quality watch averages, per sender model"})
     reprofile: bool = dataclasses.field(default=True, metadata={
-        "help": "on a quality drop, ask the profiler service (dm.profiler.profile) to re-profile the pair"})
+        "help": "on a quality drop, ask the profiler service to re-profile the pair (under NATS users it publishes "
+                "re-profiles for operators only: a receiver's request tells them, `reprofile_wanted`)"})
     reprofile_timeout_s: float = dataclasses.field(default=900.0, metadata={"help": "deadline of a re-profile request"})
     translators: tuple[str, ...] = dataclasses.field(default=(), metadata={
         "help": "translated pairs: per translator 'FILE@SHA256', or 'SHA256' alone to fetch it from the maps bucket "

@@ -17,8 +17,11 @@ The quality watch, per relayed request the audit picks for a shadow (`shadow`, a
      `dm_shadow_agreement`) with the row (context, question, the full prefill's answer);
   4. when the window's mean falls below `quality_threshold`, the watch fires once ("quality_drift",
      `dm_quality_drift`) and `reprofile` asks the profiler service to profile the pair again on
-     the kept rows, bound to the weights of the config in use; the profiler publishes the new
-     config, which reaches this receiver through the config board like any other (no restart);
+     the kept rows, bound to the weights of the config in use. Under NATS users the profiler
+     publishes re-profiles for operators only: it refuses this receiver's (logged here as
+     `reprofile_failed`, and at the profiler as `reprofile_wanted` for the operator, who profiles
+     and publishes); on a server without users it publishes it. A new config reaches this receiver
+     through the config board like any other (no restart);
   5. until then the pair is held (`hold`): requests that would relay from that sender model get the
      receiver's own prefill (reason quality_hold), so a drop costs only the requests before the alarm;
   6. a newer config for that sender model lifts the hold and re-arms the watch with an empty window (`reset`).
