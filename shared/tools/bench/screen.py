@@ -60,9 +60,10 @@ def _flip(_: int, t: torch.Tensor) -> torch.Tensor:
 
 
 def _noise_like(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """Offset-free Gaussian noise with `t`'s rms, in its dtype."""
-    rms = t.float().pow(2).mean().sqrt()
-    return (torch.randn(t.shape, generator=g) * rms).to(t.dtype)
+    """Offset-free Gaussian noise with `t`'s rms, in its dtype and on its device (drawn on the CPU:
+    one generator, the same draws on any device)."""
+    rms = t.float().pow(2).mean().sqrt().cpu()
+    return (torch.randn(t.shape, generator=g) * rms).to(device=t.device, dtype=t.dtype)
 
 
 def attacks() -> dict[str, Attack]:
@@ -106,6 +107,8 @@ def judge(screen: Screen, receiver: ModelAdapter, plan: ReusePlan, served: Captu
     src = ScreenedSource(CapturedSource(served), screen, receiver, expected=expected,
                          starts=plan.window_starts(receiver.windows, tokens))
     deadline = time.monotonic() + DEADLINE_S
+    sync = torch.cuda.synchronize if receiver.device.type == "cuda" else (lambda: None)
+    sync()
     began = time.perf_counter()
     try:
         for l in plan.e_layers:
@@ -114,6 +117,7 @@ def judge(screen: Screen, receiver: ModelAdapter, plan: ReusePlan, served: Captu
             src.kv(l, deadline)
     except IntegrityError as e:
         return str(e), time.perf_counter() - began
+    sync()  # the screen's reads end in a device-to-host read; what is queued behind it counts too
     return None, time.perf_counter() - began
 
 

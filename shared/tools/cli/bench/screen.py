@@ -9,7 +9,7 @@ import click
 
 from droidmesh.shared import report
 from droidmesh.shared.errors import DroidMeshError
-from droidmesh.shared.tools.cli.bench.kit import save
+from droidmesh.shared.tools.cli.bench.kit import launched_device_option, save
 
 if TYPE_CHECKING:
     from droidmesh.shared.kv.plan import ReusePlan
@@ -47,7 +47,8 @@ def _plan(sender_ref: ModelRef, receiver_ref: ModelRef, plan_arg: str) -> ReuseP
               help="Attack every N-th context only (each attack costs a screening; honest pulls are every context).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every pair's result here.")
-def screen(pairs, n, tokens, plan_arg, dtype, attack_every, seed, json_path) -> None:
+@launched_device_option
+def screen(pairs, n, tokens, plan_arg, dtype, attack_every, seed, json_path, device) -> None:
     """False positives of the receiver's KV screen on honest pulls, and its catch rate per attack
     (sign flips per kind and layer count, another context's cache, zeros, noise, scale)."""
     import torch
@@ -60,7 +61,7 @@ def screen(pairs, n, tokens, plan_arg, dtype, attack_every, seed, json_path) -> 
 
     def load(ref: ModelRef) -> ModelAdapter:
         if str(ref.path) not in loaded:
-            loaded[str(ref.path)] = load_model(ref.path, device="cpu", dtype=dtype, name=ref.name)
+            loaded[str(ref.path)] = load_model(ref.path, device=device, dtype=dtype, name=ref.name)
         return loaded[str(ref.path)]
 
     groups: dict[str, list[suite.Pair]] = {}
@@ -85,7 +86,8 @@ def screen(pairs, n, tokens, plan_arg, dtype, attack_every, seed, json_path) -> 
         for r in results[-len(group):]:
             click.echo(f"{r['pair']}: {r['false_positives']} of {r['honest_pulls']} honest pulls refused", err=True)
     click.echo(report.format_table(suite.table_rows(results), suite.COLUMNS))
-    save(json_path, "screen", {"contexts": n, "tokens": tokens, "plan": plan_arg, "dtype": dtype, "seed": seed,
+    save(json_path, "screen", {"contexts": n, "tokens": tokens, "plan": plan_arg, "dtype": dtype, "device": device,
+                               "seed": seed,
                                "attack_every": attack_every, "pairs": results})
 
 
