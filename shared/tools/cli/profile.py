@@ -84,7 +84,8 @@ def profile(translate: bool, candidates: int | None, publish: bool, conn: Conn, 
     choice to mean anything: fewer than 20 test rows, or full reuse losing less than the
     sampling noise 1/sqrt(test rows) against full prefill on the test split; and when the
     chosen group fails the tolerance rule on the test split (then publishing needs --force)."""
-    from droidmesh.shared.errors import BadRequestError, DroidMeshError, NoSignalError
+    from droidmesh.shared.errors import DroidMeshError, NoSignalError
+    from droidmesh.shared.profiling import evidence
     from droidmesh.shared.profiling.job import run_job, summary_lines
 
     job = ProfileJob(**options)
@@ -99,9 +100,9 @@ def profile(translate: bool, candidates: int | None, publish: bool, conn: Conn, 
         raise click.UsageError(str(e)) from None
     for line in summary_lines(job, result):
         click.echo(line)
-    if publish and cfg.passes_test is False:  # the JSON is written: the user may still publish it, knowingly
-        raise BadRequestError(f"not published: the chosen group fails the test split; publish {job.json_path} anyway "
-                              "with `droidmesh config publish --force`")
+    if publish:  # the JSON is written: the user may still publish it, knowingly
+        evidence.check_publishable(cfg, "not published", f"publish {job.json_path} anyway with "
+                                   "`droidmesh config publish --force`")
     if publish:
         _publish(conn, cfg, maps)
         click.echo(f"  published {job.pair.versioned(cfg.profile_version)}")

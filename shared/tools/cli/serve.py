@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import click
 
 from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.profiling import evidence
 from droidmesh.shared.tools.cli.model_options import MODEL_HELP, device_options
 
 if TYPE_CHECKING:  # the app imports torch: loaded when the command runs, not when the CLI starts
@@ -71,9 +72,10 @@ def gather_configs(plan: ServePlan, profiles: tuple[str, ...]) -> list[Published
         if bound is None:
             raise click.UsageError(f"--profile {f}: its pair {cfg.sender_model} -> {cfg.receiver_model} is not two of "
                                    f"the models served here ({', '.join(plan.ids)}; matched by the weights' sha256)")
-        if cfg.passes_test is False:
-            raise click.UsageError(f"--profile {f}: its chosen plan fails the profile's test split; "
-                                   "publish it yourself with `droidmesh config publish --force` if you mean it")
+        failure = evidence.unpublishable(cfg)
+        if failure is not None:
+            raise click.UsageError(f"--profile {f}: {failure}; publish it yourself with `droidmesh config publish "
+                                   "--force` if you mean it")
         p = Published(bound, maps_files(f, cfg))
         out.setdefault(p.pair, p)
     for s, r, saved in zoo_profiles(plan):
@@ -86,8 +88,9 @@ def gather_configs(plan: ServePlan, profiles: tuple[str, ...]) -> list[Published
         except DroidMeshError as e:
             _say(f"not publishing {pair}: {e}")
             continue
-        if cfg.passes_test is False:
-            _say(f"not publishing {pair}: its profile's choice fails the test split ({saved})")
+        failure = evidence.unpublishable(cfg)
+        if failure is not None:
+            _say(f"not publishing {pair} ({saved}): {failure}")
             continue
         out[pair] = Published(renamed(cfg, s.id, r.id), maps)
     return list(out.values())

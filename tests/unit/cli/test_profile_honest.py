@@ -102,7 +102,7 @@ def test_publish_refuses_a_choice_that_fails_the_test_split(tmp_path, monkeypatc
             str(tmp_path / "p.json"), "--publish", "--nats", "nats://127.0.0.1:9", "--timeout", "1"]
     res = CliRunner().invoke(main, argv, env={"DM_DEBUG": ""})
     err = [line for line in res.stderr.splitlines() if line.strip()]
-    assert res.exit_code == 1 and err[-1].startswith("Error: not published: the chosen group fails the test split"), err
+    assert res.exit_code == 1 and err[-1].startswith("Error: not published: the chosen plan fails the test split"), err
     assert "config publish --force" in err[-1] and any("fails the 5% rule on the test split" in line for line in err)
     assert json.loads((tmp_path / "p.json").read_text())["chosen"]["passes_test"] is False
     assert "FAILS on test" in res.stdout
