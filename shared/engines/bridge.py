@@ -132,7 +132,21 @@ class MeshBridge:
                 log.info("config_loaded", pair=f"{cfg.sender_model}->{cfg.receiver_model}", version=cfg.profile_version,
                          plan=policy.plan_of(cfg.chosen.plan).label())
 
-        await self._bus.config_board().watch(on_config)
+        async def on_withdrawn(cfg: schemas.RecomputeConfig, left: list[schemas.RecomputeConfig]) -> None:
+            # the plan in use gives way to the newest config left for the pair, else to none
+            # (this engine's own prefill for what that sender holds), from the next request on
+            configs = self._configs.get(cfg.receiver_model, {})
+            current = configs.get(cfg.sender_model)
+            if current is None or current.profile_version != cfg.profile_version:
+                return
+            configs.pop(cfg.sender_model)
+            for c in sorted(left, key=lambda c: c.profile_version):
+                if (c.sender_model, c.receiver_model) == (cfg.sender_model, cfg.receiver_model):
+                    await on_config(c)
+            log.info("config_withdrawn", pair=f"{cfg.sender_model}->{cfg.receiver_model}", version=cfg.profile_version,
+                     now_version=getattr(configs.get(cfg.sender_model), "profile_version", None))
+
+        await self._bus.config_board().watch(on_config, on_withdrawn)
 
     # -- scheduler side -------------------------------------------------------------------
     def plan_for(self, prompt: list[int], model_id: str, mode: str) -> tuple[Match | None, policy.Reason | None]:

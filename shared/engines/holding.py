@@ -29,6 +29,7 @@ import torch
 
 from droidmesh.shared.engines.settings import EngineSettings
 from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.holding import grants
 from droidmesh.shared.holding.holder import Holder
 from droidmesh.shared.holding.store import CacheStore
 from droidmesh.shared.kv.capture import captured_from_engine
@@ -70,11 +71,16 @@ class EngineHolder:
                                    port=cfg.ucx_port, name=cfg.holder_id, pin=self.store.hold, limits=cfg.slot_limits())
         await self.holder.start(self._server)
         self._tasks = [asyncio.create_task(self.holder.heartbeat()),
-                       asyncio.create_task(self.bus.config_board().watch(self._on_config))]
+                       asyncio.create_task(self.bus.config_board().watch(self._on_config, self._on_withdrawn))]
         log.info("holder_started", holder_id=cfg.holder_id, transport=self.holder.transport, models=sorted(self._sha))
 
     async def _on_config(self, cfg: schemas.RecomputeConfig) -> None:
         self.holder.on_config(cfg)  # readers paired, and the E layers its plans start at
+
+    async def _on_withdrawn(self, cfg: schemas.RecomputeConfig, left: list[schemas.RecomputeConfig]) -> None:
+        """A config was deleted: only the pairs `left` declares keep their readers (the withdrawn
+        pair's receivers are refused their next grant) and their E layers."""
+        grants.unpair_withdrawn(self.holder, left)
 
     def hold(self, model_id: str, prompt: Sequence[int], read: Callable[[], list[KV]]) -> bool:
         """Hold `prompt` as `model_id` computed it: `read()` (called here, on the engine's thread,

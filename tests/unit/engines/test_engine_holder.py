@@ -93,3 +93,27 @@ def test_a_holder_busy_with_max_pending_holds_reads_nothing_more(tiny_pair, tiny
     assert holder.hold("base", [1, 2, 3], read) and len(reads) == MAX_PENDING + 1
     loop.run_until_complete(asyncio.wait_for(drained(), 60))
     loop.close()
+
+
+def test_a_withdrawn_pair_is_unpaired_by_the_engines_holder(tiny_pair, tiny_models):
+    """The engine's holder pairs a receiver model when a config naming its model comes, and unpairs
+    it when that config is withdrawn with nothing left for the pair (its next grant is refused)."""
+    model = tiny_models[0]
+    sha = weights_sha256(tiny_pair[0])
+    cfg = EngineSettings.from_mapping({"nats_url": "nats://127.0.0.1:4222", "models": {"base": str(tiny_pair[0])},
+                                       "base_model": "base", "hold": True, "holder_id": "engine-1",
+                                       "transport": "inproc"})
+    point = schemas.FrontierPoint(schemas.PlanSpec(groups=[(2, 4)]), 2, 0.99)
+    pair = schemas.RecomputeConfig(sender_model="base", receiver_model="docqa", sender_sha256=sha,
+                                   receiver_sha256="b" * 64, profile_version=1, task="t", tolerance=0.05, chosen=point,
+                                   frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6)
+
+    async def go() -> tuple[bool, bool]:
+        holder = EngineHolder(cfg, InProcessBus(), asyncio.get_running_loop(), lambda _: model)
+        readers = holder.holder.models["base"].readers
+        await holder._on_config(pair)
+        paired = readers.allows("docqa")
+        await holder._on_withdrawn(pair, [])
+        return paired, readers.allows("docqa")
+
+    assert asyncio.run(go()) == (True, False)
