@@ -71,8 +71,10 @@ def drift(json_path, plot_path, log_dir, before, after, n_before, n_settled, max
 @click.option("--receiver", "receiver_arg", default=None,
               help="With --holding: the receiver's model (zoo name, e.g. real/base, or a checkpoint); default the demo "
                    "pair's receiver.")
+@click.option("--phase", "phases", type=click.Choice(["before", "after"]), multiple=True,
+              help="Run only this phase (repeatable; default both): `after` alone is the check that scopes hold.")
 @launched_device_option
-def sidechannel(json_path, tokens, trials, warmup, seed, holding, receiver_arg, device) -> None:
+def sidechannel(json_path, tokens, trials, warmup, seed, holding, receiver_arg, phases, device) -> None:
     """Timing side channel through the gateway: another tenant times its requests for cached and
     uncached contexts of a victim tenant; its best TTFT threshold's accuracy (95 % Wilson interval)
     before scopes (one tenant) and after (two)."""
@@ -92,7 +94,8 @@ def sidechannel(json_path, tokens, trials, warmup, seed, holding, receiver_arg, 
     # the demo pair's profiled group; another receiver (the ci tier's, the real tier's) recomputes its upper half
     group = DEFAULT_GROUPS["base"] if receiver_arg is None and layers >= DEFAULT_GROUPS["base"][1] else \
         (layers // 2, layers)
-    setup = suite.Setup(sender, receiver, group, device, holding)
+    setup = suite.Setup(sender, receiver, group, device, holding,
+                        tuple(p for p in suite.PHASES if p in phases) if phases else tuple(suite.PHASES))
     result = suite.run_sidechannel(setup, tokens, trials, warmup, seed, lambda m: click.echo(m, err=True))
     click.echo(report.format_table(suite.table_rows(result), suite.COLUMNS))
     for name, p in result["phases"].items():
