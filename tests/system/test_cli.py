@@ -81,6 +81,9 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench adapters", ["--base", "ci/base", "--adapters", "ci/code", "--counts", "1", "--tokens", "32", "--repeats", "1"]),
     ("bench held", ["--base", "ci/base", "--adapters", "ci/code", "--pairs", "base:code", "--group", "2,4", "--docs", "1",
                     "--chars", "600,900", "--model", ""]),
+    ("bench screen", ["--pairs", "ci/summ:ci/qa", "--contexts", "2", "--tokens", "64", "--plan", "full_reuse",
+                      "--dtype", "float32"]),
+    ("config delete", ["--sender", "summ", "--receiver", "qa", "--nats", "{url}"]),  # last: the published pair goes
 ]
 # Commands that run in the foreground until stopped: started and stopped by their own tests.
 COVERED_ELSEWHERE = {"serve": "tests/system/test_serve.py",
@@ -418,6 +421,19 @@ def expect_bench_drift(r: Ran) -> None:
     has(r.out, r"^alarm \S+ and new config \S+ requests after the shift; plan .* -> .*; logs in \S+$")
 
 
+def expect_bench_screen(r: Ran) -> None:
+    rows = table(r.out, "pair", "plan", "pulls", "trials", "refused", "rate", "ci95_lo", "ci95_hi", "screen_ms_p50")
+    by = {x["pulls"]: x for x in rows}
+    assert {x["pair"] for x in rows} == {"summ->qa"} and {x["plan"] for x in rows} == {"full reuse"}
+    assert by["honest"]["trials"] == "2" and float(by["honest"]["screen_ms_p50"]) > 0  # --contexts 2
+    assert (by["zeros"]["trials"], by["zeros"]["refused"]) == ("2", "2")  # all-zero K/V: never passes
+    assert "flip_E" not in by and by["other_context"]["trials"] == "1"  # full reuse pulls no E; one previous context
+
+
+def expect_config_delete(r: Ran) -> None:
+    has(r.out, r"^withdrew summ-to-qa\S*(, summ-to-qa\S*)* from dm_recompute_configs$")  # every version published
+
+
 def expect_bench_load(r: Ran) -> None:
     rows = table(r.out, "receivers", "rate", "mode", "requests", "ttft_p50", "ttft_p99", "tbt_p50", "e2e_p50", "e2e_p99",
                  "goodput")
@@ -506,6 +522,8 @@ EXPECT: dict[str, Callable[[Ran], None]] = {
     "bench idle": expect_bench_idle,
     "bench adapters": expect_bench_adapters,
     "bench held": expect_bench_held,
+    "bench screen": expect_bench_screen,
+    "config delete": expect_config_delete,
 }
 
 
