@@ -255,6 +255,8 @@ def test_mesh_serves_a_profiled_pair(own: dict[str, Any], nats, services) -> Non
     # The same question through the OpenAI-compatible gateway.
     gateway = start_service("gateway", {"http_port": 0}, url, env=THREADS)
     services.append(gateway)
+    # ready once it listens (it answers a one-line 503 until NATS is up): ask once it joined the mesh
+    gateway.wait_for(lambda line: "gateway_mesh_joined" in line, 60, "the gateway joining the mesh")
     port = gateway.events("gateway_started")[0]["http_port"]
     api = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
     resp = api.completions.create(model="tuned", prompt=context + QUESTION, max_tokens=MAX_NEW, temperature=0)
