@@ -30,7 +30,7 @@ from typing import Any
 
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.profiling import search, transfer
+from droidmesh.shared.profiling import fidelity, search, transfer
 
 UNKNOWN = 0.5  # the share of layers charged to a plan whose group the search has yet to choose
 # Below this many rows per split one answer moves the mean by more than 1/8: a budget never cuts
@@ -62,7 +62,7 @@ class Timing:
 class Work:
     """What one profile runs: the knobs a budget may turn down."""
 
-    search: str  # "guided" (sensitivity + one window per size: O(L)) or "coarse" (O(log L))
+    search: str  # "guided" (sensitivity + one window per size: O(L)), "coarse" (O(log L)) or "fidelity"
     exhaustive: bool  # also every grid group, O((L/g)^2), to compare
     n_train: int
     n_test: int
@@ -86,7 +86,9 @@ def train_plans(work: Work, num_layers: int, g: int) -> list[float]:
     L = num_layers
     cuts = search.grid(L, g)
     shares = [1.0, 0.0]
-    if work.search == "guided":  # a sensitivity probe is the receiver's own prefill: every layer
+    if work.search == "fidelity":  # the race's short list, at most every train row; the chosen split
+        shares += [UNKNOWN] * (fidelity.Settings().shortlist + 1)
+    elif work.search == "guided":  # a sensitivity probe is the receiver's own prefill: every layer
         sizes = {e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1:]}
         shares += [1.0] * L + [k / L for k in sorted(sizes)] + [UNKNOWN] * 2
     else:
@@ -114,6 +116,10 @@ def _rows(work: Work, num_layers: int, g: int) -> list[tuple[int, float]]:
     (count, share) pairs; share -1 marks a capture."""
     test = [1.0, 0.0, UNKNOWN, UNKNOWN] + [UNKNOWN] * (work.search == "guided")  # + the critical layers alone
     out = [(work.n_train, s) for s in train_plans(work, num_layers, g)] + [(work.n_test, s) for s in test]
+    if work.search == "fidelity":  # the divergence pass on the probe rows: the reference, swap probes, windows
+        probe, cuts = min(work.n_train, fidelity.Settings().probe_rows), search.grid(num_layers, g)
+        sizes = {e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1:]}
+        out += [(probe, 1.0)] * (num_layers + 1) + [(probe, k / num_layers) for k in sorted(sizes)]
     out += [(work.n_train + work.n_test, -1.0), (work.n_train + work.n_test, 1.0)]  # capture; the sender alone
     for n in work.others:  # capture, full prefill, full reuse, the chosen plan
         out += [(n, -1.0), (n, 1.0), (n, 0.0), (n, UNKNOWN)]
@@ -146,7 +152,8 @@ def announce(work: Work, num_layers: int, g: int, timing: Timing) -> str:
     """The line a profile prints before it starts."""
     per_train, total = row_evaluations(work, num_layers, g)
     rest = total - per_train * work.n_train
-    return (f"profile: ~{per_train} evaluations × {work.n_train} rows + {rest} row-evaluations for the test split, "
+    probes = "the divergence probes, " if work.search == "fidelity" else ""
+    return (f"profile: ~{per_train} evaluations × {work.n_train} rows + {rest} row-evaluations for {probes}the test split, "
             f"the sender{', robustness' if work.others else ''}{', transfer' if work.transfer else ''} "
             f"≈ {duration(seconds(work, num_layers, g, timing))} ({timing.describe()}; {work.describe()})")
 
@@ -161,7 +168,7 @@ def fit(work: Work, num_layers: int, g: int, timing: Timing, budget_s: float) ->
     steps: list[tuple[str, Callable[[Work], bool], Callable[[Work], Work]]] = [
         ("the exhaustive comparison", lambda w: w.exhaustive, lambda w: dataclasses.replace(w, exhaustive=False)),
         ("the robustness data sets", lambda w: bool(w.others), lambda w: dataclasses.replace(w, others=())),
-        ("the guided search (coarse-to-fine instead)", lambda w: w.search != "coarse",
+        ("the guided search (coarse-to-fine instead)", lambda w: w.search == "guided",
          lambda w: dataclasses.replace(w, search="coarse")),
         ("the transfer search", lambda w: w.transfer, lambda w: dataclasses.replace(w, transfer=False)),
     ]

@@ -187,12 +187,32 @@ def summary_lines(job: ProfileJob, result: dict[str, Any]) -> list[str]:
                  + (f"; agrees with the exhaustive one ({ev['exhaustive']} configs): {result['searches_agree']}"
                     if ev["exhaustive"] else "")
                  + f"; {duration(result['cost']['elapsed_s'])} (estimated {duration(result['cost']['estimated_s'])})")
+    lines += fidelity_lines(result)
     for r in result["robustness"]:
         lines.append(f"  robustness {r['task']:<22} full prefill {r['full_prefill']:.3f}  chosen {r['chosen']:.3f}  "
                      f"difference {r['difference']:+.3f}"
                      + (f" ({r['relative']:+.1%})" if r["relative"] is not None else " (receiver scores 0 here)"))
     if "transfer" in result:
         lines += transfer_lines(result["transfer"])
+    return lines
+
+
+def fidelity_lines(result: dict[str, Any]) -> list[str]:
+    """The fidelity search's race, a line per plan, and full reuse's own test interval."""
+    fid, lines = result.get("fidelity"), []
+    if fid:
+        lines.append(f"  divergence on {fid['probe_rows']} rows: full reuse {fid['full_reuse_kl']:.4f} nats; "
+                     f"short list {', '.join(fid['shortlist']) or 'empty'}; race on up to {fid['race_rows']} rows "
+                     f"({fid['race_row_scores']} row scores): " + ("decided" if fid["decided"] else "UNDECIDED"))
+        for e in fid["race"]:
+            span = e["relative_interval"]
+            lines.append(f"    {e['plan']:<18} {e['rows']:>4} rows  {e['verdict']:<9}"
+                         + (f" [{span[0]:+.1%}, {span[1]:+.1%}]" if span else "")
+                         + (f"  dropped: {e['dropped']}" if e["dropped"] else ""))
+    fr = (result["full_reuse"] or {}).get("test_interval")
+    if fr and fr.get("rel_lo") is not None:
+        lines.append(f"  full reuse on test: {fr['verdict']} [{fr['rel_lo']:+.1%}, {fr['rel_hi']:+.1%}] against full "
+                     f"prefill, {fr['rows']} rows ({fr['documents']} documents)")
     return lines
 
 

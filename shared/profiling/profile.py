@@ -30,9 +30,11 @@ from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.model.names import ModelRef, Pair
-from droidmesh.shared.profiling import cost, evidence, latency, search, transfer
+from droidmesh.shared.profiling import cost, evidence, fidelity, latency, search, transfer
 from droidmesh.shared.profiling.search import Evaluate, Memo
 from droidmesh.shared.wire import schemas
+
+SEARCHES = ("guided", "coarse", "fidelity")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +42,10 @@ class ProfileSettings:
     granularity: int = 2
     tolerance: float = 0.05
     critical_threshold: float = 0.05
-    # "guided" (sensitivity + one window per group size: O(L) plans, the default) or "coarse"
-    # (coarse grid, then binary search on the group's ends: O(log L), for a tight budget)
+    # "guided" (sensitivity + one window per group size: O(L) plans, the default), "coarse"
+    # (coarse grid, then binary search on the group's ends: O(log L), for a tight budget) or
+    # "fidelity" (plans ranked by divergence from full prefill, the short list raced on the task
+    # metric with intervals: fidelity.py; needs a scorer with per-row scores)
     search: str = "guided"
     exhaustive: bool = False  # also run the O((L/g)^2) search to compare (120 more plans at L=30, g=2)
     # Rows on which the receiver's full prefill scores near zero, or every path alike, are an
@@ -50,6 +54,7 @@ class ProfileSettings:
     budget_s: float | None = None  # `profile_checkpoints` cuts the work to fit (cost.fit), or refuses
     latency_tokens: tuple[int, ...] = (256, 512, 1024)
     transfer_settings: transfer.Settings = transfer.Settings()  # used when `run` gets transfer inputs
+    fidelity: fidelity.Settings = fidelity.Settings()  # the fidelity search's probe rows, short list and race
 
 
 def _progress(evaluate: Evaluate, bar: tqdm) -> Evaluate:
@@ -75,6 +80,7 @@ class _Found:
     search_choice: search.Point  # the guided or coarse search's choice alone
     search_cost: int  # plans the search added (beyond the shared sensitivity pass)
     exhaustive_cost: int
+    fidelity: dict[str, Any] | None = None  # the fidelity search's ranking and race
 
 
 def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSettings, *,
@@ -92,16 +98,22 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
     With `settings.require_signal`, rows that cannot support any choice raise `NoSignalError`
     after the first plans, before the search (evidence.py)."""
     pair = pair or Pair("", "")
-    if settings.search not in ("guided", "coarse"):
-        raise BadRequestError(f"search {settings.search!r}: guided or coarse")
+    if settings.search not in SEARCHES:
+        raise BadRequestError(f"search {settings.search!r}: one of {', '.join(SEARCHES)}")
+    if settings.search == "fidelity" and not isinstance(train, fidelity.RowOracle):
+        raise BadRequestError("the fidelity search needs per-row task scores and divergences (a PairScorer)")
     plans = cost.train_evaluations(cost.Work(settings.search, settings.exhaustive, 0, 0), num_layers,
                                    settings.granularity)
     with tqdm(total=plans, desc=f"profile {pair.id}", unit="config") as bar:  # closed on an error too
         memo, test_memo = Memo(train), Memo(test)
         ev = _progress(memo, bar)
         found = _search(ev, memo, train, test_memo, num_layers, settings)
+        if hasattr(test, "fill"):  # the test split's plans are known now: one capture per row, not kept
+            test.fill(_test_plans(found, settings))
         result = _result(found, ev, test_memo, pair, num_layers, settings)
         result["chosen"].update(_test_check(test, found.chosen.plan(), result, settings.tolerance))
+        # full reuse's own interval on the same test rows: what recomputing the group buys
+        result["full_reuse"]["test_interval"] = evidence.test_interval(test, ReusePlan.full_reuse(), settings.tolerance)
     chosen = found.chosen.plan()
     result["robustness"] = robustness(result, chosen, test, dict(others or {}))
     if receiver is not None:
@@ -128,6 +140,8 @@ def _search(ev: Evaluate, memo: Memo, train: Evaluate, test_memo: Memo, num_laye
     full_reuse = ev(ReusePlan.full_reuse())
     if settings.require_signal:
         evidence.require_paths_differ("train", train)
+    if settings.search == "fidelity":
+        return _fidelity(ev, train, full_prefill, full_reuse, L, settings)
     sens: list[float] = []
     critical: list[int] = []
     if settings.search == "guided":
@@ -146,6 +160,62 @@ def _search(ev: Evaluate, memo: Memo, train: Evaluate, test_memo: Memo, num_laye
     return _Found(full_prefill, full_reuse, sens, critical, points, front,
                   search.choose(front, full_prefill, settings.tolerance), search_choice, search_cost,
                   len(points) if settings.exhaustive else 0)
+
+
+def _rows_bar(rows_of: Callable[..., list[float]], bar: tqdm) -> fidelity.RowsOf:
+    """`rows_of(plan, rows=n)` that moves `bar` by the rows each call adds (a plan's rows are memoised)."""
+    seen: dict[ReusePlan, int] = {}
+
+    def run(plan: ReusePlan, n: int) -> list[float]:
+        bar.set_postfix_str(plan.label())
+        got = rows_of(plan, rows=n)
+        bar.update(max(0, len(got) - seen.get(plan, 0)))
+        seen[plan] = max(seen.get(plan, 0), len(got))
+        return got
+    return run
+
+
+def _fidelity(ev: Evaluate, train: Any, full_prefill: float, full_reuse: float, num_layers: int,
+              settings: ProfileSettings) -> _Found:
+    """The fidelity search (fidelity.py) on the train scorer: divergence ranks, the race chooses.
+    The frontier holds each raced plan at its mean over the rows it was scored on."""
+    fs = settings.fidelity
+    probe, sizes = min(fs.probe_rows, len(train.rows)), len(search.grid(num_layers, settings.granularity)) - 1
+    with tqdm(total=probe * (num_layers + 1 + sizes), desc="divergence", unit="row") as bar:
+        ranked = fidelity.rank(_rows_bar(train.divergences, bar), num_layers, settings.granularity, fs)
+    with tqdm(total=len(train.rows) * (len(ranked.shortlist) + 1), desc="race", unit="row") as bar:
+        raced = fidelity.race(ranked.shortlist, _rows_bar(train.scores, bar), len(train.rows), train.documents,
+                              fs, settings.tolerance)
+    pick = raced.chosen or fidelity.fallback(raced)
+
+    def point(plan: ReusePlan) -> search.Point:
+        (s, e), = plan.groups
+        return search.Point(s, e, ev(plan))
+
+    raced_points = [search.Point(*e.plan.groups[0], sum(train.scores(e.plan, rows=e.rows)) / max(1, e.rows))
+                    for e in raced.entries if e.rows]
+    chosen = point(pick.plan) if pick is not None else search.Point(0, num_layers, full_prefill)
+    front = search.frontier([*raced_points, chosen], full_reuse)
+    section = {
+        "settings": dataclasses.asdict(fs), "probe_rows": min(fs.probe_rows, len(train.rows)),
+        "sensitivity_kl": ranked.sensitivity, "full_reuse_kl": ranked.full_reuse,
+        "windows": [{"start": s, "end": e, "recomputed_layers": e - s, "kl": kl} for s, e, kl in ranked.windows],
+        "shortlist": [p.label() for p, _ in ranked.shortlist],
+        "race": [e.as_json() for e in raced.entries], "race_rows": raced.rows, "race_row_scores": raced.row_scores,
+        "chosen_verdict": pick.verdict if pick is not None else None,
+        "decided": raced.chosen is not None,
+    }
+    return _Found(full_prefill, full_reuse, [], [], raced_points, front, chosen, chosen, len(ranked.windows) + len(
+        ranked.sensitivity) + 1, 0, section)
+
+
+def _test_plans(found: _Found, settings: ProfileSettings) -> list[ReusePlan]:
+    """The plans `_result` and the test check score on the test split."""
+    plans = [ReusePlan.full_prefill(), ReusePlan.full_reuse(), found.chosen.plan(),
+             search.split(found.chosen.start, found.chosen.end)]
+    if settings.search == "guided":
+        plans.append(search.scattered(found.critical))
+    return list(dict.fromkeys(plans))
 
 
 def _result(found: _Found, ev: Evaluate, test_memo: Memo, pair: Pair, num_layers: int,
@@ -172,11 +242,12 @@ def _result(found: _Found, ev: Evaluate, test_memo: Memo, pair: Pair, num_layers
         "frontier": [{"start": p.start, "end": p.end, "recomputed_layers": p.layers, "quality": p.quality}
                      for p in found.frontier],
         "evaluations": {"exhaustive": found.exhaustive_cost,
-                        "guided": found.search_cost if settings.search == "guided" else 0,
-                        "coarse": found.search_cost if settings.search == "coarse" else 0, "sensitivity": len(sens)},
+                        **{k: found.search_cost if settings.search == k else 0 for k in SEARCHES},
+                        "sensitivity": len(sens)},
         f"{settings.search}_choice": {"start": search_choice.start, "end": search_choice.end,
                                       "quality": search_choice.quality},
         "searches_agree": (search_choice.start, search_choice.end) == (chosen.start, chosen.end),
+        "fidelity": found.fidelity,
         "scattered_critical": None if scattered is None else {
             "groups": [list(gr) for gr in scattered.groups], "recomputed_layers": len(critical),
             "quality_train": ev(scattered), "quality_test": test_memo(scattered),

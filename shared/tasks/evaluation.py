@@ -10,7 +10,10 @@ Paths, all scored by `PairScorer.paths`:
 Per path: `quality` (task score in [0, 1]), `answer_nll`, and its fidelity to the receiver's full
 prefill: `kl` / `top1_agreement` of the next-token distributions (teacher-forced over the gold
 answer) and `greedy_agreement` (the share of full prefill's greedy answer tokens it reproduces),
-each a mean over rows.
+each a mean over rows; and `vs_full_prefill`: the paired difference of its task scores to the
+receiver's full prefill on the same rows, relative, with a bootstrap 95 % interval (a document's
+rows resampled together) and the 5 % rule applied to it (`intervals.Paired.verdict`: within,
+below or undecided).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter
-from droidmesh.shared.tasks import measures
+from droidmesh.shared.tasks import intervals, measures
 from droidmesh.shared.tasks.scorer import PairScorer, PathResult, per_layer_plan
 from droidmesh.shared.tasks.spec import TaskSpec
 
@@ -57,11 +60,19 @@ class _Acc:
         self.top1.append(measures.top1_agreement(ref.logits, r.logits))
         self.greedy.append(measures.greedy_agreement(ref.tokens, r.tokens))
 
-    def summary(self) -> dict[str, float]:
+    def summary(self, reference: _Acc | None = None, documents: Sequence[str] | None = None) -> dict[str, Any]:
+        """Means over rows; with `reference` (full prefill's accumulator on the same rows), the
+        paired interval against it."""
         def mean(xs):
             return round(sum(xs) / max(1, len(xs)), 4)
-        return {"quality": mean(self.q), "answer_nll": mean(self.nll), "kl": mean(self.kl), "top1_agreement": mean(self.top1),
-                "greedy_agreement": mean(self.greedy)}
+        out: dict[str, Any] = {"quality": mean(self.q), "answer_nll": mean(self.nll), "kl": mean(self.kl),
+                               "top1_agreement": mean(self.top1), "greedy_agreement": mean(self.greedy)}
+        if reference is not None and self.q:
+            p = intervals.paired(reference.q, self.q, n_boot=2000, groups=documents)
+            out["vs_full_prefill"] = {"relative": None if p.rel is None else round(p.rel, 4),
+                                      "interval": None if p.rel_lo is None else [round(p.rel_lo, 4), round(p.rel_hi or 0, 4)],
+                                      "verdict": p.verdict()}
+        return out
 
 
 def evaluate_pair(
@@ -93,11 +104,13 @@ def evaluate_pair(
             acc[name].add(r, ref)
         preds.append({"_id": row_id, **{k: res[k].prediction for k in
                                         ("receiver_full_prefill", "sender_alone", "receiver_full_reuse")}})
-    return report(acc, L, spec, len(rows), preds if keep_predictions else None)
+    return report(acc, L, spec, len(rows), preds if keep_predictions else None, scorer.documents)
 
 
-def report(acc: dict[str, _Acc], L: int, spec: TaskSpec, n: int, preds: list[dict[str, Any]] | None) -> dict[str, Any]:
-    s = {k: a.summary() for k, a in acc.items()}
+def report(acc: dict[str, _Acc], L: int, spec: TaskSpec, n: int, preds: list[dict[str, Any]] | None,
+           documents: Sequence[str] | None = None) -> dict[str, Any]:
+    ref = acc["receiver_full_prefill"]
+    s = {k: a.summary(None if k == "receiver_full_prefill" else ref, documents) for k, a in acc.items()}
     per_layer = [{"layer": l, **s[f"layer/{l}"]} for l in range(L) if f"layer/{l}" in s]
     groups = [
         {"start": int(k.split("/")[1]), "end": int(k.split("/")[2]),
@@ -112,7 +125,7 @@ def report(acc: dict[str, _Acc], L: int, spec: TaskSpec, n: int, preds: list[dic
         "task": spec.name, "metric": spec.metric, "rows": n, "total_layers": L,
         "sender_alone": s["sender_alone"], "receiver_full_prefill": s["receiver_full_prefill"],
         "receiver_full_reuse": s["receiver_full_reuse"], "per_layer_reuse": per_layer,
-        "best_groups": best, "groups": groups,
+        "best_groups": best, "groups": groups, "documents": len(set(documents)) if documents is not None else n,
     }
     out["summary"] = must_show(out)
     if preds is not None:

@@ -9,7 +9,13 @@ per the plan and greedy-decodes, and the task metric scores the answer text.
 Two ways to ask, over the same computation (each with an optional `Wire`: the codec the reused
 tensors travel under, applied in process by `CodedSource`; default raw, i.e. the tensors as captured):
   quality(plan)   mean task score, memoised per (plan, wire); plan-major, so the captured sender
-                  contexts are kept (the profiler's search asks for plans one at a time)
+                  contexts are kept (the profiler's search asks for plans one at a time);
+                  `scores(plan, rows=n)` scores only the first n rows (a sequential test asks
+                  for more rows as it goes, and a row is never scored twice)
+  divergences(plan)  per row, the fidelity signal: the receiver's next-token KL(full prefill ||
+                  plan), teacher-forced over the receiver's own full-prefill greedy answer (no
+                  generation per plan, no gold answer needed; a continuous number on every row,
+                  where task scores tie)
   paths(plans)    row-major, one capture per row at a time: per plan the task score, the gold
                   answer's mean NLL (teacher-forced after the same prefill) and the KL / top-1
                   agreement of its next-token distributions against the receiver's full
@@ -113,17 +119,46 @@ class PairScorer:
         # per-row scores, not only their mean: the profiler asks whether paths differ on any row
         self._scores: dict[tuple[ReusePlan, Wire], list[float]] = {}
         self._sender: list[float] | None = None
+        self._divergences: dict[ReusePlan, list[float]] = {}
+        self._reference: dict[int, tuple[list[int], torch.Tensor]] = {}  # row -> (answer ids, log-probs [A, vocab])
 
     @property
     def num_layers(self) -> int:
         return self.receiver.num_layers
 
-    def scores(self, plan: ReusePlan, wire: Wire = RAW) -> list[float]:
-        """The receiver's task score under `plan` on each row, in order; memoised per (plan, wire)."""
-        if (plan, wire) not in self._scores:
-            self._scores[(plan, wire)] = [self._score(self.receiver, i, plan, self._kept_capture(i), wire)
-                                          for i in range(len(self.rows))]
-        return self._scores[(plan, wire)]
+    def scores(self, plan: ReusePlan, wire: Wire = RAW, rows: int | None = None) -> list[float]:
+        """The receiver's task score under `plan` on each row (the first `rows`), in order;
+        memoised per (plan, wire) and row."""
+        got = self._scores.setdefault((plan, wire), [])
+        for i in range(len(got), self._upto(rows)):
+            capture = None if plan.mode == "full_prefill" else self._kept_capture(i)
+            got.append(self._score(self.receiver, i, plan, capture, wire))
+        return got[:self._upto(rows)]
+
+    def fill(self, plans: Sequence[ReusePlan], wire: Wire | None = None) -> None:
+        """Score `plans` on every row, row by row: one capture per row, dropped after the row
+        (unless a plan-major call kept it), so a split of any size fits in memory when its plans
+        are known up front (a profile's test split: ~150 MB per real-tier row in float32)."""
+        lists = {p: self._scores.setdefault((p, wire or RAW), []) for p in plans}
+        for i in range(len(self.rows)):
+            todo = [p for p, got in lists.items() if len(got) == i]
+            capture = self._captured.get(i)
+            if capture is None and any(p.mode != "full_prefill" for p in todo):
+                capture = self._capture(i)
+            for p in todo:
+                lists[p].append(self._score(self.receiver, i, p, None if p.mode == "full_prefill" else capture,
+                                            wire or RAW))
+
+    def divergences(self, plan: ReusePlan, rows: int | None = None) -> list[float]:
+        """Per row (the first `rows`): mean over the receiver's own full-prefill greedy answer of
+        KL(full prefill's next-token distribution || `plan`'s), teacher-forced, in nats; memoised."""
+        got = self._divergences.setdefault(plan, [])
+        for i in range(len(got), self._upto(rows)):
+            got.append(self._divergence(i, plan))
+        return got[:self._upto(rows)]
+
+    def _upto(self, rows: int | None) -> int:
+        return len(self.rows) if rows is None else max(0, min(rows, len(self.rows)))
 
     def quality(self, plan: ReusePlan, wire: Wire = RAW) -> float:
         """Mean task score of the receiver under `plan` (in [0, 1]), reused tensors sent under `wire`; memoised."""
@@ -172,6 +207,30 @@ class PairScorer:
         pre = prefill(model, row.prompt, plan, _source(plan, capture, wire, row))
         tokens = _greedy(model, pre.cache, int(pre.logits[-1].argmax()), len(row.prompt), self.spec.max_new_tokens)
         return measures.score(self.spec.metric, decode_answer(model.tokenizer, tokens, self.spec), row.answers)
+
+    @torch.inference_mode()
+    def _divergence(self, i: int, plan: ReusePlan) -> float:
+        if i not in self._reference:  # the receiver's own answer and its distributions over it
+            pre = prefill(self.receiver, self.rows[i].prompt, ReusePlan.full_prefill(), None)
+            answer = _greedy(self.receiver, pre.cache, int(pre.logits[-1].argmax()), len(self.rows[i].prompt),
+                             self.spec.max_new_tokens)
+            self._reference[i] = answer, self._forced(i, ReusePlan.full_prefill(), answer)
+        answer, reference = self._reference[i]
+        other = reference if plan.mode == "full_prefill" else self._forced(i, plan, answer)
+        return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+    def _forced(self, i: int, plan: ReusePlan, answer: list[int]) -> torch.Tensor:
+        """Log-probs [len(answer), vocab] of the receiver under `plan` at the positions that predict
+        each token of `answer`, the answer fed in (teacher forcing: one forward, no decoding)."""
+        row, model = self.rows[i], self.receiver
+        capture = None if plan.mode == "full_prefill" else self._kept_capture(i)
+        pre = prefill(model, row.prompt, plan, _source(plan, capture, RAW, row))
+        logits = pre.logits[-1:]  # [1, vocab]: predicts answer[0]
+        if len(answer) > 1:
+            ids = torch.tensor([answer[:-1]], device=model.device)  # [1, A-1]
+            h = model.run_layers(model.embed(ids), 0, model.num_layers, pre.cache, past=len(row.prompt))
+            logits = torch.cat([logits, model.logits(h)[0]])  # [A, vocab]
+        return torch.log_softmax(logits.float(), dim=-1)
 
     @torch.inference_mode()
     def _path(self, model: ModelAdapter, i: int, plan: ReusePlan, capture: CapturedContext | None,

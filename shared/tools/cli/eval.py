@@ -81,14 +81,24 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
     click.echo(table)
 
 
+def _versus(v: dict | None) -> str:
+    if not v:
+        return ""
+    if v["interval"] is None:
+        return "n/a (full prefill scores 0)"
+    lo, hi = v["interval"]
+    return f"{v['relative']:+.1%} [{lo:+.1%}, {hi:+.1%}] {v['verdict']}"
+
+
 def format_table(ev: dict) -> str:
     """A short text table of the headline paths and the must-show summary."""
     fp = ev["receiver_full_prefill"]["quality"]
     lines = [f"{ev['task']} ({ev['metric']}, {ev['rows']} rows, {ev['total_layers']} layers)",
-             f"{'path':28s} {'quality':>8s} {'nll':>8s} {'kl':>8s} {'top1':>6s} {'greedy':>6s}"]
+             f"{'path':28s} {'quality':>8s} {'nll':>8s} {'kl':>8s} {'top1':>6s} {'greedy':>6s}  "
+             "vs full prefill, 95 % interval"]
     def row(name, r):
         return (f"{name:28s} {r['quality']:8.4f} {r['answer_nll']:8.4f} {r['kl']:8.4f} {r['top1_agreement']:6.3f} "
-                f"{r.get('greedy_agreement', float('nan')):6.3f}")
+                f"{r.get('greedy_agreement', float('nan')):6.3f}  {_versus(r.get('vs_full_prefill'))}")
     lines += [row("sender alone", ev["sender_alone"]), row("receiver full prefill", ev["receiver_full_prefill"]),
               row("receiver full reuse", ev["receiver_full_reuse"])]
     lines += [row(f"reuse only layer {p['layer']}", p) for p in ev["per_layer_reuse"]]

@@ -43,9 +43,12 @@ if TYPE_CHECKING:
               help="Cut answers at this string (repeatable; default: the zoo task's; a newline for your own task).")
 @click.option("--granularity", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option("--tolerance", default=0.05, show_default=True, type=click.FloatRange(0, 1, max_open=True))
-@click.option("--search", "search_kind", type=click.Choice(["guided", "coarse"]), default="guided", show_default=True,
+@click.option("--search", "search_kind", type=click.Choice(["guided", "coarse", "fidelity"]), default="guided",
+              show_default=True,
               help="guided: sensitivity pass + one window per group size, O(L) plans; coarse: a 4-block grid, "
-                   "then binary search on the group's ends, O(log L) plans.")
+                   "then binary search on the group's ends, O(log L) plans; fidelity: plans ranked by their "
+                   "divergence from full prefill, the short list raced on the task metric with 95 % intervals "
+                   "(rows a plan cannot win on are not spent on it).")
 @click.option("--exhaustive/--guided-only", default=False, show_default=True,
               help="Also run the O((L/g)^2) search to compare with the chosen one (120 more plans at 30 layers, g=2).")
 @click.option("--budget", type=click.FloatRange(0), default=DEFAULT_BUDGET_MIN, show_default=True,

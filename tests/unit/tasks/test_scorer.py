@@ -142,3 +142,67 @@ def test_scorer_rejects_no_rows(pair) -> None:
     send, recv = pair
     with pytest.raises(ValueError, match="no rows"):
         PairScorer(send, recv, [], TASKS["multihop_qa"])
+
+
+def test_divergences_are_zero_where_a_plan_reproduces_full_prefill_and_grow_row_by_row(pair) -> None:
+    """The fidelity signal: full prefill against itself is 0 on every row; recomputing [1, L) (the
+    sender equals the receiver below layer 1) matches it within float error; full reuse (layer 1's
+    KV from the perturbed sender) diverges. Rows asked for later extend the memo, never rescore."""
+    send, recv = pair
+    rows = make_rows("multihop_qa", "test", 3, SHAPE)
+    scorer = PairScorer(send, recv, rows, TASKS["multihop_qa"])
+    assert scorer.divergences(ReusePlan.full_prefill()) == [0.0, 0.0, 0.0]
+    assert scorer.divergences(ReusePlan.recompute(1, L)) == pytest.approx([0.0] * 3, abs=1e-5)
+    reuse = scorer.divergences(ReusePlan.full_reuse(), rows=2)
+    assert len(reuse) == 2 and min(reuse) > 1e-4
+    first = scorer.scores(ReusePlan.full_reuse(), rows=1)
+    calls: list[int] = []
+    original = scorer._score
+    scorer._score = lambda *a, **k: calls.append(a[1]) or original(*a, **k)  # type: ignore[method-assign]
+    assert scorer.scores(ReusePlan.full_reuse(), rows=3)[:1] == first and calls == [1, 2]
+    assert scorer.divergences(ReusePlan.full_reuse())[:2] == reuse
+
+
+def test_fill_scores_row_by_row_as_plan_major_calls_do_and_keeps_no_capture(pair) -> None:
+    """`fill` gives each plan the scores `scores` gives it, with one capture per row, none kept."""
+    send, recv = pair
+    rows = make_rows("multihop_qa", "test", 3, SHAPE)
+    plans = [ReusePlan.full_prefill(), ReusePlan.full_reuse(), ReusePlan.recompute(1, 3)]
+    a, b = PairScorer(send, recv, rows, TASKS["multihop_qa"]), PairScorer(send, recv, rows, TASKS["multihop_qa"])
+    captures: list[int] = []
+    original = b._capture
+    b._capture = lambda i: captures.append(i) or original(i)  # type: ignore[method-assign]
+    b.scores(plans[1], rows=1)  # a plan-major start keeps row 0's capture
+    b.fill(plans)
+    assert captures == [0, 1, 2] and list(b._captured) == [0]
+    assert all(b.scores(p) == a.scores(p) for p in plans)
+    c = PairScorer(send, recv, rows, TASKS["multihop_qa"])
+    c.scores(ReusePlan.full_prefill())
+    assert c._captured == {}  # full prefill reads nothing of the sender: no capture
+
+
+def test_every_eval_path_carries_its_interval_against_full_prefill(pair) -> None:
+    """The eval JSON: each path but full prefill has its paired relative difference, interval and
+    verdict; [1, L) reproduces full prefill on every row, so its interval is [0, 0]: within."""
+    send, recv = pair
+    rows = make_rows("multihop_qa", "test", 3, SHAPE)
+    ev = evaluate_pair(send, recv, rows, TASKS["multihop_qa"], group_sizes=[L - 1], layer_stride=0, progress=False)
+    assert "vs_full_prefill" not in ev["receiver_full_prefill"]
+    for path in (ev["receiver_full_reuse"], ev["sender_alone"], *ev["groups"]):
+        v = path["vs_full_prefill"]
+        assert v["verdict"] in ("within", "below", "undecided")
+        assert v["interval"] is None or v["interval"][0] <= v["relative"] <= v["interval"][1]
+    g = next(g for g in ev["groups"] if (g["start"], g["end"]) == (1, L))
+    if ev["receiver_full_prefill"]["quality"] > 0:
+        assert g["vs_full_prefill"] == {"relative": 0.0, "interval": [0.0, 0.0], "verdict": "within"}
+
+
+def test_an_eval_path_that_wins_by_noise_is_undecided() -> None:
+    """Constructed rows: a path with full prefill's mean but independent answers is undecided, not within."""
+    from droidmesh.shared.tasks.evaluation import _Acc
+
+    ref, noisy = _Acc(), _Acc()
+    ref.q = [1.0, 0.0] * 20
+    noisy.q = [0.0, 1.0] * 20
+    v = noisy.summary(ref)["vs_full_prefill"]
+    assert v["relative"] == 0.0 and v["verdict"] == "undecided"
