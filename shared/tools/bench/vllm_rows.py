@@ -151,10 +151,14 @@ def _verdict(p: intervals.Paired) -> dict[str, Any]:
 
 
 def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], None], dtype: str = "float32",
-        engine_too: bool = True) -> dict[str, Any]:
+        engine_too: bool = True, chunk: int = 150,
+        on_chunk: Callable[[dict[str, Any]], None] = lambda partial: None) -> dict[str, Any]:
     """Two `vllm serve` engines one after the other, each with the connector: `real/base` (the
     same-model questions) and `docqa` merged into its base (the pair's: vLLM's CPU LoRA kernels
-    prefill many times slower than its dense ones, and the question is the answers, not LoRA)."""
+    prefill many times slower than its dense ones, and the question is the answers, not LoRA).
+    Rows go `chunk` at a time, each chunk with a mesh of its own whose sender holds only that
+    chunk's contexts (600 rows' contexts at once would be ~16 GB in float32); `on_chunk` gets the
+    result so far after each chunk, so a long run killed midway keeps what it measured."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
@@ -166,11 +170,29 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     longest = max(sum(len(x) for x in encode_row(tok, r, spec)[:2]) for r in rows)
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
+    asked: dict[str, list[dict[str, Any]]] = {"same": [], "pair": []}
+    result: dict[str, Any] = {}
+    for start in range(0, len(rows), chunk):
+        part = rows[start:start + chunk]
+        say(f"rows {start + 1}-{start + len(part)} of {len(rows)}")
+        for name, got in _ask_chunk(python, tier, base, docqa, part, tok, spec, dtype, engine_spec, env, work,
+                                    say).items():
+            asked[name] += got
+        result = _result(rows[:start + len(part)], asked, None, dtype, spec)
+        on_chunk(result)
+    scores = ours(tier, rows, spec, PLAN, dtype) if engine_too else None
+    return _result(rows, asked, scores, dtype, spec)
+
+
+def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: Sequence[dict[str, Any]], tok: Any,
+               spec: TaskSpec, dtype: str, engine_spec: dict[str, Any], env: dict[str, str], work: Path,
+               say: Callable[[str], None]) -> dict[str, list[dict[str, Any]]]:
+    """One mesh holding `rows`' contexts, and each engine asked every row in turn."""
     contexts = list(dict.fromkeys(r["context"] for r in rows))
     held = sum(len(text.context_ids(tok, c)) for c in contexts)
     store = max(2 << 30, int(1.25 * held * held_bytes_per_token(base.path, dtype, len(PLAN.e_layers))))  # every context at once
+    asked: dict[str, list[dict[str, Any]]] = {}
     with pair_mesh(tier, base, docqa, work, dtype, contexts, lora=False, store_bytes=store) as conn:
-        asked: dict[str, list[dict[str, Any]]] = {}
         for name, model, base_model in (("same", base, "base"), ("pair", docqa, "docqa")):
             engine = ServedEngine(python, {**engine_spec, "model": str(model.path), "name": base_model,
                                            "connector": {**conn, "base_model": base_model}}, work, free_port(), env)
@@ -180,7 +202,11 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
                                else ask_pair(engine, tok, rows, spec, say=say))
             finally:
                 engine.stop()
-    scores = ours(tier, rows, spec, PLAN, dtype) if engine_too else None
+    return asked
+
+
+def _result(rows: Sequence[dict[str, Any]], asked: dict[str, list[dict[str, Any]]],
+            scores: dict[str, list[float]] | None, dtype: str, spec: TaskSpec) -> dict[str, Any]:
     return {"task": TASK, "split": "test", "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric,
             "contexts": len({r["context"] for r in rows}), "summary": summarize(asked["same"], asked["pair"], scores),
             "same_model_per_row": asked["same"], "pair_per_row": asked["pair"], "droidmesh_engine_per_row": scores}

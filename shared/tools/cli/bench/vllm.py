@@ -75,12 +75,15 @@ def _interval(lo_hi: list[float] | tuple[float, float] | None) -> str:
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
               help="vLLM's weights and cache, the sender's and the connector's own layers.")
 @click.option("--no-engine", is_flag=True, help="Skip DroidMesh's own engine on the same rows.")
-def vllm_rows(json_path, vllm_python, rows, dtype, no_engine) -> None:
+@click.option("--chunk", default=150, show_default=True, type=click.IntRange(1, 2000),
+              help="Rows per mesh and engine start (a sender holds one chunk's contexts at a time).")
+def vllm_rows(json_path, vllm_python, rows, dtype, no_engine, chunk) -> None:
     """Same-model first-token agreement under full reuse, and base -> docqa quality under the plan."""
     from droidmesh.shared.tools.bench import vllm_rows as bench
 
     result = _on_real_tier(vllm_python, "dm-bench-vllm-rows-", lambda tier, work, say: bench.run(
-        vllm_python, tier, rows, work, say, dtype, engine_too=not no_engine))
+        vllm_python, tier, rows, work, say, dtype, engine_too=not no_engine, chunk=chunk,
+        on_chunk=lambda partial: save(json_path, "vllm-rows", {**partial, "partial": True})))
     s = result["summary"]
     same, pair = s["same_model"], s["pair"]
     lo, hi = same["first_token_interval"]
