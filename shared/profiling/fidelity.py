@@ -30,6 +30,8 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from tqdm import tqdm
+
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.profiling import search
 from droidmesh.shared.tasks import intervals
@@ -174,3 +176,41 @@ def rank(divergence: RowsOf, num_layers: int, g: int, settings: Settings) -> Ran
             short.append((ReusePlan.recompute(s, e), e - s))
         best = min(best, kl)
     return Ranked(sens, reuse, windows, short)
+
+
+def search_train(train: RowOracle, num_layers: int, g: int, tolerance: float, settings: Settings
+                 ) -> tuple[Ranked, RaceResult]:
+    """`rank` on `train`'s divergences, then `race` on its task scores, each with a progress bar in rows."""
+    probe, sizes = min(settings.probe_rows, len(train.rows)), len(search.grid(num_layers, g)) - 1
+    with tqdm(total=probe * (num_layers + 1 + sizes), desc="divergence", unit="row") as bar:
+        ranked = rank(_rows_bar(train.divergences, bar), num_layers, g, settings)
+    with tqdm(total=len(train.rows) * (len(ranked.shortlist) + 1), desc="race", unit="row") as bar:
+        raced = race(ranked.shortlist, _rows_bar(train.scores, bar), len(train.rows), train.documents, settings,
+                     tolerance)
+    return ranked, raced
+
+
+def _rows_bar(rows_of: Callable[..., list[float]], bar: tqdm) -> RowsOf:
+    """`rows_of(plan, rows=n)` that moves `bar` by the rows each call adds (a plan's rows are memoised)."""
+    seen: dict[ReusePlan, int] = {}
+
+    def run(plan: ReusePlan, n: int) -> list[float]:
+        bar.set_postfix_str(plan.label())
+        got = rows_of(plan, rows=n)
+        bar.update(max(0, len(got) - seen.get(plan, 0)))
+        seen[plan] = max(seen.get(plan, 0), len(got))
+        return got
+    return run
+
+
+def section(ranked: Ranked, raced: RaceResult, settings: Settings, rows: int) -> dict[str, Any]:
+    """The profile JSON's `fidelity` section."""
+    pick = raced.chosen or fallback(raced)
+    return {
+        "settings": dataclasses.asdict(settings), "probe_rows": min(settings.probe_rows, rows),
+        "sensitivity_kl": ranked.sensitivity, "full_reuse_kl": ranked.full_reuse,
+        "windows": [{"start": s, "end": e, "recomputed_layers": e - s, "kl": kl} for s, e, kl in ranked.windows],
+        "shortlist": [p.label() for p, _ in ranked.shortlist],
+        "race": [e.as_json() for e in raced.entries], "race_rows": raced.rows, "race_row_scores": raced.row_scores,
+        "chosen_verdict": pick.verdict if pick is not None else None, "decided": raced.chosen is not None,
+    }

@@ -162,30 +162,12 @@ def _search(ev: Evaluate, memo: Memo, train: Evaluate, test_memo: Memo, num_laye
                   len(points) if settings.exhaustive else 0)
 
 
-def _rows_bar(rows_of: Callable[..., list[float]], bar: tqdm) -> fidelity.RowsOf:
-    """`rows_of(plan, rows=n)` that moves `bar` by the rows each call adds (a plan's rows are memoised)."""
-    seen: dict[ReusePlan, int] = {}
-
-    def run(plan: ReusePlan, n: int) -> list[float]:
-        bar.set_postfix_str(plan.label())
-        got = rows_of(plan, rows=n)
-        bar.update(max(0, len(got) - seen.get(plan, 0)))
-        seen[plan] = max(seen.get(plan, 0), len(got))
-        return got
-    return run
-
-
 def _fidelity(ev: Evaluate, train: Any, full_prefill: float, full_reuse: float, num_layers: int,
               settings: ProfileSettings) -> _Found:
     """The fidelity search (fidelity.py) on the train scorer: divergence ranks, the race chooses.
     The frontier holds each raced plan at its mean over the rows it was scored on."""
-    fs = settings.fidelity
-    probe, sizes = min(fs.probe_rows, len(train.rows)), len(search.grid(num_layers, settings.granularity)) - 1
-    with tqdm(total=probe * (num_layers + 1 + sizes), desc="divergence", unit="row") as bar:
-        ranked = fidelity.rank(_rows_bar(train.divergences, bar), num_layers, settings.granularity, fs)
-    with tqdm(total=len(train.rows) * (len(ranked.shortlist) + 1), desc="race", unit="row") as bar:
-        raced = fidelity.race(ranked.shortlist, _rows_bar(train.scores, bar), len(train.rows), train.documents,
-                              fs, settings.tolerance)
+    ranked, raced = fidelity.search_train(train, num_layers, settings.granularity, settings.tolerance,
+                                          settings.fidelity)
     pick = raced.chosen or fidelity.fallback(raced)
 
     def point(plan: ReusePlan) -> search.Point:
@@ -196,17 +178,8 @@ def _fidelity(ev: Evaluate, train: Any, full_prefill: float, full_reuse: float, 
                     for e in raced.entries if e.rows]
     chosen = point(pick.plan) if pick is not None else search.Point(0, num_layers, full_prefill)
     front = search.frontier([*raced_points, chosen], full_reuse)
-    section = {
-        "settings": dataclasses.asdict(fs), "probe_rows": min(fs.probe_rows, len(train.rows)),
-        "sensitivity_kl": ranked.sensitivity, "full_reuse_kl": ranked.full_reuse,
-        "windows": [{"start": s, "end": e, "recomputed_layers": e - s, "kl": kl} for s, e, kl in ranked.windows],
-        "shortlist": [p.label() for p, _ in ranked.shortlist],
-        "race": [e.as_json() for e in raced.entries], "race_rows": raced.rows, "race_row_scores": raced.row_scores,
-        "chosen_verdict": pick.verdict if pick is not None else None,
-        "decided": raced.chosen is not None,
-    }
     return _Found(full_prefill, full_reuse, [], [], raced_points, front, chosen, chosen, len(ranked.windows) + len(
-        ranked.sensitivity) + 1, 0, section)
+        ranked.sensitivity) + 1, 0, fidelity.section(ranked, raced, settings.fidelity, len(train.rows)))
 
 
 def _test_plans(found: _Found, settings: ProfileSettings) -> list[ReusePlan]:
