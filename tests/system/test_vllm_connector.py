@@ -172,12 +172,15 @@ def test_the_vllm_rows_bench_asks_each_row_both_ways_on_this_engine(served, real
     spec = task_spec("doc_qa")
     tokenizer = load_model(real_tier / "base", device="cpu", dtype="float32").tokenizer
     same = vllm_rows.ask_same_model(served.engine, tokenizer, rows, spec)
+    vllm_rows.ask_batched(served.engine, tokenizer, rows * 2, spec, same * 2, batch=2)  # the row twice at once
     pair = vllm_rows.ask_pair(served.engine, tokenizer, rows, spec, lora="docqa")
     assert [r["same_path"] for r in same] == ["full_reuse"] and [r["pair_path"] for r in pair] == ["partial"], (same, pair)
     assert all(r["first_token_equal"] for r in same), same
     assert all(0.0 <= r[k] <= 1.0 for r in pair for k in ("quality_alone", "quality_plan"))
     summary = vllm_rows.summarize(same, pair, None)
     assert summary["rows"] == {"same_model": 1, "pair": 1} and summary["same_model"]["greedy_agreement"] >= 0.0, summary
+    own = summary["same_model"]["vllm_across_batch_sizes"]
+    assert own["rows"] == 1 and 0.0 <= own["greedy_agreement"] <= 1.0, summary
 
 
 def test_a_hostile_senders_garbage_falls_back_and_vllm_lives_on(served):

@@ -6,7 +6,8 @@ context, the pair's plan on the config board) and `vllm serve` with the connecto
 and then of `docqa` (merged into its base). Per row, greedy answers of the task's length:
   - same model: `base` asks, vLLM's own full prefill against full reuse of the sender's cache of
     the same weights (mode `full_reuse`): is the first token the same, and what share of the
-    answer's tokens agree;
+    answer's tokens agree; and, as the yardstick, vLLM against itself: the same full prefill
+    asked again four requests at a time (batched) against alone;
   - the pair: `docqa` asks, vLLM's own full prefill against the pair's plan (`partial`: layers
     [6, 9) recomputed from the sender's E), both scored by the task metric; DroidMesh's own engine
     scores the same plan and its own full prefill on the same rows, beside them.
@@ -18,6 +19,7 @@ context are resampled together) and the 5 % rule applied to it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -75,10 +77,29 @@ def ask_same_model(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]
         reused, path = _ask(engine, f"row{i}-base-reuse", ctx + q, spec, eos, mode="full_reuse")
         out.append({"row": row.get("_id", i), "document": document(row), "context_tokens": len(ctx), "same_path": path,
                     "first_token_equal": alone[:1] == reused[:1],
-                    "greedy_agreement": measures.greedy_agreement(alone, reused)})
+                    "greedy_agreement": measures.greedy_agreement(alone, reused), "answer_alone": alone})
         say(f"same model, row {i + 1}/{len(rows)}: {len(ctx)} tokens, {path}, first token "
             f"{'=' if alone[:1] == reused[:1] else '!='}")
     return out
+
+
+def ask_batched(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spec: TaskSpec,
+                same: list[dict[str, Any]], batch: int = 4, *, say: Callable[[str], None] = lambda line: None) -> None:
+    """vLLM against itself across batch sizes, the yardstick for full reuse's agreement: each row's
+    full prefill asked again with `batch` requests in flight at once (the engine batches them),
+    compared with its answer asked alone (`same`'s rows, from `ask_same_model`, updated in place)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    prompts = [sum(encode_row(tokenizer, row, spec)[:2], []) for row in rows]
+    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+        for start in range(0, len(rows), batch):
+            idx = range(start, min(len(rows), start + batch))
+            asked = {i: pool.submit(_ask, engine, f"row{i}-base-batched", prompts[i], spec, eos, mode="full_prefill")
+                     for i in idx}
+            for i, future in asked.items():
+                answer, _ = future.result()
+                same[i]["batched_first_token_equal"] = answer[:1] == same[i]["answer_alone"][:1]
+                same[i]["batched_greedy_agreement"] = measures.greedy_agreement(same[i]["answer_alone"], answer)
+            say(f"same model, {batch} at once: rows {start + 1}-{idx[-1] + 1}/{len(rows)}")
 
 
 def ask_pair(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spec: TaskSpec, *,
@@ -127,6 +148,7 @@ def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
     docs = [r["document"] for r in pair]  # a document's rows are resampled together
     first = sum(r["first_token_equal"] for r in same)
     pair_first = sum(r["pair_first_token_equal"] for r in pair)
+    batched = [r for r in same if "batched_first_token_equal" in r]
     out: dict[str, Any] = {
         "rows": {"same_model": n, "pair": m},
         "same_model": {"paths": dict(collections.Counter(r["same_path"] for r in same)),
@@ -137,6 +159,11 @@ def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
                                                    groups=docs)),
                  "first_token_equal": pair_first / m, "first_token_interval": intervals.wilson(pair_first, m)},
     }
+    if batched:  # vLLM against itself, alone and batched: what full reuse's agreement is measured against
+        k = sum(r["batched_first_token_equal"] for r in batched)
+        out["same_model"]["vllm_across_batch_sizes"] = {
+            "rows": len(batched), "first_token_equal": k / len(batched), "first_token_interval": intervals.wilson(k, len(batched)),
+            "greedy_agreement": statistics.fmean(r["batched_greedy_agreement"] for r in batched)}
     if engine_scores is not None:
         out["pair"]["droidmesh_engine"] = _verdict(intervals.paired(engine_scores["full_prefill"], engine_scores["plan"],
                                                                     groups=docs))
@@ -200,6 +227,8 @@ def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: S
                 engine.ready(READY_S)
                 asked[name] = (ask_same_model(engine, tok, rows, spec, say=say) if name == "same"
                                else ask_pair(engine, tok, rows, spec, say=say))
+                if name == "same":
+                    ask_batched(engine, tok, rows, spec, asked[name], say=say)
             finally:
                 engine.stop()
     return asked

@@ -23,3 +23,44 @@ def test_the_summary_counts_paths_and_decides_with_intervals():
     assert lo < 0.9 < hi < 1.0
     assert s["pair"]["vllm"]["verdict"] == "within" and s["pair"]["vllm"]["relative"] == 0.0
     assert s["pair"]["droidmesh_engine"]["verdict"] == "below"  # half of full prefill's on every row
+
+
+def test_vllm_against_itself_batched_is_the_yardstick_beside_full_reuse(monkeypatch):
+    """`ask_batched` asks each row's full prefill again, several in flight, and compares with the
+    answer asked alone; the summary reports that agreement with its own interval."""
+    import threading
+
+    from droidmesh.shared.tasks.spec import task_spec
+    from droidmesh.shared.tools.bench.vllm_rows import ask_batched
+
+    class Engine:
+        """Answers [7, 8, 9]; the row whose prompt has 3 tokens answers [7, 1, 1] when batched."""
+
+        def __init__(self):
+            self.modes, self.lock = [], threading.Lock()
+
+        def ask(self, rid, prompt, *, max_tokens, mode="auto", lora=None, timeout_s=300.0):
+            with self.lock:
+                self.modes.append(mode)
+            return {"tokens": [7, 1, 1] if len(prompt) == 3 else [7, 8, 9], "request_id": rid}
+
+        def events(self, event, request_id):
+            return []
+
+    class Tok:
+        eos_token_id = None
+
+    rows = [{"context": "c" * n} for n in (1, 2, 3, 4)]
+    same = [{"same_path": "full_reuse", "first_token_equal": True, "greedy_agreement": 1.0, "answer_alone": [7, 8, 9]}
+            for _ in rows]
+    encode = {"c" * n: ([0] * (n - 1), [0], [0]) for n in (1, 2, 3, 4)}
+    monkeypatch.setattr("droidmesh.shared.tools.bench.vllm_rows.encode_row", lambda tok, row, spec: encode[row["context"]])
+    engine = Engine()
+    ask_batched(engine, Tok(), rows, task_spec("doc_qa"), same, batch=2)
+    assert engine.modes == ["full_prefill"] * 4
+    assert [r["batched_greedy_agreement"] for r in same] == [1.0, 1.0, 1 / 3, 1.0]
+    assert all(r["batched_first_token_equal"] for r in same)
+    pair = [{"pair_path": "partial", "pair_first_token_equal": True, "quality_alone": 1.0, "quality_plan": 1.0,
+             "document": "d"}]
+    own = summarize(same, pair, None)["same_model"]["vllm_across_batch_sizes"]
+    assert own["rows"] == 4 and own["first_token_equal"] == 1.0 and abs(own["greedy_agreement"] - (3 + 1 / 3) / 4) < 1e-9

@@ -91,6 +91,11 @@ def vllm_rows(json_path, vllm_python, rows, dtype, no_engine, chunk) -> None:
                f"{result['dtype']}, plan {result['plan']}")
     click.echo(f"same model, full reuse (paths {same['paths']}): first token equal {same['first_token_equal']:.3f} "
                f"[{lo:.3f}, {hi:.3f}], greedy agreement {same['greedy_agreement']:.3f}")
+    own = same.get("vllm_across_batch_sizes")
+    if own:
+        lo, hi = own["first_token_interval"]
+        click.echo(f"vLLM against itself, batched vs alone: first token equal {own['first_token_equal']:.3f} "
+                   f"[{lo:.3f}, {hi:.3f}], greedy agreement {own['greedy_agreement']:.3f} ({own['rows']} rows)")
     for name in ("vllm", "droidmesh_engine"):
         if name in pair:
             v = pair[name]
