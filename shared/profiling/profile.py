@@ -35,6 +35,9 @@ from droidmesh.shared.profiling.search import Evaluate, Memo
 from droidmesh.shared.wire import schemas
 
 SEARCHES = ("guided", "coarse", "fidelity")
+# Train captures kept at once (each row's every layer K/V and E): beyond, the least recently used
+# is made again when asked. The fidelity search asks rows in batches, so a batch fits.
+CAPTURE_BUDGET_BYTES = 4 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +111,9 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         memo, test_memo = Memo(train), Memo(test)
         ev = _progress(memo, bar)
         found = _search(ev, memo, train, test_memo, num_layers, settings)
-        if hasattr(test, "fill"):  # the test split's plans are known now: one capture per row, not kept
-            test.fill(_test_plans(found, settings))
+        for scorer in (train, test):  # the rest of the plans are known now: one capture per row, not kept
+            if hasattr(scorer, "fill"):
+                scorer.fill(_test_plans(found, settings))
         result = _result(found, ev, test_memo, pair, num_layers, settings)
         result["chosen"].update(_test_check(test, found.chosen.plan(), result, settings.tolerance))
         # full reuse's own interval on the same test rows: what recomputing the group buys
@@ -373,7 +377,8 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
                      tuple(len(rows) for rows, _ in other_rows.values()), transfer_search)
     work, timing, cut = _fit_budget(work, s_model, r_model, train_rows, spec, L, settings, say)
     settings = dataclasses.replace(settings, search=work.search, exhaustive=work.exhaustive)
-    train = PairScorer(s_model, r_model, train_rows[:work.n_train], spec)
+    keep = max(fidelity.Settings().batch, int(CAPTURE_BUDGET_BYTES // _capture_bytes(s_model, train_rows, spec)))
+    train = PairScorer(s_model, r_model, train_rows[:work.n_train], spec, max_captures=keep)
     test = PairScorer(s_model, r_model, test_rows[:work.n_test], spec)
     others = {t: PairScorer(s_model, r_model, rows, t_spec) for t, (rows, t_spec) in other_rows.items()} if work.others else {}
     xfer = transfer.Inputs(s_model, [r.context for r in train.rows], train.quality, test.quality,
@@ -389,6 +394,16 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
                       "elapsed_s": time.perf_counter() - t0, "budget_s": settings.budget_s, "cut": cut}
     cfg = recompute_config(result, sender, receiver, version if version is not None else int(time.time()))
     return result, cfg
+
+
+def _capture_bytes(model: Any, rows: list[dict[str, Any]], spec: Any) -> int:
+    """One row's capture on average: every layer's K and V and E, for the rows' mean context length."""
+    from droidmesh.shared.tasks.rows import encode_row
+
+    tokens = sum(len(encode_row(model.tokenizer, r, spec)[0]) for r in rows) / max(1, len(rows))
+    k, e = model.kv_shape(1), model.e_shape(1)  # [1, kv heads, 1, head dim], [1, 1, hidden]
+    per_token = model.num_layers * (2 * k[1] * k[3] + e[2]) * model.dtype.itemsize
+    return max(1, int(tokens * per_token))
 
 
 def _robustness_tasks(task: str, other_tasks: Sequence[str] | None, *, user_data: bool) -> list[str]:

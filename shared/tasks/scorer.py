@@ -28,6 +28,7 @@ profiler's sensitivity, see `shared/profiling/search.py`).
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import statistics
@@ -108,14 +109,19 @@ def score_text(spec: TaskSpec, text: str, answers: Sequence[str]) -> float:
 class PairScorer:
     """Scores plans for (sender, receiver) on `rows` of one task; blocks (torch, CPU or GPU)."""
 
-    def __init__(self, sender: ModelAdapter, receiver: ModelAdapter, rows: Sequence[dict[str, Any]], spec: TaskSpec):
+    def __init__(self, sender: ModelAdapter, receiver: ModelAdapter, rows: Sequence[dict[str, Any]], spec: TaskSpec,
+                 *, max_captures: int | None = None):
+        """`max_captures`: keep at most this many rows' captures (least recently used go, and are
+        made again when asked): a real-tier row's capture is ~150 MB in float32, and a profile of
+        64 rows would otherwise hold ~10 GB. None: keep every one."""
         if not rows:
             raise ValueError("no rows to score on")
         self.sender, self.receiver, self.spec = sender, receiver, spec
         self.rows = [Encoded(*encode_row(receiver.tokenizer, r, spec), tuple(r["answers"])) for r in rows]
         self.ids = [r.get("_id") for r in rows]
         self.documents = [document_id(r["context"]) for r in rows]  # an interval resamples a document's rows together
-        self._captured: dict[int, CapturedContext] = {}
+        self._captured: collections.OrderedDict[int, CapturedContext] = collections.OrderedDict()  # LRU order
+        self.max_captures = max_captures
         # per-row scores, not only their mean: the profiler asks whether paths differ on any row
         self._scores: dict[tuple[ReusePlan, Wire], list[float]] = {}
         self._sender: list[float] | None = None
@@ -196,8 +202,12 @@ class PairScorer:
         return capture_prefill(self.sender, self.rows[i].context, e_layers=range(self.sender.num_layers))
 
     def _kept_capture(self, i: int) -> CapturedContext:
-        if i not in self._captured:
+        if i in self._captured:
+            self._captured.move_to_end(i)
+        else:
             self._captured[i] = self._capture(i)
+            while self.max_captures is not None and len(self._captured) > max(1, self.max_captures):
+                self._captured.popitem(last=False)
         return self._captured[i]
 
     @torch.inference_mode()  # decoding and teacher forcing too, not only the engine's prefill

@@ -206,3 +206,19 @@ def test_an_eval_path_that_wins_by_noise_is_undecided() -> None:
     noisy.q = [0.0, 1.0] * 20
     v = noisy.summary(ref)["vs_full_prefill"]
     assert v["relative"] == 0.0 and v["verdict"] == "undecided"
+
+
+def test_a_bounded_scorer_keeps_the_latest_captures_and_makes_the_rest_again(pair) -> None:
+    """`max_captures=2` over 3 rows: the least recently used capture goes, and asking its row
+    again captures it again; scores are those of an unbounded scorer."""
+    send, recv = pair
+    rows = make_rows("multihop_qa", "test", 3, SHAPE)
+    free, bounded = (PairScorer(send, recv, rows, TASKS["multihop_qa"], max_captures=m) for m in (None, 2))
+    captures: list[int] = []
+    original = bounded._capture
+    bounded._capture = lambda i: captures.append(i) or original(i)  # type: ignore[method-assign]
+    plan = ReusePlan.recompute(1, 3)
+    assert bounded.scores(ReusePlan.full_reuse()) == free.scores(ReusePlan.full_reuse())
+    assert list(bounded._captured) == [1, 2]
+    assert bounded.scores(plan) == free.scores(plan)
+    assert captures == [0, 1, 2, 0, 1, 2]  # row 0 made again, which pushed out row 1, and so on
