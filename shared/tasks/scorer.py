@@ -141,12 +141,13 @@ class PairScorer:
             got.append(self._score(self.receiver, i, plan, capture, wire))
         return got[:self._upto(rows)]
 
-    def fill(self, plans: Sequence[ReusePlan], wire: Wire | None = None) -> None:
+    def fill(self, plans: Sequence[ReusePlan], wire: Wire | None = None) -> None:  # with a progress bar
         """Score `plans` on every row, row by row: one capture per row, dropped after the row
         (unless a plan-major call kept it), so a split of any size fits in memory when its plans
         are known up front (a profile's test split: ~150 MB per real-tier row in float32)."""
         lists = {p: self._scores.setdefault((p, wire or RAW), []) for p in plans}
-        for i in range(len(self.rows)):
+        for i in tqdm(range(len(self.rows)), desc=f"{len(plans)} plans, row by row", unit="row",
+                      disable=all(len(got) >= len(self.rows) for got in lists.values())):
             todo = [p for p, got in lists.items() if len(got) == i]
             capture = self._captured.get(i)
             if capture is None and any(p.mode != "full_prefill" for p in todo):
