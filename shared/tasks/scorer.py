@@ -141,7 +141,7 @@ class PairScorer:
             got.append(self._score(self.receiver, i, plan, capture, wire))
         return got[:self._upto(rows)]
 
-    def fill(self, plans: Sequence[ReusePlan], wire: Wire | None = None) -> None:  # with a progress bar
+    def fill(self, plans: Sequence[ReusePlan], wire: Wire | None = None) -> None:
         """Score `plans` on every row, row by row: one capture per row, dropped after the row
         (unless a plan-major call kept it), so a split of any size fits in memory when its plans
         are known up front (a profile's test split: ~150 MB per real-tier row in float32)."""
