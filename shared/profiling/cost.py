@@ -36,6 +36,9 @@ UNKNOWN = 0.5  # the share of layers charged to a plan whose group the search ha
 # Below this many rows per split one answer moves the mean by more than 1/8: a budget never cuts
 # further (the profile's sample warning still says when the test split is too small to trust).
 MIN_ROWS = 8
+# Train captures a profile keeps at once (each row's every layer K/V and E); beyond, the least
+# recently used is made again when asked (`PairScorer(max_captures=)`).
+CAPTURE_BUDGET_BYTES = 4 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,3 +229,15 @@ def measure(sender: Any, receiver: Any, row: dict[str, Any], spec: Any, repeats:
         full = timed(scorer, ReusePlan.full_prefill())
         runs.append(Timing(full, min(reuse, full), max(0.0, with_capture - reuse)))
     return Timing(*(min(getattr(t, f.name) for t in runs) for f in dataclasses.fields(Timing)))
+
+
+def captures_kept(model: Any, rows: Sequence[dict[str, Any]], spec: Any, at_least: int) -> int:
+    """How many rows' captures fit CAPTURE_BUDGET_BYTES (never fewer than `at_least`: the fidelity
+    search asks rows a batch at a time): every layer's K, V and E at the rows' mean context length
+    (~122 MiB a row for the real tier in float32)."""
+    from droidmesh.shared.tasks.rows import encode_row
+
+    tokens = sum(len(encode_row(model.tokenizer, r, spec)[0]) for r in rows) / max(1, len(rows))
+    k, e = model.kv_shape(1), model.e_shape(1)  # [1, kv heads, 1, head dim], [1, 1, hidden]
+    row_bytes = tokens * model.num_layers * (2 * k[1] * k[3] + e[2]) * model.dtype.itemsize
+    return max(at_least, int(CAPTURE_BUDGET_BYTES // max(1.0, row_bytes)))

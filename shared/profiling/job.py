@@ -52,7 +52,7 @@ class ProfileJob:
     plot_path: str | None = None
     n_train: int = 50
     n_test: int = 50
-    data: str | None = None  # one JSONL file, split in two (`profile.split_rows`)
+    data: str | None = None  # one JSONL file, split in two (`datasets.split_rows`)
     data_train: str | None = None
     data_test: str | None = None
     metric: str | None = None  # None: the task's

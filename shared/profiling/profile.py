@@ -16,10 +16,8 @@ profiler service (in its torch worker thread); it blocks for the whole profile, 
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,14 +28,11 @@ from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.model.names import ModelRef, Pair
-from droidmesh.shared.profiling import cost, evidence, fidelity, latency, search, transfer
+from droidmesh.shared.profiling import cost, datasets, evidence, fidelity, latency, search, transfer
 from droidmesh.shared.profiling.search import Evaluate, Memo
 from droidmesh.shared.wire import schemas
 
 SEARCHES = ("guided", "coarse", "fidelity")
-# Train captures kept at once (each row's every layer K/V and E): beyond, the least recently used
-# is made again when asked. The fidelity search asks rows in batches, so a batch fits.
-CAPTURE_BUDGET_BYTES = 4 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,38 +300,6 @@ def robustness(result: dict[str, Any], plan: ReusePlan, test: Evaluate,
             for t, ev, fp, fr, q in rows]
 
 
-def split_rows(rows: list[dict[str, Any]], split: str, test_fraction: float = 0.5) -> list[dict[str, Any]]:
-    """One dataset as train and test: a fixed shuffle of the row indices (seeded by the row
-    count, so a file always splits the same way) puts `test_fraction` of them (at least one,
-    never all) in test; each split keeps the file's order."""
-    if len(rows) < 2:
-        raise BadRequestError(f"--data needs at least 2 rows to split into train and test, got {len(rows)}")
-    order = list(range(len(rows)))
-    random.Random(f"droidmesh-split/{len(rows)}").shuffle(order)
-    n_test = min(len(rows) - 1, max(1, round(test_fraction * len(rows))))
-    test = set(order[:n_test])
-    return [r for i, r in enumerate(rows) if (i in test) == (split == "test")]
-
-
-def load_rows(task: str, split: str, n: int, data: str | None = None, shape: Any = None, *,
-              split_data: bool = False) -> list[dict[str, Any]]:
-    """The first `n` rows (all when `n` is 0) of a user JSONL file (`data`; with `split_data`,
-    its `split` half, see `split_rows`), or of the zoo's generated `task` split."""
-    from droidmesh.shared.tasks.jsonl import read_jsonl
-    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
-
-    if data:
-        rows = read_jsonl(data)
-        rows = split_rows(rows, split) if split_data else rows
-        return rows[:n] if n else rows
-    return make_rows(task, split, n, shape or SuiteShape())
-
-
-def is_jsonl_path(name: str) -> bool:
-    """A robustness data set given as a file rather than as a zoo task name."""
-    return name.endswith(".jsonl") or Path(name).is_file()
-
-
 def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, settings: ProfileSettings, *,
                         n_train: int = 50, n_test: int = 50, data: str | None = None,
                         data_train: str | None = None, data_test: str | None = None, metric: str | None = None,
@@ -361,14 +324,14 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
 
     if data and (data_train or data_test):
         raise BadRequestError("give either --data (one file, split in two) or --data-train / --data-test")
-    other_tasks = _robustness_tasks(task, other_tasks, user_data=bool(data or data_train or data_test))
+    other_tasks = datasets.robustness_tasks(task, other_tasks, user_data=bool(data or data_train or data_test))
     overrides: dict[str, Any] = {"metric": metric, "max_new_tokens": max_new_tokens, "stop": stop}
     spec = task_spec(task, **overrides)
-    train_rows = load_rows(task, "train", n_train, data or data_train, split_data=bool(data))
-    test_rows = load_rows(task, "test", n_test, data or data_test, split_data=bool(data))
+    train_rows = datasets.load_rows(task, "train", n_train, data or data_train, split_data=bool(data))
+    test_rows = datasets.load_rows(task, "test", n_test, data or data_test, split_data=bool(data))
     if not (train_rows and test_rows):
         raise BadRequestError(f"no rows to profile on ({len(train_rows)} train, {len(test_rows)} test)")
-    other_rows = _robustness_rows(other_tasks, n_test, overrides)
+    other_rows = datasets.robustness_rows(other_tasks, n_test, overrides)
     s_model = load_model(sender.path, device=device, dtype=dtype, name=sender.name)
     r_model = load_model(receiver.path, device=device, dtype=dtype, name=receiver.name)
     require_compatible(s_model.fingerprint, r_model.fingerprint)
@@ -377,7 +340,7 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
                      tuple(len(rows) for rows, _ in other_rows.values()), transfer_search)
     work, timing, cut = _fit_budget(work, s_model, r_model, train_rows, spec, L, settings, say)
     settings = dataclasses.replace(settings, search=work.search, exhaustive=work.exhaustive)
-    keep = max(fidelity.Settings().batch, int(CAPTURE_BUDGET_BYTES // _capture_bytes(s_model, train_rows, spec)))
+    keep = cost.captures_kept(s_model, train_rows, spec, at_least=fidelity.Settings().batch)
     train = PairScorer(s_model, r_model, train_rows[:work.n_train], spec, max_captures=keep)
     test = PairScorer(s_model, r_model, test_rows[:work.n_test], spec)
     others = {t: PairScorer(s_model, r_model, rows, t_spec) for t, (rows, t_spec) in other_rows.items()} if work.others else {}
@@ -394,43 +357,6 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
                       "elapsed_s": time.perf_counter() - t0, "budget_s": settings.budget_s, "cut": cut}
     cfg = recompute_config(result, sender, receiver, version if version is not None else int(time.time()))
     return result, cfg
-
-
-def _capture_bytes(model: Any, rows: list[dict[str, Any]], spec: Any) -> int:
-    """One row's capture on average: every layer's K and V and E, for the rows' mean context length."""
-    from droidmesh.shared.tasks.rows import encode_row
-
-    tokens = sum(len(encode_row(model.tokenizer, r, spec)[0]) for r in rows) / max(1, len(rows))
-    k, e = model.kv_shape(1), model.e_shape(1)  # [1, kv heads, 1, head dim], [1, 1, hidden]
-    per_token = model.num_layers * (2 * k[1] * k[3] + e[2]) * model.dtype.itemsize
-    return max(1, int(tokens * per_token))
-
-
-def _robustness_tasks(task: str, other_tasks: Sequence[str] | None, *, user_data: bool) -> list[str]:
-    """The data sets the chosen config is checked on besides the task's test split: `other_tasks`
-    as given (None: the zoo task's shifts and every other zoo task, none for a user's rows), each a
-    zoo task or an existing JSONL file, else a BadRequestError before any model loads."""
-    from droidmesh.shared.tasks.spec import TASKS, known_tasks, shifts_of
-
-    if other_tasks is None:
-        other_tasks = [*shifts_of(task), *(t for t in TASKS if t != task)] if task in TASKS and not user_data else []
-    other_tasks = [t for t in other_tasks if t != task]
-    unknown = [t for t in other_tasks if t not in known_tasks() and not is_jsonl_path(t)]
-    if unknown:
-        raise BadRequestError(f"robustness tasks {unknown} are neither zoo tasks ({known_tasks()}) nor JSONL files")
-    missing = [t for t in other_tasks if t not in known_tasks() and not Path(t).is_file()]
-    if missing:
-        raise BadRequestError(f"robustness data {missing}: no such file")
-    return other_tasks
-
-
-def _robustness_rows(other_tasks: list[str], n: int, overrides: dict[str, Any]) -> dict[str, tuple[list[dict[str, Any]], Any]]:
-    """Each robustness data set's test rows and spec: a zoo task's own, a user's file scored like
-    the profiled data (`overrides`)."""
-    from droidmesh.shared.tasks.spec import known_tasks, task_spec
-
-    return {t: (load_rows(t, "test", n), task_spec(t)) if t in known_tasks()
-            else (load_rows(t, "test", n, t), task_spec(Path(t).stem, **overrides)) for t in other_tasks}
 
 
 def _fit_budget(work: cost.Work, s_model: Any, r_model: Any, train_rows: list[dict[str, Any]], spec: Any,

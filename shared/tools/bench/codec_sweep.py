@@ -51,7 +51,7 @@ def _in_process(pairs: list[dict[str, Any]], tokens: list[int], rows: int, work:
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.model.names import weights_sha256
     from droidmesh.shared.profiling import scd_fit
-    from droidmesh.shared.profiling.profile import load_rows
+    from droidmesh.shared.profiling.datasets import load_rows
     from droidmesh.shared.profiling.transfer import Layout
     from droidmesh.shared.tasks.rows import encode_row
     from droidmesh.shared.tasks.scorer import RAW, PairScorer

@@ -7,7 +7,8 @@ import pytest
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling import search
-from droidmesh.shared.profiling.profile import ProfileSettings, recompute_config, run, split_rows
+from droidmesh.shared.profiling.datasets import split_rows
+from droidmesh.shared.profiling.profile import ProfileSettings, recompute_config, run
 
 L = 8
 CRITICAL = {4, 6}  # reusing either loses quality; layer 5 between them is harmless on its own

@@ -86,7 +86,7 @@ def quality(json_path, plot_path, pair_index, rows, profile_path, long_tokens, r
 
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.model.names import Pair
-    from droidmesh.shared.profiling.profile import load_rows
+    from droidmesh.shared.profiling.datasets import load_rows
     from droidmesh.shared.tasks.scorer import PairScorer
     from droidmesh.shared.tasks.spec import task_spec
     from droidmesh.shared.tools.bench import quality as suite
