@@ -11,7 +11,7 @@ two signals, each where it has power:
               only layer l's KV from the sender) and, per group size, the windows; the plans
               that remove at least `kl_share` of full reuse's divergence and beat every smaller
               window (fewest layers first, at most `shortlist`) go on.
-  task metric the short list and full prefill scored on the same rows, `batch` rows at a time
+  task metric full reuse (0 layers), the short list and full prefill scored on the same rows, `batch` rows at a time
               (`race`): after each batch, from `min_rows` on, each plan's paired difference to
               full prefill gets its bootstrap 95 % interval (rows of one document resampled
               together) and the 5 % rule: a plan whose interval is all below it is dropped; once
@@ -184,9 +184,10 @@ def search_train(train: RowOracle, num_layers: int, g: int, tolerance: float, se
     probe, sizes = min(settings.probe_rows, len(train.rows)), len(search.grid(num_layers, g)) - 1
     with tqdm(total=probe * (num_layers + 1 + sizes), desc="divergence", unit="row") as bar:
         ranked = rank(_rows_bar(train.divergences, bar), num_layers, g, settings)
-    with tqdm(total=len(train.rows) * (len(ranked.shortlist) + 1), desc="race", unit="row") as bar:
-        raced = race(ranked.shortlist, _rows_bar(train.scores, bar), len(train.rows), train.documents, settings,
-                     tolerance)
+    with tqdm(total=len(train.rows) * (len(ranked.shortlist) + 2), desc="race", unit="row") as bar:
+        # full reuse races too, at 0 layers: where it holds, no group is needed (its rows are scored already)
+        raced = race([(ReusePlan.full_reuse(), 0), *ranked.shortlist], _rows_bar(train.scores, bar), len(train.rows),
+                     train.documents, settings, tolerance)
     return ranked, raced
 
 

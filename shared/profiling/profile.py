@@ -169,13 +169,13 @@ def _fidelity(ev: Evaluate, train: Any, full_prefill: float, full_reuse: float, 
                                           settings.fidelity)
     pick = raced.chosen or fidelity.fallback(raced)
 
-    def point(plan: ReusePlan) -> search.Point:
-        (s, e), = plan.groups
-        return search.Point(s, e, ev(plan))
+    def point(plan: ReusePlan, quality: float) -> search.Point:
+        (s, e), = plan.groups or ((0, 0),)  # full reuse: no group
+        return search.Point(s, e, quality)
 
-    raced_points = [search.Point(*e.plan.groups[0], sum(train.scores(e.plan, rows=e.rows)) / max(1, e.rows))
+    raced_points = [point(e.plan, sum(train.scores(e.plan, rows=e.rows)) / max(1, e.rows))
                     for e in raced.entries if e.rows]
-    chosen = point(pick.plan) if pick is not None else search.Point(0, num_layers, full_prefill)
+    chosen = point(pick.plan, ev(pick.plan)) if pick is not None else search.Point(0, num_layers, full_prefill)
     front = search.frontier([*raced_points, chosen], full_reuse)
     return _Found(full_prefill, full_reuse, [], [], raced_points, front, chosen, chosen, len(ranked.windows) + len(
         ranked.sensitivity) + 1, 0, fidelity.section(ranked, raced, settings.fidelity, len(train.rows)))

@@ -194,3 +194,21 @@ def test_the_estimate_bounds_the_rows_the_fidelity_search_scores_and_buys_rows()
     timing = cost.Timing(1.0, 0.2, 0.3)
     fid = cost.seconds(cost.Work("fidelity", False, 64, 64), 30, 2, timing)
     assert fid < 0.5 * cost.seconds(cost.Work("guided", False, 64, 64), 30, 2, timing)
+
+
+def test_full_reuse_races_too_and_wins_where_it_holds():
+    """Full reuse scoring as full prefill on every row: it is within the rule at the first verdict,
+    so no group is recomputed (every larger plan leaves the race)."""
+
+    class Holds(Scorer):
+        def scores(self, plan, rows=None):
+            if plan.mode == "full_reuse":
+                plan = ReusePlan.full_prefill()
+            return super().scores(plan, rows)
+
+    result = run(Holds(120, 5), Holds(120, 6), 8, ProfileSettings(search="fidelity", fidelity=FAST))
+    assert (result["chosen"]["start"], result["chosen"]["end"]) == (0, 0)
+    race = {e["plan"]: e for e in result["fidelity"]["race"]}
+    assert race[ReusePlan.full_reuse().label()]["verdict"] == "within"
+    assert all(e["dropped"] == "a smaller plan is within the rule" for k, e in race.items()
+               if k != ReusePlan.full_reuse().label())
