@@ -244,10 +244,13 @@ def expect_eval(r: Ran) -> None:
         "split": "test", "data": "zoo"}
     assert [p["layer"] for p in ev["per_layer_reuse"]] == list(range(n))  # --layer-stride 1: every layer
     assert r.out.splitlines()[0] == f"multihop_qa (f1, 2 rows, {n} layers)"
-    has(r.out, r"^path +quality +nll +kl +top1 +greedy$")
+    has(r.out, r"^path +quality +nll +kl +top1 +greedy +vs full prefill, 95 % interval$")
     for name in ("sender alone", "receiver full prefill", "receiver full reuse", *(f"reuse only layer {i}" for i in range(n))):
         has(r.out, rf"^{name} +-?\d")
     has(r.out, rf"^receiver full prefill +{ev['receiver_full_prefill']['quality']:.4f} ")  # the JSON's numbers
+    assert all("vs_full_prefill" in ev[k] for k in ("sender_alone", "receiver_full_reuse"))  # each with its interval
+    has(r.out, r"^receiver full reuse .*  (\S+ \[.*\] (within|below|undecided)|\S+, no interval \(too few rows\)"
+               r"|n/a \(full prefill scores 0\))$")
     for g in ev["best_groups"]:
         has(r.out, rf"^recompute \[{g['start']},{g['end']}\) ")
     has(r.out, rf"^full reuse loses .* critical layers {re.escape(str(ev['summary']['critical_layers']))} ")

@@ -84,8 +84,10 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
 def _versus(v: dict | None) -> str:
     if not v:
         return ""
-    if v["interval"] is None:
+    if v["relative"] is None:
         return "n/a (full prefill scores 0)"
+    if v["interval"] is None:  # some resample of documents has full prefill scoring 0
+        return f"{v['relative']:+.1%}, no interval (too few rows)"
     lo, hi = v["interval"]
     return f"{v['relative']:+.1%} [{lo:+.1%}, {hi:+.1%}] {v['verdict']}"
 
