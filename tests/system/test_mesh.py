@@ -29,8 +29,11 @@ def _start(services, nats_url, tiny_pair, group=(1, 2), receivers=1, transport="
     services.append(start_service("sender", {"model_path": tiny_pair[0], "model_id": "sender", "e_layers": [0, 1, 2],
                                              "heartbeat_s": 0.5, "transport": transport}, nats_url, env=THREADS))
     for i in range(receivers):
+        # the broker's answer decides the path: its deadline is pinned far above a busy host's
+        # delays, so "partial" does not ride on a 0.5 s timer
         services.append(start_service("receiver", {"model_path": tiny_pair[1], "model_id": "receiver",
-                                                   "default_group": list(group), "transport": transport}, nats_url,
+                                                   "default_group": list(group), "transport": transport,
+                                                   "lookup_timeout_s": 10.0}, nats_url,
                                       name=f"receiver{i}", env=THREADS))
 
 
