@@ -3,8 +3,8 @@
 Two requesters, told apart by the subject a request came in on (NATS permissions let only users
 receiver-<model> and admin publish on `profiler_reprofile(model)`, only admin on `PROFILER_PROFILE`):
 
-* a drift re-profile: calibration rows only (bounded in count and bytes) for one of the model's
-  own pairs, its models named by the ids this profiler maps, at the tolerance of the pair's
+* a drift re-profile: calibration rows only (bounded in count and bytes; any of the searches) for
+  one of the model's own pairs, its models named by the ids this profiler maps, at the tolerance of the pair's
   current config (`check_same_rule`). No data files, robustness files, version, relay buckets,
   transfer search or exhaustive search: the profiler picks the version (`next_version`) and
   keeps the relay buckets of the pair's current config. It is run and published only when an
@@ -20,6 +20,7 @@ import dataclasses
 
 from droidmesh.shared.errors import BadRequestError, UnauthorizedError
 from droidmesh.shared.mesh.config_board import MAX_RELAY_BUCKETS
+from droidmesh.shared.profiling.profile import SEARCHES
 from droidmesh.shared.wire import schemas
 
 # Versions are unix seconds: one further ahead than this would outrank every config published
@@ -60,6 +61,8 @@ def check_common(req: schemas.ProfileRequest, max_rows: int, max_rows_bytes: int
             raise BadRequestError(f"{name}={n} outside 1..{max_rows}")
     if not 1 <= req.granularity <= MAX_GRANULARITY or not 0 <= req.tolerance < 1:
         raise BadRequestError(f"granularity must be in 1..{MAX_GRANULARITY} and tolerance in [0, 1)")
+    if req.search not in SEARCHES:
+        raise BadRequestError(f"search {req.search[:MAX_NAME_CHARS]!r}: one of {', '.join(SEARCHES)}")
     if not 0 < len(req.task) <= MAX_NAME_CHARS or len(req.request_id) > MAX_NAME_CHARS:
         raise BadRequestError(f"task must be 1..{MAX_NAME_CHARS} characters, request_id at most {MAX_NAME_CHARS}")
     if req.rows and not 2 <= len(req.rows) <= max_rows:

@@ -73,7 +73,7 @@ async def _profile(s: ProfilerState, who: checks.Requester, req: schemas.Profile
     # untrained models (full prefill scores 0 there). A request cannot ask for the check yet (it
     # would be a ProfileRequest field).
     settings = ProfileSettings(granularity=req.granularity, tolerance=req.tolerance, exhaustive=req.exhaustive,
-                               require_signal=False)
+                               search=req.search, require_signal=False)
     t0 = time.perf_counter()
     maps: dict[str, bytes] = {}  # sha256 -> SCD maps file the config's coded points name
     with tempfile.TemporaryDirectory(prefix="dm-profile-") as tmp:

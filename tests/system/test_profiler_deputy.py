@@ -190,7 +190,8 @@ def test_a_receivers_reprofile_is_refused_and_recorded_while_an_operators_is_pub
     sends): each refused before any work (unauthorized), logged for operators (reprofile_wanted,
     with the user and the pair's version in use, no rows); nothing published. The same request
     from an operator's login is run and published: the profiler picks the version (above the
-    newest) and keeps the relay buckets of the config in use."""
+    newest), runs the search it asks for (the fidelity one) and keeps the relay buckets of the
+    config in use."""
     url, pw, _, _, profiler, in_use = mesh
     before = asyncio.run(_versions(url, pw))
 
@@ -200,7 +201,8 @@ def test_a_receivers_reprofile_is_refused_and_recorded_while_an_operators_is_pub
         try:
             asked = await asyncio.gather(*[_ask(recv, subjects.profiler_reprofile("qa"), _reprofile(in_use, f"drift-{i}"))
                                            for i in range(3)])
-            return list(asked), await _ask(admin, subjects.profiler_reprofile("qa"), _reprofile(in_use, "operator"))
+            return list(asked), await _ask(admin, subjects.profiler_reprofile("qa"),
+                                           _reprofile(in_use, "operator", search="fidelity"))
         finally:
             await recv.close()
             await admin.close()
@@ -215,6 +217,7 @@ def test_a_receivers_reprofile_is_refused_and_recorded_while_an_operators_is_pub
     assert not any(r.startswith("drift-") for e in profiler.events("request") for r in [e.get("request_id", "")])
     assert isinstance(operator, schemas.ProfileReply), operator
     assert operator.config.profile_version > max(before) and operator.config.relay == VETO
+    assert json.loads(operator.result_json)["search"] == "fidelity"  # the search asked for is the one run
     assert asyncio.run(_versions(url, pw)) == [*before, operator.config.profile_version]
 
 

@@ -55,6 +55,17 @@ def test_a_receiver_may_not_name_files_versions_relay_buckets_or_costly_searches
         check_receiver(reprofile(**{field: value}))
 
 
+def test_the_search_is_one_the_profiler_runs_whoever_asks():
+    """Any of the searches may be asked (the fidelity one reads the rows' divergence and races the
+    short list); another name is refused before any model loads, for operators too."""
+    for search in ("guided", "coarse", "fidelity"):
+        check_receiver(reprofile(search=search))
+        checks.check_operator(reprofile(search=search), 64, 1 << 16, NOW)
+    for ask in (lambda r: check_receiver(r), lambda r: checks.check_operator(r, 64, 1 << 16, NOW)):
+        with pytest.raises(BadRequestError, match="search 'exhaustive': one of guided, coarse, fidelity"):
+            ask(reprofile(search="exhaustive"))
+
+
 @pytest.mark.parametrize("changes,match", [
     (dict(receiver_path="code"), "re-profile their own pairs"),
     (dict(receiver_model="code"), "re-profile their own pairs"),

@@ -19,7 +19,8 @@ import droidmesh.shared.wire as wire
 from droidmesh.shared.wire.schemas import SCHEMA_VERSION
 
 # version -> sha256 of its structs' JSON schema (keep old ones: a reverted bump is caught too)
-PINS = {4: "8c6b73fcbe5f1ee7316c0b3b937b91125ffacc08d5fc49f91264ea91922ddf56"}
+PINS = {4: "8c6b73fcbe5f1ee7316c0b3b937b91125ffacc08d5fc49f91264ea91922ddf56",
+        5: "aea2dc3f590667e09bc161a46d9fd3555edb1ae297ca897ff2f7442fba0fb71d"}
 
 
 def wire_structs() -> list[type[msgspec.Struct]]:
