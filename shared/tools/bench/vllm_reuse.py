@@ -2,7 +2,7 @@
 
 One local mesh (nats-server under per-role users, a broker, a DroidMesh sender of the real
 tier's base holding each context over the shm channel, the pair's plan on the config board), and
-two offline vLLM engines in the vLLM environment, one after the other, on the same checkpoint,
+two offline vLLM engines in the vLLM environment, alive together, on the same checkpoint,
 prompts, dtype and threads: vLLM alone, then vLLM with the connector, serving `docqa` merged into
 its base (one full checkpoint: vLLM at its fastest) or, with `lora`, as a LoRA adapter of base
 (vLLM's CPU LoRA kernels prefill far slower than its dense ones). Per context length, TTFT (a one-token generate, median of `repeats`):
@@ -10,7 +10,9 @@ its base (one full checkpoint: vLLM at its fastest) or, with `lora`, as a LoRA a
   - with the connector and no holder (a context nobody holds: the lookup, then vLLM's prefill);
   - partial: the pair's plan (layers [6, 9) recomputed from the sender's E, the rest pulled);
   - full reuse: every layer pulled (forced with the request's mode);
-and decode tokens/s alone and with the connector (a `new_tokens` generate minus a one-token one).
+and decode tokens/s alone and with the connector (a `new_tokens` generate minus a one-token one),
+measured with both engines alive, a round of each in turn (`decode_ab`): what drifts on a shared
+host over minutes falls on both alike, and each round's pair gives a paired difference.
 Each reuse row says whether the connector's path was the one asked for. A third engine holds what
 it prefills (`hold`, vLLM as a sender, E kept at the plan's layer as a sender of a pair would):
 its TTFT of a fresh prompt it prefills itself, the copy out of its cache inside the step
@@ -38,12 +40,14 @@ from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.profiling.profile import recompute_config
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
+from droidmesh.shared.tasks import intervals
 from droidmesh.shared.wire import schemas
 
 PLAN = ReusePlan.recompute(6, 9)  # the real tier's plan for base -> docqa
 HOLDER = "vllm-docqa"  # the holding engine's holder id (its roster entry)
 QUESTION = "\nQuestion: What does the text above describe?\nAnswer:"
 READY_S = 900.0
+AB_ROUNDS = 8  # decode rounds of each engine in turn (at least `repeats`)
 
 
 def documents(tokenizer: Any, tokens: int, offset: int) -> str:
@@ -83,6 +87,25 @@ def _decode_rate(engine: Engine, key: str, prompt: list[int], new_tokens: int, r
     return statistics.median(rates)
 
 
+def decode_ab(a: Engine, b: Engine, key: str, prompt: list[int], new_tokens: int, rounds: int,
+              **kw: Any) -> dict[str, Any]:
+    """Decode tokens/s of two live engines, a round of each in turn (the order swapped every
+    round, a warm-up round first): per round and engine, a `new_tokens` generate minus a
+    one-token one over `prompt`. `ratio`: b over a, the mean of b's rates over the mean of a's,
+    with the paired bootstrap 95 % interval over rounds; `alone` / `connector`: each one's median."""
+    rates: dict[str, list[float]] = {"a": [], "b": []}
+    for r in range(rounds + 1):
+        for name, engine in (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a)):
+            one = engine.ask(f"{key}-{name}-{r}-1", prompt, max_tokens=1, **kw)["seconds"]
+            many = engine.ask(f"{key}-{name}-{r}-n", prompt, max_tokens=new_tokens, **kw)["seconds"]
+            if r:
+                rates[name].append((new_tokens - 1) / max(many - one, 1e-9))
+    p = intervals.paired(rates["a"], rates["b"])
+    assert p.rel is not None and p.rel_lo is not None and p.rel_hi is not None  # rates are positive
+    return {"alone": statistics.median(rates["a"]), "connector": statistics.median(rates["b"]), "rounds": rounds,
+            "ratio": 1.0 + p.rel, "ratio_lo": 1.0 + p.rel_lo, "ratio_hi": 1.0 + p.rel_hi, "rates": rates}
+
+
 def merged(adapter: Path, out: Path) -> Path:
     """The adapter merged into its base, saved as a full checkpoint at `out` (what vLLM serves
     without LoRA); its weights' hash is the receiver's in the pair's config."""
@@ -111,29 +134,41 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
     out: dict[str, Any] = {"plan": PLAN.label(), "dtype": dtype, "repeats": repeats, "docqa": "lora" if lora else "merged",
                            "rows": []}
     adapter = "docqa" if lora else None
-    measured = {}
+    measured: dict[str, dict[int, dict[str, Any]]] = {}
     with pair_mesh(tier, base, docqa, work, dtype, [documents(tok, n, 0) for n in contexts], lora) as connector:
-        holding = {**connector, "hold": True, "holder_id": HOLDER, "hold_e_layers": list(PLAN.e_layers)}
-        for name, conn in (("alone", None), ("connector", connector), ("holding", holding)):
-            engine = OfflineEngine(python, {**spec, "connector": conn}, work, env)
-            try:
+        engines = {name: OfflineEngine(python, {**spec, "connector": conn}, work, env)
+                   for name, conn in (("alone", None), ("connector", connector))}
+        try:
+            for name, engine in engines.items():
                 engine.ready(READY_S)
-                measured[name] = (measure_hold(engine, contexts, fresh, repeats, new_tokens, say, adapter)
-                                  if name == "holding" else
-                                  measure(engine, name, contexts, held, fresh, repeats, new_tokens, say, adapter))
-            finally:
+                measured[name] = measure(engine, name, contexts, held, fresh, repeats, new_tokens, say, adapter,
+                                         decode=False)
+            decode = {n: decode_ab(engines["alone"], engines["connector"], f"ab-{n}", fresh[n][0] + fresh[n][1],
+                                   new_tokens, max(repeats, AB_ROUNDS), lora=adapter) for n in contexts}
+        finally:
+            for engine in engines.values():
                 engine.stop()
+        holding = {**connector, "hold": True, "holder_id": HOLDER, "hold_e_layers": list(PLAN.e_layers)}
+        engine = OfflineEngine(python, {**spec, "connector": holding}, work, env)
+        try:
+            engine.ready(READY_S)
+            measured["holding"] = measure_hold(engine, contexts, fresh, repeats, new_tokens, say, adapter)
+        finally:
+            engine.stop()
     alone, mine, holds = measured["alone"], measured["connector"], measured["holding"]
     for n in contexts:
-        a, c, h = alone[n], mine[n], holds[n]
+        a, c, h, d = alone[n], mine[n], holds[n], decode[n]
+        say(f"decode {n} tokens: connector / alone {d['ratio']:.3f} [{d['ratio_lo']:.3f}, {d['ratio_hi']:.3f}] "
+            f"over {d['rounds']} rounds")
         out["rows"].append({"context_tokens": n, "alone_ttft_s": a["full"], "miss_ttft_s": c["full"],
                             "miss_over_alone": c["full"] / a["full"], "partial_ttft_s": c["partial"],
                             "alone_over_partial": a["full"] / c["partial"], "full_reuse_ttft_s": c["full_reuse"],
                             "alone_over_full_reuse": a["full"] / c["full_reuse"], "paths": c["paths"],
-                            "decode_tok_s_alone": a["decode"], "decode_tok_s_connector": c["decode"],
-                            "decode_ratio": c["decode"] / a["decode"], "hold_ttft_s": h["full"],
+                            "decode_tok_s_alone": d["alone"], "decode_tok_s_connector": d["connector"],
+                            "decode_ratio": d["ratio"], "decode_ratio_interval": [d["ratio_lo"], d["ratio_hi"]],
+                            "decode_rounds": d["rounds"], "hold_ttft_s": h["full"],
                             "hold_over_alone": h["full"] / a["full"], "save_copy_ms": h["saved_ms"],
-                            "hold_ms": h["held_ms"], "decode_ratio_holding": h["decode"] / a["decode"]})
+                            "hold_ms": h["held_ms"], "decode_ratio_holding": h["decode"] / d["alone"]})
     return out
 
 
@@ -181,7 +216,8 @@ async def _hold(access: Any, contexts: list[str]) -> None:
 
 
 def measure(engine: Engine, name: str, contexts: list[int], held: dict, fresh: dict, repeats: int,
-            new_tokens: int, say: Callable[[str], None], adapter: str | None) -> dict[int, dict[str, Any]]:
+            new_tokens: int, say: Callable[[str], None], adapter: str | None, decode: bool = True
+            ) -> dict[int, dict[str, Any]]:
     """Per context length on a ready `engine`: TTFT of a fresh prompt ("full"), and, on the
     connector's engine ("connector"), of the held one with the plan ("partial") and with full
     reuse, with the connector's paths for them; the decode rate. `held` / `fresh`: length ->
@@ -197,7 +233,8 @@ def measure(engine: Engine, name: str, contexts: list[int], held: dict, fresh: d
                 paths[key] = sorted({e["path"] for r in runs for e in engine.events("request", r["request_id"])}
                                     | {"fallback" for r in runs if engine.events("reuse_fallback", r["request_id"])})
             row["paths"] = paths
-        row["decode"] = _decode_rate(engine, f"{name}-{n}-decode", f, new_tokens, repeats, lora=adapter)
+        if decode:
+            row["decode"] = _decode_rate(engine, f"{name}-{n}-decode", f, new_tokens, repeats, lora=adapter)
         say(f"{name} {n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
         rows[n] = row
     return rows

@@ -61,6 +61,9 @@ def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora) -> 
     click.echo(report.format_table(result["rows"], COLUMNS))
     for row in result["rows"]:
         click.echo(f"{row['context_tokens']} tokens, connector paths: {row['paths']}")
+        lo, hi = row["decode_ratio_interval"]
+        click.echo(f"{row['context_tokens']} tokens, decode with / without the connector: {row['decode_ratio']:.3f} "
+                   f"[{lo:.3f}, {hi:.3f}] (95 %, {row['decode_rounds']} rounds of each engine in turn)")
     save(json_path, "vllm", result)
 
 

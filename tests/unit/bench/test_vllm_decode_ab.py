@@ -1,0 +1,52 @@
+"""`bench vllm`'s decode A/B (shared/tools/bench/vllm_reuse.py `decode_ab`): two live engines
+measured a round each in turn, so a host that slows down over the run slows both alike. Fake
+engines on a fake clock: each request takes its tokens' time times a factor that grows with
+every request the host has served."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from droidmesh.shared.tools.bench.vllm_reuse import _decode_rate, decode_ab
+
+PREFILL_S = 1.0
+
+
+class Host:
+    def __init__(self, drift: float):
+        self.drift, self.factor, self.order = drift, 1.0, []
+
+
+class FakeEngine:
+    def __init__(self, name: str, tokens_per_s: float, host: Host):
+        self.name, self.rate, self.host = name, tokens_per_s, host
+
+    def ask(self, rid: str, prompt: list[int], *, max_tokens: int, **kw: Any) -> dict[str, Any]:
+        self.host.order.append(self.name)
+        seconds = (PREFILL_S + (max_tokens - 1) / self.rate) * self.host.factor
+        self.host.factor *= 1.0 + self.host.drift
+        return {"id": rid, "request_id": rid, "tokens": [0] * max_tokens, "seconds": seconds}
+
+    def events(self, event: str, request_id: str) -> list[dict[str, Any]]:
+        return []
+
+
+def test_the_engines_take_turns_and_a_drifting_host_does_not_bias_the_ratio():
+    host = Host(drift=0.02)  # 2 % slower after every request: 64 requests, 3.5x by the end
+    got = decode_ab(FakeEngine("alone", 10.0, host), FakeEngine("connector", 11.0, host), "t", [1, 2, 3], 32, 8)
+    # a warm-up round, then 8; each round is a (1-token, 32-token) pair per engine, the order swapped each round
+    assert host.order[::2] == ["alone", "connector"] + ["connector", "alone", "alone", "connector"] * 4
+    assert got["rounds"] == 8 and len(got["rates"]["a"]) == len(got["rates"]["b"]) == 8
+    assert got["ratio"] == pytest.approx(1.1, abs=0.01)
+    assert got["ratio_lo"] <= got["ratio"] <= got["ratio_hi"]
+
+
+def test_one_engine_after_the_other_would_have_read_the_drift_as_the_connectors():
+    """What the turns correct: the same host and engines measured all of one, then all of the
+    other (`_decode_rate` per engine, as the bench did) put the 10 % faster engine at ~0.85x."""
+    host = Host(drift=0.02)
+    alone = _decode_rate(FakeEngine("alone", 10.0, host), "a", [1, 2, 3], 32, 8)
+    mine = _decode_rate(FakeEngine("connector", 11.0, host), "c", [1, 2, 3], 32, 8)
+    assert mine / alone < 0.9
