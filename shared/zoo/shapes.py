@@ -17,17 +17,19 @@ from droidmesh.shared.model.shapes import SHAPES
 from droidmesh.shared.zoo.tokenizer import hf_tokenizer
 
 
-def write_checkpoint(name: str, path: str | os.PathLike, seed: int = 0) -> Path:
-    """A checkpoint directory of the named shape without weights (config, the zoo's tokenizer,
-    `RANDOM_INIT` with `seed`): `load_model` random-initialises it on the device it loads to, so
-    services started on it (a sender, a receiver) hold the same weights. For latency work
-    through the whole mesh (`bench mesh`); quality is meaningless."""
+def write_checkpoint(name: str, path: str | os.PathLike, seed: int = 0, tokenizer: str | os.PathLike | None = None
+                     ) -> Path:
+    """A checkpoint directory of the named shape without weights (config, the zoo's tokenizer or
+    the one in the `tokenizer` directory, `RANDOM_INIT` with `seed`): `load_model`
+    random-initialises it on the device it loads to, so services started on it (a sender, a
+    receiver) hold the same weights. For latency work (`bench mesh`, the GPU profile check: a
+    real model's tokenizer gives its rows' real token counts); quality is meaningless."""
     if name not in SHAPES:
         raise BadRequestError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     family, config = SHAPES[name]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tok = hf_tokenizer()
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer) if tokenizer is not None else hf_tokenizer()
     vocab = max(config["vocab_size"], len(tok))  # every id the tokenizer gives has an embedding (the tiny shape's 512 would not)
     cfg = transformers.AutoConfig.for_model(family, **{**config, "vocab_size": vocab}, bos_token_id=tok.bos_token_id,
                                             eos_token_id=tok.eos_token_id)
