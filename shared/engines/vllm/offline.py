@@ -6,9 +6,10 @@ environment's Python (`infra/vllm/install.sh`), as
 ENGINE.json: {"model": checkpoint, "dtype": "float32", "max_model_len": 4096, "loras": {name: path},
 "connector": the connector's settings (`engines/settings.py`), or null for vLLM alone}. Each
 stdin line {"id", "prompt": [token ids], "max_tokens", "lora": name or null, "mode": "auto"}
-is answered greedily by one stdout line `RESULT {"id", "request_id", "tokens", "seconds"}`
+is answered greedily by one stdout line `RESULT {"id", "request_id", "tokens", "seconds", "decode_s"}`
 (seconds: the whole `generate` call; with max_tokens 1, the time to first token as an offline
-user sees it). `READY` is printed once the engine is up. vLLM spawns its engine processes,
+user sees it; decode_s: from the first token to the last in vLLM's own request stats, null for
+one token). `READY` is printed once the engine is up. vLLM spawns its engine processes,
 hence the guard on the entry point.
 """
 
@@ -34,7 +35,7 @@ def engine(spec: dict[str, Any]) -> Any:
                              "max_loras": max(len(loras), 1)} if loras else {}
     return LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=spec.get("max_model_len", 4096),
                enable_prefix_caching=False, enforce_eager=True, seed=0, max_num_seqs=spec.get("max_num_seqs", 4),
-               kv_transfer_config=kv, **extra)
+               kv_transfer_config=kv, disable_log_stats=False, **extra)  # stats: each request's token times
 
 
 def answer(llm: Any, loras: dict[str, str], cmd: dict[str, Any]) -> dict[str, Any]:
@@ -49,8 +50,10 @@ def answer(llm: Any, loras: dict[str, str], cmd: dict[str, Any]) -> dict[str, An
     began = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": cmd["prompt"]}], params, lora_request=request, use_tqdm=False)
     seconds = time.perf_counter() - began
+    stats = out[0].metrics  # vLLM's RequestStateStats: engine-core timestamps of the first and last token
+    first, last = (getattr(stats, "first_token_ts", 0.0), getattr(stats, "last_token_ts", 0.0)) if stats else (0.0, 0.0)
     return {"id": cmd.get("id"), "request_id": out[0].request_id, "tokens": list(out[0].outputs[0].token_ids),
-            "seconds": seconds}
+            "seconds": seconds, "decode_s": last - first if last > first > 0 else None}
 
 
 def main(argv: list[str]) -> int:

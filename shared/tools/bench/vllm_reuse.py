@@ -74,32 +74,36 @@ def _median_ttft(engine: Engine, key: str, prompt: list[int], repeats: int, **kw
     return statistics.median(r["seconds"] for r in runs[1:]), runs[1:]
 
 
+def _rate(engine: Engine, key: str, prompt: list[int], new_tokens: int, **kw: Any) -> float:
+    """Tokens a second after the first: from one `new_tokens` generate's own token times
+    (`decode_s`, vLLM's request stats: no prefill in it), else that generate minus a one-token one
+    over the same prompt (two prefills' jitter in it)."""
+    many = engine.ask(f"{key}-n", prompt, max_tokens=new_tokens, **kw)
+    if many.get("decode_s"):
+        return (new_tokens - 1) / many["decode_s"]
+    one = engine.ask(f"{key}-1", prompt, max_tokens=1, **kw)["seconds"]
+    return (new_tokens - 1) / max(many["seconds"] - one, 1e-9)
+
+
 def _decode_rate(engine: Engine, key: str, prompt: list[int], new_tokens: int, repeats: int,
                  **kw: Any) -> float:
-    """Tokens a second after the first: the median over `repeats` of (a `new_tokens` generate
-    minus a one-token one over the same prompt), a warm-up pair first."""
-    rates = []
-    for r in range(repeats + 1):
-        one = engine.ask(f"{key}-{r}-1", prompt, max_tokens=1, **kw)["seconds"]
-        many = engine.ask(f"{key}-{r}-n", prompt, max_tokens=new_tokens, **kw)["seconds"]
-        if r:
-            rates.append((new_tokens - 1) / max(many - one, 1e-9))
-    return statistics.median(rates)
+    """The median over `repeats` of `_rate`, a warm-up first."""
+    rates = [_rate(engine, f"{key}-{r}", prompt, new_tokens, **kw) for r in range(repeats + 1)]
+    return statistics.median(rates[1:])
 
 
 def decode_ab(a: Engine, b: Engine, key: str, prompt: list[int], new_tokens: int, rounds: int,
               **kw: Any) -> dict[str, Any]:
     """Decode tokens/s of two live engines, a round of each in turn (the order swapped every
-    round, a warm-up round first): per round and engine, a `new_tokens` generate minus a
-    one-token one over `prompt`. `ratio`: b over a, the mean of b's rates over the mean of a's,
-    with the paired bootstrap 95 % interval over rounds; `alone` / `connector`: each one's median."""
+    round, a warm-up round first): per round and engine, `_rate` over `prompt`. `ratio`: b over
+    a, the mean of b's rates over the mean of a's, with the paired bootstrap 95 % interval over
+    rounds; `alone` / `connector`: each one's median."""
     rates: dict[str, list[float]] = {"a": [], "b": []}
     for r in range(rounds + 1):
         for name, engine in (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a)):
-            one = engine.ask(f"{key}-{name}-{r}-1", prompt, max_tokens=1, **kw)["seconds"]
-            many = engine.ask(f"{key}-{name}-{r}-n", prompt, max_tokens=new_tokens, **kw)["seconds"]
+            rate = _rate(engine, f"{key}-{name}-{r}", prompt, new_tokens, **kw)
             if r:
-                rates[name].append((new_tokens - 1) / max(many - one, 1e-9))
+                rates[name].append(rate)
     p = intervals.paired(rates["a"], rates["b"])
     assert p.rel is not None and p.rel_lo is not None and p.rel_hi is not None  # rates are positive
     return {"alone": statistics.median(rates["a"]), "connector": statistics.median(rates["b"]), "rounds": rounds,

@@ -15,19 +15,26 @@ PREFILL_S = 1.0
 
 
 class Host:
-    def __init__(self, drift: float):
-        self.drift, self.factor, self.order = drift, 1.0, []
+    """`drift`: each request slows the next by this share; `jitter`: prefills vary by this share."""
+
+    def __init__(self, drift: float, jitter: float = 0.0):
+        self.drift, self.jitter, self.factor, self.order = drift, jitter, 1.0, []
 
 
 class FakeEngine:
-    def __init__(self, name: str, tokens_per_s: float, host: Host):
-        self.name, self.rate, self.host = name, tokens_per_s, host
+    """`stats`: each answer carries its own decode time (`decode_s`, as vLLM's request stats give
+    it), else only the whole call's seconds."""
+
+    def __init__(self, name: str, tokens_per_s: float, host: Host, stats: bool = False):
+        self.name, self.rate, self.host, self.stats = name, tokens_per_s, host, stats
 
     def ask(self, rid: str, prompt: list[int], *, max_tokens: int, **kw: Any) -> dict[str, Any]:
         self.host.order.append(self.name)
-        seconds = (PREFILL_S + (max_tokens - 1) / self.rate) * self.host.factor
+        decode = (max_tokens - 1) / self.rate * self.host.factor
+        seconds = PREFILL_S * (1 + self.host.jitter * (len(self.host.order) % 3)) * self.host.factor + decode
         self.host.factor *= 1.0 + self.host.drift
-        return {"id": rid, "request_id": rid, "tokens": [0] * max_tokens, "seconds": seconds}
+        return {"id": rid, "request_id": rid, "tokens": [0] * max_tokens, "seconds": seconds,
+                "decode_s": decode if self.stats and max_tokens > 1 else None}
 
     def events(self, event: str, request_id: str) -> list[dict[str, Any]]:
         return []
@@ -41,6 +48,17 @@ def test_the_engines_take_turns_and_a_drifting_host_does_not_bias_the_ratio():
     assert got["rounds"] == 8 and len(got["rates"]["a"]) == len(got["rates"]["b"]) == 8
     assert got["ratio"] == pytest.approx(1.1, abs=0.01)
     assert got["ratio_lo"] <= got["ratio"] <= got["ratio_hi"]
+
+
+def test_an_answers_own_decode_time_is_used_without_a_second_prefill():
+    """With vLLM's request stats (`decode_s`) one generate per round and engine is asked, and the
+    prefill's jitter (30 % from call to call here) does not reach the rate: the interval is tight."""
+    host = Host(drift=0.0, jitter=0.3)
+    got = decode_ab(FakeEngine("alone", 10.0, host, stats=True), FakeEngine("connector", 11.0, host, stats=True),
+                    "t", [1, 2, 3], 32, 8)
+    assert len(host.order) == 2 * 9
+    assert got["rates"]["a"] == pytest.approx([10.0] * 8) and got["rates"]["b"] == pytest.approx([11.0] * 8)
+    assert got["ratio_lo"] == pytest.approx(1.1) and got["ratio_hi"] == pytest.approx(1.1)
 
 
 def test_one_engine_after_the_other_would_have_read_the_drift_as_the_connectors():
