@@ -10,8 +10,8 @@ its base (one full checkpoint: vLLM at its fastest) or, with `lora`, as a LoRA a
   - with the connector and no holder (a context nobody holds: the lookup, then vLLM's prefill);
   - partial: the pair's plan (layers [6, 9) recomputed from the sender's E, the rest pulled);
   - full reuse: every layer pulled (forced with the request's mode);
-and decode tokens/s alone and with the connector (a `new_tokens` generate minus a one-token one),
-measured with both engines alive, a round of each in turn (`decode_ab`): what drifts on a shared
+and decode tokens/s alone and with the connector (`_rate`: one `new_tokens` generate's own token
+times), measured with both engines alive, a round of each in turn (`decode_ab`): what drifts on a shared
 host over minutes falls on both alike, and each round's pair gives a paired difference.
 Each reuse row says whether the connector's path was the one asked for. A third engine holds what
 it prefills (`hold`, vLLM as a sender, E kept at the plan's layer as a sender of a pair would):
@@ -170,7 +170,9 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
                             "alone_over_full_reuse": a["full"] / c["full_reuse"], "paths": c["paths"],
                             "decode_tok_s_alone": d["alone"], "decode_tok_s_connector": d["connector"],
                             "decode_ratio": d["ratio"], "decode_ratio_interval": [d["ratio_lo"], d["ratio_hi"]],
-                            "decode_rounds": d["rounds"], "hold_ttft_s": h["full"],
+                            "decode_rounds": d["rounds"], "decode_rates": {"alone": d["rates"]["a"],
+                                                                           "connector": d["rates"]["b"]},
+                            "hold_ttft_s": h["full"],
                             "hold_over_alone": h["full"] / a["full"], "save_copy_ms": h["saved_ms"],
                             "hold_ms": h["held_ms"], "decode_ratio_holding": h["decode"] / d["alone"]})
     return out
