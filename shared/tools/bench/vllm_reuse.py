@@ -145,8 +145,7 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
         try:
             for name, engine in engines.items():
                 engine.ready(READY_S)
-                measured[name] = measure(engine, name, contexts, held, fresh, repeats, new_tokens, say, adapter,
-                                         decode=False)
+                measured[name] = measure(engine, name, contexts, held, fresh, repeats, say, adapter)
             decode = {n: decode_ab(engines["alone"], engines["connector"], f"ab-{n}", fresh[n][0] + fresh[n][1],
                                    new_tokens, max(repeats, AB_ROUNDS), lora=adapter) for n in contexts}
         finally:
@@ -222,11 +221,10 @@ async def _hold(access: Any, contexts: list[str]) -> None:
 
 
 def measure(engine: Engine, name: str, contexts: list[int], held: dict, fresh: dict, repeats: int,
-            new_tokens: int, say: Callable[[str], None], adapter: str | None, decode: bool = True
-            ) -> dict[int, dict[str, Any]]:
+            say: Callable[[str], None], adapter: str | None) -> dict[int, dict[str, Any]]:
     """Per context length on a ready `engine`: TTFT of a fresh prompt ("full"), and, on the
     connector's engine ("connector"), of the held one with the plan ("partial") and with full
-    reuse, with the connector's paths for them; the decode rate. `held` / `fresh`: length ->
+    reuse, with the connector's paths for them (the decode rates: `decode_ab`). `held` / `fresh`: length ->
     (context ids, question ids)."""
     rows: dict[int, dict[str, Any]] = {}
     for n in contexts:
@@ -239,8 +237,6 @@ def measure(engine: Engine, name: str, contexts: list[int], held: dict, fresh: d
                 paths[key] = sorted({e["path"] for r in runs for e in engine.events("request", r["request_id"])}
                                     | {"fallback" for r in runs if engine.events("reuse_fallback", r["request_id"])})
             row["paths"] = paths
-        if decode:
-            row["decode"] = _decode_rate(engine, f"{name}-{n}-decode", f, new_tokens, repeats, lora=adapter)
         say(f"{name} {n} tokens: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)))
         rows[n] = row
     return rows
