@@ -148,14 +148,19 @@ def test_a_frozen_senders_pull_falls_back_to_vllms_own_prefill(served):
 def test_the_vllm_benchs_measure_on_this_engine(served):
     """`droidmesh bench vllm`'s measurement on this module's engine (its mesh and engine start-up
     are this module's): the held context is served `partial` and `full_reuse` as asked, never
-    a fallback, a context nobody holds by vLLM; every figure a positive number."""
+    a fallback, a context nobody holds by vLLM; every figure a positive number; the decode A/B's
+    rounds run on it."""
     engine, ctx, q = served.engine, served.ctx, served.q
     fresh = list(reversed(ctx))  # shares no block with the held context: a miss
     rows = vllm_reuse.measure(engine, "connector", [len(ctx)], {len(ctx): (ctx, q)}, {len(ctx): (fresh, q)},
-                              repeats=1, new_tokens=2, say=lambda line: None, adapter="docqa")
+                              repeats=1, say=lambda line: None, adapter="docqa")
     row = rows[len(ctx)]
     assert row["paths"] == {"partial": ["partial"], "full_reuse": ["full_reuse"]}, row
-    assert all(row[k] > 0 for k in ("full", "partial", "full_reuse", "decode")), row
+    assert all(row[k] > 0 for k in ("full", "partial", "full_reuse")), row
+    # the decode A/B's rounds on this engine (both sides the same one: the rates, not the ratio, asserted)
+    ab = vllm_reuse.decode_ab(engine, engine, "ab", fresh + q, new_tokens=3, rounds=1, lora="docqa")
+    assert ab["rounds"] == 1 and len(ab["rates"]["a"]) == len(ab["rates"]["b"]) == 1, ab
+    assert ab["alone"] > 0 and ab["connector"] > 0 and ab["ratio_lo"] <= ab["ratio"] <= ab["ratio_hi"], ab
 
 
 def test_the_vllm_rows_bench_asks_each_row_both_ways_on_this_engine(served, real_tier):
