@@ -10,9 +10,10 @@ its base (one full checkpoint: vLLM at its fastest) or, with `lora`, as a LoRA a
   - with the connector and no holder (a context nobody holds: the lookup, then vLLM's prefill);
   - partial: the pair's plan (layers [6, 9) recomputed from the sender's E, the rest pulled);
   - full reuse: every layer pulled (forced with the request's mode);
-and decode tokens/s alone and with the connector (`_rate`: one `new_tokens` generate's own token
-times), measured with both engines alive, a round of each in turn (`decode_ab`): what drifts on a shared
-host over minutes falls on both alike, and each round's pair gives a paired difference.
+and, with both engines alive, a round of each in turn (`decode_ab`), the miss's TTFT and the
+decode tokens/s alone and with the connector (`_rate`: one `new_tokens` generate's own token
+times): what drifts on a shared host over minutes falls on both alike, and each round's pair
+gives a paired difference (the miss's ratio and interval come from these rounds).
 Each reuse row says whether the connector's path was the one asked for. A third engine holds what
 it prefills (`hold`, vLLM as a sender, E kept at the plan's layer as a sender of a pair would):
 its TTFT of a fresh prompt it prefills itself, the copy out of its cache inside the step
@@ -47,7 +48,7 @@ PLAN = ReusePlan.recompute(6, 9)  # the real tier's plan for base -> docqa
 HOLDER = "vllm-docqa"  # the holding engine's holder id (its roster entry)
 QUESTION = "\nQuestion: What does the text above describe?\nAnswer:"
 READY_S = 900.0
-AB_ROUNDS = 8  # decode rounds of each engine in turn (at least `repeats`)
+AB_ROUNDS = 8  # rounds of each engine in turn (miss TTFT and decode rate), the default
 
 
 def documents(tokenizer: Any, tokens: int, offset: int) -> str:
@@ -93,21 +94,34 @@ def _decode_rate(engine: Engine, key: str, prompt: list[int], new_tokens: int, r
 
 
 def decode_ab(a: Engine, b: Engine, key: str, prompt: list[int], new_tokens: int, rounds: int,
-              **kw: Any) -> dict[str, Any]:
+              ttft: bool = False, **kw: Any) -> dict[str, Any]:
     """Decode tokens/s of two live engines, a round of each in turn (the order swapped every
     round, a warm-up round first): per round and engine, `_rate` over `prompt`. `ratio`: b over
     a, the mean of b's rates over the mean of a's, with the paired bootstrap 95 % interval over
-    rounds; `alone` / `connector`: each one's median."""
+    rounds; `alone` / `connector`: each one's median. With `ttft`, each engine's turn first
+    times a one-token answer to `prompt` too (a miss when nobody holds it): `ttft` holds the same
+    figures for those seconds, b over a."""
     rates: dict[str, list[float]] = {"a": [], "b": []}
+    seconds: dict[str, list[float]] = {"a": [], "b": []}
     for r in range(rounds + 1):
         for name, engine in (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a)):
+            first = engine.ask(f"{key}-{name}-{r}-ttft", prompt, max_tokens=1, **kw)["seconds"] if ttft else 0.0
             rate = _rate(engine, f"{key}-{name}-{r}", prompt, new_tokens, **kw)
             if r:
                 rates[name].append(rate)
-    p = intervals.paired(rates["a"], rates["b"])
-    assert p.rel is not None and p.rel_lo is not None and p.rel_hi is not None  # rates are positive
-    return {"alone": statistics.median(rates["a"]), "connector": statistics.median(rates["b"]), "rounds": rounds,
-            "ratio": 1.0 + p.rel, "ratio_lo": 1.0 + p.rel_lo, "ratio_hi": 1.0 + p.rel_hi, "rates": rates}
+                seconds[name].append(first)
+    out = {**_ab_ratio(rates), "rounds": rounds, "rates": rates}
+    if ttft:
+        out["ttft"] = {**_ab_ratio(seconds), "seconds": seconds}
+    return out
+
+
+def _ab_ratio(values: dict[str, list[float]]) -> dict[str, float]:
+    """b's mean over a's with its paired bootstrap 95 % interval over rounds; each one's median."""
+    p = intervals.paired(values["a"], values["b"])
+    assert p.rel is not None and p.rel_lo is not None and p.rel_hi is not None  # rates and seconds are positive
+    return {"alone": statistics.median(values["a"]), "connector": statistics.median(values["b"]),
+            "ratio": 1.0 + p.rel, "ratio_lo": 1.0 + p.rel_lo, "ratio_hi": 1.0 + p.rel_hi}
 
 
 def merged(adapter: Path, out: Path) -> Path:
@@ -124,7 +138,7 @@ def merged(adapter: Path, out: Path) -> Path:
 
 
 def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: int, dtype: str, work: Path,
-        say: Callable[[str], None], lora: bool = False) -> dict[str, Any]:
+        say: Callable[[str], None], lora: bool = False, rounds: int = AB_ROUNDS) -> dict[str, Any]:
     from droidmesh.shared.model.adapter import load_model
 
     base = ModelRef(tier / "base", "base")
@@ -147,7 +161,7 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
                 engine.ready(READY_S)
                 measured[name] = measure(engine, name, contexts, held, fresh, repeats, say, adapter)
             decode = {n: decode_ab(engines["alone"], engines["connector"], f"ab-{n}", fresh[n][0] + fresh[n][1],
-                                   new_tokens, max(repeats, AB_ROUNDS), lora=adapter) for n in contexts}
+                                   new_tokens, rounds, ttft=True, lora=adapter) for n in contexts}
         finally:
             for engine in engines.values():
                 engine.stop()
@@ -161,10 +175,14 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
     alone, mine, holds = measured["alone"], measured["connector"], measured["holding"]
     for n in contexts:
         a, c, h, d = alone[n], mine[n], holds[n], decode[n]
-        say(f"decode {n} tokens: connector / alone {d['ratio']:.3f} [{d['ratio_lo']:.3f}, {d['ratio_hi']:.3f}] "
-            f"over {d['rounds']} rounds")
+        m = d["ttft"]
+        say(f"{n} tokens, connector / alone over {d['rounds']} rounds: decode {d['ratio']:.3f} "
+            f"[{d['ratio_lo']:.3f}, {d['ratio_hi']:.3f}], miss TTFT {m['ratio']:.3f} [{m['ratio_lo']:.3f}, {m['ratio_hi']:.3f}]")
         out["rows"].append({"context_tokens": n, "alone_ttft_s": a["full"], "miss_ttft_s": c["full"],
-                            "miss_over_alone": c["full"] / a["full"], "partial_ttft_s": c["partial"],
+                            # the miss from the rounds in turn (both engines alive), not the medians above
+                            "miss_over_alone": m["ratio"], "miss_over_alone_interval": [m["ratio_lo"], m["ratio_hi"]],
+                            "miss_ttft_rounds": {"alone": m["seconds"]["a"], "connector": m["seconds"]["b"]},
+                            "partial_ttft_s": c["partial"],
                             "alone_over_partial": a["full"] / c["partial"], "full_reuse_ttft_s": c["full_reuse"],
                             "alone_over_full_reuse": a["full"] / c["full_reuse"], "paths": c["paths"],
                             "decode_tok_s_alone": d["alone"], "decode_tok_s_connector": d["connector"],

@@ -25,13 +25,13 @@ class FakeEngine:
     """`stats`: each answer carries its own decode time (`decode_s`, as vLLM's request stats give
     it), else only the whole call's seconds."""
 
-    def __init__(self, name: str, tokens_per_s: float, host: Host, stats: bool = False):
-        self.name, self.rate, self.host, self.stats = name, tokens_per_s, host, stats
+    def __init__(self, name: str, tokens_per_s: float, host: Host, stats: bool = False, prefill_s: float = PREFILL_S):
+        self.name, self.rate, self.host, self.stats, self.prefill_s = name, tokens_per_s, host, stats, prefill_s
 
     def ask(self, rid: str, prompt: list[int], *, max_tokens: int, **kw: Any) -> dict[str, Any]:
         self.host.order.append(self.name)
         decode = (max_tokens - 1) / self.rate * self.host.factor
-        seconds = PREFILL_S * (1 + self.host.jitter * (len(self.host.order) % 3)) * self.host.factor + decode
+        seconds = self.prefill_s * (1 + self.host.jitter * (len(self.host.order) % 3)) * self.host.factor + decode
         self.host.factor *= 1.0 + self.host.drift
         return {"id": rid, "request_id": rid, "tokens": [0] * max_tokens, "seconds": seconds,
                 "decode_s": decode if self.stats and max_tokens > 1 else None}
@@ -68,3 +68,18 @@ def test_one_engine_after_the_other_would_have_read_the_drift_as_the_connectors(
     alone = _decode_rate(FakeEngine("alone", 10.0, host), "a", [1, 2, 3], 32, 8)
     mine = _decode_rate(FakeEngine("connector", 11.0, host), "c", [1, 2, 3], 32, 8)
     assert mine / alone < 0.9
+
+
+def test_with_ttft_each_turn_times_the_miss_too_and_the_drift_cancels():
+    """The miss's TTFT from the same turns: a one-token answer first in each engine's turn; an
+    engine whose prefill takes 4 % longer reads 1.04 on a host that drifts 2 % a request."""
+    host = Host(drift=0.02)
+    got = decode_ab(FakeEngine("alone", 10.0, host, stats=True),
+                    FakeEngine("connector", 10.0, host, stats=True, prefill_s=1.04 * PREFILL_S), "t", [1, 2, 3], 32, 8,
+                    ttft=True)
+    assert len(host.order) == 2 * 2 * 9  # per round and engine: the one-token answer, then the generate
+    assert got["ttft"]["ratio"] == pytest.approx(1.04, abs=0.01)
+    assert got["ttft"]["ratio_lo"] <= got["ttft"]["ratio"] <= got["ttft"]["ratio_hi"]
+    assert len(got["ttft"]["seconds"]["a"]) == len(got["ttft"]["seconds"]["b"]) == 8
+    assert got["ratio"] == pytest.approx(1.0, abs=0.01)  # the decode rates are equal
+    assert "ttft" not in decode_ab(FakeEngine("a", 10.0, host), FakeEngine("b", 10.0, host), "u", [1], 4, 2)

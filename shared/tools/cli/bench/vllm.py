@@ -52,18 +52,22 @@ def _on_real_tier(vllm_python: str, prefix: str, run: Callable[[Path, Path, Call
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
               help="vLLM's weights and cache, the sender's and the connector's own layers.")
 @click.option("--lora", is_flag=True, help="Serve docqa as a LoRA adapter of base (default: merged into it).")
-def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora) -> None:
+@click.option("--rounds", default=8, show_default=True, type=click.IntRange(2, 200),
+              help="Rounds of each engine in turn for the miss's TTFT and the decode rate (their intervals).")
+def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora, rounds) -> None:
     """TTFT and decode rate: vLLM alone, and with the connector (miss, partial, full reuse)."""
     from droidmesh.shared.tools.bench import vllm_reuse
 
     result = _on_real_tier(vllm_python, "dm-bench-vllm-", lambda tier, work, say: vllm_reuse.run(
-        vllm_python, tier, contexts, repeats, new_tokens, dtype, work, say, lora=lora))
+        vllm_python, tier, contexts, repeats, new_tokens, dtype, work, say, lora=lora, rounds=rounds))
     click.echo(report.format_table(result["rows"], COLUMNS))
     for row in result["rows"]:
-        click.echo(f"{row['context_tokens']} tokens, connector paths: {row['paths']}")
-        lo, hi = row["decode_ratio_interval"]
-        click.echo(f"{row['context_tokens']} tokens, decode with / without the connector: {row['decode_ratio']:.3f} "
-                   f"[{lo:.3f}, {hi:.3f}] (95 %, {row['decode_rounds']} rounds of each engine in turn)")
+        n, rounds_run = row["context_tokens"], row["decode_rounds"]
+        click.echo(f"{n} tokens, connector paths: {row['paths']}")
+        for what, key in (("decode rate", "decode_ratio"), ("miss TTFT", "miss_over_alone")):
+            lo, hi = row[f"{key}_interval"]
+            click.echo(f"{n} tokens, {what} with / without the connector: {row[key]:.3f} [{lo:.3f}, {hi:.3f}] "
+                       f"(95 %, {rounds_run} rounds of each engine in turn)")
     save(json_path, "vllm", result)
 
 
