@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -138,8 +139,12 @@ class OfflineEngine(EngineProcess):
     environment's); `stop()` closes its input (then kills it)."""
 
     def __init__(self, python: str | Path, spec: Mapping[str, Any], workdir: Path, env: Mapping[str, str] | None = None):
-        path = workdir / "engine.json"
-        path.write_text(json.dumps(spec))
+        # a file of its own: the process reads it after its imports, by when another engine
+        # started beside it in the same directory would have replaced a shared one
+        fd, name = tempfile.mkstemp(prefix="engine-", suffix=".json", dir=workdir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(spec, f)
+        path = Path(name)
         self.results: dict[str, dict[str, Any]] = {}
         super().__init__([str(Path(python).absolute()), "-m", MODULE, str(path)], workdir, env, stdin=True)
 

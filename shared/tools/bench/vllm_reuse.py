@@ -13,7 +13,10 @@ its base (one full checkpoint: vLLM at its fastest) or, with `lora`, as a LoRA a
 and, with both engines alive, a round of each in turn (`decode_ab`), the miss's TTFT and the
 decode tokens/s alone and with the connector (`_rate`: one `new_tokens` generate's own token
 times): what drifts on a shared host over minutes falls on both alike, and each round's pair
-gives a paired difference (the miss's ratio and interval come from these rounds).
+gives a paired difference (the miss's ratio and interval come from these rounds). What the
+turns cannot cancel is the start order: on a 2-core host the engine started second prefilled a
+miss ~9 % faster than the first with the same spec, so `connector_first` starts them the other
+way round, and a run of each order brackets the miss's ratio.
 Each reuse row says whether the connector's path was the one asked for. A third engine holds what
 it prefills (`hold`, vLLM as a sender, E kept at the plan's layer as a sender of a pair would):
 its TTFT of a fresh prompt it prefills itself, the copy out of its cache inside the step
@@ -138,7 +141,8 @@ def merged(adapter: Path, out: Path) -> Path:
 
 
 def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: int, dtype: str, work: Path,
-        say: Callable[[str], None], lora: bool = False, rounds: int = AB_ROUNDS) -> dict[str, Any]:
+        say: Callable[[str], None], lora: bool = False, rounds: int = AB_ROUNDS,
+        connector_first: bool = False) -> dict[str, Any]:
     from droidmesh.shared.model.adapter import load_model
 
     base = ModelRef(tier / "base", "base")
@@ -150,12 +154,15 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
     served = {"model": str(base.path), "loras": {"docqa": str(docqa.path)}} if lora else {"model": str(docqa.path)}
     spec = {**served, "dtype": dtype, "max_model_len": max(contexts) + 128}
     out: dict[str, Any] = {"plan": PLAN.label(), "dtype": dtype, "repeats": repeats, "docqa": "lora" if lora else "merged",
-                           "rows": []}
+                           "started_first": "connector" if connector_first else "alone", "rows": []}
     adapter = "docqa" if lora else None
     measured: dict[str, dict[int, dict[str, Any]]] = {}
     with pair_mesh(tier, base, docqa, work, dtype, [documents(tok, n, 0) for n in contexts], lora) as connector:
-        engines = {name: OfflineEngine(python, {**spec, "connector": conn}, work, env)
-                   for name, conn in (("alone", None), ("connector", connector))}
+        # started in this order: on this host the engine started second prefills a miss ~9 % faster
+        # (two engines without the connector, `docs/performance.md`), so a run of each order is needed
+        order = (("connector", connector), ("alone", None)) if connector_first else (("alone", None), ("connector", connector))
+        started = {name: OfflineEngine(python, {**spec, "connector": conn}, work, env) for name, conn in order}
+        engines = {"alone": started["alone"], "connector": started["connector"]}
         try:
             for name, engine in engines.items():
                 engine.ready(READY_S)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from pathlib import Path
 
 import pytest
 
 from droidmesh.shared.engines.settings import EngineSettings
 from droidmesh.shared.engines.vllm.cli import vllm_version
-from droidmesh.shared.engines.vllm.client import CONNECTOR_MODULE, serve_argv
+from droidmesh.shared.engines.vllm.client import CONNECTOR_MODULE, OfflineEngine, serve_argv
 
 
 def _lookup(installed: dict[str, str]):
@@ -46,3 +47,21 @@ def test_serve_argv_names_the_connector_and_its_settings_and_every_adapter(tmp_p
 def test_vllm_alone_has_no_connector_and_no_lora():
     argv = serve_argv("py", {"model": "/m/base", "connector": None}, 1)
     assert "--kv-transfer-config" not in argv and "--enable-lora" not in argv
+
+
+def test_two_offline_engines_started_in_one_directory_each_read_their_own_spec(tmp_path):
+    """Engines started side by side in one directory (vLLM alone and with the connector, as the
+    bench does): each process is handed a spec file of its own, so the one started first cannot
+    read the second's (with a shared file it would: it reads it after its imports)."""
+    import sys
+
+    alone = OfflineEngine(sys.executable, {"model": "m", "connector": None}, tmp_path)
+    mine = OfflineEngine(sys.executable, {"model": "m", "connector": {"nats_url": "nats://x"}}, tmp_path)
+    try:
+        paths = [Path(e.proc.args[-1]) for e in (alone, mine)]
+        assert paths[0] != paths[1]
+        assert [json.loads(p.read_text())["connector"] for p in paths] == [None, {"nats_url": "nats://x"}]
+    finally:
+        for e in (alone, mine):
+            e.proc.kill()
+            e.proc.wait()

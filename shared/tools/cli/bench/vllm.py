@@ -54,12 +54,16 @@ def _on_real_tier(vllm_python: str, prefix: str, run: Callable[[Path, Path, Call
 @click.option("--lora", is_flag=True, help="Serve docqa as a LoRA adapter of base (default: merged into it).")
 @click.option("--rounds", default=8, show_default=True, type=click.IntRange(2, 200),
               help="Rounds of each engine in turn for the miss's TTFT and the decode rate (their intervals).")
-def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora, rounds) -> None:
+@click.option("--connector-first", is_flag=True,
+              help="Start the connector's engine before vLLM alone (the start order moves a miss's TTFT on a "
+                   "small host: run both orders).")
+def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora, rounds, connector_first) -> None:
     """TTFT and decode rate: vLLM alone, and with the connector (miss, partial, full reuse)."""
     from droidmesh.shared.tools.bench import vllm_reuse
 
     result = _on_real_tier(vllm_python, "dm-bench-vllm-", lambda tier, work, say: vllm_reuse.run(
-        vllm_python, tier, contexts, repeats, new_tokens, dtype, work, say, lora=lora, rounds=rounds))
+        vllm_python, tier, contexts, repeats, new_tokens, dtype, work, say, lora=lora, rounds=rounds,
+        connector_first=connector_first))
     click.echo(report.format_table(result["rows"], COLUMNS))
     for row in result["rows"]:
         n, rounds_run = row["context_tokens"], row["decode_rounds"]
