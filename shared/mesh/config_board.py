@@ -69,6 +69,8 @@ def validate(cfg: schemas.RecomputeConfig) -> schemas.RecomputeConfig:
         try:
             ReusePlan.recompute_groups(p.plan.groups).patched(p.plan.patch_layers).validate(cfg.total_layers)
             codecs.get(p.plan.codec)
+            if p.plan.codec == codecs.LAYERED.name:
+                codecs.LAYERED.check(p.plan.codec_params, cfg.total_layers)
         except DroidMeshError as e:
             raise BadRequestError(f"{where}: {e}") from None
         maps = p.plan.codec_params.get(codecs.MAPS_PARAM)

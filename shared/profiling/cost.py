@@ -30,7 +30,7 @@ from typing import Any
 
 from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv.plan import ReusePlan
-from droidmesh.shared.profiling import fidelity, search, transfer
+from droidmesh.shared.profiling import fidelity, layer_codecs, search, transfer
 
 UNKNOWN = 0.5  # the share of layers charged to a plan whose group the search has yet to choose
 # Below this many rows per split one answer moves the mean by more than 1/8: a budget never cuts
@@ -111,7 +111,7 @@ def train_evaluations(work: Work, num_layers: int, g: int) -> int:
 def transfer_configs(settings: transfer.Settings | None = None) -> int:
     """At most the configs the transfer search scores (`transfer.candidates`, a multi-layer group)."""
     settings = settings or transfer.Settings()
-    return 3 + len(settings.shares) + len(settings.patch_shares) + 1
+    return 3 + len(settings.shares) + len(settings.patch_shares) + 1 + 1  # the last: the per-layer codec
 
 
 def _rows(work: Work, num_layers: int, g: int) -> list[tuple[int, float]]:
@@ -128,6 +128,9 @@ def _rows(work: Work, num_layers: int, g: int) -> list[tuple[int, float]]:
         out += [(n, -1.0), (n, 1.0), (n, 0.0), (n, UNKNOWN)]
     if work.transfer:  # each config on both splits; the maps fit prefills each train context in both models
         out += [((work.n_train + work.n_test) * transfer_configs(), UNKNOWN), (2 * work.n_train, -1.0)]
+        # the per-layer codec's divergence passes on the probe rows (`layer_codecs.choose`, at most)
+        probe = min(work.n_train, fidelity.Settings().probe_rows)
+        out += [(probe, UNKNOWN)] * (3 + num_layers + len(layer_codecs.SHARES))  # + the reference
     return out
 
 

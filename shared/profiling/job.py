@@ -229,6 +229,11 @@ def transfer_lines(t: dict[str, Any]) -> list[str]:
                      f"train {c['quality_train']:.3f}  test {c['quality_test']:.3f}  "
                      f"{'meets' if c['meets_rule'] else 'fails'}  TTFT ms {ttft}"
                      + (f"  fastest at {', '.join(fastest)} Gbit/s" if fastest else ""))
+    if t.get("layered"):
+        chosen = t["layered"]["chosen"]
+        what = "raw (not offered)" if chosen["codec"] == "raw" else f"int4 at layers {chosen['int4'] or 'none'}, the rest int8"
+        lines.append(f"    per-layer codec: {what} ({chosen['why']}; {t['layered']['raw_nats']:.4f} nats raw, "
+                     f"bound {t['layered']['bound_nats']:.4f})")
     return lines
 
 

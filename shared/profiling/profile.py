@@ -344,8 +344,10 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     train = PairScorer(s_model, r_model, train_rows[:work.n_train], spec, max_captures=keep)
     test = PairScorer(s_model, r_model, test_rows[:work.n_test], spec)
     others = {t: PairScorer(s_model, r_model, rows, t_spec) for t, (rows, t_spec) in other_rows.items()} if work.others else {}
+    probe = fidelity.Settings().probe_rows
     xfer = transfer.Inputs(s_model, [r.context for r in train.rows], train.quality, test.quality,
-                           {"sender_sha256": sender.sha256, "receiver_sha256": receiver.sha256}) if work.transfer else None
+                           {"sender_sha256": sender.sha256, "receiver_sha256": receiver.sha256},
+                           lambda plan, wire: train.divergences(plan, probe, wire)) if work.transfer else None
     t0 = time.perf_counter()
     result = run(train, test, L, settings, receiver=r_model, pair=Pair(sender.name, receiver.name, task), others=others,
                  transfer_inputs=xfer, maps_out=maps_out)

@@ -4,6 +4,8 @@ Sequence, for the group G = [s, e) the DroidSpeak search chose (`profile.run`):
   1. calibrate the pair's SCD maps on the train split's contexts (`scd_fit.calibrate`: every
      layer's K, V and E fitted once, at full rank);
   2. list the candidate configs (`candidates`): G with its reused layers sent raw, int8, int4,
+     int8 and int4 per layer as the divergence on the train probe rows allows (`layer_codecs`,
+     when the inputs carry a divergence),
      or as lowrank codes keeping a share (0.8 .. 0.99) of each item's fitted variance (the rank
      is chosen per layer and kind, `Fit.rank_for`); G's layers patched instead of recomputed
      (Patch: the receiver projects a decoded E), at two E shares; G's first layer patched and
@@ -35,7 +37,7 @@ from tqdm import tqdm
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter
-from droidmesh.shared.profiling import scd_fit
+from droidmesh.shared.profiling import layer_codecs, scd_fit
 from droidmesh.shared.tasks.scorer import RAW, Wire
 from droidmesh.shared.transport import codecs
 from droidmesh.shared.wire.schemas import LatencyFit
@@ -61,6 +63,7 @@ class Inputs:
     train: Score
     test: Score
     maps_meta: dict[str, str] = dataclasses.field(default_factory=dict)  # sender_sha256 / receiver_sha256 the maps bind
+    divergence: layer_codecs.Divergence | None = None  # on the train probe rows: adds the per-layer codec candidate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,7 @@ class Candidate:
     codec: str
     share: float | None = None  # lowrank: K/V variance kept
     patch_share: float | None = None  # lowrank: patch layers' E variance kept
+    params: tuple[tuple[str, int | float | str], ...] = ()  # layered: the codec per layer
 
 
 def candidates(group: ReusePlan, num_layers: int, settings: Settings) -> list[Candidate]:
@@ -127,23 +131,32 @@ def profile_transfer(inputs: Inputs, receiver: ModelAdapter, group: ReusePlan, f
                      fit: LatencyFit, settings: Settings = Settings()) -> tuple[dict[str, Any], dict[str, bytes]]:
     """Calibrate the pair's maps, then `search`; blocks (torch)."""
     pair_fits = scd_fit.calibrate(inputs.sender, receiver, inputs.contexts, meta=inputs.maps_meta)
+    more: list[Candidate] = []
+    layered: dict[str, Any] | None = None
+    if inputs.divergence is not None:
+        choice, layered = layer_codecs.choose(inputs.divergence, group, receiver.num_layers)
+        if choice.wire.codec == codecs.LAYERED.name:
+            more.append(Candidate(f"layered int4 x{len(choice.int4)} {_groups(group) or 'full reuse'}", group,
+                                   choice.wire.codec, params=choice.wire.params))
     result, files = search(inputs.train, inputs.test, pair_fits, Layout.of(inputs.sender), group, full_prefill,
-                           tolerance, fit, settings)
+                           tolerance, fit, settings, more)
     result["calibration"]["contexts"] = len(inputs.contexts)
+    if layered is not None:
+        result["layered"] = layered
     return result, files
 
 
 def search(train: Score, test: Score, pair_fits: scd_fit.PairFits, layout: Layout, group: ReusePlan,
            full_prefill: float, tolerance: float, fit: LatencyFit, settings: Settings = Settings(),
-           ) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """Score every candidate for `group` (module docstring, steps 2-5). Returns the JSON section
-    and the lowrank maps files {sha256: bytes}."""
+           more: Sequence[Candidate] = ()) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Score every candidate for `group` (module docstring, steps 2-5), then `more`. Returns
+    the JSON section and the lowrank maps files {sha256: bytes}."""
     target = (1.0 - tolerance) * full_prefill
     files: dict[str, bytes] = {}
     rows = []
     ref = max(settings.tokens)
-    for c in tqdm(candidates(group, layout.num_layers, settings), desc="transfer search", unit="config"):
-        wire = RAW if c.codec == "raw" else Wire.of(c.codec)
+    for c in tqdm([*candidates(group, layout.num_layers, settings), *more], desc="transfer search", unit="config"):
+        wire = RAW if c.codec == "raw" else Wire(c.codec, c.params)
         extra: dict[str, Any] = {}
         if c.codec == "lowrank":
             assert c.share is not None

@@ -125,7 +125,7 @@ class PairScorer:
         # per-row scores, not only their mean: the profiler asks whether paths differ on any row
         self._scores: dict[tuple[ReusePlan, Wire], list[float]] = {}
         self._sender: list[float] | None = None
-        self._divergences: dict[ReusePlan, list[float]] = {}
+        self._divergences: dict[tuple[ReusePlan, Wire], list[float]] = {}
         self._reference: dict[int, tuple[list[int], torch.Tensor]] = {}  # row -> (answer ids, log-probs [A, vocab])
 
     @property
@@ -156,12 +156,13 @@ class PairScorer:
                 lists[p].append(self._score(self.receiver, i, p, None if p.mode == "full_prefill" else capture,
                                             wire or RAW))
 
-    def divergences(self, plan: ReusePlan, rows: int | None = None) -> list[float]:
+    def divergences(self, plan: ReusePlan, rows: int | None = None, wire: Wire = RAW) -> list[float]:
         """Per row (the first `rows`): mean over the receiver's own full-prefill greedy answer of
-        KL(full prefill's next-token distribution || `plan`'s), teacher-forced, in nats; memoised."""
-        got = self._divergences.setdefault(plan, [])
+        KL(full prefill's next-token distribution || `plan`'s, reused tensors sent under `wire`),
+        teacher-forced, in nats; memoised."""
+        got = self._divergences.setdefault((plan, wire), [])
         for i in range(len(got), self._upto(rows)):
-            got.append(self._divergence(i, plan))
+            got.append(self._divergence(i, plan, wire))
         return got[:self._upto(rows)]
 
     def _upto(self, rows: int | None) -> int:
@@ -220,22 +221,22 @@ class PairScorer:
         return measures.score(self.spec.metric, decode_answer(model.tokenizer, tokens, self.spec), row.answers)
 
     @torch.inference_mode()
-    def _divergence(self, i: int, plan: ReusePlan) -> float:
+    def _divergence(self, i: int, plan: ReusePlan, wire: Wire = RAW) -> float:
         if i not in self._reference:  # the receiver's own answer and its distributions over it
             pre = prefill(self.receiver, self.rows[i].prompt, ReusePlan.full_prefill(), None)
             answer = _greedy(self.receiver, pre.cache, int(pre.logits[-1].argmax()), len(self.rows[i].prompt),
                              self.spec.max_new_tokens)
             self._reference[i] = answer, self._forced(i, ReusePlan.full_prefill(), answer)
         answer, reference = self._reference[i]
-        other = reference if plan.mode == "full_prefill" else self._forced(i, plan, answer)
+        other = reference if plan.mode == "full_prefill" else self._forced(i, plan, answer, wire)
         return float((reference.exp() * (reference - other)).sum(-1).mean())
 
-    def _forced(self, i: int, plan: ReusePlan, answer: list[int]) -> torch.Tensor:
+    def _forced(self, i: int, plan: ReusePlan, answer: list[int], wire: Wire = RAW) -> torch.Tensor:
         """Log-probs [len(answer), vocab] of the receiver under `plan` at the positions that predict
         each token of `answer`, the answer fed in (teacher forcing: one forward, no decoding)."""
         row, model = self.rows[i], self.receiver
         capture = None if plan.mode == "full_prefill" else self._kept_capture(i)
-        pre = prefill(model, row.prompt, plan, _source(plan, capture, RAW, row))
+        pre = prefill(model, row.prompt, plan, _source(plan, capture, wire, row))
         logits = pre.logits[-1:]  # [1, vocab]: predicts answer[0]
         if len(answer) > 1:
             ids = torch.tensor([answer[:-1]], device=model.device)  # [1, A-1]

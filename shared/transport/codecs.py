@@ -9,7 +9,8 @@ A `Codec` (stateless; both methods block while they compute, on whatever thread 
                                is refused before any buffer is allocated for it.
 Registered here: `raw` (the tensor's own bytes, no copy on either side when the buffer is on the
 CPU), `int8` and `int4` (quantized, `shared/kv/quant.py`; see "Quantized codecs" below),
-`lowrank` (SCD codes under a pair's learned maps, `shared/kv/scd.py`; see "SCD codes" below);
+`lowrank` (SCD codes under a pair's learned maps, `shared/kv/scd.py`; see "SCD codes" below),
+`layered` (raw, int8 or int4 per layer, `LayeredCodec`: a profile's per-layer choice, one pull);
 `register` adds more (compressed codecs plug in here, nothing else changes). Both ends share
 `payload_view` and `integrity.checksum`; a receiver lands each payload where `placement.py` says.
 
@@ -55,8 +56,10 @@ does, and only when UCX here has its CUDA transports, see `capabilities.py`):
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
 import torch
 
 from droidmesh.shared.errors import IntegrityError
@@ -331,9 +334,75 @@ class LowRankCodec:
         return nbytes_of(scd.code_shape(kind, shape, code), dtype)
 
 
+# Layered codec param: one letter per layer of the sender's model, the codec of that layer's items.
+LAYERS_PARAM = "layers"
+LETTERS = {"r": "raw", "8": "int8", "4": "int4"}
+_ECHOED = {"raw": {DEVICE_PARAM}, "int8": {KIND_PARAM}, "int4": {GROUP_PARAM}}  # what each one's header carries
+
+
+class LayeredCodec:
+    """Per layer, one of raw / int8 / int4 (`LAYERS_PARAM`: "8844rr...", a letter of `LETTERS`
+    per layer): a plan's sensitive layers travel at more bits than the rest, in one pull. An
+    item goes under its layer's codec, with the params that codec takes from the request (int4's
+    group; raw's device payloads); the header echoes the layers, the item's layer and that
+    codec's own echo, and the receiver decodes with the same codec under the same checks. An item
+    of a layer the string does not cover, or a letter outside `LETTERS`, is an `IntegrityError`."""
+
+    name = "layered"
+
+    @staticmethod
+    def check(params: CodecParams, num_layers: int | None = None) -> str:
+        """The layers string of `params`; `IntegrityError` unless it is a letter of `LETTERS` per
+        layer (exactly `num_layers` of them when given)."""
+        layers = params.get(LAYERS_PARAM)
+        if not isinstance(layers, str) or not layers or set(layers) - set(LETTERS):
+            raise IntegrityError(f"layered: param {LAYERS_PARAM!r} is a string of {sorted(LETTERS)}, one per layer")
+        if num_layers is not None and len(layers) != num_layers:
+            raise IntegrityError(f"layered: {len(layers)} layers' codecs for a model of {num_layers} layers")
+        return layers
+
+    def _sub(self, params: CodecParams, layer: object) -> tuple[Codec, CodecParams]:
+        """The codec of `layer`'s items and the params of `params` it takes."""
+        layers = self.check(params)
+        if not isinstance(layer, int) or not 0 <= layer < len(layers):
+            raise IntegrityError(f"layered: layer {layer!r} outside the {len(layers)} layers its codecs name")
+        codec = get(LETTERS[layers[layer]])
+        return codec, {k: v for k, v in params.items() if k in _ECHOED[codec.name]}
+
+    def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
+        codec, sub = self._sub(params, params.get(LAYER_PARAM))
+        payload, echo = codec.encode(t, sub)
+        return payload, {LAYERS_PARAM: params[LAYERS_PARAM], LAYER_PARAM: params[LAYER_PARAM], **echo}
+
+    def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
+        params = header.codec_params
+        if params.get(LAYER_PARAM) != header.layer:
+            raise IntegrityError(f"layer {header.layer} {header.kind}: layered params for layer {params.get(LAYER_PARAM)!r}")
+        codec, sub = self._sub(params, header.layer)
+        if set(params) - {LAYERS_PARAM, LAYER_PARAM} - _ECHOED[codec.name]:
+            raise IntegrityError(f"layer {header.layer} {header.kind}: layered params {sorted(params)} "
+                                 f"for a {codec.name} item")
+        codec.decode(payload, msgspec.structs.replace(header, codec=codec.name, codec_params=sub), out)
+
+    def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
+        codec, sub = self._sub(params, params.get(LAYER_PARAM))
+        return codec.max_nbytes(shape, dtype, sub)
+
+
+def layers_param(codec_of_layer: Sequence[str]) -> CodecParams:
+    """The layered codec's params for per-layer codec names (each a value of `LETTERS`)."""
+    letter = {name: ch for ch, name in LETTERS.items()}
+    unknown = sorted(set(codec_of_layer) - set(letter))
+    if unknown:
+        raise ValueError(f"codecs {unknown} have no layered letter; one of {sorted(letter)}")
+    return {LAYERS_PARAM: "".join(letter[c] for c in codec_of_layer)}
+
+
 LOWRANK = LowRankCodec()
+LAYERED = LayeredCodec()
 
 register(RawCodec())
 register(Int8Codec())
 register(Int4Codec())
 register(LOWRANK)
+register(LAYERED)

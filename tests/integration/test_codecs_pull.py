@@ -29,7 +29,7 @@ from droidmesh.shared.kv.partial import Generation, generate
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.sources import ArrivingSource
 from droidmesh.shared.model.device import dtype_name
-from droidmesh.shared.profiling import scd_fit
+from droidmesh.shared.profiling import layer_codecs, scd_fit
 from droidmesh.shared.transport import codecs, inproc, integrity
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.inproc import CodedSource
@@ -110,6 +110,25 @@ def test_quantized_pull_generates_what_the_raw_pull_does(tiny_models, context, c
         kv_group, e_group = (group, group) if isinstance(group, int) else (quant.default_group(kv), quant.default_group(e))
         expected = kv_layers * 2 * quant.int4_nbytes(kv, kv_group) + quant.int4_nbytes(e, e_group)
     assert n == expected and n < 0.4 * raw_bytes
+
+
+def test_a_layered_pull_generates_what_the_raw_pull_does_in_each_layers_bytes(tiny_models, context):
+    """Layers 0 and 1 int4, 4 and 5 int8, the group start's E raw (`layer_codecs.wire_for`): the
+    same 16 greedy tokens as raw, suffix logits within int4's tolerance, and each item the bytes
+    of its own layer's codec."""
+    receiver = tiny_models[1]
+    wire = layer_codecs.wire_for(PLAN, receiver.num_layers, [0, 1])
+    assert dict(wire.params) == {"layers": "44rr88"}
+    raw, _ = _run(tiny_models, context, "raw")
+    got, n = _run(tiny_models, context, wire.codec, dict(wire.params))
+    assert got.tokens == raw.tokens
+    drift = float((got.prefill.logits - raw.prefill.logits).abs().max())
+    assert drift <= TOLERANCE["int4"] * float(raw.prefill.logits.abs().max())
+    m = len(context[3])
+    kv, e = receiver.kv_shape(m), receiver.e_shape(m)
+    int4 = 2 * 2 * quant.int4_nbytes(kv, quant.default_group(kv))
+    int8 = 2 * (quant.int8_nbytes(kv, "K") + quant.int8_nbytes(kv, "V"))
+    assert n == int4 + int8 + codecs.nbytes_of(e, receiver.dtype)
 
 
 def test_a_poisoned_quantized_item_is_refused_and_never_delivered(tiny_models, context, monkeypatch):

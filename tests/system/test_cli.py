@@ -66,6 +66,8 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("keys list", ["--file", "{tmp}/keys.toml"]),
     ("bench codecs", ["--pairs", "summ:qa", "--rows", "1", "--tokens", "64", "--rates", "0.5", "--repeats", "1",
                       "--calibration-rows", "2", "--shares", "0.9"]),
+    ("bench layered", ["--pair", "ci/summ:ci/qa", "--task", "multihop_qa", "--group", "1,2", "--probe-rows", "1",
+                       "--rows", "2", "--json", "{tmp}/layered.json"]),
     ("bench ttft", ["--contexts", "32", "--repeats", "1"]),
     ("bench quality", ["--rows", "1", "--long-tokens", "64", "--repeats", "1"]),
     ("bench pipeline", ["--tokens", "32", "--repeats", "1"]),
@@ -93,7 +95,8 @@ COVERED_ELSEWHERE = {"serve": "tests/system/test_serve.py",
                      "demo": "tests/system/test_secure_defaults.py"}  # the same invocation, under auth
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
          "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs", "--n-before", "--max-shifted",
-         "--profile-rows", "--trials", "--warmup", "--counts", "--docs", "--chars", "--calibration-rows", "--shares"}
+         "--profile-rows", "--trials", "--warmup", "--counts", "--docs", "--chars", "--calibration-rows", "--shares",
+         "--probe-rows"}
 
 
 IDS = [f"{c} --workload {a[a.index('--workload') + 1]}" if "--workload" in a else c for c, a in INVOCATIONS]
@@ -371,6 +374,20 @@ def expect_bench_codecs(r: Ran) -> None:
     has(r.out, r"^runtime \d+ s \(")
 
 
+def expect_bench_layered(r: Ran) -> None:
+    rows = table(r.out, "wire", "int4_layers", "quality", "vs_full_prefill", "verdict", "vs_raw", "kl_nats",
+                 "bytes_vs_raw_bf16", "bytes_vs_plan_raw")
+    assert col(rows, "wire") == ["raw", "int8", "int4", "chosen"]
+    by = {x["wire"]: x for x in rows}
+    assert float(by["raw"]["bytes_vs_plan_raw"]) == 1.0 and float(by["int4"]["bytes_vs_plan_raw"]) < float(
+        by["int8"]["bytes_vs_plan_raw"]) < 1.0
+    got = json.loads((r.tmp / "layered.json").read_text())
+    assert got["rows"] == 2 and got["layered"]["probe_rows"] == 1 and got["plan"]["groups"] == [[1, 2]]
+    layers = got["wires"]["int8"]["codec_params"]["layers"]
+    assert layers[1] == "r" and set(layers) == {"8", "r"}  # layer 1 recomputed; every other one int8
+    has(r.out, r"^int4 at layers \[[\d, ]*\]: ")
+
+
 def expect_bench_ttft(r: Ran) -> None:
     rows = table(r.out, "context_tokens", "mode", "recomputed_layers", "total_layers", "ttft_s", "speedup", "ideal_speedup")
     assert set(col(rows, "context_tokens")) == {"32"} and set(col(rows, "total_layers")) == {"12"}  # the random 12-layer Llama
@@ -511,6 +528,7 @@ EXPECT: dict[str, Callable[[Ran], None]] = {
     "keys add": expect_keys_add,
     "keys list": expect_keys_list,
     "bench codecs": expect_bench_codecs,
+    "bench layered": expect_bench_layered,
     "bench ttft": expect_bench_ttft,
     "bench quality": expect_bench_quality,
     "bench pipeline": expect_bench_pipeline,

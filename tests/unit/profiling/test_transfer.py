@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from droidmesh.shared.kv import policy, scd
+from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.kv import policy, quant, scd
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.config_board import validate
 from droidmesh.shared.model.names import ModelRef, Pair
-from droidmesh.shared.profiling import scd_fit, transfer
+from droidmesh.shared.profiling import layer_codecs, scd_fit, transfer
 from droidmesh.shared.profiling.profile import ProfileSettings, recompute_config, run
 from droidmesh.shared.tasks.scorer import Wire
 from droidmesh.shared.transport import codecs
@@ -46,7 +47,7 @@ def quality(plan: ReusePlan, wire: Wire) -> float:
     """Raw 1.0, int8 0.99, int4 0.90 (fails a 5% rule); lowrank 0.97 from share 0.95 up, else 0.80;
     patching every group layer 0.50 (fails), patching the first and recomputing the rest 0.96."""
     if wire.codec != "lowrank":
-        return {"raw": 1.0, "int8": 0.99, "int4": 0.90}[wire.codec]
+        return {"raw": 1.0, "int8": 0.99, "int4": 0.90, "layered": 0.98}[wire.codec]
     if plan.patch:
         return 0.96 if plan.groups else 0.50
     share = float(codecs.LOWRANK.maps(dict(wire.params)[codecs.MAPS_PARAM]).meta["share"])
@@ -124,3 +125,33 @@ def test_candidates_for_several_groups_and_for_full_reuse():
     assert [c.name for c in transfer.candidates(ReusePlan.full_reuse(), 8, transfer.Settings())][:2] == [
         "raw full reuse", "int8 full reuse"]
     assert all(not c.plan.patch for c in transfer.candidates(ReusePlan.full_reuse(), 8, transfer.Settings()))
+
+
+def test_a_layered_candidate_is_scored_with_its_exact_bytes_and_published_as_it_was_scored():
+    """The per-layer codec's candidate (layer 0 int4, layer 3 int8, the group start's E raw) is
+    scored under its own wire, its bytes are each layer's codec's, and the config a receiver gets
+    names the same codec per layer; a string that does not name every layer is refused."""
+    wire = layer_codecs.wire_for(GROUP, L, [0])
+    extra = transfer.Candidate("layered int4 x1 [1,3)", GROUP, wire.codec, params=wire.params)
+    seen: list[Wire] = []
+
+    def score(plan: ReusePlan, w: Wire) -> float:
+        seen.append(w)
+        return quality(plan, w)
+
+    section, _ = transfer.search(score, score, pair_fits(), LAYOUT, GROUP, 1.0, 0.05, FIT, more=[extra])
+    row = section["configs"][-1]
+    assert row["name"] == "layered int4 x1 [1,3)" and row["codec_params"] == {"layers": "4rr8"} and seen[-1] == wire
+    kv = (1, H, 4096, D)
+    exact = 2 * quant.int4_nbytes(kv, 32) + quant.int8_nbytes(kv, "K") + quant.int8_nbytes(kv, "V") + 4096 * D * 4
+    assert row["wire_bytes_per_token"] == -(-exact // 4096)  # layer 0 int4, layer 3 int8, E at 1 raw
+    assert row["meets_rule"]
+    result = run(quality_of_plan, quality_of_plan, L, ProfileSettings(granularity=1), pair=Pair("s", "r", "t"))
+    result["transfer"] = section
+    refs = ModelRef("s", "s", "ci", "a" * 64), ModelRef("r", "r", "ci", "b" * 64)
+    cfg = validate(recompute_config(result, *refs, 1))
+    (layered,) = [p for p in cfg.frontier if p.plan.codec == "layered"]
+    assert layered.plan.codec_params == {"layers": "4rr8"} and layered.plan.groups == [(1, 3)]
+    row["codec_params"] = {"layers": "4rr"}
+    with pytest.raises(BadRequestError, match="3 layers' codecs for a model of 4 layers"):
+        validate(recompute_config(result, *refs, 1))

@@ -9,6 +9,7 @@ import torch
 
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter, random_model
+from droidmesh.shared.profiling import layer_codecs
 from droidmesh.shared.tasks.evaluation import all_groups, evaluate_pair, must_show
 from droidmesh.shared.tasks.scorer import PairScorer, per_layer_plan, score_text
 from droidmesh.shared.tasks.spec import TASKS, task_spec
@@ -161,6 +162,21 @@ def test_divergences_are_zero_where_a_plan_reproduces_full_prefill_and_grow_row_
     scorer._score = lambda *a, **k: calls.append(a[1]) or original(*a, **k)  # type: ignore[method-assign]
     assert scorer.scores(ReusePlan.full_reuse(), rows=3)[:1] == first and calls == [1, 2]
     assert scorer.divergences(ReusePlan.full_reuse())[:2] == reuse
+
+
+def test_a_divergence_is_read_through_the_wire_asked_for(pair) -> None:
+    """Recomputing [1, L) reuses only layer 0, the same in both models: raw matches full prefill
+    within float error; the same plan with layer 0 sent int8, then int4, diverges more with
+    fewer bits. Each wire has its own memo: raw's is not rescored or replaced."""
+    send, recv = pair
+    scorer = PairScorer(send, recv, make_rows("multihop_qa", "test", 2, SHAPE), TASKS["multihop_qa"])
+    plan = ReusePlan.recompute(1, L)
+    raw = scorer.divergences(plan)
+    int8 = scorer.divergences(plan, wire=layer_codecs.wire_for(plan, L, []))
+    int4 = scorer.divergences(plan, wire=layer_codecs.wire_for(plan, L, [0]))
+    assert raw == pytest.approx([0.0] * 2, abs=1e-5)
+    assert all(a < b < c for a, b, c in zip(raw, int8, int4, strict=True)), (raw, int8, int4)
+    assert scorer.divergences(plan) == raw
 
 
 def test_fill_scores_row_by_row_as_plan_major_calls_do_and_keeps_no_capture(pair) -> None:

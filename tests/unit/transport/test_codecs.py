@@ -60,7 +60,7 @@ def test_raw_is_registered_and_lands_in_place():
     """Raw arrives bit-exact, in the caller's own buffer, with the tensor's own byte count."""
     got, n = _pull()
     # bitwise: raw copies the bytes
-    assert codecs.names() == ["int4", "int8", "lowrank", "raw"] and torch.equal(got[0], KV) and n == KV.numel() * 4
+    assert codecs.names() == ["int4", "int8", "layered", "lowrank", "raw"] and torch.equal(got[0], KV) and n == KV.numel() * 4
 
 
 def test_a_registered_codec_is_encoded_by_the_sender_and_decoded_by_the_receiver(toy_codec):
@@ -327,3 +327,68 @@ def test_quantized_decode_into_a_non_contiguous_buffer():
         flat, _, _ = _pull_quantized(codec)
         # bitwise: the same decode, per element; only the buffer's strides differ
         assert all(torch.equal(a, b) for a, b in zip(got, flat, strict=True))
+
+
+# -- layered (raw / int8 / int4 per layer) ---------------------------------------------------
+def test_a_layered_pull_sends_each_layer_under_its_own_codec():
+    """layers "48": layer 0's K and V as int4, layer 1's E as int8, in one pull; each item lands
+    as its own codec would land it alone, with that codec's bytes."""
+    got, n, headers = _pull_quantized("layered", codecs.layers_param(["int4", "int8"]))
+    alone = {"int4": _pull_quantized("int4"), "int8": _pull_quantized("int8")}
+    for i, (item, h) in enumerate(zip(ITEMS, headers, strict=True)):
+        sub = "int4" if item.layer == 0 else "int8"
+        # bitwise: the same quantizer and decode on the same tensor; only the codec that picked it differs
+        assert torch.equal(got[i], alone[sub][0][i]) and h.nbytes == alone[sub][2][i].nbytes
+        assert h.codec == "layered" and h.codec_params == {"layers": "48", "layer": item.layer,
+                                                           **alone[sub][2][i].codec_params}
+    assert n == alone["int8"][2][0].nbytes + sum(h.nbytes for h in alone["int4"][2][1:])
+    raw_e, _, raw_headers = _pull_quantized("layered", {"layers": "r8"})  # raw: the tensor itself
+    assert torch.equal(raw_e[1], STORED[(0, "K")]) and raw_headers[1].codec_params == {"layers": "r8", "layer": 0}
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"layers": "4"}, "layer 1 outside the 1 layers"),  # the E item's layer is not covered
+    ({"layers": "4x"}, "a string of"),
+    ({"layers": ""}, "a string of"),
+    ({"layers": 48}, "a string of"),
+    ({}, "a string of"),
+])
+def test_a_layered_request_that_does_not_cover_its_items_is_refused_by_the_sender(params, match):
+    with pytest.raises(TransferError, match=f"sender refused the pull: integrity: layered: .*{match}"):
+        _pull_quantized("layered", params)
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"layers": "48", "layer": 1, "group": 8}, "layered params for layer 1"),  # another layer's params
+    ({"layers": "48", "layer": 0, "group": 8, "kind": "K"}, "layered params .* for a int4 item"),
+    ({"layers": "88", "layer": 0, "group": 8}, "layered params .* for a int8 item"),  # the letter changed under it
+    ({"layers": "88", "layer": 0, "kind": "K"}, "payload of|allows at most"),  # int8's layout, int4's payload
+    ({"layers": "4", "layer": 0}, "int4 params"),  # int4's group left out
+])
+def test_layered_header_params_that_do_not_match_the_item_are_refused(monkeypatch, params, match):
+    _tamper(monkeypatch, _set_params(1, params))
+    with pytest.raises(IntegrityError, match=match):
+        _pull_one_layered(codecs.layers_param(["int4", "int8"]))
+
+
+def _pull_one_layered(params: CodecParams) -> None:
+    async def run():
+        server = make_server("inproc", lambda c, l, k: STORED.get((l, k)), None)
+        address = await server.start()
+        try:
+            await make_client("inproc").pull(address, PullRequest(context_id="c", items=ITEMS, codec="layered",
+                                                                  codec_params=params),
+                                             _buffers_for(ITEMS), lambda it, t: None, 5)
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_layers_param_and_its_check():
+    assert codecs.layers_param(["raw", "int8", "int4"]) == {"layers": "r84"}
+    with pytest.raises(ValueError, match="no layered letter"):
+        codecs.layers_param(["lowrank"])
+    assert codecs.LAYERED.check({"layers": "r84"}, 3) == "r84"
+    with pytest.raises(IntegrityError, match="3 layers' codecs for a model of 30 layers"):
+        codecs.LAYERED.check({"layers": "r84"}, 30)

@@ -55,7 +55,7 @@ def _pair_group(tier: str | None, sender: str, receiver: str) -> tuple[tuple[int
     return DEFAULT_GROUP, f"default ({why_not}; --group sets it)"
 
 
-def _codec_pairs(value: str, group: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+def _codec_pairs(value: str, group: tuple[int, int] | None = None, hint: str = "'--pairs'") -> list[dict[str, Any]]:
     """`--pairs base:qa,real/base:real/docqa` -> [{"name", "sender", "receiver", "group", ...}]:
     zoo model names as `zoo list` prints them (a bare name: the demo tier's, else the first
     tier's, or the other side's tier) or checkpoint paths; the group: `group` (--group), else
@@ -74,7 +74,7 @@ def _codec_pairs(value: str, group: tuple[int, int] | None = None) -> list[dict[
             g, source = (group, "--group") if group else _pair_group(s_ref.tier or r_ref.tier, s_ref.name, r_ref.name)
             check_group(g, checkpoint_layers(r_ref.path), "--group" if group else f"{s}:{r}'s group ({source})")
         except DroidMeshError as e:
-            raise click.BadParameter(str(e), param_hint="'--pairs'") from None
+            raise click.BadParameter(str(e), param_hint=hint) from None
         name = f"{s_ref.name}->{r_ref.name}"
         if any(p["name"] == name for p in out):
             raise click.BadParameter(f"two pairs named {name}", param_hint="'--pairs'")
@@ -221,4 +221,46 @@ def _summary(r: dict[str, Any], task: str, no_mesh: bool, target_rate: float, lo
     return lines
 
 
-COMMANDS = (codecs,)
+LAYERED_COLUMNS = ["wire", "int4_layers", "quality", "vs_full_prefill", "verdict", "vs_raw", "kl_nats",
+                   "bytes_vs_raw_bf16", "bytes_vs_plan_raw"]
+
+
+@click.command("layered")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the choice, every wire and row here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write quality against bytes (PNG) here.")
+@click.option("--pair", "pair_spec", default="real/base:real/docqa", show_default=True,
+              help="SENDER:RECEIVER, zoo names as `zoo list` prints them or checkpoint paths.")
+@click.option("--group", type=GROUP, default=None,
+              help="Recompute group START,END (default: the pair's saved profile's, as `bench codecs`).")
+@click.option("--task", default="doc_qa", show_default=True, help="Task of the rows.")
+@click.option("--probe-rows", default=8, show_default=True, type=click.IntRange(1, 1000),
+              help="Train rows the per-layer choice reads its divergences on.")
+@click.option("--rows", default=100, show_default=True, type=click.IntRange(1, 100000), help="Test rows scored per wire.")
+@click.option("--slack", default=0.1, show_default=True, type=click.FloatRange(0, 10, max_open=True),
+              help="Share of the plan's own divergence (sent raw) the codecs may add.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="float32", show_default=True,
+              help="The models' dtype (float32 scores as `droidmesh eval` does on a CPU).")
+@launched_device_option
+def layered(json_path, plot_path, pair_spec, group, task, probe_rows, rows, slack, dtype, device) -> None:
+    """The per-layer codec: int4 where the divergence allows, int8 elsewhere, chosen on train
+    rows; quality with intervals and bytes against the plan sent raw, int8 and int4."""
+    from droidmesh.shared.tools.bench import layered as suite
+
+    pairs = _codec_pairs(pair_spec, group, "'--pair'")
+    if len(pairs) != 1:
+        raise click.BadParameter(f"{pair_spec!r}: one SENDER:RECEIVER", param_hint="'--pair'")
+    pair = pairs[0]
+    try:
+        result = suite.run(pair["sender"], pair["receiver"], task, pair["group"], probe_rows, rows, slack, dtype, device,
+                           lambda line: click.echo(line, err=True))
+    except DroidMeshError as e:
+        raise click.ClickException(str(e)) from None
+    result["pair"], result["group_source"] = pair["name"], pair["group_source"]
+    click.echo(report.format_table(suite.table_rows(result), LAYERED_COLUMNS))
+    click.echo(f"int4 at layers {result['layered']['chosen']['int4']}: {result['layered']['chosen']['why']}")
+    save(json_path, "layered", result)
+    if plot_path:
+        suite.plot(result, plot_path)
+
+
+COMMANDS = (codecs, layered)
