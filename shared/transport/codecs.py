@@ -334,26 +334,21 @@ class LowRankCodec:
         return nbytes_of(scd.code_shape(kind, shape, code), dtype)
 
 
-# Layered codec param: one letter per layer of the sender's model, the codec of that layer's items.
-LAYERS_PARAM = "layers"
+LAYERS_PARAM = "layers"  # the layered codec's param: per layer of the sender's model, its items' codec
 LETTERS = {"r": "raw", "8": "int8", "4": "int4"}
 _ECHOED = {"raw": {DEVICE_PARAM}, "int8": {KIND_PARAM}, "int4": {GROUP_PARAM}}  # what each one's header carries
 
 
 class LayeredCodec:
-    """Per layer, one of raw / int8 / int4 (`LAYERS_PARAM`: "8844rr...", a letter of `LETTERS`
-    per layer): a plan's sensitive layers travel at more bits than the rest, in one pull. An
-    item goes under its layer's codec, with the params that codec takes from the request (int4's
-    group; raw's device payloads); the header echoes the layers, the item's layer and that
-    codec's own echo, and the receiver decodes with the same codec under the same checks. An item
-    of a layer the string does not cover, or a letter outside `LETTERS`, is an `IntegrityError`."""
+    """Per layer, raw / int8 / int4 (`LAYERS_PARAM`: "8844rr...", one letter per layer), in one
+    pull. An item goes under its layer's codec with that codec's params from the request; the
+    header echoes the layers, the item's layer and that codec's echo, decoded under its checks."""
 
     name = "layered"
 
     @staticmethod
     def check(params: CodecParams, num_layers: int | None = None) -> str:
-        """The layers string of `params`; `IntegrityError` unless it is a letter of `LETTERS` per
-        layer (exactly `num_layers` of them when given)."""
+        """The layers string; `IntegrityError` unless a letter of `LETTERS` per layer (`num_layers`)."""
         layers = params.get(LAYERS_PARAM)
         if not isinstance(layers, str) or not layers or set(layers) - set(LETTERS):
             raise IntegrityError(f"layered: param {LAYERS_PARAM!r} is a string of {sorted(LETTERS)}, one per layer")
@@ -361,8 +356,7 @@ class LayeredCodec:
             raise IntegrityError(f"layered: {len(layers)} layers' codecs for a model of {num_layers} layers")
         return layers
 
-    def _sub(self, params: CodecParams, layer: object) -> tuple[Codec, CodecParams]:
-        """The codec of `layer`'s items and the params of `params` it takes."""
+    def _sub(self, params: CodecParams, layer: object) -> tuple[Codec, CodecParams]:  # `layer`'s codec, its params
         layers = self.check(params)
         if not isinstance(layer, int) or not 0 <= layer < len(layers):
             raise IntegrityError(f"layered: layer {layer!r} outside the {len(layers)} layers its codecs name")
@@ -390,11 +384,8 @@ class LayeredCodec:
 
 
 def layers_param(codec_of_layer: Sequence[str]) -> CodecParams:
-    """The layered codec's params for per-layer codec names (each a value of `LETTERS`)."""
+    """The layered codec's params for per-layer codec names (`LETTERS`' values; KeyError for another)."""
     letter = {name: ch for ch, name in LETTERS.items()}
-    unknown = sorted(set(codec_of_layer) - set(letter))
-    if unknown:
-        raise ValueError(f"codecs {unknown} have no layered letter; one of {sorted(letter)}")
     return {LAYERS_PARAM: "".join(letter[c] for c in codec_of_layer)}
 
 

@@ -48,7 +48,11 @@ def test_profile_json_has_the_documented_schema_and_robustness(ci_tier, tmp_path
     assert png.stat().st_size > 10_000
     assert "robustness summarization" in res.output
     configs = p["transfer"]["configs"]
-    assert {c["codec"] for c in configs} == {"raw", "int8", "int4", "lowrank"}
+    assert {c["codec"] for c in configs} - {"layered"} == {"raw", "int8", "int4", "lowrank"}
+    # the per-layer codec: chosen on the train probe rows; a config when it is not raw
+    chosen = p["transfer"]["layered"]["chosen"]
+    layered = [c for c in configs if c["codec"] == "layered"]
+    assert [c["codec_params"] for c in layered] == ([] if chosen["codec"] == "raw" else [chosen["codec_params"]])
     for c in configs:
         if c["codec"] == "lowrank":
             data = (tmp_path / "maps" / f"{c['maps_sha256']}.safetensors").read_bytes()
