@@ -11,7 +11,8 @@ server's `start` and `close`, on the event loop:
     slot)` as its own task, which marks its waits and pulls on the slot; `SlotEnded` (its
     deadline passed, or its slot was taken) ends it quietly (counted and logged by the slots).
     The writer is closed when the handler returns (whatever the handler did first stays first).
-  - `close()` stops listening, cancels the connections' tasks and waits for them.
+  - `close()` stops listening, cancels the connections' tasks and waits for them (each ends
+    quietly: a cancelled connection task is not an error).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class ControlListener:
             await self._handler(reader, writer, slot)
         except SlotEnded:
             pass  # counted and logged where it ended
+        except asyncio.CancelledError:
+            # `close()`: end quietly. Python 3.11's stream server asks the finished task for its
+            # exception without checking for a cancellation, which logs a cancelled task as an error.
+            pass
         finally:
             self.slots.release(slot)
             self._conns.discard(task)

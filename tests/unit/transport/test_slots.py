@@ -325,3 +325,35 @@ def test_the_listener_lets_a_silent_connection_go_at_the_setup_deadline():
             await listener.close()
 
     run(go())
+
+
+def test_closing_the_listener_under_a_live_connection_ends_it_without_an_error_logged():
+    """A sender stopping while a connection's handler waits (SIGTERM mid-wireup): its task is
+    cancelled and ends quietly. Python 3.11's stream server asks a finished connection task for
+    its exception without checking whether it was cancelled, so a task that ended cancelled
+    reaches the loop's exception handler (a traceback in the sender's log) unless the task
+    ends itself."""
+    errors: list[dict] = []
+
+    async def go():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        entered = asyncio.Event()
+
+        async def waits(reader, writer, slot):
+            entered.set()
+            await asyncio.Event().wait()  # until cancelled
+
+        listener = ControlListener("t", waits, SlotLimits(setup_s=600))
+        address, _ = await listener.start("127.0.0.1", 0)
+        host, port = address.split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        try:
+            await asyncio.wait_for(entered.wait(), DEADLINE_S)
+        finally:
+            await listener.close()
+            writer.close()
+        for _ in range(10):  # the stream server's done-callback runs on a later loop iteration
+            await asyncio.sleep(0)
+
+    run(go())
+    assert errors == [], errors
