@@ -70,7 +70,6 @@ class Choice:
     wire: Wire
     int4: tuple[int, ...]
     why: str
-    divergences: dict[str, float]  # the rungs' mean divergences by name, and "raw" / "int8"
 
 
 def choose(divergence: Divergence, plan: ReusePlan, num_layers: int, slack: float = 0.1,
@@ -83,15 +82,15 @@ def choose(divergence: Divergence, plan: ReusePlan, num_layers: int, slack: floa
     bound = raw * (1 + slack)
     int8, added = sensitivities(divergence, plan, num_layers)
     rungs = ladder(plan, num_layers, added, shares)
-    seen = {"raw": raw, "int8": int8}
-    choice = Choice(RAW, (), f"every reused layer int8 adds more than {slack:.0%} to the plan's raw divergence", seen)
+    seen: dict[str, float] = {}  # the rungs' mean divergences, by name
+    choice = Choice(RAW, (), f"every reused layer int8 adds more than {slack:.0%} to the plan's raw divergence")
     if int8 <= bound:
-        choice = Choice(wire_for(plan, num_layers, []), (), "no int4 rung is within the slack", seen)
+        choice = Choice(wire_for(plan, num_layers, []), (), "no int4 rung is within the slack")
         for rung in rungs:
             seen[_name(rung)] = d = statistics.fmean(divergence(plan, rung.wire))
             if d > bound:
                 break  # a rung holds the one below it plus more layers: past the bound, stay below
-            choice = Choice(rung.wire, rung.int4, f"the most int4 layers within {slack:.0%} of the raw divergence", seen)
+            choice = Choice(rung.wire, rung.int4, f"the most int4 layers within {slack:.0%} of the raw divergence")
     section = {"plan": plan.to_dict(), "slack": slack, "bound_nats": bound, "raw_nats": raw, "int8_nats": int8,
                "added_by_int4_nats": {str(layer): v for layer, v in added.items()},
                "rungs": {_name(r): {"int4": list(r.int4), "nats": seen.get(_name(r))} for r in rungs},

@@ -15,6 +15,7 @@ Blocks on the CPU (or `device`) for as long as the rows take; `say` gets progres
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from droidmesh.shared.kv.plan import ReusePlan
+from droidmesh.shared.profiling import layer_codecs
 from droidmesh.shared.tasks import intervals
 from droidmesh.shared.tasks.scorer import RAW, PairScorer, Wire
 
@@ -31,8 +33,6 @@ BYTES_AT = 4096  # context tokens the bytes per token are counted at (int8 K's p
 
 
 def wires(plan: ReusePlan, num_layers: int, chosen: Wire) -> dict[str, Wire]:
-    from droidmesh.shared.profiling import layer_codecs
-
     every = list(plan.reused_layers(num_layers))
     return {"raw": RAW, "int8": layer_codecs.wire_for(plan, num_layers, []),
             "int4": layer_codecs.wire_for(plan, num_layers, every), "chosen": chosen}
@@ -41,7 +41,7 @@ def wires(plan: ReusePlan, num_layers: int, chosen: Wire) -> dict[str, Wire]:
 def run(sender_path: str, receiver_path: str, task: str, group: tuple[int, int], probe_rows: int, rows: int,
         slack: float, dtype: str, device: str, say: Callable[[str], None]) -> dict[str, Any]:
     from droidmesh.shared.model.adapter import load_model
-    from droidmesh.shared.profiling import datasets, layer_codecs
+    from droidmesh.shared.profiling import datasets
     from droidmesh.shared.profiling.transfer import Layout
     from droidmesh.shared.tasks.spec import task_spec
 
@@ -64,17 +64,14 @@ def run(sender_path: str, receiver_path: str, task: str, group: tuple[int, int],
             test.scores(plan, wire, rows=i + 1)
             test.divergences(plan, rows=i + 1, wire=wire)
     full = test.scores(ReusePlan.full_prefill())
-    layout = Layout.of(sender)
-    bf16 = Layout(layout.num_layers, layout.kv_heads, layout.head_dim, layout.hidden, torch.bfloat16)
+    bf16 = dataclasses.replace(Layout.of(sender), dtype=torch.bfloat16)
     every_raw = bf16.plan_bytes(ReusePlan.full_reuse(), RAW, BYTES_AT)
     out: dict[str, Any] = {"plan": plan.to_dict(), "task": task, "dtype": dtype, "rows": len(test.rows),
                            "documents": len(set(test.documents)), "full_prefill": statistics.fmean(full),
                            "layered": section, "test_seconds": time.perf_counter() - t0, "wires": {}}
-    raw_scores: list[float] = []
-    raw_kl: list[float] = []
+    raw_scores, raw_kl = test.scores(plan, RAW), test.divergences(plan, wire=RAW)
     for name, wire in named.items():
         got, kl = test.scores(plan, wire), test.divergences(plan, wire=wire)
-        raw_scores, raw_kl = (got, kl) if name == "raw" else (raw_scores, raw_kl)
         vs_full = intervals.paired(full, got, groups=test.documents)
         vs_raw = intervals.paired(raw_scores, got, groups=test.documents)
         kl_vs_raw = intervals.paired(raw_kl, kl, groups=test.documents)
@@ -86,7 +83,7 @@ def run(sender_path: str, receiver_path: str, task: str, group: tuple[int, int],
             "bytes_per_token_bf16": nbytes / BYTES_AT, "bytes_vs_every_layer_raw_bf16": nbytes / every_raw,
             "bytes_vs_plan_raw": nbytes / bf16.plan_bytes(plan, RAW, BYTES_AT), "scores": got, "kl": kl}
         w = out["wires"][name]
-        say(f"{name}: quality {w['quality']:.3f}, vs full prefill {_pct(vs_full)} {w['verdict']}, "
+        say(f"{name}: quality {w['quality']:.3f}, vs full prefill {_pct(w['vs_full_prefill'])} {w['verdict']}, "
             f"bytes {w['bytes_vs_every_layer_raw_bf16']:.3f} of every layer raw bf16")
     return out
 
@@ -95,20 +92,16 @@ def _rel(p: intervals.Paired) -> list[float | None]:
     return [p.rel, p.rel_lo, p.rel_hi]
 
 
-def _pct(p: intervals.Paired) -> str:
-    if p.rel is None or p.rel_lo is None or p.rel_hi is None:
-        return "n/a"
-    return f"{p.rel:+.1%} [{p.rel_lo:+.1%}, {p.rel_hi:+.1%}]"
+def _pct(v: list[float | None]) -> str:
+    """[relative difference, low, high] as "+1.0% [-2.0%, +4.0%]"."""
+    return "n/a" if None in v else f"{v[0]:+.1%} [{v[1]:+.1%}, {v[2]:+.1%}]"
 
 
 def table_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per wire, for `report.format_table`."""
-    def pct(v: list[float | None]) -> str:
-        return "n/a" if None in v else f"{v[0]:+.1%} [{v[1]:+.1%}, {v[2]:+.1%}]"
-
     return [{"wire": name, "int4_layers": len(result["layered"]["chosen"]["int4"]) if name == "chosen" else "",
-             "quality": w["quality"], "vs_full_prefill": pct(w["vs_full_prefill"]), "verdict": w["verdict"],
-             "vs_raw": pct(w["vs_raw"]), "kl_nats": w["kl_nats"], "bytes_vs_raw_bf16": w["bytes_vs_every_layer_raw_bf16"],
+             "quality": w["quality"], "vs_full_prefill": _pct(w["vs_full_prefill"]), "verdict": w["verdict"],
+             "vs_raw": _pct(w["vs_raw"]), "kl_nats": w["kl_nats"], "bytes_vs_raw_bf16": w["bytes_vs_every_layer_raw_bf16"],
              "bytes_vs_plan_raw": w["bytes_vs_plan_raw"]}
             for name, w in result["wires"].items()]
 
