@@ -130,7 +130,7 @@ def _rows(work: Work, num_layers: int, g: int) -> list[tuple[int, float]]:
         out += [((work.n_train + work.n_test) * transfer_configs(), UNKNOWN), (2 * work.n_train, -1.0)]
         # the per-layer codec's divergence passes on the probe rows (`layer_codecs.choose`, at most)
         probe = min(work.n_train, fidelity.Settings().probe_rows)
-        out += [(probe, UNKNOWN)] * (3 + num_layers + len(layer_codecs.SHARES))  # + the reference
+        out += [(probe, UNKNOWN)] * (3 + num_layers + len(layer_codecs.SHARES) + len(layer_codecs.THINNER))  # + the reference
     return out
 
 

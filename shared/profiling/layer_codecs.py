@@ -13,7 +13,12 @@ layers its receiver barely reads at 4 bits and the rest at 8. The choice, on tra
      quarters, all), the rest int8; recomputed layers are "raw" (their only item is a group
      start's E, which the recompute starts from);
   3. `choose`: the rung of fewest bytes whose divergence is within `slack` of the plan's own
-     (sent raw); all int8 when no rung is; raw when not even all int8 is.
+     (sent raw); all int8 when no rung is; raw when not even all int8 is;
+  4. thinner, each kept only while the divergence stays within the same bound: the group start's
+     E int8 instead of raw (E is ~0.05 of every layer's bf16 K/V on a 30-layer model: half of it
+     saved), then the int4 layers at a coarser group (`coarse_group`, 64 where it divides the head
+     dim: 5 bits a value instead of 6, the group's float32 scale and minimum shared by twice the
+     values).
 
 The task metric's verdict on held-out rows (with its interval) is the caller's: `droidmesh bench
 layered` and the profile's transfer search score the choice like any other wire.
@@ -34,13 +39,19 @@ Divergence = Callable[[ReusePlan, Wire], Sequence[float]]  # per probe row, nats
 SHARES = (0.25, 0.5, 0.75, 1.0)  # of the reused layers, the least sensitive first, sent int4
 
 
-def wire_for(plan: ReusePlan, num_layers: int, int4: Sequence[int]) -> Wire:
-    """The layered wire of `plan`: reused layers int8, those in `int4` int4, recomputed ones raw."""
+def wire_for(plan: ReusePlan, num_layers: int, int4: Sequence[int], group: int | None = None,
+             e_codec: str = "raw") -> Wire:
+    """The layered wire of `plan`: reused layers int8, those in `int4` int4 (in groups of `group`
+    values, int4's default when None), recomputed ones `e_codec` (raw or int8: their only item is
+    a group start's E)."""
     reused = set(plan.reused_layers(num_layers))
     if set(int4) - reused:
         raise ValueError(f"layers {sorted(set(int4) - reused)} are not reused under {plan.label()}")
-    names = ["raw" if layer not in reused else "int4" if layer in int4 else "int8" for layer in range(num_layers)]
-    return Wire.of(codecs.LAYERED.name, codecs.layers_param(names))
+    if e_codec not in ("raw", "int8"):
+        raise ValueError(f"E travels raw or int8, not {e_codec!r}")
+    names = [e_codec if layer not in reused else "int4" if layer in int4 else "int8" for layer in range(num_layers)]
+    params = codecs.layers_param(names) | ({codecs.GROUP_PARAM: group} if group is not None else {})
+    return Wire.of(codecs.LAYERED.name, params)
 
 
 def sensitivities(divergence: Divergence, plan: ReusePlan, num_layers: int) -> tuple[float, dict[int, float]]:
@@ -70,12 +81,27 @@ class Choice:
     wire: Wire
     int4: tuple[int, ...]
     why: str
+    group: int | None = None  # the int4 layers' group; None: int4's default
+    e_codec: str = "raw"  # the group start's E
+
+    def wire_of(self, plan: ReusePlan, num_layers: int) -> Wire:
+        return wire_for(plan, num_layers, self.int4, self.group, self.e_codec)
+
+
+THINNER = ("E int8", "coarse group")  # step 4, in order
+COARSE_GROUP = 64  # twice int4's default group of 32
+
+
+def coarse_group(head_dim: int) -> int | None:
+    """The coarser int4 group step 4 tries for K / V of `head_dim`, None where it does not divide it."""
+    return COARSE_GROUP if head_dim % COARSE_GROUP == 0 else None
 
 
 def choose(divergence: Divergence, plan: ReusePlan, num_layers: int, slack: float = 0.1,
-           shares: Sequence[float] = SHARES) -> tuple[Choice, dict[str, Any]]:
+           shares: Sequence[float] = SHARES, coarse_group: int | None = None) -> tuple[Choice, dict[str, Any]]:
     """The layered wire for `plan` (module docstring) and the JSON section that shows why:
-    `slack` is the share of the plan's own divergence (sent raw) a codec may add to it."""
+    `slack` is the share of the plan's own divergence (sent raw) a codec may add to it;
+    `coarse_group` (None: no such step) an int4 group that divides the head dim."""
     if not 0 <= slack < 10:
         raise ValueError(f"slack {slack} outside [0, 10)")
     raw = statistics.fmean(divergence(plan, RAW))
@@ -91,12 +117,35 @@ def choose(divergence: Divergence, plan: ReusePlan, num_layers: int, slack: floa
             if d > bound:
                 break  # a rung holds the one below it plus more layers: past the bound, stay below
             choice = Choice(rung.wire, rung.int4, f"the most int4 layers within {slack:.0%} of the raw divergence")
+    thinner: dict[str, float] = {}
+    if choice.wire != RAW:
+        choice, thinner = _thin(divergence, plan, num_layers, choice, bound, coarse_group)
     section = {"plan": plan.to_dict(), "slack": slack, "bound_nats": bound, "raw_nats": raw, "int8_nats": int8,
                "added_by_int4_nats": {str(layer): v for layer, v in added.items()},
                "rungs": {_name(r): {"int4": list(r.int4), "nats": seen.get(_name(r))} for r in rungs},
-               "chosen": {"int4": list(choice.int4), "codec": choice.wire.codec, "codec_params": dict(choice.wire.params),
-                          "why": choice.why}}
+               "thinner_nats": thinner,
+               "chosen": {"int4": list(choice.int4), "group": choice.group, "e_codec": choice.e_codec,
+                          "codec": choice.wire.codec, "codec_params": dict(choice.wire.params), "why": choice.why}}
     return choice, section
+
+
+def _thin(divergence: Divergence, plan: ReusePlan, num_layers: int, choice: Choice, bound: float,
+          coarse_group: int | None) -> tuple[Choice, dict[str, float]]:
+    """Step 4: `THINNER` in order on `choice`, each kept when its divergence is within `bound`;
+    {step: its mean divergence} for the steps scored."""
+    scored: dict[str, float] = {}
+    for name in THINNER:
+        if name == "E int8" and plan.e_layers:
+            tried = dataclasses.replace(choice, e_codec="int8")
+        elif choice.int4 and coarse_group is not None:
+            tried = dataclasses.replace(choice, group=coarse_group)
+        else:
+            continue
+        tried = dataclasses.replace(tried, wire=tried.wire_of(plan, num_layers), why=f"{choice.why}; {name}")
+        scored[name] = d = statistics.fmean(divergence(plan, tried.wire))
+        if d <= bound:
+            choice = tried
+    return choice, scored
 
 
 def _name(rung: Rung) -> str:

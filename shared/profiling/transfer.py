@@ -134,9 +134,11 @@ def profile_transfer(inputs: Inputs, receiver: ModelAdapter, group: ReusePlan, f
     more: list[Candidate] = []
     layered: dict[str, Any] | None = None
     if inputs.divergence is not None:
-        choice, layered = layer_codecs.choose(inputs.divergence, group, receiver.num_layers)
+        coarse = layer_codecs.coarse_group(Layout.of(inputs.sender).head_dim)
+        choice, layered = layer_codecs.choose(inputs.divergence, group, receiver.num_layers, coarse_group=coarse)
         if choice.wire.codec == codecs.LAYERED.name:
-            more.append(Candidate(f"layered int4 x{len(choice.int4)} {_groups(group) or 'full reuse'}", group,
+            thin = (f" g{choice.group}" if choice.group else "") + (" E int8" if choice.e_codec == "int8" else "")
+            more.append(Candidate(f"layered int4 x{len(choice.int4)}{thin} {_groups(group) or 'full reuse'}", group,
                                    choice.wire.codec, params=choice.wire.params))
     result, files = search(inputs.train, inputs.test, pair_fits, Layout.of(inputs.sender), group, full_prefill,
                            tolerance, fit, settings, more)

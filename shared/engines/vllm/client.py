@@ -54,6 +54,27 @@ def kv_transfer_config(connector: Mapping[str, Any]) -> dict[str, Any]:
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": dict(connector)}
 
 
+# vLLM's CPU backend binds the worker's threads to all cores but the ones it reserves: one per rank
+# for the scheduler, and one more per rank when any KV connector is configured (room for NIXL's
+# prefill/decode transfers, `vllm/utils/ompmultiprocessing.py`). The DroidMesh connector loads
+# inside the step, on the worker's own threads, so that core would idle; and where it leaves no
+# core to bind (2 cores), vLLM reserves none, the worker's threads then sharing the scheduler's
+# busy-polling core: a miss took ~5 % longer than vLLM alone (`docs/performance.md`). An engine
+# started here reserves what vLLM alone does, unless the caller set it; `hold` keeps vLLM's
+# choice (its holder computes E beside the engine).
+RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def cpu_env(spec: Mapping[str, Any], env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`env` plus the CPU reservation vLLM makes without a connector (one core per rank; engines
+    started here are one rank), for a spec whose connector does not hold."""
+    out = dict(env or {})
+    connector = spec.get("connector")
+    if connector is not None and not connector.get("hold") and RESERVED_CPUS not in {**os.environ, **out}:
+        out[RESERVED_CPUS] = "1"
+    return out
+
+
 def serve_argv(python: str | Path, spec: Mapping[str, Any], port: int) -> list[str]:
     """`vllm serve` of an engine spec (`offline.py`'s ENGINE.json fields, and "name": the served
     name of its base model) on 127.0.0.1:`port`."""
@@ -146,7 +167,7 @@ class OfflineEngine(EngineProcess):
             json.dump(spec, f)
         path = Path(name)
         self.results: dict[str, dict[str, Any]] = {}
-        super().__init__([str(Path(python).absolute()), "-m", MODULE, str(path)], workdir, env, stdin=True)
+        super().__init__([str(Path(python).absolute()), "-m", MODULE, str(path)], workdir, cpu_env(spec, env), stdin=True)
 
     def on_line(self, line: str) -> None:
         if line.startswith("RESULT "):
@@ -182,7 +203,7 @@ class ServedEngine(EngineProcess):
         self.base_name = str(spec.get("name", "base"))
         argv = serve_argv(Path(python).absolute(), spec, port) if args is None else \
             [str(Path(python).absolute()), "-m", CLI, *args]
-        super().__init__(argv, workdir, env, stdin=False)
+        super().__init__(argv, workdir, cpu_env(spec, env), stdin=False)
 
     def ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

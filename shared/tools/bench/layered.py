@@ -2,8 +2,10 @@
 and plan, against the same plan sent raw, int8 and int4.
 
   1. on the train split's first `probe_rows` rows: the divergence pass that chooses which reused
-     layers travel as int4 (the rest int8), `layer_codecs.choose`; nothing of the test split;
-  2. on `rows` test rows, per wire (raw, int8, int4, the choice) and full prefill: the task score
+     layers travel as int4 (the rest int8), whether the group start's E goes int8 and the int4
+     layers in coarser groups, `layer_codecs.choose`; nothing of the test split;
+  2. on `rows` test rows, per wire (raw, int8, int4, int4 in coarse groups with E int8, the
+     choice) and full prefill: the task score
      per row; each wire's paired difference to full prefill and to the plan sent raw, bootstrap
      95 % by document, and the 5 % rule on the first; the divergence from full prefill per row
      (nats per answer token) and its paired difference to raw's;
@@ -32,10 +34,15 @@ from droidmesh.shared.tasks.scorer import RAW, PairScorer, Wire
 BYTES_AT = 4096  # context tokens the bytes per token are counted at (int8 K's per-channel scales are a fixed cost)
 
 
-def wires(plan: ReusePlan, num_layers: int, chosen: Wire) -> dict[str, Wire]:
+def wires(plan: ReusePlan, num_layers: int, chosen: Wire, coarse: int | None) -> dict[str, Wire]:
+    """The wires scored: the plan raw, every reused layer int8, int4, int4 in `coarse` groups with
+    the group start's E int8 (the fewest bytes step 4 of the choice can reach), and the choice."""
     every = list(plan.reused_layers(num_layers))
-    return {"raw": RAW, "int8": layer_codecs.wire_for(plan, num_layers, []),
-            "int4": layer_codecs.wire_for(plan, num_layers, every), "chosen": chosen}
+    out = {"raw": RAW, "int8": layer_codecs.wire_for(plan, num_layers, []),
+           "int4": layer_codecs.wire_for(plan, num_layers, every)}
+    if coarse is not None:
+        out[f"int4 g{coarse}, E int8"] = layer_codecs.wire_for(plan, num_layers, every, coarse, "int8")
+    return out | {"chosen": chosen}
 
 
 def run(sender_path: str, receiver_path: str, task: str, group: tuple[int, int], probe_rows: int, rows: int,
@@ -51,13 +58,14 @@ def run(sender_path: str, receiver_path: str, task: str, group: tuple[int, int],
     L, plan = receiver.num_layers, ReusePlan.recompute(*group)
     train = PairScorer(sender, receiver, datasets.load_rows(task, "train", probe_rows), spec)
     t0 = time.perf_counter()
-    choice, section = layer_codecs.choose(lambda p, w: train.divergences(p, wire=w), plan, L, slack)
+    coarse = layer_codecs.coarse_group(Layout.of(sender).head_dim)
+    choice, section = layer_codecs.choose(lambda p, w: train.divergences(p, wire=w), plan, L, slack, coarse_group=coarse)
     section["probe_rows"], section["seconds"] = len(train.rows), time.perf_counter() - t0
     t0 = time.perf_counter()
     say(f"chosen on {len(train.rows)} train rows: int4 at layers {list(choice.int4)} ({choice.why})")
     # row by row, every wire on one capture of the row (a real-tier row's is ~150 MB: none kept)
     test = PairScorer(sender, receiver, datasets.load_rows(task, "test", rows), spec, max_captures=1)
-    named = wires(plan, L, choice.wire)
+    named = wires(plan, L, choice.wire, coarse)
     for i in tqdm(range(len(test.rows)), desc=f"{len(named)} wires, row by row", unit="row"):
         test.scores(ReusePlan.full_prefill(), rows=i + 1)
         for wire in named.values():

@@ -29,13 +29,14 @@ import asyncio
 import contextlib
 import json
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from droidmesh.shared.engines.vllm.client import Engine, OfflineEngine
+from droidmesh.shared.engines.vllm.client import Engine, OfflineEngine, cpu_env
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.nats_auth import Roster, receiver_user
@@ -52,6 +53,10 @@ HOLDER = "vllm-docqa"  # the holding engine's holder id (its roster entry)
 QUESTION = "\nQuestion: What does the text above describe?\nAnswer:"
 READY_S = 900.0
 AB_ROUNDS = 8  # rounds of each engine in turn (miss TTFT and decode rate), the default
+# vLLM's processes poll their shared-memory queues in a `sched_yield` loop for 1 s after each
+# message (`shm_broadcast.SpinCondition`, busy_loop_s): an engine's turn that starts right after
+# the other's shares the cores with that spin. A pause longer than it starts each turn quiet.
+SETTLE_S = 1.5
 
 
 def documents(tokenizer: Any, tokens: int, offset: int) -> str:
@@ -97,17 +102,21 @@ def _decode_rate(engine: Engine, key: str, prompt: list[int], new_tokens: int, r
 
 
 def decode_ab(a: Engine, b: Engine, key: str, prompt: list[int], new_tokens: int, rounds: int,
-              ttft: bool = False, **kw: Any) -> dict[str, Any]:
+              ttft: bool = False, settle_s: float = 0.0, sleep: Callable[[float], None] = time.sleep,
+              **kw: Any) -> dict[str, Any]:
     """Decode tokens/s of two live engines, a round of each in turn (the order swapped every
     round, a warm-up round first): per round and engine, `_rate` over `prompt`. `ratio`: b over
     a, the mean of b's rates over the mean of a's, with the paired bootstrap 95 % interval over
     rounds; `alone` / `connector`: each one's median. With `ttft`, each engine's turn first
     times a one-token answer to `prompt` too (a miss when nobody holds it): `ttft` holds the same
-    figures for those seconds, b over a."""
+    figures for those seconds, b over a. `settle_s`: a pause before each turn, so that no turn
+    starts while the engine before it still spins (`SETTLE_S`)."""
     rates: dict[str, list[float]] = {"a": [], "b": []}
     seconds: dict[str, list[float]] = {"a": [], "b": []}
     for r in range(rounds + 1):
         for name, engine in (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a)):
+            if settle_s > 0:
+                sleep(settle_s)
             first = engine.ask(f"{key}-{name}-{r}-ttft", prompt, max_tokens=1, **kw)["seconds"] if ttft else 0.0
             rate = _rate(engine, f"{key}-{name}-{r}", prompt, new_tokens, **kw)
             if r:
@@ -163,12 +172,13 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
         order = (("connector", connector), ("alone", None)) if connector_first else (("alone", None), ("connector", connector))
         started = {name: OfflineEngine(python, {**spec, "connector": conn}, work, env) for name, conn in order}
         engines = {"alone": started["alone"], "connector": started["connector"]}
+        out |= {"engine_env": {name: cpu_env({"connector": conn}, env) for name, conn in order}, "settle_s": SETTLE_S}
         try:
             for name, engine in engines.items():
                 engine.ready(READY_S)
                 measured[name] = measure(engine, name, contexts, held, fresh, repeats, say, adapter)
             decode = {n: decode_ab(engines["alone"], engines["connector"], f"ab-{n}", fresh[n][0] + fresh[n][1],
-                                   new_tokens, rounds, ttft=True, lora=adapter) for n in contexts}
+                                   new_tokens, rounds, ttft=True, settle_s=SETTLE_S, lora=adapter) for n in contexts}
         finally:
             for engine in engines.values():
                 engine.stop()
@@ -189,15 +199,14 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
                             # the miss from the rounds in turn (both engines alive), not the medians above
                             "miss_over_alone": m["ratio"], "miss_over_alone_interval": [m["ratio_lo"], m["ratio_hi"]],
                             "miss_ttft_rounds": {"alone": m["seconds"]["a"], "connector": m["seconds"]["b"]},
-                            "partial_ttft_s": c["partial"],
-                            "alone_over_partial": a["full"] / c["partial"], "full_reuse_ttft_s": c["full_reuse"],
+                            "partial_ttft_s": c["partial"], "alone_over_partial": a["full"] / c["partial"],
+                            "full_reuse_ttft_s": c["full_reuse"],
                             "alone_over_full_reuse": a["full"] / c["full_reuse"], "paths": c["paths"],
                             "decode_tok_s_alone": d["alone"], "decode_tok_s_connector": d["connector"],
                             "decode_ratio": d["ratio"], "decode_ratio_interval": [d["ratio_lo"], d["ratio_hi"]],
                             "decode_rounds": d["rounds"], "decode_rates": {"alone": d["rates"]["a"],
                                                                            "connector": d["rates"]["b"]},
-                            "hold_ttft_s": h["full"],
-                            "hold_over_alone": h["full"] / a["full"], "save_copy_ms": h["saved_ms"],
+                            "hold_ttft_s": h["full"], "hold_over_alone": h["full"] / a["full"], "save_copy_ms": h["saved_ms"],
                             "hold_ms": h["held_ms"], "decode_ratio_holding": h["decode"] / d["alone"]})
     return out
 

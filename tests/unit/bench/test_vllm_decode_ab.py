@@ -83,3 +83,43 @@ def test_with_ttft_each_turn_times_the_miss_too_and_the_drift_cancels():
     assert len(got["ttft"]["seconds"]["a"]) == len(got["ttft"]["seconds"]["b"]) == 8
     assert got["ratio"] == pytest.approx(1.0, abs=0.01)  # the decode rates are equal
     assert "ttft" not in decode_ab(FakeEngine("a", 10.0, host), FakeEngine("b", 10.0, host), "u", [1], 4, 2)
+
+
+class SpinningHost(Host):
+    """A fake clock where an engine's processes spin for `tail_s` after its last answer: a turn
+    of the other engine that starts within it prefills `penalty` slower."""
+
+    def __init__(self, tail_s: float, penalty: float):
+        super().__init__(drift=0.0)
+        self.now, self.tail_s, self.penalty, self.last = 0.0, tail_s, penalty, ("", -1e9)
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+class SpinningEngine(FakeEngine):
+    def ask(self, rid: str, prompt: list[int], *, max_tokens: int, **kw: Any) -> dict[str, Any]:
+        host = self.host
+        assert isinstance(host, SpinningHost)
+        other, ended = host.last
+        slow = host.penalty if other not in ("", self.name) and host.now - ended < host.tail_s else 0.0
+        out = super().ask(rid, prompt, max_tokens=max_tokens, **kw)
+        out["seconds"] += slow * self.prefill_s
+        host.now += out["seconds"]
+        host.last = (self.name, host.now)
+        return out
+
+
+def test_a_pause_before_each_turn_keeps_the_other_engines_spin_out_of_its_miss():
+    """Two equal engines; each spins 1 s after an answer, slowing a prefill that starts within it
+    by 10 %. Without a pause the turn that follows the other engine pays it (every other round
+    for each): the miss's ratio is 1.0 only on average, its interval wide. With `settle_s`
+    past the spin, every turn starts quiet: 1.0, and the interval closes on it."""
+    def run(settle_s: float) -> dict[str, Any]:
+        host = SpinningHost(tail_s=1.0, penalty=0.1)
+        a, b = SpinningEngine("a", 10.0, host, stats=True), SpinningEngine("b", 10.0, host, stats=True)
+        return decode_ab(a, b, "t", [1], 8, 8, ttft=True, settle_s=settle_s, sleep=host.sleep)["ttft"]
+
+    noisy, quiet = run(0.0), run(1.5)
+    assert noisy["ratio_hi"] - noisy["ratio_lo"] > 0.1
+    assert quiet["ratio"] == pytest.approx(1.0) and quiet["ratio_hi"] - quiet["ratio_lo"] == pytest.approx(0.0, abs=1e-9)

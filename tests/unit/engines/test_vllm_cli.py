@@ -65,3 +65,36 @@ def test_two_offline_engines_started_in_one_directory_each_read_their_own_spec(t
         for e in (alone, mine):
             e.proc.kill()
             e.proc.wait()
+
+
+def test_an_engine_with_the_connector_reserves_the_cpus_vllm_alone_does(tmp_path, monkeypatch):
+    """vLLM's CPU backend reserves one more core when any KV connector is configured; on a
+    2-core host it then reserves none and the worker's threads share the scheduler's core. An
+    engine started here with a connector that does not hold reserves one core, as vLLM alone;
+    a caller's own setting, vLLM alone and a holding connector are left as they are."""
+    import subprocess
+    import sys
+
+    from droidmesh.shared.engines.vllm import client
+
+    monkeypatch.delenv(client.RESERVED_CPUS, raising=False)
+    pulling = {"nats_url": "nats://x"}
+    assert client.cpu_env({"connector": pulling}, {"A": "1"}) == {"A": "1", client.RESERVED_CPUS: "1"}
+    assert client.cpu_env({"connector": None}) == {}
+    assert client.cpu_env({"connector": {**pulling, "hold": True}}) == {}
+    assert client.cpu_env({"connector": pulling}, {client.RESERVED_CPUS: "0"}) == {client.RESERVED_CPUS: "0"}
+    monkeypatch.setenv(client.RESERVED_CPUS, "3")
+    assert client.cpu_env({"connector": pulling}) == {}
+    monkeypatch.delenv(client.RESERVED_CPUS)
+
+    seen: list[dict[str, str]] = []
+    real = subprocess.Popen
+
+    def popen(argv, **kw):
+        seen.append(kw["env"])
+        return real([sys.executable, "-c", "pass"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    monkeypatch.setattr(client.subprocess, "Popen", popen)
+    for spec in ({"model": "m", "connector": pulling}, {"model": "m", "connector": None}):
+        client.OfflineEngine(sys.executable, spec, tmp_path).stop()
+    assert seen[0].get(client.RESERVED_CPUS) == "1" and client.RESERVED_CPUS not in seen[1]

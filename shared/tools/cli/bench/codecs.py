@@ -257,7 +257,9 @@ def layered(json_path, plot_path, pair_spec, group, task, probe_rows, rows, slac
         raise click.ClickException(str(e)) from None
     result["pair"], result["group_source"] = pair["name"], pair["group_source"]
     click.echo(report.format_table(suite.table_rows(result), LAYERED_COLUMNS))
-    click.echo(f"int4 at layers {result['layered']['chosen']['int4']}: {result['layered']['chosen']['why']}")
+    chosen = result["layered"]["chosen"]
+    click.echo(f"int4 at layers {chosen['int4']} (group {chosen['group'] or 'default'}), E {chosen['e_codec']}: "
+               f"{chosen['why']}")
     save(json_path, "layered", result)
     if plot_path:
         suite.plot(result, plot_path)
