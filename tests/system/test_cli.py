@@ -385,7 +385,7 @@ def expect_bench_layered(r: Ran) -> None:
     assert got["rows"] == 2 and got["layered"]["probe_rows"] == 1 and got["plan"]["groups"] == [[1, 2]]
     layers = got["wires"]["int8"]["codec_params"]["layers"]
     assert layers[1] == "r" and set(layers) == {"8", "r"}  # layer 1 recomputed; every other one int8
-    has(r.out, r"^int4 at layers \[[\d, ]*\]: ")
+    has(r.out, r"^int4 at layers \[[\d, ]*\] \(group (\d+|default)\), E (raw|int8): ")
 
 
 def expect_bench_ttft(r: Ran) -> None:
