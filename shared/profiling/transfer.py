@@ -133,14 +133,15 @@ def profile_transfer(inputs: Inputs, receiver: ModelAdapter, group: ReusePlan, f
     pair_fits = scd_fit.calibrate(inputs.sender, receiver, inputs.contexts, meta=inputs.maps_meta)
     more: list[Candidate] = []
     layered: dict[str, Any] | None = None
+    layout = Layout.of(inputs.sender)
     if inputs.divergence is not None:
-        coarse = layer_codecs.coarse_group(Layout.of(inputs.sender).head_dim)
+        coarse = layer_codecs.coarse_group(layout.head_dim)
         choice, layered = layer_codecs.choose(inputs.divergence, group, receiver.num_layers, coarse_group=coarse)
         if choice.wire.codec == codecs.LAYERED.name:
             thin = (f" g{choice.group}" if choice.group else "") + (" E int8" if choice.e_codec == "int8" else "")
             more.append(Candidate(f"layered int4 x{len(choice.int4)}{thin} {_groups(group) or 'full reuse'}", group,
                                    choice.wire.codec, params=choice.wire.params))
-    result, files = search(inputs.train, inputs.test, pair_fits, Layout.of(inputs.sender), group, full_prefill,
+    result, files = search(inputs.train, inputs.test, pair_fits, layout, group, full_prefill,
                            tolerance, fit, settings, more)
     result["calibration"]["contexts"] = len(inputs.contexts)
     if layered is not None:
