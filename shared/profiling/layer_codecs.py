@@ -15,7 +15,7 @@ layers its receiver barely reads at 4 bits and the rest at 8. The choice, on tra
   3. `choose`: the rung of fewest bytes whose divergence is within `slack` of the plan's own
      (sent raw); all int8 when no rung is; raw when not even all int8 is;
   4. thinner, each kept only while the divergence stays within the same bound: the group start's
-     E int8 instead of raw (E is ~0.05 of every layer's bf16 K/V on a 30-layer model: half of it
+     E int8 instead of raw (E is ~0.05 of every layer's bf16 K/V on a 30-layer model: 0.44 of it
      saved), then the int4 layers at a coarser group (`coarse_group`, 64 where it divides the head
      dim: 5 bits a value instead of 6, the group's float32 scale and minimum shared by twice the
      values).

@@ -27,20 +27,15 @@ dtype; any other item of the same pull travels as its raw bytes. A K or V decode
 receiver's estimate of its own K or V; an E decodes into the receiver's estimate of its
 normalized attention input at that layer (a patch layer, see `shared/kv/plan.py`).
 
-Quantized codecs (`int8`, `int4`). The scales and zero points travel in the payload, after the
-quantized values, not in the header's `codec_params`: per-token scales grow with the context (a
-32K-token V of 8 heads has 256K of them, 1 MiB, for one item) while control frames are capped
-(the request at 64 KiB, `bulk.MAX_REQUEST_BYTES`; the response carrying every item's header at
-1 MiB, `schemas.MAX_MESSAGE_BYTES`), and in the payload they are covered by the checksum.
-`codec_params` carries only small layout parameters: the kind (int8: K per channel, V and E per
-token) and int4's `group` (`quant.default_group`: 32 for head dims 64 / 128). Encoding happens on each
-pull, on the stored tensor's device (the store keeps raw tensors: receivers may want raw, another
-codec or another group, and a prefix of the tokens, which changes per-channel scales); a payload
-made on a CUDA device is staged in pinned host memory, as raw's is without `DEVICE_PARAM`. The
-receiver stages the host payload (pinned for a CUDA buffer) and dequantizes on `out.device`.
-Bad input is an `IntegrityError` before `out` is written: a kind or group that does not fit the
-buffer, unexpected params, a payload of another size than the layout's, scales that are negative
-or NaN or would decode beyond the buffer dtype's range (so no NaN / inf comes out of a decode).
+Quantized codecs (`int8`, `int4`; layouts in `shared/kv/quant.py`). Scales and zero points travel
+in the payload, under its checksum: per-token scales grow with the context (1 MiB for a 32K-token
+V of 8 heads) while control frames are capped (`bulk.MAX_REQUEST_BYTES`, `schemas.MAX_MESSAGE_BYTES`).
+`codec_params` carry only the kind and int4's `group`. Each pull encodes on the stored tensor's
+device (the store keeps raw tensors: receivers ask for other codecs, groups and token prefixes);
+CUDA payloads are staged in pinned host memory, and the receiver dequantizes on `out.device`. Bad
+input is an `IntegrityError` before `out` is written: a kind or group that does not fit the buffer,
+unexpected params, a payload of another size than the layout's, scales that are negative or NaN or
+would decode beyond the buffer dtype's range (so no NaN / inf comes out of a decode).
 
 Raw and CUDA tensors. A payload is host memory unless a channel that can move device memory
 asks for device payloads (`DEVICE_PARAM` in the request's codec params; only the UCX channel
@@ -156,8 +151,7 @@ def pinned_copy(source: torch.Tensor) -> torch.Tensor:
     return staged
 
 
-# Quantized codec params: the item's kind (set by the sender's server, echoed in int8 headers)
-# and int4's group size.
+# Quantized codec params: the item's kind (set by the sender's server, echoed) and int4's group.
 KIND_PARAM = "kind"
 LAYER_PARAM = "layer"
 GROUP_PARAM = "group"
@@ -181,11 +175,18 @@ def _only(header: TensorHeader, keys: set[str]) -> None:
                              f"expected {sorted(keys)}")
 
 
+def _echoed_kind(header: TensorHeader, keys: set[str]) -> str:
+    """The item's kind, once its params are exactly `keys` and the kind they echo is the item's own."""
+    _only(header, keys)
+    if (laid := header.codec_params[KIND_PARAM]) != header.kind:
+        raise IntegrityError(f"layer {header.layer} {header.kind}: {header.codec} laid out for kind {laid!r}")
+    return header.kind
+
+
 class Int8Codec:
-    """Symmetric int8: K with one scale per (head, dim), V and E one per token (`quant.int8_*`);
-    |x - x_hat| <= scale / 2 (+ rounding, see `quant`). About 1/4 of float32's bytes, 1/2 of bf16's.
-    The layout depends on the kind, so the header echoes it (`KIND_PARAM`) and decoding checks it
-    against the header's own kind."""
+    """Symmetric int8: K with one scale per (head, dim), V per token, E per token and 32 dims
+    (`quant`); |x - x_hat| <= scale / 2 (+ rounding). About 1/2 of bf16's bytes. The header echoes
+    the kind, which the layout depends on."""
 
     name = "int8"
 
@@ -194,12 +195,9 @@ class Int8Codec:
         return _host(quant.int8_quantize(t, kind)), {KIND_PARAM: kind}
 
     def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
-        _only(header, {KIND_PARAM})
-        if header.codec_params[KIND_PARAM] != header.kind:
-            raise IntegrityError(f"layer {header.layer} {header.kind}: int8 laid out for kind "
-                                 f"{header.codec_params[KIND_PARAM]!r}")
+        kind = _echoed_kind(header, {KIND_PARAM})
         try:
-            quant.int8_dequantize(payload, header.kind, out)
+            quant.int8_dequantize(payload, kind, out)
         except IntegrityError as e:
             raise IntegrityError(f"layer {header.layer} {header.kind}: {e}") from None
 
@@ -211,29 +209,33 @@ class Int8Codec:
 
 
 class Int4Codec:
-    """Asymmetric int4 per group of `GROUP_PARAM` consecutive values along the last dim (default
-    `quant.default_group`: 32 where it divides the last dim; an asked group must divide it), two
-    values per byte (`quant.int4_*`); |x - x_hat| <= scale / 2 (+ rounding). With group 32: 3/16
-    of float32's bytes, 3/8 of bf16's. The layout is the same for every kind: the header carries
-    only the group."""
+    """Asymmetric int4 per group of `GROUP_PARAM` values (default `quant.default_group`, 32): K per
+    channel over that many tokens, V and E per token over that many dims (it must divide the last
+    dim); two values per byte (`quant.int4_*`), |x - x_hat| <= scale / 2 (+ rounding). With group
+    32: 3/16 of float32's bytes, 3/8 of bf16's. The header echoes the group and the kind."""
 
     name = "int4"
 
     def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
-        group = quant.check_group(tuple(t.shape), params.get(GROUP_PARAM, quant.default_group(tuple(t.shape))))
-        return _host(quant.int4_quantize(t, group)), {GROUP_PARAM: group}
+        kind, shape = _kind(params, self.name), tuple(t.shape)
+        group = quant.check_group(shape, params.get(GROUP_PARAM, quant.default_group(shape)), kind)
+        return _host(quant.int4_quantize(t, group, kind)), {GROUP_PARAM: group, KIND_PARAM: kind}
 
     def decode(self, payload: torch.Tensor, header: TensorHeader, out: torch.Tensor) -> None:
-        _only(header, {GROUP_PARAM})
+        kind = _echoed_kind(header, {GROUP_PARAM, KIND_PARAM})
         try:
-            group = quant.check_group(tuple(out.shape), header.codec_params[GROUP_PARAM])
-            quant.int4_dequantize(payload, group, out)
+            group = quant.check_group(tuple(out.shape), header.codec_params[GROUP_PARAM], kind)
+            quant.int4_dequantize(payload, group, out, kind)
         except IntegrityError as e:
             raise IntegrityError(f"layer {header.layer} {header.kind}: {e}") from None
 
     def max_nbytes(self, shape: tuple[int, ...], dtype: torch.dtype, params: CodecParams) -> int:
-        """Exact; `IntegrityError` for a group that does not fit `shape`."""
-        return quant.int4_nbytes(shape, quant.check_group(shape, params.get(GROUP_PARAM, quant.default_group(shape))))
+        """Exact for the kind in `params`; without one, K's or V's, the larger (`IntegrityError`: a bad group)."""
+        kind = _kind(params, self.name) if KIND_PARAM in params else None
+        group = quant.check_group(shape, params.get(GROUP_PARAM, quant.default_group(shape)), kind)
+        if kind is not None:
+            return quant.int4_nbytes(shape, group, kind)
+        return max(quant.int4_nbytes(shape, group), quant.int4_nbytes(shape, group, "K") if len(shape) > 1 else 0)
 
 
 class LowRankCodec:
@@ -336,13 +338,12 @@ class LowRankCodec:
 
 LAYERS_PARAM = "layers"  # the layered codec's param: per layer of the sender's model, its items' codec
 LETTERS = {"r": "raw", "8": "int8", "4": "int4"}
-_ECHOED = {"raw": {DEVICE_PARAM}, "int8": {KIND_PARAM}, "int4": {GROUP_PARAM}}  # what each one's header carries
+_ECHOED = {"raw": {DEVICE_PARAM}, "int8": {KIND_PARAM}, "int4": {GROUP_PARAM, KIND_PARAM}}  # what each one's header carries
 
 
 class LayeredCodec:
-    """Per layer, raw / int8 / int4 (`LAYERS_PARAM`: "8844rr...", one letter per layer), in one
-    pull. An item goes under its layer's codec with that codec's params from the request; the
-    header echoes the layers, the item's layer and that codec's echo, decoded under its checks."""
+    """Per layer, raw / int8 / int4 (`LAYERS_PARAM`: "8844rr...", a letter per layer), in one pull:
+    an item goes (and is checked) under its layer's codec; the header adds the layers and the layer."""
 
     name = "layered"
 

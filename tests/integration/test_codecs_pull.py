@@ -108,7 +108,8 @@ def test_quantized_pull_generates_what_the_raw_pull_does(tiny_models, context, c
     else:
         group = (params or {}).get("group")
         kv_group, e_group = (group, group) if isinstance(group, int) else (quant.default_group(kv), quant.default_group(e))
-        expected = kv_layers * 2 * quant.int4_nbytes(kv, kv_group) + quant.int4_nbytes(e, e_group)
+        kv_bytes = quant.int4_nbytes(kv, kv_group, "K") + quant.int4_nbytes(kv, kv_group, "V")
+        expected = kv_layers * kv_bytes + quant.int4_nbytes(e, e_group, "E")
     assert n == expected and n < 0.4 * raw_bytes
 
 
@@ -126,7 +127,7 @@ def test_a_layered_pull_generates_what_the_raw_pull_does_in_each_layers_bytes(ti
     assert drift <= TOLERANCE["int4"] * float(raw.prefill.logits.abs().max())
     m = len(context[3])
     kv, e = receiver.kv_shape(m), receiver.e_shape(m)
-    int4 = 2 * 2 * quant.int4_nbytes(kv, quant.default_group(kv))
+    int4 = 2 * (quant.int4_nbytes(kv, quant.default_group(kv), "K") + quant.int4_nbytes(kv, quant.default_group(kv), "V"))
     int8 = 2 * (quant.int8_nbytes(kv, "K") + quant.int8_nbytes(kv, "V"))
     assert n == int4 + int8 + codecs.nbytes_of(e, receiver.dtype)
 

@@ -29,7 +29,9 @@ def _sample(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 def _int8_bound(x: torch.Tensor, xhat: torch.Tensor, kind: str) -> torch.Tensor:
     """scale / 2 + float32 and output-dtype rounding, per element."""
     xf = x.float()
-    scale = xf.abs().amax(dim=quant.int8_axis(kind, x.dim()), keepdim=True) / 127
+    view = quant.int8_view(tuple(x.shape), kind)
+    scale = xf.reshape(view).abs().amax(dim=quant.int8_axis(kind, len(view)), keepdim=True) / 127
+    scale = scale.expand(view).reshape(x.shape)  # [shape]: each value's own slice's scale
     return scale / 2 + F32 * xf.abs() + U[x.dtype] * xhat.float().abs() + torch.finfo(x.dtype).smallest_normal
 
 
@@ -94,12 +96,13 @@ def test_round_trip_on_real_kv_and_e_is_within_the_bound(receiver, prompt):
             assert bool(((x - xhat).abs() <= _int4_bound(x, xhat, group)).all()), (kind, group)
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 5, 3), (1, 1, 1, 1), (1, 3, 7, 8), (1, 4, 0, 8), (1, 33, 10)])
+@pytest.mark.parametrize("shape", [(1, 2, 5, 3), (1, 1, 1, 1), (1, 3, 7, 8), (1, 4, 0, 8), (1, 33, 10), (1, 5, 96)])
 def test_payload_sizes_are_exact(shape):
     """Odd and empty shapes included: the payload is exactly the layout's size, scales aligned."""
     x = torch.randn(shape)
+    e_groups = shape[-1] // 32 if shape[-1] % 32 == 0 else 1  # E: per token and 32 dims where 32 divides D
     for kind in ("K", "V", "E") if len(shape) == 4 else ("E",):
-        scale_shape = shape[:-2] + (1, shape[-1]) if kind == "K" else shape[:-1] + (1,)  # one per channel / per token
+        scale_shape = shape[:-2] + (1, shape[-1]) if kind == "K" else shape[:-1] + (e_groups if kind == "E" else 1,)
         n, scales = x.numel(), torch.Size(scale_shape).numel()
         assert quant.int8_quantize(x, kind).numel() == quant.int8_nbytes(shape, kind) == (n + 3) // 4 * 4 + 4 * scales
     for group in (1, shape[-1]):
@@ -251,3 +254,44 @@ def test_a_misaligned_payload_view_still_decodes():
     quant.int8_dequantize(payload, "K", a)
     quant.int8_dequantize(shifted, "K", b)
     assert torch.equal(a, b)  # bitwise: the same payload bytes at another offset
+
+
+def test_a_massive_channel_of_e_does_not_coarsen_the_rest_of_its_token():
+    """A hidden state's massive channel (1000x the rest, as real models have) costs precision only
+    in its own 32 dims: the other dims of the same token decode within their own slice's scale."""
+    x = torch.randn(1, 6, 96)  # [1, T, D]: three groups of 32 dims
+    x[..., 3] = 1000.0
+    out = _int8_round_trip(x, "E")
+    rest = (out - x)[..., 32:].abs()  # [1, T, 64]: the groups without the massive channel
+    assert float(rest.max()) <= float(x[..., 32:].abs().max()) / 127  # per token it would be ~1000 / 254
+    assert float((out - x)[..., 3].abs().max()) <= 1000.0 / 254 + 1e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 100])
+def test_int4_k_groups_each_channels_tokens_so_an_outlier_channel_keeps_to_itself(tokens):
+    """K per channel over groups of 32 tokens (the last one shorter): every value decodes within
+    its own channel-and-token-group's range / 30, so a channel 100x the others (keys have them)
+    coarsens no other channel; the payload is the layout's size, scales for ceil(T / 32) groups."""
+    x = torch.randn(1, 2, tokens, 16)  # [1, kvh, T, hd]
+    x[..., 5] *= 100
+    payload = quant.int4_quantize(x, 32, "K")
+    groups = 2 * 16 * -(-tokens // 32)
+    assert payload.numel() == quant.int4_nbytes(tuple(x.shape), 32, "K") == ((x.numel() + 1) // 2 + 3) // 4 * 4 + 8 * groups
+    out = torch.empty_like(x)
+    quant.int4_dequantize(payload, 32, out, "K")
+    err = (out - x).abs().transpose(-1, -2)  # [1, kvh, hd, T]
+    xt = x.transpose(-1, -2)
+    for s in range(0, tokens, 32):
+        seg = xt[..., s:s + 32]
+        bound = (seg.amax(-1, keepdim=True) - seg.amin(-1, keepdim=True)) / 30 + 1e-5 * seg.abs().amax(-1, keepdim=True)
+        assert bool((err[..., s:s + 32] <= bound + 1e-6).all())
+    assert float(err[..., [c for c in range(16) if c != 5], :].max()) < 0.5  # per token, 100x channel 5's range / 30 ~ 10
+
+
+def test_int4_k_refuses_a_token_group_out_of_range_and_a_header_of_another_kind_is_another_size():
+    x = torch.randn(1, 2, 40, 8)
+    with pytest.raises(IntegrityError, match="a K group of 2000 tokens"):
+        quant.int4_quantize(x, 2000, "K")
+    assert quant.int4_nbytes((1, 2, 40, 8), 16, "K") != quant.int4_nbytes((1, 2, 40, 8), 8, "V")
+    with pytest.raises(IntegrityError, match="payload of"):
+        quant.int4_dequantize(quant.int4_quantize(x, 16, "K"), 8, torch.empty_like(x), "V")

@@ -155,3 +155,9 @@ def test_a_layered_candidate_is_scored_with_its_exact_bytes_and_published_as_it_
     row["codec_params"] = {"layers": "4rr"}
     with pytest.raises(BadRequestError, match="3 layers' codecs for a model of 4 layers"):
         validate(recompute_config(result, *refs, 1))
+    for group in ("64", 0, True, 4096):  # a sender would refuse each at every pull
+        row["codec_params"] = {"layers": "4rr8", "group": group}
+        with pytest.raises(BadRequestError, match="int4 group .*: a whole number of values in"):
+            validate(recompute_config(result, *refs, 1))
+    row["codec_params"] = {"layers": "4rr8", "group": 64}
+    assert validate(recompute_config(result, *refs, 1))

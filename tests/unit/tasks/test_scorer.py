@@ -166,8 +166,8 @@ def test_divergences_are_zero_where_a_plan_reproduces_full_prefill_and_grow_row_
 
 def test_a_divergence_is_read_through_the_wire_asked_for(pair) -> None:
     """Recomputing [1, L) reuses only layer 0, the same in both models: raw matches full prefill
-    within float error; the same plan with layer 0 sent int8, then int4, diverges more with
-    fewer bits. Each wire has its own memo: raw's is not rescored or replaced."""
+    within float error; the same plan with layer 0 sent int8, then int4, diverges more over
+    the rows with fewer bits. Each wire has its own memo: raw's is not rescored or replaced."""
     send, recv = pair
     scorer = PairScorer(send, recv, make_rows("multihop_qa", "test", 2, SHAPE), TASKS["multihop_qa"])
     plan = ReusePlan.recompute(1, L)
@@ -175,7 +175,9 @@ def test_a_divergence_is_read_through_the_wire_asked_for(pair) -> None:
     int8 = scorer.divergences(plan, wire=layer_codecs.wire_for(plan, L, []))
     int4 = scorer.divergences(plan, wire=layer_codecs.wire_for(plan, L, [0]))
     assert raw == pytest.approx([0.0] * 2, abs=1e-5)
-    assert all(a < b < c for a, b, c in zip(raw, int8, int4, strict=True)), (raw, int8, int4)
+    # ~1e-7 nats a row (layer 0 of a tiny random model): int4's step is 16x int8's, so over the rows
+    # it diverges more; per row the two can swap (K's int4 groups follow its channels, int8 too)
+    assert int8 != raw and sum(int8) < sum(int4), (raw, int8, int4)
     assert scorer.divergences(plan) == raw
 
 

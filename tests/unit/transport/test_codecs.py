@@ -190,10 +190,22 @@ def _pull_quantized(codec: str, params: CodecParams | None = None, tokens: int =
     return got, n, headers
 
 
+def _int4_scales(x: torch.Tensor, g: int, kind: str) -> torch.Tensor:
+    """Each value's int4 scale: K per channel over g tokens (the last group shorter), else per g dims."""
+    if kind != "K":
+        xg = x.reshape(-1, g)  # [n_groups, g]
+        return ((xg.amax(1, keepdim=True) - xg.amin(1, keepdim=True)) / 15).expand_as(xg).reshape(x.shape)
+    xt, scale = x.transpose(-1, -2), torch.empty_like(x).transpose(-1, -2)  # [..., hd, T] each
+    for s in range(0, xt.shape[-1], g):
+        seg = xt[..., s:s + g]
+        scale[..., s:s + g] = (seg.amax(-1, keepdim=True) - seg.amin(-1, keepdim=True)) / 15
+    return scale.transpose(-1, -2)
+
+
 @pytest.mark.parametrize("codec,params", [("int8", {}), ("int4", {}), ("int4", {"group": 4})])
 def test_quantized_pulls_land_within_the_bound_in_fewer_bytes(codec, params):
     """int8 / int4 over the channel: each item decodes within its bound; the bytes pulled are
-    the exact layout sizes (K per channel, V / E per token), a fraction of raw's."""
+    the exact layout sizes (K per channel, int8's E per token and 32 dims), a fraction of raw's."""
     got, n, headers = _pull_quantized(codec, params)
     group = params.get("group", 32)
     for item, t, h in zip(ITEMS, got, headers, strict=True):
@@ -202,10 +214,10 @@ def test_quantized_pulls_land_within_the_bound_in_fewer_bytes(codec, params):
             scale = x.abs().amax(dim=quant.int8_axis(item.kind, x.dim()), keepdim=True) / 127
             assert h.codec_params == {"kind": item.kind} and h.nbytes == quant.int8_nbytes(tuple(x.shape), item.kind)
         else:
-            xg = x.reshape(-1, math.gcd(group, x.shape[-1]))
-            scale = ((xg.amax(1, keepdim=True) - xg.amin(1, keepdim=True)) / 15).expand_as(xg).reshape(x.shape)
-            assert h.codec_params == {"group": math.gcd(group, x.shape[-1])}  # the default: 32 where it divides
-            assert h.nbytes == quant.int4_nbytes(tuple(x.shape), math.gcd(group, x.shape[-1]))
+            g = math.gcd(group, x.shape[-1])  # the default: 32 where it divides
+            scale = _int4_scales(x, g, item.kind)
+            assert h.codec_params == {"group": g, "kind": item.kind}
+            assert h.nbytes == quant.int4_nbytes(tuple(x.shape), g, item.kind)
         assert h.codec == codec and bool(((t - x).abs() <= scale / 2 + 1e-6).all())
     raw = sum(t.numel() * 4 for t in STORED.values())
     assert n == sum(h.nbytes for h in headers) and n < 0.7 * raw  # tiny dims and groups: scales weigh more than at 128 / 32
@@ -223,16 +235,18 @@ def test_a_prefix_pull_quantizes_only_the_tokens_asked_for():
 
 def test_max_nbytes_is_exact_for_the_kind_and_a_safe_maximum_without_one():
     """int8's bound is the exact size for the kind in the params, else the largest over kinds;
-    int4's is exact for the group (default 32) and refuses one that does not fit."""
+    int4's is exact for the group (default 32) and the kind, and refuses a group that does not fit."""
     int8, int4 = codecs.get("int8"), codecs.get("int4")
     shape = (1, 2, 40, 8)  # more tokens than dims: per-token (V) scales outnumber per-channel (K) ones
     sizes = {kind: int8.max_nbytes(shape, torch.float32, {"kind": kind}) for kind in "KV"}
     assert sizes == {"K": 640 + 4 * 16, "V": 640 + 4 * 80}
     assert int8.max_nbytes(shape, torch.float32, {}) == sizes["V"]
-    assert int8.max_nbytes((1, 40, 64), torch.bfloat16, {"kind": "E"}) == 2560 + 4 * 40  # E: per token
-    assert int8.max_nbytes((1, 40, 64), torch.bfloat16, {}) == 2560 + 4 * 64  # no kind: K's layout is larger here
-    assert int4.max_nbytes((1, 2, 40, 64), torch.float32, {}) == 2560 + 8 * 160  # 5,120 values: 160 groups of 32
-    assert int4.max_nbytes((1, 2, 40, 64), torch.float32, {"group": 64}) == 2560 + 8 * 80
+    assert int8.max_nbytes((1, 40, 64), torch.bfloat16, {"kind": "E"}) == 2560 + 4 * 80  # E: per token and 32 dims
+    assert int8.max_nbytes((1, 40, 64), torch.bfloat16, {}) == 2560 + 4 * 80  # no kind: the largest, E's here
+    assert int4.max_nbytes((1, 2, 40, 64), torch.float32, {"kind": "V"}) == 2560 + 8 * 160  # 5,120 values: 160 groups of 32
+    assert int4.max_nbytes((1, 2, 40, 64), torch.float32, {"kind": "V", "group": 64}) == 2560 + 8 * 80
+    assert int4.max_nbytes((1, 2, 40, 64), torch.float32, {"kind": "K"}) == 2560 + 8 * 256  # 128 channels x 2 token groups
+    assert int4.max_nbytes((1, 2, 40, 64), torch.float32, {}) == 2560 + 8 * 256  # no kind: the largest, K's here
     with pytest.raises(IntegrityError, match="'kind' = 'Q'"):
         int8.max_nbytes(shape, torch.float32, {"kind": "Q"})
     with pytest.raises(IntegrityError, match="group 12 does not divide"):
@@ -286,9 +300,10 @@ def _set_params(i: int, params: CodecParams):
     ("int8", {"kind": "V"}, "layer 0 K: int8 params|laid out for kind 'V'"),
     ("int8", {}, "int8 params"),
     ("int8", {"kind": "K", "group": 8}, "int8 params"),
-    ("int4", {"group": 7}, "group 7 does not divide"),
-    ("int4", {"group": 4}, "payload of"),  # fits the layout, but the payload was made with 8
-    ("int4", {"group": 8, "kind": "K"}, "int4 params"),
+    ("int4", {"group": 2000, "kind": "K"}, "a K group of 2000 tokens"),
+    ("int4", {"group": 4, "kind": "K"}, "payload of"),  # fits the layout, but the payload was made with 8
+    ("int4", {"group": 8}, "int4 params"),  # the kind, which K's layout depends on, not echoed
+    ("int4", {"group": 8, "kind": "V"}, "laid out for kind 'V'|allows at most"),  # V's layout is smaller than K's here
 ])
 def test_header_params_that_do_not_match_the_layout_are_refused(monkeypatch, codec, params, match):
     """A K header whose params contradict its kind, its payload or its buffer is an IntegrityError."""
@@ -360,9 +375,9 @@ def test_a_layered_request_that_does_not_cover_its_items_is_refused_by_the_sende
 
 
 @pytest.mark.parametrize("params,match", [
-    ({"layers": "48", "layer": 1, "group": 8}, "layered params for layer 1"),  # another layer's params
-    ({"layers": "48", "layer": 0, "group": 8, "kind": "K"}, "layered params .* for a int4 item"),
-    ({"layers": "88", "layer": 0, "group": 8}, "layered params .* for a int8 item"),  # the letter changed under it
+    ({"layers": "48", "layer": 1, "group": 8, "kind": "K"}, "layered params for layer 1|allows at most"),  # another layer's params
+    ({"layers": "48", "layer": 0, "group": 8, "kind": "K", "tokens": 9}, "layered params .* for a int4 item"),
+    ({"layers": "88", "layer": 0, "group": 8, "kind": "K"}, "layered params .* for a int8 item|allows at most"),  # the letter changed under it
     ({"layers": "88", "layer": 0, "kind": "K"}, "payload of|allows at most"),  # int8's layout, int4's payload
     ({"layers": "4", "layer": 0}, "int4 params"),  # int4's group left out
 ])
