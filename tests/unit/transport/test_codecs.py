@@ -375,9 +375,10 @@ def test_a_layered_request_that_does_not_cover_its_items_is_refused_by_the_sende
 
 
 @pytest.mark.parametrize("params,match", [
-    ({"layers": "48", "layer": 1, "group": 8, "kind": "K"}, "layered params for layer 1|allows at most"),  # another layer's params
+    # another layer's params; then one param too many; then the letter changed under it
+    ({"layers": "48", "layer": 1, "group": 8, "kind": "K"}, "layered params for layer 1|allows at most"),
     ({"layers": "48", "layer": 0, "group": 8, "kind": "K", "tokens": 9}, "layered params .* for a int4 item"),
-    ({"layers": "88", "layer": 0, "group": 8, "kind": "K"}, "layered params .* for a int8 item|allows at most"),  # the letter changed under it
+    ({"layers": "88", "layer": 0, "group": 8, "kind": "K"}, "layered params .* for a int8 item|allows at most"),
     ({"layers": "88", "layer": 0, "kind": "K"}, "payload of|allows at most"),  # int8's layout, int4's payload
     ({"layers": "4", "layer": 0}, "int4 params"),  # int4's group left out
 ])
