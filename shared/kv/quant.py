@@ -256,10 +256,9 @@ def int4_dequantize(payload: torch.Tensor, group: int, out: torch.Tensor, kind: 
     top = lo + scale * _INT4_MAX  # [rows, per_row, 1]: the largest value a group decodes to, in the decode's own float32 ops
     peak = float(torch.maximum(lo.abs(), top.abs()).amax()) if groups else 0.0
     _check_scales(scale, peak, out.dtype, "int4")
-    q = _nibbles(payload[:(n + 1) // 2])[:n].view(rows, length)  # [rows, length] float32 in [0, 15]
-    padded = per_row * group
-    if padded > length:  # K: room for each channel's last group's filler
-        q = torch.cat([q, q.new_zeros(rows, padded - length)], 1)  # [rows, padded]
+    padded = per_row * group  # K: room for each channel's last group's filler
+    q = torch.zeros(rows, padded, dtype=torch.float32, device=out.device)  # [rows, padded]
+    q[:, :length].copy_(_nibbles(payload[:(n + 1) // 2])[:n].view(rows, length))  # values in [0, 15]
     xr = q.view(rows, per_row, group).mul_(scale).add_(lo)  # [rows, per_row, group] float32: lo + q * scale
     xr = xr.view(rows, padded)[:, :length]  # [rows, length]
     if kind == "K":  # [channels, T] -> [..., hd, T] -> [..., T, hd]
@@ -269,11 +268,8 @@ def int4_dequantize(payload: torch.Tensor, group: int, out: torch.Tensor, kind: 
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [m] -> float32 [2 m]: value 2i from the low nibble of byte i, 2i + 1 from the high one."""
-    q = torch.empty(2 * packed.numel(), dtype=torch.float32, device=packed.device)  # [2 m]
-    q[0::2].copy_(packed & 0xF)
-    q[1::2].copy_(packed >> 4)
-    return q
+    """uint8 [m] -> uint8 [2 m]: value 2i from the low nibble of byte i, 2i + 1 from the high one."""
+    return torch.stack([packed & 0xF, packed >> 4], 1).view(-1)  # [m, 2] -> [2 m]
 
 
 # -- checks and helpers --------------------------------------------------------------------------

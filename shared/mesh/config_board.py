@@ -93,18 +93,18 @@ def validate(cfg: schemas.RecomputeConfig) -> schemas.RecomputeConfig:
 
 
 def _check_group(plan: schemas.PlanSpec) -> None:
-    """An int4 group a plan asks for is a whole number in [1, MAX_INT4_GROUP]: a sender would refuse
-    any other at every pull. Whether it divides the head dim only a peer holding the model knows
+    """An int4 group a plan asks for is a whole number in [1, quant.MAX_TOKEN_GROUP]: a sender would
+    refuse any other at every pull. Whether it divides the head dim only a peer holding the model knows
     (the sender checks it as it encodes)."""
+    from droidmesh.shared.kv.quant import MAX_TOKEN_GROUP
     from droidmesh.shared.transport import codecs
 
     group = plan.codec_params.get(codecs.GROUP_PARAM)
     if plan.codec in ("int4", codecs.LAYERED.name) and group is not None and (
-            isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= MAX_INT4_GROUP):
-        raise BadRequestError(f"int4 group {group!r}: a whole number of values in [1, {MAX_INT4_GROUP}]")
+            isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= MAX_TOKEN_GROUP):
+        raise BadRequestError(f"int4 group {group!r}: a whole number of values in [1, {MAX_TOKEN_GROUP}]")
 
 
-MAX_INT4_GROUP = 1024  # values sharing a scale; head dims and hidden sizes here are <= 8192
 MAX_RELAY_BUCKETS = 16  # the audit writes 4
 MAX_VERSION_AHEAD_S = 86400.0  # time-based versions are unix seconds: more than a day ahead is hostile
 
