@@ -211,6 +211,12 @@ def _grouped(x: torch.Tensor, kind: str | None, rows: int, length: int, per_row:
     return xr.view(rows, per_row, size)
 
 
+def _slot(group: int, length: int, per_row: int) -> int:
+    """Values a group occupies in the padded rows: `group`, or the row itself where one group holds
+    it (a K shorter than its group: a peer's group of 1024 over 1 token allocates 1 value, not 1024)."""
+    return group if per_row > 1 else length
+
+
 def int4_quantize(x: torch.Tensor, group: int, kind: str | None = None) -> torch.Tensor:
     """`x` (a float tensor) as an int4 payload, uint8 [int4_nbytes(x.shape, group, kind)] on x.device."""
     _check_float(x, "int4")
@@ -220,7 +226,7 @@ def int4_quantize(x: torch.Tensor, group: int, kind: str | None = None) -> torch
     if n == 0:
         return payload
     rows, length, per_row = _int4_groups(tuple(x.shape), group, kind)
-    xg = _grouped(x, kind, rows, length, per_row, group)  # [rows, per_row, group]
+    xg = _grouped(x, kind, rows, length, per_row, _slot(group, length, per_row))  # [rows, per_row, slot]
     lo = xg.amin(dim=2, keepdim=True)  # [rows, per_row, 1]
     hi = xg.amax(dim=2, keepdim=True)  # [rows, per_row, 1]
     scale = (hi - lo) / _INT4_MAX  # [rows, per_row, 1]
@@ -256,10 +262,11 @@ def int4_dequantize(payload: torch.Tensor, group: int, out: torch.Tensor, kind: 
     top = lo + scale * _INT4_MAX  # [rows, per_row, 1]: the largest value a group decodes to, in the decode's own float32 ops
     peak = float(torch.maximum(lo.abs(), top.abs()).amax()) if groups else 0.0
     _check_scales(scale, peak, out.dtype, "int4")
-    padded = per_row * group  # K: room for each channel's last group's filler
+    slot = _slot(group, length, per_row)
+    padded = per_row * slot  # K: room for each channel's last group's filler
     q = torch.zeros(rows, padded, dtype=torch.float32, device=out.device)  # [rows, padded]
     q[:, :length].copy_(_nibbles(payload[:(n + 1) // 2])[:n].view(rows, length))  # values in [0, 15]
-    xr = q.view(rows, per_row, group).mul_(scale).add_(lo)  # [rows, per_row, group] float32: lo + q * scale
+    xr = q.view(rows, per_row, slot).mul_(scale).add_(lo)  # [rows, per_row, slot] float32: lo + q * scale
     xr = xr.view(rows, padded)[:, :length]  # [rows, length]
     if kind == "K":  # [channels, T] -> [..., hd, T] -> [..., T, hd]
         out.copy_(xr.reshape(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2))
