@@ -11,6 +11,7 @@ Used by the system test and `droidmesh bench vllm`; imports nothing of vLLM.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from droidmesh.shared.errors import DroidMeshError
 
@@ -34,6 +35,7 @@ CONNECTOR_MODULE = "droidmesh.shared.engines.vllm.connector"
 VENV = Path(os.environ.get("DM_VLLM_VENV")
             or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "droidmesh" / "venv-vllm")
 PYTHON = VENV / "bin" / "python"
+MARK = "\x00droidmesh-drained"  # a line of our own in an engine's output pipe (`EngineProcess.drained`)
 
 
 class EngineError(DroidMeshError):
@@ -98,22 +100,62 @@ class EngineProcess:
     def __init__(self, argv: list[str], workdir: Path, env: Mapping[str, str] | None, stdin: bool):
         if not Path(argv[0]).is_file():
             raise EngineError(f"no vLLM environment's python at {argv[0]}: run `bash infra/vllm/install.sh`")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})}, cwd=workdir, start_new_session=True)
+        # The engine's output pipe is ours to write as well: `drained` puts a mark behind the
+        # lines already in it (a pipe keeps its writers' order; an HTTP reply does not wait for
+        # the log lines of its request to be read).
+        out, self._mark_fd = os.pipe()
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                         stdout=self._mark_fd, stderr=subprocess.STDOUT, text=True,
+                                         env={**os.environ, **(env or {})}, cwd=workdir, start_new_session=True)
+        except BaseException:
+            os.close(out)
+            os.close(self._mark_fd)
+            raise
         self.lines: list[str] = []
+        self._marks: set[str] = set()
+        self._eof = False
+        self._counter = itertools.count()
         self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._mark_lock = threading.Lock()
+        threading.Thread(target=self._read, args=(open(out, encoding="utf-8", errors="replace"),), daemon=True).start()
+        threading.Thread(target=self._reap, daemon=True).start()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self.on_line(line)
-                self._changed.notify_all()
+    def _read(self, stream: TextIO) -> None:
+        with stream:
+            for line in stream:
+                with self._changed:
+                    if line.startswith(MARK):
+                        self._marks.add(line.rstrip("\n"))
+                    else:
+                        self.lines.append(line.rstrip("\n"))
+                        self.on_line(line)
+                    self._changed.notify_all()
+        with self._changed:
+            self._eof = True
+            self._changed.notify_all()
+
+    def _reap(self) -> None:
+        """Closes our end of the pipe once the engine has exited, so that the reader meets its end."""
+        self.proc.wait()
+        with self._mark_lock:
+            os.close(self._mark_fd)
+            self._mark_fd = -1
         with self._changed:
             self._changed.notify_all()
+
+    def drained(self, timeout_s: float = 30.0) -> None:
+        """Until every line the engine wrote before this call is in `lines`; `EngineError` past
+        `timeout_s`. (Once the engine has exited, until its output ends.)"""
+        with self._mark_lock:
+            if self._mark_fd < 0:
+                mark = None
+            else:
+                mark = f"{MARK} {next(self._counter)}"
+                os.write(self._mark_fd, f"{mark}\n".encode())
+        with self._changed:
+            if not self._changed.wait_for(lambda: mark in self._marks or self._eof, timeout_s):
+                raise EngineError(f"the engine's output was not read within {timeout_s:g}s")
 
     def on_line(self, line: str) -> None:
         return
@@ -234,5 +276,6 @@ class ServedEngine(EngineProcess):
         except urllib.error.HTTPError as e:
             raise EngineError(f"vLLM answered {e.code} to {rid}: {e.read()[:300]!r}") from e
         seconds = time.perf_counter() - began
+        self.drained()  # the connector's lines of this request were written before vLLM replied
         return {"id": rid, "request_id": f"cmpl-{rid}-0", "tokens": list(out["choices"][0]["token_ids"]),
                 "seconds": seconds}
