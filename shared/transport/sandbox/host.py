@@ -56,6 +56,7 @@ class Sandbox:
     def __init__(self, channel: str, proc: asyncio.subprocess.Process, sock: socket.socket):
         self.channel, self.proc, self.sock = channel, proc, sock
         self.pid = proc.pid
+        self._counted = False
         self.closed = False  # ended by us: its exit is no news
 
     @classmethod
@@ -115,20 +116,28 @@ class Sandbox:
         """Count and log a death that nobody waited on (the connection ended first)."""
         self._count(self.proc.returncode)
 
-    def _count(self, status: int | None) -> None:
-        """A death we did not cause (not `closed` by us, not a clean exit) is counted and logged once."""
+    def _count(self, status: int | None, on_its_own: bool | None = None) -> None:
+        """A death we did not cause is counted and logged once: `on_its_own` (its socket ended
+        before we closed it), else known from its status (not `closed` by us, not a clean exit)."""
         global died_total
-        if status is not None and status != 0 and not self.closed:
+        if on_its_own is None:
+            on_its_own = status is not None and status != 0 and not self.closed
+        if on_its_own and not self._counted:
+            self._counted = True
             died_total += 1
             log.warning("sandbox_died", channel=self.channel, pid=self.pid, status=_status(status))
 
     async def _died(self, why: str) -> SandboxDied:
+        # The socket ended, and not by our hand unless `closed` says so. Whether the exit status
+        # comes within EXIT_S (a busy host's child watcher may report it later) does not decide
+        # whether the death counts: one that reports none in time is ended here, and counted.
+        on_its_own = not self.closed
         try:
             async with asyncio.timeout(EXIT_S):
                 status = await self.proc.wait()
         except TimeoutError:
             status = None
-        self._count(status)
+        self._count(status, on_its_own=on_its_own and status != 0)
         self.close()
         return SandboxDied(f"{self.channel} sandbox {self.pid} ended ({_status(status)}): {why}")
 
