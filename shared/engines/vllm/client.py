@@ -113,7 +113,7 @@ class EngineProcess:
             os.close(self._mark_fd)
             raise
         self.lines: list[str] = []
-        self._marks: set[str] = set()
+        self._marked = -1  # the last of our marks the reader has met (they go out numbered 0, 1, ...)
         self._eof = False
         self._counter = itertools.count()
         self._changed = threading.Condition()
@@ -126,7 +126,7 @@ class EngineProcess:
             for line in stream:
                 with self._changed:
                     if line.startswith(MARK):
-                        self._marks.add(line.rstrip("\n"))
+                        self._marked = int(line[len(MARK):])
                     else:
                         self.lines.append(line.rstrip("\n"))
                         self.on_line(line)
@@ -148,13 +148,11 @@ class EngineProcess:
         """Until every line the engine wrote before this call is in `lines`; `EngineError` past
         `timeout_s`. (Once the engine has exited, until its output ends.)"""
         with self._mark_lock:
-            if self._mark_fd < 0:
-                mark = None
-            else:
-                mark = f"{MARK} {next(self._counter)}"
-                os.write(self._mark_fd, f"{mark}\n".encode())
+            mark = next(self._counter)
+            if self._mark_fd >= 0:
+                os.write(self._mark_fd, f"{MARK}{mark}\n".encode())
         with self._changed:
-            if not self._changed.wait_for(lambda: mark in self._marks or self._eof, timeout_s):
+            if not self._changed.wait_for(lambda: self._marked >= mark or self._eof, timeout_s):
                 raise EngineError(f"the engine's output was not read within {timeout_s:g}s")
 
     def on_line(self, line: str) -> None:
