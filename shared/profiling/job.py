@@ -238,8 +238,8 @@ def transfer_lines(t: dict[str, Any]) -> list[str]:
 
 
 def run_translated(job: ProfileJob, candidates: int | None = None) -> dict[str, Any]:
-    """`--translate`: the translator is the translated pair's profile. Fit on `job.n_train` zoo
-    task train contexts (reading the lowest `candidates` source layers; None: the fit's default),
+    """`--translate`: the translator is the translated pair's profile. Fit on the contexts of
+    `job.n_train` zoo task train rows (reading the lowest `candidates` source layers; None: the fit's default),
     score on `job.n_test` test rows, write the translator under `job.translators_dir` and the JSON.
     A bad task, device or model pair raises a DroidMeshError or ValueError before anything is written."""
     from droidmesh.shared.model.adapter import load_model
@@ -249,7 +249,8 @@ def run_translated(job: ProfileJob, candidates: int | None = None) -> dict[str, 
 
     sender, receiver = job.sender, job.receiver
     spec = task_spec(job.task)
-    train = [r["context"] for r in make_rows(job.task, "train", job.n_train, SuiteShape())]
+    # the distinct contexts of the train rows: a document asked about twice adds no calibration text
+    train = list(dict.fromkeys(r["context"] for r in make_rows(job.task, "train", job.n_train, SuiteShape())))
     test = make_rows(job.task, "test", job.n_test, SuiteShape())
     source = load_model(sender.path, device=job.device, dtype=job.dtype)
     target = load_model(receiver.path, device=job.device, dtype=job.dtype)
@@ -272,17 +273,26 @@ def translated_lines(job: ProfileJob, result: dict[str, Any]) -> list[str]:
             format_translated(result)]
 
 
+def _versus(v: dict | None) -> str:
+    """`+1.2 % [-3.4 %, +5.6 %] within`, or '' (no interval: full prefill itself, or an older JSON)."""
+    if not v or v.get("relative") is None or v.get("interval") is None:
+        return "" if not v else f"{v['verdict']} (full prefill scores 0)"
+    lo, hi = v["interval"]
+    return f"{v['relative']:+.1%} [{lo:+.1%}, {hi:+.1%}] {v['verdict']}"
+
+
 def format_translated(ev: dict) -> str:
     """The translated pair's paths: quality, TTFT and the share of full prefill's cost saved."""
     lines = [f"{ev['task']} ({ev['metric']}, {ev['rows']} rows), translated from source layers {ev['source_layers']}",
-             f"{'path':34s} {'quality':>8s} {'ttft_ms':>8s} {'saved':>6s} {'fidelity':>8s}"]
+             f"{'path':34s} {'quality':>8s} {'ttft_ms':>8s} {'saved':>6s} {'fidelity':>8s}  vs full prefill, 95 %"]
     for name in ("sender_alone", "receiver_alone_without_context", "receiver_full_prefill", "translated",
                  *(k for k in ev if k.startswith("translated_recompute"))):
         r = ev[name]
         ttft = f"{r['ttft_s'] * 1e3:8.1f}" if "ttft_s" in r else f"{'':8s}"
         saved = f"{r['prefill_cost_saved']:6.1%}" if "prefill_cost_saved" in r else f"{'':6s}"
         fidelity = f" {r['fidelity']:8.4f}" if "fidelity" in r else ""  # against the target's own full prefill
-        lines.append(f"{name:34s} {r['quality']:8.4f} {ttft} {saved}{fidelity}".rstrip())
+        fidelity = fidelity or f" {'':8s}"
+        lines.append(f"{name:34s} {r['quality']:8.4f} {ttft} {saved}{fidelity}  {_versus(r.get('vs_full_prefill'))}".rstrip())
     lines.append(f"translation compute {ev['translation_share']:.1%} of full prefill; bytes moved "
                  f"{ev['bytes_moved']['source_e'] / 1e6:.2f} MB of source E (the target's own KV: "
                  f"{ev['bytes_moved']['target_kv'] / 1e6:.2f} MB)")

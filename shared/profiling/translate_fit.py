@@ -42,7 +42,7 @@ from droidmesh.shared.model.text import context_spans, tokenizer_spec
 from droidmesh.shared.tasks.spec import TaskSpec
 from droidmesh.shared.tasks.translated import evaluate_translated
 
-LAMBDAS = (1e-4, 1e-3, 1e-2, 1e-1)
+LAMBDAS = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)  # ridge strengths: λ·n·var(x_j)
 CANDIDATES = 8    # lowest source layers considered: what a lookup binds on sits low; bounds the statistics
 MAX_SOURCES = 3   # source layers a translator reads at most (the bytes a receiver pulls)
 MIN_GAIN = 0.002  # held-out R² a further source layer must add
@@ -108,10 +108,36 @@ def _r2(w: torch.Tensor, g: torch.Tensor, c: torch.Tensor, st: _Stats) -> torch.
 
 
 def _scores(train: _Stats, held: _Stats, cols: torch.Tensor, lambdas: Sequence[float]) -> torch.Tensor:
-    """Held-out R² [len(lambdas), Lt-1] of the maps from the features `cols`."""
-    g, c = _sub(train, cols)
+    """Held-out R² [len(lambdas), Lt-1] of the maps from the features `cols`, what `_solve` then
+    `_r2` give for each λ, from one eigendecomposition for every λ (the search's cost no longer
+    grows with the grid). With the bias unpenalised the ridge map is w = P (Λ + λ)⁻¹ B: Sc the
+    centred Gram matrix, D² = diag(Sc) (the penalty's n·var), D⁻¹ Sc D⁻¹ = Q Λ Qᵀ, P = D⁻¹ Q,
+    B = Pᵀ Cc. On the held-out fold, centred by the training means (u = x - x̄, v = y - ȳ), a
+    target layer's SSE = Σ‖v‖² - 2 Σ_i s_i e_i + sᵀ (H ∘ B Bᵀ) s with s = 1 / (Λ + λ),
+    e = Σ_t (Pᵀ Σuᵀv)_t ∘ B_t and H = Pᵀ Σuᵀu P: per λ only k-vectors and one k x k product."""
+    g, c = _sub(train, cols)  # [k+1, k+1], [k+1, Lt-1, Dt]
     hg, hc = _sub(held, cols)
-    return torch.stack([_r2(_solve(g, c, train.n, lam), hg, hc, held) for lam in lambdas])
+    n, nh = train.n, held.n
+    k, layers, dt = g.shape[0] - 1, c.shape[1], c.shape[2]
+    mean, ybar = g[-1, :-1] / n, (c[-1] / n).reshape(-1)  # x̄ [k], ȳ [R = (Lt-1) * Dt]
+    sc = g[:-1, :-1] - n * torch.outer(mean, mean)  # [k, k]
+    dinv = (torch.diagonal(sc) / n).clamp_min(1e-12).mul(n).rsqrt()  # D⁻¹ [k], `_solve`'s var floor
+    lam_e, q = torch.linalg.eigh(sc * dinv[:, None] * dinv[None, :])  # Λ [k], Q [k, k]
+    p = dinv[:, None] * q  # P [k, k]
+    b = p.T @ (c[:-1].reshape(k, -1) - n * torch.outer(mean, ybar))  # B [k, R]
+    sh, syh = hg[-1, :-1], hc[-1].reshape(-1)  # held Σx [k], Σy [R]
+    uu = hg[:-1, :-1] - torch.outer(mean, sh) - torch.outer(sh, mean) + nh * torch.outer(mean, mean)  # [k, k]
+    uv = hc[:-1].reshape(k, -1) - torch.outer(mean, syh) - torch.outer(sh, ybar) + nh * torch.outer(mean, ybar)
+    e = ((p.T @ uv) * b).reshape(k, layers, dt).sum(2)  # [k, Lt-1]
+    del uv
+    h = p.T @ uu @ p  # H [k, k]
+    vv = held.yy - 2 * (ybar * syh).reshape(layers, dt).sum(1) + nh * (ybar * ybar).reshape(layers, dt).sum(1)
+    s = 1 / (lam_e[None, :].clamp_min(0) + torch.tensor(lambdas, dtype=lam_e.dtype)[:, None])  # [λ, k]
+    quad = torch.stack([((s @ (h * (b_l @ b_l.T))) * s).sum(1)
+                        for b_l in b.reshape(k, layers, dt).unbind(1)], 1)  # [λ, Lt-1]
+    sse = vv[None] - 2 * s @ e + quad
+    sst = held.yy - (held.ysum ** 2).sum(1) / held.n
+    return 1 - sse / sst[None]
 
 
 def _maps(g: torch.Tensor, c: torch.Tensor, n: int, lams: Sequence[float]) -> torch.Tensor:
@@ -241,7 +267,9 @@ def _choose_sources(train: _Stats, held: _Stats, layers: range, ds: int, lambdas
     chosen: list[int] = []
     best = torch.full((len(lambdas), targets), -float("inf"), dtype=torch.float64)
     while len(chosen) < min(MAX_SOURCES, len(layers)):
-        tried = {s: _scores(train, held, _columns(sorted([*chosen, s]), ds), lambdas) for s in layers if s not in chosen}
+        sets = tqdm([s for s in layers if s not in chosen], desc=f"source layer {len(chosen) + 1}", unit="candidate",
+                    leave=False)
+        tried = {s: _scores(train, held, _columns(sorted([*chosen, s]), ds), lambdas) for s in sets}
         s, sc = max(tried.items(), key=lambda kv: float(kv[1].max(0).values.mean()))
         if chosen and float(sc.max(0).values.mean()) < float(best.max(0).values.mean()) + MIN_GAIN:
             break

@@ -16,6 +16,9 @@ Per row (both models tokenize the row with their own tokenizer, `text.context_sp
      `prefill_cost_saved` = 1 - TTFT(translated) / TTFT(full prefill), medians over rows, and
      `translation_share` = the translation's own compute / TTFT(full prefill).
 Bytes moved: the source E the translator reads against the target's own KV of the context.
+Each path's `vs_full_prefill`: its task scores' paired difference to the target's full prefill on
+the same rows, relative, with a bootstrap 95 % interval (a document's rows resampled together)
+and the 5 % rule applied to it (`intervals.Paired.verdict`); `per_row` keeps every row's scores.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.kv.translate import TranslatedSource, Translator, align
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.text import context_spans, question_ids
-from droidmesh.shared.tasks import measures
-from droidmesh.shared.tasks.rows import decode_answer
+from droidmesh.shared.tasks import intervals, measures
+from droidmesh.shared.tasks.rows import decode_answer, document_id
 from droidmesh.shared.tasks.spec import TaskSpec
 
 
@@ -101,7 +104,24 @@ def evaluate_translated(source: ModelAdapter, target: ModelAdapter, translator: 
         out[name]["prefill_cost_saved"] = 1 - out[name]["ttft_s"] / full_ttft
     out["translation_share"] = statistics.median(translate_s) / full_ttft
     out["bytes_moved"] = {"source_e": statistics.fmean(e_bytes), "target_kv": statistics.fmean(kv_bytes)}
+    _add_intervals(out, scores, [document_id(r["context"]) for r in rows])
     return out
+
+
+def _add_intervals(out: dict[str, Any], scores: dict[str, list[float]], documents: list[str]) -> None:
+    """Every path's paired interval against the target's full prefill (by document), and the
+    rows' scores (`per_row`: path -> one score per row, in the rows' order)."""
+    reference = scores["receiver_full_prefill"]
+    for name, vals in scores.items():
+        if name == "receiver_full_prefill":
+            continue
+        p = intervals.paired(reference, vals, n_boot=2000, groups=documents)
+        out[name]["vs_full_prefill"] = {
+            "relative": None if p.rel is None else round(p.rel, 4),
+            "interval": None if p.rel_lo is None or p.rel_hi is None else [round(p.rel_lo, 4), round(p.rel_hi, 4)],
+            "verdict": p.verdict()}
+    out["documents"] = len(set(documents))
+    out["per_row"] = {name: [round(v, 4) for v in vals] for name, vals in scores.items()}
 
 
 @torch.inference_mode()

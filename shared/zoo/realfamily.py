@@ -39,7 +39,7 @@ TIER = "real-family"
 TASK = "doc_qa"
 N_TRAIN = 16  # calibration contexts (~1-1.5K tokens each; the last quarter held out by the fit)
 N_TEST = 8    # scored test rows: a CPU budget (each row runs both models' prefills several times)
-CANDIDATES = 2  # source layers the fit may read: the greedy search's solves at 8 took hours on one CPU thread
+CANDIDATES = 2  # source layers the fit may read: the build's CPU budget (`profile --translate` fits at 8)
 TRANSLATE_PAIRS = (Pair("smollm2", "gemma", TASK), Pair("gemma", "smollm2", TASK))
 PAIRS = (Pair("gemma", "docqa", TASK),)  # same-family pairs on Gemma 3
 GEMMA_FINE_TUNE = FineTune("docqa", TASK, 120, chars=(3500, 6000))  # the profile's context lengths (~1K tokens)

@@ -68,8 +68,8 @@ if TYPE_CHECKING:
               help="Also search how the chosen plan's tensors travel (raw, int8, int4, SCD lowrank codes and "
                    "patch layers); the lowrank maps files are written to maps/ next to the JSON.")
 @click.option("--translate", is_flag=True,
-              help="A translated pair (another size, family or tokenizer): fit the translator on --n-train train "
-                   "contexts, write it to translators/<pair>.safetensors next to the JSON, score it on --n-test.")
+              help="A translated pair (another size, family or tokenizer): fit the translator on the contexts of "
+                   "--n-train train rows, write it to translators/<pair>.safetensors next to the JSON, score it on --n-test.")
 @click.option("--candidates", default=None, type=click.IntRange(1, 64), metavar="N",
               help="--translate: the lowest N source layers the translator may read (default 8). The fit holds "
                    "float64 statistics of 2 * N * source-hidden features: fewer for wide models.")
