@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling import evidence
+from droidmesh.shared.tasks.intervals import versus_text
 
 if TYPE_CHECKING:
     from droidmesh.shared.wire import schemas
@@ -273,14 +274,6 @@ def translated_lines(job: ProfileJob, result: dict[str, Any]) -> list[str]:
             format_translated(result)]
 
 
-def _versus(v: dict | None) -> str:
-    """`+1.2 % [-3.4 %, +5.6 %] within`, or '' (no interval: full prefill itself, or an older JSON)."""
-    if not v or v.get("relative") is None or v.get("interval") is None:
-        return "" if not v else f"{v['verdict']} (full prefill scores 0)"
-    lo, hi = v["interval"]
-    return f"{v['relative']:+.1%} [{lo:+.1%}, {hi:+.1%}] {v['verdict']}"
-
-
 def format_translated(ev: dict) -> str:
     """The translated pair's paths: quality, TTFT and the share of full prefill's cost saved."""
     lines = [f"{ev['task']} ({ev['metric']}, {ev['rows']} rows), translated from source layers {ev['source_layers']}",
@@ -290,9 +283,8 @@ def format_translated(ev: dict) -> str:
         r = ev[name]
         ttft = f"{r['ttft_s'] * 1e3:8.1f}" if "ttft_s" in r else f"{'':8s}"
         saved = f"{r['prefill_cost_saved']:6.1%}" if "prefill_cost_saved" in r else f"{'':6s}"
-        fidelity = f" {r['fidelity']:8.4f}" if "fidelity" in r else ""  # against the target's own full prefill
-        fidelity = fidelity or f" {'':8s}"
-        lines.append(f"{name:34s} {r['quality']:8.4f} {ttft} {saved}{fidelity}  {_versus(r.get('vs_full_prefill'))}".rstrip())
+        fidelity = f" {r['fidelity']:8.4f}" if "fidelity" in r else f" {'':8s}"  # against the target's own full prefill
+        lines.append(f"{name:34s} {r['quality']:8.4f} {ttft} {saved}{fidelity}  {versus_text(r.get('vs_full_prefill'))}".rstrip())
     lines.append(f"translation compute {ev['translation_share']:.1%} of full prefill; bytes moved "
                  f"{ev['bytes_moved']['source_e'] / 1e6:.2f} MB of source E (the target's own KV: "
                  f"{ev['bytes_moved']['target_kv'] / 1e6:.2f} MB)")

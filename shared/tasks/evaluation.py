@@ -69,9 +69,7 @@ class _Acc:
                                "top1_agreement": mean(self.top1), "greedy_agreement": mean(self.greedy)}
         if reference is not None and self.q:
             p = intervals.paired(reference.q, self.q, n_boot=2000, groups=documents)
-            out["vs_full_prefill"] = {"relative": None if p.rel is None else round(p.rel, 4),
-                                      "interval": None if p.rel_lo is None else [round(p.rel_lo, 4), round(p.rel_hi or 0, 4)],
-                                      "verdict": p.verdict()}
+            out["vs_full_prefill"] = intervals.versus_json(p)
         return out
 
 

@@ -57,6 +57,26 @@ class Paired:
         return "undecided"
 
 
+def versus_json(p: Paired) -> dict[str, object]:
+    """A verdict against the reference as reports store it (`vs_full_prefill`): the relative
+    difference, its interval (None where some resample's reference mean is 0) and the 5 % rule."""
+    return {"relative": None if p.rel is None else round(p.rel, 4),
+            "interval": None if p.rel_lo is None or p.rel_hi is None else [round(p.rel_lo, 4), round(p.rel_hi, 4)],
+            "verdict": p.verdict()}
+
+
+def versus_text(v: dict | None) -> str:
+    """`versus_json`'s dict as one line: `+1.2% [-3.4%, +5.6%] within` ('' for none)."""
+    if not v:
+        return ""
+    if v["relative"] is None:
+        return "n/a (full prefill scores 0)"
+    if v["interval"] is None:  # some resample of documents has full prefill scoring 0
+        return f"{v['relative']:+.1%}, no interval (too few rows)"
+    lo, hi = v["interval"]
+    return f"{v['relative']:+.1%} [{lo:+.1%}, {hi:+.1%}] {v['verdict']}"
+
+
 def paired(reference: Sequence[float], other: Sequence[float], n_boot: int = 4000, seed: int = 0,
            groups: Sequence[Hashable] | None = None) -> Paired:
     """The paired difference `other - reference` over the same rows, with a percentile bootstrap

@@ -115,11 +115,8 @@ def _add_intervals(out: dict[str, Any], scores: dict[str, list[float]], document
     for name, vals in scores.items():
         if name == "receiver_full_prefill":
             continue
-        p = intervals.paired(reference, vals, n_boot=2000, groups=documents)
-        out[name]["vs_full_prefill"] = {
-            "relative": None if p.rel is None else round(p.rel, 4),
-            "interval": None if p.rel_lo is None or p.rel_hi is None else [round(p.rel_lo, 4), round(p.rel_hi, 4)],
-            "verdict": p.verdict()}
+        out[name]["vs_full_prefill"] = intervals.versus_json(
+            intervals.paired(reference, vals, n_boot=2000, groups=documents))
     out["documents"] = len(set(documents))
     out["per_row"] = {name: [round(v, 4) for v in vals] for name, vals in scores.items()}
 

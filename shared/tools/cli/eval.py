@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from droidmesh.shared.tasks.intervals import versus_text
 from droidmesh.shared.tasks.spec import METRIC_NAMES
 from droidmesh.shared.tools.cli.model_options import MODEL_HELP, device_options, model_arg
 
@@ -81,17 +82,6 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
     click.echo(table)
 
 
-def _versus(v: dict | None) -> str:
-    if not v:
-        return ""
-    if v["relative"] is None:
-        return "n/a (full prefill scores 0)"
-    if v["interval"] is None:  # some resample of documents has full prefill scoring 0
-        return f"{v['relative']:+.1%}, no interval (too few rows)"
-    lo, hi = v["interval"]
-    return f"{v['relative']:+.1%} [{lo:+.1%}, {hi:+.1%}] {v['verdict']}"
-
-
 def format_table(ev: dict) -> str:
     """A short text table of the headline paths and the must-show summary."""
     fp = ev["receiver_full_prefill"]["quality"]
@@ -100,7 +90,7 @@ def format_table(ev: dict) -> str:
              "vs full prefill, 95 % interval"]
     def row(name, r):
         return (f"{name:28s} {r['quality']:8.4f} {r['answer_nll']:8.4f} {r['kl']:8.4f} {r['top1_agreement']:6.3f} "
-                f"{r.get('greedy_agreement', float('nan')):6.3f}  {_versus(r.get('vs_full_prefill'))}")
+                f"{r.get('greedy_agreement', float('nan')):6.3f}  {versus_text(r.get('vs_full_prefill'))}")
     lines += [row("sender alone", ev["sender_alone"]), row("receiver full prefill", ev["receiver_full_prefill"]),
               row("receiver full reuse", ev["receiver_full_reuse"])]
     lines += [row(f"reuse only layer {p['layer']}", p) for p in ev["per_layer_reuse"]]
