@@ -13,13 +13,18 @@ answer) and `greedy_agreement` (the share of full prefill's greedy answer tokens
 each a mean over rows; and `vs_full_prefill`: the paired difference of its task scores to the
 receiver's full prefill on the same rows, relative, with a bootstrap 95 % interval (a document's
 rows resampled together) and the 5 % rule applied to it (`intervals.Paired.verdict`: within,
-below or undecided).
+below or undecided); where rows name their source file, `vs_full_prefill_by_source` resamples
+whole sources instead (rows cut from one module are not independent beyond a document).
+
+With `keep_rows`, the JSON also holds every row's figures (`per_row`), so an eval run in shards
+(disjoint slices of one row list, one process each) is `merge`d into the eval of all its rows:
+the rows are put back in their original order, so the merged intervals are the unsharded ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter
@@ -28,6 +33,17 @@ from droidmesh.shared.tasks.scorer import PairScorer, PathResult, per_layer_plan
 from droidmesh.shared.tasks.spec import TaskSpec
 
 CRITICAL_DROP = 0.05  # a layer is critical when reusing only it costs > 5% of full-prefill quality
+FIGURES = ("quality", "answer_nll", "kl", "top1_agreement", "greedy_agreement")  # per row and path
+SAME_EVAL = ("task", "metric", "total_layers", "sender", "receiver", "split", "data")  # shards must share these
+
+
+class RowsMeta(NamedTuple):
+    """Who each row is: its index in the full row list, id, document and source file (or None)."""
+
+    index: list[int]
+    ids: list[Any]
+    documents: list[str]
+    sources: list[str | None]
 
 
 def all_groups(num_layers: int, sizes: Sequence[int] | None = None, stride: int = 1) -> list[tuple[int, int]]:
@@ -53,6 +69,9 @@ class _Acc:
         self.top1: list[float] = []
         self.greedy: list[float] = []
 
+    def lists(self) -> tuple[list[float], ...]:  # in FIGURES' order
+        return self.q, self.nll, self.kl, self.top1, self.greedy
+
     def add(self, r: PathResult, ref: PathResult) -> None:
         self.q.append(r.quality)
         self.nll.append(r.nll)
@@ -60,9 +79,10 @@ class _Acc:
         self.top1.append(measures.top1_agreement(ref.logits, r.logits))
         self.greedy.append(measures.greedy_agreement(ref.tokens, r.tokens))
 
-    def summary(self, reference: _Acc | None = None, documents: Sequence[str] | None = None) -> dict[str, Any]:
+    def summary(self, reference: _Acc | None = None, documents: Sequence[str] | None = None,
+                sources: Sequence[str | None] | None = None) -> dict[str, Any]:
         """Means over rows; with `reference` (full prefill's accumulator on the same rows), the
-        paired interval against it."""
+        paired interval against it, resampling documents and (where every row names one) sources."""
         def mean(xs):
             return round(sum(xs) / max(1, len(xs)), 4)
         out: dict[str, Any] = {"quality": mean(self.q), "answer_nll": mean(self.nll), "kl": mean(self.kl),
@@ -70,6 +90,9 @@ class _Acc:
         if reference is not None and self.q:
             p = intervals.paired(reference.q, self.q, n_boot=2000, groups=documents)
             out["vs_full_prefill"] = intervals.versus_json(p)
+            if sources is not None and all(sources):
+                by_source = intervals.paired(reference.q, self.q, n_boot=2000, groups=sources)
+                out["vs_full_prefill_by_source"] = intervals.versus_json(by_source)
         return out
 
 
@@ -82,33 +105,74 @@ def evaluate_pair(
     group_sizes: Sequence[int] | None = None,
     group_stride: int = 1,
     layer_stride: int = 1,
+    groups: Sequence[tuple[int, int]] | None = None,
+    sender_alone: bool = True,
     progress: bool = True,
     keep_predictions: bool = False,
+    keep_rows: bool = False,
+    row_index: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The eval JSON for (sender, receiver) on `rows` (see the module docstring); per-layer probes
-    every `layer_stride` layers (0: none), groups starting every `group_stride` layers."""
+    every `layer_stride` layers (0: none), groups starting every `group_stride` layers, or exactly
+    `groups`; `sender_alone=False` skips that path; `row_index`: each row's place in the full row
+    list when `rows` is a shard of it (kept with `keep_rows`)."""
     L = receiver.num_layers
     plans: dict[str, ReusePlan] = {"receiver_full_reuse": ReusePlan.full_reuse()}
     for l in range(0, L, layer_stride) if layer_stride > 0 else ():
         plans[f"layer/{l}"] = per_layer_plan(l, L)
-    for s, e in all_groups(L, group_sizes, group_stride):
+    for s, e in groups if groups is not None else all_groups(L, group_sizes, group_stride):
         plans[f"group/{s}/{e}"] = ReusePlan.recompute(s, e)
     scorer = PairScorer(sender, receiver, rows, spec)
-    acc = {k: _Acc() for k in ["sender_alone", "receiver_full_prefill", *plans]}
+    acc = {k: _Acc() for k in ["sender_alone", "receiver_full_prefill", *plans] if sender_alone or k != "sender_alone"}
     preds: list[dict[str, Any]] = []
-    for row_id, res in zip(scorer.ids, scorer.paths(plans, progress=progress), strict=True):
+    for row_id, res in zip(scorer.ids, scorer.paths(plans, progress=progress, sender_alone=sender_alone), strict=True):
         ref = res["receiver_full_prefill"]
         for name, r in res.items():
             acc[name].add(r, ref)
         preds.append({"_id": row_id, **{k: res[k].prediction for k in
-                                        ("receiver_full_prefill", "sender_alone", "receiver_full_reuse")}})
-    return report(acc, L, spec, len(rows), preds if keep_predictions else None, scorer.documents)
+                                        ("receiver_full_prefill", "sender_alone", "receiver_full_reuse") if k in res}})
+    meta = RowsMeta(list(row_index if row_index is not None else range(len(rows))), list(scorer.ids),
+                    list(scorer.documents), [r.get("source_file") for r in rows])
+    ev = report(acc, L, spec.name, spec.metric, preds if keep_predictions else None, meta)
+    if keep_rows:
+        ev["per_row"] = {**meta._asdict(), "paths": {k: dict(zip(FIGURES, a.lists(), strict=True)) for k, a in acc.items()}}
+    return ev
 
 
-def report(acc: dict[str, _Acc], L: int, spec: TaskSpec, n: int, preds: list[dict[str, Any]] | None,
-           documents: Sequence[str] | None = None) -> dict[str, Any]:
+def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The eval of all the rows of `parts` (shards of one eval, each with `per_row`): a
+    ValueError for an eval without per-row figures, shards of different pairs, tasks, splits or
+    paths, or a row in two shards."""
+    if not parts:
+        raise ValueError("no evals to merge")
+    first = parts[0]
+    for p in parts:
+        if "per_row" not in p:
+            raise ValueError("an eval without per-row figures cannot be merged: run each shard with --per-row")
+        differ = [k for k in SAME_EVAL if p.get(k) != first.get(k)]
+        if differ or set(p["per_row"]["paths"]) != set(first["per_row"]["paths"]):
+            raise ValueError(f"the evals differ in {differ or ['their paths']}: not shards of one eval")
+    rows = sorted((idx, n, j) for n, p in enumerate(parts) for j, idx in enumerate(p["per_row"]["index"]))
+    if len({r[0] for r in rows}) != len(rows):
+        raise ValueError("a row is in more than one shard")
+    meta = RowsMeta(*([parts[n]["per_row"][f][j] for _, n, j in rows] if f != "index" else [r[0] for r in rows]
+                      for f in RowsMeta._fields))
+    acc = {name: _Acc() for name in first["per_row"]["paths"]}
+    for name, a in acc.items():
+        for f, dest in zip(FIGURES, a.lists(), strict=True):
+            dest.extend(parts[n]["per_row"]["paths"][name][f][j] for _, n, j in rows)
+    ev = report(acc, first["total_layers"], first["task"], first["metric"], None, meta)
+    ev["per_row"] = {**meta._asdict(), "paths": {k: dict(zip(FIGURES, a.lists(), strict=True)) for k, a in acc.items()}}
+    ev.update({k: first.get(k) for k in SAME_EVAL if k in first})
+    return ev
+
+
+def report(acc: dict[str, _Acc], L: int, task: str, metric: str, preds: list[dict[str, Any]] | None,
+           meta: RowsMeta | None = None) -> dict[str, Any]:
     ref = acc["receiver_full_prefill"]
-    s = {k: a.summary(None if k == "receiver_full_prefill" else ref, documents) for k, a in acc.items()}
+    documents, sources = (meta.documents, meta.sources) if meta is not None else (None, None)
+    n = len(ref.q)
+    s = {k: a.summary(None if k == "receiver_full_prefill" else ref, documents, sources) for k, a in acc.items()}
     per_layer = [{"layer": l, **s[f"layer/{l}"]} for l in range(L) if f"layer/{l}" in s]
     groups = [
         {"start": int(k.split("/")[1]), "end": int(k.split("/")[2]),
@@ -120,11 +184,13 @@ def report(acc: dict[str, _Acc], L: int, spec: TaskSpec, n: int, preds: list[dic
         cands = [g for g in groups if g["recomputed_layers"] == size]
         best.append(max(cands, key=lambda g: (g["quality"], -g["answer_nll"], -g["start"])))
     out = {
-        "task": spec.name, "metric": spec.metric, "rows": n, "total_layers": L,
-        "sender_alone": s["sender_alone"], "receiver_full_prefill": s["receiver_full_prefill"],
+        "task": task, "metric": metric, "rows": n, "total_layers": L,
+        "sender_alone": s.get("sender_alone"), "receiver_full_prefill": s["receiver_full_prefill"],
         "receiver_full_reuse": s["receiver_full_reuse"], "per_layer_reuse": per_layer,
         "best_groups": best, "groups": groups, "documents": len(set(documents)) if documents is not None else n,
     }
+    if sources is not None and all(sources):
+        out["sources"] = len(set(sources))
     out["summary"] = must_show(out)
     if preds is not None:
         out["predictions"] = preds
@@ -144,7 +210,8 @@ def must_show(ev: dict[str, Any], drop: float = CRITICAL_DROP) -> dict[str, Any]
     smallest = min(restoring, key=lambda g: g["recomputed_layers"]) if restoring else None
     return {
         "full_reuse_relative_loss": round(rel(ev["receiver_full_reuse"]["quality"]), 4),
-        "full_reuse_above_sender": ev["receiver_full_reuse"]["quality"] > ev["sender_alone"]["quality"],
+        "full_reuse_above_sender": None if ev["sender_alone"] is None
+        else ev["receiver_full_reuse"]["quality"] > ev["sender_alone"]["quality"],
         "critical_layers": critical,
         "critical_fraction": round(len(critical) / L, 4),
         "smallest_restoring_group": None if smallest is None else {

@@ -13,6 +13,10 @@ Sources (all read from this machine; nothing downloaded):
 Splits are by source, never by row: a module or a manual page lands in test when a hash of its
 file name says so (~20 %), so no test context is ever trained on. Rows are deterministic in
 (task, split, seed); `length` is the context's length in characters (tokenizers differ).
+A third split, `heldout`, draws the Python tasks' rows from the standard library's packages
+(`email/`, `asyncio/`, ...: ~80 usable modules), which neither train nor test reads: a verdict that
+needs more rows and more independent sources than the ~20 test modules hold is judged there, on
+text no fine-tune, profile or plan has seen. Its `source_file` is the path under the library.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import gzip
 import hashlib
 import random
 import re
+import sysconfig
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 REAL_TASKS = ("doc_qa", "doc_summary", "code_completion/real")
+SPLITS = ("train", "test", "heldout")
+HELDOUT_TASKS = ("doc_qa", "code_completion/real")  # the manual pages are all in train or test
 MAN_DIR = Path("/usr/share/man/man1")
 QA_INPUT = '\n\nQuestion: Which function or method is documented as "{sentence}"?\nAnswer:'
 SUMMARY_INPUT = "\n\nQuestion: In a few words, what does the program documented above do?\nAnswer:"
@@ -47,8 +54,10 @@ def make_real_rows(task: str, split: str, n: int, *, chars: tuple[int, int] = (3
     """`n` rows of a real-text task for `split`, contexts of `chars` characters (~1-1.6K SmolLM2 tokens)."""
     if task not in REAL_TASKS:
         raise ValueError(f"unknown real-text task {task!r}; expected one of {list(REAL_TASKS)}")
-    if split not in ("train", "test"):
-        raise ValueError(f"unknown split {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {list(SPLITS)}")
+    if split == "heldout" and task not in HELDOUT_TASKS:
+        raise ValueError(f"{task} has no heldout sources; the tasks that do: {list(HELDOUT_TASKS)}")
     rng = random.Random(f"real/{task}/{split}/{seed}")
     make = {"doc_qa": _qa_row, "doc_summary": _summary_row, "code_completion/real": _code_row}[task]
     rows: list[dict[str, Any]] = []
@@ -66,11 +75,26 @@ def make_real_rows(task: str, split: str, n: int, *, chars: tuple[int, int] = (3
 
 
 # -- Python docstrings --------------------------------------------------------------------------
+@lru_cache(maxsize=1)
 def stdlib_modules() -> dict[str, tuple[str, ...]]:
-    """The zoo's split of the stdlib's modules (`suite.stdlib_files`: the same hash rule as `split_of`)."""
+    """The zoo's split of the stdlib's top-level modules (`suite.stdlib_files`: the same hash rule
+    as `split_of`), and as `heldout` every module of its packages (no tests, no site-packages)."""
     from droidmesh.shared.tasks.suite import stdlib_files
 
-    return stdlib_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    heldout = [str(p) for p in sorted(root.glob("*/**/*.py"))
+               if not skip & set(p.relative_to(root).parts) and not p.relative_to(root).parts[0].startswith("config-")
+               and p.stat().st_size >= 4000]
+    return {**stdlib_files(), "heldout": tuple(heldout)}
+
+
+def _source_name(path: str, split: str) -> str:
+    """A row's `source_file`: the file name (top-level modules are unique by it), or under
+    `heldout` the path below the library (`email/utils.py` and `urllib/parse.py`, not `utils.py`)."""
+    if split != "heldout":
+        return Path(path).name
+    return Path(path).relative_to(sysconfig.get_paths()["stdlib"]).as_posix()
 
 
 @lru_cache(maxsize=256)
@@ -121,10 +145,12 @@ def _qa_row(rng: random.Random, split: str, budget: int) -> dict[str, Any] | Non
             size += len(entries[lo][1]) + 1
     if size < budget // 2:
         return None
-    header = f"Help on module {Path(path).stem}:\n\n"
+    module = _source_name(path, split).removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    header = f"Help on module {module}:\n\n"
     context = header + "\n".join(e[1] for e in entries[lo : hi + 1])
     name, _, sentence = entries[target]
-    return {"context": context, "input": QA_INPUT.format(sentence=sentence), "answers": [name], "source_file": Path(path).name}
+    return {"context": context, "input": QA_INPUT.format(sentence=sentence), "answers": [name],
+            "source_file": _source_name(path, split)}
 
 
 # -- manual pages -------------------------------------------------------------------------------
@@ -229,4 +255,4 @@ def _code_row(rng: random.Random, split: str, budget: int) -> dict[str, Any] | N
     if size < budget // 2:
         return None
     return {"context": "\n".join(reversed(ctx_lines)) + "\n", "input": "", "answers": [target],
-            "source_file": Path(path).name}
+            "source_file": _source_name(path, split)}

@@ -50,6 +50,8 @@ def make_rows(task: str, split: str, n: int, shape: SuiteShape, seed: int = 0) -
 
     if task in REAL_TASKS:  # the real tier's tasks: cut from real text, not shaped by a tier
         return make_real_rows(task, split, n, seed=seed)
+    if split not in ("train", "test"):  # `heldout` is a pool of real sources; generated rows have none
+        raise ValueError(f"split {split!r}: the generated tasks have train and test only")
     rng = _split_seed(task, split, seed)
     name = task
     if "/" in task:

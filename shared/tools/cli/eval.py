@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from droidmesh.shared.tasks.intervals import versus_text
+from droidmesh.shared.tasks.realtext import SPLITS
 from droidmesh.shared.tasks.spec import METRIC_NAMES
 from droidmesh.shared.tools.cli.model_options import MODEL_HELP, device_options, model_arg
 
@@ -16,13 +17,16 @@ from droidmesh.shared.tools.cli.model_options import MODEL_HELP, device_options,
 @click.option("--sender", required=True, callback=model_arg, help=f"Sender: {MODEL_HELP}.")
 @click.option("--receiver", required=True, callback=model_arg, help=f"Receiver: {MODEL_HELP}.")
 @click.option("--task", required=True, help="multihop_qa | summarization | code_completion (or a name for --data).")
-@click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
+@click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True,
+              help="heldout: the real Python tasks' third pool of sources (the stdlib's packages), for verdicts.")
 @click.option("--data", "data_path", type=click.Path(exists=True, dir_okay=False),
               help="A LongBench-style JSONL dataset instead of the zoo's generated split.")
 @click.option("--metric", type=click.Choice(METRIC_NAMES), default=None,
               help="Metric for a --data task the zoo does not know (default f1).")
 @click.option("--n", "n_rows", type=click.IntRange(1, 100000), default=None, help="Rows to evaluate (default: the tier's).")
 @click.option("--group-sizes", default=None, help="Comma-separated recompute-group sizes (default: all).")
+@click.option("--groups", "explicit_groups", callback=lambda c, p, v: _groups(v), default=None,
+              help="Exactly these recompute groups, e.g. 8:12,4:12 (instead of every group of --group-sizes).")
 @click.option("--group-stride", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="Groups start every N layers (the topmost start is always included).")
 @click.option("--layer-stride", type=click.IntRange(0, 1000), default=1, show_default=True,
@@ -30,13 +34,19 @@ from droidmesh.shared.tools.cli.model_options import MODEL_HELP, device_options,
 @device_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the eval JSON here.")
 @click.option("--predictions", is_flag=True, help="Include per-row predictions in the JSON.")
+@click.option("--per-row", is_flag=True, help="Include every row's figures in the JSON (needed to merge shards).")
+@click.option("--shard", callback=lambda c, p, v: _shard(v), default=None,
+              help="K/N: score only rows K, K+N, K+2N, ... (implies --per-row); `droidmesh eval-merge` joins the N.")
+@click.option("--no-sender-alone", is_flag=True, help="Skip the sender answering alone (one prefill a row less).")
 @click.option("--translator", "translator_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A translated pair (models of other sizes, families or tokenizers): the translator file "
                    "`droidmesh profile --translate` wrote; scores translated KV instead of reused KV.")
 @click.option("--translator-sha256", default=None, help="Refuse the translator unless its file has this sha256.")
 def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, metric: str | None,
              n_rows: int | None, group_sizes: str | None, group_stride: int, layer_stride: int, device: str,
-             dtype: str | None, json_path: str, predictions: bool, translator_path: str | None, translator_sha256: str | None) -> None:
+             dtype: str | None, json_path: str, predictions: bool, per_row: bool, shard: tuple[int, int] | None,
+             no_sender_alone: bool, explicit_groups: list[tuple[int, int]] | None, translator_path: str | None,
+             translator_sha256: str | None) -> None:
     """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups
     (with --translator: receiver full prefill, translated, translated with layers [0, k)
     recomputed, the receiver without the context, and the prefill cost saved)."""
@@ -60,6 +70,8 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
             shape = recipe.suite if recipe else SuiteShape()
             rows = make_rows(task, split, n_rows or (recipe.eval_rows if recipe else 48), shape)
         rows = rows[:n_rows] if n_rows else rows
+        index = list(range(len(rows)))[shard[0]::shard[1]] if shard else None
+        rows = [rows[i] for i in index] if index is not None else rows
         sizes = [int(s) for s in group_sizes.split(",")] if group_sizes else None
         s_model = load_model(sender.path, device=device, dtype=dtype)
         r_model = load_model(receiver.path, device=device, dtype=dtype)
@@ -73,13 +85,60 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
             raise click.UsageError(str(e)) from None
         table = format_translated(ev)
     else:
+        if explicit_groups and max(e for _, e in explicit_groups) > r_model.num_layers:
+            raise click.UsageError(f"--groups: the receiver has {r_model.num_layers} layers")
         ev = evaluate_pair(s_model, r_model, rows, spec, group_sizes=sizes, group_stride=group_stride,
-                           layer_stride=layer_stride, keep_predictions=predictions)
+                           layer_stride=layer_stride, groups=explicit_groups, sender_alone=not no_sender_alone,
+                           keep_predictions=predictions, keep_rows=per_row or shard is not None, row_index=index)
         table = format_table(ev)
     ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo"})
+    if shard:
+        ev["shard"] = f"{shard[0]}/{shard[1]}"
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(ev, indent=2) + "\n")
     click.echo(table)
+
+
+@click.command("eval-merge")
+@click.argument("parts", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the merged eval here.")
+def eval_merge(parts: tuple[str, ...], json_path: str) -> None:
+    """Join the evals of `droidmesh eval --shard K/N` (or --per-row evals of disjoint rows of one
+    list) into the eval of all their rows, intervals recomputed over every row."""
+    from droidmesh.shared.tasks.evaluation import merge
+
+    try:
+        ev = merge([json.loads(Path(p).read_text()) for p in parts])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not evals of ours, or not shards of one
+        raise click.UsageError(f"cannot merge {len(parts)} evals: {e}") from None
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(ev, indent=2) + "\n")
+    click.echo(format_table(ev))
+
+
+def _groups(value: str | None) -> list[tuple[int, int]] | None:
+    """'8:12,4:12' -> [(8, 12), (4, 12)]."""
+    if not value:
+        return None
+    try:
+        out = [(int(a), int(b)) for a, b in (g.split(":") for g in value.split(","))]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected START:END[,START:END...]") from None
+    if any(not 0 <= a < b for a, b in out):
+        raise click.BadParameter(f"{value!r}: each group needs 0 <= START < END")
+    return out
+
+
+def _shard(value: str | None) -> tuple[int, int] | None:
+    if not value:
+        return None
+    try:
+        k, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected K/N") from None
+    if not 0 <= k < n:
+        raise click.BadParameter(f"{value!r}: needs 0 <= K < N")
+    return k, n
 
 
 def format_table(ev: dict) -> str:
@@ -90,9 +149,10 @@ def format_table(ev: dict) -> str:
              "vs full prefill, 95 % interval"]
     def row(name, r):
         return (f"{name:28s} {r['quality']:8.4f} {r['answer_nll']:8.4f} {r['kl']:8.4f} {r['top1_agreement']:6.3f} "
-                f"{r.get('greedy_agreement', float('nan')):6.3f}  {versus_text(r.get('vs_full_prefill'))}")
-    lines += [row("sender alone", ev["sender_alone"]), row("receiver full prefill", ev["receiver_full_prefill"]),
-              row("receiver full reuse", ev["receiver_full_reuse"])]
+                f"{r.get('greedy_agreement', float('nan')):6.3f}  {versus_text(r.get('vs_full_prefill'))}"
+                + (f"; by source {versus_text(r['vs_full_prefill_by_source'])}" if "vs_full_prefill_by_source" in r else ""))
+    lines += [row("sender alone", ev["sender_alone"])] if ev["sender_alone"] else []
+    lines += [row("receiver full prefill", ev["receiver_full_prefill"]), row("receiver full reuse", ev["receiver_full_reuse"])]
     lines += [row(f"reuse only layer {p['layer']}", p) for p in ev["per_layer_reuse"]]
     lines += [row(f"recompute [{g['start']},{g['end']})", g) for g in ev["best_groups"]]
     s = ev["summary"]

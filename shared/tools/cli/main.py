@@ -21,7 +21,7 @@ from droidmesh.shared.tools.cli.audit import audit
 from droidmesh.shared.tools.cli.bench import bench
 from droidmesh.shared.tools.cli.config import config
 from droidmesh.shared.tools.cli.demo import demo
-from droidmesh.shared.tools.cli.eval import eval_cmd
+from droidmesh.shared.tools.cli.eval import eval_cmd, eval_merge
 from droidmesh.shared.tools.cli.keys import keys
 from droidmesh.shared.tools.cli.nats_auth import nats_auth
 from droidmesh.shared.tools.cli.profile import profile
@@ -71,7 +71,7 @@ def main() -> None:
     """DroidMesh: reuse one LLM's KV cache in another, recomputing only a critical layer group."""
 
 
-for command in (agents, ask, prefill, receivers, audit, config, bench, demo, serve, zoo, eval_cmd, profile, nats_auth,
+for command in (agents, ask, prefill, receivers, audit, config, bench, demo, serve, zoo, eval_cmd, eval_merge, profile, nats_auth,
                 keys):
     main.add_command(command)
 

@@ -8,6 +8,7 @@ import time
 
 import click
 
+from droidmesh.shared.tasks.realtext import SPLITS
 from droidmesh.shared.tasks.spec import known_tasks
 
 SHAPED_TIERS = ("ci", "demo")  # tiers whose recipe shapes task data
@@ -84,7 +85,8 @@ def list_cmd(as_json: bool) -> None:
 
 @zoo.command()
 @click.option("--task", type=click.Choice(known_tasks()), required=True, help="A zoo task or one of its shifts.")
-@click.option("--split", type=click.Choice(["train", "test"]), default="test", show_default=True)
+@click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True,
+              help="heldout: the real Python tasks' third pool of sources (the stdlib's packages), for verdicts.")
 @click.option("--n", "n_rows", type=click.IntRange(1, 100000), default=100, show_default=True)
 @click.option("--tier", type=click.Choice(SHAPED_TIERS), default="demo", show_default=True, help="Context shape of this tier.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True)
