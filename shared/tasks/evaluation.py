@@ -23,8 +23,9 @@ the rows are put back in their original order, so the merged intervals are the u
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter
@@ -37,7 +38,8 @@ FIGURES = ("quality", "answer_nll", "kl", "top1_agreement", "greedy_agreement") 
 SAME_EVAL = ("task", "metric", "total_layers", "sender", "receiver", "split", "data")  # shards must share these
 
 
-class RowsMeta(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class RowsMeta:
     """Who each row is: its index in the full row list, id, document and source file (or None)."""
 
     index: list[int]
@@ -135,7 +137,7 @@ def evaluate_pair(
                     list(scorer.documents), [r.get("source_file") for r in rows])
     ev = report(acc, L, spec.name, spec.metric, preds if keep_predictions else None, meta)
     if keep_rows:
-        ev["per_row"] = {**meta._asdict(), "paths": {k: dict(zip(FIGURES, a.lists(), strict=True)) for k, a in acc.items()}}
+        ev["per_row"] = _per_row(meta, acc)
     return ev
 
 
@@ -155,16 +157,20 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rows = sorted((idx, n, j) for n, p in enumerate(parts) for j, idx in enumerate(p["per_row"]["index"]))
     if len({r[0] for r in rows}) != len(rows):
         raise ValueError("a row is in more than one shard")
-    meta = RowsMeta(*([parts[n]["per_row"][f][j] for _, n, j in rows] if f != "index" else [r[0] for r in rows]
-                      for f in RowsMeta._fields))
+    meta = RowsMeta(*([parts[n]["per_row"][f.name][j] for _, n, j in rows] if f.name != "index" else [r[0] for r in rows]
+                      for f in dataclasses.fields(RowsMeta)))
     acc = {name: _Acc() for name in first["per_row"]["paths"]}
     for name, a in acc.items():
         for f, dest in zip(FIGURES, a.lists(), strict=True):
             dest.extend(parts[n]["per_row"]["paths"][name][f][j] for _, n, j in rows)
     ev = report(acc, first["total_layers"], first["task"], first["metric"], None, meta)
-    ev["per_row"] = {**meta._asdict(), "paths": {k: dict(zip(FIGURES, a.lists(), strict=True)) for k, a in acc.items()}}
+    ev["per_row"] = _per_row(meta, acc)
     ev.update({k: first.get(k) for k in SAME_EVAL if k in first})
     return ev
+
+
+def _per_row(meta: RowsMeta, acc: dict[str, _Acc]) -> dict[str, Any]:
+    return {**dataclasses.asdict(meta), "paths": {k: dict(zip(FIGURES, a.lists(), strict=True)) for k, a in acc.items()}}
 
 
 def report(acc: dict[str, _Acc], L: int, task: str, metric: str, preds: list[dict[str, Any]] | None,

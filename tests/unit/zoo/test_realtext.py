@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from droidmesh.shared.tasks.realtext import REAL_TASKS, make_real_rows, man_pages, split_of
+from droidmesh.shared.tasks.realtext import REAL_TASKS, make_real_rows, man_pages, split_of, stdlib_modules
 from droidmesh.shared.tasks.rows import encode_row
 from droidmesh.shared.tasks.spec import task_spec
 from droidmesh.shared.tasks.suite import SuiteShape, make_rows
@@ -57,3 +57,24 @@ def test_unknown_task_or_split_is_refused() -> None:
         make_real_rows("poetry", "test", 1)
     with pytest.raises(ValueError, match="split"):
         make_real_rows("doc_qa", "dev", 1)
+
+
+@pytest.mark.parametrize("task", ["doc_qa", "code_completion/real"])
+def test_heldout_rows_come_from_sources_neither_train_nor_test_reads(task: str) -> None:
+    """`heldout`: the stdlib's packages, disjoint from the modules train and test draw from;
+    a row names its module by its path below the library, so same-named files stay apart."""
+    pools = stdlib_modules()
+    assert pools["heldout"] and not set(pools["heldout"]) & (set(pools["train"]) | set(pools["test"]))
+    rows = make_real_rows(task, "heldout", 24)
+    assert all("/" in r["source_file"] and r["split"] == "heldout" for r in rows)
+    assert not any("/test/" in f"/{r['source_file']}" or "site-packages" in r["source_file"] for r in rows)
+    train_contexts = {r["context"] for r in make_real_rows(task, "train", 24) + make_real_rows(task, "test", 24)}
+    assert not {r["context"] for r in rows} & train_contexts
+    assert make_rows(task, "heldout", 24, SuiteShape()) == rows  # deterministic, through the zoo's entry point
+
+
+def test_heldout_is_refused_where_a_task_has_no_such_sources() -> None:
+    with pytest.raises(ValueError, match="no heldout sources"):
+        make_real_rows("doc_summary", "heldout", 1)
+    with pytest.raises(ValueError, match="train and test only"):
+        make_rows("multihop_qa", "heldout", 1, SuiteShape())

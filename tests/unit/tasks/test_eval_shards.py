@@ -1,0 +1,90 @@
+"""An eval run in shards and merged is the eval of all its rows; exact groups; the sender alone skipped."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from droidmesh.shared.model.adapter import ModelAdapter, random_model
+from droidmesh.shared.tasks.evaluation import FIGURES, evaluate_pair, merge
+from droidmesh.shared.tasks.spec import TASKS
+from droidmesh.shared.tasks.suite import SuiteShape, make_rows
+from droidmesh.shared.zoo.tokenizer import WordIds, hf_tokenizer
+
+SHAPE = SuiteShape(facts=(3, 4), docs=(1, 2), filler=(10, 20))
+L = 4
+SPEC = TASKS["multihop_qa"]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[ModelAdapter, ModelAdapter]:
+    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": L, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": WordIds().vocab_size, "max_position_embeddings": 1024}
+    recv = ModelAdapter(model=random_model("llama", seed=0, **cfg).model, tokenizer=hf_tokenizer(), name="receiver")
+    send = ModelAdapter(model=copy.deepcopy(recv.model), tokenizer=recv.tokenizer, name="sender")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in send.model.model.layers[1].parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return send, recv
+
+
+def _eval(pair, rows, index=None):
+    ev = evaluate_pair(*pair, rows, SPEC, groups=[(1, 3)], layer_stride=0, sender_alone=False, progress=False,
+                       keep_rows=True, row_index=index)
+    ev.update(sender="s", receiver="r", split="test", data="zoo")
+    return ev
+
+
+def test_shards_merged_are_the_eval_of_all_rows(pair) -> None:
+    """Three interleaved shards, merged in any order, give the unsharded eval: the same means,
+    intervals and verdicts (rows back in their order before resampling), the same per-row figures."""
+    rows = make_rows("multihop_qa", "test", 7, SHAPE)
+    whole = _eval(pair, rows)
+    shards = [_eval(pair, rows[k::3], list(range(7))[k::3]) for k in range(3)]
+    merged = merge([shards[2], shards[0], shards[1]])
+    assert merged["rows"] == 7 and merged["per_row"]["index"] == list(range(7))
+    for path in ("receiver_full_prefill", "receiver_full_reuse"):
+        for f in FIGURES:
+            assert merged[path][f] == pytest.approx(whole[path][f], abs=1e-6)
+    assert merged["receiver_full_reuse"].get("vs_full_prefill") == whole["receiver_full_reuse"].get("vs_full_prefill")
+    assert [(g["start"], g["end"]) for g in merged["groups"]] == [(1, 3)]
+    assert merged["groups"][0]["quality"] == pytest.approx(whole["groups"][0]["quality"])
+    assert merged["per_row"]["documents"] == whole["per_row"]["documents"]
+
+
+def test_exact_groups_and_no_sender_alone(pair) -> None:
+    ev = _eval(pair, make_rows("multihop_qa", "test", 2, SHAPE))
+    assert ev["sender_alone"] is None and ev["summary"]["full_reuse_above_sender"] is None
+    assert set(ev["per_row"]["paths"]) == {"receiver_full_prefill", "receiver_full_reuse", "group/1/3"}
+    assert ev["per_layer_reuse"] == [] and len(ev["per_row"]["paths"]["group/1/3"]["quality"]) == 2
+
+
+def test_merge_refuses_what_is_not_shards_of_one_eval(pair) -> None:
+    rows = make_rows("multihop_qa", "test", 4, SHAPE)
+    a, b = _eval(pair, rows[:2], [0, 1]), _eval(pair, rows[2:], [2, 3])
+    with pytest.raises(ValueError, match="more than one shard"):
+        merge([a, a])
+    with pytest.raises(ValueError, match="differ in .*receiver"):
+        merge([a, {**b, "receiver": "other"}])
+    with pytest.raises(ValueError, match="per-row"):
+        merge([a, {k: v for k, v in b.items() if k != "per_row"}])
+    assert merge([a, b])["rows"] == 4
+
+
+def test_the_by_source_interval_resamples_sources() -> None:
+    """Rows naming their source file get a second interval that resamples whole sources: with
+    one source carrying every difference, it is wider than the interval by document."""
+    from droidmesh.shared.tasks.evaluation import _Acc
+
+    ref, other = _Acc(), _Acc()
+    ref.q = [1.0] * 40
+    other.q = [0.0] * 4 + [1.0] * 36
+    docs = [f"d{i}" for i in range(40)]
+    sources = ["a.py"] * 4 + [f"m{i // 4}.py" for i in range(4, 40)]
+    s = other.summary(ref, docs, sources)
+    by_doc, by_source = s["vs_full_prefill"]["interval"], s["vs_full_prefill_by_source"]["interval"]
+    assert by_source[0] < by_doc[0]
+    assert "vs_full_prefill_by_source" not in other.summary(ref, docs, [None] * 40)
