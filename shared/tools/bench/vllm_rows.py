@@ -1,5 +1,6 @@
 """`droidmesh bench vllm-rows`: vLLM with the DroidMesh connector against vLLM alone, answer by
-answer, on the real tier's test rows (doc_qa, cut from the standard library's docs).
+answer, on the real tier's doc_qa rows (cut from the standard library's docs: its test split, or
+`heldout`, the library's packages, for a verdict that needs more rows and sources).
 
 One local mesh (`vllm_reuse.pair_mesh`: a DroidMesh sender of `real/base` holding every row's
 context, the pair's plan on the config board) and `vllm serve` with the connector, of `real/base`
@@ -11,9 +12,11 @@ and then of `docqa` (merged into its base). Per row, greedy answers of the task'
   - the pair: `docqa` asks, vLLM's own full prefill against the pair's plan (`partial`: layers
     [6, 9) recomputed from the sender's E), both scored by the task metric; DroidMesh's own engine
     scores the same plan and its own full prefill on the same rows, beside them.
-Verdicts carry intervals (`tasks/intervals.py`): agreement rates a Wilson interval, quality the
+With `same=False` only the pair is asked (the verdict that needs many rows). Verdicts carry
+intervals (`tasks/intervals.py`): agreement rates a Wilson interval, quality the
 paired difference to full prefill with a bootstrap interval (by document: rows asking about one
-context are resampled together) and the 5 % rule applied to it.
+context are resampled together; and by source file, a module's rows together) and the 5 % rule
+applied to it.
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ def ask_pair(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spe
         ctx, q, _ = encode_row(tokenizer, row, spec)
         alone, _ = _ask(engine, f"row{i}-pair-alone", ctx + q, spec, eos, lora=lora, mode="full_prefill")
         planned, path = _ask(engine, f"row{i}-pair-plan", ctx + q, spec, eos, lora=lora, mode="auto")
-        res = {"row": row.get("_id", i), "document": document(row), "context_tokens": len(ctx), "pair_path": path,
+        res = {"row": row.get("_id", i), "document": document(row), "source": row.get("source_file"),
+               "context_tokens": len(ctx), "pair_path": path,
                "pair_first_token_equal": alone[:1] == planned[:1],
                "quality_alone": measures.score(spec.metric, decode_answer(tokenizer, alone, spec), row["answers"]),
                "quality_plan": measures.score(spec.metric, decode_answer(tokenizer, planned, spec), row["answers"])}
@@ -146,19 +150,24 @@ def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
     """The verdicts: agreement rates with Wilson intervals, quality differences with bootstrap ones."""
     n, m = len(same), len(pair)
     docs = [r["document"] for r in pair]  # a document's rows are resampled together
-    first = sum(r["first_token_equal"] for r in same)
+    sources = [r.get("source") for r in pair]
     pair_first = sum(r["pair_first_token_equal"] for r in pair)
     batched = [r for r in same if "batched_first_token_equal" in r]
+    alone, planned = [r["quality_alone"] for r in pair], [r["quality_plan"] for r in pair]
     out: dict[str, Any] = {
         "rows": {"same_model": n, "pair": m},
-        "same_model": {"paths": dict(collections.Counter(r["same_path"] for r in same)),
-                       "first_token_equal": first / n, "first_token_interval": intervals.wilson(first, n),
-                       "greedy_agreement": statistics.fmean(r["greedy_agreement"] for r in same)},
         "pair": {"paths": dict(collections.Counter(r["pair_path"] for r in pair)), "documents": len(set(docs)),
-                 "vllm": _verdict(intervals.paired([r["quality_alone"] for r in pair], [r["quality_plan"] for r in pair],
-                                                   groups=docs)),
+                 "vllm": _verdict(intervals.paired(alone, planned, groups=docs)),
                  "first_token_equal": pair_first / m, "first_token_interval": intervals.wilson(pair_first, m)},
     }
+    if all(sources):
+        out["pair"]["sources"] = len(set(sources))
+        out["pair"]["vllm_by_source"] = _verdict(intervals.paired(alone, planned, groups=sources))
+    if same:
+        first = sum(r["first_token_equal"] for r in same)
+        out["same_model"] = {"paths": dict(collections.Counter(r["same_path"] for r in same)),
+                             "first_token_equal": first / n, "first_token_interval": intervals.wilson(first, n),
+                             "greedy_agreement": statistics.fmean(r["greedy_agreement"] for r in same)}
     if batched:  # vLLM against itself, alone and batched: what full reuse's agreement is measured against
         k = sum(r["batched_first_token_equal"] for r in batched)
         out["same_model"]["vllm_across_batch_sizes"] = {
@@ -179,7 +188,8 @@ def _verdict(p: intervals.Paired) -> dict[str, Any]:
 
 def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], None], dtype: str = "float32",
         engine_too: bool = True, chunk: int = 150,
-        on_chunk: Callable[[dict[str, Any]], None] = lambda partial: None) -> dict[str, Any]:
+        on_chunk: Callable[[dict[str, Any]], None] = lambda partial: None, split: str = "test",
+        same: bool = True) -> dict[str, Any]:
     """Two `vllm serve` engines one after the other, each with the connector: `real/base` (the
     same-model questions) and `docqa` merged into its base (the pair's: vLLM's CPU LoRA kernels
     prefill many times slower than its dense ones, and the question is the answers, not LoRA).
@@ -190,7 +200,7 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
     spec = task_spec(TASK)
-    rows = make_rows(TASK, "test", n_rows, SuiteShape())
+    rows = make_rows(TASK, split, n_rows, SuiteShape())
     base = ModelRef(tier / "base", "base")
     docqa = ModelRef(merged(tier / "docqa", work / "docqa-merged"), "docqa")
     tok = load_model(base.path, device="cpu", dtype="float32").tokenizer
@@ -203,24 +213,25 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
         part = rows[start:start + chunk]
         say(f"rows {start + 1}-{start + len(part)} of {len(rows)}")
         for name, got in _ask_chunk(python, tier, base, docqa, part, tok, spec, dtype, engine_spec, env, work,
-                                    say).items():
+                                    say, same).items():
             asked[name] += got
-        result = _result(rows[:start + len(part)], asked, None, dtype, spec)
+        result = _result(rows[:start + len(part)], asked, None, dtype, spec, split)
         on_chunk(result)
     scores = ours(tier, rows, spec, PLAN, dtype) if engine_too else None
-    return _result(rows, asked, scores, dtype, spec)
+    return _result(rows, asked, scores, dtype, spec, split)
 
 
 def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: Sequence[dict[str, Any]], tok: Any,
                spec: TaskSpec, dtype: str, engine_spec: dict[str, Any], env: dict[str, str], work: Path,
-               say: Callable[[str], None]) -> dict[str, list[dict[str, Any]]]:
-    """One mesh holding `rows`' contexts, and each engine asked every row in turn."""
+               say: Callable[[str], None], same: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """One mesh holding `rows`' contexts, and each engine asked every row in turn (`same=False`:
+    only the pair's)."""
     contexts = list(dict.fromkeys(r["context"] for r in rows))
     held = sum(len(text.context_ids(tok, c)) for c in contexts)
     store = max(2 << 30, int(1.25 * held * held_bytes_per_token(base.path, dtype, len(PLAN.e_layers))))  # every context at once
     asked: dict[str, list[dict[str, Any]]] = {}
     with pair_mesh(tier, base, docqa, work, dtype, contexts, lora=False, store_bytes=store) as conn:
-        for name, model, base_model in (("same", base, "base"), ("pair", docqa, "docqa")):
+        for name, model, base_model in (("same", base, "base"), ("pair", docqa, "docqa"))[0 if same else 1:]:
             engine = ServedEngine(python, {**engine_spec, "model": str(model.path), "name": base_model,
                                            "connector": {**conn, "base_model": base_model}}, work, free_port(), env)
             try:
@@ -235,7 +246,7 @@ def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: S
 
 
 def _result(rows: Sequence[dict[str, Any]], asked: dict[str, list[dict[str, Any]]],
-            scores: dict[str, list[float]] | None, dtype: str, spec: TaskSpec) -> dict[str, Any]:
-    return {"task": TASK, "split": "test", "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric,
+            scores: dict[str, list[float]] | None, dtype: str, spec: TaskSpec, split: str = "test") -> dict[str, Any]:
+    return {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric,
             "contexts": len({r["context"] for r in rows}), "summary": summarize(asked["same"], asked["pair"], scores),
             "same_model_per_row": asked["same"], "pair_per_row": asked["pair"], "droidmesh_engine_per_row": scores}

@@ -64,3 +64,15 @@ def test_vllm_against_itself_batched_is_the_yardstick_beside_full_reuse(monkeypa
              "document": "d"}]
     own = summarize(same, pair, None)["same_model"]["vllm_across_batch_sizes"]
     assert own["rows"] == 4 and own["first_token_equal"] == 1.0 and abs(own["greedy_agreement"] - (3 + 1 / 3) / 4) < 1e-9
+
+
+def test_a_pair_only_summary_has_no_same_model_part_and_resamples_sources_too():
+    """`--pair-only`: no same-model rows, no division by them; rows naming their source file get a
+    second verdict that resamples whole sources (here one source holds every loss: wider)."""
+    pair = [{"pair_path": "partial", "pair_first_token_equal": True, "quality_alone": 1.0,
+             "quality_plan": 0.0 if i < 4 else 1.0, "document": f"d{i}",
+             "source": "email/utils.py" if i < 4 else f"m{i // 4}.py"} for i in range(40)]
+    s = summarize([], pair, None)
+    assert "same_model" not in s and s["rows"] == {"same_model": 0, "pair": 40} and s["pair"]["sources"] == 10
+    assert s["pair"]["vllm_by_source"]["relative_interval"][0] < s["pair"]["vllm"]["relative_interval"][0]
+    assert "vllm_by_source" not in summarize([], [{**r, "source": None} for r in pair], None)["pair"]

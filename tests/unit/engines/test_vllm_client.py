@@ -62,7 +62,7 @@ def test_a_reply_comes_back_with_the_lines_its_request_wrote_already_read(tmp_pa
 def test_marks_are_not_lines_and_draining_an_exited_engine_returns(tmp_path):
     engine = EngineProcess([sys.executable, "-c", "print('one', flush=True)"], tmp_path, None, stdin=False)
     engine.drained()
-    engine.proc.wait(30)
+    engine.proc.wait(120)  # a deadline, not a timing: a starved machine once took > 30 s
     engine.drained()  # our end is closed once it exits: this waits for the end of its output instead
     assert engine.lines == ["one"] and not any(MARK in line for line in engine.lines)
     engine.stop()

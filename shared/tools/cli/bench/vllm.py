@@ -82,32 +82,37 @@ def _interval(lo_hi: list[float] | tuple[float, float] | None) -> str:
 @click.command("vllm-rows")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the verdicts and every row here.")
 @VLLM_PYTHON
-@click.option("--rows", default=48, show_default=True, type=click.IntRange(1, 2000), help="Test rows of doc_qa.")
+@click.option("--rows", default=48, show_default=True, type=click.IntRange(1, 2000), help="Rows of doc_qa.")
+@click.option("--split", default="test", show_default=True, type=click.Choice(["test", "heldout"]),
+              help="heldout: the standard library's packages, for a verdict on more rows and sources than test.")
+@click.option("--pair-only", is_flag=True, help="Ask only the pair's questions (base -> docqa), not the same model's.")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]),
               help="vLLM's weights and cache, the sender's and the connector's own layers.")
 @click.option("--no-engine", is_flag=True, help="Skip DroidMesh's own engine on the same rows.")
 @click.option("--chunk", default=150, show_default=True, type=click.IntRange(1, 2000),
               help="Rows per mesh and engine start (a sender holds one chunk's contexts at a time).")
-def vllm_rows(json_path, vllm_python, rows, dtype, no_engine, chunk) -> None:
+def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, chunk) -> None:
     """Same-model first-token agreement under full reuse, and base -> docqa quality under the plan."""
     from droidmesh.shared.tools.bench import vllm_rows as bench
 
     result = _on_real_tier(vllm_python, "dm-bench-vllm-rows-", lambda tier, work, say: bench.run(
         vllm_python, tier, rows, work, say, dtype, engine_too=not no_engine, chunk=chunk,
-        on_chunk=lambda partial: save(json_path, "vllm-rows", {**partial, "partial": True})))
+        on_chunk=lambda partial: save(json_path, "vllm-rows", {**partial, "partial": True}), split=split,
+        same=not pair_only))
     s = result["summary"]
-    same, pair = s["same_model"], s["pair"]
-    lo, hi = same["first_token_interval"]
+    same, pair = s.get("same_model", {}), s["pair"]
     click.echo(f"{s['rows']['pair']} rows of {result['task']} ({result['split']}, {result['contexts']} contexts), "
                f"{result['dtype']}, plan {result['plan']}")
-    click.echo(f"same model, full reuse (paths {same['paths']}): first token equal {same['first_token_equal']:.3f} "
-               f"[{lo:.3f}, {hi:.3f}], greedy agreement {same['greedy_agreement']:.3f}")
+    if same:
+        lo, hi = same["first_token_interval"]
+        click.echo(f"same model, full reuse (paths {same['paths']}): first token equal {same['first_token_equal']:.3f} "
+                   f"[{lo:.3f}, {hi:.3f}], greedy agreement {same['greedy_agreement']:.3f}")
     own = same.get("vllm_across_batch_sizes")
     if own:
         lo, hi = own["first_token_interval"]
         click.echo(f"vLLM against itself, batched vs alone: first token equal {own['first_token_equal']:.3f} "
                    f"[{lo:.3f}, {hi:.3f}], greedy agreement {own['greedy_agreement']:.3f} ({own['rows']} rows)")
-    for name in ("vllm", "droidmesh_engine"):
+    for name in ("vllm", "vllm_by_source", "droidmesh_engine"):
         if name in pair:
             v = pair[name]
             click.echo(f"base -> docqa, {name}: {result['metric']} full prefill {v['full_prefill']:.3f}, plan "
