@@ -24,6 +24,8 @@ the rows are put back in their original order, so the merged intervals are the u
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +37,9 @@ from droidmesh.shared.tasks.spec import TaskSpec
 
 CRITICAL_DROP = 0.05  # a layer is critical when reusing only it costs > 5% of full-prefill quality
 FIGURES = ("quality", "answer_nll", "kl", "top1_agreement", "greedy_agreement")  # per row and path
-SAME_EVAL = ("task", "metric", "total_layers", "sender", "receiver", "split", "data")  # shards must share these
+SAME_EVAL = ("task", "metric", "total_layers", "sender", "receiver", "split", "data", "dtype")  # shards share these
+NAMED_PATHS = ("sender_alone", "receiver_full_prefill", "receiver_full_reuse")
+PATH_NAME = re.compile(r"layer/\d+|group/\d+/\d+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,32 +145,67 @@ def evaluate_pair(
     return ev
 
 
-def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def merge(parts: Sequence[dict[str, Any]], *, incomplete_ok: bool = False) -> dict[str, Any]:
     """The eval of all the rows of `parts` (shards of one eval, each with `per_row`): a
-    ValueError for an eval without per-row figures, shards of different pairs, tasks, splits or
-    paths, or a row in two shards."""
+    ValueError for a part that is not such an eval, shards of different pairs, tasks, splits,
+    dtypes or paths, a row in two shards, or (unless `incomplete_ok`, and then the result says
+    `incomplete`) shards that do not cover their row list."""
     if not parts:
         raise ValueError("no evals to merge")
+    for p in parts:
+        _check_part(p)
     first = parts[0]
     for p in parts:
-        if "per_row" not in p:
-            raise ValueError("an eval without per-row figures cannot be merged: run each shard with --per-row")
         differ = [k for k in SAME_EVAL if p.get(k) != first.get(k)]
         if differ or set(p["per_row"]["paths"]) != set(first["per_row"]["paths"]):
             raise ValueError(f"the evals differ in {differ or ['their paths']}: not shards of one eval")
     rows = sorted((idx, n, j) for n, p in enumerate(parts) for j, idx in enumerate(p["per_row"]["index"]))
     if len({r[0] for r in rows}) != len(rows):
         raise ValueError("a row is in more than one shard")
-    meta = RowsMeta(*([parts[n]["per_row"][f.name][j] for _, n, j in rows] if f.name != "index" else [r[0] for r in rows]
-                      for f in dataclasses.fields(RowsMeta)))
+    of = {p["per_row"].get("of") for p in parts}
+    total = of.pop() if len(of) == 1 else None
+    complete = total is not None and [r[0] for r in rows] == list(range(total))
+    if not complete and not incomplete_ok:
+        raise ValueError(f"the shards hold {len(rows)} rows of {'a list of unknown length' if total is None else total}"
+                         " (--incomplete merges what is there)")
+    meta = RowsMeta(index=[r[0] for r in rows], **{f: [parts[n]["per_row"][f][j] for _, n, j in rows]
+                                                   for f in ("ids", "documents", "sources")})
     acc = {name: _Acc() for name in first["per_row"]["paths"]}
     for name, a in acc.items():
         for f, dest in zip(FIGURES, a.lists(), strict=True):
             dest.extend(parts[n]["per_row"]["paths"][name][f][j] for _, n, j in rows)
     ev = report(acc, first["total_layers"], first["task"], first["metric"], None, meta)
-    ev["per_row"] = _per_row(meta, acc)
+    ev["per_row"] = {**_per_row(meta, acc), "of": total}
     ev.update({k: first.get(k) for k in SAME_EVAL if k in first})
+    if not complete:
+        ev["incomplete"] = {"rows": len(rows), "of": total}
     return ev
+
+
+def _check_part(p: Any) -> None:
+    """A shard as `merge` needs it, checked before anything is read from it (files are the user's)."""
+    pr = p.get("per_row") if isinstance(p, dict) else None
+    if not isinstance(pr, dict):
+        raise ValueError("not an eval with per-row figures: run each shard with --shard or --per-row")
+    index, paths = pr.get("index"), pr.get("paths")
+    if not isinstance(index, list) or not index or not all(type(i) is int and i >= 0 for i in index):
+        raise ValueError("per_row.index: row numbers (integers >= 0) expected")
+    n = len(index)
+    if any(not isinstance(pr.get(f), list) or len(pr[f]) != n for f in ("ids", "documents", "sources")):
+        raise ValueError(f"per_row: ids, documents and sources must each list the {n} rows")
+    if not isinstance(p.get("total_layers"), int) or p["total_layers"] < 1 or not isinstance(paths, dict) or \
+            not {"receiver_full_prefill", "receiver_full_reuse"} <= set(paths):
+        raise ValueError("not an eval: total_layers and the full prefill and full reuse paths expected")
+    for name, figures in paths.items():
+        if name not in NAMED_PATHS and not PATH_NAME.fullmatch(str(name)):
+            raise ValueError(f"unknown path {name!r}")
+        for f in FIGURES:
+            vals = figures.get(f) if isinstance(figures, dict) else None
+            if not isinstance(vals, list) or len(vals) != n or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
+                raise ValueError(f"path {name}: {f} must be {n} finite numbers")
+        if not all(0.0 <= v <= 1.0 for v in figures["quality"]):
+            raise ValueError(f"path {name}: a quality outside [0, 1]")
 
 
 def _per_row(meta: RowsMeta, acc: dict[str, _Acc]) -> dict[str, Any]:

@@ -174,8 +174,10 @@ def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
             "rows": len(batched), "first_token_equal": k / len(batched), "first_token_interval": intervals.wilson(k, len(batched)),
             "greedy_agreement": statistics.fmean(r["batched_greedy_agreement"] for r in batched)}
     if engine_scores is not None:
-        out["pair"]["droidmesh_engine"] = _verdict(intervals.paired(engine_scores["full_prefill"], engine_scores["plan"],
-                                                                    groups=docs))
+        ours_fp, ours_plan = engine_scores["full_prefill"], engine_scores["plan"]
+        out["pair"]["droidmesh_engine"] = _verdict(intervals.paired(ours_fp, ours_plan, groups=docs))
+        if all(sources):
+            out["pair"]["droidmesh_engine_by_source"] = _verdict(intervals.paired(ours_fp, ours_plan, groups=sources))
     return out
 
 
@@ -191,7 +193,7 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
         on_chunk: Callable[[dict[str, Any]], None] = lambda partial: None, split: str = "test",
         same: bool = True) -> dict[str, Any]:
     """Two `vllm serve` engines one after the other, each with the connector: `real/base` (the
-    same-model questions) and `docqa` merged into its base (the pair's: vLLM's CPU LoRA kernels
+    same-model questions; not with `same=False`) and `docqa` merged into its base (the pair's: vLLM's CPU LoRA kernels
     prefill many times slower than its dense ones, and the question is the answers, not LoRA).
     Rows go `chunk` at a time, each chunk with a mesh of its own whose sender holds only that
     chunk's contexts (600 rows' contexts at once would be ~16 GB in float32); `on_chunk` gets the

@@ -55,22 +55,18 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.profiling.job import format_translated
     from droidmesh.shared.tasks.evaluation import evaluate_pair
-    from droidmesh.shared.tasks.jsonl import read_jsonl
     from droidmesh.shared.tasks.spec import task_spec
-    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
     from droidmesh.shared.tasks.translated import evaluate_translated
-    from droidmesh.shared.zoo.tiers import TIERS, get_recipe
 
+    if translator_path and (shard or explicit_groups or no_sender_alone or per_row):
+        raise click.UsageError("--shard, --groups, --no-sender-alone and --per-row are for reused KV, not --translator")
+    if explicit_groups and group_sizes:
+        raise click.UsageError("--groups or --group-sizes, not both")
     spec = task_spec(task, metric=metric)
     try:
-        if data_path is not None:
-            rows = read_jsonl(data_path)
-        else:
-            recipe = get_recipe(receiver.tier) if receiver.tier in TIERS else None
-            shape = recipe.suite if recipe else SuiteShape()
-            rows = make_rows(task, split, n_rows or (recipe.eval_rows if recipe else 48), shape)
-        rows = rows[:n_rows] if n_rows else rows
-        index = list(range(len(rows)))[shard[0]::shard[1]] if shard else None
+        rows = _rows(task, split, data_path, receiver, n_rows)
+        total = len(rows)
+        index = list(range(total))[shard[0]::shard[1]] if shard else None
         rows = [rows[i] for i in index] if index is not None else rows
         sizes = [int(s) for s in group_sizes.split(",")] if group_sizes else None
         s_model = load_model(sender.path, device=device, dtype=dtype)
@@ -91,7 +87,10 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
                            layer_stride=layer_stride, groups=explicit_groups, sender_alone=not no_sender_alone,
                            keep_predictions=predictions, keep_rows=per_row or shard is not None, row_index=index)
         table = format_table(ev)
-    ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo"})
+        if "per_row" in ev:
+            ev["per_row"]["of"] = total  # the whole row list's length: a merge checks its shards cover it
+    ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo",
+               "dtype": dtype})
     if shard:
         ev["shard"] = f"{shard[0]}/{shard[1]}"
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -102,18 +101,35 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
 @click.command("eval-merge")
 @click.argument("parts", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the merged eval here.")
-def eval_merge(parts: tuple[str, ...], json_path: str) -> None:
+@click.option("--incomplete", is_flag=True, help="Merge shards that do not cover their row list (the result says so).")
+def eval_merge(parts: tuple[str, ...], json_path: str, incomplete: bool) -> None:
     """Join the evals of `droidmesh eval --shard K/N` (or --per-row evals of disjoint rows of one
     list) into the eval of all their rows, intervals recomputed over every row."""
     from droidmesh.shared.tasks.evaluation import merge
 
     try:
-        ev = merge([json.loads(Path(p).read_text()) for p in parts])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not evals of ours, or not shards of one
+        ev = merge([json.loads(Path(p).read_text()) for p in parts], incomplete_ok=incomplete)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:  # not evals of ours, or not shards of one
         raise click.UsageError(f"cannot merge {len(parts)} evals: {e}") from None
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(ev, indent=2) + "\n")
+    if "incomplete" in ev:
+        click.echo(f"incomplete: {ev['incomplete']['rows']} rows of {ev['incomplete']['of'] or 'an unknown number'}")
     click.echo(format_table(ev))
+
+
+def _rows(task: str, split: str, data_path: str | None, receiver, n_rows: int | None) -> list[dict]:
+    """The first `n_rows` of a user's JSONL, or of the zoo's `split` of `task` (the tier's count)."""
+    from droidmesh.shared.tasks.jsonl import read_jsonl
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
+    from droidmesh.shared.zoo.tiers import TIERS, get_recipe
+
+    if data_path is not None:
+        rows = read_jsonl(data_path)
+    else:
+        recipe = get_recipe(receiver.tier) if receiver.tier in TIERS else None
+        rows = make_rows(task, split, n_rows or (recipe.eval_rows if recipe else 48), recipe.suite if recipe else SuiteShape())
+    return rows[:n_rows] if n_rows else rows
 
 
 def _groups(value: str | None) -> list[tuple[int, int]] | None:

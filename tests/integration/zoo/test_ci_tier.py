@@ -113,3 +113,30 @@ def test_a_zoo_name_and_its_path_resolve_to_the_same_model_and_hash(ci_tier, mon
         assert by_name.path.resolve() == by_path.path.resolve() and by_name.tier == "ci" and by_path.tier is None
         assert by_name.name == by_path.name == name
         assert by_name.sha256 == by_path.sha256 == man["models"][name]["sha256"]
+
+
+def test_eval_in_shards_merged_by_the_cli_is_the_eval_of_all_rows(ci_tier, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`eval --shard 0/2` and `1/2` (exact groups, no sender alone), then `eval-merge`: the merged
+    JSON is the one-process eval of the same rows, to float tolerance; one shard alone is refused."""
+    from droidmesh.shared.tools.cli.eval import eval_cmd, eval_merge
+
+    out, _ = ci_tier
+    monkeypatch.setenv("DROIDMESH_ZOO_DIR", str(out.parent))
+    common = ["--sender", "ci/summ", "--receiver", "ci/qa", "--task", "multihop_qa", "--n", "5", "--groups", "2:4",
+              "--layer-stride", "0", "--no-sender-alone"]
+    runner = CliRunner()
+    for argv in (["--json", str(tmp_path / "all.json")], *(["--shard", f"{k}/2", "--json", str(tmp_path / f"{k}.json")]
+                                                          for k in range(2))):
+        res = runner.invoke(eval_cmd, [*common, *argv])
+        assert res.exit_code == 0, res.output
+    res = runner.invoke(eval_merge, [str(tmp_path / "1.json"), str(tmp_path / "0.json"), "--json", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    whole, merged = (json.loads((tmp_path / n).read_text()) for n in ("all.json", "m.json"))
+    assert merged["rows"] == whole["rows"] == 5 and merged["sender_alone"] is None
+    for path in ("receiver_full_prefill", "receiver_full_reuse"):
+        assert merged[path]["quality"] == pytest.approx(whole[path]["quality"], abs=1e-6)
+        assert merged[path]["kl"] == pytest.approx(whole[path]["kl"], rel=1e-4, abs=1e-6)
+    assert [(g["start"], g["end"]) for g in merged["groups"]] == [(2, 4)]
+    alone = runner.invoke(eval_merge, [str(tmp_path / "0.json"), "--json", str(tmp_path / "x.json")])
+    assert alone.exit_code != 0 and "3 rows of 5" in alone.output

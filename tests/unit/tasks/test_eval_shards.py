@@ -31,10 +31,11 @@ def pair() -> tuple[ModelAdapter, ModelAdapter]:
     return send, recv
 
 
-def _eval(pair, rows, index=None):
+def _eval(pair, rows, index=None, of=None):
     ev = evaluate_pair(*pair, rows, SPEC, groups=[(1, 3)], layer_stride=0, sender_alone=False, progress=False,
                        keep_rows=True, row_index=index)
-    ev.update(sender="s", receiver="r", split="test", data="zoo")
+    ev.update(sender="s", receiver="r", split="test", data="zoo", dtype=None)
+    ev["per_row"]["of"] = of if of is not None else len(rows)
     return ev
 
 
@@ -43,7 +44,7 @@ def test_shards_merged_are_the_eval_of_all_rows(pair) -> None:
     intervals and verdicts (rows back in their order before resampling), the same per-row figures."""
     rows = make_rows("multihop_qa", "test", 7, SHAPE)
     whole = _eval(pair, rows)
-    shards = [_eval(pair, rows[k::3], list(range(7))[k::3]) for k in range(3)]
+    shards = [_eval(pair, rows[k::3], list(range(7))[k::3], of=7) for k in range(3)]
     merged = merge([shards[2], shards[0], shards[1]])
     assert merged["rows"] == 7 and merged["per_row"]["index"] == list(range(7))
     for path in ("receiver_full_prefill", "receiver_full_reuse"):
@@ -64,14 +65,45 @@ def test_exact_groups_and_no_sender_alone(pair) -> None:
 
 def test_merge_refuses_what_is_not_shards_of_one_eval(pair) -> None:
     rows = make_rows("multihop_qa", "test", 4, SHAPE)
-    a, b = _eval(pair, rows[:2], [0, 1]), _eval(pair, rows[2:], [2, 3])
+    a, b = _eval(pair, rows[:2], [0, 1], of=4), _eval(pair, rows[2:], [2, 3], of=4)
     with pytest.raises(ValueError, match="more than one shard"):
         merge([a, a])
     with pytest.raises(ValueError, match="differ in .*receiver"):
         merge([a, {**b, "receiver": "other"}])
     with pytest.raises(ValueError, match="per-row"):
         merge([a, {k: v for k, v in b.items() if k != "per_row"}])
-    assert merge([a, b])["rows"] == 4
+    assert merge([a, b])["rows"] == 4 and "incomplete" not in merge([a, b])
+
+
+def test_shards_that_miss_rows_merge_only_when_asked_and_say_so(pair) -> None:
+    """Two of three shards: refused, or with `incomplete_ok` merged and marked (a stopped run's
+    shards are a sample chosen before any row was scored, not by outcome)."""
+    rows = make_rows("multihop_qa", "test", 6, SHAPE)
+    a, b = (_eval(pair, rows[k::3], list(range(6))[k::3], of=6) for k in range(2))
+    with pytest.raises(ValueError, match="4 rows of 6"):
+        merge([a, b])
+    got = merge([a, b], incomplete_ok=True)
+    assert got["incomplete"] == {"rows": 4, "of": 6} and got["rows"] == 4
+
+
+@pytest.mark.parametrize("spoil,match", [
+    (lambda ev: ev["per_row"]["documents"].pop(), "must each list"),
+    (lambda ev: ev["per_row"]["index"].__setitem__(0, -1), "integers >= 0"),
+    (lambda ev: ev.__setitem__("total_layers", 0), "not an eval"),
+    (lambda ev: ev["per_row"]["paths"].__setitem__("group/1", ev["per_row"]["paths"]["group/1/3"]), "unknown path"),
+    (lambda ev: ev["per_row"]["paths"]["group/1/3"]["quality"].__setitem__(0, 6.5), "outside"),
+    (lambda ev: ev["per_row"]["paths"]["group/1/3"]["kl"].__setitem__(0, "x"), "finite numbers"),
+])
+def test_a_malformed_shard_is_refused_before_it_is_read(pair, spoil, match) -> None:
+    """Shard files are the user's: each malformed part is a ValueError naming what is wrong."""
+    import copy as _copy
+
+    rows = make_rows("multihop_qa", "test", 2, SHAPE)
+    good = _eval(pair, rows, [0, 1], of=2)
+    bad = _copy.deepcopy(good)
+    spoil(bad)
+    with pytest.raises(ValueError, match=match):
+        merge([bad])
 
 
 def test_the_by_source_interval_resamples_sources() -> None:

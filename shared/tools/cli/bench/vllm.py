@@ -1,5 +1,5 @@
 """`droidmesh bench vllm` (vLLM alone against vLLM with the DroidMesh connector: TTFT and decode
-rate) and `droidmesh bench vllm-rows` (the same, answer by answer on the real tier's test rows),
+rate) and `droidmesh bench vllm-rows` (the same, answer by answer on the real tier's doc_qa rows),
 registered on the `bench` group by `shared/tools/cli/bench/__init__.py`."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, 
         lo, hi = own["first_token_interval"]
         click.echo(f"vLLM against itself, batched vs alone: first token equal {own['first_token_equal']:.3f} "
                    f"[{lo:.3f}, {hi:.3f}], greedy agreement {own['greedy_agreement']:.3f} ({own['rows']} rows)")
-    for name in ("vllm", "vllm_by_source", "droidmesh_engine"):
+    for name in ("vllm", "vllm_by_source", "droidmesh_engine", "droidmesh_engine_by_source"):
         if name in pair:
             v = pair[name]
             click.echo(f"base -> docqa, {name}: {result['metric']} full prefill {v['full_prefill']:.3f}, plan "
