@@ -92,7 +92,8 @@ COVERED_ELSEWHERE = {"serve": "tests/system/test_serve.py",
                      "bench peer": "tests/unit/bench/test_peer.py",  # its peer is a stand-in there
                      "bench vllm": "tests/system/test_vllm_connector.py",  # its measure, on that test's engine
                      "bench vllm-rows": "tests/system/test_vllm_connector.py",  # its rows, on that test's engine
-                     "demo": "tests/system/test_secure_defaults.py"}  # the same invocation, under auth
+                     "demo": "tests/system/test_secure_defaults.py",  # the same invocation, under auth
+                     "eval-merge": "tests/integration/zoo/test_ci_tier.py"}  # the shards of an `eval` it runs
 SMALL = {"--n", "--n-train", "--n-test", "--guided-only", "--no-robustness", "--contexts", "--repeats", "--rows",
          "--tokens", "--rates", "--sizes", "--events", "--seconds", "--copies", "--pairs", "--n-before", "--max-shifted",
          "--profile-rows", "--trials", "--warmup", "--counts", "--docs", "--chars", "--calibration-rows", "--shares",
