@@ -245,6 +245,8 @@ def _code_files(split: str) -> tuple[str, ...]:
     if split != "heldout":
         return pool
     return tuple(p for p in pool if not {"encodings", "pydoc_data"} & set(Path(p).parts))
+
+
 def _code_row(rng: random.Random, split: str, budget: int) -> dict[str, Any] | None:
     path = rng.choice(_code_files(split))
     lines = Path(path).read_text(encoding="utf-8", errors="replace").split("\n")

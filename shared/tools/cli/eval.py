@@ -11,6 +11,7 @@ from droidmesh.shared.tasks.intervals import versus_text
 from droidmesh.shared.tasks.realtext import SPLITS
 from droidmesh.shared.tasks.spec import METRIC_NAMES
 from droidmesh.shared.tools.cli.model_options import MODEL_HELP, device_options, model_arg
+from droidmesh.shared.tools.cli.params import GROUP, check_group
 
 
 @click.command("eval")
@@ -25,8 +26,8 @@ from droidmesh.shared.tools.cli.model_options import MODEL_HELP, device_options,
               help="Metric for a --data task the zoo does not know (default f1).")
 @click.option("--n", "n_rows", type=click.IntRange(1, 100000), default=None, help="Rows to evaluate (default: the tier's).")
 @click.option("--group-sizes", default=None, help="Comma-separated recompute-group sizes (default: all).")
-@click.option("--groups", "explicit_groups", callback=lambda c, p, v: _groups(v), default=None,
-              help="Exactly these recompute groups, e.g. 8:12,4:12 (instead of every group of --group-sizes).")
+@click.option("--groups", "explicit_groups", type=GROUP, multiple=True,
+              help="Exactly this recompute group, START:END; repeat for more (instead of every group of --group-sizes).")
 @click.option("--group-stride", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="Groups start every N layers (the topmost start is always included).")
 @click.option("--layer-stride", type=click.IntRange(0, 1000), default=1, show_default=True,
@@ -45,7 +46,7 @@ from droidmesh.shared.tools.cli.model_options import MODEL_HELP, device_options,
 def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, metric: str | None,
              n_rows: int | None, group_sizes: str | None, group_stride: int, layer_stride: int, device: str,
              dtype: str | None, json_path: str, predictions: bool, per_row: bool, shard: tuple[int, int] | None,
-             no_sender_alone: bool, explicit_groups: list[tuple[int, int]] | None, translator_path: str | None,
+             no_sender_alone: bool, explicit_groups: tuple[tuple[int, int], ...], translator_path: str | None,
              translator_sha256: str | None) -> None:
     """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups
     (with --translator: receiver full prefill, translated, translated with layers [0, k)
@@ -81,10 +82,10 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
             raise click.UsageError(str(e)) from None
         table = format_translated(ev)
     else:
-        if explicit_groups and max(e for _, e in explicit_groups) > r_model.num_layers:
-            raise click.UsageError(f"--groups: the receiver has {r_model.num_layers} layers")
+        for group in explicit_groups:
+            check_group(group, r_model.num_layers, "--groups")
         ev = evaluate_pair(s_model, r_model, rows, spec, group_sizes=sizes, group_stride=group_stride,
-                           layer_stride=layer_stride, groups=explicit_groups, sender_alone=not no_sender_alone,
+                           layer_stride=layer_stride, groups=list(explicit_groups) or None, sender_alone=not no_sender_alone,
                            keep_predictions=predictions, keep_rows=per_row or shard is not None, row_index=index)
         table = format_table(ev)
         if "per_row" in ev:
@@ -130,19 +131,6 @@ def _rows(task: str, split: str, data_path: str | None, receiver, n_rows: int | 
         recipe = get_recipe(receiver.tier) if receiver.tier in TIERS else None
         rows = make_rows(task, split, n_rows or (recipe.eval_rows if recipe else 48), recipe.suite if recipe else SuiteShape())
     return rows[:n_rows] if n_rows else rows
-
-
-def _groups(value: str | None) -> list[tuple[int, int]] | None:
-    """'8:12,4:12' -> [(8, 12), (4, 12)]."""
-    if not value:
-        return None
-    try:
-        out = [(int(a), int(b)) for a, b in (g.split(":") for g in value.split(","))]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected START:END[,START:END...]") from None
-    if any(not 0 <= a < b for a, b in out):
-        raise click.BadParameter(f"{value!r}: each group needs 0 <= START < END")
-    return out
 
 
 def _shard(value: str | None) -> tuple[int, int] | None:
