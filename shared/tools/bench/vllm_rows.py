@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from droidmesh.shared.engines.vllm.client import Engine, ServedEngine
+from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model import text
 from droidmesh.shared.model.names import ModelRef
@@ -188,16 +189,41 @@ def _verdict(p: intervals.Paired) -> dict[str, Any]:
             "verdict": p.verdict()}
 
 
+def resumed(done: dict[str, Any], rows: Sequence[dict[str, Any]], split: str, dtype: str,
+            same: bool) -> dict[str, list[dict[str, Any]]]:
+    """The rows a partial run (`done`, its JSON) already asked, checked against this run's: the same
+    task, split, plan and dtype, the same questions asked (pair-only or not), and each asked row
+    the row at its place in `rows` (rows are prefix-stable: the first k of n are the first k of
+    any longer run), so continuing it scores exactly the rows an unbroken run would have.
+    Raises ConfigError, one line, naming the first mismatch."""
+    want = {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype}
+    for key, value in want.items():
+        if done.get(key) != value:
+            raise ConfigError(f"cannot resume: the partial run's {key} is {done.get(key)!r}, this run's {value!r}")
+    pair, asked_same = done.get("pair_per_row"), done.get("same_model_per_row")
+    if not isinstance(pair, list) or not isinstance(asked_same, list) or len(pair) > len(rows):
+        raise ConfigError(f"cannot resume: the partial run's rows are not a list of at most {len(rows)}")
+    if len(asked_same) != (len(pair) if same else 0):
+        raise ConfigError("cannot resume: the partial run asked " + ("only the pair's questions" if same else
+                         "the same model's questions too") + "; resume it with the same --pair-only")
+    for name, records in (("pair", pair), ("same model", asked_same)):
+        for i, r in enumerate(records):
+            if not isinstance(r, dict) or r.get("row") != rows[i].get("_id") or r.get("document") != document(rows[i]):
+                raise ConfigError(f"cannot resume: the partial run's {name} row {i + 1} is not this run's row {i + 1}")
+    return {"same": list(asked_same), "pair": list(pair)}
+
+
 def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], None], dtype: str = "float32",
         engine_too: bool = True, chunk: int = 150,
         on_chunk: Callable[[dict[str, Any]], None] = lambda partial: None, split: str = "test",
-        same: bool = True) -> dict[str, Any]:
+        same: bool = True, done: dict[str, Any] | None = None) -> dict[str, Any]:
     """Two `vllm serve` engines one after the other, each with the connector: `real/base` (the
     same-model questions; not with `same=False`) and `docqa` merged into its base (the pair's: vLLM's CPU LoRA kernels
     prefill many times slower than its dense ones, and the question is the answers, not LoRA).
     Rows go `chunk` at a time, each chunk with a mesh of its own whose sender holds only that
     chunk's contexts (600 rows' contexts at once would be ~16 GB in float32); `on_chunk` gets the
-    result so far after each chunk, so a long run killed midway keeps what it measured."""
+    result so far after each chunk, so a long run killed midway keeps what it measured, and `done`
+    (that result, read back) continues it from its first row not asked (`resumed`)."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
@@ -209,9 +235,11 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     longest = max(sum(len(x) for x in encode_row(tok, r, spec)[:2]) for r in rows)
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
-    asked: dict[str, list[dict[str, Any]]] = {"same": [], "pair": []}
+    asked = resumed(done, rows, split, dtype, same) if done else {"same": [], "pair": []}
+    if asked["pair"]:
+        say(f"resuming: rows 1-{len(asked['pair'])} of {len(rows)} already asked")
     result: dict[str, Any] = {}
-    for start in range(0, len(rows), chunk):
+    for start in range(len(asked["pair"]), len(rows), chunk):
         part = rows[start:start + chunk]
         say(f"rows {start + 1}-{start + len(part)} of {len(rows)}")
         for name, got in _ask_chunk(python, tier, base, docqa, part, tok, spec, dtype, engine_spec, env, work,

@@ -76,3 +76,55 @@ def test_a_pair_only_summary_has_no_same_model_part_and_resamples_sources_too():
     assert "same_model" not in s and s["rows"] == {"same_model": 0, "pair": 40} and s["pair"]["sources"] == 10
     assert s["pair"]["vllm_by_source"]["relative_interval"][0] < s["pair"]["vllm"]["relative_interval"][0]
     assert "vllm_by_source" not in summarize([], [{**r, "source": None} for r in pair], None)["pair"]
+
+
+def _partial(rows, n, *, split="heldout", same=False):
+    from droidmesh.shared.tools.bench.vllm_rows import PLAN, TASK, document
+
+    pair = [{"row": r["_id"], "document": document(r), "quality_alone": 1.0, "quality_plan": 1.0} for r in rows[:n]]
+    return {"suite": "vllm-rows", "task": TASK, "split": split, "plan": PLAN.label(), "dtype": "float32",
+            "pair_per_row": pair, "same_model_per_row": [dict(p) for p in pair] if same else []}
+
+
+def test_a_stopped_run_resumes_at_its_first_row_not_asked_and_only_on_the_same_rows():
+    """Rows are prefix-stable, so a partial run of the same task, split, plan and dtype continues
+    where it stopped; anything else (another split, dtype, a row out of place, pair-only against
+    not) is refused with one line before a row is asked."""
+    import pytest
+
+    from droidmesh.shared.errors import ConfigError
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
+    from droidmesh.shared.tools.bench.vllm_rows import TASK, resumed
+
+    rows = make_rows(TASK, "heldout", 6, SuiteShape())
+    assert make_rows(TASK, "heldout", 4, SuiteShape()) == rows[:4]  # what resuming a longer run rests on
+    got = resumed(_partial(rows, 4), rows, "heldout", "float32", same=False)
+    assert [r["row"] for r in got["pair"]] == [r["_id"] for r in rows[:4]] and got["same"] == []
+    assert len(resumed(_partial(rows, 3, same=True), rows, "heldout", "float32", same=True)["same"]) == 3
+    refusals = {
+        "split": (_partial(rows, 4, split="test"), "float32", False),
+        "dtype": (_partial(rows, 4), "bfloat16", False),
+        "pair-only": (_partial(rows, 4), "float32", True),
+        "not this run's row 2": ({**_partial(rows, 4), "pair_per_row": [_partial(rows, 4)["pair_per_row"][i]
+                                                                          for i in (0, 2, 1, 3)]}, "float32", False),
+        "at most": (_partial(rows, 6) | {"pair_per_row": _partial(rows, 6)["pair_per_row"] * 2}, "float32", False),
+    }
+    for words, (done, dtype, same) in refusals.items():
+        with pytest.raises(ConfigError, match="cannot resume") as e:
+            resumed(done, rows, "heldout", dtype, same=same)
+        assert words in str(e.value), (words, str(e.value))
+
+
+def test_resume_refuses_a_file_that_is_not_a_vllm_rows_run_before_anything_starts(tmp_path):
+    from click.testing import CliRunner
+
+    from droidmesh.shared.tools.cli.main import main
+
+    other, broken = tmp_path / "other.json", tmp_path / "broken.json"
+    other.write_text('{"suite": "peer", "rows": []}')
+    broken.write_text('{"suite": ')
+    python = tmp_path / "python"
+    python.write_text("")  # never run: the file is refused first
+    for path, words in ((other, "is not a `bench vllm-rows` JSON"), (broken, "cannot read")):
+        out = CliRunner().invoke(main, ["bench", "vllm-rows", "--vllm-python", str(python), "--resume", str(path)])
+        assert out.exit_code == 2 and words in out.output, out.output

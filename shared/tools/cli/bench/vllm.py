@@ -4,6 +4,7 @@ registered on the `bench` group by `shared/tools/cli/bench/__init__.py`."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -91,14 +92,17 @@ def _interval(lo_hi: list[float] | tuple[float, float] | None) -> str:
 @click.option("--no-engine", is_flag=True, help="Skip DroidMesh's own engine on the same rows.")
 @click.option("--chunk", default=150, show_default=True, type=click.IntRange(1, 2000),
               help="Rows per mesh and engine start (a sender holds one chunk's contexts at a time).")
-def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, chunk) -> None:
+@click.option("--resume", "resume_path", type=click.Path(exists=True, dir_okay=False),
+              help="Continue a stopped run from its JSON (the same options; it may be --json's own file).")
+def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, chunk, resume_path) -> None:
     """Same-model first-token agreement under full reuse, and base -> docqa quality under the plan."""
     from droidmesh.shared.tools.bench import vllm_rows as bench
 
+    done = _read_partial(resume_path) if resume_path else None
     result = _on_real_tier(vllm_python, "dm-bench-vllm-rows-", lambda tier, work, say: bench.run(
         vllm_python, tier, rows, work, say, dtype, engine_too=not no_engine, chunk=chunk,
         on_chunk=lambda partial: save(json_path, "vllm-rows", {**partial, "partial": True}), split=split,
-        same=not pair_only))
+        same=not pair_only, done=done))
     s = result["summary"]
     same, pair = s.get("same_model", {}), s["pair"]
     click.echo(f"{s['rows']['pair']} rows of {result['task']} ({result['split']}, {result['contexts']} contexts), "
@@ -119,6 +123,17 @@ def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, 
                        f"{v['plan']:.3f}, relative {v['relative']}, 95% {_interval(v['relative_interval'])}: {v['verdict']}")
     click.echo(f"base -> docqa paths {pair['paths']}")
     save(json_path, "vllm-rows", result)
+
+
+def _read_partial(path: str) -> dict[str, Any]:
+    """A `bench vllm-rows` JSON to resume (its rows are checked against the run's in `resumed`)."""
+    try:
+        done = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise click.BadParameter(f"cannot read {path}: {e}", param_hint="--resume") from None
+    if not isinstance(done, dict) or done.get("suite") != "vllm-rows":
+        raise click.BadParameter(f"{path} is not a `bench vllm-rows` JSON", param_hint="--resume")
+    return done
 
 
 COMMANDS = (vllm, vllm_rows)
