@@ -37,7 +37,8 @@ from droidmesh.shared.tasks.spec import TaskSpec
 
 CRITICAL_DROP = 0.05  # a layer is critical when reusing only it costs > 5% of full-prefill quality
 FIGURES = ("quality", "answer_nll", "kl", "top1_agreement", "greedy_agreement")  # per row and path
-SAME_EVAL = ("task", "metric", "total_layers", "sender", "receiver", "split", "data", "dtype")  # shards share these
+# shards share these; a --data file by its bytes, not its path (shards may run from other directories)
+SAME_EVAL = ("task", "metric", "total_layers", "sender", "receiver", "split", "data_sha256", "dtype")
 NAMED_PATHS = ("sender_alone", "receiver_full_prefill", "receiver_full_reuse")
 PATH_NAME = re.compile(r"layer/\d+|group/\d+/\d+")
 
@@ -174,9 +175,12 @@ def merge(parts: Sequence[dict[str, Any]], *, incomplete_ok: bool = False) -> di
     for name, a in acc.items():
         for f, dest in zip(FIGURES, a.lists(), strict=True):
             dest.extend(parts[n]["per_row"]["paths"][name][f][j] for _, n, j in rows)
-    ev = report(acc, first["total_layers"], first["task"], first["metric"], None, meta)
+    kept = all(isinstance(p.get("predictions"), list) and len(p["predictions"]) == len(p["per_row"]["index"])
+               and all(isinstance(x, dict) for x in p["predictions"]) for p in parts)  # every shard ran --predictions
+    preds = [parts[n]["predictions"][j] for _, n, j in rows] if kept else None
+    ev = report(acc, first["total_layers"], first["task"], first["metric"], preds, meta)
     ev["per_row"] = {**_per_row(meta, acc), "of": total}
-    ev.update({k: first.get(k) for k in SAME_EVAL if k in first})
+    ev.update({k: first.get(k) for k in (*SAME_EVAL, "data") if k in first})
     if not complete:
         ev["incomplete"] = {"rows": len(rows), "of": total}
     return ev

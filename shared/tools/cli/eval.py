@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
         if "per_row" in ev:
             ev["per_row"]["of"] = total  # the whole row list's length: a merge checks its shards cover it
     ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo",
+               "data_sha256": hashlib.sha256(Path(data_path).read_bytes()).hexdigest() if data_path else None,
                "dtype": dtype})
     if shard:
         ev["shard"] = f"{shard[0]}/{shard[1]}"

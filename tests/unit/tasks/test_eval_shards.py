@@ -120,3 +120,23 @@ def test_the_by_source_interval_resamples_sources() -> None:
     by_doc, by_source = s["vs_full_prefill"]["interval"], s["vs_full_prefill_by_source"]["interval"]
     assert by_source[0] < by_doc[0]
     assert "vs_full_prefill_by_source" not in other.summary(ref, docs, [None] * 40)
+
+
+def test_shards_of_one_data_file_merge_by_its_bytes_not_its_path(pair) -> None:
+    """Shards run from two directories name one file by two paths, and merge; two files that
+    differ are refused whatever their paths say."""
+    rows = make_rows("multihop_qa", "test", 4, SHAPE)
+    a, b = _eval(pair, rows[:2], [0, 1], of=4), _eval(pair, rows[2:], [2, 3], of=4)
+    a.update(data="rows.jsonl", data_sha256="1" * 64)
+    assert merge([a, {**b, "data": "../x/rows.jsonl", "data_sha256": "1" * 64}])["data"] == "rows.jsonl"
+    with pytest.raises(ValueError, match="differ in .*data_sha256"):
+        merge([a, {**b, "data": "rows.jsonl", "data_sha256": "2" * 64}])
+
+
+def test_merged_shards_keep_their_predictions_in_row_order(pair) -> None:
+    rows = make_rows("multihop_qa", "test", 4, SHAPE)
+    a, b = _eval(pair, rows[0::2], [0, 2], of=4), _eval(pair, rows[1::2], [1, 3], of=4)
+    a["predictions"] = [{"_id": 0}, {"_id": 2}]
+    assert "predictions" not in merge([a, b])  # one shard without them: none
+    b["predictions"] = [{"_id": 1}, {"_id": 3}]
+    assert [p["_id"] for p in merge([b, a])["predictions"]] == [0, 1, 2, 3]
