@@ -196,9 +196,9 @@ def resumed(done: dict[str, Any], rows: Sequence[dict[str, Any]], split: str, dt
     the row at its place in `rows` (rows are prefix-stable: the first k of n are the first k of
     any longer run), so continuing it scores exactly the rows an unbroken run would have.
     Raises ConfigError, one line, naming the first mismatch."""
-    want = {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype}
+    want = {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "rows_requested": len(rows)}
     for key, value in want.items():
-        if done.get(key) != value:
+        if done.get(key, value if key == "rows_requested" else None) != value:  # (older files lack the count)
             raise ConfigError(f"cannot resume: the partial run's {key} is {done.get(key)!r}, this run's {value!r}")
     pair, asked_same = done.get("pair_per_row"), done.get("same_model_per_row")
     if not isinstance(pair, list) or not isinstance(asked_same, list) or len(pair) > len(rows):
@@ -245,10 +245,10 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
         for name, got in _ask_chunk(python, tier, base, docqa, part, tok, spec, dtype, engine_spec, env, work,
                                     say, same).items():
             asked[name] += got
-        result = _result(rows[:start + len(part)], asked, None, dtype, spec, split)
+        result = _result(rows[:start + len(part)], asked, None, dtype, spec, split, len(rows))
         on_chunk(result)
     scores = ours(tier, rows, spec, PLAN, dtype) if engine_too else None
-    return _result(rows, asked, scores, dtype, spec, split)
+    return _result(rows, asked, scores, dtype, spec, split, len(rows))
 
 
 def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: Sequence[dict[str, Any]], tok: Any,
@@ -276,7 +276,8 @@ def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: S
 
 
 def _result(rows: Sequence[dict[str, Any]], asked: dict[str, list[dict[str, Any]]],
-            scores: dict[str, list[float]] | None, dtype: str, spec: TaskSpec, split: str = "test") -> dict[str, Any]:
-    return {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric,
+            scores: dict[str, list[float]] | None, dtype: str, spec: TaskSpec, split: str, n: int) -> dict[str, Any]:
+    """The run's JSON over `rows` (the first of the `n` it asks for)."""
+    return {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric, "rows_requested": n,
             "contexts": len({r["context"] for r in rows}), "summary": summarize(asked["same"], asked["pair"], scores),
             "same_model_per_row": asked["same"], "pair_per_row": asked["pair"], "droidmesh_engine_per_row": scores}

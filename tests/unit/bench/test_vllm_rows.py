@@ -98,12 +98,13 @@ def test_a_stopped_run_resumes_at_its_first_row_not_asked_and_only_on_the_same_r
 
     rows = make_rows(TASK, "heldout", 6, SuiteShape())
     assert make_rows(TASK, "heldout", 4, SuiteShape()) == rows[:4]  # what resuming a longer run rests on
-    got = resumed(_partial(rows, 4), rows, "heldout", "float32", same=False)
+    got = resumed(_partial(rows, 4) | {"rows_requested": 6}, rows, "heldout", "float32", same=False)
     assert [r["row"] for r in got["pair"]] == [r["_id"] for r in rows[:4]] and got["same"] == []
     assert len(resumed(_partial(rows, 3, same=True), rows, "heldout", "float32", same=True)["same"]) == 3
     refusals = {
         "split": (_partial(rows, 4, split="test"), "float32", False),
         "dtype": (_partial(rows, 4), "bfloat16", False),
+        "rows_requested": (_partial(rows, 4) | {"rows_requested": 1200}, "float32", False),  # a count raised later
         "pair-only": (_partial(rows, 4), "float32", True),
         "not this run's row 2": ({**_partial(rows, 4), "pair_per_row": [_partial(rows, 4)["pair_per_row"][i]
                                                                           for i in (0, 2, 1, 3)]}, "float32", False),
