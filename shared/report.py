@@ -65,11 +65,15 @@ def _fmt(v: Any) -> str:
 
 
 def write_json(path: str | os.PathLike | None, payload: dict[str, Any]) -> None:
+    """Whole or not at all: a long bench rewrites its JSON after each step, and a run killed while
+    writing must leave the last one readable (`--resume` reads it back)."""
     if path is None:
         return
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(payload, indent=2) + "\n")
+    part = p.with_name(f".{p.name}.{os.getpid()}.part")
+    part.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(part, p)
 
 
 def label_bars(ax: Any, bars: Any, fmt: str = "{:.2f}") -> None:

@@ -156,8 +156,9 @@ def merge(parts: Sequence[dict[str, Any]], *, incomplete_ok: bool = False) -> di
     for p in parts:
         _check_part(p)
     first = parts[0]
+    same = SAME_EVAL if all("data_sha256" in p for p in parts) else (*SAME_EVAL, "data")  # older files: by path
     for p in parts:
-        differ = [k for k in SAME_EVAL if p.get(k) != first.get(k)]
+        differ = [k for k in same if p.get(k) != first.get(k)]
         if differ or set(p["per_row"]["paths"]) != set(first["per_row"]["paths"]):
             raise ValueError(f"the evals differ in {differ or ['their paths']}: not shards of one eval")
     rows = sorted((idx, n, j) for n, p in enumerate(parts) for j, idx in enumerate(p["per_row"]["index"]))

@@ -189,28 +189,47 @@ def _verdict(p: intervals.Paired) -> dict[str, Any]:
             "verdict": p.verdict()}
 
 
+FLAGS = {"split": "--split", "dtype": "--dtype", "rows_requested": "--rows"}  # what a user resumes with
+FIGURES = {"pair": {"pair_first_token_equal": bool, "quality_alone": float, "quality_plan": float, "pair_path": str},
+           "same model": {"first_token_equal": bool, "greedy_agreement": float, "same_path": str}}
+
+
 def resumed(done: dict[str, Any], rows: Sequence[dict[str, Any]], split: str, dtype: str,
             same: bool) -> dict[str, list[dict[str, Any]]]:
-    """The rows a partial run (`done`, its JSON) already asked, checked against this run's: the same
-    task, split, plan and dtype, the same questions asked (pair-only or not), and each asked row
-    the row at its place in `rows` (rows are prefix-stable: the first k of n are the first k of
-    any longer run), so continuing it scores exactly the rows an unbroken run would have.
-    Raises ConfigError, one line, naming the first mismatch."""
+    """The rows a partial run (`done`, its JSON: the user's file) already asked, checked against
+    this run's: the same task, split, plan, dtype and row count, the same questions (pair-only or
+    not), and each asked row the row at its place in `rows` with its figures (rows are
+    prefix-stable: the first k of n are the first k of any longer run), so continuing it scores
+    exactly the rows an unbroken run would have. Raises ConfigError, one line, naming the first mismatch."""
     want = {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "rows_requested": len(rows)}
     for key, value in want.items():
-        if done.get(key, value if key == "rows_requested" else None) != value:  # (older files lack the count)
-            raise ConfigError(f"cannot resume: the partial run's {key} is {done.get(key)!r}, this run's {value!r}")
+        got = done.get(key, value if key == "rows_requested" else None)  # files before the count was kept lack it
+        if got != value:
+            flag = FLAGS.get(key)
+            raise ConfigError(f"cannot resume: the partial run was run with {flag} {got}; resume it with {flag} {got}"
+                              if flag and got is not None else
+                              f"cannot resume: the partial run's {key} is {got!r}, this run's {value!r}")
     pair, asked_same = done.get("pair_per_row"), done.get("same_model_per_row")
     if not isinstance(pair, list) or not isinstance(asked_same, list) or len(pair) > len(rows):
         raise ConfigError(f"cannot resume: the partial run's rows are not a list of at most {len(rows)}")
     if len(asked_same) != (len(pair) if same else 0):
-        raise ConfigError("cannot resume: the partial run asked " + ("only the pair's questions" if same else
-                         "the same model's questions too") + "; resume it with the same --pair-only")
+        why = ("was run with --pair-only" if same and not asked_same else "was run without --pair-only" if not same
+               else "holds unequal numbers of same-model and pair rows")
+        raise ConfigError(f"cannot resume: the partial run {why}")
     for name, records in (("pair", pair), ("same model", asked_same)):
         for i, r in enumerate(records):
             if not isinstance(r, dict) or r.get("row") != rows[i].get("_id") or r.get("document") != document(rows[i]):
                 raise ConfigError(f"cannot resume: the partial run's {name} row {i + 1} is not this run's row {i + 1}")
+            if not all(_is(r.get(k), t) for k, t in FIGURES[name].items()):
+                raise ConfigError(f"cannot resume: the partial run's {name} row {i + 1} lacks its figures")
     return {"same": list(asked_same), "pair": list(pair)}
+
+
+def _is(v: Any, kind: type) -> bool:
+    """A figure of `kind` as this bench writes it: a bool, a share in [0, 1], or a path name."""
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+    return isinstance(v, kind)
 
 
 def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], None], dtype: str = "float32",
@@ -229,13 +248,13 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
 
     spec = task_spec(TASK)
     rows = make_rows(TASK, split, n_rows, SuiteShape())
+    asked = resumed(done, rows, split, dtype, same) if done else {"same": [], "pair": []}  # before anything slow
     base = ModelRef(tier / "base", "base")
     docqa = ModelRef(merged(tier / "docqa", work / "docqa-merged"), "docqa")
     tok = load_model(base.path, device="cpu", dtype="float32").tokenizer
     longest = max(sum(len(x) for x in encode_row(tok, r, spec)[:2]) for r in rows)
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
-    asked = resumed(done, rows, split, dtype, same) if done else {"same": [], "pair": []}
     if asked["pair"]:
         say(f"resuming: rows 1-{len(asked['pair'])} of {len(rows)} already asked")
     result: dict[str, Any] = {}

@@ -66,6 +66,7 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
         raise click.UsageError("--groups or --group-sizes, not both")
     spec = task_spec(task, metric=metric)
     try:
+        data_sha256 = hashlib.sha256(Path(data_path).read_bytes()).hexdigest() if data_path else None  # the rows scored
         rows = _rows(task, split, data_path, receiver, n_rows)
         total = len(rows)
         index = list(range(total))[shard[0]::shard[1]] if shard else None
@@ -92,7 +93,7 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
         if "per_row" in ev:
             ev["per_row"]["of"] = total  # the whole row list's length: a merge checks its shards cover it
     ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo",
-               "data_sha256": hashlib.sha256(Path(data_path).read_bytes()).hexdigest() if data_path else None,
+               "data_sha256": data_sha256,
                "dtype": dtype})
     if shard:
         ev["shard"] = f"{shard[0]}/{shard[1]}"

@@ -81,9 +81,12 @@ def test_a_pair_only_summary_has_no_same_model_part_and_resamples_sources_too():
 def _partial(rows, n, *, split="heldout", same=False):
     from droidmesh.shared.tools.bench.vllm_rows import PLAN, TASK, document
 
-    pair = [{"row": r["_id"], "document": document(r), "quality_alone": 1.0, "quality_plan": 1.0} for r in rows[:n]]
+    pair = [{"row": r["_id"], "document": document(r), "quality_alone": 1.0, "quality_plan": 0.5,
+             "pair_first_token_equal": True, "pair_path": "partial"} for r in rows[:n]]
+    asked = [{"row": r["_id"], "document": document(r), "first_token_equal": True, "greedy_agreement": 1.0,
+              "same_path": "full_reuse"} for r in rows[:n]]
     return {"suite": "vllm-rows", "task": TASK, "split": split, "plan": PLAN.label(), "dtype": "float32",
-            "pair_per_row": pair, "same_model_per_row": [dict(p) for p in pair] if same else []}
+            "pair_per_row": pair, "same_model_per_row": asked if same else []}
 
 
 def test_a_stopped_run_resumes_at_its_first_row_not_asked_and_only_on_the_same_rows():
@@ -104,8 +107,12 @@ def test_a_stopped_run_resumes_at_its_first_row_not_asked_and_only_on_the_same_r
     refusals = {
         "split": (_partial(rows, 4, split="test"), "float32", False),
         "dtype": (_partial(rows, 4), "bfloat16", False),
-        "rows_requested": (_partial(rows, 4) | {"rows_requested": 1200}, "float32", False),  # a count raised later
-        "pair-only": (_partial(rows, 4), "float32", True),
+        "--rows 1200": (_partial(rows, 4) | {"rows_requested": 1200}, "float32", False),  # a count changed later
+        "row 3 is not": (_partial(rows, 4) | {"pair_per_row": [*_partial(rows, 2)["pair_per_row"], 1]}, "float32", False),
+        "row 2 lacks its figures": (_partial(rows, 4) | {"pair_per_row": [_partial(rows, 4)["pair_per_row"][0]] + [
+            {k: v for k, v in r.items() if k != "quality_plan"} for r in _partial(rows, 4)["pair_per_row"][1:]]},
+            "float32", False),
+        "with --pair-only": (_partial(rows, 4), "float32", True),
         "not this run's row 2": ({**_partial(rows, 4), "pair_per_row": [_partial(rows, 4)["pair_per_row"][i]
                                                                           for i in (0, 2, 1, 3)]}, "float32", False),
         "at most": (_partial(rows, 6) | {"pair_per_row": _partial(rows, 6)["pair_per_row"] * 2}, "float32", False),
@@ -129,3 +136,51 @@ def test_resume_refuses_a_file_that_is_not_a_vllm_rows_run_before_anything_start
     for path, words in ((other, "is not a `bench vllm-rows` JSON"), (broken, "cannot read")):
         out = CliRunner().invoke(main, ["bench", "vllm-rows", "--vllm-python", str(python), "--resume", str(path)])
         assert out.exit_code == 2 and words in out.output, out.output
+
+
+def test_a_resumed_run_asks_only_the_rows_not_asked_and_keeps_the_rest(monkeypatch, tmp_path):
+    """`run` with a partial of 4 rows asks rows 5-7 (in chunks from there) and returns all 7 in order."""
+    from droidmesh.shared.model import adapter
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
+    from droidmesh.shared.tools.bench import vllm_rows
+    from droidmesh.shared.zoo.tokenizer import hf_tokenizer
+
+    rows = make_rows(vllm_rows.TASK, "heldout", 7, SuiteShape())
+    asked: list[list[str]] = []
+
+    def ask_chunk(python, tier, base, docqa, part, *rest):
+        asked.append([r["_id"] for r in part])
+        return {"pair": _partial(part, len(part))["pair_per_row"]}
+
+    monkeypatch.setattr(vllm_rows, "_ask_chunk", ask_chunk)
+    monkeypatch.setattr(vllm_rows, "merged", lambda path, out: path)
+    monkeypatch.setattr(adapter, "load_model", lambda *a, **k: type("M", (), {"tokenizer": hf_tokenizer()})())
+    saved = []
+    out = vllm_rows.run("python", tmp_path, 7, tmp_path, lambda line: None, engine_too=False, chunk=2,
+                        split="heldout", same=False, done=_partial(rows, 4),
+                        on_chunk=lambda partial: saved.append(len(partial["pair_per_row"])))  # as the CLI writes it
+    assert asked == [[r["_id"] for r in rows[4:6]], [rows[6]["_id"]]]
+    assert [r["row"] for r in out["pair_per_row"]] == [r["_id"] for r in rows] and out["rows_requested"] == 7
+    assert saved == [6, 7] and out["summary"]["rows"]["pair"] == 7
+
+
+def test_a_bench_json_rewritten_and_killed_while_writing_keeps_its_last_whole_version(tmp_path, monkeypatch):
+    """`report.write_json` writes beside the file and renames: a write that dies midway leaves the
+    previous JSON whole (what `--resume` reads back), and no partial file under the JSON's name."""
+    import json
+    import os
+
+    import pytest
+
+    from droidmesh.shared import report
+
+    path = tmp_path / "out.json"
+    report.write_json(path, {"rows": 1})
+
+    def dies(part, target):
+        raise KeyboardInterrupt  # killed between writing and renaming
+
+    monkeypatch.setattr(os, "replace", dies)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_json(path, {"rows": 2})
+    assert json.loads(path.read_text()) == {"rows": 1}

@@ -131,6 +131,9 @@ def test_shards_of_one_data_file_merge_by_its_bytes_not_its_path(pair) -> None:
     assert merge([a, {**b, "data": "../x/rows.jsonl", "data_sha256": "1" * 64}])["data"] == "rows.jsonl"
     with pytest.raises(ValueError, match="differ in .*data_sha256"):
         merge([a, {**b, "data": "rows.jsonl", "data_sha256": "2" * 64}])
+    older = {k: v for k, v in a.items() if k != "data_sha256"}  # written before files were hashed: by path
+    with pytest.raises(ValueError, match="differ in .*data"):
+        merge([older, {**b, "data": "other.jsonl"}])
 
 
 def test_merged_shards_keep_their_predictions_in_row_order(pair) -> None:
