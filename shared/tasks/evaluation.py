@@ -154,7 +154,7 @@ def merge(parts: Sequence[dict[str, Any]], *, incomplete_ok: bool = False) -> di
     if not parts:
         raise ValueError("no evals to merge")
     for p in parts:
-        _check_part(p)
+        check_part(p)
     first = parts[0]
     same = SAME_EVAL if all("data_sha256" in p for p in parts) else (*SAME_EVAL, "data")  # older files: by path
     for p in parts:
@@ -187,7 +187,7 @@ def merge(parts: Sequence[dict[str, Any]], *, incomplete_ok: bool = False) -> di
     return ev
 
 
-def _check_part(p: Any) -> None:
+def check_part(p: Any) -> None:
     """A shard as `merge` needs it, checked before anything is read from it (files are the user's)."""
     pr = p.get("per_row") if isinstance(p, dict) else None
     if not isinstance(pr, dict):

@@ -182,6 +182,48 @@ def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
     return out
 
 
+def check_beside(ev: Any, split: str, dtype: str) -> str:
+    """The plan's path name in `ev`, an eval `engine_beside` can join (its figures checked as
+    `eval-merge` checks a shard; dtype None is the eval's default, float32 on a CPU)."""
+    from droidmesh.shared.tasks.evaluation import check_part
+
+    try:
+        check_part(ev)
+    except ValueError as e:
+        raise ConfigError(f"--beside: {e}") from None
+    (start, end), = PLAN.groups
+    name = f"group/{start}/{end}"
+    want = {"task": TASK, "split": split, "sender": "real/base", "receiver": "real/docqa"}
+    wrong = [k for k, v in want.items() if ev.get(k) != v] + (["dtype"] if ev.get("dtype") not in (None, dtype) else [])
+    if wrong or name not in ev["per_row"]["paths"]:
+        raise ConfigError(f"--beside: not an eval of real/base -> real/docqa on {TASK} {split} ({dtype}) scoring {name}"
+                          f" (it differs in {wrong or ['its paths']})")
+    return name
+
+
+def engine_beside(pair: Sequence[dict[str, Any]], ev: dict[str, Any], split: str, dtype: str) -> dict[str, Any]:
+    """DroidMesh's engine beside vLLM on the rows both scored: `ev` is a `droidmesh eval` of the
+    same pair, task and split with `--per-row` (or shards merged) that scored the plan's group;
+    rows are joined by id. Per engine, its plan against its own full prefill (by document), and
+    how many rows give the same score in both engines, for full prefill and for the plan.
+    Raises ConfigError, one line, for an eval of anything else (`check_beside`)."""
+    name = check_beside(ev, split, dtype)
+    at = {rid: j for j, rid in enumerate(ev["per_row"]["ids"])}
+    both = [(r, at[r["row"]]) for r in pair if r["row"] in at]
+    if not both:
+        raise ConfigError("--beside: the eval scored none of this run's rows")
+    paths = ev["per_row"]["paths"]
+    fp = [paths["receiver_full_prefill"]["quality"][j] for _, j in both]
+    plan = [paths[name]["quality"][j] for _, j in both]
+    docs = [r["document"] for r, _ in both]
+    alone, planned = [r["quality_alone"] for r, _ in both], [r["quality_plan"] for r, _ in both]
+    return {"rows": len(both), "documents": len(set(docs)), "eval_dtype": ev.get("dtype") or "the eval's default",
+            "droidmesh_engine": _verdict(intervals.paired(fp, plan, groups=docs)),
+            "vllm": _verdict(intervals.paired(alone, planned, groups=docs)),
+            "same_score_full_prefill": sum(abs(a - b) < 1e-9 for a, b in zip(fp, alone, strict=True)),
+            "same_score_plan": sum(abs(a - b) < 1e-9 for a, b in zip(plan, planned, strict=True))}
+
+
 def _verdict(p: intervals.Paired) -> dict[str, Any]:
     return {"full_prefill": round(p.reference_mean, 4), "plan": round(p.other_mean, 4),
             "relative": None if p.rel is None else round(p.rel, 4),

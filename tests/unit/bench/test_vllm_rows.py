@@ -123,7 +123,7 @@ def test_a_stopped_run_resumes_at_its_first_row_not_asked_and_only_on_the_same_r
         assert words in str(e.value), (words, str(e.value))
 
 
-def test_resume_refuses_a_file_that_is_not_a_vllm_rows_run_before_anything_starts(tmp_path):
+def test_resume_and_beside_refuse_a_file_that_is_not_theirs_before_anything_starts(tmp_path):
     from click.testing import CliRunner
 
     from droidmesh.shared.tools.cli.main import main
@@ -136,6 +136,8 @@ def test_resume_refuses_a_file_that_is_not_a_vllm_rows_run_before_anything_start
     for path, words in ((other, "is not a `bench vllm-rows` JSON"), (broken, "cannot read")):
         out = CliRunner().invoke(main, ["bench", "vllm-rows", "--vllm-python", str(python), "--resume", str(path)])
         assert out.exit_code == 2 and words in out.output, out.output
+    out = CliRunner().invoke(main, ["bench", "vllm-rows", "--vllm-python", str(python), "--beside", str(other)])
+    assert out.exit_code == 2 and "not an eval" in out.output, out.output  # an eval's figures, checked first
 
 
 def test_a_resumed_run_asks_only_the_rows_not_asked_and_keeps_the_rest(monkeypatch, tmp_path):
@@ -184,3 +186,48 @@ def test_a_bench_json_rewritten_and_killed_while_writing_keeps_its_last_whole_ve
     with pytest.raises(KeyboardInterrupt):
         report.write_json(path, {"rows": 2})
     assert json.loads(path.read_text()) == {"rows": 1}
+
+
+def _eval_of(rows, index, full, plan, **meta):
+    """A `droidmesh eval --per-row` of base -> docqa over `rows[i]` for i in `index`."""
+    from droidmesh.shared.tools.bench.vllm_rows import document
+
+    figures = lambda q: {"quality": q, "answer_nll": [1.0] * len(q), "kl": [0.0] * len(q),  # noqa: E731
+                         "top1_agreement": [1.0] * len(q), "greedy_agreement": [1.0] * len(q)}
+    return {"task": "doc_qa", "split": "heldout", "sender": "real/base", "receiver": "real/docqa", "dtype": None,
+            "total_layers": 30, **meta,
+            "per_row": {"index": index, "ids": [rows[i]["_id"] for i in index],
+                        "documents": [document(rows[i]) for i in index], "sources": [None] * len(index),
+                        "paths": {"receiver_full_prefill": figures(full), "receiver_full_reuse": figures(full),
+                                  "group/6/9": figures(plan)}}}
+
+
+def test_the_engine_beside_vllm_is_joined_by_row_on_the_rows_both_scored():
+    """An eval of every other row: the join holds those rows only, each engine's verdict is over
+    them, and rows whose scores agree are counted; an eval of another pair, split or plan is refused."""
+    import pytest
+
+    from droidmesh.shared.errors import ConfigError
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
+    from droidmesh.shared.tools.bench.vllm_rows import TASK, engine_beside
+
+    rows = make_rows(TASK, "heldout", 6, SuiteShape())
+    pair = _partial(rows, 6)["pair_per_row"]  # vLLM: full prefill 1.0, the plan 0.5 on every row
+    ev = _eval_of(rows, [0, 2, 4], full=[1.0, 1.0, 1.0], plan=[0.5, 1.0, 0.5])
+    b = engine_beside(pair, ev, "heldout", "float32")
+    assert b["rows"] == 3 and b["same_score_full_prefill"] == 3 and b["same_score_plan"] == 2
+    assert b["vllm"]["plan"] == 0.5 and b["droidmesh_engine"]["plan"] == pytest.approx(2 / 3, abs=1e-4)
+    refusals = {"split": _eval_of(rows, [0], [1.0], [1.0], split="test"),
+                "receiver": _eval_of(rows, [0], [1.0], [1.0], receiver="real/summ"),
+                "dtype": _eval_of(rows, [0], [1.0], [1.0], dtype="bfloat16")}
+    for words, bad in refusals.items():
+        with pytest.raises(ConfigError, match=f"differs in .*{words}"):
+            engine_beside(pair, bad, "heldout", "float32")
+    other_plan = _eval_of(rows, [0], [1.0], [1.0])
+    other_plan["per_row"]["paths"]["group/14/24"] = other_plan["per_row"]["paths"].pop("group/6/9")
+    with pytest.raises(ConfigError, match="its paths"):
+        engine_beside(pair, other_plan, "heldout", "float32")
+    with pytest.raises(ConfigError, match="none of this run's rows"):
+        engine_beside(pair[:1], _eval_of(rows, [3], [1.0], [1.0]), "heldout", "float32")
+    with pytest.raises(ConfigError, match="finite"):
+        engine_beside(pair, _eval_of(rows, [0], [float("nan")], [1.0]), "heldout", "float32")

@@ -94,11 +94,21 @@ def _interval(lo_hi: list[float] | tuple[float, float] | None) -> str:
               help="Rows per mesh and engine start (a sender holds one chunk's contexts at a time).")
 @click.option("--resume", "resume_path", type=click.Path(exists=True, dir_okay=False),
               help="Continue a stopped run from its JSON (the same options; it may be --json's own file).")
-def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, chunk, resume_path) -> None:
+@click.option("--beside", "beside_path", type=click.Path(exists=True, dir_okay=False),
+              help="A `droidmesh eval --per-row` of real/base -> real/docqa on the same split that scored the "
+                   "plan's group: DroidMesh's engine beside vLLM on the rows both scored.")
+def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, chunk, resume_path,
+              beside_path) -> None:
     """Same-model first-token agreement under full reuse, and base -> docqa quality under the plan."""
     from droidmesh.shared.tools.bench import vllm_rows as bench
 
-    done = _read_partial(resume_path) if resume_path else None
+    done = _read_json(resume_path, "--resume", "vllm-rows") if resume_path else None
+    beside = _read_json(beside_path, "--beside") if beside_path else None
+    if beside is not None:
+        try:
+            bench.check_beside(beside, split, dtype)
+        except DroidMeshError as e:
+            raise click.BadParameter(str(e).removeprefix("--beside: "), param_hint="--beside") from None
     result = _on_real_tier(vllm_python, "dm-bench-vllm-rows-", lambda tier, work, say: bench.run(
         vllm_python, tier, rows, work, say, dtype, engine_too=not no_engine, chunk=chunk,
         on_chunk=lambda partial: save(json_path, "vllm-rows", {**partial, "partial": True}), split=split,
@@ -122,18 +132,28 @@ def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, 
             click.echo(f"base -> docqa, {name}: {result['metric']} full prefill {v['full_prefill']:.3f}, plan "
                        f"{v['plan']:.3f}, relative {v['relative']}, 95% {_interval(v['relative_interval'])}: {v['verdict']}")
     click.echo(f"base -> docqa paths {pair['paths']}")
+    if beside is not None:
+        b = pair["beside_eval"] = bench.engine_beside(result["pair_per_row"], beside, split, dtype)
+        for name in ("vllm", "droidmesh_engine"):
+            v = b[name]
+            click.echo(f"on the {b['rows']} rows the eval scored too, {name}: full prefill {v['full_prefill']:.3f}, "
+                       f"plan {v['plan']:.3f}, 95% {_interval(v['relative_interval'])}: {v['verdict']}")
+        click.echo(f"the same score in both engines: full prefill {b['same_score_full_prefill']}/{b['rows']}, "
+                   f"plan {b['same_score_plan']}/{b['rows']}")
     save(json_path, "vllm-rows", result)
 
 
-def _read_partial(path: str) -> dict[str, Any]:
-    """A `bench vllm-rows` JSON to resume (its rows are checked against the run's in `resumed`)."""
+def _read_json(path: str, option: str, suite: str | None = None) -> dict[str, Any]:
+    """A JSON object the user named (a `bench <suite>` JSON when `suite`); its contents are
+    checked by the bench before use (`resumed`, `check_beside`)."""
     try:
-        done = json.loads(Path(path).read_text(encoding="utf-8"))
+        got = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise click.BadParameter(f"cannot read {path}: {e}", param_hint="--resume") from None
-    if not isinstance(done, dict) or done.get("suite") != "vllm-rows":
-        raise click.BadParameter(f"{path} is not a `bench vllm-rows` JSON", param_hint="--resume")
-    return done
+        raise click.BadParameter(f"cannot read {path}: {e}", param_hint=option) from None
+    if not isinstance(got, dict) or (suite is not None and got.get("suite") != suite):
+        what = f"a `bench {suite}` JSON" if suite else "a JSON object"
+        raise click.BadParameter(f"{path} is not {what}", param_hint=option)
+    return got
 
 
 COMMANDS = (vllm, vllm_rows)
