@@ -97,6 +97,26 @@ def coarse_group(head_dim: int) -> int | None:
     return COARSE_GROUP if head_dim % COARSE_GROUP == 0 else None
 
 
+WIRES = ("int8", "int4", f"int4-g{COARSE_GROUP}-e-int8")  # every reused layer alike: `named_wire`
+
+
+def named_wire(name: str, plan: ReusePlan, num_layers: int, head_dim: int) -> Wire:
+    """One codec for every layer `plan` reuses, by name (`WIRES`): int8; int4 (groups of 32); or
+    int4 in groups of 64 with the group start's E int8, the fewest bytes the per-layer choice
+    reaches (`droidmesh bench layered`). A group start's E travels raw otherwise."""
+    every = list(plan.reused_layers(num_layers))
+    if name == "int8":
+        return wire_for(plan, num_layers, [])
+    if name == "int4":
+        return wire_for(plan, num_layers, every)
+    if name == WIRES[2]:
+        group = coarse_group(head_dim)
+        if group is None:
+            raise ValueError(f"{name}: int4 in groups of {COARSE_GROUP} needs a head dim it divides, not {head_dim}")
+        return wire_for(plan, num_layers, every, group, "int8")
+    raise ValueError(f"unknown wire {name!r}; expected one of {list(WIRES)}")
+
+
 def choose(divergence: Divergence, plan: ReusePlan, num_layers: int, slack: float = 0.1,
            shares: Sequence[float] = SHARES, coarse_group: int | None = None) -> tuple[Choice, dict[str, Any]]:
     """The layered wire for `plan` (module docstring) and the JSON section that shows why:

@@ -7,6 +7,8 @@ Paths, all scored by `PairScorer.paths`:
   receiver_full_reuse    every context layer's KV from the sender
   per_layer_reuse[l]     only layer l's KV from the sender: groups [0,l) and [l+1,L) recomputed
   groups[(s,e)]          recompute the contiguous group [s,e) from the sender's E_s, reuse the rest
+  coded[path@wire]       full reuse or a group with its reused tensors sent under a codec (`wires`),
+                         also against the same plan sent raw (`vs_raw`, `rows_changed`)
 Per path: `quality` (task score in [0, 1]), `answer_nll`, and its fidelity to the receiver's full
 prefill: `kl` / `top1_agreement` of the next-token distributions (teacher-forced over the gold
 answer) and `greedy_agreement` (the share of full prefill's greedy answer tokens it reproduces),
@@ -26,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.tasks import intervals, measures
-from droidmesh.shared.tasks.scorer import PairScorer, PathResult, per_layer_plan
+from droidmesh.shared.tasks.scorer import PairScorer, PathResult, Wire, per_layer_plan
 from droidmesh.shared.tasks.spec import TaskSpec
 
 CRITICAL_DROP = 0.05  # a layer is critical when reusing only it costs > 5% of full-prefill quality
@@ -40,7 +42,8 @@ FIGURES = ("quality", "answer_nll", "kl", "top1_agreement", "greedy_agreement") 
 # shards share these; a --data file by its bytes, not its path (shards may run from other directories)
 SAME_EVAL = ("task", "metric", "total_layers", "sender", "receiver", "split", "data_sha256", "dtype")
 NAMED_PATHS = ("sender_alone", "receiver_full_prefill", "receiver_full_reuse")
-PATH_NAME = re.compile(r"layer/\d+|group/\d+/\d+")
+PATH_NAME = re.compile(r"layer/\d+|group/\d+/\d+(@[a-z0-9-]+)?|receiver_full_reuse@[a-z0-9-]+")  # @: a wire
+WIRE_NAME = re.compile(r"[a-z0-9-]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,21 +121,33 @@ def evaluate_pair(
     keep_predictions: bool = False,
     keep_rows: bool = False,
     row_index: Sequence[int] | None = None,
+    wires: Mapping[str, Callable[[ReusePlan], Wire]] | None = None,
 ) -> dict[str, Any]:
     """The eval JSON for (sender, receiver) on `rows` (see the module docstring); per-layer probes
     every `layer_stride` layers (0: none), groups starting every `group_stride` layers, or exactly
     `groups`; `sender_alone=False` skips that path; `row_index`: each row's place in the full row
-    list when `rows` is a shard of it (kept with `keep_rows`)."""
+    list when `rows` is a shard of it (kept with `keep_rows`); `wires`: name -> the wire a plan's
+    reused tensors travel under, each scored as one more path per group and for full reuse
+    ("group/6/9@int8"), beside the same plan sent raw."""
     L = receiver.num_layers
     plans: dict[str, ReusePlan] = {"receiver_full_reuse": ReusePlan.full_reuse()}
     for l in range(0, L, layer_stride) if layer_stride > 0 else ():
         plans[f"layer/{l}"] = per_layer_plan(l, L)
     for s, e in groups if groups is not None else all_groups(L, group_sizes, group_stride):
         plans[f"group/{s}/{e}"] = ReusePlan.recompute(s, e)
+    coded: dict[str, Wire] = {}
+    reused = [n for n in plans if not n.startswith("layer/")]  # full reuse and the groups
+    for wire_name, wire_of in (wires or {}).items():
+        if not WIRE_NAME.fullmatch(wire_name):
+            raise ValueError(f"a wire's name is lowercase letters, digits and '-', not {wire_name!r}")
+        for name in reused:
+            plans[f"{name}@{wire_name}"] = plans[name]
+            coded[f"{name}@{wire_name}"] = wire_of(plans[name])
     scorer = PairScorer(sender, receiver, rows, spec)
     acc = {k: _Acc() for k in ["sender_alone", "receiver_full_prefill", *plans] if sender_alone or k != "sender_alone"}
     preds: list[dict[str, Any]] = []
-    for row_id, res in zip(scorer.ids, scorer.paths(plans, progress=progress, sender_alone=sender_alone), strict=True):
+    for row_id, res in zip(scorer.ids, scorer.paths(plans, progress=progress, sender_alone=sender_alone, wires=coded),
+                           strict=True):
         ref = res["receiver_full_prefill"]
         for name, r in res.items():
             acc[name].add(r, ref)
@@ -227,7 +242,7 @@ def report(acc: dict[str, _Acc], L: int, task: str, metric: str, preds: list[dic
     groups = [
         {"start": int(k.split("/")[1]), "end": int(k.split("/")[2]),
          "recomputed_layers": int(k.split("/")[2]) - int(k.split("/")[1]), **v}
-        for k, v in s.items() if k.startswith("group/")
+        for k, v in s.items() if k.startswith("group/") and "@" not in k
     ]
     best = []
     for size in sorted({g["recomputed_layers"] for g in groups}):
@@ -241,10 +256,22 @@ def report(acc: dict[str, _Acc], L: int, task: str, metric: str, preds: list[dic
     }
     if sources is not None and all(sources):
         out["sources"] = len(set(sources))
+    out["coded"] = [_coded(k, s[k], acc, documents) for k in s if "@" in k]
     out["summary"] = must_show(out)
     if preds is not None:
         out["predictions"] = preds
     return out
+
+
+def _coded(name: str, summary: dict[str, Any], acc: dict[str, _Acc], documents: Sequence[str] | None
+           ) -> dict[str, Any]:
+    """A plan under a wire: its figures, and against the same plan sent raw on the same rows (the
+    codec's own cost: a paired interval by document, and the rows whose score it changes)."""
+    path, wire = name.split("@")
+    raw, got = acc[path].q, acc[name].q
+    return {"path": path, "wire": wire, **summary,
+            "vs_raw": intervals.versus_json(intervals.paired(raw, got, n_boot=2000, groups=documents)),
+            "rows_changed": sum(abs(a - b) > 1e-9 for a, b in zip(raw, got, strict=True))}
 
 
 def must_show(ev: dict[str, Any], drop: float = CRITICAL_DROP) -> dict[str, Any]:

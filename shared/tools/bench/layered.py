@@ -34,14 +34,14 @@ from droidmesh.shared.tasks.scorer import RAW, PairScorer, Wire
 BYTES_AT = 4096  # context tokens the bytes per token are counted at (int8 K's per-channel scales are a fixed cost)
 
 
-def wires(plan: ReusePlan, num_layers: int, chosen: Wire, coarse: int | None) -> dict[str, Wire]:
-    """The wires scored: the plan raw, every reused layer int8, int4, int4 in `coarse` groups with
-    the group start's E int8 (the fewest bytes step 4 of the choice can reach), and the choice."""
-    every = list(plan.reused_layers(num_layers))
-    out = {"raw": RAW, "int8": layer_codecs.wire_for(plan, num_layers, []),
-           "int4": layer_codecs.wire_for(plan, num_layers, every)}
-    if coarse is not None:
-        out[f"int4 g{coarse}, E int8"] = layer_codecs.wire_for(plan, num_layers, every, coarse, "int8")
+def wires(plan: ReusePlan, num_layers: int, chosen: Wire, head_dim: int) -> dict[str, Wire]:
+    """The wires scored: the plan raw, every reused layer int8, int4, int4 in groups of 64 with
+    the group start's E int8 (the fewest bytes step 4 of the choice can reach; where 64 divides
+    the head dim), and the choice."""
+    out = {"raw": RAW, **{name: layer_codecs.named_wire(name, plan, num_layers, head_dim) for name in ("int8", "int4")}}
+    if layer_codecs.coarse_group(head_dim) is not None:
+        coarse = layer_codecs.WIRES[2]
+        out[f"int4 g{layer_codecs.COARSE_GROUP}, E int8"] = layer_codecs.named_wire(coarse, plan, num_layers, head_dim)
     return out | {"chosen": chosen}
 
 
@@ -65,7 +65,7 @@ def run(sender_path: str, receiver_path: str, task: str, group: tuple[int, int],
     say(f"chosen on {len(train.rows)} train rows: int4 at layers {list(choice.int4)} ({choice.why})")
     # row by row, every wire on one capture of the row (a real-tier row's is ~150 MB: none kept)
     test = PairScorer(sender, receiver, datasets.load_rows(task, "test", rows), spec, max_captures=1)
-    named = wires(plan, L, choice.wire, coarse)
+    named = wires(plan, L, choice.wire, Layout.of(sender).head_dim)
     for i in tqdm(range(len(test.rows)), desc=f"{len(named)} wires, row by row", unit="row"):
         test.scores(ReusePlan.full_prefill(), rows=i + 1)
         for wire in named.values():

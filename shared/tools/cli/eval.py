@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -40,6 +42,9 @@ from droidmesh.shared.tools.cli.params import GROUP, check_group
 @click.option("--shard", callback=lambda c, p, v: _shard(v), default=None,
               help="K/N: score only rows K, K+N, K+2N, ... (implies --per-row); `droidmesh eval-merge` joins the N.")
 @click.option("--no-sender-alone", is_flag=True, help="Skip the sender answering alone (one prefill a row less).")
+@click.option("--wire", "wire_names", type=click.Choice(("int8", "int4", "int4-g64-e-int8")), multiple=True,  # layer_codecs.WIRES
+              help="Also score full reuse and each group with every reused layer sent under this codec "
+                   "(int4-g64-e-int8: int4 in groups of 64, the group start's E int8), beside the plan raw; repeatable.")
 @click.option("--translator", "translator_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A translated pair (models of other sizes, families or tokenizers): the translator file "
                    "`droidmesh profile --translate` wrote; scores translated KV instead of reused KV.")
@@ -47,8 +52,8 @@ from droidmesh.shared.tools.cli.params import GROUP, check_group
 def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, metric: str | None,
              n_rows: int | None, group_sizes: str | None, group_stride: int, layer_stride: int, device: str,
              dtype: str | None, json_path: str, predictions: bool, per_row: bool, shard: tuple[int, int] | None,
-             no_sender_alone: bool, explicit_groups: tuple[tuple[int, int], ...], translator_path: str | None,
-             translator_sha256: str | None) -> None:
+             no_sender_alone: bool, wire_names: tuple[str, ...], explicit_groups: tuple[tuple[int, int], ...],
+             translator_path: str | None, translator_sha256: str | None) -> None:
     """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups
     (with --translator: receiver full prefill, translated, translated with layers [0, k)
     recomputed, the receiver without the context, and the prefill cost saved)."""
@@ -56,12 +61,12 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
     from droidmesh.shared.kv import translate
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.profiling.job import format_translated
-    from droidmesh.shared.tasks.evaluation import evaluate_pair
     from droidmesh.shared.tasks.spec import task_spec
     from droidmesh.shared.tasks.translated import evaluate_translated
 
-    if translator_path and (shard or explicit_groups or no_sender_alone or per_row):
-        raise click.UsageError("--shard, --groups, --no-sender-alone and --per-row are for reused KV, not --translator")
+    if translator_path and (shard or explicit_groups or no_sender_alone or per_row or wire_names):
+        raise click.UsageError("--shard, --groups, --no-sender-alone, --per-row and --wire are for reused KV, "
+                               "not --translator")
     if explicit_groups and group_sizes:
         raise click.UsageError("--groups or --group-sizes, not both")
     spec = task_spec(task, metric=metric)
@@ -86,9 +91,9 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
     else:
         for group in explicit_groups:
             check_group(group, r_model.num_layers, "--groups")
-        ev = evaluate_pair(s_model, r_model, rows, spec, group_sizes=sizes, group_stride=group_stride,
-                           layer_stride=layer_stride, groups=list(explicit_groups) or None, sender_alone=not no_sender_alone,
-                           keep_predictions=predictions, keep_rows=per_row or shard is not None, row_index=index)
+        ev = _reused(s_model, r_model, rows, spec, wire_names, group_sizes=sizes, group_stride=group_stride,
+                     layer_stride=layer_stride, groups=list(explicit_groups) or None, sender_alone=not no_sender_alone,
+                     keep_predictions=predictions, keep_rows=per_row or shard is not None, row_index=index)
         table = format_table(ev)
         if "per_row" in ev:
             ev["per_row"]["of"] = total  # the whole row list's length: a merge checks its shards cover it
@@ -122,6 +127,21 @@ def eval_merge(parts: tuple[str, ...], json_path: str, incomplete: bool) -> None
     click.echo(format_table(ev))
 
 
+def _reused(s_model: Any, r_model: Any, rows: list[dict], spec: Any, wire_names: tuple[str, ...], **options: Any
+            ) -> dict[str, Any]:
+    """`evaluate_pair`, with each named wire (`layer_codecs.named_wire`) scored beside its plan raw."""
+    from droidmesh.shared.profiling import layer_codecs
+    from droidmesh.shared.profiling.transfer import Layout
+    from droidmesh.shared.tasks.evaluation import evaluate_pair
+
+    head_dim, L = Layout.of(s_model).head_dim, r_model.num_layers
+    wires = {name: functools.partial(layer_codecs.named_wire, name, num_layers=L, head_dim=head_dim) for name in wire_names}
+    try:
+        return evaluate_pair(s_model, r_model, rows, spec, wires=wires, **options)
+    except ValueError as e:  # a wire this model's head dim cannot carry
+        raise click.UsageError(str(e)) from None
+
+
 def _rows(task: str, split: str, data_path: str | None, receiver, n_rows: int | None) -> list[dict]:
     """The first `n_rows` of a user's JSONL, or of the zoo's `split` of `task` (the tier's count)."""
     from droidmesh.shared.tasks.jsonl import read_jsonl
@@ -148,6 +168,14 @@ def _shard(value: str | None) -> tuple[int, int] | None:
     return k, n
 
 
+def _plan_label(path: str) -> str:
+    """"recompute [s,e)" for "group/s/e", "full reuse" for "receiver_full_reuse"."""
+    if path.startswith("group/"):
+        _, start, end = path.split("/")
+        return f"recompute [{start},{end})"
+    return path.removeprefix("receiver_").replace("_", " ")
+
+
 def format_table(ev: dict) -> str:
     """A short text table of the headline paths and the must-show summary."""
     fp = ev["receiver_full_prefill"]["quality"]
@@ -162,6 +190,8 @@ def format_table(ev: dict) -> str:
     lines += [row("receiver full prefill", ev["receiver_full_prefill"]), row("receiver full reuse", ev["receiver_full_reuse"])]
     lines += [row(f"reuse only layer {p['layer']}", p) for p in ev["per_layer_reuse"]]
     lines += [row(f"recompute [{g['start']},{g['end']})", g) for g in ev["best_groups"]]
+    lines += [row(f"{_plan_label(c['path'])} @{c['wire']}", c) + f"; vs raw {versus_text(c['vs_raw'])}, "
+              f"{c['rows_changed']} rows changed" for c in ev.get("coded", [])]
     s = ev["summary"]
     lines.append(f"full reuse loses {s['full_reuse_relative_loss']:.1%} of {fp:.4f}; critical layers {s['critical_layers']} "
                  f"({s['critical_fraction']:.0%}); smallest restoring group {s['smallest_restoring_group']}")

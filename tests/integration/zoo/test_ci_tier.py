@@ -124,12 +124,13 @@ def test_eval_in_shards_merged_by_the_cli_is_the_eval_of_all_rows(ci_tier, tmp_p
     out, _ = ci_tier
     monkeypatch.setenv("DROIDMESH_ZOO_DIR", str(out.parent))
     common = ["--sender", "ci/summ", "--receiver", "ci/qa", "--task", "multihop_qa", "--n", "5", "--groups", "2:4",
-              "--layer-stride", "0", "--no-sender-alone"]
+              "--layer-stride", "0", "--no-sender-alone", "--wire", "int8"]
     runner = CliRunner()
     for argv in (["--json", str(tmp_path / "all.json")], *(["--shard", f"{k}/2", "--json", str(tmp_path / f"{k}.json")]
                                                           for k in range(2))):
         res = runner.invoke(eval_cmd, [*common, *argv])
         assert res.exit_code == 0, res.output
+        assert "[2,4) @int8" in res.output and "rows changed" in res.output, res.output
     res = runner.invoke(eval_merge, [str(tmp_path / "1.json"), str(tmp_path / "0.json"), "--json", str(tmp_path / "m.json")])
     assert res.exit_code == 0, res.output
     whole, merged = (json.loads((tmp_path / n).read_text()) for n in ("all.json", "m.json"))
@@ -138,5 +139,8 @@ def test_eval_in_shards_merged_by_the_cli_is_the_eval_of_all_rows(ci_tier, tmp_p
         assert merged[path]["quality"] == pytest.approx(whole[path]["quality"], abs=1e-6)
         assert merged[path]["kl"] == pytest.approx(whole[path]["kl"], rel=1e-4, abs=1e-6)
     assert [(g["start"], g["end"]) for g in merged["groups"]] == [(2, 4)]
+    assert [(c["path"], c["wire"], c["rows_changed"]) for c in merged["coded"]] == [
+        (c["path"], c["wire"], c["rows_changed"]) for c in whole["coded"]]
+    assert {(c["path"], c["wire"]) for c in merged["coded"]} == {("receiver_full_reuse", "int8"), ("group/2/4", "int8")}
     alone = runner.invoke(eval_merge, [str(tmp_path / "0.json"), "--json", str(tmp_path / "x.json")])
     assert alone.exit_code != 0 and "3 rows of 5" in alone.output

@@ -143,3 +143,54 @@ def test_merged_shards_keep_their_predictions_in_row_order(pair) -> None:
     assert "predictions" not in merge([a, b])  # one shard without them: none
     b["predictions"] = [{"_id": 1}, {"_id": 3}]
     assert [p["_id"] for p in merge([b, a])["predictions"]] == [0, 1, 2, 3]
+
+
+def test_a_plan_under_a_wire_is_scored_beside_itself_raw_and_merges(pair) -> None:
+    """`wires` adds "<path>@<wire>" for full reuse and each group: a wire that sends the tensors as
+    captured changes no row; int4 on every reused layer is scored as its own path; the coded
+    paths survive shards and a merge."""
+    from droidmesh.shared.profiling import layer_codecs
+    from droidmesh.shared.tasks.scorer import RAW
+
+    rows = make_rows("multihop_qa", "test", 4, SHAPE)
+    wires = {"same": lambda plan: RAW, "int4": lambda plan: layer_codecs.named_wire("int4", plan, L, head_dim=8)}
+    ev = evaluate_pair(*pair, rows, SPEC, groups=[(1, 3)], layer_stride=0, sender_alone=False, progress=False,
+                       keep_rows=True, wires=wires)
+    coded = {(c["path"], c["wire"]): c for c in ev["coded"]}
+    assert set(coded) == {(p, w) for p in ("receiver_full_reuse", "group/1/3") for w in ("same", "int4")}
+    for path in ("receiver_full_reuse", "group/1/3"):
+        same = coded[(path, "same")]
+        assert same["rows_changed"] == 0 and same["vs_raw"]["relative"] in (0.0, None)
+        assert ev["per_row"]["paths"][f"{path}@same"]["kl"] == pytest.approx(ev["per_row"]["paths"][path]["kl"], abs=1e-6)
+    assert [(g["start"], g["end"]) for g in ev["groups"]] == [(1, 3)]  # coded paths are not groups of their own
+    int4_kl = ev["per_row"]["paths"]["group/1/3@int4"]["kl"]
+    assert int4_kl != ev["per_row"]["paths"]["group/1/3"]["kl"]  # the codec reached the tensors
+    for k in range(2):
+        ev_k = evaluate_pair(*pair, rows[k::2], SPEC, groups=[(1, 3)], layer_stride=0, sender_alone=False,
+                             progress=False, keep_rows=True, row_index=list(range(4))[k::2], wires=wires)
+        ev_k.update(sender="s", receiver="r", split="test", data="zoo", dtype=None)
+        ev_k["per_row"]["of"] = 4
+        if k == 0:
+            first = ev_k
+    merged = merge([first, ev_k])
+    assert {(c["path"], c["wire"]) for c in merged["coded"]} == set(coded)
+    assert merged["per_row"]["paths"]["group/1/3@int4"]["kl"] == pytest.approx(int4_kl, abs=1e-6)
+    with pytest.raises(ValueError, match="a wire's name"):
+        evaluate_pair(*pair, rows[:1], SPEC, groups=[(1, 3)], layer_stride=0, progress=False, wires={"Int 4": wires["int4"]})
+
+
+def test_named_wires_are_the_cli_choices_and_refuse_what_they_cannot_carry() -> None:
+    import click
+
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.profiling import layer_codecs
+    from droidmesh.shared.tools.cli.eval import eval_cmd
+
+    (choice,) = [p.type for p in eval_cmd.params if p.name == "wire_names"]
+    assert isinstance(choice, click.Choice) and tuple(choice.choices) == layer_codecs.WIRES
+    plan = ReusePlan.recompute(1, 3)
+    assert layer_codecs.named_wire("int4-g64-e-int8", plan, L, head_dim=64).codec == "layered"
+    with pytest.raises(ValueError, match="head dim"):
+        layer_codecs.named_wire("int4-g64-e-int8", plan, L, head_dim=80)
+    with pytest.raises(ValueError, match="unknown wire"):
+        layer_codecs.named_wire("int2", plan, L, head_dim=64)
