@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from pathlib import Path
@@ -45,6 +44,11 @@ from droidmesh.shared.tools.cli.params import GROUP, check_group
 @click.option("--wire", "wire_names", type=click.Choice(("int8", "int4", "int4-g64-e-int8")), multiple=True,  # layer_codecs.WIRES
               help="Also score full reuse and each group with every reused layer sent under this codec "
                    "(int4-g64-e-int8: int4 in groups of 64, the group start's E int8), beside the plan raw; repeatable.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Score with this many processes, one thread each (one per core), in parts of 25 rows kept "
+                   "as they finish: the same command run again after a stop scores only the missing parts.")
+@click.option("--parts", "parts_dir", type=click.Path(file_okay=False), default=None,
+              help="Where --jobs keeps its parts until they are merged (default: <--json>.parts).")
 @click.option("--translator", "translator_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A translated pair (models of other sizes, families or tokenizers): the translator file "
                    "`droidmesh profile --translate` wrote; scores translated KV instead of reused KV.")
@@ -53,22 +57,18 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
              n_rows: int | None, group_sizes: str | None, group_stride: int, layer_stride: int, device: str,
              dtype: str | None, json_path: str, predictions: bool, per_row: bool, shard: tuple[int, int] | None,
              no_sender_alone: bool, wire_names: tuple[str, ...], explicit_groups: tuple[tuple[int, int], ...],
-             translator_path: str | None, translator_sha256: str | None) -> None:
+             jobs: int, parts_dir: str | None, translator_path: str | None, translator_sha256: str | None) -> None:
     """Score sender alone, receiver full prefill, full reuse, per-layer reuse and best groups
     (with --translator: receiver full prefill, translated, translated with layers [0, k)
     recomputed, the receiver without the context, and the prefill cost saved)."""
     from droidmesh.shared.errors import DroidMeshError
     from droidmesh.shared.kv import translate
     from droidmesh.shared.model.adapter import load_model
-    from droidmesh.shared.profiling.job import format_translated
     from droidmesh.shared.tasks.spec import task_spec
-    from droidmesh.shared.tasks.translated import evaluate_translated
 
-    if translator_path and (shard or explicit_groups or no_sender_alone or per_row or wire_names):
-        raise click.UsageError("--shard, --groups, --no-sender-alone, --per-row and --wire are for reused KV, "
-                               "not --translator")
-    if explicit_groups and group_sizes:
-        raise click.UsageError("--groups or --group-sizes, not both")
+    _check_usage(translated=translator_path is not None, reused_only=bool(shard or explicit_groups or no_sender_alone
+                 or per_row or wire_names or jobs > 1), both_shardings=jobs > 1 and shard is not None,
+                 both_groupings=bool(explicit_groups and group_sizes))
     spec = task_spec(task, metric=metric)
     try:
         data_sha256 = hashlib.sha256(Path(data_path).read_bytes()).hexdigest() if data_path else None  # the rows scored
@@ -82,24 +82,27 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
         translator = translate.load(translator_path, translator_sha256) if translator_path else None
     except (DroidMeshError, ValueError) as e:  # a bad dataset, task, device, group size or translator: one line
         raise click.UsageError(str(e)) from None
+    stamp = _stamp(sender, receiver, split, data_path, data_sha256, dtype)
     if translator is not None:
-        try:
-            ev = evaluate_translated(s_model, r_model, translator, rows, spec, ks=sizes or (1, 2))
-        except DroidMeshError as e:  # a translator for other models
-            raise click.UsageError(str(e)) from None
-        table = format_translated(ev)
+        ev, table = _translated(s_model, r_model, translator, rows, spec, sizes)
     else:
         for group in explicit_groups:
             check_group(group, r_model.num_layers, "--groups")
-        ev = _reused(s_model, r_model, rows, spec, wire_names, group_sizes=sizes, group_stride=group_stride,
-                     layer_stride=layer_stride, groups=list(explicit_groups) or None, sender_alone=not no_sender_alone,
-                     keep_predictions=predictions, keep_rows=per_row or shard is not None, row_index=index)
+        options = {"group_sizes": sizes, "group_stride": group_stride, "layer_stride": layer_stride,
+                   "groups": list(explicit_groups) or None, "sender_alone": not no_sender_alone,
+                   "keep_predictions": predictions}
+        if jobs > 1:
+            models = [s_model, r_model]
+            del s_model, r_model  # `_in_parts` lets go of them before its processes load their own
+            ev = _in_parts(models, rows, spec, wire_names, options, stamp, jobs, device, parts_dir or f"{json_path}.parts",
+                           keep_rows=per_row, paths=(str(sender.path), str(receiver.path)))
+        else:
+            ev = _reused(s_model, r_model, rows, spec, wire_names, keep_rows=per_row or shard is not None,
+                         row_index=index, **options)
         table = format_table(ev)
         if "per_row" in ev:
             ev["per_row"]["of"] = total  # the whole row list's length: a merge checks its shards cover it
-    ev.update({"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo",
-               "data_sha256": data_sha256,
-               "dtype": dtype})
+    ev.update(stamp)
     if shard:
         ev["shard"] = f"{shard[0]}/{shard[1]}"
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -127,19 +130,74 @@ def eval_merge(parts: tuple[str, ...], json_path: str, incomplete: bool) -> None
     click.echo(format_table(ev))
 
 
+def _stamp(sender: Any, receiver: Any, split: str, data_path: str | None, data_sha256: str | None, dtype: str | None
+           ) -> dict[str, Any]:
+    """What names an eval in its JSON (and what `eval-merge` compares across shards)."""
+    return {"sender": sender.label, "receiver": receiver.label, "split": split, "data": data_path or "zoo",
+            "data_sha256": data_sha256, "dtype": dtype}
+
+
+def _translated(s_model: Any, r_model: Any, translator: Any, rows: list[dict], spec: Any, sizes: list[int] | None
+                ) -> tuple[dict[str, Any], str]:
+    """The translated eval and its table; a translator for other models is a usage error."""
+    from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.profiling.job import format_translated
+    from droidmesh.shared.tasks.translated import evaluate_translated
+
+    try:
+        ev = evaluate_translated(s_model, r_model, translator, rows, spec, ks=sizes or (1, 2))
+    except DroidMeshError as e:
+        raise click.UsageError(str(e)) from None
+    return ev, format_translated(ev)
+
+
+def _check_usage(*, translated: bool, reused_only: bool, both_shardings: bool, both_groupings: bool) -> None:
+    if translated and reused_only:
+        raise click.UsageError("--shard, --groups, --no-sender-alone, --per-row, --wire and --jobs are for reused KV, "
+                               "not --translator")
+    if both_shardings:
+        raise click.UsageError("--jobs or --shard, not both (--jobs shards the rows itself)")
+    if both_groupings:
+        raise click.UsageError("--groups or --group-sizes, not both")
+
+
 def _reused(s_model: Any, r_model: Any, rows: list[dict], spec: Any, wire_names: tuple[str, ...], **options: Any
             ) -> dict[str, Any]:
     """`evaluate_pair`, with each named wire (`layer_codecs.named_wire`) scored beside its plan raw."""
-    from droidmesh.shared.profiling import layer_codecs
-    from droidmesh.shared.profiling.transfer import Layout
     from droidmesh.shared.tasks.evaluation import evaluate_pair
+    from droidmesh.shared.tools.apps.eval_parts import wire_makers
 
-    head_dim, L = Layout.of(s_model).head_dim, r_model.num_layers
-    wires = {name: functools.partial(layer_codecs.named_wire, name, num_layers=L, head_dim=head_dim) for name in wire_names}
     try:
-        return evaluate_pair(s_model, r_model, rows, spec, wires=wires, **options)
+        return evaluate_pair(s_model, r_model, rows, spec, wires=wire_makers(wire_names, s_model, r_model), **options)
     except ValueError as e:  # a wire this model's head dim cannot carry
         raise click.UsageError(str(e)) from None
+
+
+def _in_parts(models: list[Any], rows: list[dict], spec: Any, wire_names: tuple[str, ...], options: dict[str, Any],
+              stamp: dict[str, Any], jobs: int, device: str, parts: str, *, keep_rows: bool, paths: tuple[str, str]
+              ) -> dict[str, Any]:
+    """`eval_parts.run` over checkpoints `paths`, after the wires are built once on `models` (a head
+    dim one cannot carry is a usage error before any process starts), which are then let go."""
+    import gc
+
+    from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.tools.apps import eval_parts
+
+    try:
+        for make in eval_parts.wire_makers(wire_names, *models).values():
+            make(ReusePlan.full_reuse())
+        models.clear()
+        gc.collect()
+        job = eval_parts.Job(*paths, spec, device, stamp["dtype"], wire_names, options, stamp)
+        named = {"models": paths, "task": spec.name, "metric": spec.metric, "rows": len(rows), "device": device,
+                 "options": options, "wires": list(wire_names), **stamp}  # what a kept part must have been scored with
+        ev = eval_parts.run(job, rows, jobs, Path(parts), named)
+    except (ValueError, DroidMeshError) as e:
+        raise click.UsageError(str(e)) from None
+    if not keep_rows:
+        ev.pop("per_row")
+    return ev
 
 
 def _rows(task: str, split: str, data_path: str | None, receiver, n_rows: int | None) -> list[dict]:

@@ -118,7 +118,8 @@ def test_a_zoo_name_and_its_path_resolve_to_the_same_model_and_hash(ci_tier, mon
 def test_eval_in_shards_merged_by_the_cli_is_the_eval_of_all_rows(ci_tier, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """`eval --shard 0/2` and `1/2` (exact groups, no sender alone), then `eval-merge`: the merged
-    JSON is the one-process eval of the same rows, to float tolerance; one shard alone is refused."""
+    JSON is the one-process eval of the same rows, to float tolerance; one shard alone is refused;
+    `eval --jobs 2` (two worker processes, parts merged) is the same eval too."""
     from droidmesh.shared.tools.cli.eval import eval_cmd, eval_merge
 
     out, _ = ci_tier
@@ -144,3 +145,11 @@ def test_eval_in_shards_merged_by_the_cli_is_the_eval_of_all_rows(ci_tier, tmp_p
     assert {(c["path"], c["wire"]) for c in merged["coded"]} == {("receiver_full_reuse", "int8"), ("group/2/4", "int8")}
     alone = runner.invoke(eval_merge, [str(tmp_path / "0.json"), "--json", str(tmp_path / "x.json")])
     assert alone.exit_code != 0 and "3 rows of 5" in alone.output
+    res = runner.invoke(eval_cmd, [*common, "--jobs", "2", "--json", str(tmp_path / "jobs.json")])  # two processes
+    assert res.exit_code == 0, res.output
+    jobs = json.loads((tmp_path / "jobs.json").read_text())
+    assert jobs["rows"] == 5 and "per_row" not in jobs and not (tmp_path / "jobs.json.parts").exists()
+    for path in ("receiver_full_prefill", "receiver_full_reuse"):
+        assert jobs[path]["quality"] == pytest.approx(whole[path]["quality"], abs=1e-6)
+        assert jobs[path]["kl"] == pytest.approx(whole[path]["kl"], rel=1e-4, abs=1e-6)
+    assert [c["wire"] for c in jobs["coded"]] == [c["wire"] for c in whole["coded"]]

@@ -194,3 +194,70 @@ def test_named_wires_are_the_cli_choices_and_refuse_what_they_cannot_carry() -> 
         layer_codecs.named_wire("int4-g64-e-int8", plan, L, head_dim=80)
     with pytest.raises(ValueError, match="unknown wire"):
         layer_codecs.named_wire("int2", plan, L, head_dim=64)
+
+
+class _InThread:
+    """`ProcessPoolExecutor` run in this process (the initializer once, each part in turn)."""
+
+    def __init__(self, workers, mp_context=None, initializer=None, initargs=()):
+        initializer(*initargs)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        import concurrent.futures
+
+        future = concurrent.futures.Future()
+        future.set_result(fn(*args))
+        return future
+
+
+def test_an_eval_in_parts_keeps_finished_parts_refuses_another_evals_and_merges(pair, tmp_path, monkeypatch) -> None:
+    """`eval --jobs`: the parts merged are the one-process eval; a stopped run's finished parts are
+    not scored again; a folder of another eval's parts is refused."""
+    from droidmesh.shared.errors import ConfigError
+    from droidmesh.shared.tools.apps import eval_parts
+
+    rows = make_rows("multihop_qa", "test", 5, SHAPE)
+    options = {"groups": [(1, 3)], "layer_stride": 0, "sender_alone": False}
+    scored: list[list[int]] = []
+
+    def load(job):
+        eval_parts._WORKER.update(job=job, sender=pair[0], receiver=pair[1], wires={})
+
+    real_score = eval_parts._score
+    monkeypatch.setattr(eval_parts.concurrent.futures, "ProcessPoolExecutor", _InThread)
+    monkeypatch.setattr(eval_parts, "_load", load)
+    monkeypatch.setattr(eval_parts, "_score", lambda rows_, index, total, path: (scored.append(index),
+                                                                                 real_score(rows_, index, total, path)))
+    monkeypatch.setattr(eval_parts, "PART_ROWS", 2)  # 3 parts of 5 rows
+    job = eval_parts.Job("s", "r", SPEC, "cpu", None, (), options, {"sender": "s", "receiver": "r"})
+    whole = _eval(pair, rows)
+    parts = tmp_path / "parts"
+    fingerprint = {"rows": 5, "options": options}
+    first = eval_parts.run(job, rows, 2, parts, fingerprint)
+    assert sorted(scored) == [[0, 3], [1, 4], [2]] and not parts.exists()
+    for path in ("receiver_full_prefill", "receiver_full_reuse"):
+        assert first[path]["quality"] == pytest.approx(whole[path]["quality"], abs=1e-6)
+    assert first["per_row"]["index"] == list(range(5)) and first["rows"] == 5
+
+    scored.clear()  # a stopped run: one part finished, then the same command again
+    parts.mkdir()
+    (parts / "run.json").write_text('{"rows": 5, "options": {"groups": [[1, 3]], "layer_stride": 0, '
+                                    '"sender_alone": false}, "parts": 3}')
+    real_score(rows[1::3], [1, 4], 5, parts / "part-1-of-3.json")
+    again = eval_parts.run(job, rows, 2, parts, fingerprint)
+    assert sorted(scored) == [[0, 3], [2]] and again["receiver_full_reuse"] == first["receiver_full_reuse"]
+
+    parts.mkdir()
+    (parts / "run.json").write_text('{"rows": 6}')
+    with pytest.raises(ConfigError, match="another eval"):
+        eval_parts.run(job, rows, 2, parts, fingerprint)
+    (parts / "run.json").unlink()
+    real_score(rows[1::3], [1, 4], 5, parts / "part-1-of-3.json")
+    with pytest.raises(ConfigError, match="another eval"):  # parts, and nothing to say whose
+        eval_parts.run(job, rows, 2, parts, fingerprint)
