@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -49,6 +50,9 @@ BAD_INPUT = [
     ("merging a binary file", ["eval-merge", "{binary}", "--json", "{out}/m.json"]),
     ("shards of a translated eval", [*EVAL, "--task", "multihop_qa", "--translator", "{text}", "--shard", "0/2"]),
     ("both kinds of group", [*EVAL, "--task", "multihop_qa", "--groups", "0:2", "--group-sizes", "2"]),
+    ("jobs and a shard", [*EVAL, "--task", "multihop_qa", "--jobs", "2", "--shard", "0/2"]),
+    ("jobs for a translated eval", [*EVAL, "--task", "multihop_qa", "--translator", "{text}", "--jobs", "2"]),
+    ("no such wire", [*EVAL, "--task", "multihop_qa", "--wire", "int2"]),
     ("bad JSONL", [*EVAL, "--task", "mine", "--data", "{badjsonl}"]),
     ("JSONL row missing fields", [*EVAL, "--task", "mine", "--data", "{rowjsonl}"]),
     ("bad JSONL for profile", ["profile", "--sender", "demo/base", "--receiver", "demo/qa", "--task", "mine",
@@ -125,3 +129,14 @@ def test_unexpected_error_is_one_line_with_debug_hint(monkeypatch):
     assert "ZeroDivisionError" in result.stderr and "DM_DEBUG=1" in result.stderr
     debug = CliRunner().invoke(main, ["zoo", "list"], env={"DM_DEBUG": "1"})
     assert isinstance(debug.exception, ZeroDivisionError)
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_wire_the_head_dim_cannot_carry_is_refused_before_a_row_is_scored(jobs, files):
+    """The demo tier's head dim (32) is not a multiple of 64: refused once the models are read (the
+    weights' loading bars come first), before any row or process starts."""
+    code, _out, err = invoke([a.format(**files) for a in [*EVAL, "--task", "multihop_qa", "--wire", "int4-g64-e-int8",
+                                                          "--jobs", jobs]])
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert code == 2 and last.startswith("Error: ") and "needs a head dim it divides, not 32" in last, err
+    assert "Traceback" not in err and not (Path(files["out"]) / "e.json").exists()
