@@ -10,6 +10,7 @@ finished part, and parts of another eval in the same folder are refused, not mix
 from __future__ import annotations
 
 import concurrent.futures
+import concurrent.futures.process
 import dataclasses
 import json
 import math
@@ -22,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from droidmesh.shared import report
-from droidmesh.shared.errors import ConfigError
+from droidmesh.shared.errors import ConfigError, DroidMeshError
 from droidmesh.shared.tasks.spec import TaskSpec
 
 PART_ROWS = 25  # a part is the work a stopped run can lose: ~10 minutes of a real-tier pair on one core
@@ -76,7 +77,11 @@ def run(job: Job, rows: Sequence[dict[str, Any]], jobs: int, parts: Path, finger
         futures = {pool.submit(_score, [rows[i] for i in range(k, len(rows), m)], list(range(k, len(rows), m)),
                                len(rows), _part_path(parts, k, m)): k for k in todo}
         for future in concurrent.futures.as_completed(futures):
-            future.result()
+            try:
+                future.result()
+            except concurrent.futures.process.BrokenProcessPool:
+                raise DroidMeshError(f"a worker process died (out of memory?); the finished parts are kept in "
+                                     f"{parts}: run the same command again to score the rest") from None
             bar.update(len(range(futures[future], len(rows), m)))
     ev = merge([json.loads(_part_path(parts, k, m).read_text(encoding="utf-8")) for k in range(m)])
     shutil.rmtree(parts)

@@ -212,7 +212,10 @@ class _InThread:
         import concurrent.futures
 
         future = concurrent.futures.Future()
-        future.set_result(fn(*args))
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:  # as a pool reports a part's failure: on its future
+            future.set_exception(e)
         return future
 
 
@@ -261,3 +264,27 @@ def test_an_eval_in_parts_keeps_finished_parts_refuses_another_evals_and_merges(
     real_score(rows[1::3], [1, 4], 5, parts / "part-1-of-3.json")
     with pytest.raises(ConfigError, match="another eval"):  # parts, and nothing to say whose
         eval_parts.run(job, rows, 2, parts, fingerprint)
+
+
+def test_a_worker_that_dies_leaves_the_finished_parts_and_one_line(pair, tmp_path, monkeypatch) -> None:
+    import concurrent.futures.process
+
+    from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.tools.apps import eval_parts
+
+    real_score = eval_parts._score
+
+    def score(rows_, index, total, path):
+        if index[0] == 1:
+            raise concurrent.futures.process.BrokenProcessPool("killed")
+        real_score(rows_, index, total, path)
+
+    monkeypatch.setattr(eval_parts.concurrent.futures, "ProcessPoolExecutor", _InThread)
+    monkeypatch.setattr(eval_parts, "_load", lambda job: eval_parts._WORKER.update(job=job, sender=pair[0],
+                                                                                   receiver=pair[1], wires={}))
+    monkeypatch.setattr(eval_parts, "_score", score)
+    monkeypatch.setattr(eval_parts, "PART_ROWS", 2)
+    job = eval_parts.Job("s", "r", SPEC, "cpu", None, (), {"groups": [(1, 3)], "layer_stride": 0}, {})
+    with pytest.raises(DroidMeshError, match="run the same command again"):
+        eval_parts.run(job, make_rows("multihop_qa", "test", 5, SHAPE), 2, tmp_path / "p", {"rows": 5})
+    assert sorted(p.name for p in (tmp_path / "p").glob("part-*.json")) == ["part-0-of-3.json", "part-2-of-3.json"]
