@@ -65,7 +65,10 @@ async def mesh(tiny_pair, tiny_models, default_group=(2, 6), transport="inproc",
     rcfg = ReceiverConfig(model_path=str(tiny_pair[1]), model_id="receiver", default_group=default_group,
                           transport=transport, holdout_share=holdout_share, shadow_share=shadow_share,
                           blind_share=blind_share, hold=hold, **receiver_kw)
-    async with BrokerService(BrokerConfig(), bus=bus), \
+    # The sender is never expired here (ttl_factor): on a loaded host one request's compute can hold
+    # this one loop past three 0.2 s heartbeats, and a lookup would find no holder and fall back to
+    # full prefill, a timing decision none of these tests is about.
+    async with BrokerService(BrokerConfig(ttl_factor=10_000.0), bus=bus), \
             SenderService(scfg, bus=bus, model=tiny_models[0], board=board), \
             ReceiverService(rcfg, bus=bus, model=tiny_models[1], board=board) as receiver:
         yield bus, board, receiver
