@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import concurrent.futures.process
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
@@ -45,8 +46,6 @@ class Job:
 
 def wire_makers(names: Sequence[str], sender: Any, receiver: Any) -> dict[str, Callable[[Any], Any]]:
     """name -> plan -> the named wire (`layer_codecs.named_wire`) for this pair's layers and head dim."""
-    import functools
-
     from droidmesh.shared.profiling import layer_codecs
     from droidmesh.shared.profiling.transfer import Layout
 
@@ -69,20 +68,21 @@ def run(job: Job, rows: Sequence[dict[str, Any]], jobs: int, parts: Path, finger
         raise ConfigError(f"{parts} holds parts of another eval (its run.json differs or is missing): "
                           "remove it or run with other options")
     report.write_json(kept, named)
+    index = {k: list(range(k, len(rows), m)) for k in range(m)}  # part k: rows k, k + m, ... (`eval --shard k/m`)
     todo = [k for k in range(m) if not _part_path(parts, k, m).exists()]
-    done_rows = sum(len(range(k, len(rows), m)) for k in range(m) if k not in todo)
+    done_rows = sum(len(index[k]) for k in range(m) if k not in todo)
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
     with tqdm(total=len(rows), initial=done_rows, desc=f"eval {job.spec.name}, {jobs} processes", unit="row") as bar, \
             concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_load, initargs=(job,)) as pool:
-        futures = {pool.submit(_score, [rows[i] for i in range(k, len(rows), m)], list(range(k, len(rows), m)),
-                               len(rows), _part_path(parts, k, m)): k for k in todo}
+        futures = {pool.submit(_score, [rows[i] for i in index[k]], index[k], len(rows), _part_path(parts, k, m)): k
+                   for k in todo}
         for future in concurrent.futures.as_completed(futures):
             try:
                 future.result()
             except concurrent.futures.process.BrokenProcessPool:
                 raise DroidMeshError(f"a worker process died (out of memory?); the finished parts are kept in "
                                      f"{parts}: run the same command again to score the rest") from None
-            bar.update(len(range(futures[future], len(rows), m)))
+            bar.update(len(index[futures[future]]))
     ev = merge([json.loads(_part_path(parts, k, m).read_text(encoding="utf-8")) for k in range(m)])
     shutil.rmtree(parts)
     return ev
