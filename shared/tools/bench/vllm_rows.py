@@ -122,8 +122,8 @@ def ask_pair(engine: Engine, tokenizer: Any, rows: Sequence[dict[str, Any]], spe
                "pair_first_token_equal": alone[:1] == planned[:1],
                "quality_alone": measures.score(spec.metric, decode_answer(tokenizer, alone, spec), row["answers"]),
                "quality_plan": measures.score(spec.metric, decode_answer(tokenizer, planned, spec), row["answers"])}
-        say(f"pair, row {i + 1}/{len(rows)}: {len(ctx)} tokens, {path}, {spec.metric} "
-            f"{res['quality_alone']:.2f} -> {res['quality_plan']:.2f}")
+        # No score in the line: a verdict is read once, on every row asked, never off a running tally.
+        say(f"pair, row {i + 1}/{len(rows)}: {len(ctx)} tokens, {path}")
         out.append(res)
     return out
 
@@ -299,15 +299,14 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
     if asked["pair"]:
         say(f"resuming: rows 1-{len(asked['pair'])} of {len(rows)} already asked")
-    result: dict[str, Any] = {}
     for start in range(len(asked["pair"]), len(rows), chunk):
         part = rows[start:start + chunk]
         say(f"rows {start + 1}-{start + len(part)} of {len(rows)}")
         for name, got in _ask_chunk(python, tier, base, docqa, part, tok, spec, dtype, engine_spec, env, work,
                                     say, same).items():
             asked[name] += got
-        result = _result(rows[:start + len(part)], asked, None, dtype, spec, split, len(rows))
-        on_chunk(result)
+        # The rows so far and no summary: a verdict is read once, on every row, never off a chunk.
+        on_chunk(_result(rows[:start + len(part)], asked, None, dtype, spec, split, len(rows), summary=False))
     scores = ours(tier, rows, spec, PLAN, dtype) if engine_too else None
     return _result(rows, asked, scores, dtype, spec, split, len(rows))
 
@@ -337,8 +336,11 @@ def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: S
 
 
 def _result(rows: Sequence[dict[str, Any]], asked: dict[str, list[dict[str, Any]]],
-            scores: dict[str, list[float]] | None, dtype: str, spec: TaskSpec, split: str, n: int) -> dict[str, Any]:
-    """The run's JSON over `rows` (the first of the `n` it asks for)."""
-    return {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric, "rows_requested": n,
-            "contexts": len({r["context"] for r in rows}), "summary": summarize(asked["same"], asked["pair"], scores),
-            "same_model_per_row": asked["same"], "pair_per_row": asked["pair"], "droidmesh_engine_per_row": scores}
+            scores: dict[str, list[float]] | None, dtype: str, spec: TaskSpec, split: str, n: int,
+            summary: bool = True) -> dict[str, Any]:
+    """The run's JSON over `rows` (the first of the `n` it asks for); with `summary`, its verdicts."""
+    out = {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric, "rows_requested": n,
+           "contexts": len({r["context"] for r in rows}),
+           "same_model_per_row": list(asked["same"]), "pair_per_row": list(asked["pair"]),  # a snapshot: `asked` grows
+           "droidmesh_engine_per_row": scores}
+    return {**out, "summary": summarize(asked["same"], asked["pair"], scores)} if summary else out

@@ -160,10 +160,33 @@ def test_a_resumed_run_asks_only_the_rows_not_asked_and_keeps_the_rest(monkeypat
     saved = []
     out = vllm_rows.run("python", tmp_path, 7, tmp_path, lambda line: None, engine_too=False, chunk=2,
                         split="heldout", same=False, done=_partial(rows, 4),
-                        on_chunk=lambda partial: saved.append(len(partial["pair_per_row"])))  # as the CLI writes it
+                        on_chunk=lambda partial: saved.append(partial))  # as the CLI writes it
     assert asked == [[r["_id"] for r in rows[4:6]], [rows[6]["_id"]]]
     assert [r["row"] for r in out["pair_per_row"]] == [r["_id"] for r in rows] and out["rows_requested"] == 7
-    assert saved == [6, 7] and out["summary"]["rows"]["pair"] == 7
+    assert [len(p["pair_per_row"]) for p in saved] == [6, 7] and out["summary"]["rows"]["pair"] == 7
+    assert not any("summary" in p for p in saved)  # a partial run's file holds rows, never an interim verdict
+
+
+def test_a_pair_rows_progress_line_names_its_path_and_never_a_score(monkeypatch):
+    """The verdict is read once, on every row: a progress line that printed each row's score would
+    be a running tally to read it from."""
+    from droidmesh.shared.tasks.spec import task_spec
+    from droidmesh.shared.tools.bench import vllm_rows
+
+    class Engine:
+        def ask(self, rid, prompt, *, max_tokens, mode="auto", lora=None, timeout_s=300.0):
+            return {"tokens": [7, 8], "request_id": rid}
+
+        def events(self, event, request_id):
+            return [{"path": "partial"}] if event == "reuse" else []
+
+    monkeypatch.setattr(vllm_rows, "encode_row", lambda tok, row, spec: ([0, 0], [0], [0]))
+    monkeypatch.setattr(vllm_rows, "decode_answer", lambda tok, answer, spec: "the answer")
+    lines: list[str] = []
+    got = vllm_rows.ask_pair(Engine(), type("Tok", (), {"eos_token_id": None})(),
+                             [{"context": "c", "answers": ["the answer"]}], task_spec("doc_qa"), say=lines.append)
+    assert got[0]["quality_alone"] == 1.0 and len(lines) == 1
+    assert "1.00" not in lines[0] and "f1" not in lines[0].lower() and "->" not in lines[0]
 
 
 def test_a_bench_json_rewritten_and_killed_while_writing_keeps_its_last_whole_version(tmp_path, monkeypatch):
