@@ -48,7 +48,7 @@ from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_
 from droidmesh.shared.tasks import intervals
 from droidmesh.shared.wire import schemas
 
-PLAN = ReusePlan.recompute(6, 9)  # the real tier's plan for base -> docqa
+PLAN = ReusePlan.recompute(6, 9)  # base -> docqa, 3 of 30 layers: the plan the TTFT figures are measured with
 HOLDER = "vllm-docqa"  # the holding engine's holder id (its roster entry)
 QUESTION = "\nQuestion: What does the text above describe?\nAnswer:"
 READY_S = 900.0
@@ -211,29 +211,29 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
     return out
 
 
-def plan_config(tier: Path, base: ModelRef, docqa: ModelRef) -> schemas.RecomputeConfig:
-    """The real tier's base -> docqa config with `PLAN` as its one point (no latency fit: the
+def plan_config(tier: Path, base: ModelRef, docqa: ModelRef, plan: ReusePlan = PLAN) -> schemas.RecomputeConfig:
+    """The real tier's base -> docqa config with `plan` as its one point (no latency fit: the
     engine is vLLM, not DroidMesh's), for these checkpoints' weights."""
     profile = json.loads((tier / "profiles" / "base-to-docqa.json").read_text())
     cfg = recompute_config(profile, base, docqa, 1)
-    point = schemas.FrontierPoint(plan=policy.spec_of(PLAN), recomputed_layers=PLAN.groups[0][1] - PLAN.groups[0][0],
+    point = schemas.FrontierPoint(plan=policy.spec_of(plan), recomputed_layers=plan.groups[0][1] - plan.groups[0][0],
                                   quality=cfg.chosen.quality)
     return msgspec.structs.replace(cfg, chosen=point, frontier=[point], latency=None)
 
 
 @contextlib.contextmanager
 def pair_mesh(tier: Path, base: ModelRef, docqa: ModelRef, work: Path, dtype: str, contexts: list[str],
-              lora: bool, store_bytes: int = 2 << 30) -> Iterator[dict[str, Any]]:
+              lora: bool, store_bytes: int = 2 << 30, plan: ReusePlan = PLAN) -> Iterator[dict[str, Any]]:
     """A local mesh for base -> docqa: nats-server under per-role users, the pair's plan on the
     config board, a broker, a DroidMesh sender of base (shm, `dtype`, a store of `store_bytes`:
     what it cannot hold it evicts, oldest first) holding `contexts`; yields
     the connector's settings for an engine serving docqa (merged: its base model; `lora`: an
     adapter of base), logged in as docqa's receiver."""
     with mesh(Roster.local(senders=["base"], receivers=["docqa"], holders={"docqa": HOLDER})) as (access, procs):
-        asyncio.run(publish_configs([plan_config(tier, base, docqa)], access))
+        asyncio.run(publish_configs([plan_config(tier, base, docqa, plan)], access))
         procs.append(start_service("cache_broker", {}, access.url, log_dir=work,
                                    env={**THREADS, **NO_HEALTH_PORT, **access.env_for("broker")}))
-        procs.append(start_sender(access, base, "base", PLAN.e_layers, work, {**THREADS, **NO_HEALTH_PORT},
+        procs.append(start_sender(access, base, "base", plan.e_layers, work, {**THREADS, **NO_HEALTH_PORT},
                                   paired=["docqa"], transport="shm", heartbeat_s=30.0, dtype=dtype,
                                   store_bytes=store_bytes))
         asyncio.run(_hold(access, contexts))

@@ -9,8 +9,8 @@ and then of `docqa` (merged into its base). Per row, greedy answers of the task'
     the same weights (mode `full_reuse`): is the first token the same, and what share of the
     answer's tokens agree; and, as the yardstick, vLLM against itself: the same full prefill
     asked again four requests at a time (batched) against alone;
-  - the pair: `docqa` asks, vLLM's own full prefill against the pair's plan (`partial`: layers
-    [6, 9) recomputed from the sender's E), both scored by the task metric; DroidMesh's own engine
+  - the pair: `docqa` asks, vLLM's own full prefill against the pair's plan (`partial`: one group
+    of layers recomputed from the sender's E, [6, 9) unless `plan` names another), both scored by the task metric; DroidMesh's own engine
     scores the same plan and its own full prefill on the same rows, beside them.
 With `same=False` only the pair is asked (the verdict that needs many rows). Verdicts carry
 intervals (`tasks/intervals.py`): agreement rates a Wilson interval, quality the
@@ -182,7 +182,7 @@ def summarize(same: list[dict[str, Any]], pair: list[dict[str, Any]],
     return out
 
 
-def check_beside(ev: Any, split: str, dtype: str) -> str:
+def check_beside(ev: Any, split: str, dtype: str, plan: ReusePlan = PLAN) -> str:
     """The plan's path name in `ev`, an eval `engine_beside` can join (its figures checked as
     `eval-merge` checks a shard; dtype None is the eval's default, float32 on a CPU)."""
     from droidmesh.shared.tasks.evaluation import check_part
@@ -191,7 +191,7 @@ def check_beside(ev: Any, split: str, dtype: str) -> str:
         check_part(ev)
     except ValueError as e:
         raise ConfigError(f"--beside: {e}") from None
-    (start, end), = PLAN.groups
+    (start, end), = plan.groups
     name = f"group/{start}/{end}"
     want = {"task": TASK, "split": split, "sender": "real/base", "receiver": "real/docqa"}
     wrong = [k for k, v in want.items() if ev.get(k) != v] + (["dtype"] if ev.get("dtype") not in (None, dtype) else [])
@@ -201,13 +201,14 @@ def check_beside(ev: Any, split: str, dtype: str) -> str:
     return name
 
 
-def engine_beside(pair: Sequence[dict[str, Any]], ev: dict[str, Any], split: str, dtype: str) -> dict[str, Any]:
+def engine_beside(pair: Sequence[dict[str, Any]], ev: dict[str, Any], split: str, dtype: str,
+                  plan: ReusePlan = PLAN) -> dict[str, Any]:
     """DroidMesh's engine beside vLLM on the rows both scored: `ev` is a `droidmesh eval` of the
     same pair, task and split with `--per-row` (or shards merged) that scored the plan's group;
     rows are joined by id. Per engine, its plan against its own full prefill (by document), and
     how many rows give the same score in both engines, for full prefill and for the plan.
     Raises ConfigError, one line, for an eval of anything else (`check_beside`)."""
-    name = check_beside(ev, split, dtype)
+    name = check_beside(ev, split, dtype, plan)
     at = {rid: j for j, rid in enumerate(ev["per_row"]["ids"])}
     both = [(r, at[r["row"]]) for r in pair if r["row"] in at]
     if not both:
@@ -237,13 +238,13 @@ FIGURES = {"pair": {"pair_first_token_equal": bool, "quality_alone": float, "qua
 
 
 def resumed(done: dict[str, Any], rows: Sequence[dict[str, Any]], split: str, dtype: str,
-            same: bool) -> dict[str, list[dict[str, Any]]]:
+            same: bool, plan: ReusePlan = PLAN) -> dict[str, list[dict[str, Any]]]:
     """The rows a partial run (`done`, its JSON: the user's file) already asked, checked against
     this run's: the same task, split, plan, dtype and row count, the same questions (pair-only or
     not), and each asked row the row at its place in `rows` with its figures (rows are
     prefix-stable: the first k of n are the first k of any longer run), so continuing it scores
     exactly the rows an unbroken run would have. Raises ConfigError, one line, naming the first mismatch."""
-    want = {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "rows_requested": len(rows)}
+    want = {"task": TASK, "split": split, "plan": plan.label(), "dtype": dtype, "rows_requested": len(rows)}
     for key, value in want.items():
         got = done.get(key, value if key == "rows_requested" else None)  # files before the count was kept lack it
         if got != value:
@@ -277,7 +278,7 @@ def _is(v: Any, kind: type) -> bool:
 def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], None], dtype: str = "float32",
         engine_too: bool = True, chunk: int = 150,
         on_chunk: Callable[[dict[str, Any]], None] = lambda partial: None, split: str = "test",
-        same: bool = True, done: dict[str, Any] | None = None) -> dict[str, Any]:
+        same: bool = True, done: dict[str, Any] | None = None, plan: ReusePlan = PLAN) -> dict[str, Any]:
     """Two `vllm serve` engines one after the other, each with the connector: `real/base` (the
     same-model questions; not with `same=False`) and `docqa` merged into its base (the pair's: vLLM's CPU LoRA kernels
     prefill many times slower than its dense ones, and the question is the answers, not LoRA).
@@ -290,10 +291,13 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
 
     spec = task_spec(TASK)
     rows = make_rows(TASK, split, n_rows, SuiteShape())
-    asked = resumed(done, rows, split, dtype, same) if done else {"same": [], "pair": []}  # before anything slow
+    asked = resumed(done, rows, split, dtype, same, plan) if done else {"same": [], "pair": []}  # before anything slow
     base = ModelRef(tier / "base", "base")
     docqa = ModelRef(merged(tier / "docqa", work / "docqa-merged"), "docqa")
-    tok = load_model(base.path, device="cpu", dtype="float32").tokenizer
+    model = load_model(base.path, device="cpu", dtype="float32")
+    if plan.groups[-1][1] > model.num_layers:
+        raise ConfigError(f"the plan {plan.label()} is out of range: real/base has {model.num_layers} layers")
+    tok = model.tokenizer
     longest = max(sum(len(x) for x in encode_row(tok, r, spec)[:2]) for r in rows)
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}
@@ -303,24 +307,24 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
         part = rows[start:start + chunk]
         say(f"rows {start + 1}-{start + len(part)} of {len(rows)}")
         for name, got in _ask_chunk(python, tier, base, docqa, part, tok, spec, dtype, engine_spec, env, work,
-                                    say, same).items():
+                                    say, same, plan).items():
             asked[name] += got
         # The rows so far and no summary: a verdict is read once, on every row, never off a chunk.
-        on_chunk(_result(rows[:start + len(part)], asked, None, dtype, spec, split, len(rows), summary=False))
-    scores = ours(tier, rows, spec, PLAN, dtype) if engine_too else None
-    return _result(rows, asked, scores, dtype, spec, split, len(rows))
+        on_chunk(_result(rows[:start + len(part)], asked, None, dtype, spec, split, len(rows), plan, summary=False))
+    scores = ours(tier, rows, spec, plan, dtype) if engine_too else None
+    return _result(rows, asked, scores, dtype, spec, split, len(rows), plan)
 
 
 def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: Sequence[dict[str, Any]], tok: Any,
                spec: TaskSpec, dtype: str, engine_spec: dict[str, Any], env: dict[str, str], work: Path,
-               say: Callable[[str], None], same: bool = True) -> dict[str, list[dict[str, Any]]]:
+               say: Callable[[str], None], same: bool = True, plan: ReusePlan = PLAN) -> dict[str, list[dict[str, Any]]]:
     """One mesh holding `rows`' contexts, and each engine asked every row in turn (`same=False`:
     only the pair's)."""
     contexts = list(dict.fromkeys(r["context"] for r in rows))
     held = sum(len(text.context_ids(tok, c)) for c in contexts)
-    store = max(2 << 30, int(1.25 * held * held_bytes_per_token(base.path, dtype, len(PLAN.e_layers))))  # every context at once
+    store = max(2 << 30, int(1.25 * held * held_bytes_per_token(base.path, dtype, len(plan.e_layers))))  # every context at once
     asked: dict[str, list[dict[str, Any]]] = {}
-    with pair_mesh(tier, base, docqa, work, dtype, contexts, lora=False, store_bytes=store) as conn:
+    with pair_mesh(tier, base, docqa, work, dtype, contexts, lora=False, store_bytes=store, plan=plan) as conn:
         for name, model, base_model in (("same", base, "base"), ("pair", docqa, "docqa"))[0 if same else 1:]:
             engine = ServedEngine(python, {**engine_spec, "model": str(model.path), "name": base_model,
                                            "connector": {**conn, "base_model": base_model}}, work, free_port(), env)
@@ -337,9 +341,9 @@ def _ask_chunk(python: str, tier: Path, base: ModelRef, docqa: ModelRef, rows: S
 
 def _result(rows: Sequence[dict[str, Any]], asked: dict[str, list[dict[str, Any]]],
             scores: dict[str, list[float]] | None, dtype: str, spec: TaskSpec, split: str, n: int,
-            summary: bool = True) -> dict[str, Any]:
+            plan: ReusePlan = PLAN, summary: bool = True) -> dict[str, Any]:
     """The run's JSON over `rows` (the first of the `n` it asks for); with `summary`, its verdicts."""
-    out = {"task": TASK, "split": split, "plan": PLAN.label(), "dtype": dtype, "metric": spec.metric, "rows_requested": n,
+    out = {"task": TASK, "split": split, "plan": plan.label(), "dtype": dtype, "metric": spec.metric, "rows_requested": n,
            "contexts": len({r["context"] for r in rows}),
            "same_model_per_row": list(asked["same"]), "pair_per_row": list(asked["pair"]),  # a snapshot: `asked` grows
            "droidmesh_engine_per_row": scores}

@@ -156,7 +156,7 @@ def test_a_resumed_run_asks_only_the_rows_not_asked_and_keeps_the_rest(monkeypat
 
     monkeypatch.setattr(vllm_rows, "_ask_chunk", ask_chunk)
     monkeypatch.setattr(vllm_rows, "merged", lambda path, out: path)
-    monkeypatch.setattr(adapter, "load_model", lambda *a, **k: type("M", (), {"tokenizer": hf_tokenizer()})())
+    monkeypatch.setattr(adapter, "load_model", lambda *a, **k: type("M", (), {"tokenizer": hf_tokenizer(), "num_layers": 30})())
     saved = []
     out = vllm_rows.run("python", tmp_path, 7, tmp_path, lambda line: None, engine_too=False, chunk=2,
                         split="heldout", same=False, done=_partial(rows, 4),
@@ -254,3 +254,35 @@ def test_the_engine_beside_vllm_is_joined_by_row_on_the_rows_both_scored():
         engine_beside(pair[:1], _eval_of(rows, [3], [1.0], [1.0]), "heldout", "float32")
     with pytest.raises(ConfigError, match="finite"):
         engine_beside(pair, _eval_of(rows, [0], [float("nan")], [1.0]), "heldout", "float32")
+
+
+def test_another_plan_is_a_run_of_its_own_joined_to_the_evals_path_of_that_group(monkeypatch, tmp_path):
+    """`--plan 14:24`: a partial run of [6, 9) is not continued under it, the engine beside is the
+    eval's `group/14/24`, and a group past the model's layers is refused before a mesh starts."""
+    import pytest
+
+    from droidmesh.shared.errors import ConfigError
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.model import adapter
+    from droidmesh.shared.tasks.suite import SuiteShape, make_rows
+    from droidmesh.shared.tools.bench import vllm_rows
+    from droidmesh.shared.zoo.tokenizer import hf_tokenizer
+
+    upper = ReusePlan.recompute(14, 24)
+    rows = make_rows(vllm_rows.TASK, "heldout", 6, SuiteShape())
+    with pytest.raises(ConfigError, match="plan is 'recompute"):
+        vllm_rows.resumed(_partial(rows, 4), rows, "heldout", "float32", same=False, plan=upper)
+    ev = _eval_of(rows, [0, 1], [1.0, 1.0], [0.5, 1.0])
+    ev["per_row"]["paths"]["group/14/24"] = ev["per_row"]["paths"].pop("group/6/9")
+    assert vllm_rows.check_beside(ev, "heldout", "float32", upper) == "group/14/24"
+    b = vllm_rows.engine_beside(_partial(rows, 2)["pair_per_row"], ev, "heldout", "float32", upper)
+    assert b["droidmesh_engine"]["plan"] == 0.75 and b["same_score_plan"] == 1
+    with pytest.raises(ConfigError, match="its paths"):
+        vllm_rows.check_beside(ev, "heldout", "float32")  # the default plan's group is not in it
+
+    monkeypatch.setattr(vllm_rows, "merged", lambda path, out: path)
+    monkeypatch.setattr(adapter, "load_model", lambda *a, **k: type("M", (), {"tokenizer": hf_tokenizer(), "num_layers": 30})())
+    monkeypatch.setattr(vllm_rows, "_ask_chunk", lambda *a: pytest.fail("a mesh started for a plan out of range"))
+    with pytest.raises(ConfigError, match="out of range: real/base has 30 layers"):
+        vllm_rows.run("python", tmp_path, 6, tmp_path, lambda line: None, engine_too=False, split="heldout",
+                      same=False, plan=ReusePlan.recompute(28, 31))

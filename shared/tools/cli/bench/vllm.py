@@ -16,7 +16,7 @@ from droidmesh.shared import report
 from droidmesh.shared.engines.vllm.client import PYTHON
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.tools.cli.bench.kit import save
-from droidmesh.shared.tools.cli.params import int_list
+from droidmesh.shared.tools.cli.params import GROUP, int_list
 
 COLUMNS = ["context_tokens", "alone_ttft_s", "miss_over_alone", "partial_ttft_s", "alone_over_partial",
            "full_reuse_ttft_s", "alone_over_full_reuse", "decode_ratio", "hold_over_alone", "save_copy_ms", "hold_ms"]
@@ -92,27 +92,31 @@ def _interval(lo_hi: list[float] | tuple[float, float] | None) -> str:
 @click.option("--no-engine", is_flag=True, help="Skip DroidMesh's own engine on the same rows.")
 @click.option("--chunk", default=150, show_default=True, type=click.IntRange(1, 2000),
               help="Rows per mesh and engine start (a sender holds one chunk's contexts at a time).")
+@click.option("--plan", "group", type=GROUP, default="6:9", show_default=True,
+              help="The pair's plan: this group of layers, START:END, recomputed from the sender's E at START.")
 @click.option("--resume", "resume_path", type=click.Path(exists=True, dir_okay=False),
               help="Continue a stopped run from its JSON (the same options; it may be --json's own file).")
 @click.option("--beside", "beside_path", type=click.Path(exists=True, dir_okay=False),
               help="A `droidmesh eval --per-row` of real/base -> real/docqa on the same split that scored the "
                    "plan's group: DroidMesh's engine beside vLLM on the rows both scored.")
-def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, chunk, resume_path,
+def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, chunk, group, resume_path,
               beside_path) -> None:
     """Same-model first-token agreement under full reuse, and base -> docqa quality under the plan."""
+    from droidmesh.shared.kv.plan import ReusePlan
     from droidmesh.shared.tools.bench import vllm_rows as bench
 
+    plan = ReusePlan.recompute(*group)
     done = _read_json(resume_path, "--resume", "vllm-rows") if resume_path else None
     beside = _read_json(beside_path, "--beside") if beside_path else None
     if beside is not None:
         try:
-            bench.check_beside(beside, split, dtype)
+            bench.check_beside(beside, split, dtype, plan)
         except DroidMeshError as e:
             raise click.BadParameter(str(e).removeprefix("--beside: "), param_hint="--beside") from None
     result = _on_real_tier(vllm_python, "dm-bench-vllm-rows-", lambda tier, work, say: bench.run(
         vllm_python, tier, rows, work, say, dtype, engine_too=not no_engine, chunk=chunk,
         on_chunk=lambda partial: save(json_path, "vllm-rows", {**partial, "partial": True}), split=split,
-        same=not pair_only, done=done))
+        same=not pair_only, done=done, plan=plan))
     s = result["summary"]
     same, pair = s.get("same_model", {}), s["pair"]
     click.echo(f"{s['rows']['pair']} rows of {result['task']} ({result['split']}, {result['contexts']} contexts), "
@@ -133,7 +137,7 @@ def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, 
                        f"{v['plan']:.3f}, relative {v['relative']}, 95% {_interval(v['relative_interval'])}: {v['verdict']}")
     click.echo(f"base -> docqa paths {pair['paths']}")
     if beside is not None:
-        b = pair["beside_eval"] = bench.engine_beside(result["pair_per_row"], beside, split, dtype)
+        b = pair["beside_eval"] = bench.engine_beside(result["pair_per_row"], beside, split, dtype, plan)
         for name in ("vllm", "droidmesh_engine"):
             v = b[name]
             click.echo(f"on the {b['rows']} rows the eval scored too, {name}: full prefill {v['full_prefill']:.3f}, "
