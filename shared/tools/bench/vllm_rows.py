@@ -215,14 +215,14 @@ def engine_beside(pair: Sequence[dict[str, Any]], ev: dict[str, Any], split: str
         raise ConfigError("--beside: the eval scored none of this run's rows")
     paths = ev["per_row"]["paths"]
     fp = [paths["receiver_full_prefill"]["quality"][j] for _, j in both]
-    plan = [paths[name]["quality"][j] for _, j in both]
+    ours_plan = [paths[name]["quality"][j] for _, j in both]
     docs = [r["document"] for r, _ in both]
     alone, planned = [r["quality_alone"] for r, _ in both], [r["quality_plan"] for r, _ in both]
     return {"rows": len(both), "documents": len(set(docs)), "eval_dtype": ev.get("dtype") or "the eval's default",
-            "droidmesh_engine": _verdict(intervals.paired(fp, plan, groups=docs)),
+            "droidmesh_engine": _verdict(intervals.paired(fp, ours_plan, groups=docs)),
             "vllm": _verdict(intervals.paired(alone, planned, groups=docs)),
             "same_score_full_prefill": sum(abs(a - b) < 1e-9 for a, b in zip(fp, alone, strict=True)),
-            "same_score_plan": sum(abs(a - b) < 1e-9 for a, b in zip(plan, planned, strict=True))}
+            "same_score_plan": sum(abs(a - b) < 1e-9 for a, b in zip(ours_plan, planned, strict=True))}
 
 
 def _verdict(p: intervals.Paired) -> dict[str, Any]:
