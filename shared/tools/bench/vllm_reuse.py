@@ -216,6 +216,7 @@ def plan_config(tier: Path, base: ModelRef, docqa: ModelRef, plan: ReusePlan = P
     engine is vLLM, not DroidMesh's), for these checkpoints' weights."""
     profile = json.loads((tier / "profiles" / "base-to-docqa.json").read_text())
     cfg = recompute_config(profile, base, docqa, 1)
+    # The profile's quality stands in for `plan`'s: the connector reads the plan, not the figure.
     point = schemas.FrontierPoint(plan=policy.spec_of(plan), recomputed_layers=plan.groups[0][1] - plan.groups[0][0],
                                   quality=cfg.chosen.quality)
     return msgspec.structs.replace(cfg, chosen=point, frontier=[point], latency=None)

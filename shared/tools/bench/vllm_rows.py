@@ -9,9 +9,10 @@ and then of `docqa` (merged into its base). Per row, greedy answers of the task'
     the same weights (mode `full_reuse`): is the first token the same, and what share of the
     answer's tokens agree; and, as the yardstick, vLLM against itself: the same full prefill
     asked again four requests at a time (batched) against alone;
-  - the pair: `docqa` asks, vLLM's own full prefill against the pair's plan (`partial`: one group
-    of layers recomputed from the sender's E, [6, 9) unless `plan` names another), both scored by the task metric; DroidMesh's own engine
-    scores the same plan and its own full prefill on the same rows, beside them.
+  - the pair: `docqa` asks, vLLM's own full prefill against the pair's plan (`partial`: one
+    group of layers recomputed from the sender's E, [6, 9) unless `plan` names another), both
+    scored by the task metric; DroidMesh's own engine scores the same plan and its own full
+    prefill on the same rows, beside them.
 With `same=False` only the pair is asked (the verdict that needs many rows). Verdicts carry
 intervals (`tasks/intervals.py`): agreement rates a Wilson interval, quality the
 paired difference to full prefill with a bootstrap interval (by document: rows asking about one
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import re
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -232,7 +234,7 @@ def _verdict(p: intervals.Paired) -> dict[str, Any]:
             "verdict": p.verdict()}
 
 
-FLAGS = {"split": "--split", "dtype": "--dtype", "rows_requested": "--rows"}  # what a user resumes with
+FLAGS = {"split": "--split", "dtype": "--dtype", "rows_requested": "--rows", "plan": "--plan"}  # what a user resumes with
 FIGURES = {"pair": {"pair_first_token_equal": bool, "quality_alone": float, "quality_plan": float, "pair_path": str},
            "same model": {"first_token_equal": bool, "greedy_agreement": float, "same_path": str}}
 
@@ -249,6 +251,8 @@ def resumed(done: dict[str, Any], rows: Sequence[dict[str, Any]], split: str, dt
         got = done.get(key, value if key == "rows_requested" else None)  # files before the count was kept lack it
         if got != value:
             flag = FLAGS.get(key)
+            if key == "plan" and isinstance(got, str) and (m := re.search(r"\[(\d+),\s*(\d+)\)", got)):
+                got = f"{m[1]}:{m[2]}"  # a label, "recompute [6,9)", as the flag takes it
             raise ConfigError(f"cannot resume: the partial run was run with {flag} {got}; resume it with {flag} {got}"
                               if flag and got is not None else
                               f"cannot resume: the partial run's {key} is {got!r}, this run's {value!r}")
@@ -285,7 +289,8 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     Rows go `chunk` at a time, each chunk with a mesh of its own whose sender holds only that
     chunk's contexts (600 rows' contexts at once would be ~16 GB in float32); `on_chunk` gets the
     result so far after each chunk, so a long run killed midway keeps what it measured, and `done`
-    (that result, read back) continues it from its first row not asked (`resumed`)."""
+    (that result, read back) continues it from its first row not asked (`resumed`). `plan` is the
+    pair's: published to the mesh, its group start's E held, its label in the JSON."""
     from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
@@ -293,11 +298,11 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     rows = make_rows(TASK, split, n_rows, SuiteShape())
     asked = resumed(done, rows, split, dtype, same, plan) if done else {"same": [], "pair": []}  # before anything slow
     base = ModelRef(tier / "base", "base")
-    docqa = ModelRef(merged(tier / "docqa", work / "docqa-merged"), "docqa")
     model = load_model(base.path, device="cpu", dtype="float32")
-    if plan.groups[-1][1] > model.num_layers:
+    if plan.groups[-1][1] > model.num_layers:  # before the merge and the meshes
         raise ConfigError(f"the plan {plan.label()} is out of range: real/base has {model.num_layers} layers")
     tok = model.tokenizer
+    docqa = ModelRef(merged(tier / "docqa", work / "docqa-merged"), "docqa")
     longest = max(sum(len(x) for x in encode_row(tok, r, spec)[:2]) for r in rows)
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
     engine_spec = {"dtype": dtype, "max_model_len": longest + spec.max_new_tokens + 16}

@@ -178,14 +178,14 @@ def test_a_pair_rows_progress_line_names_its_path_and_never_a_score(monkeypatch)
             return {"tokens": [7, 8], "request_id": rid}
 
         def events(self, event, request_id):
-            return [{"path": "partial"}] if event == "reuse" else []
+            return [{"path": "partial"}] if event == "request" else []
 
     monkeypatch.setattr(vllm_rows, "encode_row", lambda tok, row, spec: ([0, 0], [0], [0]))
     monkeypatch.setattr(vllm_rows, "decode_answer", lambda tok, answer, spec: "the answer")
     lines: list[str] = []
     got = vllm_rows.ask_pair(Engine(), type("Tok", (), {"eos_token_id": None})(),
                              [{"context": "c", "answers": ["the answer"]}], task_spec("doc_qa"), say=lines.append)
-    assert got[0]["quality_alone"] == 1.0 and len(lines) == 1
+    assert got[0]["quality_alone"] == 1.0 and len(lines) == 1 and lines[0].endswith("partial")
     assert "1.00" not in lines[0] and "f1" not in lines[0].lower() and "->" not in lines[0]
 
 
@@ -270,7 +270,7 @@ def test_another_plan_is_a_run_of_its_own_joined_to_the_evals_path_of_that_group
 
     upper = ReusePlan.recompute(14, 24)
     rows = make_rows(vllm_rows.TASK, "heldout", 6, SuiteShape())
-    with pytest.raises(ConfigError, match="plan is 'recompute"):
+    with pytest.raises(ConfigError, match="run with --plan 6:9; resume it with --plan 6:9"):
         vllm_rows.resumed(_partial(rows, 4), rows, "heldout", "float32", same=False, plan=upper)
     ev = _eval_of(rows, [0, 1], [1.0, 1.0], [0.5, 1.0])
     ev["per_row"]["paths"]["group/14/24"] = ev["per_row"]["paths"].pop("group/6/9")
@@ -286,3 +286,40 @@ def test_another_plan_is_a_run_of_its_own_joined_to_the_evals_path_of_that_group
     with pytest.raises(ConfigError, match="out of range: real/base has 30 layers"):
         vllm_rows.run("python", tmp_path, 6, tmp_path, lambda line: None, engine_too=False, split="heldout",
                       same=False, plan=ReusePlan.recompute(28, 31))
+
+    chunks, saved = [], []
+    monkeypatch.setattr(vllm_rows, "_ask_chunk", lambda python, tier, base, docqa, part, *rest: (
+        chunks.append(rest[-1]), {"pair": _partial(part, len(part))["pair_per_row"]})[1])
+    out = vllm_rows.run("python", tmp_path, 6, tmp_path, lambda line: None, engine_too=False, chunk=3, split="heldout",
+                        same=False, plan=upper, on_chunk=saved.append)
+    assert chunks == [upper, upper] and out["plan"] == upper.label()
+    assert [p["plan"] for p in saved] == [upper.label()] * 2
+
+
+def test_a_chunks_mesh_publishes_the_plan_and_holds_its_group_starts_e(monkeypatch):
+    """`_ask_chunk` hands the plan to the mesh (`pair_mesh` publishes it and starts the sender
+    holding E at the group's start) and sizes the store for that many E layers."""
+    import pytest
+
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.model.names import ModelRef
+    from droidmesh.shared.tasks.spec import task_spec
+    from droidmesh.shared.tools.bench import vllm_rows
+    from droidmesh.shared.zoo.tokenizer import hf_tokenizer
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def mesh(*args, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(vllm_rows, "pair_mesh", mesh)
+    monkeypatch.setattr(vllm_rows, "held_bytes_per_token", lambda path, dtype, e_layers: seen.setdefault("e", e_layers))
+    ref = ModelRef("/nowhere", "base")
+    with pytest.raises(Stop):
+        vllm_rows._ask_chunk("python", "/tier", ref, ref, [{"context": "a context"}], hf_tokenizer(), task_spec("doc_qa"),
+                             "float32", {}, {}, "/work", lambda line: None, False, ReusePlan.recompute(14, 24))
+    assert seen["plan"] == ReusePlan.recompute(14, 24) and seen["e"] == 1

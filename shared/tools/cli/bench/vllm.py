@@ -93,7 +93,8 @@ def _interval(lo_hi: list[float] | tuple[float, float] | None) -> str:
 @click.option("--chunk", default=150, show_default=True, type=click.IntRange(1, 2000),
               help="Rows per mesh and engine start (a sender holds one chunk's contexts at a time).")
 @click.option("--plan", "group", type=GROUP, default="6:9", show_default=True,
-              help="The pair's plan: this group of layers, START:END, recomputed from the sender's E at START.")
+              help="The pair's plan: this group of layers, START:END, recomputed from the sender's E at START "
+                   "(START 0: from the receiver's own embeddings).")
 @click.option("--resume", "resume_path", type=click.Path(exists=True, dir_okay=False),
               help="Continue a stopped run from its JSON (the same options; it may be --json's own file).")
 @click.option("--beside", "beside_path", type=click.Path(exists=True, dir_okay=False),
@@ -136,6 +137,7 @@ def vllm_rows(json_path, vllm_python, rows, split, pair_only, dtype, no_engine, 
             click.echo(f"base -> docqa, {name}: {result['metric']} full prefill {v['full_prefill']:.3f}, plan "
                        f"{v['plan']:.3f}, relative {v['relative']}, 95% {_interval(v['relative_interval'])}: {v['verdict']}")
     click.echo(f"base -> docqa paths {pair['paths']}")
+    save(json_path, "vllm-rows", result)  # the verdicts kept before the join, which may refuse the eval
     if beside is not None:
         b = pair["beside_eval"] = bench.engine_beside(result["pair_per_row"], beside, split, dtype, plan)
         for name in ("vllm", "droidmesh_engine"):
