@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 
 from droidmesh.shared.engines.vllm.client import Engine, OfflineEngine, cpu_env
+from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.nats_auth import Roster, receiver_user
@@ -149,24 +150,36 @@ def merged(adapter: Path, out: Path) -> Path:
     return out
 
 
-def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: int, dtype: str, work: Path,
-        say: Callable[[str], None], lora: bool = False, rounds: int = AB_ROUNDS,
-        connector_first: bool = False) -> dict[str, Any]:
+def base_tokenizer(base: ModelRef, plan: ReusePlan) -> Any:
+    """`base`'s tokenizer, once `plan` is known to fit its layers (ConfigError, one line, if not):
+    checked before a merge or a mesh starts."""
     from droidmesh.shared.model.adapter import load_model
 
+    model = load_model(base.path, device="cpu", dtype="float32")
+    if plan.groups[-1][1] > model.num_layers:
+        raise ConfigError(f"the plan {plan.label()} is out of range: real/{base.name} has {model.num_layers} layers")
+    return model.tokenizer
+
+
+def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: int, dtype: str, work: Path,
+        say: Callable[[str], None], lora: bool = False, rounds: int = AB_ROUNDS,
+        connector_first: bool = False, plan: ReusePlan = PLAN) -> dict[str, Any]:
+    """vLLM alone and with the connector, alive together: TTFT (a miss, `plan`, full reuse), the
+    decode rate of each, a round of each in turn, and what holding costs (vLLM as a sender)."""
     base = ModelRef(tier / "base", "base")
+    tok = base_tokenizer(base, plan)
     docqa = ModelRef(tier / "docqa" if lora else merged(tier / "docqa", work / "docqa-merged"), "docqa")
-    tok = load_model(base.path, device="cpu", dtype="float32").tokenizer
     held = {n: text.prompt_ids(tok, documents(tok, n, 0), QUESTION) for n in contexts}
     fresh = {n: text.prompt_ids(tok, documents(tok, n, 7), QUESTION) for n in contexts}
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
     served = {"model": str(base.path), "loras": {"docqa": str(docqa.path)}} if lora else {"model": str(docqa.path)}
     spec = {**served, "dtype": dtype, "max_model_len": max(contexts) + 128}
-    out: dict[str, Any] = {"plan": PLAN.label(), "dtype": dtype, "repeats": repeats, "docqa": "lora" if lora else "merged",
+    out: dict[str, Any] = {"plan": plan.label(), "dtype": dtype, "repeats": repeats, "docqa": "lora" if lora else "merged",
                            "started_first": "connector" if connector_first else "alone", "rows": []}
     adapter = "docqa" if lora else None
     measured: dict[str, dict[int, dict[str, Any]]] = {}
-    with pair_mesh(tier, base, docqa, work, dtype, [documents(tok, n, 0) for n in contexts], lora) as connector:
+    with pair_mesh(tier, base, docqa, work, dtype, [documents(tok, n, 0) for n in contexts], lora,
+                   plan=plan) as connector:
         # started in this order: on this host the engine started second prefills a miss ~9 % faster
         # (two engines without the connector, `docs/performance.md`), so a run of each order is needed
         order = (("connector", connector), ("alone", None)) if connector_first else (("alone", None), ("connector", connector))
@@ -182,7 +195,7 @@ def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: 
         finally:
             for engine in engines.values():
                 engine.stop()
-        holding = {**connector, "hold": True, "holder_id": HOLDER, "hold_e_layers": list(PLAN.e_layers)}
+        holding = {**connector, "hold": True, "holder_id": HOLDER, "hold_e_layers": list(plan.e_layers)}
         engine = OfflineEngine(python, {**spec, "connector": holding}, work, env)
         try:
             engine.ready(READY_S)

@@ -41,7 +41,7 @@ from droidmesh.shared.tasks import intervals, measures
 from droidmesh.shared.tasks.rows import decode_answer, document_id, encode_row
 from droidmesh.shared.tasks.spec import TaskSpec, task_spec
 from droidmesh.shared.tools.bench.harness import held_bytes_per_token
-from droidmesh.shared.tools.bench.vllm_reuse import PLAN, READY_S, merged, pair_mesh
+from droidmesh.shared.tools.bench.vllm_reuse import PLAN, READY_S, base_tokenizer, merged, pair_mesh
 
 TASK = "doc_qa"
 
@@ -291,17 +291,13 @@ def run(python: str, tier: Path, n_rows: int, work: Path, say: Callable[[str], N
     result so far after each chunk, so a long run killed midway keeps what it measured, and `done`
     (that result, read back) continues it from its first row not asked (`resumed`). `plan` is the
     pair's: published to the mesh, its group start's E held, its label in the JSON."""
-    from droidmesh.shared.model.adapter import load_model
     from droidmesh.shared.tasks.suite import SuiteShape, make_rows
 
     spec = task_spec(TASK)
     rows = make_rows(TASK, split, n_rows, SuiteShape())
     asked = resumed(done, rows, split, dtype, same, plan) if done else {"same": [], "pair": []}  # before anything slow
     base = ModelRef(tier / "base", "base")
-    model = load_model(base.path, device="cpu", dtype="float32")
-    if plan.groups[-1][1] > model.num_layers:  # before the merge and the meshes
-        raise ConfigError(f"the plan {plan.label()} is out of range: real/base has {model.num_layers} layers")
-    tok = model.tokenizer
+    tok = base_tokenizer(base, plan)  # the plan checked before the merge and the meshes
     docqa = ModelRef(merged(tier / "docqa", work / "docqa-merged"), "docqa")
     longest = max(sum(len(x) for x in encode_row(tok, r, spec)[:2]) for r in rows)
     env = {**THREADS, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}

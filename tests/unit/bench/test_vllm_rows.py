@@ -323,3 +323,20 @@ def test_a_chunks_mesh_publishes_the_plan_and_holds_its_group_starts_e(monkeypat
         vllm_rows._ask_chunk("python", "/tier", ref, ref, [{"context": "a context"}], hf_tokenizer(), task_spec("doc_qa"),
                              "float32", {}, {}, "/work", lambda line: None, False, ReusePlan.recompute(14, 24))
     assert seen["plan"] == ReusePlan.recompute(14, 24) and seen["e"] == 1
+
+
+def test_bench_vllm_refuses_a_plan_past_the_models_layers_before_the_merge(monkeypatch, tmp_path):
+    """`bench vllm --plan` is checked against real/base's layers before a LoRA is merged or a mesh starts."""
+    import pytest
+
+    from droidmesh.shared.errors import ConfigError
+    from droidmesh.shared.kv.plan import ReusePlan
+    from droidmesh.shared.model import adapter
+    from droidmesh.shared.tools.bench import vllm_reuse
+    from droidmesh.shared.zoo.tokenizer import hf_tokenizer
+
+    monkeypatch.setattr(adapter, "load_model", lambda *a, **k: type("M", (), {"tokenizer": hf_tokenizer(), "num_layers": 30})())
+    monkeypatch.setattr(vllm_reuse, "merged", lambda *a: pytest.fail("merged for a plan out of range"))
+    with pytest.raises(ConfigError, match=r"recompute \[20,32\) is out of range: real/base has 30 layers"):
+        vllm_reuse.run("python", tmp_path, [64], 1, 2, "float32", tmp_path, lambda line: None,
+                       plan=ReusePlan.recompute(20, 32))

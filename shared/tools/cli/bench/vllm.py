@@ -43,6 +43,10 @@ def _on_real_tier(vllm_python: str, prefix: str, run: Callable[[Path, Path, Call
         raise click.ClickException(str(e)) from None
 
 
+PLAN_HELP = ("The pair's plan: this group of layers, START:END, recomputed from the sender's E at START "
+             "(START 0: from the receiver's own embeddings).")
+
+
 @click.command("vllm")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the rows and the machine here.")
 @VLLM_PYTHON
@@ -58,13 +62,15 @@ def _on_real_tier(vllm_python: str, prefix: str, run: Callable[[Path, Path, Call
 @click.option("--connector-first", is_flag=True,
               help="Start the connector's engine before vLLM alone (the start order moves a miss's TTFT on a "
                    "small host: run both orders).")
-def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora, rounds, connector_first) -> None:
+@click.option("--plan", "group", type=GROUP, default="6:9", show_default=True, help=PLAN_HELP)
+def vllm(json_path, vllm_python, contexts, repeats, new_tokens, dtype, lora, rounds, connector_first, group) -> None:
     """TTFT and decode rate: vLLM alone, and with the connector (miss, partial, full reuse)."""
+    from droidmesh.shared.kv.plan import ReusePlan
     from droidmesh.shared.tools.bench import vllm_reuse
 
     result = _on_real_tier(vllm_python, "dm-bench-vllm-", lambda tier, work, say: vllm_reuse.run(
         vllm_python, tier, contexts, repeats, new_tokens, dtype, work, say, lora=lora, rounds=rounds,
-        connector_first=connector_first))
+        connector_first=connector_first, plan=ReusePlan.recompute(*group)))
     click.echo(report.format_table(result["rows"], COLUMNS))
     for row in result["rows"]:
         n, rounds_run = row["context_tokens"], row["decode_rounds"]
@@ -92,9 +98,7 @@ def _interval(lo_hi: list[float] | tuple[float, float] | None) -> str:
 @click.option("--no-engine", is_flag=True, help="Skip DroidMesh's own engine on the same rows.")
 @click.option("--chunk", default=150, show_default=True, type=click.IntRange(1, 2000),
               help="Rows per mesh and engine start (a sender holds one chunk's contexts at a time).")
-@click.option("--plan", "group", type=GROUP, default="6:9", show_default=True,
-              help="The pair's plan: this group of layers, START:END, recomputed from the sender's E at START "
-                   "(START 0: from the receiver's own embeddings).")
+@click.option("--plan", "group", type=GROUP, default="6:9", show_default=True, help=PLAN_HELP)
 @click.option("--resume", "resume_path", type=click.Path(exists=True, dir_okay=False),
               help="Continue a stopped run from its JSON (the same options; it may be --json's own file).")
 @click.option("--beside", "beside_path", type=click.Path(exists=True, dir_okay=False),
