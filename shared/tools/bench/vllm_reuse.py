@@ -164,8 +164,7 @@ def base_tokenizer(base: ModelRef, plan: ReusePlan) -> Any:
 def run(python: str, tier: Path, contexts: list[int], repeats: int, new_tokens: int, dtype: str, work: Path,
         say: Callable[[str], None], lora: bool = False, rounds: int = AB_ROUNDS,
         connector_first: bool = False, plan: ReusePlan = PLAN) -> dict[str, Any]:
-    """vLLM alone and with the connector, alive together: TTFT (a miss, `plan`, full reuse), the
-    decode rate of each, a round of each in turn, and what holding costs (vLLM as a sender)."""
+    """vLLM alone and with the connector: TTFT (a miss, `plan`, full reuse), decode, holding."""
     base = ModelRef(tier / "base", "base")
     tok = base_tokenizer(base, plan)
     docqa = ModelRef(tier / "docqa" if lora else merged(tier / "docqa", work / "docqa-merged"), "docqa")
