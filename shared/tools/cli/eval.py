@@ -114,7 +114,10 @@ def eval_cmd(sender, receiver, task: str, split: str, data_path: str | None, met
 @click.argument("parts", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write the merged eval here.")
 @click.option("--incomplete", is_flag=True, help="Merge shards that do not cover their row list (the result says so).")
-def eval_merge(parts: tuple[str, ...], json_path: str, incomplete: bool) -> None:
+@click.option("--no-figures", is_flag=True,
+              help="Print only how many rows were merged, not the figures: for joining a run's rows (e.g. "
+                   "`bench vllm-rows --beside`) before the row count its verdict is read at.")
+def eval_merge(parts: tuple[str, ...], json_path: str, incomplete: bool, no_figures: bool) -> None:
     """Join the evals of `droidmesh eval --shard K/N` (or --per-row evals of disjoint rows of one
     list) into the eval of all their rows, intervals recomputed over every row."""
     from droidmesh.shared.tasks.evaluation import merge
@@ -127,7 +130,10 @@ def eval_merge(parts: tuple[str, ...], json_path: str, incomplete: bool) -> None
     Path(json_path).write_text(json.dumps(ev, indent=2) + "\n")
     if "incomplete" in ev:
         click.echo(f"incomplete: {ev['incomplete']['rows']} rows of {ev['incomplete']['of'] or 'an unknown number'}")
-    click.echo(format_table(ev))
+    if no_figures:
+        click.echo(f"merged {ev['rows']} rows into {json_path} (figures not shown)")
+    else:
+        click.echo(format_table(ev))
 
 
 def _stamp(sender: Any, receiver: Any, split: str, data_path: str | None, data_sha256: str | None, dtype: str | None

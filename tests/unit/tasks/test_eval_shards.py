@@ -86,6 +86,28 @@ def test_shards_that_miss_rows_merge_only_when_asked_and_say_so(pair) -> None:
     assert got["incomplete"] == {"rows": 4, "of": 6} and got["rows"] == 4
 
 
+def test_a_merge_with_no_figures_writes_every_row_and_prints_no_verdict(pair, tmp_path) -> None:
+    """`eval-merge --no-figures` joins a stopped run's shards for a join with another run without
+    showing the verdicts before the row count they are read at; the JSON is the same merge."""
+    import json
+
+    from click.testing import CliRunner
+
+    from droidmesh.shared.tools.cli.eval import eval_merge
+
+    rows = make_rows("multihop_qa", "test", 6, SHAPE)
+    for k in range(2):
+        (tmp_path / f"{k}.json").write_text(json.dumps(_eval(pair, rows[k::3], list(range(6))[k::3], of=6)))
+    argv = [str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--incomplete"]
+    shown = CliRunner().invoke(eval_merge, [*argv, "--json", str(tmp_path / "shown.json")])
+    hidden = CliRunner().invoke(eval_merge, [*argv, "--json", str(tmp_path / "hidden.json"), "--no-figures"])
+    assert shown.exit_code == 0 and hidden.exit_code == 0, hidden.output
+    assert "vs full prefill" in shown.output and "receiver full reuse" in shown.output
+    assert "vs full prefill" not in hidden.output and "receiver full" not in hidden.output
+    assert "incomplete: 4 rows of 6" in hidden.output and "merged 4 rows" in hidden.output
+    assert json.loads((tmp_path / "hidden.json").read_text()) == json.loads((tmp_path / "shown.json").read_text())
+
+
 @pytest.mark.parametrize("spoil,match", [
     (lambda ev: ev["per_row"]["documents"].pop(), "must each list"),
     (lambda ev: ev["per_row"]["index"].__setitem__(0, -1), "integers >= 0"),
