@@ -71,9 +71,11 @@ class Work:
     n_test: int
     others: tuple[int, ...] = ()  # rows of each robustness data set
     transfer: bool = False
+    max_layers: int | None = None  # the fidelity search probes no window larger
 
     def describe(self) -> str:
-        parts = [f"{self.search} search" + (" + exhaustive" if self.exhaustive else ""),
+        cap = f" (groups of <= {self.max_layers} layers)" if self.max_layers is not None else ""
+        parts = [f"{self.search} search{cap}" + (" + exhaustive" if self.exhaustive else ""),
                  f"{self.n_train} train + {self.n_test} test rows"]
         if self.others:
             parts.append(f"robustness on {len(self.others)} data sets")
@@ -120,9 +122,9 @@ def _rows(work: Work, num_layers: int, g: int) -> list[tuple[int, float]]:
     test = [1.0, 0.0, UNKNOWN, UNKNOWN] + [UNKNOWN] * (work.search == "guided")  # + the critical layers alone
     out = [(work.n_train, s) for s in train_plans(work, num_layers, g)] + [(work.n_test, s) for s in test]
     if work.search == "fidelity":  # the divergence pass on the probe rows: the reference, swap probes, windows
-        probe, cuts = min(work.n_train, fidelity.Settings().probe_rows), search.grid(num_layers, g)
-        sizes = {e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1:]}
-        out += [(probe, 1.0)] * (num_layers + 1) + [(probe, k / num_layers) for k in sorted(sizes)]
+        probe = min(work.n_train, fidelity.Settings().probe_rows)
+        sizes = fidelity.window_sizes(num_layers, g, work.max_layers)
+        out += [(probe, 1.0)] * (num_layers + 1) + [(probe, k / num_layers) for k in sizes]
     out += [(work.n_train + work.n_test, -1.0), (work.n_train + work.n_test, 1.0)]  # capture; the sender alone
     for n in work.others:  # capture, full prefill, full reuse, the chosen plan
         out += [(n, -1.0), (n, 1.0), (n, 0.0), (n, UNKNOWN)]

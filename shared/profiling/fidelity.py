@@ -10,7 +10,10 @@ two signals, each where it has power:
               continuous number on every row, no generation. It ranks layers (the swap probe:
               only layer l's KV from the sender) and, per group size, the windows; the plans
               that remove at least `kl_share` of full reuse's divergence and beat every smaller
-              window (fewest layers first, at most `shortlist`) go on.
+              window (fewest layers first, at most `shortlist`) go on. Under `max_layers` (the
+              prefill share a user needs saved) only windows that small are probed; when none of
+              them removes `kl_share`, the one that diverges least is raced anyway, flagged, so
+              the user hears its task verdict rather than an empty short list.
   task metric full reuse (0 layers), the short list and full prefill scored on the same rows, `batch` rows at a time
               (`race`): after each batch, from `min_rows` on, each plan's paired difference to
               full prefill gets its bootstrap 95 % interval (rows of one document resampled
@@ -58,6 +61,7 @@ class Settings:
     probe_rows: int = 8
     kl_share: float = 0.5  # a plan goes on when it removes at least this share of full reuse's divergence
     shortlist: int = 4  # at most this many plans (fewest layers first) go to the task metric
+    max_layers: int | None = None  # no plan recomputes more layers than this; None: any
     batch: int = 16  # rows added to the race at a time
     min_rows: int = 32  # no verdict before this many rows (a bootstrap on fewer is too narrow)
 
@@ -149,6 +153,15 @@ class Ranked:
     full_reuse: float  # mean divergence of full reuse
     windows: list[tuple[int, int, float]]  # per group size, the guided window and its mean divergence
     shortlist: list[tuple[ReusePlan, int]]
+    # raced under max_layers though it does not remove kl_share: (plan, its mean divergence)
+    short_of_share: list[tuple[ReusePlan, float]] = dataclasses.field(default_factory=list)
+
+
+def window_sizes(num_layers: int, g: int, max_layers: int | None = None) -> list[int]:
+    """The group sizes on the g grid the divergence pass probes, ascending (none above `max_layers`)."""
+    cuts = search.grid(num_layers, g)
+    sizes = sorted({e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1:]})
+    return [k for k in sizes if max_layers is None or k <= max_layers]
 
 
 def rank(divergence: RowsOf, num_layers: int, g: int, settings: Settings) -> Ranked:
@@ -165,7 +178,7 @@ def rank(divergence: RowsOf, num_layers: int, g: int, settings: Settings) -> Ran
     reuse = mean(ReusePlan.full_reuse())
     cuts = search.grid(num_layers, g)
     windows = []
-    for size in sorted({e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1:]}):
+    for size in window_sizes(num_layers, g, settings.max_layers):
         spans = [(s, s + size) for s in cuts[:-1] if s + size in cuts]
         s, e = max(spans, key=lambda w: (sum(sens[w[0]:w[1]]), -w[0]))
         windows.append((s, e, mean(ReusePlan.recompute(s, e))))
@@ -175,13 +188,19 @@ def rank(divergence: RowsOf, num_layers: int, g: int, settings: Settings) -> Ran
         if kl < best and kl <= (1.0 - settings.kl_share) * reuse and len(short) < settings.shortlist:
             short.append((ReusePlan.recompute(s, e), e - s))
         best = min(best, kl)
-    return Ranked(sens, reuse, windows, short)
+    flagged: list[tuple[ReusePlan, float]] = []
+    if not short and settings.max_layers is not None and windows:
+        s, e, kl = min(windows, key=lambda w: (w[2], w[1] - w[0]))
+        if kl < reuse:  # one that diverges as much as full reuse cannot beat it
+            short.append((ReusePlan.recompute(s, e), e - s))
+            flagged.append((short[-1][0], kl))
+    return Ranked(sens, reuse, windows, short, flagged)
 
 
 def search_train(train: RowOracle, num_layers: int, g: int, tolerance: float, settings: Settings
                  ) -> tuple[Ranked, RaceResult]:
     """`rank` on `train`'s divergences, then `race` on its task scores, each with a progress bar in rows."""
-    probe, sizes = min(settings.probe_rows, len(train.rows)), len(search.grid(num_layers, g)) - 1
+    probe, sizes = min(settings.probe_rows, len(train.rows)), len(window_sizes(num_layers, g, settings.max_layers))
     with tqdm(total=probe * (num_layers + 1 + sizes), desc="divergence", unit="row") as bar:
         ranked = rank(_rows_bar(train.divergences, bar), num_layers, g, settings)
     with tqdm(total=len(train.rows) * (len(ranked.shortlist) + 2), desc="race", unit="row") as bar:
@@ -212,6 +231,8 @@ def section(ranked: Ranked, raced: RaceResult, settings: Settings, rows: int) ->
         "sensitivity_kl": ranked.sensitivity, "full_reuse_kl": ranked.full_reuse,
         "windows": [{"start": s, "end": e, "recomputed_layers": e - s, "kl": kl} for s, e, kl in ranked.windows],
         "shortlist": [p.label() for p, _ in ranked.shortlist],
+        "short_of_kl_share": [{"plan": p.label(), "kl": kl, "share_removed": 1.0 - kl / ranked.full_reuse}
+                              for p, kl in ranked.short_of_share],
         "race": [e.as_json() for e in raced.entries], "race_rows": raced.rows, "race_row_scores": raced.row_scores,
         "chosen_verdict": pick.verdict if pick is not None else None, "decided": raced.chosen is not None,
     }

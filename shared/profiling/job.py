@@ -68,6 +68,7 @@ class ProfileJob:
     robustness: bool = True
     other_tasks: tuple[str, ...] = ()  # empty: the task's default robustness sets
     transfer_search: bool = True
+    max_layers: int | None = None  # the fidelity search's cap on the group's layers
     device: str = DEFAULT_DEVICE
     dtype: str | None = None
 
@@ -101,6 +102,17 @@ def chosen_test_line(result: dict) -> str:
                               interval["rows"] if interval else None, result["tolerance"])
 
 
+def cap_warning(result: dict) -> str | None:
+    """Why a plan under --max-layers was raced though the divergence says it will not hold."""
+    fid = result.get("fidelity") or {}
+    if not fid.get("short_of_kl_share"):
+        return None
+    short, settings = fid["short_of_kl_share"][0], fid["settings"]
+    return (f"no group of <= {settings['max_layers']} layers removes {settings['kl_share']:.0%} of full reuse's "
+            f"divergence: the closest, {short['plan']}, removes {short['share_removed']:.0%}; it was raced anyway; "
+            "expect it to lose quality (more layers, or no reuse, for this pair)")
+
+
 def test_rule_warning(result: dict) -> str | None:
     """Why the chosen plan must not be published as it is, or None when it is not shown to fail on
     the test split (an undecided interval is said in the summary, not refused)."""
@@ -119,12 +131,14 @@ def run_job(job: ProfileJob, say: Callable[[str], None]
     SCD maps files by sha256). `say` gets the progress lines meant for stderr: the estimated cost,
     what the budget cut, and the warnings. Bad arguments, rows or files raise a DroidMeshError
     (rows that cannot support a choice: NoSignalError), before the models load where it can."""
-    from droidmesh.shared.profiling import profile
+    from droidmesh.shared.profiling import fidelity, profile
     from droidmesh.shared.tasks.jsonl import read_jsonl
 
     settings = profile.ProfileSettings(granularity=job.granularity, tolerance=job.tolerance, search=job.search_kind,
                                        exhaustive=job.exhaustive, require_signal=not job.allow_no_signal,
-                                       budget_s=job.budget * 60 if job.budget else None)
+                                       budget_s=job.budget * 60 if job.budget else None,
+                                       fidelity=fidelity.Settings(max_layers=job.max_layers))
+    profile.check_max_layers(settings)  # before the models load
     for path in (job.data, job.data_train, job.data_test):  # a bad file fails now, not after the models load
         if path:
             read_jsonl(path)
@@ -141,7 +155,7 @@ def run_job(job: ProfileJob, say: Callable[[str], None]
                         for role, ref in (("sender", job.sender), ("receiver", job.receiver))}
     result["models"].update(sender_sha256=job.sender.sha256, receiver_sha256=job.receiver.sha256)
     result["sample_warning"] = sample_warning(result, result["rows"]["test"])
-    for warning in (result["sample_warning"], test_rule_warning(result)):
+    for warning in (result["sample_warning"], cap_warning(result), test_rule_warning(result)):
         if warning:
             say(f"warning: {warning}")
     _write(job, result, maps)
@@ -198,12 +212,17 @@ def summary_lines(job: ProfileJob, result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _cap(fid: dict[str, Any]) -> str:
+    cap = (fid.get("settings") or {}).get("max_layers")
+    return f" (groups of <= {cap} layers)" if cap is not None else ""
+
+
 def fidelity_lines(result: dict[str, Any]) -> list[str]:
     """The fidelity search's race, a line per plan, and full reuse's own test interval."""
     fid, lines = result.get("fidelity"), []
     if fid:
         lines.append(f"  divergence on {fid['probe_rows']} rows: full reuse {fid['full_reuse_kl']:.4f} nats; "
-                     f"short list {', '.join(fid['shortlist']) or 'empty'}; race on up to {fid['race_rows']} rows "
+                     f"short list {', '.join(fid['shortlist']) or 'empty'}{_cap(fid)}; race on up to {fid['race_rows']} rows "
                      f"({fid['race_row_scores']} row scores): " + ("decided" if fid["decided"] else "UNDECIDED"))
         for e in fid["race"]:
             span = e["relative_interval"]

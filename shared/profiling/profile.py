@@ -55,6 +55,18 @@ class ProfileSettings:
     fidelity: fidelity.Settings = fidelity.Settings()  # the fidelity search's probe rows, short list and race
 
 
+def check_max_layers(settings: ProfileSettings) -> None:
+    """A cap on the group's layers is the fidelity search's, on the search's grid: refused
+    elsewhere rather than ignored."""
+    cap = settings.fidelity.max_layers
+    if cap is None:
+        return
+    if settings.search != "fidelity":
+        raise BadRequestError(f"--max-layers needs --search fidelity (the {settings.search} search has no cap)")
+    if cap < settings.granularity:
+        raise BadRequestError(f"--max-layers {cap} is below --granularity {settings.granularity}: no group fits")
+
+
 def _progress(evaluate: Evaluate, bar: tqdm) -> Evaluate:
     def run(plan: ReusePlan) -> float:
         bar.set_postfix_str(plan.label())
@@ -100,6 +112,7 @@ def run(train: Evaluate, test: Evaluate, num_layers: int, settings: ProfileSetti
         raise BadRequestError(f"search {settings.search!r}: one of {', '.join(SEARCHES)}")
     if settings.search == "fidelity" and not isinstance(train, fidelity.RowOracle):
         raise BadRequestError("the fidelity search needs per-row task scores and divergences (a PairScorer)")
+    check_max_layers(settings)
     plans = cost.train_evaluations(cost.Work(settings.search, settings.exhaustive, 0, 0), num_layers,
                                    settings.granularity)
     with tqdm(total=plans, desc=f"profile {pair.id}", unit="config") as bar:  # closed on an error too
@@ -337,7 +350,7 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     require_compatible(s_model.fingerprint, r_model.fingerprint)
     L = r_model.num_layers
     work = cost.Work(settings.search, settings.exhaustive, len(train_rows), len(test_rows),
-                     tuple(len(rows) for rows, _ in other_rows.values()), transfer_search)
+                     tuple(len(rows) for rows, _ in other_rows.values()), transfer_search, settings.fidelity.max_layers)
     work, timing, cut = _fit_budget(work, s_model, r_model, train_rows, spec, L, settings, say)
     settings = dataclasses.replace(settings, search=work.search, exhaustive=work.exhaustive)
     keep = cost.captures_kept(s_model, train_rows, spec, at_least=fidelity.Settings().batch)

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
                    "then binary search on the group's ends, O(log L) plans; fidelity: plans ranked by their "
                    "divergence from full prefill, the short list raced on the task metric with 95 % intervals "
                    "(rows a plan cannot win on are not spent on it).")
+@click.option("--max-layers", type=click.IntRange(1, 4096), default=None, metavar="N",
+              help="--search fidelity: recompute no more than N layers (the prefill share you need saved); when no "
+                   "group that small removes half of full reuse's divergence, the closest is raced anyway, with a "
+                   "warning.")
 @click.option("--exhaustive/--guided-only", default=False, show_default=True,
               help="Also run the O((L/g)^2) search to compare with the chosen one (120 more plans at 30 layers, g=2).")
 @click.option("--budget", type=click.FloatRange(0), default=DEFAULT_BUDGET_MIN, show_default=True,

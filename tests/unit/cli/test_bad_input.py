@@ -140,3 +140,16 @@ def test_a_wire_the_head_dim_cannot_carry_is_refused_before_a_row_is_scored(jobs
     last = [line for line in err.splitlines() if line.strip()][-1]
     assert code == 2 and last.startswith("Error: ") and "needs a head dim it divides, not 32" in last, err
     assert "Traceback" not in err and not (Path(files["out"]) / "e.json").exists()
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--max-layers", "4"], "--max-layers needs --search fidelity"),
+    (["--search", "fidelity", "--granularity", "4", "--max-layers", "2"], "--max-layers 2 is below --granularity 4"),
+])
+def test_a_group_cap_the_search_cannot_keep_is_one_line_before_the_models_load(extra, says, files, monkeypatch):
+    import droidmesh.shared.model.adapter as adapter
+
+    monkeypatch.setattr(adapter, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    code, _out, err = invoke(["profile", "--sender", "demo/base", "--receiver", "demo/qa", "--task", "multihop_qa",
+                              *extra, "--json", f"{files['out']}/p.json"])
+    assert code == 2 and err.strip().count("\n") == 0 and says in err, err

@@ -3,6 +3,7 @@ task metric chooses, and a plan that wins by noise is not chosen."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -212,3 +213,70 @@ def test_full_reuse_races_too_and_wins_where_it_holds():
     assert race[ReusePlan.full_reuse().label()]["verdict"] == "within"
     assert all(e["dropped"] == "a smaller plan is within the rule" for k, e in race.items()
                if k != ReusePlan.full_reuse().label())
+
+
+def spread_divergence(asked: set[ReusePlan]):
+    """Layers 3..7 each carry a fifth of full reuse's divergence: no 2-layer window removes half."""
+    def divergence(plan: ReusePlan, n: int) -> list[float]:
+        asked.add(plan)
+        if plan.mode == "swap":
+            return [1.0 if 3 <= plan.groups[0][0] <= 7 else 0.01] * n
+        if plan.mode == "full_reuse":
+            return [5.0] * n
+        return [sum(1.0 for l in range(3, 8) if l not in plan.recomputed_layers(8))] * n
+    return divergence
+
+
+def test_a_cap_probes_no_larger_group_and_races_the_closest_one_flagged():
+    """Under max_layers=2 no window of more than 2 layers is probed; none of 2 removes half of the
+    divergence, so the closest is short-listed anyway and flagged with the share it removes.
+    Without the cap the short list holds only windows that remove half."""
+    asked: set[ReusePlan] = set()
+    capped = fidelity.rank(spread_divergence(asked), 8, 2, fidelity.Settings(probe_rows=4, max_layers=2))
+    assert all(len(p.recomputed_layers(8)) <= 2 for p in asked if p.mode == "groups")
+    assert [(s, e) for s, e, _ in capped.windows] == [(4, 6)]
+    assert [p for p, _ in capped.shortlist] == [ReusePlan.recompute(4, 6)]
+    assert capped.short_of_share == [(ReusePlan.recompute(4, 6), 3.0)]
+
+    free = fidelity.rank(spread_divergence(set()), 8, 2, fidelity.Settings(probe_rows=4))
+    assert free.short_of_share == []
+    assert all(kl <= 2.5 for p, _ in free.shortlist for s, e, kl in free.windows if p == ReusePlan.recompute(s, e))
+
+
+def test_a_capped_profile_says_its_plan_is_short_of_the_divergence_rule():
+    """End to end over `run`: the flagged plan is raced on the task metric, the JSON carries its
+    share, and the warning names it."""
+    from droidmesh.shared.profiling.job import cap_warning
+
+    class Spread(Scorer):
+        def divergences(self, plan, rows=None):
+            return spread_divergence(set())(plan, len(self.rows) if rows is None else rows)
+
+    settings = ProfileSettings(search="fidelity", fidelity=dataclasses.replace(FAST, max_layers=2))
+    result = run(Spread(120, 5), Spread(120, 6), 8, settings)
+    fid = result["fidelity"]
+    assert [e["plan"] for e in fid["race"]] == [ReusePlan.full_reuse().label(), ReusePlan.recompute(4, 6).label()]
+    assert fid["short_of_kl_share"] == [{"plan": ReusePlan.recompute(4, 6).label(), "kl": 3.0,
+                                         "share_removed": pytest.approx(0.4)}]
+    warning = cap_warning(result)
+    assert warning is not None and "<= 2 layers" in warning and "[4,6)" in warning and "40%" in warning
+    assert cap_warning(run(Scorer(120, 5), Scorer(120, 6), 8, settings)) is None  # [4, 6) removes it all
+
+
+@pytest.mark.parametrize(("settings", "match"), [
+    (ProfileSettings(search="guided", fidelity=fidelity.Settings(max_layers=6)), "needs --search fidelity"),
+    (ProfileSettings(search="fidelity", granularity=4, fidelity=fidelity.Settings(max_layers=2)), "below --granularity"),
+])
+def test_a_cap_the_search_cannot_keep_is_refused_not_ignored(settings, match):
+    from droidmesh.shared.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match=match):
+        run(Scorer(40, 1), Scorer(40, 2), 8, settings)
+
+
+def test_the_estimate_charges_only_the_windows_a_cap_lets_the_search_probe():
+    from droidmesh.shared.profiling import cost
+
+    free = cost.row_evaluations(cost.Work("fidelity", False, 64, 64), 30, 2)[1]
+    capped = cost.row_evaluations(cost.Work("fidelity", False, 64, 64, max_layers=6), 30, 2)[1]
+    assert free - capped == 8 * (15 - 3)  # probe rows x the sizes 8..30 no longer probed
