@@ -94,8 +94,7 @@ def train_plans(work: Work, num_layers: int, g: int) -> list[float]:
     if work.search == "fidelity":  # the race's short list, at most every train row; the chosen split
         shares += [UNKNOWN] * (fidelity.Settings().shortlist + 1)
     elif work.search == "guided":  # a sensitivity probe is the receiver's own prefill: every layer
-        sizes = {e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1:]}
-        shares += [1.0] * L + [k / L for k in sorted(sizes)] + [UNKNOWN] * 2
+        shares += [1.0] * L + [k / L for k in search.group_sizes(L, g)] + [UNKNOWN] * 2
     else:
         coarse = search.grid(L, search.coarse_step(L, g))
         shares += [(e - s) / L for i, s in enumerate(coarse[:-1]) for e in coarse[i + 1:]]
@@ -123,7 +122,7 @@ def _rows(work: Work, num_layers: int, g: int) -> list[tuple[int, float]]:
     out = [(work.n_train, s) for s in train_plans(work, num_layers, g)] + [(work.n_test, s) for s in test]
     if work.search == "fidelity":  # the divergence pass on the probe rows: the reference, swap probes, windows
         probe = min(work.n_train, fidelity.Settings().probe_rows)
-        sizes = fidelity.window_sizes(num_layers, g, work.max_layers)
+        sizes = search.group_sizes(num_layers, g, work.max_layers)
         out += [(probe, 1.0)] * (num_layers + 1) + [(probe, k / num_layers) for k in sizes]
     out += [(work.n_train + work.n_test, -1.0), (work.n_train + work.n_test, 1.0)]  # capture; the sender alone
     for n in work.others:  # capture, full prefill, full reuse, the chosen plan

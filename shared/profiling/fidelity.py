@@ -157,13 +157,6 @@ class Ranked:
     short_of_share: list[tuple[ReusePlan, float]] = dataclasses.field(default_factory=list)
 
 
-def window_sizes(num_layers: int, g: int, max_layers: int | None = None) -> list[int]:
-    """The group sizes on the g grid the divergence pass probes, ascending (none above `max_layers`)."""
-    cuts = search.grid(num_layers, g)
-    sizes = sorted({e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1:]})
-    return [k for k in sizes if max_layers is None or k <= max_layers]
-
-
 def rank(divergence: RowsOf, num_layers: int, g: int, settings: Settings) -> Ranked:
     """The divergence pass on the first `settings.probe_rows` rows: swap probes per layer, then per
     group size on the g grid the window holding the most of their divergence, then the short list:
@@ -176,11 +169,9 @@ def rank(divergence: RowsOf, num_layers: int, g: int, settings: Settings) -> Ran
 
     sens = [mean(ReusePlan.swap([l])) for l in range(num_layers)]
     reuse = mean(ReusePlan.full_reuse())
-    cuts = search.grid(num_layers, g)
     windows = []
-    for size in window_sizes(num_layers, g, settings.max_layers):
-        spans = [(s, s + size) for s in cuts[:-1] if s + size in cuts]
-        s, e = max(spans, key=lambda w: (sum(sens[w[0]:w[1]]), -w[0]))
+    for size in search.group_sizes(num_layers, g, settings.max_layers):
+        s, e = search.heaviest_window(sens, num_layers, g, size)
         windows.append((s, e, mean(ReusePlan.recompute(s, e))))
     short: list[tuple[ReusePlan, int]] = []
     best = reuse
@@ -200,7 +191,7 @@ def rank(divergence: RowsOf, num_layers: int, g: int, settings: Settings) -> Ran
 def search_train(train: RowOracle, num_layers: int, g: int, tolerance: float, settings: Settings
                  ) -> tuple[Ranked, RaceResult]:
     """`rank` on `train`'s divergences, then `race` on its task scores, each with a progress bar in rows."""
-    probe, sizes = min(settings.probe_rows, len(train.rows)), len(window_sizes(num_layers, g, settings.max_layers))
+    probe, sizes = min(settings.probe_rows, len(train.rows)), len(search.group_sizes(num_layers, g, settings.max_layers))
     with tqdm(total=probe * (num_layers + 1 + sizes), desc="divergence", unit="row") as bar:
         ranked = rank(_rows_bar(train.divergences, bar), num_layers, g, settings)
     with tqdm(total=len(train.rows) * (len(ranked.shortlist) + 2), desc="race", unit="row") as bar:

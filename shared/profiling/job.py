@@ -138,7 +138,6 @@ def run_job(job: ProfileJob, say: Callable[[str], None]
                                        exhaustive=job.exhaustive, require_signal=not job.allow_no_signal,
                                        budget_s=job.budget * 60 if job.budget else None,
                                        fidelity=fidelity.Settings(max_layers=job.max_layers))
-    profile.check_max_layers(settings)  # before the models load
     for path in (job.data, job.data_train, job.data_test):  # a bad file fails now, not after the models load
         if path:
             read_jsonl(path)

@@ -335,6 +335,7 @@ def profile_checkpoints(sender: ModelRef, receiver: ModelRef, task: str, setting
     from droidmesh.shared.tasks.scorer import PairScorer
     from droidmesh.shared.tasks.spec import task_spec
 
+    check_max_layers(settings)  # before the models load
     if data and (data_train or data_test):
         raise BadRequestError("give either --data (one file, split in two) or --data-train / --data-test")
     other_tasks = datasets.robustness_tasks(task, other_tasks, user_data=bool(data or data_train or data_test))

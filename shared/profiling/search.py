@@ -78,23 +78,35 @@ def exhaustive(evaluate: Evaluate, num_layers: int, g: int) -> list[Point]:
     return [Point(s, e, evaluate(ReusePlan.recompute(s, e))) for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1 :]]
 
 
+def group_sizes(num_layers: int, g: int, max_layers: int | None = None) -> list[int]:
+    """The group sizes on the g grid, ascending (none above `max_layers`)."""
+    cuts = grid(num_layers, g)
+    sizes = sorted({e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1 :]})
+    return [k for k in sizes if max_layers is None or k <= max_layers]
+
+
+def heaviest_window(weights: list[float], num_layers: int, g: int, size: int) -> tuple[int, int]:
+    """The grid window of `size` layers whose `weights` (one per layer) sum highest; the lowest
+    start on a tie."""
+    cuts = grid(num_layers, g)
+    windows = [(s, s + size) for s in cuts[:-1] if s + size in cuts]
+    return max(windows, key=lambda w: (sum(weights[w[0] : w[1]]), -w[0]))
+
+
 def guided(evaluate: Evaluate, sens: list[float], full_prefill: float, num_layers: int, g: int) -> list[Point]:
     """For each group size on the grid, evaluate only the window with the largest summed
     sensitivity loss (reusing those layers hurts most, so recomputing them helps most)."""
     loss = [max(0.0, full_prefill - q) for q in sens]
-    cuts = grid(num_layers, g)
     points = []
-    for size in sorted({e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1 :]}):
-        windows = [(s, s + size) for s in cuts[:-1] if s + size in cuts]
-        s, e = max(windows, key=lambda w: (sum(loss[w[0] : w[1]]), -w[0]))
+    for size in group_sizes(num_layers, g):
+        s, e = heaviest_window(loss, num_layers, g, size)
         points.append(Point(s, e, evaluate(ReusePlan.recompute(s, e))))
     return points
 
 
 def guided_evaluations(num_layers: int, g: int) -> int:
     """Plans `guided` evaluates: one per group size on the grid."""
-    cuts = grid(num_layers, g)
-    return len({e - s for i, s in enumerate(cuts[:-1]) for e in cuts[i + 1 :]})
+    return len(group_sizes(num_layers, g))
 
 
 COARSE_BLOCKS = 4  # the coarse grid's blocks: at most 10 groups, whatever L is
