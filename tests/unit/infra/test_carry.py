@@ -77,3 +77,37 @@ def test_only_the_named_nixl_plugins_are_roots(tmp_path, plugins):
         (tmp_path / rel).write_bytes(b"\x7fELF")
     found = {p.name for p in carry.roots(tmp_path, tuple(plugins.split(",")))}
     assert found == {f"libplugin_{p}.so" for p in plugins.split(",")}
+
+
+def test_the_tree_leaves_a_device_call_room_for_the_largest_archive():
+    """What travels to a GPU machine is the tree plus a check's archive, 64 MiB in all: a tree that
+    grew past `CALL_BYTES - ARCHIVE_ROOM` would make the transfer check impossible to send."""
+    carry = _carry()
+    tree = carry.tree_bytes(ROOT)
+    assert tree + carry.ARCHIVE_ROOM <= carry.CALL_BYTES, (
+        f"the tree is {tree / carry.MIB:.1f} MiB: with the transfer check's archive it no longer fits one "
+        f"{carry.CALL_BYTES / carry.MIB:.0f} MiB device call (make it lighter: docs/bench, zoo/)")
+
+
+def test_what_travels_is_tracked_and_untracked_files_git_does_not_ignore(tmp_path):
+    carry = _carry()
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "tracked").write_bytes(b"x" * 100)
+    (tmp_path / "gone").write_bytes(b"x" * 1000)
+    subprocess.run(["git", "add", "tracked", "gone", ".gitignore"], cwd=tmp_path, check=True)
+    (tmp_path / "gone").unlink()  # tracked, deleted here: does not travel
+    (tmp_path / "new").write_bytes(b"x" * 10)
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "big").write_bytes(b"x" * 10_000)
+    assert carry.tree_bytes(tmp_path) == 100 + 10 + len("ignored/\n")
+
+
+def test_an_archive_that_does_not_fit_a_call_with_the_tree_fails(tmp_path, capsys):
+    carry = _carry()
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f").write_bytes(b"x" * 4096)
+    assert carry.fits(tmp_path, carry.CALL_BYTES - 4096) == 0
+    assert carry.fits(tmp_path, carry.CALL_BYTES - 4095) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("carry: over a call's 64 MiB")
