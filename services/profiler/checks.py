@@ -3,11 +3,12 @@
 Two requesters, told apart by the subject a request came in on (NATS permissions let only users
 receiver-<model> and admin publish on `profiler_reprofile(model)`, only admin on `PROFILER_PROFILE`):
 
-* a drift re-profile: calibration rows only (bounded in count and bytes; any of the searches) for
-  one of the model's own pairs, its models named by the ids this profiler maps, at the tolerance of the pair's
-  current config (`check_same_rule`). No data files, robustness files, version, relay buckets,
-  transfer search or exhaustive search: the profiler picks the version (`next_version`) and
-  keeps the relay buckets of the pair's current config. It is run and published only when an
+* a drift re-profile: calibration rows only (bounded in count and bytes; any of the searches, with
+  or without a cap on the group's layers) for one of the model's own pairs, its models named by
+  the ids this profiler maps, at the tolerance of the pair's current config (`check_same_rule`).
+  No data files, robustness files, version, relay buckets, transfer search or exhaustive search:
+  the profiler picks the version (`next_version`) and keeps the relay buckets of the pair's
+  current config. It is run and published only when an
   operator sent it (`check_reprofiler`); the receivers' own (their quality watch) is refused and
   recorded for operators, so a receiver identity cannot switch a pair's plan.
 * an operator's profile: may also name data files (read under the data root only, see
@@ -20,13 +21,15 @@ import dataclasses
 
 from droidmesh.shared.errors import BadRequestError, UnauthorizedError
 from droidmesh.shared.mesh.config_board import MAX_RELAY_BUCKETS
-from droidmesh.shared.profiling.profile import SEARCHES
+from droidmesh.shared.profiling import fidelity
+from droidmesh.shared.profiling.profile import SEARCHES, ProfileSettings, check_max_layers
 from droidmesh.shared.wire import schemas
 
 # Versions are unix seconds: one further ahead than this would outrank every config published
 # until the clock catches up. A few seconds of skew between profilers' clocks are normal.
 MAX_VERSION_AHEAD_S = 300.0
 MAX_GRANULARITY = 64
+MAX_LAYERS = 1024  # a cap on the group's layers above any model's depth caps nothing
 MAX_OTHER_TASKS = 16
 MAX_NAME_CHARS = 256  # a task name, a request id: logged and published, never long
 OPERATORS = frozenset({"admin"})  # the roster's operator login (`shared/mesh/nats_auth.py`)
@@ -48,6 +51,15 @@ def receiver(model_id: str) -> Requester:
     return Requester(f"receivers of {model_id}", operator=False)
 
 
+def settings(req: schemas.ProfileRequest) -> ProfileSettings:
+    """The profile a checked request runs. require_signal off: the drift bench and this service's
+    system tests profile the ci tier's untrained models (full prefill scores 0 there); a request
+    cannot ask for the check (it would be a field)."""
+    return ProfileSettings(granularity=req.granularity, tolerance=req.tolerance, exhaustive=req.exhaustive,
+                           search=req.search, require_signal=False,
+                           fidelity=fidelity.Settings(max_layers=req.max_layers))
+
+
 def rows_bytes(rows: list[schemas.ProfileRow]) -> int:
     """The UTF-8 bytes of the rows' text (what the profiler writes out and scores)."""
     return sum(len(r.context.encode()) + len(r.input.encode()) + sum(len(a.encode()) for a in r.answers) for r in rows)
@@ -63,6 +75,9 @@ def check_common(req: schemas.ProfileRequest, max_rows: int, max_rows_bytes: int
         raise BadRequestError(f"granularity must be in 1..{MAX_GRANULARITY} and tolerance in [0, 1)")
     if req.search not in SEARCHES:
         raise BadRequestError(f"search {req.search[:MAX_NAME_CHARS]!r}: one of {', '.join(SEARCHES)}")
+    if req.max_layers is not None and not 1 <= req.max_layers <= MAX_LAYERS:
+        raise BadRequestError(f"max_layers={req.max_layers} outside 1..{MAX_LAYERS}")
+    check_max_layers(settings(req))
     if not 0 < len(req.task) <= MAX_NAME_CHARS or len(req.request_id) > MAX_NAME_CHARS:
         raise BadRequestError(f"task must be 1..{MAX_NAME_CHARS} characters, request_id at most {MAX_NAME_CHARS}")
     if req.rows and not 2 <= len(req.rows) <= max_rows:

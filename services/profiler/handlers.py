@@ -28,7 +28,7 @@ from droidmesh.shared.mesh.config_board import validate
 from droidmesh.shared.mesh.maps_store import referenced
 from droidmesh.shared.model.names import ModelRef, Pair, weights_sha256
 from droidmesh.shared.profiling import evidence
-from droidmesh.shared.profiling.profile import ProfileSettings, profile_checkpoints
+from droidmesh.shared.profiling.profile import profile_checkpoints
 from droidmesh.shared.tasks.jsonl import write_jsonl
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.zoo.manifest import resolve_model
@@ -69,11 +69,7 @@ async def reprofile(s: ProfilerState, model_id: str, req: schemas.ProfileRequest
 
 async def _profile(s: ProfilerState, who: checks.Requester, req: schemas.ProfileRequest) -> schemas.ProfileReply:
     """Profile the pair in the worker thread, publish the config, reply with the full result."""
-    # require_signal off: the drift bench and this service's system tests profile the ci tier's
-    # untrained models (full prefill scores 0 there). A request cannot ask for the check yet (it
-    # would be a ProfileRequest field).
-    settings = ProfileSettings(granularity=req.granularity, tolerance=req.tolerance, exhaustive=req.exhaustive,
-                               search=req.search, require_signal=False)
+    settings = checks.settings(req)
     t0 = time.perf_counter()
     maps: dict[str, bytes] = {}  # sha256 -> SCD maps file the config's coded points name
     with tempfile.TemporaryDirectory(prefix="dm-profile-") as tmp:

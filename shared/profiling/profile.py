@@ -62,9 +62,10 @@ def check_max_layers(settings: ProfileSettings) -> None:
     if cap is None:
         return
     if settings.search != "fidelity":
-        raise BadRequestError(f"--max-layers needs --search fidelity (the {settings.search} search has no cap)")
+        raise BadRequestError(f"a cap on the group's layers ({cap}) needs the fidelity search "
+                              f"(the {settings.search} search has none)")
     if cap < settings.granularity:
-        raise BadRequestError(f"--max-layers {cap} is below --granularity {settings.granularity}: no group fits")
+        raise BadRequestError(f"a cap of {cap} layers is below the granularity {settings.granularity}: no group fits")
 
 
 def _progress(evaluate: Evaluate, bar: tqdm) -> Evaluate:

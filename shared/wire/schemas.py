@@ -20,7 +20,7 @@ from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 from droidmesh.shared.wire.hashing import MAX_SCOPE_CHARS, PUBLIC, SCOPE_PATTERN
 from droidmesh.shared.wire.logprobs import TokenLogprob
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never ride the bus
 
 
@@ -284,7 +284,7 @@ class ProfileRow(msgspec.Struct):
 class ProfileRequest(Message, tag="profile.request"):
     """Profile a pair offline and publish its config (checkpoint paths local to the profiler).
     Operators may set every field; a receiver's re-profile (its own subject) only the pair's model
-    ids, task, row counts, granularity, tolerance, search, rows and sha256s, with exhaustive false
+    ids, task, row counts, granularity, tolerance, search, max layers, rows and sha256s, with exhaustive false
     (services/profiler/checks.py)."""
 
     request_id: str
@@ -299,6 +299,7 @@ class ProfileRequest(Message, tag="profile.request"):
     tolerance: float = 0.05
     exhaustive: bool = True
     search: str = "guided"  # how the group is found: guided, coarse or fidelity (shared/profiling/profile.py SEARCHES)
+    max_layers: int | None = None  # the fidelity search's cap on the group's layers (None: any)
     data_train: str | None = None  # LongBench-style JSONL instead of the zoo's generated split: a file under the profiler's data root
     data_test: str | None = None
     version: int = 0  # 0: the profiler picks one (unix seconds, above the pair's newest); never far ahead of its clock

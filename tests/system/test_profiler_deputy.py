@@ -190,8 +190,8 @@ def test_a_receivers_reprofile_is_refused_and_recorded_while_an_operators_is_pub
     sends): each refused before any work (unauthorized), logged for operators (reprofile_wanted,
     with the user and the pair's version in use, no rows); nothing published. The same request
     from an operator's login is run and published: the profiler picks the version (above the
-    newest), runs the search it asks for (the fidelity one) and keeps the relay buckets of the
-    config in use."""
+    newest), runs the search it asks for (the fidelity one, its group capped at 4 layers) and keeps
+    the relay buckets of the config in use."""
     url, pw, _, _, profiler, in_use = mesh
     before = asyncio.run(_versions(url, pw))
 
@@ -202,7 +202,7 @@ def test_a_receivers_reprofile_is_refused_and_recorded_while_an_operators_is_pub
             asked = await asyncio.gather(*[_ask(recv, subjects.profiler_reprofile("qa"), _reprofile(in_use, f"drift-{i}"))
                                            for i in range(3)])
             return list(asked), await _ask(admin, subjects.profiler_reprofile("qa"),
-                                           _reprofile(in_use, "operator", search="fidelity"))
+                                           _reprofile(in_use, "operator", search="fidelity", max_layers=4))
         finally:
             await recv.close()
             await admin.close()
@@ -217,7 +217,15 @@ def test_a_receivers_reprofile_is_refused_and_recorded_while_an_operators_is_pub
     assert not any(r.startswith("drift-") for e in profiler.events("request") for r in [e.get("request_id", "")])
     assert isinstance(operator, schemas.ProfileReply), operator
     assert operator.config.profile_version > max(before) and operator.config.relay == VETO
-    assert json.loads(operator.result_json)["search"] == "fidelity"  # the search asked for is the one run
+    result = json.loads(operator.result_json)
+    assert result["search"] == "fidelity"  # the search asked for is the one run, under its cap
+    fid = result["fidelity"]
+    assert fid["settings"]["max_layers"] == 4 and fid["windows"] and fid["race"]
+    assert all(w["recomputed_layers"] <= 4 for w in fid["windows"]) and all(
+        e["recomputed_layers"] <= 4 for e in fid["race"])  # no larger group probed or raced
+    # 2 rows judge no plan: the profile keeps full prefill (every layer), as it does uncapped
+    layers = sum(b - a for a, b in operator.config.chosen.plan.groups)
+    assert layers <= 4 or (not fid["decided"] and layers == result["total_layers"]), (layers, fid["race"])
     assert asyncio.run(_versions(url, pw)) == [*before, operator.config.profile_version]
 
 

@@ -143,8 +143,8 @@ def test_a_wire_the_head_dim_cannot_carry_is_refused_before_a_row_is_scored(jobs
 
 
 @pytest.mark.parametrize(("extra", "says"), [
-    (["--max-layers", "4"], "--max-layers needs --search fidelity"),
-    (["--search", "fidelity", "--granularity", "4", "--max-layers", "2"], "--max-layers 2 is below --granularity 4"),
+    (["--max-layers", "4"], "a cap on the group's layers (4) needs the fidelity search"),
+    (["--search", "fidelity", "--granularity", "4", "--max-layers", "2"], "a cap of 2 layers is below the granularity 4"),
 ])
 def test_a_group_cap_the_search_cannot_keep_is_one_line_before_the_models_load(extra, says, files, monkeypatch):
     import droidmesh.shared.model.adapter as adapter

@@ -264,8 +264,8 @@ def test_a_capped_profile_says_its_plan_is_short_of_the_divergence_rule():
 
 
 @pytest.mark.parametrize(("settings", "match"), [
-    (ProfileSettings(search="guided", fidelity=fidelity.Settings(max_layers=6)), "needs --search fidelity"),
-    (ProfileSettings(search="fidelity", granularity=4, fidelity=fidelity.Settings(max_layers=2)), "below --granularity"),
+    (ProfileSettings(search="guided", fidelity=fidelity.Settings(max_layers=6)), "needs the fidelity search"),
+    (ProfileSettings(search="fidelity", granularity=4, fidelity=fidelity.Settings(max_layers=2)), "below the granularity"),
 ])
 def test_a_cap_the_search_cannot_keep_is_refused_not_ignored(settings, match):
     from droidmesh.shared.errors import BadRequestError

@@ -66,6 +66,26 @@ def test_the_search_is_one_the_profiler_runs_whoever_asks():
             ask(reprofile(search="exhaustive"))
 
 
+def test_a_cap_on_the_groups_layers_is_the_fidelity_searchs_and_on_its_grid_whoever_asks():
+    """`max_layers` narrows the fidelity search for either requester; with another search, below the
+    granularity or outside 1..MAX_LAYERS it is refused before any model loads, not ignored."""
+    for ask in (lambda r: check_receiver(r), lambda r: checks.check_operator(r, 64, 1 << 16, NOW)):
+        ask(reprofile(search="fidelity", max_layers=6))
+        ask(reprofile(search="fidelity", max_layers=2, granularity=2))
+        for changes, match in [(dict(search="guided", max_layers=6), "needs the fidelity search"),
+                               (dict(search="fidelity", max_layers=2, granularity=4), "below the granularity 4"),
+                               (dict(search="fidelity", max_layers=0), r"max_layers=0 outside 1\.\.1024"),
+                               (dict(search="fidelity", max_layers=10**9), "outside 1..1024")]:
+            with pytest.raises(BadRequestError, match=match):
+                ask(reprofile(**changes))
+
+
+def test_the_profile_a_request_runs_carries_its_cap():
+    settings = checks.settings(reprofile(search="fidelity", max_layers=6))
+    assert (settings.search, settings.fidelity.max_layers, settings.require_signal) == ("fidelity", 6, False)
+    assert checks.settings(reprofile()).fidelity.max_layers is None
+
+
 @pytest.mark.parametrize("changes,match", [
     (dict(receiver_path="code"), "re-profile their own pairs"),
     (dict(receiver_model="code"), "re-profile their own pairs"),
