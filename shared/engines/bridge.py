@@ -179,7 +179,7 @@ class MeshBridge:
     # -- worker side ----------------------------------------------------------------------
     def context_kv(self, match: Match, prompt: list[int]) -> tuple[list[KV], int]:
         """The reused prefix's K/V of every layer (each [1, kv_heads, m, head_dim] in the settings'
-        dtype on the CPU: the receiver's own weights recompute the plan's groups) and the bytes pulled.
+        dtype on their device: the receiver's own weights recompute the plan's groups) and the bytes pulled.
         Raises `ReuseError` for anything that keeps it from being exactly the plan's."""
         began = time.monotonic()
         holder = schemas.decode(match.holder, schemas.CacheAvailable)
@@ -226,11 +226,11 @@ class MeshBridge:
         return self._holder.hold(model_id, prompt, read)
 
     def _model(self, model_id: str) -> ModelAdapter:
-        """The receiver's own weights (the settings' dtype, CPU), loaded on first use: the plan's
-        groups run on them, and pulled tensors must be of their dtype."""
+        """The receiver's own weights (the settings' dtype and device), loaded on first use: the
+        plan's groups run on them, and pulled tensors must be of their dtype."""
         with self._loading:  # the worker's step and the holder's thread may both ask first
             if model_id not in self._models:
-                self._models[model_id] = load_model(self.cfg.models[model_id], device="cpu",
+                self._models[model_id] = load_model(self.cfg.models[model_id], device=self.cfg.device,
                                                     dtype=self.cfg.dtype, name=model_id)
         return self._models[model_id]
 

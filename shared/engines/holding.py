@@ -58,7 +58,7 @@ class EngineHolder:
                              heartbeat_s=cfg.heartbeat_s, authenticated=bool(cfg.nats_user))
         self._sha = {m: weights_sha256(p) for m, p in cfg.models.items()}
         for model_id, sha in self._sha.items():
-            self.holder.add_model(model_id, sha, resolve_dtype(cfg.dtype, "cpu"), cfg.readers)
+            self.holder.add_model(model_id, sha, resolve_dtype(cfg.dtype, cfg.device), cfg.readers)
         self._server: BulkServer | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         # E is computed here, one context at a time, beside the engine's own threads

@@ -17,6 +17,7 @@ from typing import Any
 
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.holding.settings import HolderSettings
+from droidmesh.shared.model.device import check_device_name
 from droidmesh.shared.service.settings import value_is
 from droidmesh.shared.transport.bulk import TRANSPORTS
 from droidmesh.shared.wire.hashing import PUBLIC
@@ -37,6 +38,9 @@ class EngineSettings(HolderSettings):
     connect_timeout_s: float = 15.0
     kv_screen: bool = True  # screen pulled tensors against the receiver's own statistics
     dtype: str = "float32"  # the receiver's own layers (the recomputed group), as the holders' K/V and E
+    # where those layers run (and the screen, and a held context's E): cpu, or the engine's GPU
+    # (cuda, cuda:N) so a GPU engine's plan is recomputed there and its K/V never crosses the host
+    device: str = "cpu"
     # vLLM as a sender (`engines/holding.py`): hold what the engine prefilled itself, in `scope`,
     # under `holder_id` (under NATS auth the roster's `--holder MODEL=ID` of this receiver user),
     # with E at `hold_e_layers` besides those the pair configs naming its models as senders use;
@@ -56,6 +60,7 @@ class EngineSettings(HolderSettings):
             raise ConfigError(f"transport {self.transport!r} not one of {TRANSPORTS}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype {self.dtype!r} not one of float32, bfloat16, float16")
+        check_device_name(self.device)
         if not self.scope:
             raise ConfigError("scope must not be empty")
         if self.hold and not self.holder_id:

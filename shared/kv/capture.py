@@ -106,6 +106,7 @@ def captured_from_engine(model: ModelAdapter, token_ids: Sequence[int], kv: Sequ
             h = model.run_layers(h, start, stop, scratch, past=0)
             e[stop] = h.clone()
             start = stop
-    blocks = tuple(KVBlock(l, k.to(model.dtype).contiguous(), v.to(model.dtype).contiguous())
-                   for l, (k, v) in enumerate(kv))
+    # the engine's cache may live elsewhere (a GPU engine, weights on the host): the context is the model's
+    blocks = tuple(KVBlock(l, k.to(device=model.device, dtype=model.dtype).contiguous(),
+                           v.to(device=model.device, dtype=model.dtype).contiguous()) for l, (k, v) in enumerate(kv))
     return CapturedContext(token_ids=tuple(ids), fingerprint=model.fingerprint, model_name=model.name, kv=blocks, e=e)

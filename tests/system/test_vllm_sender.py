@@ -43,7 +43,8 @@ QUESTION = "\nQuestion: Which registry does the foundation run?\nAnswer:"
 def test_the_cache_layout_reads_back_what_vllms_write_op_wrote():
     """`pages.read_slots` against vLLM's own cache-write op, in vLLM's environment: random K/V
     written at shuffled blocks (a partial last one) come back bit for bit, for every layout this
-    CPU's attention picks (fp32 and bf16; block sizes 16, 32, 128)."""
+    CPU's attention picks (fp32 and bf16; block sizes 16, 32, 128). The backends the connector
+    knows by name are vLLM's own (its registry's classes answer those names)."""
     if not PYTHON.is_file():
         pytest.fail(f"no vLLM environment at {PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
     script = """
@@ -59,12 +60,15 @@ for dt in (torch.float32, torch.bfloat16):
         pages.write_layer(cache, k, v, slots, isa)
         got_k, got_v = pages.read_slots(cache, slots, isa)
         print(isa, torch.equal(got_k, k) and torch.equal(got_v, v))
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+names = [pages.CPU_BACKEND, *sorted(pages.FLASH_BACKENDS)]
+print("names", all(AttentionBackendEnum[n].get_class().get_name() == n for n in names))
 """
     out = subprocess.run([str(PYTHON), "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split("\n")
-    results = [line.split() for line in lines if line.strip()]
-    assert len(results) == 6 and all(ok == "True" for _, ok in results), out.stdout
+    results = [line.split() for line in lines if line.strip() and not line.startswith("Triton")]
+    assert len(results) == 7 and all(ok == "True" for _, ok in results), out.stdout
 
 
 @pytest.fixture(scope="module")

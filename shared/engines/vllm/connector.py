@@ -120,7 +120,8 @@ class DroidMeshConnector(KVConnectorBase_V1):
         self._saving: dict[str, Save] = {}  # prompts being prefilled by vLLM itself (`hold`)
         # worker side
         self._caches: dict[int, tuple[str, torch.Tensor]] = {}
-        self._isa: dict[str, str] = {}  # layer name -> its cache layout, as its attention writes it
+        self._layers: dict[str, Any] = {}  # vLLM's attention layers by name (from the first forward)
+        self._layouts: dict[str, str] = {}  # layer name -> its cache layout, as its attention writes it
         self._failed_blocks: set[int] = set()
 
     @property
@@ -221,9 +222,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, DroidMeshMetadata)
-        layers = getattr(forward_context, "no_compile_layers", {}) or {}
-        if layers and not self._isa:
-            self._isa = {name: pages.isa_of(layers.get(name), cache, "auto") for name, cache in self._caches.values()}
+        self._layers = self._layers or dict(getattr(forward_context, "no_compile_layers", {}) or {})
         for load in meta.loads:
             began = time.perf_counter()
             try:
@@ -254,7 +253,15 @@ class DroidMeshConnector(KVConnectorBase_V1):
         return [pages.read_slots(cache, slots, self._layout(name, cache)) for _, (name, cache) in sorted(self._caches.items())]
 
     def _layout(self, name: str, cache: torch.Tensor) -> str:
-        return self._isa.get(name) or pages.isa_of(None, cache, "auto")
+        """The layer's cache layout (kept once vLLM's layer told it; `UnsupportedLayout`, raised
+        in the load or hold it costs, for a backend the connector does not write)."""
+        layout = self._layouts.get(name)
+        if layout is None:
+            layer = self._layers.get(name)
+            layout = pages.layout_of(layer, cache, "auto")
+            if layer is not None:
+                self._layouts[name] = layout
+        return layout
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # prompts are copied out whole, after the step's forward (`wait_for_save`)

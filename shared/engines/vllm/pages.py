@@ -1,16 +1,24 @@
 """K/V into and out of vLLM's paged cache, layer by layer.
 
-vLLM's CPU attention keeps a layer as [num_blocks, kv_heads, block_size, 2 * head_dim]: K in the
-first block_size rows of each (block, head) viewed as [blocks, heads, 2 * block_size, head_dim],
-V in the rest; the order inside each half depends on the kernel's ISA (K transposed for "vec",
-both tiled for "amx"). So K/V go in through the op vLLM's own attention writes with
-(`cpu_attn_reshape_and_cache`), never by indexing: what lands is exactly what vLLM would have
-written had it computed those tokens. GPU backends (flash attention's [2, blocks, block_size,
-heads, head_dim]) go through `reshape_and_cache_flash` the same way.
+Every attention backend the connector writes keeps a layer as [num_blocks, kv_heads, block_size,
+2 * head_dim]; what the last two dimensions hold is the backend's (its layout, `layout_of`):
 
-Reading back (`read_slots`: what vLLM prefilled, held for the mesh) has no op of vLLM's to go
-through, so it undoes the write's layout by a view and a permute per ISA; the system test checks
-it against the write op itself (every element read back is the one written, bit for bit).
+* `CPU_ATTN`: K in the first block_size rows of each (block, head) viewed as [blocks, heads,
+  2 * block_size, head_dim], V in the rest; the order inside each half depends on the kernel's ISA
+  (K transposed for "vec", both tiled for "amx"), which names the layout. K/V go in through the op
+  vLLM's own attention writes with (`cpu_attn_reshape_and_cache`), never by indexing: what lands
+  is exactly what vLLM would have written had it computed those tokens.
+* `FLASH_ATTN`, `TRITON_ATTN`, `FLEX_ATTENTION` (the GPU backends; layout `FLASH`): each token's K
+  then V along the last dimension, so the layer transposed is [blocks, block_size, heads,
+  2 * head_dim] and K, V are its halves (the views those backends' own kernels read, whatever the
+  physical stride order). Their write op (`reshape_and_cache_flash`) copies each token's K/V to
+  its slot unchanged for an unquantized cache, the only kind the connector accepts, so the
+  connector writes the same slots by indexing those views.
+
+Any other backend (FlashInfer, MLA, ...) is refused (`UnsupportedLayout`): its requests fall back
+to vLLM's own prefill and nothing is held, never a wrong cache. Reading back (`read_slots`: what
+vLLM prefilled, held for the mesh) undoes the write's layout by views; the system test checks the
+CPU layouts against vLLM's write op itself (every element read back is the one written, bit for bit).
 """
 
 from __future__ import annotations
@@ -20,6 +28,13 @@ import re
 import torch
 
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+CPU_BACKEND = "CPU_ATTN"
+FLASH = "flash"  # the layout of the backends below: per token, K then V along the last dimension
+FLASH_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
+
+
+class UnsupportedLayout(ValueError):
+    """A layer's cache is laid out in a way the connector does not write or read."""
 
 
 def layer_index(name: str) -> int:
@@ -38,9 +53,9 @@ def slots_of(block_ids: list[int], block_size: int, tokens: int) -> torch.Tensor
     return (b[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[:tokens]  # [tokens]
 
 
-def write_layer(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
-    """Write K/V [1, kv_heads, m, head_dim] at `slots` [m] of one layer's paged `cache`; every
-    shape and slot is checked first, so a refusal leaves the cache untouched."""
+def write_layer(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, layout: str) -> None:
+    """Write K/V [1, kv_heads, m, head_dim] at `slots` [m] of one layer's paged `cache`, laid out as
+    `layout` says; every shape and slot is checked first, so a refusal leaves the cache untouched."""
     blocks, heads, block_size, width = cache.shape
     if k.shape != v.shape or k.shape[0] != 1 or k.shape[1] != heads or 2 * k.shape[3] != width:
         raise ValueError(f"K/V {tuple(k.shape)} do not fit a cache of {heads} heads x {width // 2} dims")
@@ -48,12 +63,38 @@ def write_layer(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
         raise ValueError(f"{k.shape[2]} tokens for {slots.numel()} slots")
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= blocks * block_size):
         raise ValueError("a slot outside the cache")
+    key = k[0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()  # [1, H, m, D] -> [m, H, D]
+    value = v[0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()
+    slots = slots.to(cache.device)
+    if layout == FLASH:
+        kc, vc = _flash_halves(cache)  # [blocks, block_size, H, D] each: views of `cache`
+        block, offset = slots // block_size, slots % block_size  # [m] each
+        kc[block, offset] = key
+        vc[block, offset] = value
+        return
     from vllm import _custom_ops as ops  # vLLM's own kernels: only in an engine's process
 
     kc, vc = cache.view(blocks, heads, 2 * block_size, width // 2).chunk(2, dim=2)
-    key = k[0].transpose(0, 1).to(cache.dtype).contiguous()  # [1, H, m, D] -> [m, H, D]
-    value = v[0].transpose(0, 1).to(cache.dtype).contiguous()
-    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots.to(cache.device), isa)
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, layout)
+
+
+def _flash_halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A FLASH layer [blocks, H, block_size, 2 * D] as its K and V views, each [blocks, block_size, H, D]."""
+    return cache.transpose(1, 2).split(cache.shape[3] // 2, dim=-1)
+
+
+def layout_of(layer: object, cache: torch.Tensor, cache_dtype: str) -> str:
+    """How `layer` lays out its `cache`: the CPU attention's ISA, or FLASH. `layer` is vLLM's
+    attention layer (None where the engine did not say: a CPU cache is then the CPU backend's);
+    `UnsupportedLayout` for any other backend."""
+    backend = getattr(layer, "attn_backend", None)
+    name = backend.get_name() if backend is not None else CPU_BACKEND if cache.device.type == "cpu" else None
+    if name == CPU_BACKEND:
+        return isa_of(layer, cache, cache_dtype)
+    if name in FLASH_BACKENDS:
+        return FLASH
+    raise UnsupportedLayout(f"vLLM attention backend {name or 'unknown'} ({cache.device.type}): the DroidMesh "
+                            f"connector writes {CPU_BACKEND} and {', '.join(sorted(FLASH_BACKENDS))} caches only")
 
 
 def isa_of(layer: object, cache: torch.Tensor, cache_dtype: str) -> str:
@@ -66,32 +107,36 @@ def isa_of(layer: object, cache: torch.Tensor, cache_dtype: str) -> str:
     return str(isa)
 
 
-def block_kv(cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+def block_kv(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's cache [blocks, heads, block_size, 2 * head_dim] as K, V views, each
-    [blocks, heads, block_size, head_dim] in token order, for the layout `isa` writes."""
+    [blocks, heads, block_size, head_dim] in token order, for `layout`."""
     blocks, heads, bs, width = cache.shape
     d = width // 2
+    if layout == FLASH:
+        kc, vc = _flash_halves(cache)  # [blocks, bs, H, D] each
+        return kc.transpose(1, 2), vc.transpose(1, 2)
     halves = cache.view(blocks, heads, 2, bs * d)  # per (block, head): the K half, then the V half
     k, v = halves[:, :, 0], halves[:, :, 1]
-    if isa in ("vec", "vec16"):  # K stored [head_dim, block_size] (transposed), V [block_size, head_dim]
+    if layout in ("vec", "vec16"):  # K stored [head_dim, block_size] (transposed), V [block_size, head_dim]
         return k.view(blocks, heads, d, bs).transpose(2, 3), v.view(blocks, heads, bs, d)
-    if isa == "amx":  # 16 x 2 tiles: K [bs/16, d/2, 16, 2], V [d/16, bs/2, 16, 2]
+    if layout == "amx":  # 16 x 2 tiles: K [bs/16, d/2, 16, 2], V [d/16, bs/2, 16, 2]
         key = k.view(blocks, heads, bs // 16, d // 2, 16, 2).permute(0, 1, 2, 4, 3, 5).reshape(blocks, heads, bs, d)
         value = v.view(blocks, heads, d // 16, bs // 2, 16, 2).permute(0, 1, 3, 5, 2, 4).reshape(blocks, heads, bs, d)
         return key, value
-    raise ValueError(f"no read-back for vLLM's CPU attention layout {isa!r}")
+    raise UnsupportedLayout(f"no read-back for vLLM's cache layout {layout!r}")
 
 
-def read_slots(cache: torch.Tensor, slots: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+def read_slots(cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V at `slots` [T] of one layer's paged `cache` (slot = block * block_size + offset, split
     by the cache's own block size, which may be a fraction of the scheduler's), each a fresh
     contiguous [1, kv_heads, T, head_dim] in the cache's dtype."""
     blocks, _, bs, _ = cache.shape
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= blocks * bs):
         raise ValueError("a slot outside the cache")
+    slots = slots.to(cache.device)
     block, offset = slots // bs, slots % bs  # [T] each
     touched, which = torch.unique(block, return_inverse=True)  # only the request's blocks are viewed
-    k, v = block_kv(cache[touched], isa)  # [n, H, bs, D] each
+    k, v = block_kv(cache[touched], layout)  # [n, H, bs, D] each
     key = k[which, :, offset].permute(1, 0, 2)[None]  # [T, H, D] -> [1, H, T, D]
     value = v[which, :, offset].permute(1, 0, 2)[None]
     return key.contiguous(), value.contiguous()

@@ -22,6 +22,7 @@ def test_settings_from_the_engines_dict(tmp_path):
     s = EngineSettings.from_mapping(_raw(tmp_path, reuse_timeout_s=3, transport="shm"))
     assert s.reuse_timeout_s == 3.0 and isinstance(s.reuse_timeout_s, float) and s.transport == "shm"
     assert s.model_for(None) == "base" and s.model_for("qa") == "qa" and s.model_for("other") is None
+    assert s.device == "cpu" and EngineSettings.from_mapping(_raw(tmp_path, device="cuda:1")).device == "cuda:1"
 
 
 @pytest.mark.parametrize(("over", "message"), [
@@ -35,6 +36,7 @@ def test_settings_from_the_engines_dict(tmp_path):
     ({"hold": True}, "holder_id"),
     ({"hold_e_layers": ["6"]}, "str where int"),
     ({"store_bytes": True}, "bool where int"),
+    ({"device": "gpu"}, "device 'gpu': expected cpu, cuda or cuda:N"),
 ])
 def test_bad_settings_are_one_line_errors(tmp_path, over, message):
     with pytest.raises(ConfigError, match=message):
@@ -69,3 +71,65 @@ def test_a_write_that_does_not_fit_is_refused_before_the_cache_is_touched(k_shap
     with pytest.raises(ValueError, match=message):
         pages.write_layer(cache, k, k.clone(), torch.tensor(slots), "vec")
     assert not cache.any()
+
+
+class _Backend:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get_name(self) -> str:
+        return self.name
+
+
+class _Layer:  # what the connector reads of vLLM's attention layer
+    def __init__(self, backend: str, isa: str | None = None) -> None:
+        self.attn_backend = _Backend(backend)
+        if isa is not None:
+            self.isa = isa
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("physical", ["logical", "token_major"])
+def test_the_flash_layout_puts_each_tokens_k_then_v_where_the_gpu_kernels_read_them(dtype, physical):
+    """FLASH_ATTN / TRITON_ATTN / FLEX_ATTENTION read a layer [blocks, H, bs, 2D] as
+    `kv.transpose(1, 2).split(D, -1)`: token t's K for head h at [t // bs, t % bs, h, :D] of the
+    transposed view, its V right after. Written through `write_layer` at shuffled blocks (a partial
+    last one), every element lands there and `read_slots` returns it bit for bit, also when the
+    tensor is stored token-major (vLLM's stride order on GPUs: a permuted view of the same shape)."""
+    blocks, heads, bs, d, t = 6, 3, 16, 8, 37
+    if physical == "token_major":  # storage [blocks, bs, H, 2D], seen as [blocks, H, bs, 2D]
+        cache = torch.full((blocks, bs, heads, 2 * d), float("nan"), dtype=dtype).transpose(1, 2)
+    else:
+        cache = torch.full((blocks, heads, bs, 2 * d), float("nan"), dtype=dtype)
+    slots = pages.slots_of([4, 0, 5], bs, t)
+    k, v = torch.randn(1, heads, t, d).to(dtype), torch.randn(1, heads, t, d).to(dtype)
+    pages.write_layer(cache, k, v, slots, pages.FLASH)
+    key_cache, value_cache = cache.transpose(1, 2).split(d, dim=-1)  # what the GPU kernels read
+    for i in (0, 15, 16, 31, 32, 36):
+        b, o = [4, 0, 5][i // bs], i % bs
+        # bitwise: the write copies each token's bytes to its slot
+        assert torch.equal(key_cache[b, o], k[0, :, i]) and torch.equal(value_cache[b, o], v[0, :, i])
+    assert int(cache.isnan().sum()) == (blocks * bs - t) * heads * 2 * d  # nothing else written
+    got_k, got_v = pages.read_slots(cache, slots, pages.FLASH)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)  # bitwise: read back by views, bytes copied
+
+
+@pytest.mark.parametrize(("layer", "device", "layout"), [
+    (_Layer("FLASH_ATTN"), "cpu", pages.FLASH),
+    (_Layer("TRITON_ATTN"), "cpu", pages.FLASH),
+    (_Layer("FLEX_ATTENTION"), "cpu", pages.FLASH),
+    (_Layer("CPU_ATTN", isa="amx"), "cpu", "amx"),
+    (_Layer("CPU_ATTN", isa="vec16"), "cpu", "vec16"),
+])
+def test_the_layout_is_the_layers_backends(layer, device, layout):
+    assert pages.layout_of(layer, torch.zeros(2, 1, 16, 16, device=device), "auto") == layout
+
+
+@pytest.mark.parametrize("layer", [_Layer("FLASHINFER"), _Layer("FLASHMLA"), _Layer("ROCM_ATTN")])
+def test_a_backend_the_connector_does_not_write_is_refused_not_guessed(layer):
+    """Another layout read as one of ours would hold (and serve) wrong K/V: refused, so the request
+    falls back to vLLM's own prefill."""
+    with pytest.raises(pages.UnsupportedLayout, match=f"backend {layer.attn_backend.name} .*CPU_ATTN"):
+        pages.layout_of(layer, torch.zeros(2, 1, 16, 16), "auto")
+    with pytest.raises(pages.UnsupportedLayout):
+        pages.read_slots(torch.zeros(2, 1, 16, 16), torch.tensor([0]), "flashinfer")
