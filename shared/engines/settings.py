@@ -36,6 +36,9 @@ class EngineSettings(HolderSettings):
     lookup_timeout_s: float = 1.0
     reuse_timeout_s: float = 10.0  # a pull and the recompute over it; past it the engine prefills
     connect_timeout_s: float = 15.0
+    # a load runs beside the engine's steps (vLLM's asynchronous loads: the request waits, the
+    # others go on) rather than inside the step that first schedules its request
+    async_load: bool = False
     kv_screen: bool = True  # screen pulled tensors against the receiver's own statistics
     dtype: str = "float32"  # the receiver's own layers (the recomputed group), as the holders' K/V and E
     # where those layers run (and the screen, and a held context's E): cpu, or the engine's GPU

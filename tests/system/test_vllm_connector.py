@@ -4,7 +4,8 @@ sender of `real/base` as processes; `vllm serve` (vLLM's CPU build, in its own e
 serving `real/base` with the `docqa` adapter through the DroidMesh KV connector, asked over HTTP.
 A `docqa` request over a context the sender holds reuses it under the pair's plan
 (3 of 30 layers recomputed from the sender's E); a frozen sender's pull fails and vLLM prefills
-the request itself, with vLLM's own answer."""
+the request itself, with vLLM's own answer. Loads here are vLLM's asynchronous ones (`async_load`:
+the request waits while the others' steps go on); `test_vllm_sender.py` loads inside the step."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         password.write_text(access.password(receiver_user("docqa")))
         connector = {"nats_url": access.url, "nats_user": receiver_user("docqa"), "nats_password_file": str(password),
                      "models": {"base": str(base.path), "docqa": str(docqa.path)}, "base_model": "base",
-                     "transport": "shm", "reuse_timeout_s": 10.0}
+                     "transport": "shm", "reuse_timeout_s": 10.0, "async_load": True}
         engine = ServedEngine(VLLM_PYTHON, {"model": str(base.path), "name": "base", "dtype": "float32",
                                             "loras": {"docqa": str(docqa.path)}, "connector": connector}, work,
                               free_port(), env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})

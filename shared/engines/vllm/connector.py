@@ -30,6 +30,7 @@ vLLM's own prefix cache already covers is left to it. A request may ask for a mo
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -118,11 +119,15 @@ class DroidMeshConnector(KVConnectorBase_V1):
         self._matched: dict[str, Match | None] = {}
         self._pending: dict[str, Load] = {}
         self._saving: dict[str, Save] = {}  # prompts being prefilled by vLLM itself (`hold`)
+        self._from_mesh: set[str] = set()  # requests whose context was loaded from the mesh: never held
         # worker side
         self._caches: dict[int, tuple[str, torch.Tensor]] = {}
         self._layers: dict[str, Any] = {}  # vLLM's attention layers by name (from the first forward)
         self._layouts: dict[str, str] = {}  # layer name -> its cache layout, as its attention writes it
         self._failed_blocks: set[int] = set()
+        # `async_load`: loads run one at a time on this thread, off the step; request id -> (its load, done)
+        self._loader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loading: dict[str, tuple[Load, concurrent.futures.Future[bool]]] = {}
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -130,13 +135,13 @@ class DroidMeshConnector(KVConnectorBase_V1):
 
     # -- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens the plan reuses, whether they load asynchronously: `async_load`)."""
         rid = request.request_id
-        if rid in self._matched:
-            match = self._matched[rid]
-            return (match.tokens if match is not None and num_computed_tokens == 0 else 0), False
-        match = self._decide(request, num_computed_tokens)
-        self._matched[rid] = match
-        return (match.tokens if match is not None else 0), False
+        if rid not in self._matched:
+            self._matched[rid] = self._decide(request, num_computed_tokens)
+        match = self._matched[rid]
+        tokens = match.tokens if match is not None and num_computed_tokens == 0 else 0
+        return tokens, bool(tokens) and self.settings.async_load
 
     def _decide(self, request: Request, num_computed_tokens: int) -> Match | None:
         prompt = list(request.prompt_token_ids or [])
@@ -172,27 +177,30 @@ class DroidMeshConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = DroidMeshMetadata()
-        loaded = set()
+        if self.settings.async_load:  # waiting for their loads, not scheduled: each goes out once allocated
+            meta.loads = list(self._pending.values())
+            self._pending.clear()
         for new in scheduler_output.scheduled_new_reqs:
             load = self._pending.pop(new.req_id, None)
             if load is not None:
                 meta.loads.append(dataclasses.replace(load, block_ids=list(new.block_ids[0])))
-                loaded.add(new.req_id)
-                # once only: a request vLLM preempts and resumes later is recomputed by vLLM, since
-                # its blocks are then new and nothing would load them
-                self._matched[new.req_id] = None
+        for sent in meta.loads:
+            self._from_mesh.add(sent.request_id)
+            # once only: a request vLLM preempts and resumes later is recomputed by vLLM, since
+            # its blocks are then new and nothing would load them
+            self._matched[sent.request_id] = None
         if self.settings.hold:
-            meta.saves = self._saves(scheduler_output, loaded)
+            meta.saves = self._saves(scheduler_output)
         return meta
 
-    def _saves(self, out: SchedulerOutput, loaded: set[str]) -> list[Save]:
+    def _saves(self, out: SchedulerOutput) -> list[Save]:
         """The prompts whose prefill ends in this step, computed by vLLM itself (a load's blocks
         hold the mesh's K/V, which is not this model's own). A prompt prefilled in chunks is
         followed from step to step: its blocks grow, or are replaced when vLLM resumes it."""
         for new in out.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or [])
             model = self.settings.model_for(new.lora_request.lora_name if new.lora_request is not None else None)
-            if model is not None and new.req_id not in loaded and len(prompt) >= 2:
+            if model is not None and new.req_id not in self._from_mesh and len(prompt) >= 2:
                 self._saving[new.req_id] = Save(new.req_id, model, prompt, list(new.block_ids[0]), new.num_computed_tokens)
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -213,6 +221,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
         self._matched.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         self._saving.pop(request.request_id, None)
+        self._from_mesh.discard(request.request_id)
         return False, None
 
     # -- worker side ----------------------------------------------------------------------
@@ -224,29 +233,51 @@ class DroidMeshConnector(KVConnectorBase_V1):
         assert isinstance(meta, DroidMeshMetadata)
         self._layers = self._layers or dict(getattr(forward_context, "no_compile_layers", {}) or {})
         for load in meta.loads:
-            began = time.perf_counter()
-            try:
-                kv, pulled = self.bridge.context_kv(load.match, load.prompt)
-                if len(kv) != len(self._caches):
-                    raise DroidMeshError(f"{len(kv)} layers of K/V for an engine of {len(self._caches)}")
-                slots = pages.slots_of(load.block_ids, self.block_size, load.match.tokens)
-                for index, (name, cache) in sorted(self._caches.items()):
-                    k, v = kv[index]
-                    pages.write_layer(cache, k, v, slots, self._layout(name, cache))
-            except Exception as e:  # whatever a peer sent or did: this request falls back, the engine goes on
+            if self.settings.async_load:
+                if self._loader is None:
+                    self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="droidmesh-load")
+                self._loading[load.request_id] = (load, self._loader.submit(self._load, load))
+            elif not self._load(load):
                 self._failed_blocks.update(load.block_ids)
-                code = getattr(e, "code", type(e).__name__)
-                log.warning("reuse_fallback", request_id=load.request_id, reason=f"{code}: {str(e)[:200]}")
-                continue
-            log.info("loaded", request_id=load.request_id, tokens=load.match.tokens, layers=len(kv),
-                     bytes_pulled=pulled, ms=round((time.perf_counter() - began) * 1e3, 1))
+
+    def _load(self, load: Load) -> bool:
+        """Pull and recompute one request's K/V and write it into its blocks (bounded by
+        `reuse_timeout_s`); False, logged, for anything that keeps it from being exactly the plan's."""
+        began = time.perf_counter()
+        try:
+            kv, pulled = self.bridge.context_kv(load.match, load.prompt)
+            if len(kv) != len(self._caches):
+                raise DroidMeshError(f"{len(kv)} layers of K/V for an engine of {len(self._caches)}")
+            slots = pages.slots_of(load.block_ids, self.block_size, load.match.tokens)
+            for index, (name, cache) in sorted(self._caches.items()):
+                k, v = kv[index]
+                pages.write_layer(cache, k, v, slots, self._layout(name, cache))
+            if self.settings.async_load and self._caches and next(iter(self._caches.values()))[1].is_cuda:
+                torch.cuda.synchronize()  # written on this thread's stream: landed before vLLM is told
+        except Exception as e:  # whatever a peer sent or did: this request falls back, the engine goes on
+            code = getattr(e, "code", type(e).__name__)
+            log.warning("reuse_fallback", request_id=load.request_id, reason=f"{code}: {str(e)[:200]}")
+            return False
+        log.info("loaded", request_id=load.request_id, tokens=load.match.tokens, layers=len(kv),
+                 bytes_pulled=pulled, ms=round((time.perf_counter() - began) * 1e3, 1))
+        return True
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The asynchronous loads done since the last step, each reported once; a failed one's
+        blocks go to `get_block_ids_with_load_errors`, which vLLM asks right after, in the same step."""
+        done = {rid for rid, (_, future) in self._loading.items() if future.done()}
+        for rid in done:
+            load, future = self._loading.pop(rid)
+            if not future.result():  # `_load` returns False rather than raising
+                self._failed_blocks.update(load.block_ids)
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole before the forward (start_load_kv)
+        return  # a load is whole before its request's forward (start_load_kv; with async_load, get_finished)
 
     def _read(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K/V at `slots`, copied out of vLLM's cache (each [1, kv_heads, T, head_dim])."""
@@ -286,4 +317,6 @@ class DroidMeshConnector(KVConnectorBase_V1):
                      ms=round((time.perf_counter() - began) * 1e3, 1))
 
     def shutdown(self) -> None:
+        if self._loader is not None:  # a load in flight ends within reuse_timeout_s
+            self._loader.shutdown(wait=True, cancel_futures=True)
         self.bridge.close()
