@@ -1,13 +1,14 @@
-"""How long a decoding stream stalls while another request's context loads from the mesh, with
-the connector's loads inside the step (`sync`) or beside it (`async`, the `async_load` setting).
+"""How long a decoding stream stalls while another request's context loads from the mesh, with the
+connector's loads inside the step (`sync`) or beside it (`async`, the `async_load` setting).
 
 The mesh of `bench vllm` (`vllm_reuse.pair_mesh`: a real nats-server, a broker and a DroidMesh
 sender of `real/base` holding one ~370-token context per round); vLLM (its CPU build,
-`infra/vllm/install.sh`) serving `real/base` with the `docqa` adapter through the connector.
-Per round: a `base` request streams 64 tokens (vLLM's own prefill); 1.5 s into it a `docqa`
-request over that round's held context is asked (plan [6, 9) from E_6, one answer token). The row: the stream's longest gap between two tokens while
-the load request was out, its median gap, the load request's wall time and the connector's
-`loaded` ms. Round 0 also loads DroidMesh's copy of the weights in the worker (cold).
+`infra/vllm/install.sh`) serving `real/base` with the `docqa` adapter through the connector. Per
+round: a `base` request streams 64 tokens (vLLM's own prefill); 1.5 s into it a `docqa` request
+over that round's held context is asked (plan [6, 9) from E_6, one answer token). The row: the
+stream's longest gap between two tokens while the load request was out, its median gap, the load
+request's wall time and the connector's `loaded` ms. Round 0 also loads DroidMesh's copy of the
+weights in the worker (cold).
 
     python infra/vllm/async_load_check.py sync|async [--rounds 4] [--json FILE]
 """
