@@ -35,6 +35,7 @@ import torch
 
 from droidmesh.shared import __version__
 from droidmesh.shared.engines.holding import EngineHolder
+from droidmesh.shared.engines.models import EngineModels
 from droidmesh.shared.engines.settings import EngineSettings
 from droidmesh.shared.errors import DroidMeshError, ReuseError, TransferError
 from droidmesh.shared.kv import policy
@@ -43,7 +44,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.kv.screen import Screen, ScreenedSource
 from droidmesh.shared.kv.sources import ArrivingSource, LayerSource, run_steps
 from droidmesh.shared.mesh.bus import NatsBus
-from droidmesh.shared.model.adapter import ModelAdapter, load_model, load_tokenizer, lora_base
+from droidmesh.shared.model.adapter import ModelAdapter, load_tokenizer, lora_base
 from droidmesh.shared.model.fingerprint import fingerprint_of
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.transport import codecs
@@ -101,13 +102,12 @@ class MeshBridge:
                                         cfg.connect_timeout_s)
         self._facts: dict[str, Facts] = {}
         self._configs: dict[str, dict[str, schemas.RecomputeConfig]] = {}  # receiver model -> sender model ->
-        self._models: dict[str, ModelAdapter] = {}
-        self._loading = threading.Lock()
+        self.models = EngineModels(cfg.models, cfg.device, cfg.dtype)  # the receiver's own weights
         self._screens: dict[str, Screen | None] = {}
         self._bulk: BulkClient | None = None
         self._holder: EngineHolder | None = None
         if side == "worker" and cfg.hold:  # vLLM as a sender: what it prefills, held here
-            self._holder = EngineHolder(cfg, self._bus, self._loop, self._model)
+            self._holder = EngineHolder(cfg, self._bus, self._loop, self.models)
             self._wait(self._holder.start(), cfg.connect_timeout_s)
         if side == "scheduler":
             self._facts = {m: facts_of(m, p) for m, p in cfg.models.items()}
@@ -183,18 +183,18 @@ class MeshBridge:
         Raises `ReuseError` for anything that keeps it from being exactly the plan's."""
         began = time.monotonic()
         holder = schemas.decode(match.holder, schemas.CacheAvailable)
-        model = self._model(match.model_id)
+        model = self.models.get(match.model_id)
         if match.codec == codecs.LOWRANK.name and not codecs.LOWRANK.has_maps(
                 str(match.codec_params.get(codecs.MAPS_PARAM, ""))):
             raise ReuseError("maps_unavailable: the plan's SCD maps are not loaded in this engine")
         source = source_for(holder, prompt)
         items = pull_items(match.plan, model.num_layers)
-        screen = self._screen(match.model_id, model)
-        read: LayerSource = source if screen is None else ScreenedSource(
-            source, screen, model, [(i.kind, i.layer) for i in items], match.plan.patch)
         pulling = asyncio.run_coroutine_threadsafe(self._pull(holder, items, model, source, match), self._loop)
         try:
-            with torch.inference_mode():
+            with self.models.using(match.model_id), torch.inference_mode():  # the pull goes on meanwhile
+                screen = self._screen(match.model_id, model)
+                read: LayerSource = source if screen is None else ScreenedSource(
+                    source, screen, model, [(i.kind, i.layer) for i in items], match.plan.patch)
                 kv = run_steps(context_kv_steps(model, prompt, match.plan, read, timeout_s=self.cfg.reuse_timeout_s))
             pulled = pulling.result(max(0.01, self.cfg.reuse_timeout_s - (time.monotonic() - began)))
         except BaseException:
@@ -224,15 +224,6 @@ class MeshBridge:
         if self._holder is None:
             raise DroidMeshError("this engine does not hold (the connector's `hold` is off)")
         return self._holder.hold(model_id, prompt, read)
-
-    def _model(self, model_id: str) -> ModelAdapter:
-        """The receiver's own weights (the settings' dtype and device), loaded on first use: the
-        plan's groups run on them, and pulled tensors must be of their dtype."""
-        with self._loading:  # the worker's step and the holder's thread may both ask first
-            if model_id not in self._models:
-                self._models[model_id] = load_model(self.cfg.models[model_id], device=self.cfg.device,
-                                                    dtype=self.cfg.dtype, name=model_id)
-        return self._models[model_id]
 
     def _screen(self, model_id: str, model: ModelAdapter) -> Screen | None:
         if not self.cfg.kv_screen:

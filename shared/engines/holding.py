@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 import torch
 
+from droidmesh.shared.engines.models import EngineModels
 from droidmesh.shared.engines.settings import EngineSettings
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.holding import grants
@@ -34,7 +35,6 @@ from droidmesh.shared.holding.holder import Holder
 from droidmesh.shared.holding.store import CacheStore
 from droidmesh.shared.kv.capture import captured_from_engine
 from droidmesh.shared.mesh.bus import Bus
-from droidmesh.shared.model.adapter import ModelAdapter
 from droidmesh.shared.model.device import resolve_dtype
 from droidmesh.shared.model.names import weights_sha256
 from droidmesh.shared.service.metrics import Metrics
@@ -50,9 +50,8 @@ MAX_PENDING = 4  # prompts copied out and waiting for their E: the memory a burs
 class EngineHolder:
     """Started on the bridge's loop (`start`); `hold` is called from the engine's worker thread."""
 
-    def __init__(self, cfg: EngineSettings, bus: Bus, loop: asyncio.AbstractEventLoop,
-                 model: Callable[[str], ModelAdapter]):
-        self.cfg, self.bus, self.loop, self._model = cfg, bus, loop, model
+    def __init__(self, cfg: EngineSettings, bus: Bus, loop: asyncio.AbstractEventLoop, models: EngineModels):
+        self.cfg, self.bus, self.loop, self._models = cfg, bus, loop, models
         self.store = CacheStore(cfg.store_bytes, cfg.pull_bytes)
         self.holder = Holder(cfg.holder_id, bus, self.store, Metrics("engine"), grant_ttl_s=cfg.grant_ttl_s,
                              heartbeat_s=cfg.heartbeat_s, authenticated=bool(cfg.nats_user))
@@ -113,8 +112,8 @@ class EngineHolder:
         held = self.holder.models[model_id]
 
         def capture() -> Any:  # off the loop: the first call loads DroidMesh's copy of the weights
-            model = self._model(model_id)
-            captured = captured_from_engine(model, prompt, kv, held.e_layers(self.cfg.hold_e_layers, model.num_layers))
+            with self._models.using(model_id) as model:  # E: no other computation on these weights meanwhile
+                captured = captured_from_engine(model, prompt, kv, held.e_layers(self.cfg.hold_e_layers, model.num_layers))
             placed = captured.with_items(self.holder.place(captured.items()))
             return dataclasses.replace(placed, scope=scope, model_name=model_id)
 

@@ -10,6 +10,7 @@ import time
 import torch
 
 from droidmesh.shared.engines.holding import EngineHolder
+from droidmesh.shared.engines.models import EngineModels
 from droidmesh.shared.engines.settings import EngineSettings
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.mesh.bus import InProcessBus
@@ -41,7 +42,7 @@ def test_what_the_engine_prefilled_is_held_with_e_and_announced(tiny_pair, tiny_
             heard.append(schemas.decode(data, schemas.CacheAvailable))
 
         await bus.subscribe(subjects.cache_available("engine-1"), on_available)
-        holder = EngineHolder(cfg, bus, loop, lambda _: model)
+        holder = EngineHolder(cfg, bus, loop, EngineModels.of(dict.fromkeys(cfg.models, model)))
         await holder.start()
         return holder
 
@@ -75,7 +76,7 @@ def test_a_holder_busy_with_max_pending_holds_reads_nothing_more(tiny_pair, tiny
                                        "base_model": "base", "hold": True, "holder_id": "engine-1",
                                        "transport": "inproc"})
     loop = asyncio.new_event_loop()
-    holder = EngineHolder(cfg, InProcessBus(), loop, lambda _: tiny_models[0])
+    holder = EngineHolder(cfg, InProcessBus(), loop, EngineModels.of(dict.fromkeys(cfg.models, tiny_models[0])))
     reads: list[int] = []
 
     def read() -> list:
@@ -109,7 +110,8 @@ def test_a_withdrawn_pair_is_unpaired_by_the_engines_holder(tiny_pair, tiny_mode
                                    frontier=[point], full_prefill_quality=1.0, full_reuse_quality=0.5, total_layers=6)
 
     async def go() -> tuple[bool, bool]:
-        holder = EngineHolder(cfg, InProcessBus(), asyncio.get_running_loop(), lambda _: model)
+        holder = EngineHolder(cfg, InProcessBus(), asyncio.get_running_loop(),
+                              EngineModels.of(dict.fromkeys(cfg.models, model)))
         readers = holder.holder.models["base"].readers
         await holder._on_config(pair)
         paired = readers.allows("docqa")
