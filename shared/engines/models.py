@@ -31,16 +31,13 @@ BASE_VIEW = "base-weights"  # the set's own name for a base no model id names
 def family(models: Mapping[str, str], model_id: str) -> tuple[Path, dict[str, Path], list[str]]:
     """For `model_id`: (the base checkpoint its weights build on, the ids among `models` that are
     adapters of that base -> their directories, the ids whose checkpoint is that base itself)."""
-    def root(path: str) -> Path:
-        p = Path(path).expanduser()
-        return (lora_base(p) or p).resolve()
-
     if model_id not in models:
         raise ConfigError(f"no model {model_id!r}; the engine's models are {', '.join(sorted(models))}")
-    base = root(models[model_id])
-    kin = [m for m, p in models.items() if root(p) == base]
-    adapters = {m: Path(models[m]).expanduser() for m in kin if lora_base(Path(models[m]).expanduser()) is not None}
-    return base, adapters, [m for m in kin if m not in adapters]
+    paths = {m: Path(p).expanduser() for m, p in models.items()}
+    under = {m: lora_base(p) for m, p in paths.items()}  # an adapter's base checkpoint; None: no adapter
+    roots = {m: (under[m] or paths[m]).resolve() for m in paths}
+    kin = [m for m in paths if roots[m] == roots[model_id]]
+    return roots[model_id], {m: paths[m] for m in kin if under[m] is not None}, [m for m in kin if under[m] is None]
 
 
 class EngineModels:

@@ -122,6 +122,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
         self._from_mesh: set[str] = set()  # requests whose context was loaded from the mesh: never held
         # worker side
         self._caches: dict[int, tuple[str, torch.Tensor]] = {}
+        self._cache_device = torch.device("cpu")  # where vLLM's caches live (one device per worker)
         self._layers: dict[str, Any] = {}  # vLLM's attention layers by name (from the first forward)
         self._layouts: dict[str, str] = {}  # layer name -> its cache layout, as its attention writes it
         self._failed_blocks: set[int] = set()
@@ -227,6 +228,7 @@ class DroidMeshConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = {pages.layer_index(name): (name, t) for name, t in kv_caches.items()}
+        self._cache_device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -252,8 +254,8 @@ class DroidMeshConnector(KVConnectorBase_V1):
             for index, (name, cache) in sorted(self._caches.items()):
                 k, v = kv[index]
                 pages.write_layer(cache, k, v, slots, self._layout(name, cache))
-            if self.settings.async_load and self._caches and next(iter(self._caches.values()))[1].is_cuda:
-                torch.cuda.synchronize()  # written on this thread's stream: landed before vLLM is told
+            if self.settings.async_load and self._cache_device.type == "cuda":
+                torch.cuda.synchronize(self._cache_device)  # written on this thread's stream: landed before vLLM is told
         except Exception as e:  # whatever a peer sent or did: this request falls back, the engine goes on
             code = getattr(e, "code", type(e).__name__)
             log.warning("reuse_fallback", request_id=load.request_id, reason=f"{code}: {str(e)[:200]}")
