@@ -94,19 +94,20 @@ class Exporter(Protocol):
 
 
 class Sent:
-    """One connection's record on the sender: which exports its grants have named, so a later
-    grant can tell the receiver which of them were released since."""
+    """One connection's record on the sender: which allocations its grants have named (device
+    exports by number, placed memfds by inode), so a later grant can tell the receiver which of
+    them were released since. `live` says whether one still holds its context."""
 
-    def __init__(self, registry: ExportRegistry) -> None:
-        self._registry = registry
+    def __init__(self, live: Callable[[int], bool]) -> None:
+        self._live = live
         self._named: set[int] = set()
 
-    def name(self, export_id: int) -> None:
-        self._named.add(export_id)
+    def name(self, key: int) -> None:
+        self._named.add(key)
 
     def released(self) -> list[int]:
-        """Exports named on this connection and released since (each reported once)."""
-        gone = sorted(e for e in self._named if not self._registry.live(e))
+        """Allocations named on this connection and released since (each reported once)."""
+        gone = sorted(e for e in self._named if not self._live(e))
         self._named.difference_update(gone)
         return gone
 

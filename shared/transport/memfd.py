@@ -40,10 +40,12 @@ SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_S
 class Segment:
     fd: int
     nbytes: int
+    inode: int  # the memfd's own identity (fstat), which a receiver keeping it mapped knows it by
 
 
 # mapping base address -> its memfd; an entry lives as long as some tensor views the mapping
 _SEGMENTS: dict[int, Segment] = {}
+_LIVE: set[int] = set()  # the inodes of those memfds (a grant's `released_memfds` names the gone)
 
 
 def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -67,8 +69,9 @@ def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     with warnings.catch_warnings():  # read-only on purpose: a stored tensor is never written
         warnings.simplefilter("ignore", UserWarning)
         base = torch.frombuffer(mm, dtype=torch.uint8)  # [total]; keeps `mm` alive while any view lives
-    key, seg = base.data_ptr(), Segment(fd, total)
+    key, seg = base.data_ptr(), Segment(fd, total, os.fstat(fd).st_ino)
     _SEGMENTS[key] = seg
+    _LIVE.add(seg.inode)
     weakref.finalize(mm, _forget, key, seg)  # the last view gone: unmapped, then the memfd closed
     return [base[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors, strict=True)]
 
@@ -78,7 +81,13 @@ def _forget(key: int, seg: Segment) -> None:
     another placement may already own the address: only `seg`'s own entry is removed."""
     if _SEGMENTS.get(key) is seg:
         del _SEGMENTS[key]
+    _LIVE.discard(seg.inode)  # the memfd still holds its inode here: no new placement can have it yet
     os.close(seg.fd)
+
+
+def live(inode: int) -> bool:
+    """Whether a placed memfd of this process with `inode` still holds its context."""
+    return inode in _LIVE
 
 
 def sealed_memfd(nbytes: int, parts: Iterable[tuple[int, torch.Tensor]]) -> int:

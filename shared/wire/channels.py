@@ -94,8 +94,11 @@ class ShmGrant(Message, tag="shm.grant"):
     """The sender's answer to a PullRequest. Granted: the headers, one region per item, `fds`
     memfds passed with this frame (SCM_RIGHTS) and the device exports its regions read, with the
     sender's incarnation and the exports named on this connection that were released since its
-    last grant (the receiver closes their mappings). Refused: an error in `response`, no regions,
-    no memfds and no exports."""
+    last grant (the receiver closes their mappings). `placed` numbers the passed memfds that hold
+    a stored context (not a per-pull copy): a receiver may keep those mapped for later pulls until
+    `released_memfds` names them (by inode: the memfds of this connection's grants whose context
+    the sender has since let go). Refused: an error in `response`, no regions, no memfds and no
+    exports."""
 
     response: PullResponse
     regions: list[ShmRegion] = []
@@ -103,6 +106,8 @@ class ShmGrant(Message, tag="shm.grant"):
     incarnation: Annotated[str, msgspec.Meta(max_length=64)] = ""
     exports: list[DeviceExport] = []
     released: list[int] = []
+    placed: list[int] = []
+    released_memfds: list[int] = []
 
 
 class ShmDone(Message, tag="shm.done"):

@@ -5,6 +5,7 @@ regions are refused before a byte is read; no descriptor outlives its pull."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import fcntl
 import gc
 import os
@@ -119,6 +120,104 @@ def test_a_mixed_grant_delivers_every_layer_in_order_with_prefixes():
     assert 0 < hold.charged <= 2 * 2 * 9 * 8 * 4 + 2 * memfd.ALIGN and hold.released  # the two unplaced K / V only
 
 
+# -- kept mappings: a placed memfd mapped once, read by offset, let go when its context goes -----
+def _mappings() -> collections.Counter[int]:
+    """This process's mappings of KV memfds, counted by inode (/proc/self/maps: inode is field 5)."""
+    with open("/proc/self/maps") as f:
+        return collections.Counter(int(line.split()[4]) for line in f if "/memfd:droidmesh-kv" in line)
+
+
+def _pulls(stored: dict, requests: list[tuple[str, int]], between=None):
+    """Pull (context, tokens) after (context, tokens) over one connection, each into fresh
+    buffers; `between(i)` runs before pull i. The buffers, the preadv calls each pull made and
+    what the connection kept mapped after each pull."""
+    got, preads, kept = [], [], []
+    calls = [0]
+    real = os.preadv
+
+    def counting(*args):
+        calls[0] += 1
+        return real(*args)
+
+    async def run():
+        server = make_server("shm", lambda c, l, k: stored.get((c, l, k)), None, pin=lambda _: Hold())
+        address = await server.start()
+        client = shm.ShmBulkClient()
+        try:
+            for i, (context, tokens) in enumerate(requests):
+                if between is not None:
+                    between(i)
+                into = [torch.empty(1, 2, tokens, 8) for _ in ITEMS]
+                calls[0] = 0
+                await client.pull(address, PullRequest(context_id=context, items=ITEMS, tokens=tokens), into,
+                                  lambda *a: None, 10)
+                got.append(into)
+                preads.append(calls[0])
+                conn = client._conns[address]
+                kept.append((conn.kept.mapped, conn.kept.inodes(), _mappings()))
+        finally:
+            await client.close()
+            await server.close()
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(os, "preadv", counting)
+        asyncio.run(run())
+    return got, preads, kept
+
+
+def _placed_context(name: str, stored: dict, tokens: int = 600) -> list[torch.Tensor]:
+    placed = memfd.place([torch.randn(1, 2, tokens, 8), torch.randn(1, 2, tokens, 8)])  # 2 x 38 KiB
+    stored.update({(name, 0, "K"): placed[0], (name, 0, "V"): placed[1]})
+    return placed
+
+
+def test_a_placed_context_is_mapped_once_and_read_by_offset_from_then_on():
+    """The first pull reads the placed memfd with preadv and maps it; every later pull of that
+    context (whole or a prefix) copies out of the one mapping, no preadv, and lands intact."""
+    stored: dict = {}
+    placed = _placed_context("a", stored)
+    got, preads, kept = _pulls(stored, [("a", 600), ("a", 600), ("a", 100), ("a", 600)])
+    for into, n in zip(got, (600, 600, 100, 600), strict=True):
+        assert all(torch.equal(g, t[:, :, :n]) for g, t in zip(into, placed, strict=True))  # bitwise: copied bytes
+    assert preads[0] > 0 and preads[1:] == [0, 0, 0]
+    assert [k[0] for k in kept] == [1, 1, 1, 1]  # one mapping, whatever the pulls
+
+
+def test_a_released_context_is_unmapped_at_the_connections_next_grant():
+    """When the sender lets a context go, its next grant on the connection names the memfd and the
+    receiver unmaps it (the sender's memory returns); a context still held stays mapped."""
+    stored: dict = {}
+    _placed_context("a", stored)
+    b = _placed_context("b", stored)
+    inode_a = memfd.placed(stored[("a", 0, "K")])[0].inode  # type: ignore[index]
+
+    def drop_a(i: int) -> None:
+        if i == 2:  # the sender evicts "a": its placed tensors die, the memfd is let go
+            for key in [k for k in stored if k[0] == "a"]:
+                del stored[key]
+            gc.collect()
+
+    got, _, kept = _pulls(stored, [("a", 600), ("b", 600), ("b", 600)], between=drop_a)
+    assert inode_a in kept[1][1]  # kept while the sender held it
+    assert inode_a not in kept[2][1] and len(kept[2][1]) == 1  # released at the next grant; "b" stays
+    assert all(torch.equal(g, t) for g, t in zip(got[2], b, strict=True))  # bitwise: copied bytes
+    assert inode_a not in _mappings()
+
+
+def test_the_connections_mappings_go_with_it():
+    """Closing the client unmaps every memfd it kept: only the sender's own mapping of its placed
+    context is left (here, one process plays both)."""
+    stored: dict = {}
+    _placed_context("a", stored)
+    inode = memfd.placed(stored[("a", 0, "K")])[0].inode  # type: ignore[index]
+    gc.collect()
+    senders = _mappings()[inode]
+    _, _, kept = _pulls(stored, [("a", 600), ("a", 600)])
+    assert kept[-1][1] == {inode} and kept[-1][2][inode] > senders  # the receiver's mapping beside the sender's
+    gc.collect()
+    assert _mappings()[inode] == senders
+
+
 # -- a hostile sender ---------------------------------------------------------------------------
 def _memfd(nbytes: int, seals: int = memfd.SEALS) -> int:
     fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -161,6 +260,8 @@ def _forged(case: str) -> tuple[ShmGrant, list[int]]:
         return msgspec.structs.replace(good, fds=2), [_memfd(NBYTES)]
     if case == "too-many-fds":
         return good, [_memfd(NBYTES) for _ in range(shm.MAX_FDS + 1)]
+    if case == "placed-out-of-range":
+        return msgspec.structs.replace(good, placed=[1]), [_memfd(NBYTES)]
     if case == "encoded":
         header = msgspec.structs.replace(_header(codec="int8"), nbytes=400)  # within int8's bound: shm's own check
         return msgspec.structs.replace(good, response=PullResponse(headers=[header])), [_memfd(NBYTES)]
@@ -196,7 +297,8 @@ async def _hostile_sender(case: str, path: str, ready: asyncio.Event) -> None:
 CASES = {"unsealed": "not sealed against write and shrink", "shrinkable": "not sealed against write and shrink",
          "past-the-end": "ends past its memfd", "overlapping-rows": "bad region", "fd-out-of-range": "bad region",
          "not-shared-memory": "not seal", "a-pipe": "not a shared-memory file",
-         "fewer-fds-than-declared": "memfds arrived", "too-many-fds": "more than 8 descriptors", "encoded": "raw only"}
+         "fewer-fds-than-declared": "memfds arrived", "too-many-fds": "more than 8 descriptors", "encoded": "raw only",
+         "placed-out-of-range": "placed memfds"}
 
 
 @pytest.mark.parametrize("case", CASES)

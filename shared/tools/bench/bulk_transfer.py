@@ -264,7 +264,7 @@ def _measure(transport: str, sizes: list[int], repeats: int, shm_lanes: int, ite
     if reason is not None:
         return {}, {}, None, reason
     if transport == "shm":
-        return rates, dict.fromkeys(sizes, f"memfd: preadv on {shm_lanes} lane(s)"), fixed, None
+        return rates, dict.fromkeys(sizes, f"memfd: mapped once, copied on {shm_lanes} lane(s)"), fixed, None
     if transport != "ucx":
         return rates, dict.fromkeys(sizes), fixed, None
     protocols = ucx_tables(lines).get("host memory", [])

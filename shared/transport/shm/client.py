@@ -6,21 +6,24 @@ CONNECT_S: a full backlog would wait forever). Per pull: the `PullRequest` frame
 read the receiver checks the headers against its own buffers (`bulk.landings`), every memfd
 (sealed against write and shrink: no byte changes and no page vanishes under a read, which would
 short it) and every region against its memfd's sealed size; rows and their length come from the
-receiver's own buffers, never the peer. Then `preadv` reads each layer's rows straight into its
-buffers on the client's copy lanes (threads; the GIL is released), every layer queued at once, in
-order; as a layer's reads finish, its items are delivered on the loop. A pull of at most
-INLINE_BYTES is read on the loop itself (a few microseconds; a lane's hand-off costs more).
-`ShmDone` ends the pull.
+receiver's own buffers, never the peer. Then each layer's rows are read straight into its buffers
+on the client's copy lanes (threads; the GIL is released), every layer queued at once, in order:
+with `preadv` the first time a connection is passed a placed memfd, by a copy out of a kept
+mapping of it after (`kept.py`: a placed context pulled again moves at memory speed). As a
+layer's reads finish, its items are delivered on the loop. A pull of at most INLINE_BYTES is read
+on the loop itself (a few microseconds; a lane's hand-off costs more). `ShmDone` ends the pull.
 
-A receiver closes the memfds when the pull ends; one it kept could reread that context's sealed
-bytes, which it was granted already. Headers carry no checksum here: the bytes are the sender's
-own sealed memory, copied by the kernel, with no wire to corrupt them and no writer to change them.
+A receiver closes the passed descriptors when the pull ends; a kept mapping lets it reread only a
+context's sealed bytes it was granted already, and only when a later grant passes that memfd
+again. Headers carry no checksum here: the bytes are the sender's own sealed memory, copied by the
+kernel or out of a read-only mapping, with no wire to corrupt them and no writer to change them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import dataclasses
 import itertools
 import os
@@ -38,6 +41,8 @@ from droidmesh.shared.transport.address import check_unix_path
 from droidmesh.shared.transport.bulk import Landing, OnItem, landings
 from droidmesh.shared.transport.client import ChannelClient
 from droidmesh.shared.transport.exports import Export, Mapping, Mappings, Opener, check_region
+from droidmesh.shared.transport.shm import kept
+from droidmesh.shared.transport.shm.kept import Identity, KeptMemfds, identity
 from droidmesh.shared.transport.shm.layout import MAX_FDS, rows
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.channels import ShmDone, ShmGrant, ShmRegion
@@ -45,32 +50,43 @@ from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 CONNECT_S = 10.0
 LANES = 2  # copy threads: one core's copy from a memfd reaches about half of memcpy
-PIECE = 4 << 20  # bytes one lane reads per task: a big layer spreads over the lanes
+MAX_PIECE = 8 << 20  # bytes one lane reads per task at most: a big layer spreads over the lanes
+MIN_PIECE = 1 << 20  # ... and at least (a task's hand-off costs tens of microseconds)
 INLINE_BYTES = 256 << 10  # a pull this small is read on the event loop: microseconds, less than a hand-off
 
 
 @dataclasses.dataclass(frozen=True)
 class _Read:
+    """`into`'s bytes from `offset` of memfd `fd`: by `preadv`, or, with `source` (a kept mapping
+    of that memfd, held here so it cannot be unmapped under the copy), by a copy out of it."""
+
     fd: int
     offset: int
     into: memoryview
+    dest: int  # into's address
+    source: torch.Tensor | None = None
+
+    def part(self, start: int, nbytes: int) -> _Read:
+        return _Read(self.fd, self.offset + start, self.into[start:start + nbytes], self.dest + start, self.source)
 
 
-def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int]) -> list[_Read]:
-    """The preadv calls that fill `land`'s receive buffer from `region`, checked against the
-    memfd's sealed size first. Rows and their length come from our own buffer, never the peer."""
+def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int],
+           sources: list[torch.Tensor | None]) -> list[_Read]:
+    """The reads that fill `land`'s receive buffer from `region`, checked against the memfd's
+    sealed size first (a kept mapping is that size). Rows and their length come from our own
+    buffer, never the peer."""
     n, row = _rows(land)
     if not 0 <= region.fd < len(fds) or region.offset < 0 or (n > 1 and region.stride < row):
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: bad region {region}")
     if n and row and region.offset + (n - 1) * region.stride + row > sizes[region.fd]:
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: region {region} ends past its memfd "
                              f"({sizes[region.fd]} bytes)")
-    dest = land.recv.numpy().data
     if n * row == 0:
         return []
+    whole = _Read(fds[region.fd], region.offset, land.recv.numpy().data, land.recv.data_ptr(), sources[region.fd])
     if region.stride == row:  # rows back to back (a whole stored tensor, E, a per-pull copy): one read
-        n, row = 1, n * row
-    return [_Read(fds[region.fd], region.offset + r * region.stride, dest[r * row:(r + 1) * row]) for r in range(n)]
+        return [whole]
+    return [dataclasses.replace(whole.part(r * row, row), offset=region.offset + r * region.stride) for r in range(n)]
 
 
 def _device_reads(land: Landing, region: ShmRegion, exports: list[Export], mappings: Mappings) -> _DeviceRead:
@@ -107,6 +123,43 @@ def _read_device(reads: list[_DeviceRead]) -> None:
                 r.run()
 
 
+@dataclasses.dataclass
+class _Plan:
+    """A checked grant: its items by layer (runs of (landing, region)), each layer's host reads
+    and device copies, the passed memfds' identities and which of them to keep mapped after."""
+
+    runs: list[list[tuple[Landing, ShmRegion]]]
+    tasks: list[list[_Read]]
+    on_device: list[list[_DeviceRead]]
+    identities: list[Identity]
+    to_keep: list[int]
+    nbytes: int
+
+
+def _plan(grant: ShmGrant, request: PullRequest, into: Sequence[torch.Tensor], fds: list[int], conn: _Conn) -> _Plan:
+    """Every count, memfd and region of `grant` checked (device exports mapped) before any byte is read."""
+    lands = landings(request, grant.response, into)
+    if grant.fds != len(fds) or len(grant.regions) != len(lands) or len(grant.exports) > len(lands):
+        raise IntegrityError(f"grant of {len(grant.regions)} regions, {grant.fds} memfds and "
+                             f"{len(grant.exports)} exports; {len(lands)} items and {len(fds)} memfds arrived")
+    if not all(0 <= i < len(fds) for i in grant.placed):
+        raise IntegrityError(f"grant names placed memfds {grant.placed[:8]} of {len(fds)}")
+    exports = [Export(e.export_id, e.nbytes, e.handle) for e in grant.exports]
+    conn.mappings.update(grant.incarnation, exports, grant.released)
+    conn.kept.update(grant.incarnation, grant.released_memfds)
+    sizes = [memfd.sealed_size(fd) for fd in fds]
+    identities = [identity(fd) for fd in fds]
+    sources = [conn.kept.get(identities[i]) if i in grant.placed else None for i in range(len(fds))]
+    runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
+                                                      key=lambda lr: lr[0].item.layer)]
+    on_device = [[_device_reads(land, region, exports, conn.mappings) for land, region in run if region.export >= 0]
+                 for run in runs]
+    tasks = [[r for land, region in run if region.export < 0 for r in _reads(land, region, fds, sizes, sources)]
+             for run in runs]
+    to_keep = [i for i in sorted(set(grant.placed)) if sources[i] is None]
+    return _Plan(runs, tasks, on_device, identities, to_keep, sum(land.header.nbytes for land in lands))
+
+
 def _rows(land: Landing) -> tuple[int, int]:
     """(rows, bytes per row) of a raw item, from the receiver's own buffer; checked against the header."""
     if land.header.codec != "raw":
@@ -117,13 +170,20 @@ def _rows(land: Landing) -> tuple[int, int]:
     return n, row
 
 
-def _pieces(reads: list[_Read]) -> list[list[_Read]]:
-    """`reads` in lane tasks of about PIECE bytes (a long read split, short ones grouped)."""
-    split = [_Read(r.fd, r.offset + o, r.into[o:o + PIECE]) for r in reads for o in range(0, len(r.into), PIECE)]
+def _piece(nbytes: int, lanes: int) -> int:
+    """A pull's task size: its bytes spread over every lane (one task each when it is small),
+    within [MIN_PIECE, MAX_PIECE], in whole 4 KiB pages."""
+    per_lane = -(-nbytes // lanes)
+    return min(MAX_PIECE, max(MIN_PIECE, -(-per_lane // 4096) * 4096))
+
+
+def _pieces(reads: list[_Read], piece: int) -> list[list[_Read]]:
+    """`reads` in lane tasks of about `piece` bytes (a long read split, short ones grouped)."""
+    split = [r.part(o, piece) for r in reads for o in range(0, len(r.into), piece)]
     tasks: list[list[_Read]] = [[]]
     size = 0  # bytes in tasks[-1]
     for r in split:
-        if tasks[-1] and size + len(r.into) > PIECE:
+        if tasks[-1] and size + len(r.into) > piece:
             tasks.append([])
             size = 0
         tasks[-1].append(r)
@@ -132,10 +192,46 @@ def _pieces(reads: list[_Read]) -> list[list[_Read]]:
 
 
 def _read(task: list[_Read]) -> None:
-    """On a lane: the reads of one task (preadv releases the GIL)."""
+    """On a lane: the reads of one task (preadv and ctypes' memmove release the GIL)."""
     for r in task:
-        if os.preadv(r.fd, [r.into], r.offset) != len(r.into):
+        if r.source is not None:  # checked: [offset, offset + len) lies in the mapping, `into` is ours
+            ctypes.memmove(r.dest, r.source.data_ptr() + r.offset, len(r.into))
+        elif os.preadv(r.fd, [r.into], r.offset) != len(r.into):
             raise IntegrityError(f"short read of a sealed memfd at {r.offset}")
+
+
+def _all_done(futures: list[concurrent.futures.Future]) -> asyncio.Future[None]:
+    """A layer's lane tasks as one future of the loop: done when the last of them is, with the
+    first one's error (one wake-up of the loop per layer, not per task: on a host with as many
+    cores as lanes, each wake-up takes a core from a lane)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    left, lock = [len(futures)], threading.Lock()
+
+    def settle() -> None:
+        if done.done():
+            return
+        for f in futures:
+            if f.cancelled():
+                done.cancel()
+                return
+            if f.exception() is not None:
+                done.set_exception(f.exception())  # type: ignore[arg-type]
+                return
+        done.set_result(None)
+
+    def one_done(_: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last and not loop.is_closed():
+            loop.call_soon_threadsafe(settle)
+
+    if not futures:
+        done.set_result(None)
+    for f in futures:
+        f.add_done_callback(one_done)
+    return done
 
 
 def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -> list[concurrent.futures.Future]:
@@ -163,10 +259,12 @@ def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -
 
 @dataclasses.dataclass
 class _Conn:
-    """A connection to one sender: its socket and the sender's device exports it has open."""
+    """A connection to one sender: its socket, the sender's device exports it has open and the
+    sender's placed memfds it keeps mapped."""
 
     sock: socket.socket
     mappings: Mappings
+    kept: KeptMemfds
 
 
 class ShmBulkClient(ChannelClient[_Conn]):
@@ -174,9 +272,13 @@ class ShmBulkClient(ChannelClient[_Conn]):
 
     transport: Transport = "shm"
 
-    def __init__(self, lanes: int = LANES, opener: Opener | None = None) -> None:
+    def __init__(self, lanes: int = LANES, opener: Opener | None = None, keep: int = kept.LIMIT) -> None:
         super().__init__()
         self._lanes = concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="shm-lane")
+        self._lane_count = lanes
+        self._keep = keep  # placed memfds kept mapped per connection (0: read every pull with preadv)
+        if keep:
+            memfd.raise_fd_limit()  # each kept mapping holds a descriptor
         self._opener: Opener = opener or cuda_ipc.open_export
         # a receiver with CUDA opens a GPU sender's exports; one without gets their items copied
         self._device_exports = opener is not None or torch.cuda.is_available()
@@ -191,42 +293,31 @@ class ShmBulkClient(ChannelClient[_Conn]):
         futures: list[concurrent.futures.Future] = []
         ok = False
         try:
-            grant = schemas.decode(data, ShmGrant)
-            lands = landings(request, grant.response, into)
-            if grant.fds != len(fds) or len(grant.regions) != len(lands) or len(grant.exports) > len(lands):
-                raise IntegrityError(f"grant of {len(grant.regions)} regions, {grant.fds} memfds and "
-                                     f"{len(grant.exports)} exports; {len(lands)} items and {len(fds)} memfds arrived")
-            exports = [Export(e.export_id, e.nbytes, e.handle) for e in grant.exports]
-            conn.mappings.update(grant.incarnation, exports, grant.released)
-            sizes = [memfd.sealed_size(fd) for fd in fds]
-            runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
-                                                              key=lambda lr: lr[0].item.layer)]
-            on_device = [[_device_reads(land, region, exports, conn.mappings) for land, region in run if region.export >= 0]
-                         for run in runs]  # every region checked (and mapped) before any byte is read
-            tasks = [[r for land, region in run if region.export < 0 for r in _reads(land, region, fds, sizes)]
-                     for run in runs]
-            if sum(land.header.nbytes for land in lands) <= INLINE_BYTES:  # a lane's hand-off would cost more
-                for run, reads, device in zip(runs, tasks, on_device, strict=True):
+            plan = _plan(schemas.decode(data, ShmGrant), request, into, fds, conn)
+            if plan.nbytes <= INLINE_BYTES:  # a lane's hand-off would cost more
+                for run, reads, device in zip(plan.runs, plan.tasks, plan.on_device, strict=True):
                     _read(reads)
                     _read_device(device)
                     for land, _ in run:
                         on_item(land.item, land.land(verify=False))
             else:
-                queued = [[self._lanes.submit(_read, t) for t in _pieces(reads)] for reads in tasks]
+                piece = _piece(plan.nbytes, self._lane_count)
+                queued = [[self._lanes.submit(_read, t) for t in _pieces(reads, piece)] for reads in plan.tasks]
                 futures = [f for run in queued for f in run]
-                for run, run_futures, device in zip(runs, queued, on_device, strict=True):
+                for run, run_futures, device in zip(plan.runs, queued, plan.on_device, strict=True):
                     _read_device(device)
-                    for f in run_futures:
-                        await asyncio.wrap_future(f)
+                    await _all_done(run_futures)
                     for land, _ in run:
                         on_item(land.item, land.land(verify=False))  # raw: in place, or from host staging
+            for i in plan.to_keep:  # read once with preadv; mapped for the pulls after
+                conn.kept.keep(fds[i], plan.identities[i])
             ok = True
         finally:
             running = _close_when_done(fds, futures)
             if not ok and running:  # the caller's buffers are written no more once the pull has failed
                 await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, running), return_exceptions=True))
         await shm_io.send_frame(conn.sock, schemas.encode(ShmDone()))
-        return sum(land.header.nbytes for land in lands)
+        return plan.nbytes
 
     def _alive(self, conn: _Conn) -> bool:
         return shm_io.alive(conn.sock)
@@ -241,10 +332,11 @@ class ShmBulkClient(ChannelClient[_Conn]):
         except BaseException:
             sock.close()
             raise
-        return _Conn(sock, Mappings(self._opener))
+        return _Conn(sock, Mappings(self._opener), KeptMemfds(self._keep))
 
     async def _disconnect(self, address: str, conn: _Conn) -> None:
         conn.mappings.close()  # a sender we no longer talk to keeps none of its memory alive through us
+        conn.kept.close()
         conn.sock.close()
 
     async def _shutdown(self) -> None:

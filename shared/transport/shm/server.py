@@ -11,7 +11,9 @@ per connection (its own task on the sender's event loop), admitted to a slot bef
      its memfds attached (SCM_RIGHTS). The sender starts like every channel (`bulk.admit`:
      bounds, grant, lookups, hold); an item whose stored tensor lies in a placed memfd is granted
      where it lies (zero copy); any other (a CUDA store, a tensor never placed) is copied into one
-     per-pull memfd, sealed the same way and charged to the pull budget. A refusal carries no memfd;
+     per-pull memfd, sealed the same way and charged to the pull budget. The grant says which
+     memfds are placed (a receiver may keep those mapped) and, by inode, which placed memfds of
+     this connection's earlier grants have since been let go. A refusal carries no memfd;
   2. `ShmDone` (the whole grant within HOLD_S): the pull's hold is released and, after a grant,
      the connection is proven (`Slot.pulled`). A dropped connection
      releases the same. A receiver's frames carry no descriptors we keep (`shm_io` takes none),
@@ -21,6 +23,7 @@ per connection (its own task on the sender's event loop), admitted to a slot bef
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import socket
@@ -110,7 +113,7 @@ class ShmBulkServer:
 
     async def _serve(self, conn: socket.socket) -> None:
         slot: Slot | None = None
-        sent = Sent(self._device.registry)  # the device exports this connection's grants named
+        sent = _Named(Sent(self._device.registry.live), Sent(memfd.live))  # what this connection's grants named
         try:
             slot = self.slots.admit(_peer(conn))  # before a byte is read; None: refused (logged)
             while slot is not None:
@@ -134,7 +137,7 @@ class ShmBulkServer:
                 self.slots.release(slot)
             conn.close()
 
-    async def _grant(self, data: bytes, sent: Sent, slot: Slot) -> tuple[ShmGrant, list[int], Callable[[], None]]:
+    async def _grant(self, data: bytes, sent: _Named, slot: Slot) -> tuple[ShmGrant, list[int], Callable[[], None]]:
         """The grant for one request, the memfds it passes and the release of what it holds;
         `SlotEnded` when the connection's grantee is at its cap with every connection pulling."""
         try:
@@ -165,10 +168,11 @@ class ShmBulkServer:
             raise
 
     async def _regions(self, request: PullRequest, stored: list[torch.Tensor], views: list[torch.Tensor],
-                       hold: PullHold, scratch: list[int], sent: Sent) -> tuple[ShmGrant, list[int]]:
+                       hold: PullHold, scratch: list[int], sent: _Named) -> tuple[ShmGrant, list[int]]:
         """Each item where it lies in a placed memfd or a device export, or in the per-pull memfd
         (fd -1 until it exists)."""
         fds: list[int] = []
+        placed: list[int] = []  # of `fds`, the placed memfds (a receiver may keep them mapped)
         exports: list[Export] = []
         regions: list[ShmRegion] = []
         copies: list[tuple[int, torch.Tensor]] = []  # (offset in the per-pull memfd, view)
@@ -179,13 +183,15 @@ class ShmBulkServer:
             if found is not None:
                 seg, offset = found
                 if seg.fd not in fds:
+                    placed.append(len(fds))
                     fds.append(seg.fd)
+                    sent.memfds.name(seg.inode)
                 regions.append(ShmRegion(fd=fds.index(seg.fd), **_where(t, item, offset)))
             elif on_device is not None:
                 export, offset = on_device
                 if export not in exports:
                     exports.append(export)
-                    sent.name(export.export_id)
+                    sent.exports.name(export.export_id)
                 regions.append(ShmRegion(fd=-1, export=exports.index(export), **_where(t, item, offset)))
             else:  # copied contiguous: row r right after row r - 1
                 _, row = rows(view.shape, item.kind, view.element_size())
@@ -204,7 +210,8 @@ class ShmBulkServer:
                    for item, v in zip(request.items, views, strict=True)]
         device = [DeviceExport(export_id=e.export_id, nbytes=e.nbytes, handle=e.handle) for e in exports]
         return ShmGrant(response=schemas.PullResponse(headers=headers), regions=regions, fds=len(fds),
-                        incarnation=self._device.registry.incarnation, exports=device, released=sent.released()), fds
+                        incarnation=self._device.registry.incarnation, exports=device, released=sent.exports.released(),
+                        placed=placed, released_memfds=sent.memfds.released()), fds
 
     async def close(self) -> None:
         if self._accepting is not None:
@@ -218,6 +225,14 @@ class ShmBulkServer:
             self._sock = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Named:
+    """What one connection's grants have named: device exports (by number), placed memfds (by inode)."""
+
+    exports: Sent
+    memfds: Sent
 
 
 def _where(t: torch.Tensor, item: PullItem, offset: int) -> dict[str, int]:

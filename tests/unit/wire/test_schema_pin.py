@@ -21,7 +21,8 @@ from droidmesh.shared.wire.schemas import SCHEMA_VERSION
 # version -> sha256 of its structs' JSON schema (keep old ones: a reverted bump is caught too)
 PINS = {4: "8c6b73fcbe5f1ee7316c0b3b937b91125ffacc08d5fc49f91264ea91922ddf56",
         5: "aea2dc3f590667e09bc161a46d9fd3555edb1ae297ca897ff2f7442fba0fb71d",
-        6: "2d8657b4302fb8dc230b42891d2ba35f291f9730e9824a476ea82b059c5c86d4"}
+        6: "2d8657b4302fb8dc230b42891d2ba35f291f9730e9824a476ea82b059c5c86d4",
+        7: "0a9f442bd38c289c72a9120fcaf1931ea55cbe2ad362b9d548f30ba9d7dcd7c8"}
 
 
 def wire_structs() -> list[type[msgspec.Struct]]:
