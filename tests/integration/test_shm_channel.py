@@ -24,6 +24,7 @@ from droidmesh.shared.wire.channels import ShmGrant, ShmRegion
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader
 
 ITEMS = [PullItem(0, "K"), PullItem(0, "V")]
+GUARD_S = 30.0  # a wait for an event that never comes fails the test (a hang guard, not a timing assertion)
 
 
 def _open_fds() -> int:
@@ -216,6 +217,35 @@ def test_the_connections_mappings_go_with_it():
     assert kept[-1][1] == {inode} and kept[-1][2][inode] > senders  # the receiver's mapping beside the sender's
     gc.collect()
     assert _mappings()[inode] == senders
+
+
+def test_an_idle_connection_lets_its_mappings_go():
+    """A release reaches the receiver only with a grant: a connection that pulls no more drops its
+    mappings after its idle time (here 0.05 s; the test waits for the drop, at most GUARD_S)."""
+    stored: dict = {}
+    placed = _placed_context("a", stored)
+
+    async def run() -> tuple[int, int]:
+        server = make_server("shm", lambda c, l, k: stored.get((c, l, k)), None, pin=lambda _: Hold())
+        address = await server.start()
+        client = shm.ShmBulkClient(kept_idle_s=0.05)
+        try:
+            for _ in range(2):
+                into = [torch.empty(1, 2, 600, 8) for _ in ITEMS]
+                await client.pull(address, PullRequest(context_id="a", items=ITEMS, tokens=600), into,
+                                  lambda *a: None, 10)
+            conn = client._conns[address]
+            kept_after_pull = len(conn.kept)
+            deadline = asyncio.get_running_loop().time() + GUARD_S
+            while len(conn.kept) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            return kept_after_pull, len(conn.kept)
+        finally:
+            await client.close()
+            await server.close()
+
+    assert asyncio.run(run()) == (1, 0)
+    assert placed  # the sender still holds the context: the drop was the receiver's own
 
 
 # -- a hostile sender ---------------------------------------------------------------------------

@@ -83,7 +83,10 @@ def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int],
                              f"({sizes[region.fd]} bytes)")
     if n * row == 0:
         return []
-    whole = _Read(fds[region.fd], region.offset, land.recv.numpy().data, land.recv.data_ptr(), sources[region.fd])
+    source = sources[region.fd]
+    if source is not None and region.offset + (n - 1) * region.stride + row > source.numel():
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: region {region} ends past its mapping")
+    whole = _Read(fds[region.fd], region.offset, land.recv.numpy().data, land.recv.data_ptr(), source)
     if region.stride == row:  # rows back to back (a whole stored tensor, E, a per-pull copy): one read
         return [whole]
     return [dataclasses.replace(whole.part(r * row, row), offset=region.offset + r * region.stride) for r in range(n)]
@@ -156,7 +159,7 @@ def _plan(grant: ShmGrant, request: PullRequest, into: Sequence[torch.Tensor], f
                  for run in runs]
     tasks = [[r for land, region in run if region.export < 0 for r in _reads(land, region, fds, sizes, sources)]
              for run in runs]
-    to_keep = [i for i in sorted(set(grant.placed)) if sources[i] is None]
+    to_keep = [i for i in sorted(set(grant.placed)) if sources[i] is None and identities[i].keepable]
     return _Plan(runs, tasks, on_device, identities, to_keep, sum(land.header.nbytes for land in lands))
 
 
@@ -265,6 +268,7 @@ class _Conn:
     sock: socket.socket
     mappings: Mappings
     kept: KeptMemfds
+    idle: asyncio.TimerHandle | None = None  # drops `kept` when no pull came for a while
 
 
 class ShmBulkClient(ChannelClient[_Conn]):
@@ -272,22 +276,26 @@ class ShmBulkClient(ChannelClient[_Conn]):
 
     transport: Transport = "shm"
 
-    def __init__(self, lanes: int = LANES, opener: Opener | None = None, keep: int = kept.LIMIT) -> None:
+    def __init__(self, lanes: int = LANES, opener: Opener | None = None, kept_bytes: int = kept.MAX_BYTES,
+                 kept_idle_s: float = kept.IDLE_S) -> None:
         super().__init__()
         self._lanes = concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="shm-lane")
         self._lane_count = lanes
-        self._keep = keep  # placed memfds kept mapped per connection (0: read every pull with preadv)
-        if keep:
+        # placed memfds kept mapped per connection, in bytes (0: read every pull with preadv), and
+        # how long an idle connection keeps them
+        self._kept_bytes, self._kept_idle_s = kept_bytes, kept_idle_s
+        if kept_bytes:
             memfd.raise_fd_limit()  # each kept mapping holds a descriptor
         self._opener: Opener = opener or cuda_ipc.open_export
         # a receiver with CUDA opens a GPU sender's exports; one without gets their items copied
         self._device_exports = opener is not None or torch.cuda.is_available()
 
-
     async def _pull_on(self, conn: _Conn, request: PullRequest, into: Sequence[torch.Tensor],
                        on_item: OnItem) -> int:
         if self._device_exports and not request.device_exports:  # this receiver maps a sender's device memory
             request = msgspec.structs.replace(request, device_exports=True)
+        if conn.idle is not None:
+            conn.idle.cancel()
         await shm_io.send_frame(conn.sock, schemas.encode(request))
         data, fds = await shm_io.recv_frame(conn.sock, schemas.MAX_MESSAGE_BYTES, MAX_FDS)
         futures: list[concurrent.futures.Future] = []
@@ -302,8 +310,12 @@ class ShmBulkClient(ChannelClient[_Conn]):
                         on_item(land.item, land.land(verify=False))
             else:
                 piece = _piece(plan.nbytes, self._lane_count)
-                queued = [[self._lanes.submit(_read, t) for t in _pieces(reads, piece)] for reads in plan.tasks]
-                futures = [f for run in queued for f in run]
+                queued: list[list[concurrent.futures.Future]] = []
+                for reads in plan.tasks:  # each future recorded as it is made: a failed submit leaves none untracked
+                    queued.append([])
+                    for task in _pieces(reads, piece):
+                        queued[-1].append(self._lanes.submit(_read, task))
+                        futures.append(queued[-1][-1])
                 for run, run_futures, device in zip(plan.runs, queued, plan.on_device, strict=True):
                     _read_device(device)
                     await _all_done(run_futures)
@@ -314,6 +326,8 @@ class ShmBulkClient(ChannelClient[_Conn]):
             ok = True
         finally:
             running = _close_when_done(fds, futures)
+            if len(conn.kept):  # a release reaches us only with a grant: an idle connection lets go itself
+                conn.idle = asyncio.get_running_loop().call_later(self._kept_idle_s, conn.kept.close)
             if not ok and running:  # the caller's buffers are written no more once the pull has failed
                 await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, running), return_exceptions=True))
         await shm_io.send_frame(conn.sock, schemas.encode(ShmDone()))
@@ -332,11 +346,13 @@ class ShmBulkClient(ChannelClient[_Conn]):
         except BaseException:
             sock.close()
             raise
-        return _Conn(sock, Mappings(self._opener), KeptMemfds(self._keep))
+        return _Conn(sock, Mappings(self._opener), KeptMemfds(self._kept_bytes))
 
     async def _disconnect(self, address: str, conn: _Conn) -> None:
         conn.mappings.close()  # a sender we no longer talk to keeps none of its memory alive through us
         conn.kept.close()
+        if conn.idle is not None:
+            conn.idle.cancel()
         conn.sock.close()
 
     async def _shutdown(self) -> None:
