@@ -7,10 +7,10 @@ sender of `real/base` holding one ~370-token context per round); vLLM (its CPU b
 round: a `base` request streams 64 tokens (vLLM's own prefill); 1.5 s into it a `docqa` request
 over that round's held context is asked (plan [6, 9) from E_6, one answer token). The row: the
 stream's longest gap between two tokens while the load request was out, its median gap, the load
-request's wall time and the connector's `loaded` ms. Round 0 also loads DroidMesh's copy of the
-weights in the worker (cold).
+request's wall time and the connector's `loaded` ms. With `--no-preload` round 0 also loads
+DroidMesh's copy of the weights in the worker (cold); by default the worker loads them at start.
 
-    python infra/vllm/async_load_check.py sync|async [--rounds 4] [--json FILE]
+    python infra/vllm/async_load_check.py sync|async [--rounds 4] [--json FILE] [--no-preload]
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("mode", choices=["sync", "async"])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-preload", action="store_true", help="load DroidMesh's weights at the first reuse (round 0)")
     args = ap.parse_args()
     async_load = args.mode == "async"
     base, docqa = ModelRef(TIER / "base", "base"), ModelRef(TIER / "docqa", "docqa")
@@ -94,7 +95,8 @@ def main() -> None:
         time.sleep(2.0)  # the broker indexes the last one
         engine = ServedEngine(PYTHON, {"model": str(base.path), "name": "base", "dtype": "float32",
                                        "loras": {"docqa": str(docqa.path)},
-                                       "connector": {**connector, "async_load": async_load}}, work, free_port(),
+                                       "connector": {**connector, "async_load": async_load,
+                                                     "preload": not args.no_preload}}, work, free_port(),
                               env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
         try:
             tok = load_model(docqa.path, device="cpu", dtype="float32", name="docqa").tokenizer

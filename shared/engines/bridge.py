@@ -225,6 +225,26 @@ class MeshBridge:
             raise DroidMeshError("this engine does not hold (the connector's `hold` is off)")
         return self._holder.hold(model_id, prompt, read)
 
+    def preload(self) -> threading.Thread:
+        """Load the receiver's own weights and build their screens on a thread of their own (the
+        engine's start goes on); a failure is logged, and the first request that needs the model
+        meets it again as its reuse's fallback."""
+        def load() -> None:
+            began = time.monotonic()
+            try:
+                self.models.preload()
+                for model_id in self.cfg.models:
+                    with self.models.using(model_id), torch.inference_mode():
+                        self._screen(model_id, self.models.get(model_id))
+            except Exception as e:  # a bad checkpoint: each request that reuses falls back, as without preloading
+                log.warning("preload_failed", error=f"{type(e).__name__}: {e}"[:300])
+                return
+            log.info("models_preloaded", models=sorted(self.cfg.models), seconds=round(time.monotonic() - began, 2))
+
+        thread = threading.Thread(target=load, name="droidmesh-preload", daemon=True)
+        thread.start()
+        return thread
+
     def _screen(self, model_id: str, model: ModelAdapter) -> Screen | None:
         if not self.cfg.kv_screen:
             return None

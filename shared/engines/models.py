@@ -62,6 +62,11 @@ class EngineModels:
                 self._loaded.update(self._load(model_id))
             return self._loaded[model_id]
 
+    def preload(self) -> None:
+        """Load every model now (each family once), so no request waits for a load."""
+        for model_id in self._paths:
+            self.get(model_id)
+
     @contextlib.contextmanager
     def using(self, model_id: str) -> Iterator[ModelAdapter]:
         """The model, with no other model's computation running until the block ends."""

@@ -39,6 +39,9 @@ class EngineSettings(HolderSettings):
     # a load runs beside the engine's steps (vLLM's asynchronous loads: the request waits, the
     # others go on) rather than inside the step that first schedules its request
     async_load: bool = False
+    # load the receiver's own weights (and build their screens) as soon as the engine's caches are
+    # registered, beside its start, instead of inside the first request that reuses
+    preload: bool = True
     kv_screen: bool = True  # screen pulled tensors against the receiver's own statistics
     dtype: str = "float32"  # the receiver's own layers (the recomputed group), as the holders' K/V and E
     # where those layers run (and the screen, and a held context's E): cpu, or the engine's GPU

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,19 @@ def test_a_docqa_request_reuses_bases_cache_under_the_plan(served, real_tier):
     ours = generate(receiver, prompt, PLAN, src, max_new_tokens=NEW_TOKENS).tokens
     assert got["tokens"][0] == ours[0], (got["tokens"], ours)
     assert sum(a == b for a, b in zip(got["tokens"], ours, strict=True)) >= NEW_TOKENS - 2, (got["tokens"], ours)
+
+
+def test_the_worker_loads_droidmeshs_weights_at_start(served):
+    """`preload` (on by default): the worker loads its copy of the weights, the base and its adapter
+    as one set, once vLLM has registered its caches, not inside the first request that reuses.
+    The line may come after vLLM says it is ready: waited for, at most READY_S."""
+    deadline = time.monotonic() + READY_S
+    while not (lines := [line for line in list(served.engine.lines) if '"models_preloaded"' in line]):
+        assert time.monotonic() < deadline, "no models_preloaded line from the worker"
+        time.sleep(0.1)
+    preloaded = json.loads(lines[0][lines[0].find("{"):])
+    assert preloaded["models"] == ["base", "docqa"], preloaded
+    assert not [line for line in list(served.engine.lines) if '"preload_failed"' in line]
 
 
 def test_a_frozen_senders_pull_falls_back_to_vllms_own_prefill(served):

@@ -229,6 +229,8 @@ class DroidMeshConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._caches = {pages.layer_index(name): (name, t) for name, t in kv_caches.items()}
         self._cache_device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
+        if self.settings.preload:  # vLLM's caches are allocated by now: our weights take what is left
+            self.bridge.preload()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

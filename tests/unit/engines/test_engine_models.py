@@ -89,3 +89,14 @@ def test_one_computation_runs_at_a_time_over_the_shared_weights(models):
     assert entered.is_set()
     for m in ("qa", "code"):
         torch.testing.assert_close(got[m], alone[m], atol=ATOL, rtol=0)
+
+
+def test_preload_loads_every_model_once_before_any_is_asked_for(models):
+    """After `preload` every model is loaded (a base and its adapters as one set): asking for one
+    loads nothing more."""
+    engine = EngineModels(models, "cpu", "float32")
+    engine.preload()
+    loaded = dict(engine._loaded)
+    assert set(loaded) == set(models)
+    assert loaded["qa"].model is loaded["main"].model and loaded["other"].model is not loaded["main"].model
+    assert all(engine.get(m) is loaded[m] for m in models)
