@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -227,8 +228,9 @@ def _all_done(futures: list[concurrent.futures.Future]) -> asyncio.Future[None]:
         with lock:
             left[0] -= 1
             last = left[0] == 0
-        if last and not loop.is_closed():
-            loop.call_soon_threadsafe(settle)
+        if last:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits it any more
+                loop.call_soon_threadsafe(settle)
 
     if not futures:
         done.set_result(None)
