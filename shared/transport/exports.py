@@ -11,7 +11,8 @@ opens to read it. Opening a handle costs a driver call and a mapping, so a pull 
 * the receiver's `Mappings` (one per connection) opens an export the first time a grant names it
   and reads it by offset from then on; it closes a mapping when a grant says it was released,
   when the sender's incarnation changes (a restarted sender numbers from 1 again: an old
-  mapping must never be taken for a new export of the same number) and when the connection goes;
+  mapping must never be taken for a new export of the same number), when the connection has
+  been idle for a while (the shm client's timer) and when the connection goes;
 * every region is checked against the export's size before a byte is read (`check_region`), and
   an export's declared size against the opened allocation's own.
 

@@ -228,7 +228,7 @@ def test_an_idle_connection_lets_its_mappings_go():
     async def run() -> tuple[int, int]:
         server = make_server("shm", lambda c, l, k: stored.get((c, l, k)), None, pin=lambda _: Hold())
         address = await server.start()
-        client = shm.ShmBulkClient(kept_idle_s=0.05)
+        client = shm.ShmBulkClient(mappings_idle_s=0.05)
         try:
             for _ in range(2):
                 into = [torch.empty(1, 2, 600, 8) for _ in ITEMS]

@@ -53,6 +53,7 @@ CONNECT_S = 10.0
 LANES = 2  # copy threads: one core's copy from a memfd reaches about half of memcpy
 MAX_PIECE = 8 << 20  # bytes one lane reads per task at most: a big layer spreads over the lanes
 MIN_PIECE = 1 << 20  # ... and at least (a task's hand-off costs tens of microseconds)
+MAPPINGS_IDLE_S = 30.0  # a connection idle this long lets go of its kept memfds and device exports
 INLINE_BYTES = 256 << 10  # a pull this small is read on the event loop: microseconds, less than a hand-off
 
 
@@ -270,7 +271,13 @@ class _Conn:
     sock: socket.socket
     mappings: Mappings
     kept: KeptMemfds
-    idle: asyncio.TimerHandle | None = None  # drops `kept` when no pull came for a while
+    idle: asyncio.TimerHandle | None = None  # `let_go` when no pull came for a while
+
+    def let_go(self) -> None:
+        """Drop every mapping of the sender's memory this connection holds: a release reaches us
+        only with a grant, so an idle connection must not pin what the sender has let go."""
+        self.mappings.close()
+        self.kept.close()
 
 
 class ShmBulkClient(ChannelClient[_Conn]):
@@ -279,13 +286,13 @@ class ShmBulkClient(ChannelClient[_Conn]):
     transport: Transport = "shm"
 
     def __init__(self, lanes: int = LANES, opener: Opener | None = None, kept_bytes: int = kept.MAX_BYTES,
-                 kept_idle_s: float = kept.IDLE_S) -> None:
+                 mappings_idle_s: float = MAPPINGS_IDLE_S) -> None:
         super().__init__()
         self._lanes = concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="shm-lane")
         self._lane_count = lanes
         # placed memfds kept mapped per connection, in bytes (0: read every pull with preadv), and
-        # how long an idle connection keeps them
-        self._kept_bytes, self._kept_idle_s = kept_bytes, kept_idle_s
+        # how long an idle connection keeps them and its device exports open
+        self._kept_bytes, self._mappings_idle_s = kept_bytes, mappings_idle_s
         if kept_bytes:
             memfd.raise_fd_limit()  # each kept mapping holds a descriptor
         self._opener: Opener = opener or cuda_ipc.open_export
@@ -328,8 +335,8 @@ class ShmBulkClient(ChannelClient[_Conn]):
             ok = True
         finally:
             running = _close_when_done(fds, futures)
-            if len(conn.kept):  # a release reaches us only with a grant: an idle connection lets go itself
-                conn.idle = asyncio.get_running_loop().call_later(self._kept_idle_s, conn.kept.close)
+            if len(conn.kept) or len(conn.mappings):
+                conn.idle = asyncio.get_running_loop().call_later(self._mappings_idle_s, conn.let_go)
             if not ok and running:  # the caller's buffers are written no more once the pull has failed
                 await asyncio.shield(asyncio.gather(*map(asyncio.wrap_future, running), return_exceptions=True))
         await shm_io.send_frame(conn.sock, schemas.encode(ShmDone()))
@@ -351,8 +358,7 @@ class ShmBulkClient(ChannelClient[_Conn]):
         return _Conn(sock, Mappings(self._opener), KeptMemfds(self._kept_bytes))
 
     async def _disconnect(self, address: str, conn: _Conn) -> None:
-        conn.mappings.close()  # a sender we no longer talk to keeps none of its memory alive through us
-        conn.kept.close()
+        conn.let_go()  # a sender we no longer talk to keeps none of its memory alive through us
         if conn.idle is not None:
             conn.idle.cancel()
         conn.sock.close()

@@ -20,8 +20,9 @@ pulled again and again (a shared document under many requests and fine-tunes) mo
   us), and within the connection's byte budget; anything else is read with `preadv` every time.
 * Dropped when a grant names its inode in `released_memfds` (the sender let that context go: its
   memory returns only once we unmap), when the sender's incarnation changes, when the connection
-  has been idle for IDLE_S (the client's timer: a release reaches us only with a grant), least
-  recently used beyond MAX_KEPT mappings or the byte budget, and all when the connection goes.
+  has been idle for the client's `MAPPINGS_IDLE_S` (a release reaches us only with a grant),
+  least recently used beyond MAX_KEPT mappings or the byte budget, and all when the connection
+  goes.
 * A dropped mapping is unmapped when the last copy reading it is done: each copy task holds the
   view it reads (`source`), and nothing here closes a mapping explicitly.
 """
@@ -43,7 +44,6 @@ log = structlog.get_logger("shm")
 
 MAX_KEPT = 64  # mappings per connection (one per placed context; each holds a descriptor)
 MAX_BYTES = 16 << 30  # their bytes per connection: address space, and the sender's memory they pin
-IDLE_S = 30.0  # a connection idle this long drops its mappings (released contexts stop being pinned)
 
 
 def _shmem_device() -> int | None:

@@ -158,6 +158,36 @@ def test_a_released_context_is_released_by_both_sides():
     assert opener.opened == [1, 2] and (held, closed) == (1, 1)
 
 
+def test_an_idle_connection_closes_its_mappings():
+    """A release reaches the receiver only with a grant: a connection that pulls no more closes its
+    mappings after its idle time (here 0.05 s; waited for, at most 30 s), so a sender's device
+    memory is not pinned by a receiver that went quiet; the next pull opens the export again."""
+    exporter = HostExporter()
+    store = {"a": _context(exporter, 0)}
+
+    async def run():
+        server = ShmBulkServer(lambda c, l, k: store.get(c, {}).get((l, k)), None, device=exporter)
+        address = await server.start()
+        client = ShmBulkClient(opener=opener, mappings_idle_s=0.05)
+        try:
+            await _pull(client, address, "a")
+            conn = client._conns[address]
+            deadline = asyncio.get_running_loop().time() + 30.0
+            while len(conn.mappings) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            idle = len(conn.mappings)
+            got = await _pull(client, address, "a")
+            return idle, got
+        finally:
+            await client.close()
+            await server.close()
+
+    opener = Opener(exporter)
+    idle, got = asyncio.run(run())
+    assert idle == 0 and opener.opened == [1, 1] and opener.closed >= 1
+    assert torch.equal(got[0], store["a"][(0, "K")])  # bitwise: copied bytes
+
+
 def test_a_restarted_sender_s_mappings_are_dropped_not_reused():
     """A grant from another incarnation (a restarted sender numbering its exports from 1 again)
     closes every mapping of the old one; export 1 is opened anew, never read through the old."""
