@@ -234,8 +234,8 @@ class MeshBridge:
             try:
                 self.models.preload()
                 for model_id in self.cfg.models:
-                    with self.models.using(model_id), torch.inference_mode():
-                        self._screen(model_id, self.models.get(model_id))
+                    with self.models.using(model_id) as model, torch.inference_mode():
+                        self._screen(model_id, model)
             except Exception as e:  # a bad checkpoint: each request that reuses falls back, as without preloading
                 log.warning("preload_failed", error=f"{type(e).__name__}: {e}"[:300])
                 return

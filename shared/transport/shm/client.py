@@ -30,7 +30,7 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
@@ -205,13 +205,30 @@ def _read(task: list[_Read]) -> None:
             raise IntegrityError(f"short read of a sealed memfd at {r.offset}")
 
 
+def _after_all(futures: list[concurrent.futures.Future], then: Callable[[], None]) -> None:
+    """Call `then` once, on the thread that finishes the last of `futures` (at once if none)."""
+    if not futures:
+        then()
+        return
+    left, lock = [len(futures)], threading.Lock()
+
+    def one_done(_: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for f in futures:
+        f.add_done_callback(one_done)
+
+
 def _all_done(futures: list[concurrent.futures.Future]) -> asyncio.Future[None]:
     """A layer's lane tasks as one future of the loop: done when the last of them is, with the
     first one's error (one wake-up of the loop per layer, not per task: on a host with as many
     cores as lanes, each wake-up takes a core from a lane)."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-    left, lock = [len(futures)], threading.Lock()
 
     def settle() -> None:
         if done.done():
@@ -225,18 +242,11 @@ def _all_done(futures: list[concurrent.futures.Future]) -> asyncio.Future[None]:
                 return
         done.set_result(None)
 
-    def one_done(_: concurrent.futures.Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits it any more
-                loop.call_soon_threadsafe(settle)
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits it any more
+            loop.call_soon_threadsafe(settle)
 
-    if not futures:
-        done.set_result(None)
-    for f in futures:
-        f.add_done_callback(one_done)
+    _after_all(futures, wake)
     return done
 
 
@@ -244,22 +254,12 @@ def _close_when_done(fds: list[int], futures: list[concurrent.futures.Future]) -
     """Cancel the lane tasks not started and close `fds` once the running ones finish (a lane
     never reads a closed, possibly reused, descriptor number); return the running ones."""
     running = [f for f in futures if not f.cancel() and not f.done()]
-    if not running:
+
+    def close() -> None:
         for fd in fds:
             os.close(fd)
-        return running
-    left, lock = [len(running)], threading.Lock()
 
-    def one_done(_: concurrent.futures.Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            for fd in fds:
-                os.close(fd)
-
-    for f in running:
-        f.add_done_callback(one_done)
+    _after_all(running, close)
     return running
 
 
