@@ -235,16 +235,17 @@ def test_an_idle_connection_lets_its_mappings_go():
                 await client.pull(address, PullRequest(context_id="a", items=ITEMS, tokens=600), into,
                                   lambda *a: None, 10)
             conn = client._conns[address]
-            kept_after_pull = len(conn.kept)
+            mapped = conn.kept.mapped  # not len(conn.kept): on a busy host the timer may already have fired
             deadline = asyncio.get_running_loop().time() + GUARD_S
             while len(conn.kept) and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.02)
-            return kept_after_pull, len(conn.kept)
+            return mapped, len(conn.kept)
         finally:
             await client.close()
             await server.close()
 
-    assert asyncio.run(run()) == (1, 0)
+    mapped, left = asyncio.run(run())
+    assert mapped >= 1 and left == 0  # kept once at least (again, if the timer fired between the pulls), then dropped
     assert placed  # the sender still holds the context: the drop was the receiver's own
 
 
