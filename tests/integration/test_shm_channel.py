@@ -24,6 +24,7 @@ from droidmesh.shared.wire.channels import ShmGrant, ShmRegion
 from droidmesh.shared.wire.schemas import PullItem, PullRequest, PullResponse, TensorHeader
 
 ITEMS = [PullItem(0, "K"), PullItem(0, "V")]
+PINNED_S = 3600.0  # an idle time no test reaches: the idle drop is pinned off where a test counts mappings
 GUARD_S = 30.0  # a wait for an event that never comes fails the test (a hang guard, not a timing assertion)
 
 
@@ -143,7 +144,7 @@ def _pulls(stored: dict, requests: list[tuple[str, int]], between=None):
     async def run():
         server = make_server("shm", lambda c, l, k: stored.get((c, l, k)), None, pin=lambda _: Hold())
         address = await server.start()
-        client = shm.ShmBulkClient()
+        client = shm.ShmBulkClient(mappings_idle_s=PINNED_S)  # no idle drop between these pulls, however slow
         try:
             for i, (context, tokens) in enumerate(requests):
                 if between is not None:

@@ -101,7 +101,7 @@ def _session(body, exporter: HostExporter, store: dict[str, dict]):
     async def run():
         server = ShmBulkServer(lambda c, l, k: store.get(c, {}).get((l, k)), None, device=exporter)
         address = await server.start()
-        client = ShmBulkClient(opener=opener)
+        client = ShmBulkClient(opener=opener, mappings_idle_s=3600.0)  # pinned: no idle drop however slow the host
         try:
             return await body(client, address)
         finally:
