@@ -321,7 +321,8 @@ def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.
         if not 0 <= header.nbytes <= bound:
             raise IntegrityError(f"layer {item.layer} {item.kind}: {header.nbytes} encoded bytes, "
                                  f"{header.codec} allows at most {bound}")
-        if codecs.asks_device(header.codec_params) and not codecs.asks_device(request.codec_params):
+        if codecs.asks_device(header.codec_params) and not (codecs.asks_device(request.codec_params)
+                                                            or request.device_exports):
             raise IntegrityError(f"layer {item.layer} {item.kind}: a device payload this receiver did not ask for")
         out.append(Landing(item, header, codec, buf, placement.receive_buffer(codec, header, buf)))
     return out

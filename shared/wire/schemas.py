@@ -20,7 +20,7 @@ from droidmesh.shared.errors import BadMessageError, SchemaVersionError
 from droidmesh.shared.wire.hashing import MAX_SCOPE_CHARS, PUBLIC, SCOPE_PATTERN
 from droidmesh.shared.wire.logprobs import TokenLogprob
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 MAX_MESSAGE_BYTES = 1 << 20  # NATS' default max payload; bulk tensors never ride the bus
 
 

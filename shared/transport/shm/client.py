@@ -41,6 +41,7 @@ from droidmesh.shared.transport import cuda_ipc, memfd, shm_io
 from droidmesh.shared.transport.address import check_unix_path
 from droidmesh.shared.transport.bulk import Landing, OnItem, landings
 from droidmesh.shared.transport.client import ChannelClient
+from droidmesh.shared.transport.codecs import asks_device
 from droidmesh.shared.transport.exports import Export, Mapping, Mappings, Opener, check_region
 from droidmesh.shared.transport.shm import kept
 from droidmesh.shared.transport.shm.kept import Identity, KeptMemfds, identity
@@ -80,6 +81,8 @@ def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int],
     n, row = _rows(land)
     if not 0 <= region.fd < len(fds) or region.offset < 0 or (n > 1 and region.stride < row):
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: bad region {region}")
+    if asks_device(land.header.codec_params):  # its landing would be device memory: never a host read's target
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: a memfd region says device memory")
     if n and row and region.offset + (n - 1) * region.stride + row > sizes[region.fd]:
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: region {region} ends past its memfd "
                              f"({sizes[region.fd]} bytes)")
@@ -101,6 +104,8 @@ def _device_reads(land: Landing, region: ShmRegion, exports: list[Export], mappi
     n, row = _rows(land)
     if not 0 <= region.export < len(exports):
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: bad region {region}")
+    if not asks_device(land.header.codec_params):  # it would land in host staging: device to host to device
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: a device export's item not said to be device memory")
     export = exports[region.export]
     check_region(export, region.offset, region.stride, n, row)
     return _DeviceRead(mappings.get(export), region.offset, region.stride, n, row, land.recv)

@@ -37,7 +37,7 @@ import torch
 
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.model.device import dtype_name
-from droidmesh.shared.transport import cuda_ipc, memfd, shm_io
+from droidmesh.shared.transport import codecs, cuda_ipc, memfd, shm_io
 from droidmesh.shared.transport.bulk import (
     MAX_REQUEST_BYTES,
     Authorize,
@@ -57,6 +57,7 @@ from droidmesh.shared.wire.schemas import PullItem, PullRequest, TensorHeader, T
 
 log = structlog.get_logger("shm")
 HOLD_S = 120.0  # the longest a grant is held, from its send to its ShmDone
+_DEVICE = {codecs.DEVICE_PARAM: "cuda"}  # a header's codec params: the payload is device memory
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
@@ -177,9 +178,11 @@ class ShmBulkServer:
         regions: list[ShmRegion] = []
         copies: list[tuple[int, torch.Tensor]] = []  # (offset in the per-pull memfd, view)
         copy_bytes = 0
+        device: list[bool] = []  # per item: granted in a device export (its header says so)
         for item, t, view in zip(request.items, stored, views, strict=True):
             found = memfd.placed(t)
             on_device = self._device.exported(t) if request.device_exports else None  # else: copied below
+            device.append(found is None and on_device is not None)
             if found is not None:
                 seg, offset = found
                 if seg.fd not in fds:
@@ -204,13 +207,15 @@ class ShmBulkServer:
             scratch.append(fd)
             fds.append(fd)
             regions = [msgspec.structs.replace(r, fd=len(fds) - 1) if r.fd < 0 and r.export < 0 else r for r in regions]
+        # a device export's item says its payload is device memory: the receiver lands it on its
+        # buffer's device, never through host staging
         headers = [TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind, shape=list(v.shape),
-                                dtype=dtype_name(v.dtype), codec="raw", codec_params={},
+                                dtype=dtype_name(v.dtype), codec="raw", codec_params=dict(_DEVICE) if on else {},
                                 nbytes=v.numel() * v.element_size(), checksum="")
-                   for item, v in zip(request.items, views, strict=True)]
-        device = [DeviceExport(export_id=e.export_id, nbytes=e.nbytes, handle=e.handle) for e in exports]
+                   for item, v, on in zip(request.items, views, device, strict=True)]
+        named = [DeviceExport(export_id=e.export_id, nbytes=e.nbytes, handle=e.handle) for e in exports]
         return ShmGrant(response=schemas.PullResponse(headers=headers), regions=regions, fds=len(fds),
-                        incarnation=self._device.registry.incarnation, exports=device, released=sent.exports.released(),
+                        incarnation=self._device.registry.incarnation, exports=named, released=sent.exports.released(),
                         placed=placed, released_memfds=sent.memfds.released()), fds
 
     async def close(self) -> None:

@@ -11,6 +11,7 @@ ones; `cuda_ipc.place` / `open_export` are the GPU check's to exercise.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
 import os
 import re
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from droidmesh.shared.errors import IntegrityError
-from droidmesh.shared.transport import shm_io
+from droidmesh.shared.transport import codecs, memfd, shm_io
 from droidmesh.shared.transport.cuda_ipc import DeviceMapping
 from droidmesh.shared.transport.exports import Export, ExportRegistry, Mappings, check_region
 from droidmesh.shared.transport.shm import ShmBulkClient, ShmBulkServer
@@ -224,8 +225,8 @@ def test_a_dead_sender_s_mappings_close_with_its_connection():
     assert closed == 1
 
 
-def _hostile(grant: ShmGrant, opener: Opener, exporter: HostExporter) -> str:
-    """A pull answered by `grant` from a hand-made sender: the error, with nothing opened."""
+def _hostile(grant: ShmGrant, opener: Opener, exporter: HostExporter, fds: tuple[int, ...] = ()) -> str:
+    """A pull answered by `grant` (passing `fds`) from a hand-made sender: the error, with nothing opened."""
     async def run():
         path = os.path.join(tempfile.mkdtemp(), "s.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -237,7 +238,7 @@ def _hostile(grant: ShmGrant, opener: Opener, exporter: HostExporter) -> str:
             conn, _ = await asyncio.get_running_loop().sock_accept(listener)
             conn.setblocking(False)
             await shm_io.recv_frame(conn, 1 << 20, 0)
-            await shm_io.send_frame(conn, schemas.encode(grant))
+            await shm_io.send_frame(conn, schemas.encode(grant), list(fds))
             await asyncio.sleep(1)
             conn.close()
 
@@ -266,13 +267,72 @@ def test_hostile_offsets_and_lengths_are_refused_before_any_mapping_or_read(offs
     exporter = HostExporter()
     _context(exporter, 0)  # export 1 exists, 2 x 2112 bytes
     opener = Opener(exporter)
-    header = TensorHeader(context_id="a", layer=0, kind="K", shape=[1, 2, 33, 8], dtype="float32", codec="raw",
-                          codec_params={}, nbytes=2 * 33 * 8 * 4, checksum="")
-    grant = ShmGrant(response=PullResponse(headers=[header, msgspec.structs.replace(header, kind="V")]),
+    grant = ShmGrant(response=PullResponse(headers=_headers(device=True)),
                      regions=[ShmRegion(fd=-1, offset=offset, stride=stride, export=export)] * 2, incarnation="x",
                      exports=[DeviceExport(export_id=1, nbytes=nbytes, handle=b"1")])
     err = _hostile(grant, opener, exporter)
     assert opener.opened == [] and re.search(match, err), err
+
+
+def _headers(device: bool) -> list[TensorHeader]:
+    """K and V of layer 0 of context "a" (1 x 2 x 33 x 8 float32), said to be device memory or not."""
+    header = TensorHeader(context_id="a", layer=0, kind="K", shape=[1, 2, 33, 8], dtype="float32", codec="raw",
+                          codec_params={codecs.DEVICE_PARAM: "cuda"} if device else {}, nbytes=2 * 33 * 8 * 4,
+                          checksum="")
+    return [header, msgspec.structs.replace(header, kind="V")]
+
+
+def test_a_device_exports_items_are_said_to_be_device_memory_and_a_memfds_are_not():
+    """A grant says which items are device memory, so that a receiver with CUDA lands those on its
+    buffers' device (in place, or in device staging) and never stages them through host memory:
+    one item in a device export, one in a placed memfd, in one grant, each said as it is; pulled
+    through the receiver, both arrive intact."""
+    exporter = HostExporter()
+    on_host = memfd.place([torch.randn(1, 2, 33, 8, generator=torch.Generator().manual_seed(3))])
+    store = {"a": {(0, "K"): _context(exporter, 0)[(0, "K")], (0, "V"): on_host[0]}}
+
+    async def body(client, address):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, address)
+        try:
+            await shm_io.send_frame(sock, schemas.encode(PullRequest(context_id="a", items=ITEMS, device_exports=True)))
+            data, fds = await shm_io.recv_frame(sock, schemas.MAX_MESSAGE_BYTES, 8)
+            for fd in fds:
+                os.close(fd)
+        finally:
+            sock.close()
+        return schemas.decode(data, ShmGrant), await _pull(client, address, "a")
+
+    (grant, got), _ = _session(body, exporter, store)
+    assert [codecs.asks_device(h.codec_params) for h in grant.response.headers] == [True, False]
+    assert [r.export >= 0 for r in grant.regions] == [True, False]
+    assert torch.equal(got[0], store["a"][(0, "K")]) and torch.equal(got[1], on_host[0])  # bitwise: copied bytes
+
+
+def test_an_item_said_to_be_where_it_is_not_is_refused_before_any_mapping_or_read():
+    """A device export's item not said to be device memory (it would be staged through host
+    memory: device to host to device) and a memfd's item said to be device memory (a host read
+    into a device buffer): both refused before any export is opened or byte read."""
+    exporter = HostExporter()
+    _context(exporter, 0)
+    opener = Opener(exporter)
+    row = 33 * 8 * 4
+    staged = ShmGrant(response=PullResponse(headers=_headers(device=False)),
+                      regions=[ShmRegion(fd=-1, offset=0, stride=row, export=0)] * 2, incarnation="x",
+                      exports=[DeviceExport(export_id=1, nbytes=4 * 2 * row, handle=b"1")])
+    assert "not said to be device memory" in _hostile(staged, opener, exporter)
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4 * 2 * row)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, memfd.SEALS)
+        on_host = ShmGrant(response=PullResponse(headers=_headers(device=True)),
+                           regions=[ShmRegion(fd=0, offset=0, stride=row), ShmRegion(fd=0, offset=2 * row, stride=row)],
+                           fds=1)
+        assert "a memfd region says device memory" in _hostile(on_host, opener, exporter, (fd,))
+    finally:
+        os.close(fd)
+    assert opener.opened == []
 
 
 def test_region_checks_on_their_own():

@@ -22,7 +22,10 @@ from droidmesh.shared.wire.schemas import SCHEMA_VERSION
 PINS = {4: "8c6b73fcbe5f1ee7316c0b3b937b91125ffacc08d5fc49f91264ea91922ddf56",
         5: "aea2dc3f590667e09bc161a46d9fd3555edb1ae297ca897ff2f7442fba0fb71d",
         6: "2d8657b4302fb8dc230b42891d2ba35f291f9730e9824a476ea82b059c5c86d4",
-        7: "0a9f442bd38c289c72a9120fcaf1931ea55cbe2ad362b9d548f30ba9d7dcd7c8"}
+        7: "0a9f442bd38c289c72a9120fcaf1931ea55cbe2ad362b9d548f30ba9d7dcd7c8",
+        # 8: the same fields; a shm grant says which items are device memory (a receiver of 7
+        # would refuse them item by item)
+        8: "775ff8f40d40d754e47d596dd5e131c4c301d74d522e086c17e1857ad8cd8123"}
 
 
 def wire_structs() -> list[type[msgspec.Struct]]:
