@@ -278,19 +278,37 @@ def _server_codec(name: str) -> codecs.Codec:
 # -- client side ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Landing:
-    """Where one item's payload is received (`placement.receive_buffer`): straight into the caller's
+    """Where one item's payload is received (`placement.receive_place`): straight into the caller's
     buffer, or into a staging buffer that is decoded into it."""
 
     item: PullItem
     header: TensorHeader
     codec: codecs.Codec
     out: torch.Tensor  # the caller's buffer
-    recv: torch.Tensor  # uint8 [header.nbytes]: `out`'s own bytes or a staging buffer (host, pinned or device)
+    place: placement.Place
+    staged: torch.Tensor | None = None  # a staging buffer made already (else made at first use of `recv`)
+
+    @property
+    def recv(self) -> torch.Tensor:
+        """uint8 [header.nbytes]: `out`'s own bytes or a staging buffer (host, pinned or device),
+        made at first use (a channel that copies by address into `out` never needs the view)."""
+        if self.staged is None:
+            self.staged = placement.buffer_at(self.place, self.header, self.out)
+        return self.staged
+
+    @property
+    def in_place(self) -> bool:
+        """The payload is received as `out`'s own bytes (raw, contiguous, the size `out` is)."""
+        return self.place == "out"
 
     def land(self, verify: bool = True) -> torch.Tensor:
         """Verify the received payload (unless the channel has nothing to verify: no wire) and
         decode it into `out`, both on the copy stream for a CUDA `out` (`streams.landing`: this
-        thread waits for them, the compute stream does not); return `out`, ready to use."""
+        thread waits for them, the compute stream does not); return `out`, ready to use. A raw
+        payload received in place with nothing to verify is `out` already (a channel's own device
+        copy into it waited for itself)."""
+        if self.in_place and not verify:
+            return self.out
         with streams.landing(self.out.device):
             if verify:
                 got = integrity.checksum(self.recv)
@@ -324,5 +342,5 @@ def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.
         if codecs.asks_device(header.codec_params) and not (codecs.asks_device(request.codec_params)
                                                             or request.device_exports):
             raise IntegrityError(f"layer {item.layer} {item.kind}: a device payload this receiver did not ask for")
-        out.append(Landing(item, header, codec, buf, placement.receive_buffer(codec, header, buf)))
+        out.append(Landing(item, header, codec, buf, placement.receive_place(codec, header, buf)))
     return out

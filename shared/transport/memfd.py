@@ -128,7 +128,7 @@ def shmem_thp() -> str:
 
 def placed(t: torch.Tensor) -> tuple[Segment, int] | None:
     """(its memfd, its offset there) when `t` is a contiguous view of a placed mapping."""
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if not t.is_cpu or not t.is_contiguous():
         return None
     storage = t.untyped_storage()
     key = storage.data_ptr()
@@ -136,7 +136,7 @@ def placed(t: torch.Tensor) -> tuple[Segment, int] | None:
     offset = t.data_ptr() - key
     # the storage must be the whole mapping (one of `place`'s views), not other memory that a
     # new allocation put at an address a mapping being torn down still names
-    if seg is None or storage.nbytes() != seg.nbytes or not 0 <= offset <= seg.nbytes - t.numel() * t.element_size():
+    if seg is None or storage.nbytes() != seg.nbytes or not 0 <= offset <= seg.nbytes - t.nbytes:
         return None
     return seg, offset
 

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from droidmesh.shared.kv import streams
-from droidmesh.shared.transport.codecs import Codec, RawCodec, asks_device, nbytes_of, payload_view
+from droidmesh.shared.transport.codecs import Codec, RawCodec, asks_device, payload_view
 from droidmesh.shared.wire.schemas import TensorHeader
 
 Place = Literal["out", "device", "pinned", "host"]
@@ -25,17 +25,21 @@ def receive_place(codec: Codec, header: TensorHeader, out: torch.Tensor) -> Plac
     "out" (its own bytes: raw into a contiguous buffer, sent as device memory when `out` is on
     CUDA), "device" (a staging buffer on `out`'s device), "pinned" (pinned host staging, for a
     host payload bound for a CUDA buffer) or "host" (pageable host staging, for a CPU buffer)."""
-    fits = isinstance(codec, RawCodec) and out.is_contiguous() and header.nbytes == nbytes_of(out.shape, out.dtype)
+    fits = isinstance(codec, RawCodec) and out.is_contiguous() and header.nbytes == out.nbytes
     if asks_device(header.codec_params):
         return "out" if fits else "device"
-    if out.device.type == "cuda":
+    if out.is_cuda:
         return "pinned"
     return "out" if fits else "host"
 
 
 def receive_buffer(codec: Codec, header: TensorHeader, out: torch.Tensor) -> torch.Tensor:
     """The uint8 [header.nbytes] buffer `receive_place` names."""
-    place = receive_place(codec, header, out)
+    return buffer_at(receive_place(codec, header, out), header, out)
+
+
+def buffer_at(place: Place, header: TensorHeader, out: torch.Tensor) -> torch.Tensor:
+    """The uint8 [header.nbytes] buffer at `place` for `out` (`receive_place`'s answer)."""
     if place == "out":
         return payload_view(out)
     if place == "device":

@@ -15,6 +15,12 @@ NEEDED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK  # what a reader require
 
 def sealed_size(fd: int, error: type[DroidMeshError] = IntegrityError) -> int:
     """The size of a memfd sealed against write and shrink; `error` for anything else."""
+    return sealed_stat(fd, error)[0].st_size
+
+
+def sealed_stat(fd: int, error: type[DroidMeshError] = IntegrityError) -> tuple[os.stat_result, int]:
+    """(its `fstat`, its seals) for a memfd sealed against write and shrink; `error` for anything
+    else. The `fstat` is taken after the seals are seen, so its size can no longer shrink."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise error("a passed descriptor is not a shared-memory file")
     try:
@@ -23,4 +29,4 @@ def sealed_size(fd: int, error: type[DroidMeshError] = IntegrityError) -> int:
         raise error("a passed descriptor is not sealable shared memory") from None
     if seals & NEEDED_SEALS != NEEDED_SEALS:
         raise error(f"a passed memfd is not sealed against write and shrink (seals {seals:#x})")
-    return os.fstat(fd).st_size
+    return os.fstat(fd), seals

@@ -171,7 +171,8 @@ def overlap(model: ModelAdapter, n: int, repeats: int, k: int = 2, seed: int = 2
                 header = TensorHeader(context_id="overlap", layer=it.layer, kind=it.kind, shape=list(out.shape),
                                       dtype=dtype_name(out.dtype), codec="raw", codec_params={}, nbytes=recv.numel(),
                                       checksum="")
-                source.put(it.kind, it.layer, Landing(it, header, codecs.get("raw"), out, recv).land(verify=False))
+                source.put(it.kind, it.layer,
+                           Landing(it, header, codecs.get("raw"), out, "pinned" if pinned else "host", recv).land(verify=False))
         except BaseException as e:  # the engine's read raises with this cause, not after its timeout
             source.fail(e)
             raise

@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -43,8 +44,9 @@ from droidmesh.shared.transport.bulk import Landing, OnItem, landings
 from droidmesh.shared.transport.client import ChannelClient
 from droidmesh.shared.transport.codecs import asks_device
 from droidmesh.shared.transport.exports import Export, Mapping, Mappings, Opener, check_region
+from droidmesh.shared.transport.seals import sealed_stat
 from droidmesh.shared.transport.shm import kept
-from droidmesh.shared.transport.shm.kept import Identity, KeptMemfds, identity
+from droidmesh.shared.transport.shm.kept import Identity, KeptMemfds, identity_of
 from droidmesh.shared.transport.shm.layout import MAX_FDS, rows
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.channels import ShmDone, ShmGrant, ShmRegion
@@ -58,43 +60,46 @@ MAPPINGS_IDLE_S = 30.0  # a connection idle this long lets go of its kept memfds
 INLINE_BYTES = 256 << 10  # a pull this small is read on the event loop: microseconds, less than a hand-off
 
 
-@dataclasses.dataclass(frozen=True)
-class _Read:
-    """`into`'s bytes from `offset` of memfd `fd`: by `preadv`, or, with `source` (a kept mapping
-    of that memfd, held here so it cannot be unmapped under the copy), by a copy out of it."""
+class _Read(NamedTuple):
+    """`nbytes` bytes from `offset` of memfd `fd` into our memory at `dest` (in `owner`, held here
+    so it outlives the read): by `preadv`, or, with `source` (a kept mapping of that memfd, held
+    here so it cannot be unmapped under the copy), by a copy out of it."""
 
     fd: int
     offset: int
-    into: memoryview
-    dest: int  # into's address
-    source: torch.Tensor | None = None
+    dest: int
+    nbytes: int
+    owner: torch.Tensor
+    source: torch.Tensor | None
 
     def part(self, start: int, nbytes: int) -> _Read:
-        return _Read(self.fd, self.offset + start, self.into[start:start + nbytes], self.dest + start, self.source)
+        return self._replace(offset=self.offset + start, dest=self.dest + start, nbytes=nbytes)
 
 
 def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int],
            sources: list[torch.Tensor | None]) -> list[_Read]:
-    """The reads that fill `land`'s receive buffer from `region`, checked against the memfd's
-    sealed size first (a kept mapping is that size). Rows and their length come from our own
-    buffer, never the peer."""
+    """The reads that fill `land`'s receive buffer (host memory: `out` itself, or host staging for
+    a CUDA `out`) from `region`, checked against the memfd's sealed size first (a kept mapping is
+    that size). Rows and their length come from our own buffer, never the peer."""
     n, row = _rows(land)
     if not 0 <= region.fd < len(fds) or region.offset < 0 or (n > 1 and region.stride < row):
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: bad region {region}")
     if asks_device(land.header.codec_params):  # its landing would be device memory: never a host read's target
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: a memfd region says device memory")
-    if n and row and region.offset + (n - 1) * region.stride + row > sizes[region.fd]:
+    end = region.offset + (n - 1) * region.stride + row  # one past the last byte read
+    if n and row and end > sizes[region.fd]:
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: region {region} ends past its memfd "
                              f"({sizes[region.fd]} bytes)")
     if n * row == 0:
         return []
     source = sources[region.fd]
-    if source is not None and region.offset + (n - 1) * region.stride + row > source.numel():
+    if source is not None and end > source.numel():
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: region {region} ends past its mapping")
-    whole = _Read(fds[region.fd], region.offset, land.recv.numpy().data, land.recv.data_ptr(), source)
+    owner = land.out if land.in_place else land.recv  # in place: `out`'s own bytes, no view needed
+    whole = _Read(fds[region.fd], region.offset, owner.data_ptr(), n * row, owner, source)
     if region.stride == row:  # rows back to back (a whole stored tensor, E, a per-pull copy): one read
         return [whole]
-    return [dataclasses.replace(whole.part(r * row, row), offset=region.offset + r * region.stride) for r in range(n)]
+    return [whole.part(r * row, row)._replace(offset=region.offset + r * region.stride) for r in range(n)]
 
 
 def _device_reads(land: Landing, region: ShmRegion, exports: list[Export], mappings: Mappings) -> _DeviceRead:
@@ -157,8 +162,9 @@ def _plan(grant: ShmGrant, request: PullRequest, into: Sequence[torch.Tensor], f
     exports = [Export(e.export_id, e.nbytes, e.handle) for e in grant.exports]
     conn.mappings.update(grant.incarnation, exports, grant.released)
     conn.kept.update(grant.incarnation, grant.released_memfds)
-    sizes = [memfd.sealed_size(fd) for fd in fds]
-    identities = [identity(fd) for fd in fds]
+    checked = [sealed_stat(fd) for fd in fds]  # refused unless sealed against write and shrink
+    sizes = [st.st_size for st, _ in checked]
+    identities = [identity_of(st, seals) for st, seals in checked]
     sources = [conn.kept.get(identities[i]) if i in grant.placed else None for i in range(len(fds))]
     runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
                                                       key=lambda lr: lr[0].item.layer)]
@@ -175,7 +181,7 @@ def _rows(land: Landing) -> tuple[int, int]:
     if land.header.codec != "raw":
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: codec {land.header.codec} over shm (raw only)")
     n, row = rows(land.header.shape, land.item.kind, land.out.element_size())
-    if n * row != land.header.nbytes or land.recv.numel() != land.header.nbytes:
+    if n * row != land.header.nbytes:  # raw: the header's shape is `out`'s (checked), and so its bytes
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: {land.header.nbytes} bytes for {n} x {row}")
     return n, row
 
@@ -189,24 +195,24 @@ def _piece(nbytes: int, lanes: int) -> int:
 
 def _pieces(reads: list[_Read], piece: int) -> list[list[_Read]]:
     """`reads` in lane tasks of about `piece` bytes (a long read split, short ones grouped)."""
-    split = [r.part(o, piece) for r in reads for o in range(0, len(r.into), piece)]
+    split = [r.part(o, min(piece, r.nbytes - o)) for r in reads for o in range(0, r.nbytes, piece)]
     tasks: list[list[_Read]] = [[]]
     size = 0  # bytes in tasks[-1]
     for r in split:
-        if tasks[-1] and size + len(r.into) > piece:
+        if tasks[-1] and size + r.nbytes > piece:
             tasks.append([])
             size = 0
         tasks[-1].append(r)
-        size += len(r.into)
+        size += r.nbytes
     return [t for t in tasks if t]
 
 
 def _read(task: list[_Read]) -> None:
     """On a lane: the reads of one task (preadv and ctypes' memmove release the GIL)."""
     for r in task:
-        if r.source is not None:  # checked: [offset, offset + len) lies in the mapping, `into` is ours
-            ctypes.memmove(r.dest, r.source.data_ptr() + r.offset, len(r.into))
-        elif os.preadv(r.fd, [r.into], r.offset) != len(r.into):
+        if r.source is not None:  # checked: [offset, offset + nbytes) lies in the mapping, `dest` is ours
+            ctypes.memmove(r.dest, r.source.data_ptr() + r.offset, r.nbytes)
+        elif os.preadv(r.fd, [(ctypes.c_char * r.nbytes).from_address(r.dest)], r.offset) != r.nbytes:
             raise IntegrityError(f"short read of a sealed memfd at {r.offset}")
 
 

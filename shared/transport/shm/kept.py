@@ -76,12 +76,17 @@ class Identity:
 
 
 def identity(fd: int) -> Identity:
-    st = os.fstat(fd)
-    populated = st.st_blocks * 512 >= st.st_size  # no hole a copy out of a mapping would fill
     try:
-        grows = not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_GROW
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:  # not sealable: never kept (and refused before this by the seal check)
-        grows = True
+        seals = 0
+    return identity_of(os.fstat(fd), seals)
+
+
+def identity_of(st: os.stat_result, seals: int) -> Identity:
+    """A memfd's identity from its `fstat` and its seals (`seals.sealed_stat`'s answer)."""
+    populated = st.st_blocks * 512 >= st.st_size  # no hole a copy out of a mapping would fill
+    grows = not seals & fcntl.F_SEAL_GROW
     return Identity(st.st_dev, st.st_ino, st.st_size, st.st_dev == SHMEM_DEVICE and populated and not grows)
 
 

@@ -189,13 +189,15 @@ class ShmBulkServer:
                     placed.append(len(fds))
                     fds.append(seg.fd)
                     sent.memfds.name(seg.inode)
-                regions.append(ShmRegion(fd=fds.index(seg.fd), **_where(t, item, offset)))
+                start, stride = _where(t, item, offset)
+                regions.append(ShmRegion(fd=fds.index(seg.fd), offset=start, stride=stride))
             elif on_device is not None:
                 export, offset = on_device
                 if export not in exports:
                     exports.append(export)
                     sent.exports.name(export.export_id)
-                regions.append(ShmRegion(fd=-1, export=exports.index(export), **_where(t, item, offset)))
+                start, stride = _where(t, item, offset)
+                regions.append(ShmRegion(fd=-1, export=exports.index(export), offset=start, stride=stride))
             else:  # copied contiguous: row r right after row r - 1
                 _, row = rows(view.shape, item.kind, view.element_size())
                 regions.append(ShmRegion(fd=-1, offset=copy_bytes, stride=row))
@@ -211,7 +213,7 @@ class ShmBulkServer:
         # buffer's device, never through host staging
         headers = [TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind, shape=list(v.shape),
                                 dtype=dtype_name(v.dtype), codec="raw", codec_params=dict(_DEVICE) if on else {},
-                                nbytes=v.numel() * v.element_size(), checksum="")
+                                nbytes=v.nbytes, checksum="")
                    for item, v, on in zip(request.items, views, device, strict=True)]
         named = [DeviceExport(export_id=e.export_id, nbytes=e.nbytes, handle=e.handle) for e in exports]
         return ShmGrant(response=schemas.PullResponse(headers=headers), regions=regions, fds=len(fds),
@@ -240,14 +242,15 @@ class _Named:
     memfds: Sent
 
 
-def _where(t: torch.Tensor, item: PullItem, offset: int) -> dict[str, int]:
-    """A stored tensor's rows at byte `offset` of its memory: where the item's first row starts
-    and the bytes between rows."""
-    n, _ = rows(t.shape, item.kind, t.element_size())
-    stride = t.numel() * t.element_size() // max(n, 1)
+def _where(t: torch.Tensor, item: PullItem, offset: int) -> tuple[int, int]:
+    """A stored tensor's rows at byte `offset` of its memory: (where the item's first row starts,
+    the bytes between rows)."""
+    shape = t.shape
+    n, _ = rows(shape, item.kind, 1)
+    stride = t.nbytes // max(n, 1)
     # a row is one head's [T, hd]: a later start skips its first tokens in every row
-    skip = item.start * stride // t.shape[token_axis(item.kind)] if item.start else 0  # admitted: has the axis
-    return {"offset": offset + skip, "stride": stride}
+    skip = item.start * stride // shape[token_axis(item.kind)] if item.start else 0  # admitted: has the axis
+    return offset + skip, stride
 
 
 def _nothing() -> None:

@@ -42,8 +42,10 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.mark.parametrize("transport", ["inproc", "shm"])
 def test_every_item_is_decoded_inside_a_landing_before_it_is_delivered(transport, events):
-    """Each pulled item is decoded inside `streams.landing` on its buffer's device, then delivered."""
-    into = [torch.empty(1, 2, 7, 4) for _ in ITEMS]
+    """Each pulled item is decoded inside `streams.landing` on its buffer's device, then delivered
+    (buffers that are not contiguous, so every payload is staged and decoded: one received in
+    place has nothing to decode)."""
+    into = [torch.empty(1, 7, 2, 4).transpose(1, 2) for _ in ITEMS]  # [1, 2, 7, 4], not contiguous
 
     async def run() -> None:
         server = make_server(transport, lambda c, l, k: STORED[(l, k)], None)
@@ -98,7 +100,7 @@ def test_a_landing_copies_on_the_copy_stream_while_compute_is_busy():
     staged = codecs.payload_view(value).pin_memory()
     compute = torch.cuda.current_stream(device)
     torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy kernel on the compute stream
-    Landing(PullItem(0, "K"), header, codecs.get("raw"), out, staged).land(verify=False)
+    Landing(PullItem(0, "K"), header, codecs.get("raw"), out, "pinned", staged).land(verify=False)
     assert not compute.query(), "the landing waited for the compute stream"
     streams.adopt(out)
     assert torch.equal(out.cpu(), value)  # bitwise: the landing copies the bytes

@@ -4,6 +4,7 @@ CUDA buffers are stand-ins that carry a CUDA device."""
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -50,8 +51,8 @@ def test_without_cuda_the_facts_skip_ucx():
 
 
 def _cuda_buffer(shape=(2, 4), dtype=torch.float32, contiguous=True):
-    return types.SimpleNamespace(device=torch.device("cuda", 0), shape=shape, dtype=dtype,
-                                 is_contiguous=lambda: contiguous)
+    return types.SimpleNamespace(device=torch.device("cuda", 0), is_cuda=True, shape=shape, dtype=dtype,
+                                 nbytes=math.prod(shape) * dtype.itemsize, is_contiguous=lambda: contiguous)
 
 
 def _request(codec="raw", params=None):

@@ -80,7 +80,7 @@ def _lands(layers: int) -> tuple[list[Landing], list[NixlRegion], dict[int, torc
             memory[src.data_ptr()] = src
             header = TensorHeader(context_id="c", layer=layer, kind=kind, shape=list(src.shape), dtype="float32",
                                   codec="raw", codec_params={}, nbytes=recv.numel(), checksum="")
-            lands.append(Landing(PullItem(layer, kind), header, codecs.get("raw"), out, recv))
+            lands.append(Landing(PullItem(layer, kind), header, codecs.get("raw"), out, "out", recv))
             regions.append(NixlRegion(addr=src.data_ptr(), nbytes=recv.numel()))
     return lands, regions, memory
 
