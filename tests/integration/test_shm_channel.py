@@ -185,6 +185,34 @@ def test_a_placed_context_is_mapped_once_and_read_by_offset_from_then_on():
     assert [k[0] for k in kept] == [1, 1, 1, 1]  # one mapping, whatever the pulls
 
 
+def test_a_buffer_outside_host_memory_is_refused_before_a_host_read_writes_it():
+    """The shm client writes a memfd's bytes by address: into anything but our own host memory
+    (here a `meta` buffer, whose address is 0) that would be a wild write, so it is refused, on a
+    connection whose mapping of the context is kept as on one that reads with preadv."""
+    stored: dict = {}
+    _placed_context("a", stored)
+
+    async def run() -> list[str]:
+        server = make_server("shm", lambda c, l, k: stored.get((c, l, k)), None, pin=lambda _: Hold())
+        address = await server.start()
+        client = shm.ShmBulkClient(mappings_idle_s=PINNED_S)
+        errors = []
+        try:
+            for device in ("cpu", "meta", "meta"):  # the first pull maps the context
+                into = [torch.empty(1, 2, 600, 8, device=device) for _ in ITEMS]
+                try:
+                    await client.pull(address, PullRequest(context_id="a", items=ITEMS), into, lambda *a: None, 10)
+                except IntegrityError as e:
+                    errors.append(str(e))
+        finally:
+            await client.close()
+            await server.close()
+        return errors
+
+    errors = asyncio.run(run())
+    assert len(errors) == 2 and all("a buffer on meta" in e for e in errors), errors
+
+
 def test_a_released_context_is_unmapped_at_the_connections_next_grant():
     """When the sender lets a context go, its next grant on the connection names the memfd and the
     receiver unmaps it (the sender's memory returns); a context still held stays mapped."""

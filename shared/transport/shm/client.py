@@ -69,7 +69,7 @@ class _Read(NamedTuple):
     offset: int
     dest: int
     nbytes: int
-    owner: torch.Tensor
+    owner: torch.UntypedStorage  # the memory `dest` lies in (its storage: alive whatever is done to the tensor)
     source: torch.Tensor | None
 
     def part(self, start: int, nbytes: int) -> _Read:
@@ -95,8 +95,11 @@ def _reads(land: Landing, region: ShmRegion, fds: list[int], sizes: list[int],
     source = sources[region.fd]
     if source is not None and end > source.numel():
         raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: region {region} ends past its mapping")
-    owner = land.out if land.in_place else land.recv  # in place: `out`'s own bytes, no view needed
-    whole = _Read(fds[region.fd], region.offset, owner.data_ptr(), n * row, owner, source)
+    into = land.out if land.in_place else land.recv  # in place: `out`'s own bytes, no view needed
+    if not into.is_cpu or into.nbytes < n * row:  # a host read writes host memory we own, by address
+        raise IntegrityError(f"layer {land.item.layer} {land.item.kind}: a memfd region for a buffer "
+                             f"on {into.device} of {into.nbytes} bytes")
+    whole = _Read(fds[region.fd], region.offset, into.data_ptr(), n * row, into.untyped_storage(), source)
     if region.stride == row:  # rows back to back (a whole stored tensor, E, a per-pull copy): one read
         return [whole]
     return [whole.part(r * row, row)._replace(offset=region.offset + r * region.stride) for r in range(n)]
@@ -132,9 +135,9 @@ class _DeviceRead:
 def _read_device(reads: list[_DeviceRead]) -> None:
     """A layer's device copies, on its buffers' copy stream; returns when they are done (one wait
     per layer, on the loop: a layer's device-to-device copy takes microseconds)."""
-    if reads:
-        with streams.landing(reads[0].into.device):
-            for r in reads:
+    for device, same in itertools.groupby(reads, key=lambda r: r.into.device):
+        with streams.landing(device):
+            for r in same:
                 r.run()
 
 
@@ -168,10 +171,10 @@ def _plan(grant: ShmGrant, request: PullRequest, into: Sequence[torch.Tensor], f
     sources = [conn.kept.get(identities[i]) if i in grant.placed else None for i in range(len(fds))]
     runs = [list(run) for _, run in itertools.groupby(zip(lands, grant.regions, strict=True),
                                                       key=lambda lr: lr[0].item.layer)]
+    tasks = [[r for land, region in run if region.export < 0 for r in _reads(land, region, fds, sizes, sources)]
+             for run in runs]  # every memfd region checked before any device export is opened
     on_device = [[_device_reads(land, region, exports, conn.mappings) for land, region in run if region.export >= 0]
                  for run in runs]
-    tasks = [[r for land, region in run if region.export < 0 for r in _reads(land, region, fds, sizes, sources)]
-             for run in runs]
     to_keep = [i for i in sorted(set(grant.placed)) if sources[i] is None and identities[i].keepable]
     return _Plan(runs, tasks, on_device, identities, to_keep, sum(land.header.nbytes for land in lands))
 
