@@ -9,9 +9,12 @@ rows out of the mapping on the device (`read`): no host staging, no per-pull han
 (a same-host mapping has no wire to corrupt bytes; a hostile sender's bytes are still screened).
 
 An IPC handle opens the whole block the caching allocator carved the storage from, so the
-allocation is made large enough to be a block of its own (at least `OWN_BLOCK` bytes, in 2 MiB
-steps) and is exported only when its storage starts that block (offset 0): a handle never reaches
-another tensor's memory. A receiver's open mapping keeps the allocation alive after the sender
+allocation is made large enough to be a block of its own when the allocator makes a new one (at
+least `OWN_BLOCK` bytes, in 2 MiB steps) and is exported only when its storage starts that block
+(offset 0): a handle never reaches another tensor's memory. A cached free block can still serve
+the request from inside a larger one (the allocator splits what it has cached); such a context
+is not exported, and says so (`device_export_skipped`, with the offset): its pulls are copied
+through a host memfd, which is slower but correct. A receiver's open mapping keeps the allocation alive after the sender
 drops it (torch's IPC reference count), so receivers close mappings as soon as a grant reports
 the export released.
 """
@@ -23,11 +26,13 @@ import weakref
 from collections.abc import Sequence
 
 import msgspec
+import structlog
 import torch
 
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.transport.exports import Export, ExportRegistry, Mapping
 
+log = structlog.get_logger("cuda_ipc")
 REGISTRY = ExportRegistry()
 ALIGN = 512  # bytes between items of one allocation
 STEP = 2 << 20
@@ -57,6 +62,8 @@ def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     torch.cuda.synchronize(slab.device)  # the bytes are there before any receiver can open the handle
     shared = slab.untyped_storage()._share_cuda_()
     if shared[3] != 0:  # the storage does not start its block: the handle would reach its neighbours
+        log.warning("device_export_skipped", offset=shared[3], nbytes=size,
+                    why="the allocator served the context from inside a cached block; pulls of it are copied")
         return list(tensors)
     export = REGISTRY.add(slab.data_ptr(), size, msgspec.msgpack.encode(list(shared)))
     owner = _Owner()

@@ -31,6 +31,7 @@ def test_dry_run_end_to_end(tmp_path):
     shm = report["shm"]  # the shm channel's rows, plan and fixed cost: on the CPU over sealed memfds
     assert shm["missing"] is None and [r["bytes"] for r in shm["rows"]] == [4096, 65536]
     assert shm["plan"]["items"] == 60 and shm["plan"]["ratio"] > 0 and shm["fixed_us"] > 0
+    assert shm["exports_skipped"] == 0  # no device here: nothing to export
 
 
 def test_missing_ucxx_is_named_and_the_copy_reference_still_measured(monkeypatch):

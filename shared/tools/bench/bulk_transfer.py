@@ -130,6 +130,8 @@ async def pull_rates(transport: str, address: str, sizes: list[int], repeats: in
         await client.warm(address)
         for nbytes in sizes:
             into = [torch.zeros(nbytes // 2, dtype=torch.bfloat16, device=device) for _ in range(items)]  # pages exist
+            if into[0].is_cuda:  # the fill ran on this thread's stream; a channel's copy stream does not wait for it
+                torch.cuda.synchronize(into[0].device)
             times = []
             for _ in range(repeats + 1):
                 token = await grant(str(nbytes)) if grant is not None else ""

@@ -72,13 +72,10 @@ def copy_gb_s(nbytes: int, device: torch.device, repeats: int) -> float:
 
 
 def path_name(device: torch.device, support: capabilities.CudaSupport) -> str:
-    if device.type != "cuda":
-        return "host (dry run)"
-    if support.ipc:
-        return "device-to-device (cuda_ipc)"
-    if support.device_memory:
-        return "device via UCX's host bounce buffers (cuda_copy)"
-    return "staged through pinned host memory"
+    """The path the UCX rows' bytes take. A ucx sender serves every pull from its sandbox, which
+    maps host memfds only, so on a GPU a device context is staged through host memory whatever
+    UCX here could do with device memory (`support`: reported beside it, as `ucx_cuda`)."""
+    return "host (dry run)" if device.type != "cuda" else "staged through pinned host memory"
 
 
 def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, Any]:
@@ -130,14 +127,17 @@ def shm_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[in
     exported once (CUDA IPC) and read by offset; on the CPU, sealed memfds. Per size one item,
     then a plan (PLAN_ITEMS items in one pull), then the fixed cost (one FIXED_BYTES item)."""
     item = PLAN_ITEM_BYTES if device.type == "cuda" else 64 << 10
-    out: dict[str, Any] = {"rows": [], "plan": None, "fixed_us": None, "missing": None}
+    out: dict[str, Any] = {"rows": [], "plan": None, "fixed_us": None, "missing": None, "exports_skipped": 0}
+    skipped: list[int] = []  # per server: contexts not exported (copied through host memfds instead)
     try:
-        rates = _shm_rates(sizes, device, repeats, 1)
-        plan = _shm_rates([item], device, repeats, PLAN_ITEMS)[item]
-        fixed = _shm_rates([FIXED_BYTES], device, max(repeats, 20), 1)[FIXED_BYTES]
+        rates = _shm_rates(sizes, device, repeats, 1, skipped)
+        plan = _shm_rates([item], device, repeats, PLAN_ITEMS, skipped)[item]
+        fixed = _shm_rates([FIXED_BYTES], device, max(repeats, 20), 1, skipped)[FIXED_BYTES]
     except Exception as e:
         out["missing"] = one_line(e)
         return out
+    finally:
+        out["exports_skipped"] = sum(skipped)
     out["rows"] = [{"bytes": n, "pull_gb_s": rates[n], "ratio": rates[n] / refs[n]} for n in sizes]
     plan_copy = copy_gb_s(item * PLAN_ITEMS, device, repeats)
     out["plan"] = {"items": PLAN_ITEMS, "item_bytes": item, "pull_gb_s": plan, "copy_gb_s": plan_copy,
@@ -146,7 +146,10 @@ def shm_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[in
     return out
 
 
-def _shm_rates(sizes: list[int], device: torch.device, repeats: int, items: int) -> dict[int, float]:
+def _shm_rates(sizes: list[int], device: torch.device, repeats: int, items: int,
+               skipped: list[int]) -> dict[int, float]:
+    """Pull rates from a shm tensor server; appends to `skipped` how many of its contexts it did
+    not export (`device_export_skipped`: their rows measure host memfd copies, not device exports)."""
     server = TensorServer("shm", sizes, device=device, items=items)
     try:
         server.wait_ready(SERVER_START_S)
@@ -154,7 +157,7 @@ def _shm_rates(sizes: list[int], device: torch.device, repeats: int, items: int)
             raise RuntimeError(f"shm tensor server: {server.error}")
         return asyncio.run(pull_rates("shm", server.address, sizes, repeats, device, items=items))
     finally:
-        server.stop()
+        skipped.append(sum("device_export_skipped" in line for line in server.stop()))
 
 
 def table(report: dict[str, Any]) -> str:
@@ -173,6 +176,9 @@ def table(report: dict[str, Any]) -> str:
         p = shm["plan"]
         rows.append(f"plan {p['items']} x {p['item_bytes']} bytes: {p['pull_gb_s']:.2f} GB/s, {p['ratio']:.3f} of one copy; "
                     f"fixed cost {shm['fixed_us']:.0f} us per pull")
+    if shm["exports_skipped"]:
+        rows.append(f"WARNING: {shm['exports_skipped']} context(s) not exported (device_export_skipped): "
+                    "their pulls were copied through host memfds")
     if shm["missing"]:
         missing += f"MISSING (shm): {shm['missing']}\n"
     return head + "\n".join(rows) + "\n" + missing
