@@ -81,7 +81,7 @@ class InProcessBulkClient:
                 if payload.numel() != land.recv.numel():
                     raise TransferError(f"layer {land.item.layer} {land.item.kind}: sent {payload.numel()} bytes, "
                                         f"header said {land.recv.numel()}")
-                land.recv.copy_(payload)
+                _copy(land.recv, payload)
                 on_item(land.item, land.land())
         finally:
             release()
@@ -140,8 +140,16 @@ class CodedSource:
             shape[1 if kind == "E" else 2] = len(self.token_ids)  # E [1, T, D], K / V [1, kvh, T, hd]
             out = torch.empty(shape, dtype=stored.dtype, device=stored.device)
             (land,) = landings(request, response, [out])
-            land.recv.copy_(payloads[0])
+            _copy(land.recv, payloads[0])
             return land.land()
         finally:
             release()
 
+
+def _copy(recv: torch.Tensor, payload: torch.Tensor) -> None:
+    """A payload into its landing buffer, as a wire would leave it: done before `land` decodes it
+    (on CUDA the copy runs on this thread's stream, and the landing's copy stream does not wait
+    for that stream)."""
+    recv.copy_(payload)
+    if recv.is_cuda or payload.is_cuda:
+        torch.cuda.current_stream(recv.device if recv.is_cuda else payload.device).synchronize()
