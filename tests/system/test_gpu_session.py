@@ -1,0 +1,43 @@
+"""`infra/gpu/session.sh`: the prepared GPU checks in one device call, in order, within a budget:
+a step whose limit does not fit in the time left is named and never started, a bad step name
+stops before anything runs, and a step that runs leaves its log and JSON in $OUT."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.system
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _session(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "infra/gpu/session.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path)})
+
+
+def test_a_step_that_cannot_finish_in_the_budget_left_is_named_and_not_started(tmp_path):
+    proc = _session(tmp_path, "--budget", "200", "--steps", "mesh,transfer")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "SKIPPED mesh: its limit is 295s and 200s" in proc.stdout and "SKIPPED transfer" not in proc.stdout
+    assert "== transfer: exit" in proc.stdout  # 175 s fit the 200 left: started (without CUDA, its dry run)
+    assert not (tmp_path / "mesh.log").exists() and (tmp_path / "transfer.log").exists()
+
+
+@pytest.mark.parametrize("args,message", [(["--steps", "transfer,graphs"], "unknown step 'graphs'"),
+                                          (["--budget", "ten"], "a whole number of seconds")])
+def test_bad_arguments_stop_before_any_step_runs(tmp_path, args, message):
+    proc = _session(tmp_path, *args)
+    assert proc.returncode == 2 and message in proc.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_the_tiny_transfer_step_leaves_its_log_and_json(tmp_path):
+    proc = _session(tmp_path, "--tiny", "--steps", "transfer")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "== transfer: exit 0" in proc.stdout and "session:" in proc.stdout
+    report = json.loads((tmp_path / "gpu-transfer.json").read_text())
+    assert report["dry_run"] and [r["bytes"] for r in report["rows"]] == [4096, 65536]
