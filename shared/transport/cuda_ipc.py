@@ -40,6 +40,7 @@ from droidmesh.shared.transport.exports import Export, ExportRegistry, Mapping
 
 log = structlog.get_logger("cuda_ipc")
 REGISTRY = ExportRegistry()
+_NO_POOL: set[int] = set()  # devices where torch could not allocate from a pool
 ALIGN = 512  # bytes between items of one allocation
 STEP = 2 << 20
 OWN_BLOCK = 10 << 20  # torch's caching allocator gives a request this large a block of its own
@@ -68,7 +69,11 @@ def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for start, end in gaps(offsets, [t.numel() * t.element_size() for t in tensors], size):
         slab[start:end].zero_()  # the handle opens every byte: none is left from memory used before
     torch.cuda.synchronize(slab.device)  # the bytes are there before any receiver can open the handle
-    shared = slab.untyped_storage()._share_cuda_()
+    try:
+        shared = slab.untyped_storage()._share_cuda_()
+    except RuntimeError as e:  # this build or allocation cannot be shared: served by copies, said once per context
+        log.warning("device_export_skipped", nbytes=size, why=f"cannot share it: {e}"[:300])
+        return list(tensors)
     if shared[3] != 0:  # the storage does not start its block (checked above where the driver says)
         log.warning("device_export_skipped", nbytes=size, why=f"the storage starts {shared[3]} bytes into its block")
         return list(tensors)
@@ -84,11 +89,16 @@ def _allocate(size: int, device: torch.device) -> torch.Tensor:
     """uint8 [size] on `device`, from this process's pool of exported allocations where torch has
     memory pools: there no other tensor's freed block (a prefill's activations, say) can serve it
     from inside a larger one, so a new allocation is a device allocation of its own."""
-    pool = _pool(device.index if device.index is not None else torch.cuda.current_device())
-    if pool is None:
-        return torch.empty(size, dtype=torch.uint8, device=device)
-    with torch.cuda.use_mem_pool(pool, device=device):
-        return torch.empty(size, dtype=torch.uint8, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = None if index in _NO_POOL else _pool(index)
+    if pool is not None:
+        try:
+            with torch.cuda.use_mem_pool(pool, device=device):
+                return torch.empty(size, dtype=torch.uint8, device=device)
+        except (AttributeError, TypeError) as e:  # a torch without `use_mem_pool` (or this signature)
+            log.warning("export_pool_unavailable", device=index, error=f"{type(e).__name__}: {e}")
+            _NO_POOL.add(index)
+    return torch.empty(size, dtype=torch.uint8, device=device)
 
 
 @functools.cache
