@@ -230,7 +230,9 @@ class DroidMeshConnector(KVConnectorBase_V1):
         self._caches = {pages.layer_index(name): (name, t) for name, t in kv_caches.items()}
         self._cache_device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
         if self.settings.preload:  # vLLM's caches are allocated by now: our weights take what is left
-            self.bridge.preload()
+            loading = self.bridge.preload()
+            if self._cache_device.type == "cuda":  # vLLM captures its CUDA graphs next, and an allocation
+                loading.join()  # from another thread during a capture fails it: load before, here
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -240,19 +242,31 @@ class DroidMeshConnector(KVConnectorBase_V1):
             if self.settings.async_load:
                 if self._loader is None:
                     self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="droidmesh-load")
-                self._loading[load.request_id] = (load, self._loader.submit(self._load, load))
+                self._loading[load.request_id] = (load, self._loader.submit(self._load, load, self._queued()))
             elif not self._load(load):
                 self._failed_blocks.update(load.block_ids)
 
-    def _load(self, load: Load) -> bool:
+    def _queued(self) -> torch.cuda.Event | None:
+        """On a GPU, an event after the work vLLM has queued so far (a step still writing a block
+        just given to another request): an asynchronous load writes only after it."""
+        if self._cache_device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._cache_device))
+        return event
+
+    def _load(self, load: Load, after: torch.cuda.Event | None = None) -> bool:
         """Pull and recompute one request's K/V and write it into its blocks (bounded by
-        `reuse_timeout_s`); False, logged, for anything that keeps it from being exactly the plan's."""
+        `reuse_timeout_s`), after `after` on a GPU; False, logged, for anything that keeps it from
+        being exactly the plan's."""
         began = time.perf_counter()
         try:
             kv, pulled = self.bridge.context_kv(load.match, load.prompt)
             if len(kv) != len(self._caches):
                 raise DroidMeshError(f"{len(kv)} layers of K/V for an engine of {len(self._caches)}")
             slots = pages.slots_of(load.block_ids, self.block_size, load.match.tokens)
+            if after is not None:  # this thread's stream does not wait for vLLM's by itself
+                torch.cuda.current_stream(self._cache_device).wait_event(after)
             for index, (name, cache) in sorted(self._caches.items()):
                 k, v = kv[index]
                 pages.write_layer(cache, k, v, slots, self._layout(name, cache))
@@ -284,8 +298,13 @@ class DroidMeshConnector(KVConnectorBase_V1):
         return  # a load is whole before its request's forward (start_load_kv; with async_load, get_finished)
 
     def _read(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's K/V at `slots`, copied out of vLLM's cache (each [1, kv_heads, T, head_dim])."""
-        return [pages.read_slots(cache, slots, self._layout(name, cache)) for _, (name, cache) in sorted(self._caches.items())]
+        """Every layer's K/V at `slots`, copied out of vLLM's cache (each [1, kv_heads, T, head_dim]).
+        On a GPU the copies are done before this returns: the holder reads them on a thread of
+        its own, whose stream does not wait for vLLM's."""
+        read = [pages.read_slots(cache, slots, self._layout(name, cache)) for _, (name, cache) in sorted(self._caches.items())]
+        if self._cache_device.type == "cuda":
+            torch.cuda.current_stream(self._cache_device).synchronize()
+        return read
 
     def _layout(self, name: str, cache: torch.Tensor) -> str:
         """The layer's cache layout (kept once vLLM's layer told it; `UnsupportedLayout`, raised
