@@ -286,7 +286,7 @@ class Landing:
     codec: codecs.Codec
     out: torch.Tensor  # the caller's buffer
     place: placement.Place
-    staged: torch.Tensor | None = None  # a staging buffer made already (else made at first use of `recv`)
+    staged: torch.Tensor | None = None  # the receive buffer once made (given here, or made at first use of `recv`)
 
     @property
     def recv(self) -> torch.Tensor:
