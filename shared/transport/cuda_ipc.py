@@ -57,16 +57,17 @@ def place(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     go through per-pull copies), as is a context whose allocation could not be exported alone."""
     if not tensors or any(t.device.type != "cuda" for t in tensors) or len({t.device for t in tensors}) != 1:
         return list(tensors)
-    offsets, size = layout([t.numel() * t.element_size() for t in tensors])
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    offsets, size = layout(nbytes)
     slab = _allocate(size, tensors[0].device)  # [size]
     why = alone(slab.data_ptr(), size, segment(slab.data_ptr()))
     if why:
         log.warning("device_export_skipped", nbytes=size, why=why)
         return list(tensors)
-    views = [slab[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors, strict=True)]
+    views = [slab[o:o + n].view(t.dtype).view(t.shape) for o, n, t in zip(offsets, nbytes, tensors, strict=True)]
     for view, t in zip(views, tensors, strict=True):
         view.copy_(t)
-    for start, end in gaps(offsets, [t.numel() * t.element_size() for t in tensors], size):
+    for start, end in gaps(offsets, nbytes, size):
         slab[start:end].zero_()  # the handle opens every byte: none is left from memory used before
     torch.cuda.synchronize(slab.device)  # the bytes are there before any receiver can open the handle
     try:

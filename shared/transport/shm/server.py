@@ -178,11 +178,9 @@ class ShmBulkServer:
         regions: list[ShmRegion] = []
         copies: list[tuple[int, torch.Tensor]] = []  # (offset in the per-pull memfd, view)
         copy_bytes = 0
-        device: list[bool] = []  # per item: granted in a device export (its header says so)
         for item, t, view in zip(request.items, stored, views, strict=True):
             found = memfd.placed(t)
             on_device = self._device.exported(t) if request.device_exports else None  # else: copied below
-            device.append(found is None and on_device is not None)
             if found is not None:
                 seg, offset = found
                 if seg.fd not in fds:
@@ -212,9 +210,9 @@ class ShmBulkServer:
         # a device export's item says its payload is device memory: the receiver lands it on its
         # buffer's device, never through host staging
         headers = [TensorHeader(context_id=request.context_id, layer=item.layer, kind=item.kind, shape=list(v.shape),
-                                dtype=dtype_name(v.dtype), codec="raw", codec_params=dict(_DEVICE) if on else {},
-                                nbytes=v.nbytes, checksum="")
-                   for item, v, on in zip(request.items, views, device, strict=True)]
+                                dtype=dtype_name(v.dtype), codec="raw",
+                                codec_params=dict(_DEVICE) if region.export >= 0 else {}, nbytes=v.nbytes, checksum="")
+                   for item, v, region in zip(request.items, views, regions, strict=True)]
         named = [DeviceExport(export_id=e.export_id, nbytes=e.nbytes, handle=e.handle) for e in exports]
         return ShmGrant(response=schemas.PullResponse(headers=headers), regions=regions, fds=len(fds),
                         incarnation=self._device.registry.incarnation, exports=named, released=sent.exports.released(),
