@@ -73,6 +73,8 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench pipeline", ["--tokens", "32", "--repeats", "1"]),
     ("bench bandwidth", ["--tokens", "32", "--repeats", "1", "--rates", "0"]),  # reports a skip without netns rights
     ("bench transfer", ["--sizes", "65536", "--repeats", "1"]),
+    ("bench hosts", ["--engine", str(REPO / "docs" / "bench" / "gpu" / "check-h200-llama3-8b-graphs.json"),
+                     "--contexts", "4096", "--plot", "{tmp}/hosts.png"]),
     ("bench control", ["--events", "10"]),
     ("bench drift", ["--n-before", "1", "--max-shifted", "1", "--profile-rows", "1"]),
     ("bench load", ["--tokens", "32", "--rates", "2", "--seconds", "1", "--copies", "1"]),
@@ -429,6 +431,16 @@ def expect_bench_transfer(r: Ran) -> None:
     assert set(col(fixed, "transport")) <= set(col(rows, "transport"))
 
 
+def expect_bench_hosts(r: Ran) -> None:
+    rows = table(r.out, "context", "plan", "codec", "path", "link_gbit_s", "wire_mb", "pull_s", "engine_s", "mesh_s",
+                 "full_prefill_s", "mesh_over_engine", "relay_pays")
+    assert set(col(rows, "context")) == {"4096"} and set(col(rows, "link_gbit_s")) == {"25", "100", "200", "400"}
+    assert {"gpudirect", "staged", "today", "host_held"} == set(col(rows, "path"))
+    even = table(r.out, "context", "plan", "codec", "path", "wire_mb", "pays_from_gbit_s", "target_from_gbit_s")
+    assert len(even) == 2 * (4 + 3 + 3)  # two plans; raw on four paths, each code on three
+    assert (r.tmp / "hosts.png").stat().st_size > 0
+
+
 def expect_bench_control(r: Ran) -> None:
     [row] = table(r.out, "events", "event_to_index_p50_ms", "event_to_index_p99_ms", "lookup_rtt_p50_ms",
                   "lookup_rtt_p99_ms")
@@ -535,6 +547,7 @@ EXPECT: dict[str, Callable[[Ran], None]] = {
     "bench pipeline": expect_bench_pipeline,
     "bench bandwidth": expect_bench_bandwidth,
     "bench transfer": expect_bench_transfer,
+    "bench hosts": expect_bench_hosts,
     "bench control": expect_bench_control,
     "bench drift": expect_bench_drift,
     "bench load": expect_bench_load,

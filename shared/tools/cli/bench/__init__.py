@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from droidmesh.shared.tools.cli.bench import codecs, data_plane, engine, load, lora_serving, mesh, peer, screen, vllm
+from droidmesh.shared.tools.cli.bench import codecs, data_plane, engine, hosts, load, lora_serving, mesh, peer, screen, vllm
 
 
 @click.group()
@@ -14,6 +14,6 @@ def bench() -> None:
     """Benchmark suites: each prints a table and writes --json (and --plot where it plots)."""
 
 
-for _family in (engine, load, codecs, mesh, lora_serving, data_plane, peer, vllm, screen):
+for _family in (engine, load, codecs, mesh, lora_serving, data_plane, hosts, peer, vllm, screen):
     for _command in _family.COMMANDS:
         bench.add_command(_command)
