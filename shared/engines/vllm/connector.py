@@ -105,8 +105,10 @@ class DroidMeshConnector(KVConnectorBase_V1):
                               "pull must fall back to vLLM's own prefill, never fail the request")
         if self.settings.hold and not tc.is_kv_producer:
             raise ConfigError('"hold" makes vLLM a sender too: it needs "kv_role": "kv_both"')
-        if vllm_config.cache_config.cache_dtype not in ("auto", None):
-            raise ConfigError(f"kv cache dtype {vllm_config.cache_config.cache_dtype}: only the model's own dtype")
+        cache_dtype, model_dtype = vllm_config.cache_config.cache_dtype, vllm_config.model_config.dtype
+        if not pages.cache_dtype_fits(cache_dtype, model_dtype):
+            raise ConfigError(f"kv cache dtype {cache_dtype} for a {model_dtype} model: the DroidMesh connector "
+                              "needs the model's own dtype (auto)")
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:  # a hybrid model: a load would need blocks of every group
             raise ConfigError(f"{len(groups)} KV cache groups (a hybrid or sliding-window model): the DroidMesh "

@@ -65,7 +65,7 @@ def write_layer(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
         raise ValueError("a slot outside the cache")
     key = k[0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()  # [1, H, m, D] -> [m, H, D]
     value = v[0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()
-    slots = slots.to(cache.device)
+    slots = slots.to(cache.device, non_blocking=True)  # a host tensor's copy is staged before this returns
     if layout == FLASH:
         kc, vc = _flash_halves(cache)  # [blocks, block_size, H, D] each: views of `cache`
         block, offset = slots // block_size, slots % block_size  # [m] each
@@ -81,6 +81,15 @@ def write_layer(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 def _flash_halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A FLASH layer [blocks, H, block_size, 2 * D] as its K and V views, each [blocks, block_size, H, D]."""
     return cache.transpose(1, 2).split(cache.shape[3] // 2, dim=-1)
+
+
+CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # vLLM's unquantized `--kv-cache-dtype` names
+
+
+def cache_dtype_fits(cache_dtype: str | None, model_dtype: torch.dtype) -> bool:
+    """Whether vLLM's `--kv-cache-dtype` keeps K/V in the model's own dtype, the only cache the
+    connector writes and reads: "auto", or the model's dtype named (a quantized cache is not)."""
+    return cache_dtype in ("auto", None) or CACHE_DTYPES.get(cache_dtype) == model_dtype
 
 
 def layout_of(layer: object, cache: torch.Tensor, cache_dtype: str) -> str:
@@ -133,9 +142,12 @@ def read_slots(cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple[t
     blocks, _, bs, _ = cache.shape
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= blocks * bs):
         raise ValueError("a slot outside the cache")
-    slots = slots.to(cache.device)
+    # the indices are worked out where `slots` lie (the host, from `slots_of`), then moved: `unique`
+    # on a device would wait for it once per layer
     block, offset = slots // bs, slots % bs  # [T] each
     touched, which = torch.unique(block, return_inverse=True)  # only the request's blocks are viewed
+    # non-blocking: from pageable memory the copy is staged before it returns, and nothing waits
+    touched, which, offset = (x.to(cache.device, non_blocking=True) for x in (touched, which, offset))
     k, v = block_kv(cache[touched], layout)  # [n, H, bs, D] each
     key = k[which, :, offset].permute(1, 0, 2)[None]  # [T, H, D] -> [1, H, T, D]
     value = v[which, :, offset].permute(1, 0, 2)[None]

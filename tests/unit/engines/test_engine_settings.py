@@ -133,3 +133,30 @@ def test_a_backend_the_connector_does_not_write_is_refused_not_guessed(layer):
         pages.layout_of(layer, torch.zeros(2, 1, 16, 16), "auto")
     with pytest.raises(pages.UnsupportedLayout):
         pages.read_slots(torch.zeros(2, 1, 16, 16), torch.tensor([0]), "flashinfer")
+
+
+@pytest.mark.parametrize(("cache_dtype", "model_dtype", "fits"), [
+    ("auto", torch.bfloat16, True), (None, torch.float16, True),
+    ("bfloat16", torch.bfloat16, True), ("float16", torch.float16, True),  # the model's own dtype, named
+    ("bfloat16", torch.float16, False), ("float16", torch.bfloat16, False),  # a cast of every K/V
+    ("fp8", torch.bfloat16, False), ("fp8_e5m2", torch.float16, False),  # quantized: its own layout and scales
+])
+def test_a_kv_cache_dtype_fits_when_it_is_the_models_own(cache_dtype, model_dtype, fits):
+    assert pages.cache_dtype_fits(cache_dtype, model_dtype) is fits
+
+
+@pytest.mark.gpu
+def test_reading_a_layer_back_on_a_gpu_does_not_wait_for_the_device():
+    """The held prompt's K/V are read once per layer: working out the blocks on the device (`unique`)
+    would stop the host for every layer. Host slots in, no synchronisation, the same values out."""
+    blocks, heads, bs, d, t = 6, 3, 16, 8, 37
+    cache = torch.randn(blocks, heads, bs, 2 * d, device="cuda", dtype=torch.bfloat16)
+    slots = pages.slots_of([4, 0, 5], bs, t)
+    want_k, want_v = pages.read_slots(cache.cpu(), slots, pages.FLASH)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got_k, got_v = pages.read_slots(cache, slots, pages.FLASH)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)  # bitwise: the same bytes, gathered
