@@ -139,7 +139,7 @@ def _online(s: ReceiverState, job: Job, holder: schemas.CacheAvailable | None) -
     prefilling = max(0, queued - s.batcher.active)
     return policy.Online(
         tokens=len(prompt), queued=queued,
-        bandwidth_bps=s.bandwidth_of(holder.sender_id) if holder else None,
+        bandwidth_bps=s.bandwidth_of(holder) if holder else None,
         slo_s=req.ttft_slo_ms / 1e3 if req.ttft_slo_ms > 0 else None,
         reused_tokens=reusable_prefix(holder.token_ids, prompt) if holder else None,
         reuse_overhead_s=s.reuse_overhead_s, prefill_scale=s.calibration.scale(policy.PREFILL_KIND),
@@ -181,7 +181,7 @@ async def _try_reuse(s: ReceiverState, job: Job, route: Route, served: Served) -
     if local:
         return
     pulled_at = out.stamps.get("grant_done", out.stamps["pull_start"])
-    s.observe_pull(holder.sender_id, out.bytes_pulled, out.stamps["pull_done"] - pulled_at,
+    s.observe_pull(holder, out.bytes_pulled, out.stamps["pull_done"] - pulled_at,
                    pulled_at - out.stamps["pull_start"])
 
 

@@ -28,6 +28,7 @@ from droidmesh.shared.model.graphs import cuda_capture
 from droidmesh.shared.service.batching import DecodeBatcher
 from droidmesh.shared.service.metrics import Metrics
 from droidmesh.shared.service.runtime import Supervisor
+from droidmesh.shared.transport.address import link_of
 from droidmesh.shared.transport.bulk import BulkClient, make_client
 from droidmesh.shared.wire import schemas
 
@@ -61,8 +62,7 @@ class ReceiverState:
         # capturing prefill of a fixed text); concurrent first requests await the same build
         self.screen_build: asyncio.Task[Screen | None] | None = None
         self.inflight = 0  # generate requests being served (prefilling, decoding in the batch, or queued)
-        self.bandwidth_bps: float | None = None  # EWMA of measured pull throughput, any holder
-        self.holder_bps: OrderedDict[str, float] = OrderedDict()  # sender id -> EWMA of its pulls' throughput
+        self.pull_rates = policy.PullRates()  # what pulls achieved, per holder, per link and over all
         self.reuse_overhead_s = 0.0  # EWMA of a reuse's fixed cost (the grant round trip)
         self.calibration = policy.Calibration()  # measured / predicted TTFT per way of serving
         self.queue_wait = policy.QueueWait()  # how long a request holds the compute thread, recently
@@ -102,20 +102,14 @@ class ReceiverState:
         while len(self.replies) > keep:
             self.replies.popitem(last=False)
 
-    def observe_pull(self, sender_id: str, nbytes: int, seconds: float, overhead_s: float) -> None:
-        """After a pull from `sender_id`: its throughput and the fixed cost before it (EWMAs)."""
+    def observe_pull(self, holder: schemas.CacheAvailable, nbytes: int, seconds: float, overhead_s: float) -> None:
+        """After a pull from `holder`: its throughput and the fixed cost before it (EWMAs)."""
         self.reuse_overhead_s = 0.8 * self.reuse_overhead_s + 0.2 * max(0.0, overhead_s)
-        if nbytes > 0 and seconds > 0:
-            bps = nbytes / seconds
-            self.bandwidth_bps = bps if self.bandwidth_bps is None else 0.8 * self.bandwidth_bps + 0.2 * bps
-            old = self.holder_bps.pop(sender_id, None)
-            self.holder_bps[sender_id] = bps if old is None else 0.8 * old + 0.2 * bps
-            while len(self.holder_bps) > 1024:  # bounded: senders come and go
-                self.holder_bps.popitem(last=False)
+        self.pull_rates.observe(holder.sender_id, link_of(holder.transport, holder.address), nbytes, seconds)
 
-    def bandwidth_of(self, sender_id: str) -> float | None:
-        """What pulls from `sender_id` achieved lately (any holder's when it is new)."""
-        return self.holder_bps.get(sender_id, self.bandwidth_bps)
+    def bandwidth_of(self, holder: schemas.CacheAvailable) -> float | None:
+        """What pulls from `holder` achieved lately (from its link, or any holder, when it is new)."""
+        return self.pull_rates.of(holder.sender_id, link_of(holder.transport, holder.address))
 
     async def run_torch(self, fn: Any, *args: Any, deadline: float | None = None) -> Any:
         """Run torch work on the service's single worker thread (never on the event loop). With

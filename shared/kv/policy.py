@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from droidmesh.shared.kv.plan import ReusePlan
@@ -236,6 +236,42 @@ class QueueWait:
         if queued <= 0 or len(self._busy) < self._min:
             return 0.0
         return queued * statistics.median(self._busy)
+
+
+class PullRates:
+    """What pulls achieved lately, in bytes/s (moving averages, weight `WEIGHT` on the newest): per
+    holder, per link (a key naming where holders sit: their host for a network channel, this host
+    for shm; `address.link_of`) and over every pull. A holder never pulled from is predicted at
+    its link's rate, else at the rate over every holder: a new sender on a host already measured
+    is not predicted at another host's rate. The receiver calls `observe` after each pull and
+    `of` per decision (its event loop; neither blocks); at most `keep` holders and links each."""
+
+    WEIGHT = 0.2
+
+    def __init__(self, keep: int = 1024):
+        self.overall: float | None = None
+        self._holders: OrderedDict[str, float] = OrderedDict()
+        self._links: OrderedDict[str, float] = OrderedDict()
+        self._keep = keep
+
+    def observe(self, holder: str, link: str, nbytes: int, seconds: float) -> None:
+        if not (nbytes > 0 and 0 < seconds < float("inf")):
+            return
+        bps = nbytes / seconds
+        self.overall = self._mixed(self.overall, bps)
+        for table, key in ((self._holders, holder), (self._links, link)):
+            table[key] = self._mixed(table.pop(key, None), bps)  # most recent last
+            while len(table) > self._keep:  # bounded: senders and hosts come and go
+                table.popitem(last=False)
+
+    def of(self, holder: str, link: str) -> float | None:
+        for table, key in ((self._holders, holder), (self._links, link)):
+            if key in table:
+                return table[key]
+        return self.overall
+
+    def _mixed(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.WEIGHT) * old + self.WEIGHT * new
 
 
 def path_of(plan: ReusePlan) -> Path:

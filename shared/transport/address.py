@@ -66,3 +66,13 @@ def on_this_host(peer: object) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip.is_loopback or str(ip) in local_ipv4s()
+
+
+def link_of(transport: str, address: str) -> str:
+    """Where a holder sits, as a key for what pulls from there achieve: its host for a network
+    channel ("ucx host"), this host for shm and in-process ones (the transport alone). Only a key:
+    nothing is dialled or trusted by it."""
+    if transport in ("shm", "inproc"):
+        return transport
+    host, sep, port = address.rpartition(":")
+    return f"{transport} {host if sep and port.isdigit() else address}"

@@ -314,3 +314,30 @@ def test_a_holder_sharing_only_the_opening_is_not_reused(sha):
     assert (d.path, d.reason[0] if d.reason else None) == ("full_prefill", "short_prefix")
     d = policy.decide("auto", h, None, cfg, me, policy.Online(tokens=40, queued=3, reused_tokens=20))
     assert d.path != "full_prefill"
+
+
+def test_a_new_holder_is_predicted_at_its_links_rate_then_at_its_own():
+    """Pulls from a host 10x slower than this one's shm: a new sender there is predicted at that
+    host's rate, not at the average over every holder, which shm's pulls dominate."""
+    rates = policy.PullRates()
+    assert rates.of("a", "shm") is None  # nothing measured: no link term in the prediction
+    for _ in range(20):
+        rates.observe("a", "shm", 10_000_000, 0.001)  # 10 GB/s, this host
+    rates.observe("b", "ucx 10.0.0.7", 1_000_000, 0.001)  # 1 GB/s, another host
+    assert rates.of("c", "ucx 10.0.0.7") == pytest.approx(1e9)  # new, on b's host
+    assert rates.of("d", "ucx 10.0.0.9") == pytest.approx(rates.overall)  # new, on a host never measured
+    assert rates.overall > 5e9
+    rates.observe("c", "ucx 10.0.0.7", 3_000_000, 0.001)
+    assert rates.of("c", "ucx 10.0.0.7") == pytest.approx(3e9)  # its own first pull
+    assert rates.of("e", "ucx 10.0.0.7") == pytest.approx(0.8 * 1e9 + 0.2 * 3e9)  # the link's average moved
+
+
+def test_pull_rates_ignore_empty_pulls_and_stay_bounded():
+    rates = policy.PullRates(keep=3)
+    rates.observe("a", "shm", 0, 0.001)
+    rates.observe("a", "shm", 1000, 0.0)
+    assert rates.overall is None and rates.of("a", "shm") is None
+    for i in range(10):
+        rates.observe(f"h{i}", f"ucx 10.0.0.{i}", 1000 * (i + 1), 1.0)
+    assert rates.of("h9", "x") == pytest.approx(10_000)  # the most recent are kept
+    assert rates.of("h0", "ucx 10.0.0.0") == rates.overall  # the oldest holder and link are gone
