@@ -6,10 +6,12 @@
 #   transfer  infra/gpu/transfer-check.sh   pulls between two processes: ucx, then the shm channel
 #                                            on device exports (CUDA IPC), against the device's copy
 #   mesh      infra/gpu/mesh-check.sh       the whole mesh: TTFT through it against the engine alone
+#   nixl      infra/gpu/transfer-check.sh --channels nixl   the nixl channel against NIXL's own
+#                                            READ of device memory (needs the transfer archive: NIXL)
 #   check     infra/gpu/check.sh            the engine alone (TTFT per plan, exactness, graphs)
-#   CARRY=build/gpu-mesh.tar.xz bash infra/gpu/session.sh [--steps transfer,mesh,check] [--budget S] [--tiny]
+#   CARRY=build/gpu-mesh.tar.xz bash infra/gpu/session.sh [--steps transfer,mesh,nixl,check] [--budget S] [--tiny]
 # Each step's output is in $OUT/STEP.log (the last lines also here) and its JSON in $OUT
-# (gpu-transfer.json, mesh-check.json, check.json). --budget: seconds this call may take (default
+# (gpu-transfer.json, mesh-check.json, gpu-transfer-nixl.json, check.json). --budget: seconds this call may take (default
 # 570, inside the 600 s a call may run); a step is started only if its own limit (the timeout
 # its script runs under) fits in what is left. --tiny: each step's CPU path, with no budget (CI).
 # Exit status: 0 when every step asked for ran and passed; 1 otherwise (skipped steps included).
@@ -24,7 +26,7 @@ while (($#)); do
     --steps) steps=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
     --tiny) tiny=1; shift ;;
-    *) echo "usage: $0 [--steps transfer,mesh,check] [--budget SECONDS] [--tiny]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--steps transfer,mesh,nixl,check] [--budget SECONDS] [--tiny]" >&2; exit 2 ;;
   esac
 done
 if ! [[ $budget =~ ^[0-9]+$ ]]; then
@@ -33,8 +35,8 @@ if ! [[ $budget =~ ^[0-9]+$ ]]; then
 fi
 for name in ${steps//,/ }; do
   case "$name" in
-    transfer | mesh | check) ;;
-    *) echo "--steps: unknown step '$name' (transfer, mesh, check)" >&2; exit 2 ;;
+    transfer | mesh | nixl | check) ;;
+    *) echo "--steps: unknown step '$name' (transfer, mesh, nixl, check)" >&2; exit 2 ;;
   esac
 done
 out=${OUT:-$(mktemp -d)}
@@ -68,6 +70,9 @@ for name in ${steps//,/ }; do
     mesh)
       if ((tiny)); then step mesh 295 bash infra/gpu/mesh-check.sh --tiny --json "$out/mesh-check.json"
       else step mesh 295 bash infra/gpu/mesh-check.sh --json "$out/mesh-check.json"; fi ;;
+    nixl)
+      if ((tiny)); then step nixl 175 bash infra/gpu/transfer-check.sh --dry-run --channels nixl --sizes 4096,65536 --repeats 1 --json "$out/gpu-transfer-nixl.json"
+      else step nixl 175 bash infra/gpu/transfer-check.sh --channels nixl --json "$out/gpu-transfer-nixl.json"; fi ;;
     check)
       if ((tiny)); then step check 295 bash infra/gpu/check.sh --tiny --out "$out/check.json"
       else step check 295 bash infra/gpu/check.sh --out "$out/check.json"; fi ;;

@@ -41,3 +41,17 @@ def test_the_tiny_transfer_step_leaves_its_log_and_json(tmp_path):
     assert "== transfer: exit 0" in proc.stdout and "session:" in proc.stdout
     report = json.loads((tmp_path / "gpu-transfer.json").read_text())
     assert report["dry_run"] and [r["bytes"] for r in report["rows"]] == [4096, 65536]
+
+
+def test_the_tiny_nixl_step_measures_the_channel_beside_nixl_itself(tmp_path):
+    """The nixl step's own JSON (beside the transfer step's): the channel and NIXL's own READ on the
+    same memory (on the CPU, host memory), per size and for a plan; no ucx or shm rows."""
+    proc = _session(tmp_path, "--tiny", "--steps", "nixl")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gpu-transfer-nixl.json").read_text())
+    assert report["rows"] == [] and report["shm"] is None and not report["missing"]
+    nixl = report["nixl"]
+    assert [r["bytes"] for r in nixl["rows"]] == [4096, 65536] and nixl["missing"] is None
+    assert all(r["nixl_gb_s"] > 0 and r["nixl_raw_gb_s"] > 0 for r in nixl["rows"])
+    assert nixl["plan"]["items"] == 60 and nixl["plan"]["nixl_over_raw"] > 0
+    assert not (tmp_path / "gpu-transfer.json").exists()

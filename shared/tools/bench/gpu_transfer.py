@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from droidmesh.shared.tools.bench.bulk_transfer import MIB, pull_rates
-from droidmesh.shared.tools.bench.tensor_proc import TensorServer
+from droidmesh.shared.tools.bench.nixl_raw import raw_rates
+from droidmesh.shared.tools.bench.tensor_proc import NIXL_RAW, TensorServer
 from droidmesh.shared.tools.bench.tensor_server import one_line
 from droidmesh.shared.tools.bench.ucx_proto import ucx_protocol_for, ucx_tables
 from droidmesh.shared.transport import capabilities
@@ -78,8 +79,9 @@ def path_name(device: torch.device, support: capabilities.CudaSupport) -> str:
     return "host (dry run)" if device.type != "cuda" else "staged through pinned host memory"
 
 
-def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, Any]:
-    """Steps 1-4: the report (rows, facts, what is missing)."""
+def measure(sizes: list[int], device: torch.device, repeats: int,
+            channels: tuple[str, ...] = ("ucx", "shm")) -> dict[str, Any]:
+    """Steps 1-5 for `channels`: the report (rows, facts, what is missing)."""
     support = capabilities.ucx_cuda_support()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -91,7 +93,11 @@ def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, A
     rates: dict[int, float] = {}
     lines: list[str] = []
     try:
+        if "ucx" not in channels:
+            raise _NotAsked
         import ucxx  # noqa: F401  (only to say clearly when it is absent)
+    except _NotAsked:
+        pass
     except Exception as e:
         report["missing"].append(f"ucxx ({one_line(e)}); wheels: {UCX_WHEELS}")
     else:
@@ -106,7 +112,10 @@ def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, A
             report["missing"].append(f"pull: {one_line(e)}")
         finally:
             lines = server.stop()
-    report["shm"] = shm_rows(sizes, device, repeats, refs)
+    report["shm"] = shm_rows(sizes, device, repeats, refs) if "shm" in channels else None
+    if "nixl" in channels:
+        report["nixl"] = nixl_rows(sizes, device, repeats, refs)
+        report["missing"] += [f"nixl: {report['nixl']['missing']}"] if report["nixl"]["missing"] else []
     tables = ucx_tables(lines)  # tag-send tables by memory type
     memory = next((m for m in tables if m.startswith("cuda")), "host memory") if device.type == "cuda" else "host memory"
     report["rows"] = [{
@@ -114,8 +123,12 @@ def measure(sizes: list[int], device: torch.device, repeats: int) -> dict[str, A
         "ratio": rates[n] / refs[n] if n in rates else None,
         "ucx_send": ucx_protocol_for(n, tables.get(memory, [])), "ucx_memory": memory if tables else None,
         "unavailable": None if n in rates else "; ".join(report["missing"]) or "not measured",
-    } for n in sizes]
+    } for n in sizes] if "ucx" in channels else []
     return report
+
+
+class _NotAsked(Exception):
+    """A channel the caller left out."""
 
 
 PLAN_ITEMS, PLAN_ITEM_BYTES = 60, 3 * MIB // 2  # a real small model's plan: 60 layer items of 1.5 MiB
@@ -160,6 +173,44 @@ def _shm_rates(sizes: list[int], device: torch.device, repeats: int, items: int,
         skipped.append(sum("device_export_skipped" in line for line in server.stop()))
 
 
+def nixl_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[int, float]) -> dict[str, Any]:
+    """The nixl channel beside NIXL itself (`nixl_raw`) on the same memory: per size one item, then
+    a plan (PLAN_ITEMS items in one pull). On a GPU, `nixl_raw` READs device memory registered as
+    VRAM into device buffers, while the channel serves a device context from a per-pull host memfd
+    in its sandbox (host staging: what item 2's device path is to replace); their ratio is the gap."""
+    item = PLAN_ITEM_BYTES if device.type == "cuda" else 64 << 10
+    out: dict[str, Any] = {"rows": [], "plan": None, "missing": None}
+    try:
+        from droidmesh.shared.transport.nixl.agent import _bindings
+
+        _bindings()  # a clear line when NIXL is absent (the transfer check's archive carries it)
+        channel = _nixl_rates("nixl", sizes, device, repeats, 1)
+        raw = _nixl_rates(NIXL_RAW, sizes, device, repeats, 1)
+        plan = {t: _nixl_rates(t, [item], device, repeats, PLAN_ITEMS)[item] for t in ("nixl", NIXL_RAW)}
+    except Exception as e:
+        out["missing"] = f"{one_line(e)}; wheels: nixl-cu13 (the transfer check's archive)"
+        return out
+    out["rows"] = [{"bytes": n, "nixl_gb_s": channel[n], "nixl_raw_gb_s": raw[n], "nixl_over_raw": channel[n] / raw[n],
+                    "raw_over_copy": raw[n] / refs[n]} for n in sizes]
+    out["plan"] = {"items": PLAN_ITEMS, "item_bytes": item, "nixl_gb_s": plan["nixl"], "nixl_raw_gb_s": plan[NIXL_RAW],
+                   "nixl_over_raw": plan["nixl"] / plan[NIXL_RAW]}
+    return out
+
+
+def _nixl_rates(transport: str, sizes: list[int], device: torch.device, repeats: int, items: int) -> dict[int, float]:
+    """Pull rates of the nixl channel, or NIXL's own READ (`nixl_raw`), from a server on `device`."""
+    server = TensorServer(transport, sizes, device=device, items=items)
+    try:
+        server.wait_ready(SERVER_START_S)
+        if server.address is None:
+            raise RuntimeError(f"{transport} tensor server: {server.error}")
+        if transport == NIXL_RAW:
+            return raw_rates(server.address, sizes, items, repeats, device=device)
+        return asyncio.run(pull_rates("nixl", server.address, sizes, repeats, device, items=items))
+    finally:
+        server.stop()
+
+
 def table(report: dict[str, Any]) -> str:
     head = (f"device: {report['device']}{'  (DRY RUN on CPU: not a GPU measurement)' if report['dry_run'] else ''}\n"
             f"path: {report['path']}\nUCX CUDA: {report['ucx_cuda']['reason']}\n")
@@ -169,8 +220,16 @@ def table(report: dict[str, Any]) -> str:
         ratio = f"{r['ratio']:9.3f}" if r["ratio"] is not None else f"{'-':>9}"
         rows.append(f"{r['bytes']:>12} {pull} {r['copy_gb_s']:10.2f} {ratio}  {r['ucx_send'] or '-'}")
     missing = "".join(f"MISSING: {m}\n" for m in report["missing"])
-    shm = report["shm"]
-    rows.append(f"shm channel ({'device exports' if not report['dry_run'] else 'sealed memfds'}):")
+    if report.get("shm"):
+        rows += _shm_table(report["shm"], report["dry_run"])
+        missing += f"MISSING (shm): {report['shm']['missing']}\n" if report["shm"]["missing"] else ""
+    if report.get("nixl"):
+        rows += _nixl_table(report["nixl"])
+    return head + "\n".join(rows) + "\n" + missing
+
+
+def _shm_table(shm: dict[str, Any], dry_run: bool) -> list[str]:
+    rows = [f"shm channel ({'device exports' if not dry_run else 'sealed memfds'}):"]
     rows += [f"{r['bytes']:>12} {r['pull_gb_s']:10.2f} {'':>10} {r['ratio']:9.3f}" for r in shm["rows"]]
     if shm["plan"]:
         p = shm["plan"]
@@ -179,9 +238,19 @@ def table(report: dict[str, Any]) -> str:
     if shm["exports_skipped"]:
         rows.append(f"WARNING: {shm['exports_skipped']} context(s) not exported (device_export_skipped): "
                     "their pulls were copied through host memfds")
-    if shm["missing"]:
-        missing += f"MISSING (shm): {shm['missing']}\n"
-    return head + "\n".join(rows) + "\n" + missing
+    return rows
+
+
+def _nixl_table(nixl: dict[str, Any]) -> list[str]:
+    rows = [f"nixl channel against NIXL's own READ (nixl_raw), same memory:\n"
+            f"{'bytes':>12} {'nixl GB/s':>10} {'raw GB/s':>10} {'nixl/raw':>9} {'raw/copy':>9}"]
+    rows += [f"{r['bytes']:>12} {r['nixl_gb_s']:10.2f} {r['nixl_raw_gb_s']:10.2f} {r['nixl_over_raw']:9.3f} "
+             f"{r['raw_over_copy']:9.3f}" for r in nixl["rows"]]
+    if nixl["plan"]:
+        p = nixl["plan"]
+        rows.append(f"plan {p['items']} x {p['item_bytes']} bytes: nixl {p['nixl_gb_s']:.2f} GB/s, nixl_raw "
+                    f"{p['nixl_raw_gb_s']:.2f} GB/s, {p['nixl_over_raw']:.3f} of it")
+    return rows
 
 
 def main(argv: list[str]) -> int:
@@ -190,6 +259,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cuda", help="the GPU (ucxx's progress thread uses device 0)")
     parser.add_argument("--sizes", help="bytes per pull, comma-separated (default: 1,16,64,256 MiB; dry run 64 KiB,1 MiB)")
     parser.add_argument("--repeats", type=int, help="timed pulls and copies per size (default 5; dry run 2)")
+    parser.add_argument("--channels", default="ucx,shm",
+                        help="comma-separated: ucx, shm, nixl (nixl needs NIXL: the transfer check's archive)")
     parser.add_argument("--json", type=Path, help="default: $OUT/gpu-transfer.json when OUT is set")
     args = parser.parse_args(argv)
     dry = args.dry_run or not torch.cuda.is_available()
@@ -197,7 +268,10 @@ def main(argv: list[str]) -> int:
         print("CUDA is not available here: running the dry run on CPU tensors", flush=True)
     device = torch.device("cpu") if dry else torch.device(args.device)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else DRY_SIZES if dry else GPU_SIZES
-    report = measure(sizes, device, args.repeats or (2 if dry else 5))
+    channels = tuple(c for c in args.channels.split(",") if c)
+    if not channels or set(channels) - {"ucx", "shm", "nixl"}:
+        parser.error(f"--channels: ucx, shm and nixl, not {args.channels!r}")
+    report = measure(sizes, device, args.repeats or (2 if dry else 5), channels)
     print(table(report), end="", flush=True)
     path = args.json or (Path(os.environ["OUT"]) / "gpu-transfer.json" if os.environ.get("OUT") else None)
     if path is not None:

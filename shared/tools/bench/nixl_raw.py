@@ -1,16 +1,17 @@
 """`bench transfer`'s `nixl_raw` row: NIXL itself, used as its own documentation shows, between two
 processes — the reference the `nixl` channel is measured against.
 
-Server (`python -m droidmesh.shared.tools.bench.nixl_raw SIZE[,SIZE...] --items N`, a child process):
-per size N bf16 tensors of that many bytes, all registered once with an agent configured as the
-channel's sender is (`nixl.agent.Agent`: UCX backend, a progress thread that sleeps on UCX events;
-the remote side of the first READ's wire-up needs it); it prints one line `NIXL_RAW=<json>` (its
-agent metadata, base64, and each context's regions) and runs until SIGTERM. Client (`raw_rates`,
-this process): NIXL's own Python API (`nixl_agent`, no progress thread: the API hard-codes its
-delay to 0, which would spin a core; this thread polls instead) loads that metadata, registers
-its landing buffers once, prepares both descriptor lists once and one READ of all N items per
-size, then times re-posts of that READ polled to completion. Nothing per pull but the post and
-the polls: what the library costs.
+Server (`python -m droidmesh.shared.tools.bench.nixl_raw SIZE[,SIZE...] --items N [--device D]`, a
+child process): per size N bf16 tensors of that many bytes on D (host memory, or a GPU's,
+registered as NIXL's VRAM), all registered once with an agent configured as the channel's sender
+is (`nixl.agent.Agent`: UCX backend, a progress thread that sleeps on UCX events; the remote side
+of the first READ's wire-up needs it); it prints one line `NIXL_RAW=<json>` (its agent metadata,
+base64, where its tensors lie, and each context's regions) and runs until SIGTERM. Client
+(`raw_rates`, this process): NIXL's own Python API (`nixl_agent`, no progress thread: the API
+hard-codes its delay to 0, which would spin a core; this thread polls instead) loads that
+metadata, registers its landing buffers once (on the device asked for), prepares both descriptor
+lists once and one READ of all N items per size, then times re-posts of that READ polled to
+completion. Nothing per pull but the post and the polls: what the library costs.
 """
 
 from __future__ import annotations
@@ -45,16 +46,21 @@ def _agent(role: str) -> Any:
     return nixl_agent(f"droidmesh-raw-{role}-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False))
 
 
-def serve(sizes: list[int], items: int) -> int:
+def serve(sizes: list[int], items: int, device: str = "cpu") -> int:
     from droidmesh.shared.transport.nixl.agent import Agent
 
     try:
-        tensors = tensors_for(sizes, "cpu", items)
+        dev = torch.device(device)
+        memory, index = ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
+        tensors = tensors_for(sizes, dev, items)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # filled before any peer reads them
         agent = Agent("raw-sender")  # NIXL's bindings, with a progress thread that sleeps on UCX events
         asyncio.run(agent.start())
         regions = [(t.data_ptr(), t.numel() * t.element_size()) for held in tensors.values() for t in held]
-        registered = agent.submit(agent.register, regions).result()
-        line = {"metadata": base64.b64encode(agent.submit(agent.metadata, regions, True).result()).decode(),
+        registered = agent.submit(agent.register, regions, memory, index).result()
+        line = {"metadata": base64.b64encode(agent.submit(agent.metadata, regions, True, memory, index).result()).decode(),
+                "memory": memory, "device": index,
                 "contexts": {cid: [[t.data_ptr(), t.numel() * t.element_size()] for t in held]
                              for cid, held in tensors.items()}}
     except Exception as e:
@@ -69,20 +75,23 @@ def serve(sizes: list[int], items: int) -> int:
     return 0
 
 
-def raw_rates(line: str, sizes: list[int], items: int, repeats: int, read: int | None = None) -> dict[int, float]:
+def raw_rates(line: str, sizes: list[int], items: int, repeats: int, read: int | None = None,
+              device: str | torch.device = "cpu") -> dict[int, float]:
     """GB/s per size of one READ of the first `read` (default: all `items`) items of that size's
-    context (median of `repeats` after one warm-up)."""
+    context into buffers on `device` (median of `repeats` after one warm-up): NIXL's own API
+    registers CUDA tensors as device memory, and the server says where its own lie."""
     read = read or items
     info = json.loads(line)
+    memory, index = info.get("memory", "DRAM"), int(info.get("device", 0))
     agent = _agent("receiver")
     peer = agent.add_remote_agent(base64.b64decode(info["metadata"]))
     peer = peer.decode() if isinstance(peer, bytes) else peer
     rates = {}
     for n in sizes:
-        into = [torch.zeros(n // 2, dtype=torch.bfloat16) for _ in range(read)]  # written: pages exist
+        into = [torch.zeros(n // 2, dtype=torch.bfloat16, device=device) for _ in range(read)]  # written: pages exist
         registered = agent.register_memory(into)
         local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", into)
-        remote = agent.prep_xfer_dlist(peer, [(a, b, 0) for a, b in info["contexts"][str(n)][:read]], "DRAM")
+        remote = agent.prep_xfer_dlist(peer, [(a, b, index) for a, b in info["contexts"][str(n)][:read]], memory)
         handle = agent.make_prepped_xfer("READ", local, list(range(read)), remote, list(range(read)))
         times = []
         for _ in range(repeats + 1):
@@ -106,8 +115,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m droidmesh.shared.tools.bench.nixl_raw")
     parser.add_argument("sizes")
     parser.add_argument("--items", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where the tensors lie: cpu (DRAM) or cuda[:N] (VRAM)")
     args = parser.parse_args(argv)
-    return serve([int(s) for s in args.sizes.split(",")], max(1, args.items))
+    return serve([int(s) for s in args.sizes.split(",")], max(1, args.items), args.device)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class TensorServer:
             env.setdefault("UCX_PROTO_INFO", "y")
         sizes_arg = ",".join(map(str, sizes))
         if transport == NIXL_RAW:
-            argv = ["-m", "droidmesh.shared.tools.bench.nixl_raw", sizes_arg, "--items", str(items)]
+            argv = ["-m", "droidmesh.shared.tools.bench.nixl_raw", sizes_arg, "--items", str(items), "--device", str(device)]
             self._prefix = RAW_PREFIX
         else:
             argv = ["-m", "droidmesh.shared.tools.bench.tensor_server", transport, sizes_arg, "--device", str(device),

@@ -17,7 +17,7 @@ import concurrent.futures
 import importlib
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -38,9 +38,12 @@ def _bindings() -> Any:
     raise TransferError("the nixl transport needs NIXL: pip install 'droidmesh[mesh]' (nixl-cu12)")
 
 
-def rows(regions: Sequence[tuple[int, int]]) -> np.ndarray:
+Memory = Literal["DRAM", "VRAM"]  # host memory; a GPU's (with its device number)
+
+
+def rows(regions: Sequence[tuple[int, int]], device: int = 0) -> np.ndarray:
     """NIXL descriptor rows [n, 3]: (address, length, device)."""
-    return np.array([(a, n, 0) for a, n in regions], dtype=np.uint64).reshape(-1, 3)
+    return np.array([(a, n, device) for a, n in regions], dtype=np.uint64).reshape(-1, 3)
 
 
 class Agent:
@@ -72,18 +75,22 @@ class Agent:
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         return self._pool.submit(fn, *args)
 
-    def register(self, regions: Sequence[tuple[int, int]]) -> Any:
-        descs = self._b.nixlRegDList(self._b.DRAM_SEG, rows(regions))
+    def register(self, regions: Sequence[tuple[int, int]], memory: Memory = "DRAM", device: int = 0) -> Any:
+        descs = self._b.nixlRegDList(self._segment(memory), rows(regions, device))
         self._agent.registerMem(descs, self._ucx)
         return descs
+
+    def _segment(self, memory: Memory) -> Any:
+        return self._b.VRAM_SEG if memory == "VRAM" else self._b.DRAM_SEG
 
     def deregister(self, descs: Any) -> None:
         self._agent.deregisterMem(descs, self._ucx)
 
-    def metadata(self, regions: Sequence[tuple[int, int]], connection: bool) -> bytes:
+    def metadata(self, regions: Sequence[tuple[int, int]], connection: bool, memory: Memory = "DRAM",
+                 device: int = 0) -> bytes:
         """This agent's metadata for exactly `regions` (registered), with or without its
         connection info."""
-        descs = self._b.nixlRegDList(self._b.DRAM_SEG, rows(regions))
+        descs = self._b.nixlRegDList(self._segment(memory), rows(regions, device))
         return bytes(self._agent.getLocalPartialMD(descs, connection, self._ucx))
 
     def load(self, metadata: bytes) -> str:
