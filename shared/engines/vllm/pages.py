@@ -65,7 +65,7 @@ def write_layer(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
         raise ValueError("a slot outside the cache")
     key = k[0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()  # [1, H, m, D] -> [m, H, D]
     value = v[0].transpose(0, 1).to(device=cache.device, dtype=cache.dtype).contiguous()
-    slots = slots.to(cache.device, non_blocking=True)  # a host tensor's copy is staged before this returns
+    slots = _moved(slots, cache.device)
     if layout == FLASH:
         kc, vc = _flash_halves(cache)  # [blocks, block_size, H, D] each: views of `cache`
         block, offset = slots // block_size, slots % block_size  # [m] each
@@ -76,6 +76,15 @@ def write_layer(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 
     kc, vc = cache.view(blocks, heads, 2 * block_size, width // 2).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, layout)
+
+
+def _moved(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device` without the host waiting for the device: a GPU's copy goes
+    from pinned memory, queued on the current stream like the gather that reads it (torch keeps
+    the pinned block until that copy is done)."""
+    if device.type != "cuda" or index.is_cuda:
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def _flash_halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +155,7 @@ def read_slots(cache: torch.Tensor, slots: torch.Tensor, layout: str) -> tuple[t
     # on a device would wait for it once per layer
     block, offset = slots // bs, slots % bs  # [T] each
     touched, which = torch.unique(block, return_inverse=True)  # only the request's blocks are viewed
-    # non-blocking: from pageable memory the copy is staged before it returns, and nothing waits
-    touched, which, offset = (x.to(cache.device, non_blocking=True) for x in (touched, which, offset))
+    touched, which, offset = (_moved(x, cache.device) for x in (touched, which, offset))
     k, v = block_kv(cache[touched], layout)  # [n, H, bs, D] each
     key = k[which, :, offset].permute(1, 0, 2)[None]  # [T, H, D] -> [1, H, T, D]
     value = v[which, :, offset].permute(1, 0, 2)[None]

@@ -82,7 +82,9 @@ def path_name(device: torch.device, support: capabilities.CudaSupport) -> str:
 def measure(sizes: list[int], device: torch.device, repeats: int,
             channels: tuple[str, ...] = ("ucx", "shm")) -> dict[str, Any]:
     """Steps 1-5 for `channels`: the report (rows, facts, what is missing)."""
-    support = capabilities.ucx_cuda_support()
+    # asking UCX starts ucxx's own UCX: never in a run without ucx, which may load NIXL's copy
+    support = capabilities.ucx_cuda_support() if "ucx" in channels else capabilities.CudaSupport(
+        False, False, "not asked (no ucx rows in this run)")
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dry_run": device.type != "cuda", "torch": torch.__version__, "ucx_tls": os.environ.get("UCX_TLS", ucx_options()["TLS"]),

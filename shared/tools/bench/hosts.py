@@ -12,10 +12,13 @@ inputs, not a measurement:
                  copied pinned host to device at the receiver, per item, the three stages
                  overlapping (a pinned staging pool of a few items per pull at each end): the slower
                  of link and PCIe, plus the first item's copy out and the last one's copy in;
-      today      what the ucx and nixl channels do now for a context held on a device: the whole
-                 plan is copied into one per-pull memfd (pageable host memory) before the grant
-                 (`sandbox/regions.export`), then sent; the receiver stages each item in pinned
-                 memory and copies it in;
+      today      what the ucx and nixl channels do now for a context held on a device: each item
+                 is copied to pinned host memory (`RawCodec.encode`), then the whole plan into one
+                 per-pull memfd (`sandbox/regions.export`) before the grant, then sent; the
+                 receiver stages each item in pinned memory and copies it in. That export's rate
+                 is an input (`Rates.export_gbs`): the one measurement of this path on a GPU, the
+                 nixl channel between two processes on one H200, moved device memory at 2.1-2.9
+                 GB/s end to end, so that is the default;
       host_held  today's path for a context the sender's store moved to host memory (its placed
                  memfd is sent as it lies): no copy out;
   * the engine (optional): a `check.sh` JSON's rows measured on a GPU, by recomputed layers (the
@@ -60,13 +63,14 @@ class Widths:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A path's rates in bytes/s and its fixed cost: the link (Gbit/s x efficiency), pinned and
-    pageable PCIe copies between host and device, the grant and request before the first byte."""
+    """A path's rates in bytes/s and its fixed cost: the link (Gbit/s x efficiency), pinned PCIe
+    copies between host and device, today's export of a plan into a per-pull memfd, the grant and
+    request before the first byte."""
 
     gbit_s: float
     link_bps: float
     pcie_bps: float
-    pageable_bps: float
+    export_bps: float
     fixed_s: float
 
 
@@ -109,7 +113,7 @@ def pull_seconds(path: str, items: Sequence[int], link: Link) -> float:
     if path == "staged":
         return link.fixed_s + items[0] / link.pcie_bps + wire + last_in
     if path == "today":
-        return link.fixed_s + total / link.pageable_bps + wire + last_in
+        return link.fixed_s + total / link.export_bps + wire + last_in
     if path == "host_held":
         return link.fixed_s + wire + last_in
     raise BadRequestError(f"unknown path {path!r}; known: {', '.join(PATHS)}")
@@ -152,16 +156,17 @@ def engine_rows(path: str | Path) -> dict[tuple[int, int], float]:
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """What every path shares: PCIe copies between host and device (pinned, pageable; GB/s), the
-    fixed cost before a pull's first byte (ms) and the share of a link's rate a pull gets."""
+    """What every path shares: pinned PCIe copies between host and device and today's export of a
+    plan into a per-pull memfd (GB/s), the fixed cost before a pull's first byte (ms) and the
+    share of a link's rate a pull gets."""
 
     pcie_gbs: float
-    pageable_gbs: float
+    export_gbs: float
     fixed_ms: float
     efficiency: float
 
     def link(self, gbit_s: float) -> Link:
-        return Link(gbit_s, gbit_s * 1e9 / 8 * self.efficiency, self.pcie_gbs * 1e9, self.pageable_gbs * 1e9,
+        return Link(gbit_s, gbit_s * 1e9 / 8 * self.efficiency, self.pcie_gbs * 1e9, self.export_gbs * 1e9,
                     self.fixed_ms / 1e3)
 
 
@@ -228,17 +233,20 @@ def break_even(shape: str, contexts: Sequence[int], codec_names: Sequence[str], 
                 return mesh_ttft(pull_seconds(path, case.items, link), case.alone_s or 0.0, link.fixed_s)
 
             row = case.head(shape, path)
-            if case.alone_s is not None and case.prefill_s is not None:
-                prefill, target = case.prefill_s, TARGETS[case.plan] * case.alone_s
+            if case.alone_s is None:
+                row["pull_at_100g_s"] = pull_seconds(path, case.items, rates.link(100.0))
+                out.append(row)
+                continue
+            target = TARGETS[case.plan] * case.alone_s
 
-                def pays(g: float, mesh: Callable[[float], float] = mesh, prefill: float = prefill) -> bool:
+            def within(g: float, mesh: Callable[[float], float] = mesh, target: float = target) -> bool:
+                return mesh(g) <= target
+
+            if case.prefill_s is not None:
+                def pays(g: float, mesh: Callable[[float], float] = mesh, prefill: float = case.prefill_s) -> bool:
                     return mesh(g) < prefill
 
-                def within(g: float, mesh: Callable[[float], float] = mesh, target: float = target) -> bool:
-                    return mesh(g) <= target
-
-                row["pays_from_gbit_s"], row["target_from_gbit_s"] = least_link(pays), least_link(within)
-            else:
-                row["pull_at_100g_s"] = mesh(100.0)
+                row["pays_from_gbit_s"] = least_link(pays)
+            row["target_from_gbit_s"] = least_link(within)
             out.append(row)
     return out

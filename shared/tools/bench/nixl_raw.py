@@ -89,6 +89,8 @@ def raw_rates(line: str, sizes: list[int], items: int, repeats: int, read: int |
     rates = {}
     for n in sizes:
         into = [torch.zeros(n // 2, dtype=torch.bfloat16, device=device) for _ in range(read)]  # written: pages exist
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)  # zeroed before any READ lands in them
         registered = agent.register_memory(into)
         local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", into)
         remote = agent.prep_xfer_dlist(peer, [(a, b, index) for a, b in info["contexts"][str(n)][:read]], memory)

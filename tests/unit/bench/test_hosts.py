@@ -11,7 +11,7 @@ from droidmesh.shared.errors import BadRequestError
 from droidmesh.shared.kv import quant
 from droidmesh.shared.tools.bench import hosts
 
-RATES = hosts.Rates(pcie_gbs=50.0, pageable_gbs=17.0, fixed_ms=1.0, efficiency=1.0)
+RATES = hosts.Rates(pcie_gbs=50.0, export_gbs=2.5, fixed_ms=1.0, efficiency=1.0)
 W = hosts.widths("llama3-8b")  # 32 layers, 8 KV heads of 128, hidden 4096
 
 
@@ -46,7 +46,7 @@ def test_each_path_adds_what_it_copies_on_top_of_the_wire():
     staged = hosts.pull_seconds("staged", items, link)
     assert staged == pytest.approx(1e-3 + wire + 2 * items[0] / 50e9, rel=1e-9)  # first out, last in
     today = hosts.pull_seconds("today", items, link)
-    assert today == pytest.approx(1e-3 + sum(items) / 17e9 + wire + items[-1] / 50e9, rel=1e-9)
+    assert today == pytest.approx(1e-3 + sum(items) / 2.5e9 + wire + items[-1] / 50e9, rel=1e-9)
     assert hosts.pull_seconds("host_held", items, link) < staged < today
     slow = RATES.link(25.0)  # the link, not PCIe, is the limit
     assert hosts.pull_seconds("gpudirect", items, slow) == pytest.approx(1e-3 + sum(items) / (25e9 / 8), rel=1e-9)
@@ -105,5 +105,13 @@ def test_without_the_engine_a_row_says_what_a_prefill_must_exceed():
              if r["plan"] == "full reuse" and r["path"] == "gpudirect"]
     assert row["pull_at_100g_s"] == pytest.approx(1e-3 + row["wire_mb"] * 1e6 / 12.5e9, rel=1e-9)
     assert "pays_from_gbit_s" not in row
+
+
+def test_engine_times_without_a_full_prefill_still_give_the_target_and_never_a_pull_as_a_mesh(tmp_path):
+    engine = _engine(tmp_path, [{"context": 4096, "recomputed_layers": 2, "ttft_s": 0.026},
+                                {"context": 4096, "recomputed_layers": 0, "ttft_s": 0.018}])
+    for row in hosts.break_even("llama3-8b", [4096], ["raw"], RATES, engine):
+        assert "pays_from_gbit_s" not in row and "pull_at_100g_s" not in row
+        assert row["target_from_gbit_s"] is None or row["target_from_gbit_s"] > 25
     with pytest.raises(BadRequestError, match="unknown shape"):
         hosts.widths("gpt-7")

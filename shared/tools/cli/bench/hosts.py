@@ -37,20 +37,25 @@ def _codecs(_ctx: click.Context, param: click.Parameter, value: str) -> list[str
 @click.option("--codecs", "codec_names", default="raw,int8,int4", show_default=True, callback=_codecs)
 @click.option("--pcie-gbs", default=50.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Pinned host <-> device copy, GB/s (one H200 host measured 50-54).")
-@click.option("--pageable-gbs", default=17.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Pageable host <-> device copy, GB/s (the same host: 16-19 host to device).")
+@click.option("--export-gbs", default=2.5, show_default=True, type=click.FloatRange(min=0.1),
+              help="Today's path: a device context's plan copied into a per-pull host memfd, GB/s (the nixl "
+                   "channel moved device memory at 2.1-2.9 GB/s end to end on one H200; the transfer check's "
+                   "nixl rows measure it).")
 @click.option("--fixed-ms", default=1.0, show_default=True, type=click.FloatRange(min=0.0),
               help="Before a pull's first byte: the grant over NATS and the pull's request.")
 @click.option("--efficiency", default=1.0, show_default=True, type=click.FloatRange(min=0.01, max=1.0),
               help="Share of the link's rate a pull gets (1: the link's own rate, a lower bound on time).")
-def hosts(json_path, plot_path, shape, engine_path, contexts, gbit_s, codec_names, pcie_gbs, pageable_gbs, fixed_ms,
+def hosts(json_path, plot_path, shape, engine_path, contexts, gbit_s, codec_names, pcie_gbs, export_gbs, fixed_ms,
           efficiency) -> None:
     """Between hosts, modelled: a plan's bytes on the wire per path and link, and with --engine the
     TTFT through the mesh (as the receiver's policy predicts it) against the engine alone and the
     full prefill, and the least link rate at which relaying pays."""
     from droidmesh.shared.tools.bench import hosts as model
 
-    rates = model.Rates(pcie_gbs, pageable_gbs, fixed_ms, efficiency)
+    rates = model.Rates(pcie_gbs, export_gbs, fixed_ms, efficiency)
+    if plot_path and (engine_path is None or "raw" not in codec_names):
+        raise click.UsageError("--plot draws the raw k = 2 plan against a GPU check's times: it needs --engine and raw "
+                               "in --codecs")
     try:
         engine = model.engine_rows(engine_path) if engine_path else None
         rows = model.rows(shape, contexts, codec_names, gbit_s, rates, engine)
@@ -64,11 +69,13 @@ def hosts(json_path, plot_path, shape, engine_path, contexts, gbit_s, codec_name
         columns += ["engine_s", "mesh_s", "full_prefill_s", "mesh_over_engine", "relay_pays"]
     click.echo(report.format_table(rows, columns))
     click.echo("least link rate (Gbit/s) at which:" if engine else "a pull's time at 100 Gbit/s (what a prefill must exceed):")
-    click.echo(report.format_table(even, [c for c in ("context", "plan", "codec", "path", "wire_mb", "pays_from_gbit_s",
-                                                      "target_from_gbit_s", "pull_at_100g_s") if c in even[0]]))
+    keys = {k for r in even for k in r}
+    shown = [{k: "never" if v is None and k.endswith("_from_gbit_s") else v for k, v in r.items()} for r in even]
+    click.echo(report.format_table(shown, [c for c in ("context", "plan", "codec", "path", "wire_mb", "pays_from_gbit_s",
+                                                       "target_from_gbit_s", "pull_at_100g_s") if c in keys]))
     save(json_path, "hosts", {"shape": shape, "engine": engine_path, "rates": dataclasses.asdict(rates),
                               "targets_mesh_over_engine": model.TARGETS, "rows": rows, "break_even": even})
-    if plot_path and engine is not None:
+    if plot_path:
         _plot(rows, plot_path)
 
 
@@ -76,7 +83,8 @@ def _plot(rows: list[dict], path: str) -> None:
     """Per context, the raw k = 2 plan's TTFT through the mesh against the link, per path, beside
     the engine alone and the full prefill."""
     plt = report.pyplot()
-    contexts = sorted({r["context"] for r in rows if r["mesh_s"] is not None})
+    contexts = sorted({r["context"] for r in rows if r["mesh_s"] is not None and r["full_prefill_s"] is not None
+                       and r["codec"] == "raw" and r["plan"] == "k = 2 with E"})
     cols = min(2, len(contexts))
     fig, axes = plt.subplots(-(-len(contexts) // cols), cols, figsize=(4.6 * cols, 3.4 * -(-len(contexts) // cols)),
                              squeeze=False)
