@@ -4,6 +4,7 @@ stops before anything runs, and a step that runs leaves its log and JSON in $OUT
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -54,4 +55,7 @@ def test_the_tiny_nixl_step_measures_the_channel_beside_nixl_itself(tmp_path):
     assert [r["bytes"] for r in nixl["rows"]] == [4096, 65536] and nixl["missing"] is None
     assert all(r["nixl_gb_s"] > 0 and r["nixl_raw_gb_s"] > 0 for r in nixl["rows"])
     assert nixl["plan"]["items"] == 60 and nixl["plan"]["nixl_over_raw"] > 0
+    kept = nixl["raw_metadata"]  # what a GPU run keeps for the metadata screen: here, host memory's
+    assert kept["memory"] == "DRAM" and kept["regions"] == 2
+    assert base64.b64decode(kept["metadata_b64"]).startswith(b"nixlSerDes|")
     assert not (tmp_path / "gpu-transfer.json").exists()

@@ -181,13 +181,13 @@ def nixl_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[i
     VRAM into device buffers, while the channel serves a device context from a per-pull host memfd
     in its sandbox (host staging: what item 2's device path is to replace); their ratio is the gap."""
     item = PLAN_ITEM_BYTES if device.type == "cuda" else 64 << 10
-    out: dict[str, Any] = {"rows": [], "plan": None, "missing": None}
+    out: dict[str, Any] = {"rows": [], "plan": None, "missing": None, "raw_metadata": None}
     try:
         from droidmesh.shared.transport.nixl.agent import _bindings
 
         _bindings()  # a clear line when NIXL is absent (the transfer check's archive carries it)
         channel = _nixl_rates("nixl", sizes, device, repeats, 1)
-        raw = _nixl_rates(NIXL_RAW, sizes, device, repeats, 1)
+        raw = _nixl_rates(NIXL_RAW, sizes, device, repeats, 1, keep=out)
         plan = {t: _nixl_rates(t, [item], device, repeats, PLAN_ITEMS)[item] for t in ("nixl", NIXL_RAW)}
     except Exception as e:
         out["missing"] = f"{one_line(e)}; wheels: nixl-cu13 (the transfer check's archive)"
@@ -199,14 +199,23 @@ def nixl_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[i
     return out
 
 
-def _nixl_rates(transport: str, sizes: list[int], device: torch.device, repeats: int, items: int) -> dict[int, float]:
-    """Pull rates of the nixl channel, or NIXL's own READ (`nixl_raw`), from a server on `device`."""
+def _nixl_rates(transport: str, sizes: list[int], device: torch.device, repeats: int, items: int,
+                keep: dict[str, Any] | None = None) -> dict[int, float]:
+    """Pull rates of the nixl channel, or NIXL's own READ (`nixl_raw`), from a server on `device`.
+    `keep`: where to record the raw server's agent metadata (base64) and memory kind: on a GPU,
+    real device-memory descriptors and remote keys, which the receiver's metadata screen
+    (`nixl/metadata.py`, host memory only today) must learn to check before the channel may
+    read device memory."""
     server = TensorServer(transport, sizes, device=device, items=items)
     try:
         server.wait_ready(SERVER_START_S)
         if server.address is None:
             raise RuntimeError(f"{transport} tensor server: {server.error}")
         if transport == NIXL_RAW:
+            if keep is not None:
+                line = json.loads(server.address)
+                keep["raw_metadata"] = {"memory": line.get("memory"), "device": line.get("device"),
+                                        "regions": len(sizes), "metadata_b64": line["metadata"]}
             return raw_rates(server.address, sizes, items, repeats, device=device)
         return asyncio.run(pull_rates("nixl", server.address, sizes, repeats, device, items=items))
     finally:
