@@ -24,6 +24,7 @@ from pathlib import Path
 
 from droidmesh.shared.errors import ConfigError
 from droidmesh.shared.model.adapter import ModelAdapter, load_model, lora_base
+from droidmesh.shared.model.names import local_path
 
 BASE_VIEW = "base-weights"  # the set's own name for a base no model id names
 
@@ -33,7 +34,7 @@ def family(models: Mapping[str, str], model_id: str) -> tuple[Path, dict[str, Pa
     adapters of that base -> their directories, the ids whose checkpoint is that base itself)."""
     if model_id not in models:
         raise ConfigError(f"no model {model_id!r}; the engine's models are {', '.join(sorted(models))}")
-    paths = {m: Path(p).expanduser() for m, p in models.items()}
+    paths = {m: local_path(p) for m, p in models.items()}
     under = {m: lora_base(p) for m, p in paths.items()}  # an adapter's base checkpoint; None: no adapter
     roots = {m: (under[m] or paths[m]).resolve() for m in paths}
     kin = [m for m in paths if roots[m] == roots[model_id]]

@@ -48,7 +48,7 @@ from droidmesh.shared.model import attention, hf_cache
 from droidmesh.shared.model.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
 from droidmesh.shared.model.fingerprint import ArchFingerprint, fingerprint_of, layer_windows
 from droidmesh.shared.model.masks import additive, layer_mask
-from droidmesh.shared.model.names import RANDOM_INIT
+from droidmesh.shared.model.names import RANDOM_INIT, local_path
 from droidmesh.shared.model.projections import LayerProjections
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -271,7 +271,7 @@ def load_model(
     adapters (prefix / prompt tuning) add virtual tokens and are refused.
     """
     dev = resolve_device(device)  # first: a missing GPU is a ConfigError before any file is read
-    p = Path(path).expanduser()
+    p = local_path(path)
     if not (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
         raise CheckpointNotFoundError(f"no local checkpoint at {p} (expected config.json); DroidMesh never downloads")
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -355,7 +355,7 @@ def lora_base(p: Path) -> Path | None:
         raise CheckpointNotFoundError(f"adapter {p}: {cfg.name} is not a JSON object ({e})") from None
     if not raw or not isinstance(raw, str):
         raise CheckpointNotFoundError(f"adapter {p}: {cfg.name} names no base_model_name_or_path")
-    base = Path(raw).expanduser()
+    base = local_path(raw)
     candidates = [base] if base.is_absolute() else [(p / base).resolve(), base.resolve()]
     for c in candidates:
         if (c / "config.json").is_file():

@@ -36,7 +36,7 @@ from droidmesh.shared.model import attention
 from droidmesh.shared.model.adapter import ATTN_IMPLEMENTATIONS, SUPPORTED_MODEL_TYPES, ModelAdapter, lora_base
 from droidmesh.shared.model.device import DEFAULT_DEVICE, resolve_device, resolve_dtype
 from droidmesh.shared.model.fingerprint import vocab_hash
-from droidmesh.shared.model.names import weights_sha256
+from droidmesh.shared.model.names import local_path, weights_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +84,7 @@ class AdapterSet:
         directory) unmerged into it; `base_name` (default: the base directory's name) serves the
         base itself. Local files only; `dtype` None follows the device, as `load_model`."""
         dev = resolve_device(device)  # first: a missing GPU is a ConfigError before any file is read
-        base = Path(base_path).expanduser()
+        base = local_path(base_path)
         if (base / "adapter_config.json").is_file():
             raise ConfigError(f"{base} is a PEFT adapter, not a base checkpoint; give the base it was trained on")
         if not (base / "config.json").is_file():
@@ -187,7 +187,7 @@ def _check_names(base_name: str, adapters: Mapping[str, PathLike] | Iterable[tup
             raise ConfigError(f"adapter {path}: served name {name!r} is the base's; name it otherwise")
         if name in out:
             raise ConfigError(f"served name {name!r} given twice ({out[name]} and {path})")
-        out[name] = Path(path).expanduser()
+        out[name] = local_path(path)
     return out
 
 

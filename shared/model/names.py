@@ -12,12 +12,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 from pathlib import Path
 
 from droidmesh.shared.errors import CheckpointNotFoundError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 RANDOM_INIT = "random_init.json"  # a named shape's checkpoint without weights: {"seed": N} (`zoo/shapes.py`)
+
+
+def local_path(arg: str | os.PathLike) -> Path:
+    """A model argument as a local path, `~` expanded; a `~user` this host has no user for stays
+    as written (pathlib raises for it, and a peer's request may carry one): then it is simply no
+    checkpoint, and the caller's lookup says so."""
+    try:
+        return Path(arg).expanduser()
+    except RuntimeError:
+        return Path(arg)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 from droidmesh.shared import ZOO_DIR
 from droidmesh.shared.errors import CheckpointNotFoundError
-from droidmesh.shared.model.names import ModelRef, Pair, is_checkpoint
+from droidmesh.shared.model.names import ModelRef, Pair, is_checkpoint, local_path
 
 MANIFEST = "manifest.json"
 REPO_ZOO = ZOO_DIR  # the demo tier ships in the package (in a checkout: the repository's zoo/)
@@ -103,7 +103,7 @@ def tier_models(root: Path, manifest: dict) -> dict[str, ModelRef]:
 def resolve_model(arg: str, name: str | None = None) -> ModelRef:
     """A local checkpoint path or a zoo model name -> ModelRef; `name` overrides the model id.
     Raises CheckpointNotFoundError (commands turn it into a one-line usage error)."""
-    p = Path(arg).expanduser()
+    p = local_path(arg)
     if is_checkpoint(p):
         return ModelRef(p, name or p.resolve().name)
     tier_hint, _, short = arg.rpartition("/")

@@ -7,7 +7,7 @@ import asyncio
 import msgspec
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from droidmesh.services.cache_broker.config import BrokerConfig
@@ -103,6 +103,9 @@ requests = st.one_of(
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                     HealthCheck.too_slow])
 @given(subject=st.sampled_from(sorted(ENDPOINTS)), data=st.one_of(any_bytes, requests.map(schemas.encode)))
+# found by this test once: the home of a user the host lacks made pathlib raise (an internal error)
+@example(subject=subjects.PROFILER_PROFILE, data=schemas.encode(schemas.ProfileRequest(
+    request_id="", sender_path="~0", receiver_path="", task="0", n_train=1, n_test=1, granularity=1)))
 def test_handlers_always_reply_well_formed(wired, subject, data):
     """Any bytes to any endpoint get a decodable reply: the endpoint's reply type or an
     ErrorReply with a code; the services keep serving."""

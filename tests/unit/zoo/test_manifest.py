@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from droidmesh.shared.errors import CheckpointNotFoundError
+from droidmesh.shared.model.adapter import load_model
 from droidmesh.shared.model.names import Pair
 from droidmesh.shared.tools.cli.main import main as cli
 from droidmesh.shared.zoo.manifest import listing, profile_file, resolve_model
@@ -54,6 +55,16 @@ def test_unknown_models_are_a_clear_error(fake_tier: Path) -> None:
     for arg in ("nope", "demo/nope", str(fake_tier)):
         with pytest.raises(CheckpointNotFoundError, match="zoo list"):
             resolve_model(arg)
+
+
+@pytest.mark.parametrize("arg", ["~droidmesh-no-such-user/ckpt", "~0"])
+def test_a_home_of_a_user_this_host_lacks_is_no_checkpoint_not_a_crash(fake_tier: Path, arg: str) -> None:
+    """pathlib raises RuntimeError expanding it; a model argument (a profile request's path, from a
+    peer) must get the one-line answer every unknown model gets, never an internal error."""
+    with pytest.raises(CheckpointNotFoundError, match="neither a local checkpoint"):
+        resolve_model(arg)
+    with pytest.raises(CheckpointNotFoundError, match="no local checkpoint"):
+        load_model(arg)
 
 
 def test_commands_report_an_unknown_model_in_one_line(fake_tier: Path, tmp_path: Path) -> None:
