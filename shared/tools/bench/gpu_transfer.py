@@ -92,28 +92,7 @@ def measure(sizes: list[int], device: torch.device, repeats: int,
         "path": path_name(device, support), "missing": [],
     }
     refs = {n: copy_gb_s(n, device, repeats) for n in sizes}
-    rates: dict[int, float] = {}
-    lines: list[str] = []
-    try:
-        if "ucx" not in channels:
-            raise _NotAsked
-        import ucxx  # noqa: F401  (only to say clearly when it is absent)
-    except _NotAsked:
-        pass
-    except Exception as e:
-        report["missing"].append(f"ucxx ({one_line(e)}); wheels: {UCX_WHEELS}")
-    else:
-        server = TensorServer("ucx", sizes, device=device)
-        try:
-            server.wait_ready(SERVER_START_S)
-            if server.address is None:
-                report["missing"].append(f"tensor server: {server.error}")
-            else:
-                rates = asyncio.run(pull_rates("ucx", server.address, sizes, repeats, device))
-        except Exception as e:
-            report["missing"].append(f"pull: {one_line(e)}")
-        finally:
-            lines = server.stop()
+    rates, lines = _ucx_rates(sizes, device, repeats, report["missing"]) if "ucx" in channels else ({}, [])
     report["shm"] = shm_rows(sizes, device, repeats, refs) if "shm" in channels else None
     if "nixl" in channels:
         report["nixl"] = nixl_rows(sizes, device, repeats, refs)
@@ -129,11 +108,36 @@ def measure(sizes: list[int], device: torch.device, repeats: int,
     return report
 
 
-class _NotAsked(Exception):
-    """A channel the caller left out."""
+def _ucx_rates(sizes: list[int], device: torch.device, repeats: int,
+               missing: list[str]) -> tuple[dict[int, float], list[str]]:
+    """Step 4 over the ucx channel: pull rates per size and everything its server printed (UCX's
+    protocol tables); what is missing is appended to `missing`."""
+    try:
+        import ucxx  # noqa: F401  (only to say clearly when it is absent)
+    except Exception as e:
+        missing.append(f"ucxx ({one_line(e)}); wheels: {UCX_WHEELS}")
+        return {}, []
+    rates: dict[int, float] = {}
+    server = TensorServer("ucx", sizes, device=device)
+    try:
+        server.wait_ready(SERVER_START_S)
+        if server.address is None:
+            missing.append(f"tensor server: {server.error}")
+        else:
+            rates = asyncio.run(pull_rates("ucx", server.address, sizes, repeats, device))
+    except Exception as e:
+        missing.append(f"pull: {one_line(e)}")
+    finally:
+        lines = server.stop()
+    return rates, lines
 
 
 PLAN_ITEMS, PLAN_ITEM_BYTES = 60, 3 * MIB // 2  # a real small model's plan: 60 layer items of 1.5 MiB
+DRY_PLAN_ITEM_BYTES = 64 << 10  # ... and its items in a dry run on the CPU
+
+
+def plan_item_bytes(device: torch.device) -> int:
+    return PLAN_ITEM_BYTES if device.type == "cuda" else DRY_PLAN_ITEM_BYTES
 FIXED_BYTES = 4 << 10
 
 
@@ -141,7 +145,7 @@ def shm_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[in
     """Step 4 over the shm channel: on a GPU the sender's contexts are device allocations
     exported once (CUDA IPC) and read by offset; on the CPU, sealed memfds. Per size one item,
     then a plan (PLAN_ITEMS items in one pull), then the fixed cost (one FIXED_BYTES item)."""
-    item = PLAN_ITEM_BYTES if device.type == "cuda" else 64 << 10
+    item = plan_item_bytes(device)
     out: dict[str, Any] = {"rows": [], "plan": None, "fixed_us": None, "missing": None, "exports_skipped": 0}
     skipped: list[int] = []  # per server: contexts not exported (copied through host memfds instead)
     try:
@@ -180,7 +184,7 @@ def nixl_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[i
     a plan (PLAN_ITEMS items in one pull). On a GPU, `nixl_raw` READs device memory registered as
     VRAM into device buffers, while the channel serves a device context from a per-pull host memfd
     in its sandbox (host staging: what item 2's device path is to replace); their ratio is the gap."""
-    item = PLAN_ITEM_BYTES if device.type == "cuda" else 64 << 10
+    item = plan_item_bytes(device)
     out: dict[str, Any] = {"rows": [], "plan": None, "missing": None, "raw_metadata": None}
     try:
         from droidmesh.shared.transport.nixl.agent import _bindings

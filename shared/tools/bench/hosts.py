@@ -67,7 +67,6 @@ class Link:
     copies between host and device, today's export of a plan into a per-pull memfd, the grant and
     request before the first byte."""
 
-    gbit_s: float
     link_bps: float
     pcie_bps: float
     export_bps: float
@@ -85,7 +84,7 @@ def widths(shape: str) -> Widths:
                   c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]), c["hidden_size"])
 
 
-def plan_of(name: str, layers: int) -> ReusePlan:
+def named_plan(name: str, layers: int) -> ReusePlan:
     """Full reuse, or two layers recomputed from the middle one's E (the E is pulled first)."""
     if name == "full reuse":
         return ReusePlan.full_reuse()
@@ -153,7 +152,6 @@ def engine_rows(path: str | Path) -> dict[tuple[int, int], float]:
     return {k: v[1] for k, v in out.items()}
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Rates:
     """What every path shares: pinned PCIe copies between host and device and today's export of a
@@ -166,7 +164,7 @@ class Rates:
     efficiency: float
 
     def link(self, gbit_s: float) -> Link:
-        return Link(gbit_s, gbit_s * 1e9 / 8 * self.efficiency, self.pcie_gbs * 1e9, self.export_gbs * 1e9,
+        return Link(gbit_s * 1e9 / 8 * self.efficiency, self.pcie_gbs * 1e9, self.export_gbs * 1e9,
                     self.fixed_ms / 1e3)
 
 
@@ -195,7 +193,7 @@ def cases(shape: str, contexts: Sequence[int], codec_names: Sequence[str],
     for tokens in contexts:
         for plan in PLANS:
             for codec in codec_names:
-                case = Case(tokens, plan, codec, item_bytes(w, plan_of(plan, w.layers), tokens, codec),
+                case = Case(tokens, plan, codec, item_bytes(w, named_plan(plan, w.layers), tokens, codec),
                             engine.get((tokens, ENGINE_PLANS[plan])) if engine else None,
                             engine.get((tokens, w.layers)) if engine else None)
                 out.append((case, PATHS if codec == "raw" else tuple(p for p in PATHS if p != "gpudirect")))

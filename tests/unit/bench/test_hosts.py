@@ -18,9 +18,9 @@ W = hosts.widths("llama3-8b")  # 32 layers, 8 KV heads of 128, hidden 4096
 def test_a_plans_bytes_are_its_items_at_the_shapes_widths_e_first():
     assert W == hosts.Widths(layers=32, kv_heads=8, head_dim=128, hidden=4096)
     tokens = 1000
-    full = hosts.item_bytes(W, hosts.plan_of("full reuse", W.layers), tokens, "raw")
+    full = hosts.item_bytes(W, hosts.named_plan("full reuse", W.layers), tokens, "raw")
     assert len(full) == 2 * W.layers and set(full) == {W.kv_heads * W.head_dim * tokens * 2}
-    k2 = hosts.item_bytes(W, hosts.plan_of("k = 2 with E", W.layers), tokens, "raw")
+    k2 = hosts.item_bytes(W, hosts.named_plan("k = 2 with E", W.layers), tokens, "raw")
     assert len(k2) == 1 + 2 * (W.layers - 2)
     assert k2[0] == tokens * W.hidden * 2  # E [1, T, D] in bf16, first: recompute waits on it
     assert sum(k2) == sum(full) - 4 * full[0] + k2[0]
@@ -29,7 +29,7 @@ def test_a_plans_bytes_are_its_items_at_the_shapes_widths_e_first():
 def test_coded_items_are_the_registrys_own_sizes():
     tokens = 512
     kv = (1, W.kv_heads, tokens, W.head_dim)
-    full = hosts.plan_of("full reuse", W.layers)
+    full = hosts.named_plan("full reuse", W.layers)
     int8 = hosts.item_bytes(W, full, tokens, "int8")
     assert int8[:2] == [quant.int8_nbytes(kv, "K"), quant.int8_nbytes(kv, "V")]
     raw = hosts.item_bytes(W, full, tokens, "raw")
