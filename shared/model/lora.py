@@ -206,10 +206,11 @@ def _check_adapter(name: str, p: Path, base: Path, base_tokenizer: Any | None, v
     if cfg.is_prompt_learning or getattr(cfg, "is_adaption_prompt", False):
         raise UnsupportedModelError(f"adapter {name!r} ({p}): peft type {kind} adds virtual tokens; "
                                     "use an adapter peft injects into layers (LoRA, DoRA, IA3, LoHa, LoKr, ...)")
+    # read by name: a field of one adapter type's config, absent from others (and from PeftConfig's type)
+    bias, init = getattr(cfg, "bias", "none"), getattr(cfg, "init_lora_weights", True)
     writes_base = [
-        f"bias={cfg.bias!r} (trained base biases)" if getattr(cfg, "bias", "none") != "none" else "",
-        f"init_lora_weights={cfg.init_lora_weights!r}"
-        if getattr(cfg, "init_lora_weights", True) not in _BASE_PRESERVING_INITS else "",
+        f"bias={bias!r} (trained base biases)" if bias != "none" else "",
+        f"init_lora_weights={init!r}" if init not in _BASE_PRESERVING_INITS else "",
         "kasa_config" if getattr(cfg, "kasa_config", None) is not None else "",
         "layer_replication" if getattr(cfg, "layer_replication", None) else "",
     ]
