@@ -204,6 +204,16 @@ def test_the_vllm_rows_bench_asks_each_row_both_ways_on_this_engine(served, real
     assert own["rows"] == 1 and 0.0 <= own["greedy_agreement"] <= 1.0, summary
 
 
+async def _taken_by(request_id: str, *senders: Any, deadline_s: float = 60.0) -> Any:
+    """The one of `senders` whose log says it served `request_id`."""
+    async with asyncio.timeout(deadline_s):
+        while True:
+            for sender in senders:
+                if any(e.get("request_id") == request_id for e in sender.events("request")):
+                    return sender
+            await asyncio.sleep(0.05)
+
+
 def test_a_hostile_senders_garbage_falls_back_and_vllm_lives_on(served):
     """A second sender of base (its own id and NATS user) serves every layer's K/V as noise at the
     right scale and layout (`garbage_sender.py`): checksums and range checks pass it, the
@@ -226,13 +236,15 @@ def test_a_hostile_senders_garbage_falls_back_and_vllm_lives_on(served):
 
         async def hold() -> None:
             """Prefills of base go to either sender (one queue group): until the hostile one holds
-            the context and the broker answers it (the newest holder of a prefix wins a tie)."""
+            the context and the broker answers it (the newest holder of a prefix wins a tie). Which
+            sender took each prefill is read off its own log by request id (a log line may trail the
+            reply: waited for), so no later prefill can make the honest sender the newest holder."""
             (client,) = await connect_as(access, "admin")
             try:
                 for _ in range(40):
-                    if hostile.events("request"):
+                    rid = (await client.prefill("base", context, timeout=300.0)).request_id
+                    if await _taken_by(rid, hostile, served.sender) is hostile:
                         break
-                    await client.prefill("base", context, timeout=300.0)
                 assert hostile.events("request"), "the hostile sender never got a prefill of base"
                 for _ in range(2000):
                     found = (await client.lookup(ctx, base.fingerprint.id)).holder
