@@ -4,7 +4,7 @@ Tests drive the receiver's whole reuse path with it (pull, header checks, codecs
 delivery while the engine computes) without UCX. Servers register under a name in a process-wide
 table; the address a client dials is that name. Payloads are copied into the client's receive
 buffers one item at a time, yielding to the loop between items, so items land one by one as
-they would from a network; the protocol's checks are the same as UCX's (`bulk.py`).
+they would from a network; the protocol's checks are the same as UCX's (`bulk.py`, `answer.py`).
 
 `CodedSource` is the same protocol with no channel and no loop: a captured context as a receiver
 holds it after pulling it under a codec (the profiler and `eval` score compressed transfer with it,
@@ -22,7 +22,8 @@ import torch
 
 from droidmesh.shared.errors import MissingLayerError, TransferError
 from droidmesh.shared.kv.blocks import CapturedContext, KVBlock
-from droidmesh.shared.transport.bulk import Authorize, OnItem, Pin, TensorLookup, answer, as_is, landings
+from droidmesh.shared.transport.answer import answer
+from droidmesh.shared.transport.bulk import Authorize, OnItem, Pin, TensorLookup, as_is, landings
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import CodecParams, ItemKind, PullItem, PullRequest, Transport
 

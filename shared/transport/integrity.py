@@ -1,6 +1,6 @@
 """The checksum a `TensorHeader` carries of its encoded payload, computed alike by both ends.
 
-Called by a sender serving a pull (`bulk.answer`, once per stored tensor) and by every channel's
+Called by a sender serving a pull (`answer.answer`, once per stored tensor) and by every channel's
 receiver as an item lands, on whatever thread holds the payload; both block while they hash.
 Integrity: the checksum is a function of where the payload's bytes are, and both ends hold them
 in the same kind of memory (device payloads only travel when both ends agreed, see "Raw and CUDA
@@ -12,7 +12,7 @@ tensors" in `codecs.py`):
     wrap the same way in any order, so the result does not depend on the reduction order. It
     catches truncated, zero-filled, shifted or stale payloads and isolated corruption; like
     xxh3 it is no defence against a sender that lies. The sender computes it once per stored
-    tensor (`bulk.answer` caches it), and reading it waits for the kernels queued before it on
+    tensor (`answer.answer` caches it), and reading it waits for the kernels queued before it on
     the current stream: the capture's writes are complete before UCX reads the tensor (DroidMesh
     runs its engine on the default stream).
 """

@@ -1,4 +1,4 @@
-"""What one pull request may ask, checked before it is acted on (`bulk.check_request`); torch-free,
+"""What one pull request may ask, checked before it is acted on (`answer.check_request`); torch-free,
 so a sender's sandbox processes bound what they read by the same numbers."""
 
 # Limits checked before a request is acted on. A frame's declared length is checked before it is

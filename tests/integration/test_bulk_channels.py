@@ -7,13 +7,14 @@ import asyncio
 import dataclasses
 import importlib
 import os
+import threading
 
 import msgspec
 import pytest
 import torch
 
 from droidmesh.shared.errors import IntegrityError, TransferError
-from droidmesh.shared.transport import registry
+from droidmesh.shared.transport import codecs, registry
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.tokens import TokenIssuer
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
@@ -127,14 +128,17 @@ def test_layout_mismatch_and_corruption_are_integrity_errors(transport, monkeypa
         return  # no stream, no checksum: the sender's own sealed / registered memory, copied by the kernel or NIC
 
     module = importlib.import_module(registry.channel(transport).server.partition(":")[0])  # where the server answers
-    real = module.answer
+    name = "answer_async" if hasattr(module, "answer_async") else "answer"
+    real = getattr(module, name)
 
-    def corrupt(*a):
-        response, payloads, release, grantee = real(*a)
-        headers = [msgspec.structs.replace(h, checksum="0" * 16) for h in response.headers]
-        return msgspec.structs.replace(response, headers=headers), payloads, release, grantee
+    def corrupted(served):
+        headers = [msgspec.structs.replace(h, checksum="0" * 16) for h in served.response.headers]
+        return served._replace(response=msgspec.structs.replace(served.response, headers=headers))
 
-    monkeypatch.setattr(module, "answer", corrupt)
+    async def corrupt_async(*a, **kw):
+        return corrupted(await real(*a, **kw))
+
+    monkeypatch.setattr(module, name, corrupt_async if name == "answer_async" else lambda *a: corrupted(real(*a)))
     with pytest.raises(IntegrityError, match="checksum mismatch"):
         asyncio.run(_session(transport, issuer, _pull_one(issuer.issue("ctx")[0])))  # a grant is single use
 
@@ -377,3 +381,65 @@ def test_malformed_bytes_from_a_holder_mean_fallback_not_a_bad_request(receiver,
         asyncio.run(pull_into(Hostile(), holder, pull_items(ReusePlan.full_reuse(), receiver.num_layers), receiver,
                               None, 10, token="t"))
     assert isinstance(raised.value, ReuseError)
+
+
+# -- a pull's encoding never stalls the sender ---------------------------------------------------
+class _GatedCodec:
+    """raw bytes, copied; each encode first waits (at most GATE_S) for `gate`, which the test sets
+    from the event loop: it is set in time only if the loop runs while the encode waits."""
+
+    name = "test-gated"
+    GATE_S = 20.0
+
+    def __init__(self):
+        self.started, self.gate = threading.Event(), threading.Event()
+        self.saw: list[bool] = []
+
+    def encode(self, t, params):
+        self.started.set()
+        self.saw.append(self.gate.wait(self.GATE_S))
+        return codecs.payload_view(t).clone(), {}
+
+    def decode(self, payload, header, out):
+        codecs.RawCodec().decode(payload, header, out)
+
+    def max_nbytes(self, shape, dtype, params):
+        return codecs.nbytes_of(shape, dtype)
+
+
+@pytest.fixture
+def gated():
+    codec = _GatedCodec()
+    codecs.register(codec)
+    yield codec
+    codecs.unregister(codec.name)
+
+
+@pytest.mark.parametrize("transport", ["ucx", "nixl"])
+def test_while_a_pull_is_encoded_the_sender_serves_other_pulls(transport, gated):
+    """A pull whose encoding takes a while (quantizing, copying device memory to the host) does not
+    hold the sender's event loop: another receiver's pull is granted and served meanwhile, and the
+    first then completes intact."""
+    issuer = TokenIssuer(ttl_s=60)
+    (slow_token, _), (fast_token, _) = issuer.issue("ctx"), issuer.issue("ctx")
+    items = [PullItem(0, "K")]
+    slow_into, fast_into = _buffers(items), _buffers(items)
+
+    async def body(client, address):
+        other = make_client(transport)
+        try:
+            slow = asyncio.ensure_future(client.pull(
+                address, PullRequest(context_id="ctx", items=items, token=slow_token, codec=gated.name),
+                slow_into, lambda *a: None, 60))
+            await asyncio.to_thread(gated.started.wait, 30)
+            await other.pull(address, PullRequest(context_id="ctx", items=items, token=fast_token), fast_into,
+                             lambda *a: None, 30)
+            gated.gate.set()
+            await slow
+        finally:
+            await other.close()
+
+    asyncio.run(_session(transport, issuer, body))
+    assert gated.saw == [True]
+    for got in (slow_into[0], fast_into[0]):
+        assert torch.equal(got, TENSORS[(0, "K")])  # bitwise: both channels copy the stored bytes

@@ -73,6 +73,7 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench pipeline", ["--tokens", "32", "--repeats", "1"]),
     ("bench bandwidth", ["--tokens", "32", "--repeats", "1", "--rates", "0"]),  # reports a skip without netns rights
     ("bench transfer", ["--sizes", "65536", "--repeats", "1"]),
+    ("bench sender-loop", ["--tokens", "32", "--repeats", "1", "--codecs", "raw,int4"]),
     ("bench hosts", ["--engine", str(REPO / "docs" / "bench" / "gpu" / "check-h200-llama3-8b-graphs.json"),
                      "--contexts", "4096", "--plot", "{tmp}/hosts.png"]),
     ("bench control", ["--events", "10"]),
@@ -431,6 +432,12 @@ def expect_bench_transfer(r: Ran) -> None:
     assert set(col(fixed, "transport")) <= set(col(rows, "transport"))
 
 
+def expect_bench_sender_loop(r: Ran) -> None:
+    rows = table(r.out, "codec", "pull_ms", "lag_max_ms", "lag_p99_ms", "ticks")
+    assert col(rows, "codec") == ["raw", "int4"]
+    assert all(float(x["pull_ms"]) > 0 and int(x["ticks"]) > 0 for x in rows)
+
+
 def expect_bench_hosts(r: Ran) -> None:
     rows = table(r.out, "context", "plan", "codec", "path", "link_gbit_s", "wire_mb", "pull_s", "engine_s", "mesh_s",
                  "full_prefill_s", "mesh_over_engine", "relay_pays")
@@ -547,6 +554,7 @@ EXPECT: dict[str, Callable[[Ran], None]] = {
     "bench pipeline": expect_bench_pipeline,
     "bench bandwidth": expect_bench_bandwidth,
     "bench transfer": expect_bench_transfer,
+    "bench sender-loop": expect_bench_sender_loop,
     "bench hosts": expect_bench_hosts,
     "bench control": expect_bench_control,
     "bench drift": expect_bench_drift,

@@ -1,6 +1,6 @@
 """The NIXL bulk channel: one-sided reads of the sender's registered memory (tried on one host).
 
-The protocol and its checks are `shared/transport/bulk.py`'s; this package moves the control
+The protocol and its checks are `shared/transport/bulk.py`'s and `answer.py`'s; this package moves the control
 messages over a small TCP stream and the bytes by NIXL READs, which the receiver's agent performs
 straight into its own buffers.
   agent.py     a NIXL agent with the UCX backend, confined to one thread

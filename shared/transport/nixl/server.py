@@ -5,7 +5,7 @@ Per connection (its own task on the sender's event loop, `ControlListener`, whic
 slot first: `slots.py`), a loop of:
   1. `PullRequest` (the wait for it bounded by the slot: the setup deadline from the connect until
      a pull completes, then the idle timeout; an idle connection's slot may go to a newcomer
-     meanwhile). The sender authorizes and answers it (`bulk.answer`). A refusal is a `NixlGrant`
+     meanwhile). The sender authorizes and answers it (`answer.answer_async`). A refusal is a `NixlGrant`
      with the error and nothing else: a peer learns nothing of the sender (no agent, no address,
      no memory) before it has shown a grant;
   2. granted: the connection's sandbox process (`sandbox/`, taken on its first grant) maps the
@@ -30,7 +30,8 @@ import structlog
 
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.transport import memfd
-from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, Served, TensorLookup, answer, refusal
+from droidmesh.shared.transport.answer import Served, answer_async, refusal
+from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, TensorLookup
 from droidmesh.shared.transport.control import ControlListener
 from droidmesh.shared.transport.nixl import frames
 from droidmesh.shared.transport.sandbox.host import Sandbox, SandboxPool
@@ -77,7 +78,7 @@ class NixlBulkServer:
             while True:
                 async with slot.waiting():
                     data = await frames.read_frame(reader, MAX_REQUEST_BYTES)
-                served = _answer(data, self._lookup, self._authorize, self._pin)
+                served = await _answer(data, self._lookup, self._authorize, self._pin)
                 try:
                     slot.claim(served.grantee)  # "" for a refusal: nothing to claim
                     if served.response.error:
@@ -123,11 +124,11 @@ class NixlBulkServer:
         await self.sandboxes.close()
 
 
-def _answer(data: bytes, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None) -> Served:
-    """`bulk.answer` of one request frame (no checksums: a READ copies the sender's own memory);
-    a malformed frame is a refusal."""
+async def _answer(data: bytes, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None) -> Served:
+    """`answer_async` of one request frame (no checksums: a READ copies the sender's own
+    memory); a malformed frame is a refusal."""
     try:
         request = schemas.decode(data, PullRequest)
     except DroidMeshError as e:
         return Served(refusal(e), [], lambda: None)
-    return Served(*answer(host_only(request), lookup, authorize, pin, checksums=False))
+    return await answer_async(host_only(request), lookup, authorize, pin, checksums=False)

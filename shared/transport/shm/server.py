@@ -8,7 +8,7 @@ per connection (its own task on the sender's event loop), admitted to a slot bef
   1. a `PullRequest` frame (bounded before it is read; the wait bounded by the slot: the setup
      deadline from the connect until a pull completes, then the idle timeout; an idle
      connection's slot may go to a newcomer meanwhile) -> a `ShmGrant` frame with
-     its memfds attached (SCM_RIGHTS). The sender starts like every channel (`bulk.admit`:
+     its memfds attached (SCM_RIGHTS). The sender starts like every channel (`answer.admit`:
      bounds, grant, lookups, hold); an item whose stored tensor lies in a placed memfd is granted
      where it lies (zero copy); any other (a CUDA store, a tensor never placed) is copied into one
      per-pull memfd, sealed the same way and charged to the pull budget. The grant says which
@@ -38,16 +38,8 @@ import torch
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.model.device import dtype_name
 from droidmesh.shared.transport import codecs, cuda_ipc, memfd, shm_io
-from droidmesh.shared.transport.bulk import (
-    MAX_REQUEST_BYTES,
-    Authorize,
-    Pin,
-    PullHold,
-    TensorLookup,
-    admit,
-    refusal,
-    token_axis,
-)
+from droidmesh.shared.transport.answer import admit, refusal
+from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, PullHold, TensorLookup, token_axis
 from droidmesh.shared.transport.exports import Export, Exporter, Sent
 from droidmesh.shared.transport.shm.layout import rows
 from droidmesh.shared.transport.slots import Slot, SlotEnded, SlotLimits, Slots

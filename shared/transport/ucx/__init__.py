@@ -1,6 +1,6 @@
 """The UCX bulk channel (ucxx): one `BulkServer` / `BulkClient` pair over real endpoints.
 
-The protocol and its checks are `shared/transport/bulk.py`'s; this package only moves bytes: the
+The protocol and its checks are `shared/transport/bulk.py`'s and `answer.py`'s; this package only moves bytes: the
 request and response as UCX object messages, then every payload as one tagged message.
   worker.py   this process's ucxx, initialised once (torch-free: sandbox processes use it)
   runtime.py  DroidMesh's UCX options; network devices; CUDA asks

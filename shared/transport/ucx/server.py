@@ -3,7 +3,7 @@
 
 Per connection (its own task on the sender's event loop, `ControlListener`):
   1. the hello (`wireup.py`), with the connection's first `PullRequest`, within HELLO_S (and the
-     slot's setup deadline); that request is authorized and answered (`bulk.answer`) before
+     slot's setup deadline); that request is authorized and answered (`answer.answer_async`) before
      anything else: refused, the welcome carries the error and nothing else, and the peer may
      say hello again within its slot's setup deadline;
   2. granted: the connection's sandbox (`sandbox/`: the spare a `SandboxPool` keeps started) checks
@@ -36,7 +36,8 @@ import structlog
 from droidmesh.shared.errors import BadMessageError, DroidMeshError
 from droidmesh.shared.transport import memfd
 from droidmesh.shared.transport.address import on_this_host
-from droidmesh.shared.transport.bulk import Authorize, Pin, Served, TensorLookup, answer, refusal
+from droidmesh.shared.transport.answer import Served, answer_async, refusal
+from droidmesh.shared.transport.bulk import Authorize, Pin, TensorLookup
 from droidmesh.shared.transport.control import ControlListener
 from droidmesh.shared.transport.sandbox.child import SEND_S
 from droidmesh.shared.transport.sandbox.host import Sandbox, SandboxDied, SandboxPool
@@ -93,7 +94,7 @@ class UcxBulkServer:
                 except TimeoutError:
                     log.warning("ucx_connection_dropped", peer=str(peer), reason=f"no hello within {hello_s}s")
                     return
-                served = self._answer(first)
+                served = await self._answer(first)
                 if not served.response.error:
                     break
                 await wireup.send_welcome(writer, UcxWelcome(error=served.response.error))
@@ -114,7 +115,7 @@ class UcxBulkServer:
                 await self._serve_pull(sandbox, served, slot)
                 async with slot.waiting():
                     ask = await sandbox.recv(SandboxAsk, None)
-                served = self._answer(ask.request)
+                served = await self._answer(ask.request)
         except SlotEnded:
             raise
         except SandboxDied as e:  # unless the receiver went (its sandbox with it), the sandbox died on its own
@@ -153,14 +154,14 @@ class UcxBulkServer:
         finally:
             served.release()
 
-    def _answer(self, data: bytes) -> Served:
-        """`bulk.answer` of one request frame; a malformed frame is a refusal. Device payloads are
-        never asked of a sandbox (it maps host memfds only)."""
+    async def _answer(self, data: bytes) -> Served:
+        """`answer_async` of one request frame; a malformed frame is a refusal. Device payloads
+        are never asked of a sandbox (it maps host memfds only)."""
         try:
             request = schemas.decode(data, PullRequest)
         except DroidMeshError as e:
             return Served(refusal(e), [], lambda: None)
-        return Served(*answer(host_only(request), self._lookup, self._authorize, self._pin))
+        return await answer_async(host_only(request), self._lookup, self._authorize, self._pin)
 
     async def close(self) -> None:
         await self._listener.close()

@@ -122,7 +122,7 @@ def test_checksum_covers_the_payload():
 
 def test_a_stored_tensors_checksum_is_computed_once_and_dropped_with_it(monkeypatch):
     """Raw pulls of the same stored tensor checksum it once; a freed tensor leaves no entry."""
-    from droidmesh.shared.transport import bulk
+    from droidmesh.shared.transport import answer
 
     calls = []
     real = integrity.checksum
@@ -132,9 +132,9 @@ def test_a_stored_tensors_checksum_is_computed_once_and_dropped_with_it(monkeypa
         _pull(lookup=lambda c, l, k: store.get("ctx") if (l, k) == (0, "K") else None)
     assert len(calls) == 1 + 3  # once on the sender, once per landing on the receiver
     key = id(store["ctx"])
-    assert key in bulk._STORED_SUMS
+    assert key in answer._STORED_SUMS
     del store["ctx"]  # evicted: the tensor is freed, its entry goes with it
-    assert key not in bulk._STORED_SUMS
+    assert key not in answer._STORED_SUMS
 
 
 def test_a_device_payload_the_receiver_did_not_ask_for_is_refused(monkeypatch):

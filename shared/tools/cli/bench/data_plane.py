@@ -161,6 +161,34 @@ def stall(json_path, group, transport, n, k, words, log_dir) -> None:
     save(json_path, "stall", r)
 
 
+@click.command("sender-loop")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@click.option("--transport", default="ucx", show_default=True, type=click.Choice(["ucx", "nixl"]))
+@click.option("--shape", default="smollm2-135m", show_default=True, help="A named model shape (its K / V widths).")
+@click.option("--tokens", default=2048, show_default=True, type=click.IntRange(16, 32768))
+@click.option("--codecs", "codec_list", default="raw,int8,int4", show_default=True,
+              help="Comma list of codecs to pull with.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
+def sender_loop(json_path, transport, shape, tokens, codec_list, repeats) -> None:
+    """A sender's event loop while it answers pulls: the longest it could not run (its lag) during
+    a pull of every layer's K / V, per codec, for a newly captured context."""
+    from droidmesh.shared.errors import DroidMeshError
+    from droidmesh.shared.tools.bench import sender_loop as suite
+    from droidmesh.shared.transport import codecs
+
+    chosen = [c.strip() for c in codec_list.split(",") if c.strip()]
+    unknown = [c for c in chosen if c not in codecs.names()]
+    if not chosen or unknown:
+        raise click.BadParameter(f"unknown codec(s) {unknown}; known: {', '.join(codecs.names())}", param_hint="'--codecs'")
+    try:
+        r = suite.measure(transport, shape, tokens, chosen, repeats, progress=lambda s: click.echo(f"  {s}", err=True))
+    except DroidMeshError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(suite.title(r))
+    click.echo(report.format_table(r["rows"], suite.COLUMNS))
+    save(json_path, "sender_loop", r)
+
+
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--events", default=1000, show_default=True, type=click.IntRange(10, 100000))
@@ -198,4 +226,4 @@ def idle(json_path, transport, idle_s, log_dir) -> None:
     save(json_path, "idle", r)
 
 
-COMMANDS = (pipeline, bandwidth, transfer, stall, control, idle)
+COMMANDS = (pipeline, bandwidth, transfer, stall, sender_loop, control, idle)

@@ -1,0 +1,132 @@
+"""`droidmesh bench sender-loop`: how long a sender's event loop cannot run while it answers pulls.
+
+A sender's loop also grants other receivers' pulls, answers NATS requests and beats its
+heartbeat, so the longest it is held by one pull's encoding (quantizing, a first checksum, copying
+device memory to the host) is a delay every other request on that sender shares. Here a bulk
+server (ucx or nixl, its sandbox processes as in a sender) holds one context of a named shape's
+K / V (random bf16, placed as a sender places what it stores) on its own event loop in a thread,
+with a ticker beside it that wakes every `TICK_S` and records how late it woke (the loop's lag).
+A client on the main thread pulls every layer's K / V with each codec `repeats` times over fresh
+connections, after one pull that warms the channel (each pull's first checksums are new, as for a newly captured context: the stored
+tensors are re-made before each pull). Per codec: the pull's median time and the sender loop's
+worst and 99th-percentile lag during the pulls (ms). One process (two threads, two loops): the
+client's decoding shares the GIL with the server's loop, so a lag here is an upper bound of a
+sender's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from droidmesh.shared.tools.bench.hosts import widths
+from droidmesh.shared.transport.bulk import BulkServer, make_client, make_server
+from droidmesh.shared.wire.schemas import PullItem, PullRequest
+
+TICK_S = 0.001
+
+
+class _Ticker:
+    """Wakes every TICK_S on the loop it runs on; `lags` is how late each wake-up came."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.running = True
+
+    async def run(self) -> None:
+        while self.running:
+            due = time.perf_counter() + TICK_S
+            await asyncio.sleep(TICK_S)
+            self.lags.append(max(0.0, time.perf_counter() - due))
+
+
+class _Sender:
+    """A bulk server and a ticker on an event loop of their own thread."""
+
+    def __init__(self, transport: str, make_context: Callable[[], dict[tuple[int, str], torch.Tensor]]):
+        self.make_context = make_context
+        self.held: dict[tuple[int, str], torch.Tensor] = {}
+        self.loop = asyncio.new_event_loop()
+        self.ticker = _Ticker()
+        self.server: BulkServer = make_server(transport, self._lookup, None)
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.address = self.call(self.server.start())
+        self._ticking = asyncio.run_coroutine_threadsafe(self.ticker.run(), self.loop)
+
+    def _lookup(self, context_id: str, layer: int, kind: str) -> torch.Tensor | None:
+        return self.held.get((layer, kind)) if context_id == "ctx" else None
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
+
+    def renew(self) -> None:
+        """A newly captured context (its checksums unknown), placed as a sender stores it."""
+        fresh = self.make_context()
+        self.held = dict(zip(fresh, self.server.place(list(fresh.values())), strict=True))
+
+    def close(self) -> None:
+        self.ticker.running = False
+        self._ticking.result(10)
+        self.call(self.server.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats: int,
+            progress: Callable[[str], None] = lambda _: None) -> dict:
+    """Per codec: median pull seconds and the sender loop's lag (worst, p99) over `repeats` pulls."""
+    w = widths(shape)
+    kv_shape = (1, w.kv_heads, tokens, w.head_dim)  # [1, kvh, T, hd]
+
+    def make_context() -> dict[tuple[int, str], torch.Tensor]:
+        return {(l, k): torch.randn(kv_shape).to(torch.bfloat16) for l in range(w.layers) for k in "KV"}
+
+    items = [PullItem(l, kind) for l in range(w.layers) for kind in ("K", "V")]
+    sender = _Sender(transport, make_context)
+    rows = []
+    try:
+        sender.renew()
+        asyncio.run(_pull(transport, sender.address, items, kv_shape, "raw"))  # warm: the first sandbox, UCX's start
+        for codec in codecs_:
+            seconds, lags = [], []
+            for i in range(repeats):
+                progress(f"{codec} {i + 1}/{repeats}")
+                sender.renew()
+                sender.ticker.lags.clear()
+                seconds.append(asyncio.run(_pull(transport, sender.address, items, kv_shape, codec)))
+                lags.extend(sender.ticker.lags)
+            lags.sort()
+            rows.append({"codec": codec, "pull_ms": round(statistics.median(seconds) * 1e3, 2),
+                         "lag_max_ms": round(lags[-1] * 1e3, 2), "lag_p99_ms": round(lags[int(0.99 * (len(lags) - 1))] * 1e3, 2),
+                         "ticks": len(lags)})
+    finally:
+        sender.close()
+    nbytes = 2 * w.layers * torch.Size(kv_shape).numel() * 2
+    return {"transport": transport, "shape": shape, "tokens": tokens, "items": len(items), "raw_bytes": nbytes,
+            "tick_s": TICK_S, "repeats": repeats, "rows": rows}
+
+
+async def _pull(transport: str, address: str, items: list[PullItem], kv_shape: tuple[int, ...], codec: str) -> float:
+    client = make_client(transport)
+    into = [torch.empty(kv_shape, dtype=torch.bfloat16) for _ in items]
+    try:
+        start = time.perf_counter()
+        await client.pull(address, PullRequest(context_id="ctx", items=items, codec=codec), into, lambda *a: None, 120)
+        return time.perf_counter() - start
+    finally:
+        await client.close()
+
+
+COLUMNS = ["codec", "pull_ms", "lag_max_ms", "lag_p99_ms", "ticks"]
+
+
+def title(result: dict) -> str:
+    return (f"{result['transport']}, {result['shape']} at {result['tokens']} tokens: {result['items']} items, "
+            f"{result['raw_bytes'] / 2**20:.1f} MiB raw; the sender's loop ticking every {result['tick_s'] * 1e3:.0f} ms")
