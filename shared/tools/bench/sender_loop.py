@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from droidmesh.shared.model.device import resolve_device
 from droidmesh.shared.tools.bench.hosts import widths
 from droidmesh.shared.transport.bulk import BulkServer, make_client, make_server
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
@@ -79,14 +80,16 @@ class _Sender:
         self._thread.join(10)
 
 
-def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats: int,
+def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats: int, device: str = "cpu",
             progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Per codec: median pull seconds and the sender loop's lag (worst, p99) over `repeats` pulls."""
+    """Per codec: median pull seconds and the sender loop's lag (worst, p99) over `repeats` pulls of
+    a context held on `device` (a GPU sender's: each item copied to pinned host memory per pull)."""
     w = widths(shape)
     kv_shape = (1, w.kv_heads, tokens, w.head_dim)  # [1, kvh, T, hd]
+    dev = resolve_device(device)
 
     def make_context() -> dict[tuple[int, str], torch.Tensor]:
-        return {(l, k): torch.randn(kv_shape).to(torch.bfloat16) for l in range(w.layers) for k in "KV"}
+        return {(l, k): torch.randn(kv_shape, device=dev).to(torch.bfloat16) for l in range(w.layers) for k in "KV"}
 
     items = [PullItem(l, kind) for l in range(w.layers) for kind in ("K", "V")]
     sender = _Sender(transport, make_context)
@@ -109,7 +112,7 @@ def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats
     finally:
         sender.close()
     nbytes = 2 * w.layers * torch.Size(kv_shape).numel() * 2
-    return {"transport": transport, "shape": shape, "tokens": tokens, "items": len(items), "raw_bytes": nbytes,
+    return {"transport": transport, "device": str(dev), "shape": shape, "tokens": tokens, "items": len(items), "raw_bytes": nbytes,
             "tick_s": TICK_S, "repeats": repeats, "rows": rows}
 
 
@@ -128,5 +131,5 @@ COLUMNS = ["codec", "pull_ms", "lag_max_ms", "lag_p99_ms", "ticks"]
 
 
 def title(result: dict) -> str:
-    return (f"{result['transport']}, {result['shape']} at {result['tokens']} tokens: {result['items']} items, "
+    return (f"{result['transport']}, {result['device']}, {result['shape']} at {result['tokens']} tokens: {result['items']} items, "
             f"{result['raw_bytes'] / 2**20:.1f} MiB raw; the sender's loop ticking every {result['tick_s'] * 1e3:.0f} ms")

@@ -169,7 +169,8 @@ def stall(json_path, group, transport, n, k, words, log_dir) -> None:
 @click.option("--codecs", "codec_list", default="raw,int8,int4", show_default=True,
               help="Comma list of codecs to pull with.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
-def sender_loop(json_path, transport, shape, tokens, codec_list, repeats) -> None:
+@click.option("--device", default="cpu", show_default=True, help="Where the sender holds the context: cpu, cuda or cuda:N.")
+def sender_loop(json_path, transport, shape, tokens, codec_list, repeats, device) -> None:
     """A sender's event loop while it answers pulls: the longest it could not run (its lag) during
     a pull of every layer's K / V, per codec, for a newly captured context."""
     from droidmesh.shared.errors import DroidMeshError
@@ -181,7 +182,7 @@ def sender_loop(json_path, transport, shape, tokens, codec_list, repeats) -> Non
     if not chosen or unknown:
         raise click.BadParameter(f"unknown codec(s) {unknown}; known: {', '.join(codecs.names())}", param_hint="'--codecs'")
     try:
-        r = suite.measure(transport, shape, tokens, chosen, repeats, progress=lambda s: click.echo(f"  {s}", err=True))
+        r = suite.measure(transport, shape, tokens, chosen, repeats, device, progress=lambda s: click.echo(f"  {s}", err=True))
     except DroidMeshError as e:
         raise click.ClickException(str(e)) from None
     click.echo(suite.title(r))
