@@ -1,6 +1,6 @@
-"""UCX's packed formats a peer hands us, checked before UCX parses them: a UCP worker address (the
-UCX channel's hello, the connection info inside a NIXL agent's metadata) and a UCP remote key
-(the memory descriptors of a NIXL grant).
+"""UCX's packed worker address a peer hands us (the UCX channel's hello, the connection info inside
+a NIXL agent's metadata), checked before UCX parses it; `ucp_rkey.py` checks the remote keys of a
+NIXL grant's memory descriptors against it.
 
 Why: UCX parses both without a length and trusts every byte. `ucp_address_unpack` asserts on a
 header whose version nibble is neither v1 nor v2 (the process aborts: SIGABRT, no Python
@@ -10,7 +10,7 @@ length it expects, not the length the peer declared. `ucp_ep_rkey_unpack` likewi
 by its own map. So a peer's bytes reach ucxx / NIXL only once `parse_worker_address` has walked
 them exactly as UCX will (every length within the buffer, nothing left over) and `check_peer`
 has matched every entry UCX could pair with one of our transports against the shapes that
-transport reads; `check_rkey` does the same for remote keys.
+transport reads.
 
 Pure functions of bytes (no ucxx, no NIXL): the UCX channel's wireup and the NIXL client call
 them on the event loop before any UCX call. What they trust: our own worker address (UCX packed
@@ -29,7 +29,6 @@ import struct
 from droidmesh.shared.errors import BadMessageError
 
 MAX_WORKER_ADDRESS = 8192  # ours is ~200 bytes; UCX's own bound on resources keeps any real one far below
-MAX_RKEY = 4096
 MAX_RESOURCES = 128  # UCP_MAX_RESOURCES: address entries UCX unpacks
 MAX_MDS = 64  # UCP_MAX_MDS: UCX indexes per-md arrays of this size with a peer's md index
 MAX_LANES = 64
@@ -88,7 +87,7 @@ class WorkerAddress:
     entries: tuple[Entry, ...]
 
 
-class _Reader:
+class Reader:
     def __init__(self, buf: bytes, what: str):
         self.buf, self.at, self.what = buf, 0, what
 
@@ -109,7 +108,7 @@ class _Reader:
             raise BadMessageError(f"{self.what} has {len(self.buf) - self.at} bytes after its end")
 
 
-def _extended(r: _Reader, value: int, mask: int, version: int) -> int:
+def _extended(r: Reader, value: int, mask: int, version: int) -> int:
     """A v2 length or index that saturates its bit field continues in the next byte."""
     return r.u8() if version == _V2 and value == mask else value
 
@@ -119,7 +118,7 @@ def parse_worker_address(buf: bytes) -> WorkerAddress:
     entries; `BadMessageError` for anything UCX would abort on, read past, or misindex."""
     if not 0 < len(buf) <= MAX_WORKER_ADDRESS:
         raise BadMessageError(f"a {len(buf)}-byte UCX worker address; at most {MAX_WORKER_ADDRESS}")
-    r = _Reader(buf, "UCX worker address")
+    r = Reader(buf, "UCX worker address")
     header = r.u8()
     version = header & 0xF
     if version not in (_V1, _V2):
@@ -254,30 +253,3 @@ def _check_shape(e: Entry, known: frozenset[tuple[int, int]]) -> None:
         ok = (len(e.dev), len(e.iface)) in known
     if not ok:
         raise bad
-
-
-def check_rkey(key: bytes, peer: WorkerAddress) -> None:
-    """A peer's packed UCP remote key for host memory, as `ucp_ep_rkey_unpack` walks it: md map,
-    memory type, one length-prefixed key per md, system device. Each md must be one the peer's
-    address names and not a shared-memory FIFO's (posix, sysv: a key there names a segment UCX
-    would map; registering host memory never makes one). A key of no md (UCX over TCP alone, whose
-    reads are emulated by messages) is the map and the memory type only."""
-    if not 9 <= len(key) <= MAX_RKEY:
-        raise BadMessageError(f"a {len(key)}-byte UCX remote key")
-    r = _Reader(key, "UCX remote key")
-    md_map, mem_type = r.unpack("<QB")
-    if mem_type != 0:
-        raise BadMessageError(f"UCX remote key of memory type {mem_type}; host memory (0) only")
-    mds: dict[int, set[int]] = {}
-    for e in peer.entries:
-        mds.setdefault(e.md, set()).add(e.tl)
-    for md in range(MAX_MDS):
-        if md_map >> md & 1:
-            if md not in mds or mds[md] <= {POSIX, SYSV}:
-                raise BadMessageError(f"UCX remote key for memory domain {md}, which the peer's address does not offer")
-            r.take(r.u8())
-    if md_map == 0 and len(key) == 9:
-        return
-    if r.u8() != UNKNOWN_SYS_DEV:
-        raise BadMessageError("UCX remote key for host memory names a system device")
-    r.done()

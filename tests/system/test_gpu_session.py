@@ -57,5 +57,6 @@ def test_the_tiny_nixl_step_measures_the_channel_beside_nixl_itself(tmp_path):
     assert nixl["plan"]["items"] == 60 and nixl["plan"]["nixl_over_raw"] > 0
     kept = nixl["raw_metadata"]  # what a GPU run keeps for the metadata screen: here, host memory's
     assert kept["memory"] == "DRAM" and kept["regions"] == 2
+    assert kept["screen"] == "accepted: 2 descriptors"  # the receiver's screen passes NIXL's own metadata
     assert base64.b64decode(kept["metadata_b64"]).startswith(b"nixlSerDes|")
     assert not (tmp_path / "gpu-transfer.json").exists()

@@ -219,11 +219,30 @@ def _nixl_rates(transport: str, sizes: list[int], device: torch.device, repeats:
             if keep is not None:
                 line = json.loads(server.address)
                 keep["raw_metadata"] = {"memory": line.get("memory"), "device": line.get("device"),
-                                        "regions": len(sizes), "metadata_b64": line["metadata"]}
+                                        "regions": len(sizes), "metadata_b64": line["metadata"],
+                                        "screen": screen_verdict(line["metadata"], line.get("memory") == "VRAM")}
             return raw_rates(server.address, sizes, items, repeats, device=device)
         return asyncio.run(pull_rates("nixl", server.address, sizes, repeats, device, items=items))
     finally:
         server.stop()
+
+
+def screen_verdict(metadata_b64: str, device: bool) -> str:
+    """What the receiver's metadata screen (`nixl/metadata.check_grant`, for device memory on a GPU)
+    says of `nixl_raw`'s own grant-shaped metadata, as a receiver on this host would check it: the
+    first comparison of the device-key screen, written from UCX's source, with keys a GPU made."""
+    import base64
+
+    from droidmesh.shared.transport.nixl import metadata
+    from droidmesh.shared.transport.ucp_address import LocalView
+
+    blob = base64.b64decode(metadata_b64)
+    try:
+        local = LocalView.of(metadata.own_address(blob))  # the same host's UCX: its own shapes
+        _, n = metadata.check_grant(blob, local, True, None, "cuda" if device else "host", own_pid=os.getpid())
+    except Exception as e:
+        return f"refused: {one_line(e)}"
+    return f"accepted: {n} descriptors"
 
 
 def table(report: dict[str, Any]) -> str:
@@ -265,6 +284,9 @@ def _nixl_table(nixl: dict[str, Any]) -> list[str]:
         p = nixl["plan"]
         rows.append(f"plan {p['items']} x {p['item_bytes']} bytes: nixl {p['nixl_gb_s']:.2f} GB/s, nixl_raw "
                     f"{p['nixl_raw_gb_s']:.2f} GB/s, {p['nixl_over_raw']:.3f} of it")
+    if nixl["raw_metadata"]:
+        kept = nixl["raw_metadata"]
+        rows.append(f"the receiver's metadata screen on nixl_raw's own {kept['memory']} metadata: {kept['screen']}")
     return rows
 
 

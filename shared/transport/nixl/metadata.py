@@ -7,8 +7,9 @@ without a length). So the receiver walks the whole blob here first, exactly as N
 it (nixlSerDes: "nixlSerDes|", then per field its tag, a little-endian u64 length, the bytes and
 "|"), and accepts only the shape a DroidMesh sender produces (`check_grant`, a NixlGrant's metadata):
 the agent's name, its UCX connection (its worker address checked by `ucp_address.check_peer`) on
-a connection's first grant and none after, then one UCX section of host memory descriptors, each
-remote key checked by `ucp_address.check_rkey` against that worker address.
+a connection's first grant and none after, then one UCX section of descriptors of the memory the
+receiver asked for (host memory, which the channel serves today, or device memory), each remote
+key checked by `ucp_rkey.check_rkey` against that worker address.
 Anything else is `BadMessageError`, before NIXL sees a byte. Pure functions of bytes, called on
 the receiver's event loop by `client.py`.
 """
@@ -20,11 +21,13 @@ import struct
 
 from droidmesh.shared.errors import BadMessageError
 from droidmesh.shared.transport.bulk import MAX_ITEMS
-from droidmesh.shared.transport.ucp_address import LocalView, WorkerAddress, check_peer, check_rkey
+from droidmesh.shared.transport.ucp_address import LocalView, WorkerAddress, check_peer
+from droidmesh.shared.transport.ucp_rkey import Memory, check_rkey
 
 MAGIC = b"nixlSerDes|"
 MAX_AGENT_NAME = 256
-DRAM_SEG = 0  # nixl_mem_t of host memory: the only kind this channel registers
+SEGMENTS: dict[Memory, int] = {"host": 0, "cuda": 1}  # nixl_mem_t: DRAM_SEG, VRAM_SEG
+MAX_DEVICE = 64  # a VRAM descriptor's device id: a GPU index
 _DESC = struct.Struct("<QQQ")  # nixlBasicDesc: address, length, device id
 
 
@@ -92,27 +95,32 @@ def own_address(blob: bytes) -> bytes:
     return info
 
 
-def check_grant(blob: bytes, local: LocalView, peer_on_this_host: bool, known: PeerAgent | None) -> tuple[PeerAgent, int]:
-    """A grant's metadata: host-memory descriptors of one agent, nothing else; the connection's
-    first (`known` None) also carries that agent's UCX connection info (its worker address
-    checked by `check_peer`), every later one none and the same agent's name. Returns the agent
-    and how many descriptors it describes."""
+def check_grant(blob: bytes, local: LocalView, peer_on_this_host: bool, known: PeerAgent | None,
+                memory: Memory = "host", own_pid: int = -1) -> tuple[PeerAgent, int]:
+    """A grant's metadata: descriptors of one agent's `memory` (host: NIXL's DRAM; cuda: its VRAM,
+    on a device below MAX_DEVICE), nothing else; the connection's first (`known` None) also
+    carries that agent's UCX connection info (its worker address checked by `check_peer`), every
+    later one none and the same agent's name. Every descriptor's remote key is checked by
+    `ucp_rkey.check_rkey` for that memory (`own_pid`: this process's). Returns the agent and how
+    many descriptors it describes."""
     f, name, infos = _head(blob, 1 if known is None else 0)
     if known is not None and name != known.name:
         raise BadMessageError(f"NIXL grant metadata of agent {name[:80]!r}, not of the connected {known.name!r}")
     peer = known or PeerAgent(name, check_peer(infos[0], local, peer_on_this_host))
     if f.count(b"nixlSecElms", 1) != 1 or f.get(b"bknd") != b"UCX" or f.get(b"nixlDList") != b"nixlSDList":
         raise BadMessageError("NIXL grant metadata: not one UCX section of descriptors")
-    if int.from_bytes(f.get(b"t", 4), "little") != DRAM_SEG:
-        raise BadMessageError("NIXL grant metadata: descriptors of memory other than the host's")
+    segment = int.from_bytes(f.get(b"t", 4), "little")
+    if segment != SEGMENTS[memory]:
+        raise BadMessageError(f"NIXL grant metadata: descriptors of memory kind {segment}; {memory} memory "
+                              f"({SEGMENTS[memory]}) only")
     n = f.count(b"n", MAX_ITEMS)
     for _ in range(n):
         desc = f.get(b"")
         if len(desc) < _DESC.size:
             raise BadMessageError(f"NIXL grant metadata: a {len(desc)}-byte descriptor")
         _, length, device = _DESC.unpack_from(desc)
-        if device != 0 or length == 0:
+        if length == 0 or (device != 0 if memory == "host" else device >= MAX_DEVICE):
             raise BadMessageError(f"NIXL grant metadata: a descriptor of {length} bytes on device {device}")
-        check_rkey(desc[_DESC.size:], peer.address)
+        check_rkey(desc[_DESC.size:], peer.address, memory, on_this_host=peer_on_this_host, own_pid=own_pid)
     f.done()
     return peer, n

@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from droidmesh.shared.errors import BadMessageError
+from droidmesh.shared.transport import ucp_rkey
 from droidmesh.shared.transport.nixl import metadata
-from tests.unit.transport.test_ucp_address import LOCAL, rkey, theirs
+from droidmesh.shared.transport.ucp_address import crc16
+from tests.unit.transport.test_ucp_address import LOCAL, pack, rkey, theirs
 
 
 def field(tag: bytes, data: bytes) -> bytes:
@@ -102,6 +104,26 @@ def test_first_grants_of_another_shape_are_refused(bad):
 def test_later_grants_of_another_shape_are_refused(bad):
     with pytest.raises(BadMessageError):
         metadata.check_grant(bad, LOCAL, False, PEER)
+
+
+def test_device_memory_descriptors_pass_only_when_device_memory_was_asked_for():
+    """A VRAM section (a GPU sender's: cuda_copy and an InfiniBand HCA) passes a receiver that asked
+    for device memory, with its keys checked as device keys; a host receiver refuses it, and a
+    device receiver refuses host descriptors and device ids past a GPU index."""
+    gpu = pack([(0, b"", [(ucp_rkey.CUDA_COPY, b"")]), (2, b"\x01\x00", [(crc16("rc_mlx5"), b"\x00" * 3)])])
+    device_key = struct.pack("<QB", 0b101, 1) + b"\x00" + b"\x08" + b"\x11" * 8 + b"\xff"
+    grant = blob(conns=[gpu], sections=section([desc(key=device_key, device=3)] * 2, mem=1))
+    assert metadata.check_grant(grant, LOCAL, False, None, "cuda", own_pid=1)[1] == 2
+    with pytest.raises(BadMessageError, match="memory kind 1; host memory"):
+        metadata.check_grant(grant, LOCAL, False, None)
+    with pytest.raises(BadMessageError, match="memory kind 0; cuda memory"):
+        metadata.check_grant(first(), LOCAL, False, None, "cuda")
+    with pytest.raises(BadMessageError, match="on device 64"):
+        metadata.check_grant(blob(conns=[gpu], sections=section([desc(key=device_key, device=64)], mem=1)),
+                             LOCAL, False, None, "cuda")
+    short = struct.pack("<QB", 0b101, 1) + b"\x00" + b"\x07" + b"\x11" * 7 + b"\xff"  # the HCA's key a byte short
+    with pytest.raises(BadMessageError, match="misread"):
+        metadata.check_grant(blob(conns=[gpu], sections=section([desc(key=short)], mem=1)), LOCAL, False, None, "cuda")
 
 
 @pytest.mark.fuzz

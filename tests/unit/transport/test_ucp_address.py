@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from droidmesh.shared.errors import BadMessageError
 from droidmesh.shared.transport import ucp_address as ua
+from droidmesh.shared.transport import ucp_rkey
 
 HOST = bytes.fromhex("bda8b9e9fdcd1a16")  # a host id without a namespace
 OTHER_HOST = bytes.fromhex("0102030405060716")
@@ -159,9 +160,9 @@ def rkey(md_map: int = 1, mem_type: int = 0, keys: tuple[bytes, ...] = (b"",), s
 
 
 def test_a_host_memory_key_for_an_offered_domain_passes():
-    ua.check_rkey(rkey(), PEER)
-    ua.check_rkey(struct.pack("<QB", 0, 0), PEER)  # UCX over TCP alone: no md, map and memory type only
-    ua.check_rkey(rkey(md_map=0b10001, keys=(b"", b"\x01\x02")), PEER)
+    ucp_rkey.check_rkey(rkey(), PEER)
+    ucp_rkey.check_rkey(struct.pack("<QB", 0, 0), PEER)  # UCX over TCP alone: no md, map and memory type only
+    ucp_rkey.check_rkey(rkey(md_map=0b10001, keys=(b"", b"\x01\x02")), PEER)
 
 
 @pytest.mark.parametrize("key, match", [
@@ -176,4 +177,4 @@ def test_a_host_memory_key_for_an_offered_domain_passes():
 ])
 def test_keys_ucx_would_misread_are_refused(key, match):
     with pytest.raises(BadMessageError, match=match):
-        ua.check_rkey(key, PEER)
+        ucp_rkey.check_rkey(key, PEER)
