@@ -74,15 +74,22 @@ class Rope:
 
     def tables(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, head_dim / 2] float32, at positions 0..T-1 (cached per length and
-        device: a sender serves the same context length again and again)."""
+        device: a sender serves the same context length again and again). Encodes run on several
+        threads: a lookup, a store or an eviction another thread races loses a cache entry at
+        worst, never raises."""
         key = (tokens, str(device))
-        if key not in self._tables:
+        found = self._tables.get(key)
+        if found is None:
             pos = torch.arange(tokens, device=device, dtype=torch.float32)
             freqs = pos[:, None] * self.inv_freq.to(device)[None]  # [T, hd/2]
-            if len(self._tables) >= 8:
-                self._tables.pop(next(iter(self._tables)))
-            self._tables[key] = (freqs.cos() * self.scaling, freqs.sin() * self.scaling)
-        return self._tables[key]
+            found = (freqs.cos() * self.scaling, freqs.sin() * self.scaling)
+            while len(self._tables) >= 8:
+                try:
+                    self._tables.pop(next(iter(self._tables)), None)
+                except (StopIteration, RuntimeError):  # emptied, or changed meanwhile, by another thread
+                    break
+            self._tables[key] = found
+        return found
 
     def rotate(self, x: torch.Tensor, sign: float = 1.0) -> torch.Tensor:
         """x [H, T, hd] float32 at positions 0..T-1 -> RoPE(x) (sign -1: by -theta)."""

@@ -18,6 +18,8 @@ out: every send has a deadline).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -145,21 +147,25 @@ async def answer_async(request: PullRequest, lookup: TensorLookup, authorize: Au
                        pin: Pin | None = None, checksums: bool = True) -> Served:
     """`answer` for a server on an event loop: admitting and charging stay on the loop (the store
     is the loop's), and whatever encoding costs time (quantizing, copying device memory to the
-    host, a payload's checksum) runs on a worker thread, so the sender keeps granting other pulls
-    and beating its heartbeat meanwhile. A pull with nothing to do (raw bytes served where they
-    lie, their checksums known) is answered on the loop: a thread hop would cost more. Cancelled
-    while the thread encodes, the hold is released once it is done."""
+    host, a payload's checksum) runs on the encoding thread, so the sender keeps granting other
+    pulls and beating its heartbeat meanwhile. A pull with nothing to do (its items' own bytes,
+    their checksums known) is answered on the loop: a thread hop would cost more. Cancelled while
+    the thread encodes, the hold is released once it is done."""
     try:
         begun = _begin(request, lookup, authorize, pin)
     except DroidMeshError as e:
         return Served(refusal(e), [], _NoHold().release)
-    if not _has_work(begun, checksums):
-        return _served(begun, _encode(request.context_id, begun, checksums))
-    future = asyncio.get_running_loop().run_in_executor(None, _encode, request.context_id, begun, checksums)
+    future: asyncio.Future[_Encoded] | None = None
     try:
-        encoded = await asyncio.shield(future)
+        if not _has_work(begun, checksums):
+            return _served(begun, _encode(request.context_id, begun, checksums))
+        future = asyncio.get_running_loop().run_in_executor(_encoder(), _encode, request.context_id, begun, checksums)
+        return _served(begun, await asyncio.shield(future))
     except asyncio.CancelledError:
-        future.add_done_callback(lambda _: begun.hold.release())
+        if future is None:
+            begun.hold.release()
+        else:
+            future.add_done_callback(lambda _: begun.hold.release())
         raise
     except DroidMeshError as e:
         begun.hold.release()
@@ -167,13 +173,20 @@ async def answer_async(request: PullRequest, lookup: TensorLookup, authorize: Au
     except BaseException:
         begun.hold.release()
         raise
-    return _served(begun, encoded)
+
+
+@functools.cache
+def _encoder() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread encodings run on, in turn, as they did on the loop: their working memory
+    (an int4 encoding's float32 copy of an item, on a GPU sender's device) and CPU stay one
+    item's at a time, beside the engine's thread."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="droidmesh-encode")
 
 
 def _begin(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None) -> _Begun:
     """`admit`, then charge the hold each item's encoding bound unless the codec sends the item's
-    own bytes (raw, contiguous, where the receiver takes it): a copy is counted before it
-    exists, and a zero-copy plan of any size is never refused for the copies it does not make."""
+    own bytes (`codecs.sends_own_bytes`): a copy is counted before it exists, and a plan's items
+    sent as they lie are never refused for copies they do not make."""
     stored, views, hold, grantee = admit(request, lookup, authorize, pin)
     try:
         codec = _server_codec(request.codec)
@@ -181,7 +194,7 @@ def _begin(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
         for item, view, whole in zip(request.items, views, stored, strict=True):
             # a codec's layout may depend on the item's kind and layer
             asked = {**request.codec_params, codecs.KIND_PARAM: item.kind, codecs.LAYER_PARAM: item.layer}
-            bound = 0 if _sends_own_bytes(codec, view, asked) else codec.max_nbytes(tuple(view.shape), view.dtype, asked)
+            bound = 0 if codecs.sends_own_bytes(codec, asked, view) else codec.max_nbytes(tuple(view.shape), view.dtype, asked)
             hold.charge(bound)
             jobs.append(_Job(item, view, whole, asked, bound))
     except BaseException:
@@ -190,14 +203,9 @@ def _begin(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
     return _Begun(codec, jobs, hold, grantee)
 
 
-def _sends_own_bytes(codec: codecs.Codec, t: torch.Tensor, asked: CodecParams) -> bool:
-    """`codec.encode(t, asked)` returns `t`'s own bytes (`RawCodec.encode`): nothing to copy."""
-    return isinstance(codec, codecs.RawCodec) and t.is_contiguous() and (t.device.type != "cuda" or codecs.asks_device(asked))
-
-
 def _has_work(begun: _Begun, checksums: bool) -> bool:
     """Whether encoding `begun` copies anything or hashes a payload whose checksum is not known."""
-    return any(j.charged or checksums and not (j.view is j.whole and id(j.whole) in _STORED_SUMS) for j in begun.jobs)
+    return any(j.charged or (checksums and not (j.view is j.whole and id(j.whole) in _STORED_SUMS)) for j in begun.jobs)
 
 
 class _Encoded(NamedTuple):
@@ -207,7 +215,8 @@ class _Encoded(NamedTuple):
 
 
 def _encode(context_id: str, begun: _Begun, checksums: bool) -> _Encoded:
-    """Every job's payload and header, in order. Touches no state of the loop's (any thread)."""
+    """Every job's payload and header, in order (any thread: it touches neither the store nor the
+    hold; the checksum cache it shares with the loop is a dict read and written one key at a time)."""
     headers, payloads, refund = [], [], 0
     for j in begun.jobs:
         payload, params = begun.codec.encode(j.view, j.asked)

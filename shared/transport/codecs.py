@@ -7,6 +7,8 @@ A `Codec` (stateless; both methods block while they compute, on whatever thread 
   - `max_nbytes(shape, dtype, params)`  receiver, before receiving: the largest payload a
                                well-behaved sender can send for that tensor. A header claiming more
                                is refused before any buffer is allocated for it.
+  - `sends_own_bytes(t, params)`  optional, sender: `encode` would return `t`'s own bytes (no
+                               copy), so the pull is not charged for one; a codec without it copies.
 Registered here: `raw` (the tensor's own bytes, no copy on either side when the buffer is on the
 CPU), `int8` and `int4` (quantized, `shared/kv/quant.py`; see "Quantized codecs" below),
 `lowrank` (SCD codes under a pair's learned maps, `shared/kv/scd.py`; see "SCD codes" below),
@@ -28,18 +30,16 @@ receiver's estimate of its own K or V; an E decodes into the receiver's estimate
 normalized attention input at that layer (a patch layer, see `shared/kv/plan.py`).
 
 Quantized codecs (`int8`, `int4`; layouts in `shared/kv/quant.py`). Scales and zero points travel
-in the payload, under its checksum: per-token scales grow with the context (1 MiB for a 32K-token
-V of 8 heads) while control frames are capped (`bulk.MAX_REQUEST_BYTES`, `schemas.MAX_MESSAGE_BYTES`).
-`codec_params` carry only the kind and int4's `group`. Each pull encodes on the stored tensor's
+in the payload, under its checksum (per-token scales grow with the context, control frames are
+capped); `codec_params` carry only the kind and int4's `group`. Each pull encodes on the stored tensor's
 device (the store keeps raw tensors: receivers ask for other codecs, groups and token prefixes);
 CUDA payloads are staged in pinned host memory, and the receiver dequantizes on `out.device`. Bad
 input is an `IntegrityError` before `out` is written: a kind or group that does not fit the buffer,
 unexpected params, a payload of another size than the layout's, scales that are negative or NaN or
 would decode beyond the buffer dtype's range (so no NaN / inf comes out of a decode).
 
-Raw and CUDA tensors. A payload is host memory unless a channel that can move device memory
-asks for device payloads (`DEVICE_PARAM` in the request's codec params; only the UCX channel
-does, and only when UCX here has its CUDA transports, see `capabilities.py`):
+Raw and CUDA tensors. A payload is host memory unless a channel that can move device memory asks
+for device payloads (`DEVICE_PARAM` in the request's codec params; UCX, with its CUDA transports: `capabilities.py`):
   1. the receiver asks (every buffer on CUDA); the sender's encode answers a CUDA tensor with its
      own device bytes and echoes `DEVICE_PARAM` in the header, or, not asked, with a copy in
      pinned host memory (a CPU tensor is always its own host bytes, the param not echoed);
@@ -50,7 +50,7 @@ does, and only when UCX here has its CUDA transports, see `capabilities.py`):
 
 from __future__ import annotations
 
-import weakref
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -59,6 +59,7 @@ import torch
 
 from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import quant, scd
+from droidmesh.shared.transport.prepared import PreparedCodes
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 
@@ -97,6 +98,12 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def sends_own_bytes(codec: Codec, params: CodecParams, t: torch.Tensor) -> bool:
+    """Whether `codec.encode(t, params)` copies nothing (see the module docstring)."""
+    own = getattr(codec, "sends_own_bytes", None)
+    return own is not None and bool(own(t, params))
+
+
 def payload_view(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's storage [nbytes] (no copy)."""
     if not t.is_contiguous():
@@ -105,10 +112,7 @@ def payload_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def nbytes_of(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> int:
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return numel * dtype.itemsize
+    return math.prod(int(d) for d in shape) * dtype.itemsize
 
 
 # Raw codec param: "cuda" in a request = the receiver takes device payloads; in a header = this
@@ -126,6 +130,9 @@ class RawCodec:
     `placement.receive_buffer`)."""
 
     name = "raw"
+
+    def sends_own_bytes(self, t: torch.Tensor, params: CodecParams) -> bool:  # contiguous, where the receiver takes it
+        return t.is_contiguous() and (t.device.type != "cuda" or asks_device(params))
 
     def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
         if t.device.type != "cuda":
@@ -247,8 +254,7 @@ class LowRankCodec:
 
     def __init__(self) -> None:
         self._maps: dict[str, scd.Maps] = {}
-        # (id(stored tensor), maps sha256) -> its prepared codes, dropped with the stored tensor
-        self._prepared: dict[tuple[int, str], torch.Tensor] = {}
+        self._prepared = PreparedCodes()  # of stored tensors, by where they lie: `prepare`
 
     def add_maps(self, maps: scd.Maps) -> None:
         self._maps[maps.sha256] = maps
@@ -265,22 +271,9 @@ class LowRankCodec:
         if code is None:
             return None
         codes = scd.encode(t, kind, code, maps.rope)  # [H, T, r] | [T, r]
-        key = (id(t), maps.sha256)
-        self._prepared[key] = codes
-        weakref.finalize(t, self._prepared.pop, key, None)
+        self._prepared.put(t, maps.sha256, codes)
         return codes
 
-    def _prepared_for(self, t: torch.Tensor, kind: str, sha: str) -> torch.Tensor | None:
-        """`t`'s codes from `prepare`, when `t` is a prepared tensor or a token prefix of one."""
-        base = t if t._base is None else t._base
-        codes = self._prepared.get((id(base), sha))
-        if codes is None:
-            return None
-        axis = 1 if kind == "E" else 2  # the token axis of E [1, T, D], K / V [1, H, T, hd]
-        if base.dim() != t.dim() or t.storage_offset() != base.storage_offset() or t.stride() != base.stride() \
-                or t.shape[:axis] != base.shape[:axis] or t.shape[axis + 1:] != base.shape[axis + 1:]:
-            return None  # not a leading token range of the prepared tensor
-        return codes.narrow(axis - 1 if kind != "E" else 0, 0, t.shape[axis]).contiguous()
     def has_maps(self, sha256: str) -> bool:
         return sha256 in self._maps
 
@@ -298,13 +291,17 @@ class LowRankCodec:
         kind = _kind(params, self.name)
         return maps, kind, layer, maps.code(layer, kind)
 
+    def sends_own_bytes(self, t: torch.Tensor, params: CodecParams) -> bool:
+        """An item the maps have no code for travels as its own bytes (host memory, contiguous)."""
+        return self._item(params)[3] is None and t.device.type != "cuda" and t.is_contiguous()
+
     def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
         maps, kind, layer, code = self._item(params)
         echo: CodecParams = {MAPS_PARAM: maps.sha256, KIND_PARAM: kind, LAYER_PARAM: layer}
         if code is None:
             return _host(payload_view(t)), echo
         scd.check_fits(kind, tuple(t.shape), code)
-        codes = self._prepared_for(t, kind, maps.sha256)
+        codes = self._prepared.get(t, kind, maps.sha256)
         if codes is None:
             codes = scd.encode(t, kind, code, maps.rope)
         return _host(payload_view(codes)), echo
@@ -363,6 +360,9 @@ class LayeredCodec:
             raise IntegrityError(f"layered: layer {layer!r} outside the {len(layers)} layers its codecs name")
         codec = get(LETTERS[layers[layer]])
         return codec, {k: v for k, v in params.items() if k in _ECHOED[codec.name]}
+
+    def sends_own_bytes(self, t: torch.Tensor, params: CodecParams) -> bool:
+        return sends_own_bytes(*self._sub(params, params.get(LAYER_PARAM)), t)
 
     def encode(self, t: torch.Tensor, params: CodecParams) -> tuple[torch.Tensor, CodecParams]:
         codec, sub = self._sub(params, params.get(LAYER_PARAM))

@@ -434,10 +434,10 @@ def test_while_a_pull_is_encoded_the_sender_serves_other_pulls(transport, gated)
             await asyncio.to_thread(gated.started.wait, 30)
             await other.pull(address, PullRequest(context_id="ctx", items=items, token=fast_token), fast_into,
                              lambda *a: None, 30)
-            gated.gate.set()
-            await slow
         finally:
+            gated.gate.set()  # whatever happened, the encode goes on (a failed pull fails the test now)
             await other.close()
+        await slow
 
     asyncio.run(_session(transport, issuer, body))
     assert gated.saw == [True]

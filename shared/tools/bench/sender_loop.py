@@ -31,6 +31,7 @@ from droidmesh.shared.transport.bulk import BulkServer, make_client, make_server
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
 TICK_S = 0.001
+CODECS = ("raw", "int8", "int4")  # the codecs a pull can ask for with no maps or layers to name
 
 
 class _Ticker:
@@ -58,8 +59,12 @@ class _Sender:
         self.server: BulkServer = make_server(transport, self._lookup, None)
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.address = self.call(self.server.start())
         self._ticking = asyncio.run_coroutine_threadsafe(self.ticker.run(), self.loop)
+        try:
+            self.address = self.call(self.server.start())
+        except BaseException:
+            self.close()
+            raise
 
     def _lookup(self, context_id: str, layer: int, kind: str) -> torch.Tensor | None:
         return self.held.get((layer, kind)) if context_id == "ctx" else None
@@ -75,9 +80,12 @@ class _Sender:
     def close(self) -> None:
         self.ticker.running = False
         self._ticking.result(10)
-        self.call(self.server.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        try:
+            self.call(self.server.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
 
 
 def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats: int, device: str = "cpu",
@@ -92,8 +100,8 @@ def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats
         return {(l, k): torch.randn(kv_shape, device=dev).to(torch.bfloat16) for l in range(w.layers) for k in "KV"}
 
     items = [PullItem(l, kind) for l in range(w.layers) for kind in ("K", "V")]
-    sender = _Sender(transport, make_context)
     rows = []
+    sender = _Sender(transport, make_context)
     try:
         sender.renew()
         asyncio.run(_pull(transport, sender.address, items, kv_shape, "raw"))  # warm: the first sandbox, UCX's start

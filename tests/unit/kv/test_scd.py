@@ -162,3 +162,23 @@ def test_patch_of_the_true_input_is_the_layers_own_kv(family):
             k, v = model.project_kv(model.attn_input(captured.e[layer], layer), layer)
             torch.testing.assert_close(k, captured.kv[layer].k, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(v, captured.kv[layer].v, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_tables_serve_many_threads_at_once():
+    """Encodes run on worker threads beside the torch thread: the tables' cache (8 lengths, oldest
+    evicted) is raced by lookups, stores and evictions and must never raise, nor give another
+    length's tables."""
+    import concurrent.futures
+
+    rope = scd.Rope(inv_freq=1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)), scaling=1.0)
+
+    def hammer(seed: int) -> int:
+        wrong = 0
+        for i in range(1500):
+            n = 1 + (seed * 7 + i) % 24  # 24 lengths through an 8-entry cache: constant eviction
+            cos, sin = rope.tables(n, torch.device("cpu"))
+            wrong += cos.shape[0] != n or sin.shape[0] != n
+        return wrong
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert sum(pool.map(hammer, range(8))) == 0

@@ -70,6 +70,27 @@ def test_a_zero_copy_pull_larger_than_the_pull_budget_is_served_and_charged_noth
     assert hold.released
 
 
+def test_a_layered_plans_raw_layers_are_charged_nothing_and_its_quantized_ones_their_bytes():
+    """The layered codec sends a raw layer's items as they lie: a plan of raw layers larger than
+    the budget is served; its int8 layers are charged their encodings."""
+    hold = Hold(budget=ITEM_BYTES // 2)
+    raw_layers = _request("layered", layers=4)
+    raw_layers.codec_params.update(codecs.layers_param(["raw"] * 4))
+    served = bulk_answer(raw_layers, hold)
+    assert not served.response.error and hold.peak == 0
+    hold = Hold(budget=1 << 30)
+    mixed = _request("layered", layers=4)
+    mixed.codec_params.update(codecs.layers_param(["raw", "raw", "int8", "raw"]))
+    served = bulk_answer(mixed, hold)
+    assert not served.response.error
+    assert hold.charged == sum(p.numel() for p, h in zip(served.payloads, served.response.headers, strict=True)
+                               if h.layer == 2) > 0
+
+
+def bulk_answer(request: PullRequest, hold: Hold) -> answer.Served:
+    return answer.answer(request, _lookup, None, lambda _: hold)
+
+
 def test_copies_past_the_pull_budget_are_refused_before_anything_is_encoded(monkeypatch):
     """A prefix pull copies every item (a slice of K / V); their bytes together pass the budget, so
     the pull is refused before the first copy is made, and its hold released."""
@@ -153,3 +174,34 @@ def test_a_codec_error_on_the_worker_thread_is_a_refusal_and_releases_the_hold(m
     hold = Hold(budget=1 << 30)
     served = asyncio.run(answer.answer_async(_request("int8", layers=1), _lookup, None, lambda _: hold))
     assert "cannot encode this" in served.response.error and served.payloads == [] and hold.released
+
+
+class _Failing:
+    """A codec that sends items as they lie, but whose encode fails (a protocol error)."""
+
+    name = "test-failing"
+
+    def sends_own_bytes(self, t, params):
+        return True
+
+    def encode(self, t, params):
+        raise IntegrityError("test-failing: cannot encode")
+
+    def decode(self, payload, header, out):
+        raise AssertionError("never sent")
+
+    def max_nbytes(self, shape, dtype, params):
+        return codecs.nbytes_of(shape, dtype)
+
+
+def test_an_error_encoding_on_the_loop_is_a_refusal_and_releases_the_hold():
+    """A pull with nothing to hand off is encoded on the loop; an error there refuses the pull and
+    releases its hold, as on the thread."""
+    codecs.register(_Failing())
+    try:
+        hold = Hold(budget=1 << 30)
+        served = asyncio.run(answer.answer_async(_request("test-failing", layers=1), _lookup, None, lambda _: hold,
+                                                 checksums=False))
+    finally:
+        codecs.unregister("test-failing")
+    assert "cannot encode" in served.response.error and served.payloads == [] and hold.released

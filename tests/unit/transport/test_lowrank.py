@@ -14,6 +14,7 @@ from droidmesh.shared.kv.partial import prefill
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.adapter import random_model
 from droidmesh.shared.transport import codecs
+from droidmesh.shared.transport import prepared as prepared_codes
 from droidmesh.shared.transport.inproc import CodedSource
 from droidmesh.shared.wire.schemas import CodecParams, TensorHeader
 from tests.conftest import TINY
@@ -118,6 +119,25 @@ def test_prepared_codes_serve_the_stored_tensor_and_its_token_prefixes():
     shifted, _ = codecs.LOWRANK.encode(stored.narrow(2, 1, 5), params(1, "K"))  # not a leading range
     fresh = scd.encode(stored.narrow(2, 1, 5), "K", maps.code(1, "K"), maps.rope)  # type: ignore[arg-type]
     assert torch.equal(shifted, codecs.payload_view(fresh))  # bitwise: the same encode on the same view
-    key = (id(stored), SHA)
+    key = prepared_codes.start_of(stored, SHA)
     del stored
     assert key not in codecs.LOWRANK._prepared
+
+
+def test_prepared_codes_serve_a_placed_context_and_its_token_prefixes():
+    """A sender stores its contexts placed (`memfd.place`: views of one shared mapping): the codes
+    prepared for a placed tensor are found for it and for a token prefix of it, not encoded on
+    every pull; another item of the same mapping has codes of its own."""
+    from droidmesh.shared.transport import memfd
+
+    maps = codecs.LOWRANK.maps(SHA)
+    k1, v1 = memfd.place([KV.clone(), KV.clone()])
+    prepared = codecs.LOWRANK.prepare(k1, 1, "K", maps)
+    assert prepared is not None
+    prepared.fill_(7.0)  # a marker: a fresh encode never gives exactly this
+    whole, _ = codecs.LOWRANK.encode(k1, params(1, "K"))
+    prefix, _ = codecs.LOWRANK.encode(k1.narrow(2, 0, 5), params(1, "K"))
+    assert torch.equal(whole, codecs.payload_view(prepared))  # bitwise: the prepared codes' bytes (a marker)
+    assert torch.equal(prefix, codecs.payload_view(prepared[:, :5].contiguous()))  # bitwise: the prepared codes' bytes (a marker)
+    other, _ = codecs.LOWRANK.encode(v1, params(1, "K"))  # the next item of the mapping: never prepared
+    assert not torch.equal(other, whole)  # bitwise: the marker is no encode's output

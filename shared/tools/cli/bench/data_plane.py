@@ -167,7 +167,7 @@ def stall(json_path, group, transport, n, k, words, log_dir) -> None:
 @click.option("--shape", default="smollm2-135m", show_default=True, help="A named model shape (its K / V widths).")
 @click.option("--tokens", default=2048, show_default=True, type=click.IntRange(16, 32768))
 @click.option("--codecs", "codec_list", default="raw,int8,int4", show_default=True,
-              help="Comma list of codecs to pull with.")
+              help="Comma list of codecs to pull with (raw, int8, int4: those that need no maps or layers).")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
 @click.option("--device", default="cpu", show_default=True, help="Where the sender holds the context: cpu, cuda or cuda:N.")
 def sender_loop(json_path, transport, shape, tokens, codec_list, repeats, device) -> None:
@@ -175,12 +175,12 @@ def sender_loop(json_path, transport, shape, tokens, codec_list, repeats, device
     a pull of every layer's K / V, per codec, for a newly captured context."""
     from droidmesh.shared.errors import DroidMeshError
     from droidmesh.shared.tools.bench import sender_loop as suite
-    from droidmesh.shared.transport import codecs
 
     chosen = [c.strip() for c in codec_list.split(",") if c.strip()]
-    unknown = [c for c in chosen if c not in codecs.names()]
+    unknown = [c for c in chosen if c not in suite.CODECS]
     if not chosen or unknown:
-        raise click.BadParameter(f"unknown codec(s) {unknown}; known: {', '.join(codecs.names())}", param_hint="'--codecs'")
+        raise click.BadParameter(f"codec(s) {unknown} not measured here; one or more of {', '.join(suite.CODECS)}",
+                                 param_hint="'--codecs'")
     try:
         r = suite.measure(transport, shape, tokens, chosen, repeats, device, progress=lambda s: click.echo(f"  {s}", err=True))
     except DroidMeshError as e:
