@@ -147,7 +147,7 @@ async def answer_async(request: PullRequest, lookup: TensorLookup, authorize: Au
                        pin: Pin | None = None, checksums: bool = True) -> Served:
     """`answer` for a server on an event loop: admitting and charging stay on the loop (the store
     is the loop's), and whatever encoding costs time (quantizing, copying device memory to the
-    host, a payload's checksum) runs on the encoding thread, so the sender keeps granting other
+    host, a payload's checksum) runs on an encoding thread, so the sender keeps granting other
     pulls and beating its heartbeat meanwhile. A pull with nothing to do (its items' own bytes,
     their checksums known) is answered on the loop: a thread hop would cost more. Cancelled while
     the thread encodes, the hold is released once it is done."""
@@ -175,12 +175,15 @@ async def answer_async(request: PullRequest, lookup: TensorLookup, authorize: Au
         raise
 
 
+ENCODERS = 2  # threads: a pull's encoding waits behind one long one at most, never behind a queue
+
+
 @functools.cache
 def _encoder() -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread encodings run on, in turn, as they did on the loop: their working memory
-    (an int4 encoding's float32 copy of an item, on a GPU sender's device) and CPU stay one
-    item's at a time, beside the engine's thread."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="droidmesh-encode")
+    """The threads encodings run on, a pull's items in turn on one of them: the working memory
+    they take beyond the pull budget (an int4 encoding's float32 copy of the item it is on, on a
+    GPU sender's device) and the CPU beside the engine's thread stay those of ENCODERS items."""
+    return concurrent.futures.ThreadPoolExecutor(ENCODERS, thread_name_prefix="droidmesh-encode")
 
 
 def _begin(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None) -> _Begun:
