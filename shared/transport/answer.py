@@ -136,8 +136,7 @@ def answer(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
     try:
         return _served(begun, _encode(request.context_id, begun, checksums))
     except DroidMeshError as e:
-        begun.hold.release()
-        return Served(refusal(e), [], _NoHold().release)
+        return _refused(begun.hold, e)
     except BaseException:
         begun.hold.release()
         raise
@@ -168,11 +167,16 @@ async def answer_async(request: PullRequest, lookup: TensorLookup, authorize: Au
             future.add_done_callback(lambda _: begun.hold.release())
         raise
     except DroidMeshError as e:
-        begun.hold.release()
-        return Served(refusal(e), [], _NoHold().release)
+        return _refused(begun.hold, e)
     except BaseException:
         begun.hold.release()
         raise
+
+
+def _refused(hold: PullHold, e: DroidMeshError) -> Served:
+    """A pull refused after its hold was taken: released, the refusal answered."""
+    hold.release()
+    return Served(refusal(e), [], _NoHold().release)
 
 
 ENCODERS = 2  # threads: a pull's encoding waits behind one long one at most, never behind a queue
