@@ -179,7 +179,7 @@ def _refused(hold: PullHold, e: DroidMeshError) -> Served:
     return Served(refusal(e), [], _NoHold().release)
 
 
-ENCODERS = 2  # threads: a pull's encoding waits behind one long one at most, never behind a queue
+ENCODERS = 2  # threads: one long encoding (a big int4 plan) leaves the other for the pulls behind it
 
 
 @functools.cache
