@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import os
 import threading
+import time
 
 import msgspec
 import pytest
@@ -443,3 +444,51 @@ def test_while_a_pull_is_encoded_the_sender_serves_other_pulls(transport, gated)
     assert gated.saw == [True]
     for got in (slow_into[0], fast_into[0]):
         assert torch.equal(got, TENSORS[(0, "K")])  # bitwise: both channels copy the stored bytes
+
+
+class _SlowDecode:
+    """raw bytes, copied; each decode takes a while and notes whether the receiving loop ran since
+    the previous decode (a callback the previous one scheduled has run)."""
+
+    name = "test-slow-decode"
+
+    def __init__(self):
+        self.ran_between: list[bool] = []
+        self._ran = True
+
+    def encode(self, t, params):
+        return codecs.payload_view(t).clone(), {}
+
+    def decode(self, payload, header, out):
+        self.ran_between.append(self._ran)
+        self._ran = False
+        asyncio.get_running_loop().call_soon(setattr, self, "_ran", True)
+        time.sleep(0.05)  # every later item has landed by now
+        codecs.RawCodec().decode(payload, header, out)
+
+    def max_nbytes(self, shape, dtype, params):
+        return codecs.nbytes_of(shape, dtype)
+
+
+@pytest.mark.parametrize("transport", ["ucx", "nixl"])
+def test_a_receiver_decodes_landed_items_one_hold_of_its_loop_each(transport):
+    """Items that have all landed are decoded one at a time with the receiving loop run in
+    between: a receiver's other requests (its token streams, NATS) wait one item's decode at
+    most, not a whole plan's."""
+    codec = _SlowDecode()
+    codecs.register(codec)
+    issuer = TokenIssuer(ttl_s=60)
+    token, _ = issuer.issue("ctx")
+    items = [PullItem(l, k) for l in range(3) for k in "KV"]
+    into = _buffers(items)
+
+    async def body(client, address):
+        await client.pull(address, PullRequest(context_id="ctx", items=items, token=token, codec=codec.name), into,
+                          lambda *a: None, 30)
+
+    try:
+        asyncio.run(_session(transport, issuer, body))
+    finally:
+        codecs.unregister(codec.name)
+    assert codec.ran_between == [True] * len(items)
+    assert all(torch.equal(t, TENSORS[(it.layer, it.kind)]) for it, t in zip(items, into, strict=True))  # bitwise: copied bytes

@@ -433,7 +433,7 @@ def expect_bench_transfer(r: Ran) -> None:
 
 
 def expect_bench_sender_loop(r: Ran) -> None:
-    rows = table(r.out, "codec", "pull_ms", "lag_max_ms", "lag_p99_ms", "ticks")
+    rows = table(r.out, "codec", "pull_ms", "lag_max_ms", "lag_p99_ms", "ticks", "receiver_lag_max_ms")
     assert col(rows, "codec") == ["raw", "int4"]
     assert all(float(x["pull_ms"]) > 0 and int(x["ticks"]) > 0 for x in rows)
 

@@ -7,11 +7,12 @@ server (ucx or nixl, its sandbox processes as in a sender) holds one context of 
 K / V (random bf16, placed as a sender places what it stores) on its own event loop in a thread,
 with a ticker beside it that wakes every `TICK_S` and records how late it woke (the loop's lag).
 A client on the main thread pulls every layer's K / V with each codec `repeats` times over fresh
-connections, after one pull that warms the channel (each pull's first checksums are new, as for a newly captured context: the stored
-tensors are re-made before each pull). Per codec: the pull's median time and the sender loop's
-worst and 99th-percentile lag during the pulls (ms). One process (two threads, two loops): the
-client's decoding shares the GIL with the server's loop, so a lag here is an upper bound of a
-sender's own.
+connections, after one pull that warms the channel; the stored tensors are re-made before each
+pull, so its first checksums are new, as for a newly captured context. Per codec: the pull's
+median time, the sender loop's worst and 99th-percentile lag during the pulls (ms), and the
+receiving loop's worst (a receiver lands and decodes each item on its loop, with a ticker of its
+own here). One process (two threads, two loops): each side's work shares the GIL with the
+other's loop, so a lag here is an upper bound of a sender's or a receiver's own.
 """
 
 from __future__ import annotations
@@ -106,17 +107,19 @@ def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats
         sender.renew()
         asyncio.run(_pull(transport, sender.address, items, kv_shape, "raw"))  # warm: the first sandbox, UCX's start
         for codec in codecs_:
-            seconds, lags = [], []
+            seconds, lags, receiving = [], [], []
             for i in range(repeats):
                 progress(f"{codec} {i + 1}/{repeats}")
                 sender.renew()
                 sender.ticker.lags.clear()
-                seconds.append(asyncio.run(_pull(transport, sender.address, items, kv_shape, codec)))
+                took, client_lags = asyncio.run(_pull(transport, sender.address, items, kv_shape, codec))
+                seconds.append(took)
                 lags.extend(sender.ticker.lags)
+                receiving.extend(client_lags)
             lags.sort()
             rows.append({"codec": codec, "pull_ms": round(statistics.median(seconds) * 1e3, 2),
                          "lag_max_ms": round(lags[-1] * 1e3, 2), "lag_p99_ms": round(lags[int(0.99 * (len(lags) - 1))] * 1e3, 2),
-                         "ticks": len(lags)})
+                         "ticks": len(lags), "receiver_lag_max_ms": round(max(receiving, default=0.0) * 1e3, 2)})
     finally:
         sender.close()
     nbytes = 2 * w.layers * torch.Size(kv_shape).numel() * 2
@@ -124,18 +127,24 @@ def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats
             "tick_s": TICK_S, "repeats": repeats, "rows": rows}
 
 
-async def _pull(transport: str, address: str, items: list[PullItem], kv_shape: tuple[int, ...], codec: str) -> float:
-    client = make_client(transport)
+async def _pull(transport: str, address: str, items: list[PullItem], kv_shape: tuple[int, ...],
+                codec: str) -> tuple[float, list[float]]:
+    """One pull's seconds, and the lags of a ticker on the receiving loop meanwhile (it lands and
+    decodes each item there, as a receiver does)."""
+    client, ticker = make_client(transport), _Ticker()
     into = [torch.empty(kv_shape, dtype=torch.bfloat16) for _ in items]
+    ticking = asyncio.ensure_future(ticker.run())
     try:
         start = time.perf_counter()
         await client.pull(address, PullRequest(context_id="ctx", items=items, codec=codec), into, lambda *a: None, 120)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, ticker.lags
     finally:
+        ticker.running = False
+        await ticking
         await client.close()
 
 
-COLUMNS = ["codec", "pull_ms", "lag_max_ms", "lag_p99_ms", "ticks"]
+COLUMNS = ["codec", "pull_ms", "lag_max_ms", "lag_p99_ms", "ticks", "receiver_lag_max_ms"]
 
 
 def title(result: dict) -> str:

@@ -181,6 +181,8 @@ class NixlBulkClient(ChannelClient[_Connection]):
                 await self._complete(agent, *await future)
                 for land, _ in batch:
                     on_item(land.item, land.land(verify=False))  # one-sided reads: see the module docstring
+                    if not land.in_place:
+                        await asyncio.sleep(0)  # a decoded item: the next one in another hold of the loop
         finally:
             abandoned.set()  # runs not yet posted are not
             await asyncio.shield(asyncio.gather(posting, return_exceptions=True))
