@@ -179,10 +179,7 @@ class NixlBulkClient(ChannelClient[_Connection]):
         try:
             for batch, future in zip(batches, posted, strict=True):
                 await self._complete(agent, *await future)
-                for land, _ in batch:
-                    on_item(land.item, land.land(verify=False))  # one-sided reads: see the module docstring
-                    if not land.in_place:
-                        await asyncio.sleep(0)  # a decoded item: the next one in another hold of the loop
+                await _deliver(batch, on_item)
         finally:
             abandoned.set()  # runs not yet posted are not
             await asyncio.shield(asyncio.gather(posting, return_exceptions=True))
@@ -239,3 +236,12 @@ class NixlBulkClient(ChannelClient[_Connection]):
         if self._agent is not None:
             self._agent.close()
             self._agent = None
+
+
+async def _deliver(batch: list[tuple[Landing, NixlRegion]], on_item: OnItem) -> None:
+    """A completed READ's items, in request order; a decoded one gives the loop back before the
+    next, so items that have all landed are decoded one hold of the loop each."""
+    for land, _ in batch:
+        on_item(land.item, land.land(verify=False))  # one-sided reads: see the module docstring
+        if not land.in_place:
+            await asyncio.sleep(0)
