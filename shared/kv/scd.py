@@ -22,6 +22,7 @@ senders and receivers fetching it by that name check exactly what they got.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -83,11 +84,9 @@ class Rope:
             pos = torch.arange(tokens, device=device, dtype=torch.float32)
             freqs = pos[:, None] * self.inv_freq.to(device)[None]  # [T, hd/2]
             found = (freqs.cos() * self.scaling, freqs.sin() * self.scaling)
-            while len(self._tables) >= 8:
-                try:
+            if len(self._tables) >= 8:
+                with contextlib.suppress(StopIteration, RuntimeError):  # emptied, or changed meanwhile, by another thread
                     self._tables.pop(next(iter(self._tables)), None)
-                except (StopIteration, RuntimeError):  # emptied, or changed meanwhile, by another thread
-                    break
             self._tables[key] = found
         return found
 

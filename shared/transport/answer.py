@@ -212,7 +212,7 @@ def _begin(request: PullRequest, lookup: TensorLookup, authorize: Authorize | No
 
 def _has_work(begun: _Begun, checksums: bool) -> bool:
     """Whether encoding `begun` copies anything or hashes a payload whose checksum is not known."""
-    return any(j.charged or (checksums and not (j.view is j.whole and id(j.whole) in _STORED_SUMS)) for j in begun.jobs)
+    return any(j.charged or (checksums and _known_sum(j.view, j.whole) is None) for j in begun.jobs)
 
 
 class _Encoded(NamedTuple):
@@ -232,7 +232,7 @@ def _encode(context_id: str, begun: _Begun, checksums: bool) -> _Encoded:
         headers.append(TensorHeader(context_id=context_id, layer=j.item.layer, kind=j.item.kind,
                                     shape=list(j.view.shape), dtype=dtype_name(j.view.dtype), codec=begun.codec.name,
                                     codec_params=params, nbytes=payload.numel(),
-                                    checksum=_payload_checksum(j.view, payload, cache=j.view is j.whole) if checksums else ""))
+                                    checksum=_payload_checksum(j.view, payload, j.whole) if checksums else ""))
         payloads.append(payload)
     return _Encoded(headers, payloads, refund)
 
@@ -272,15 +272,20 @@ def _shares_memory(payload: torch.Tensor, t: torch.Tensor) -> bool:
 _STORED_SUMS: dict[int, str] = {}
 
 
-def _payload_checksum(t: torch.Tensor, payload: torch.Tensor, cache: bool) -> str:
-    """`cache`: `t` is the stored tensor itself (a per-pull slice is a new object every time)."""
-    if not cache or payload.data_ptr() != t.data_ptr() or payload.numel() != t.numel() * t.element_size():
+def _known_sum(t: torch.Tensor, whole: torch.Tensor) -> str | None:
+    """The cached checksum of `t`'s own bytes, when `t` is the stored tensor `whole` itself (a
+    token slice is a new object every pull: hashed afresh)."""
+    return _STORED_SUMS.get(id(whole)) if t is whole else None
+
+
+def _payload_checksum(t: torch.Tensor, payload: torch.Tensor, whole: torch.Tensor) -> str:
+    """Of `payload`, `t`'s encoding; `t`'s own bytes are hashed once per stored tensor."""
+    if t is not whole or payload.data_ptr() != t.data_ptr() or payload.numel() != t.numel() * t.element_size():
         return integrity.checksum(payload)  # encoded afresh for this pull
-    key = id(t)
-    known = _STORED_SUMS.get(key)
+    known = _known_sum(t, whole)
     if known is None:
-        known = _STORED_SUMS[key] = integrity.checksum(payload)
-        weakref.finalize(t, _STORED_SUMS.pop, key, None)
+        known = _STORED_SUMS[id(t)] = integrity.checksum(payload)
+        weakref.finalize(t, _STORED_SUMS.pop, id(t), None)
     return known
 
 

@@ -134,11 +134,11 @@ def _ucx_rates(sizes: list[int], device: torch.device, repeats: int,
 
 PLAN_ITEMS, PLAN_ITEM_BYTES = 60, 3 * MIB // 2  # a real small model's plan: 60 layer items of 1.5 MiB
 DRY_PLAN_ITEM_BYTES = 64 << 10  # ... and its items in a dry run on the CPU
+FIXED_BYTES = 4 << 10
 
 
 def plan_item_bytes(device: torch.device) -> int:
     return PLAN_ITEM_BYTES if device.type == "cuda" else DRY_PLAN_ITEM_BYTES
-FIXED_BYTES = 4 << 10
 
 
 def shm_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[int, float]) -> dict[str, Any]:

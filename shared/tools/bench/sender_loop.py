@@ -32,7 +32,6 @@ from droidmesh.shared.transport.bulk import BulkServer, make_client, make_server
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
 TICK_S = 0.001
-CODECS = ("raw", "int8", "int4")  # the codecs a pull can ask for with no maps or layers to name
 
 
 class _Ticker:

@@ -9,9 +9,10 @@ from typing import Any
 
 import click
 
-from droidmesh.shared.errors import ConfigError, DroidMeshError
-from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES, check_device_name
+from droidmesh.shared.errors import DroidMeshError
+from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV, DTYPES
 from droidmesh.shared.model.names import WEIGHT_SUFFIXES, ModelRef
+from droidmesh.shared.tools.cli.params import device_name
 from droidmesh.shared.zoo.manifest import resolve_model
 
 MODEL_HELP = "a zoo model as `droidmesh zoo list` names it (demo/base), or a local checkpoint directory"
@@ -31,16 +32,9 @@ def model_arg(_ctx: click.Context | None, param: click.Parameter | None, value: 
     return ref
 
 
-def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        return check_device_name(value)
-    except ConfigError as e:
-        raise click.BadParameter(str(e), param=param) from None
-
-
 def device_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """`--device` (env DM_DEVICE; cpu, cuda, cuda:N) and `--dtype` (default: the device's)."""
     f = click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
                      help="Model dtype (default: bfloat16 on cuda, float32 on cpu).")(f)
-    return click.option("--device", envvar=DEVICE_ENV, default=DEFAULT_DEVICE, show_default=True, callback=_device,
+    return click.option("--device", envvar=DEVICE_ENV, default=DEFAULT_DEVICE, show_default=True, callback=device_name,
                         help=f"cpu, cuda or cuda:N (env {DEVICE_ENV}).")(f)

@@ -1,4 +1,5 @@
-"""Option values every command parses the same way: layer groups, integer lists, text files.
+"""Option values every command parses the same way: layer groups, integer lists, devices, the
+codecs a plan's size is known for, named shapes, text files.
 
 Each parser raises `click.BadParameter` (or a `BadRequestError` where the check needs what a
 command loads later, such as a model's layer count), which `main` prints as one line.
@@ -14,7 +15,8 @@ from typing import Any
 
 import click
 
-from droidmesh.shared.errors import BadRequestError
+from droidmesh.shared.errors import BadRequestError, ConfigError
+from droidmesh.shared.model.device import check_device_name
 
 _GROUP = re.compile(r"^\s*\[?\s*(-?\d+)\s*[,:]\s*(-?\d+)\s*\)?\s*$")
 
@@ -81,6 +83,28 @@ def float_list(minimum: float = 0.0, open_min: bool = False) -> Callable[[Any, A
         return out
 
     return parse
+
+
+def device_name(_ctx: click.Context | None, param: click.Parameter | None, value: str) -> str:
+    """click callback: cpu, cuda or cuda:N (`check_device_name`)."""
+    try:
+        return check_device_name(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param=param) from None
+
+
+RAW_CODECS = ("raw", "int8", "int4")  # codecs whose bytes need no maps or layers to name
+SHAPE_NAMES = ("llama3-8b", "qwen2.5-7b", "llama3.2-1b", "smollm2-135m", "tiny")  # shared/model/shapes.py
+
+
+def raw_codec_list(_ctx: click.Context | None, param: click.Parameter | None, value: str) -> list[str]:
+    """click callback: a comma list of `RAW_CODECS`."""
+    out = [c.strip() for c in value.split(",") if c.strip()]
+    bad = [c for c in out if c not in RAW_CODECS]
+    if not out or bad:
+        raise click.BadParameter(f"codecs are raw, int8 and int4 (a low-rank code's size depends on its maps), got {value!r}",
+                                 param=param)
+    return out
 
 
 def read_text(path: str, what: str = "context") -> str:

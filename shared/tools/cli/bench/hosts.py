@@ -11,30 +11,19 @@ import click
 from droidmesh.shared import report
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.tools.cli.bench.kit import save
-from droidmesh.shared.tools.cli.params import float_list, int_list
-
-SHAPES = ("llama3-8b", "qwen2.5-7b", "llama3.2-1b", "smollm2-135m", "tiny")  # shared/model/shapes.py
-
-
-def _codecs(_ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
-    out = [c.strip() for c in value.split(",") if c.strip()]
-    bad = [c for c in out if c not in ("raw", "int8", "int4")]
-    if not out or bad:
-        raise click.BadParameter(f"codecs are raw, int8 and int4 (a low-rank code's size depends on its maps), got {value!r}",
-                                 param=param)
-    return out
+from droidmesh.shared.tools.cli.params import SHAPE_NAMES, float_list, int_list, raw_codec_list
 
 
 @click.command()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="TTFT through the mesh against the link (needs --engine).")
-@click.option("--shape", default="llama3-8b", show_default=True, type=click.Choice(SHAPES))
+@click.option("--shape", default="llama3-8b", show_default=True, type=click.Choice(SHAPE_NAMES))
 @click.option("--engine", "engine_path", type=click.Path(exists=True, dir_okay=False),
               help="A GPU check's JSON (infra/gpu/check.sh) for this shape: the engine's own TTFT per context and plan.")
 @click.option("--contexts", default="4096,16384,32768", show_default=True, callback=int_list)
 @click.option("--links", "gbit_s", default="25,100,200,400", show_default=True, callback=float_list(open_min=True),
               help="Link rates, Gbit/s.")
-@click.option("--codecs", "codec_names", default="raw,int8,int4", show_default=True, callback=_codecs)
+@click.option("--codecs", "codec_names", default="raw,int8,int4", show_default=True, callback=raw_codec_list)
 @click.option("--pcie-gbs", default=50.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Pinned host <-> device copy, GB/s (one H200 host measured 50-54).")
 @click.option("--export-gbs", default=2.5, show_default=True, type=click.FloatRange(min=0.1),

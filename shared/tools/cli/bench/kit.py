@@ -6,21 +6,13 @@ from __future__ import annotations
 import click
 
 from droidmesh.shared import report
-from droidmesh.shared.errors import ConfigError
-from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV, check_device_name
-from droidmesh.shared.tools.cli.params import check_group, checkpoint_layers
-
-
-def _device(_ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        return check_device_name(value)
-    except ConfigError as e:
-        raise click.BadParameter(str(e), param=param) from None
+from droidmesh.shared.model.device import DEFAULT_DEVICE, DEVICE_ENV
+from droidmesh.shared.tools.cli.params import check_group, checkpoint_layers, device_name
 
 
 def launched_device_option(f):  # a click decorator
     """`--device` alone, for suites whose services and probe run bfloat16 on any device."""
-    return click.option("--device", envvar=DEVICE_ENV, default=DEFAULT_DEVICE, show_default=True, callback=_device,
+    return click.option("--device", envvar=DEVICE_ENV, default=DEFAULT_DEVICE, show_default=True, callback=device_name,
                         help=f"cpu, cuda or cuda:N for the launched processes (env {DEVICE_ENV}).")(f)
 
 
