@@ -9,14 +9,16 @@ import os
 import signal
 
 import pytest
+import structlog
 import torch
 
 from droidmesh.shared.transport.bulk import make_client, make_server
 from droidmesh.shared.transport.sandbox import host
 from droidmesh.shared.transport.tokens import TokenIssuer
-from droidmesh.shared.transport.ucx import wireup
+from droidmesh.shared.transport.ucx import ops, runtime, server, wireup
 from droidmesh.shared.wire import schemas
 from droidmesh.shared.wire.channels import UcxWelcome
+from droidmesh.shared.wire.sandbox import SandboxServed
 from droidmesh.shared.wire.schemas import PullItem, PullRequest
 
 CHANNELS = ["ucx", pytest.param("nixl", marks=pytest.mark.skipif(
@@ -158,3 +160,96 @@ def test_a_ucx_hello_with_a_refused_pull_learns_no_address():
 
     welcome, live = asyncio.run(run())
     assert welcome.error and welcome.error.startswith("unauthorized") and welcome.address == b"" and live == 0
+
+
+async def _until(done, what: str) -> None:
+    """Wait for `done()` (the 30 s bound a hang: they are no timing claim)."""
+    try:
+        async with asyncio.timeout(30):
+            while not done():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        pytest.fail(f"waited 30 s for {what}")
+
+
+def _send_failures(logs: list[dict]) -> list[dict]:
+    return [e for e in logs if e["event"] in ("ucx_send_failed", "ucx_connection_dropped") and e["log_level"] == "warning"]
+
+
+def test_a_ucx_receiver_closing_right_after_its_pull_completed_is_no_failed_send(monkeypatch):
+    """A receiver that closes its connection as soon as its pull completed: the sandbox's report
+    that its sends completed (which trails the receiver's last receive) is read only after the
+    server has seen the connection end, as happens on a busy host. Not a failed send."""
+    issuer = TokenIssuer(ttl_s=60)
+    readers: list[asyncio.StreamReader] = []
+    closed = asyncio.Event()
+    serve, recv = server.UcxBulkServer._serve_connection, host.Sandbox.recv
+
+    async def serve_connection(self, reader, writer, slot):
+        readers.append(reader)
+        return await serve(self, reader, writer, slot)
+
+    async def late_recv(self, kind, deadline_s):
+        if kind is SandboxServed:
+            await closed.wait()
+            await _until(lambda: readers[0].at_eof(), "the server reads the receiver's close")
+            for _ in range(10):  # the lifeline's read task, then its done callbacks, each take a pass of the loop
+                await asyncio.sleep(0)
+        return await recv(self, kind, deadline_s)
+
+    monkeypatch.setattr(server.UcxBulkServer, "_serve_connection", serve_connection)
+    monkeypatch.setattr(host.Sandbox, "recv", late_recv)
+
+    async def run() -> bool:
+        srv, address, held = await _server("ucx", issuer)
+        client = make_client("ucx")
+        try:
+            into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
+            await client.pull(address, PullRequest(context_id="a", items=ITEMS, token=issuer.issue("a")[0]), into,
+                              lambda *a: None, 30)
+            await client.close()  # at once: the sandbox's report of its sends may not have reached the server
+            closed.set()
+            await _until(lambda: srv.sandboxes.live() == 0, "the connection ends")  # type: ignore[attr-defined]
+            # bitwise: the channel copies the stored bytes
+            return all(torch.equal(t, held["a"][(it.layer, it.kind)]) for it, t in zip(ITEMS, into, strict=True))
+        finally:
+            await client.close()
+            await srv.close()
+
+    with structlog.testing.capture_logs() as logs:
+        assert asyncio.run(run())
+    assert not _send_failures(logs), logs
+
+
+def test_a_ucx_receiver_that_leaves_mid_pull_is_a_cancelled_send(monkeypatch):
+    """A receiver that says hello with a granted pull of 8 MiB, takes the response, then aborts its
+    endpoint and closes its connection without receiving the payload: the payload's send cannot
+    complete, the sandbox is ended (after LEFT_S at most), and the send is logged as cancelled."""
+    monkeypatch.setattr(server, "LEFT_S", 0.5)
+    issuer = TokenIssuer(ttl_s=60)
+    big = {(0, "K"): torch.randn(1, 2, 131072, 8)}  # far above any eager threshold: a rendezvous the receiver must pull
+
+    async def run() -> None:
+        srv = make_server("ucx", lambda c, l, k: big.get((l, k)) if c == "big" else None,
+                          lambda req: issuer.verify(req.context_id, req.token))
+        address = await srv.start()
+        try:
+            host_, port = address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host_, int(port))
+            request = PullRequest(context_id="big", items=[PullItem(0, "K")], token=issuer.issue("big")[0])
+            writer.write(wireup.hello(7, runtime.ucxx().get_worker_address().tobytes(), schemas.encode(request)))
+            welcome = await asyncio.wait_for(wireup.read_welcome(reader), 30)
+            assert not welcome.error, welcome.error
+            ep = await wireup.endpoint_to(runtime.ucxx(), welcome.address, welcome.tag, 7, writer)
+            response = schemas.decode(await asyncio.wait_for(ops.recv_frame(ep, schemas.MAX_MESSAGE_BYTES), 30),
+                                      schemas.PullResponse)
+            assert not response.error, response.error  # the pull is under way: its payload's send is posted
+            ops.abort(ep)  # and the connection with it
+            await _until(lambda: srv.sandboxes.live() == 0, "the connection ends")  # type: ignore[attr-defined]
+        finally:
+            await srv.close()
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(run())
+    failed = [e for e in _send_failures(logs) if e["event"] == "ucx_send_failed"]
+    assert len(failed) == 1 and failed[0]["error"].startswith("cancelled"), logs

@@ -18,7 +18,8 @@ Per connection (its own task on the sender's event loop, `ControlListener`):
 The sender's own process never runs UCX: what a peer makes the library do (an endpoint from a
 foreign UCX, a GET of any address, an abort) reaches its connection's sandbox only, whose death
 ends that connection (logged with its exit status) and nothing else. The TCP connection is the
-lifeline: its end ends the sandbox. Per connection the sender holds one request frame
+lifeline: its end ends the sandbox (during a pull, once the sandbox reports its sends or LEFT_S
+passes: `_Lifeline`). Per connection the sender holds one request frame
 (<= MAX_REQUEST_BYTES) and one pull's payloads (memfds of stored contexts, or copies charged to
 the store's pull budget).
 
@@ -29,7 +30,9 @@ memory never goes to UCX as it is on this channel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import structlog
 
@@ -51,6 +54,52 @@ from droidmesh.shared.wire.schemas import PullRequest, Transport
 
 log = structlog.get_logger("ucx")
 WIRE_S = 30.0  # a sandbox's check of the receiver's address and its endpoint
+LEFT_S = 5.0  # after the receiver went mid-pull, how long its sandbox's sends may still report completion
+
+
+class _Lifeline:
+    """The receiver's TCP connection: its end (or anything sent on it) ends the connection's sandbox.
+
+    UCX orders nothing between that connection and the endpoint. A receiver whose last receive
+    completed may close it before the sandbox reports its sends complete: a rendezvous send
+    completes only when the receiver's acknowledgement reaches the sandbox's worker, and the
+    report then crosses the sandbox's loop and socket. So an end during a pull leaves the sandbox
+    LEFT_S to report; sends that have not completed by then are ended with it."""
+
+    def __init__(self, reader: asyncio.StreamReader, sandbox: Sandbox):
+        self._sandbox = sandbox
+        self._pulling = False
+        self._grace: asyncio.TimerHandle | None = None
+        self._read = asyncio.ensure_future(reader.read(1))
+        self._read.add_done_callback(self._ended)
+
+    def ended(self) -> bool:
+        return self._read.done()
+
+    def _ended(self, _: asyncio.Future) -> None:
+        if self._pulling:
+            self._grace = asyncio.get_running_loop().call_later(LEFT_S, self._sandbox.kill)
+        else:
+            self._sandbox.kill()
+
+    @contextlib.contextmanager
+    def pulling(self) -> Iterator[None]:
+        """Around one pull's send: an end meanwhile kills the sandbox only after LEFT_S, or when
+        the pull is over, whichever comes first."""
+        self._pulling = True
+        try:
+            yield
+        finally:
+            self._pulling = False
+            if self._grace is not None:
+                self._grace.cancel()
+            if self.ended():
+                self._sandbox.kill()
+
+    def close(self) -> None:
+        self._read.cancel()
+        if self._grace is not None:
+            self._grace.cancel()
 
 
 class UcxBulkServer:
@@ -84,7 +133,7 @@ class UcxBulkServer:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot) -> None:
         peer = writer.get_extra_info("peername")
         sandbox: Sandbox | None = None
-        lifeline: asyncio.Task | None = None
+        lifeline: _Lifeline | None = None
         try:
             hello_s: float | None = wireup.HELLO_S
             while True:  # a refused peer may say hello again (within its slot's setup deadline)
@@ -108,28 +157,26 @@ class UcxBulkServer:
             except BaseException:
                 served.release()
                 raise
-            # the receiver closing the connection (or sending anything on it) ends its sandbox
-            lifeline = asyncio.ensure_future(reader.read(1))
-            lifeline.add_done_callback(lambda _: sandbox.kill() if sandbox is not None else None)
+            lifeline = _Lifeline(reader, sandbox)
             while True:
-                await self._serve_pull(sandbox, served, slot)
+                await self._serve_pull(sandbox, served, slot, lifeline)
                 async with slot.waiting():
                     ask = await sandbox.recv(SandboxAsk, None)
                 served = await self._answer(ask.request)
         except SlotEnded:
             raise
         except SandboxDied as e:  # unless the receiver went (its sandbox with it), the sandbox died on its own
-            if lifeline is None or not lifeline.done():
+            if lifeline is None or not lifeline.ended():
                 log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
         except Exception as e:  # a bad peer, a failed or dead sandbox: this connection ends, never the server
             log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
         finally:
             if lifeline is not None:
-                lifeline.cancel()
+                lifeline.close()
             if sandbox is not None and self.sandboxes is not None:
                 self.sandboxes.give_back(sandbox)
 
-    async def _serve_pull(self, sandbox: Sandbox, served: Served, slot: Slot) -> None:
+    async def _serve_pull(self, sandbox: Sandbox, served: Served, slot: Slot, lifeline: _Lifeline) -> None:
         """One answered request: the sandbox sends its response and payloads within SEND_S (a
         pull sent in full proves the connection: `slot.pulled`); the hold is released after."""
         try:
@@ -137,17 +184,20 @@ class UcxBulkServer:
             exported = await export_async(served.payloads)  # `served` (its payloads: the memfds' views) lives till the end
             try:
                 pull_id = next(self._pulls)
-                await sandbox.send(SandboxServe(pull_id=pull_id, response=schemas.encode(served.response),
-                                                regions=exported.regions, fds=len(exported.fds)), exported.fds)
-                done = await sandbox.recv(SandboxServed, SEND_S + 10.0)  # the sandbox's own deadline reports first
+                with lifeline.pulling():
+                    await sandbox.send(SandboxServe(pull_id=pull_id, response=schemas.encode(served.response),
+                                                    regions=exported.regions, fds=len(exported.fds)), exported.fds)
+                    done = await sandbox.recv(SandboxServed, SEND_S + 10.0)  # the sandbox's own deadline reports first
             except SandboxDied:
-                if sandbox.closed:  # ended by us: the receiver closed the connection mid-pull
+                if sandbox.closed:  # ended by us: the receiver left with sends still unfinished
                     log.warning("ucx_send_failed", error="cancelled: the receiver went mid-pull; its sandbox ended")
                 raise
             finally:
                 exported.close()
             if done.error:
-                log.warning("ucx_send_failed", error=done.error, send_s=SEND_S)
+                # after the receiver left, UCX fails the sends it had not completed with its own error
+                error = f"cancelled: the receiver went mid-pull ({done.error})" if lifeline.ended() else done.error
+                log.warning("ucx_send_failed", error=error[:300], send_s=SEND_S)
                 raise BadMessageError(f"sending the pull failed: {done.error}")
             if not served.response.error:
                 slot.pulled()
