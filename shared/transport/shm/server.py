@@ -255,10 +255,14 @@ def _peer(conn: socket.socket) -> str:
 
 
 async def _off_loop(make: Callable[..., int], *args: object) -> int:
-    """A descriptor made on a worker thread; if the caller is cancelled first, it is closed once made."""
+    """A descriptor made on a worker thread. Cancelled first, it returns once the thread is done
+    (closing what it made): the pull's hold, released after this, charges the copy while it is
+    made, and the stored views it reads stay held until then."""
     future = asyncio.get_running_loop().run_in_executor(None, make, *args)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else os.close(f.result()))
+        await asyncio.wait([future])  # bounded by one pull's copy, within the pull budget
+        if not future.cancelled() and future.exception() is None:
+            os.close(future.result())
         raise
