@@ -26,7 +26,8 @@ Every channel runs the same protocol:
   3. the client checks every header against its own buffer (context, layer, kind, shape, dtype),
      that the codec is registered here and that the payload is no larger than that codec's
      bound for the buffer, all before receiving a byte; then, per landed payload, verifies the
-     checksum and decodes into the buffer (`landings`, here).
+     checksum and decodes into the buffer (`landings`, here), on a decoding thread when that
+     costs time (`land_async`).
 
 Peers are not trusted, so neither side allocates from what the other declares: the server's
 checks are in `answer.py`; the client's buffers are the caller's, sized from its own prompt and
@@ -36,7 +37,10 @@ codec's bound for that buffer (`landings`).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -156,6 +160,40 @@ class Landing:
                                          f"{got} != {self.header.checksum}")
             self.codec.decode(self.recv, self.header, self.out)
         return self.out
+
+    def costs_time(self, verify: bool = True) -> bool:
+        """Landing decodes (a staged payload: dequantized or copied into `out`) or waits on a device
+        (a CUDA buffer's copy stream, a device checksum's read back). A host payload received in
+        place is only hashed: xxh3 holds the GIL at ~25 GB/s, so a thread would not free the loop."""
+        return not self.in_place or (verify and self.out.device.type == "cuda")
+
+
+DECODERS = 2  # threads: one long decoding (a big int4 item) leaves the other for the pulls beside it
+
+
+@functools.cache
+def _decoder() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads landed items are decoded on, shared by a receiver's pulls: the working memory
+    decoding takes (int4's float copy of the item it is on) and the CPU beside the engine's thread
+    stay those of DECODERS items."""
+    return concurrent.futures.ThreadPoolExecutor(DECODERS, thread_name_prefix="droidmesh-decode")
+
+
+async def land_async(land: Landing, verify: bool = True) -> torch.Tensor:
+    """`land.land(verify)` for a client on an event loop: on a decoding thread when it costs time,
+    so the loop keeps streaming other requests' tokens meanwhile; else on the loop (a thread hop
+    would cost more). Cancelled while the thread decodes, it returns once the thread is done: the
+    caller's buffer is written no more once its pull has ended."""
+    if not land.costs_time(verify):
+        return land.land(verify)
+    future = asyncio.get_running_loop().run_in_executor(_decoder(), land.land, verify)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])  # bounded by one item's decoding; its own error is the pull's no more
+        if not future.cancelled():
+            future.exception()
+        raise
 
 
 def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.Tensor]) -> list[Landing]:

@@ -38,7 +38,7 @@ import torch
 
 from droidmesh.shared.errors import BadMessageError, TransferError
 from droidmesh.shared.transport.address import on_this_host, parse_host_port
-from droidmesh.shared.transport.bulk import Landing, OnItem, landings
+from droidmesh.shared.transport.bulk import Landing, OnItem, land_async, landings
 from droidmesh.shared.transport.client import ChannelClient
 from droidmesh.shared.transport.nixl import frames, metadata
 from droidmesh.shared.transport.nixl.agent import Agent
@@ -239,9 +239,7 @@ class NixlBulkClient(ChannelClient[_Connection]):
 
 
 async def _deliver(batch: list[tuple[Landing, NixlRegion]], on_item: OnItem) -> None:
-    """A completed READ's items, in request order; a decoded one gives the loop back before the
-    next, so items that have all landed are decoded one hold of the loop each."""
+    """A completed READ's items, in request order, each decoded on a thread (`land_async`): the
+    loop streams other requests' tokens meanwhile."""
     for land, _ in batch:
-        on_item(land.item, land.land(verify=False))  # one-sided reads: see the module docstring
-        if not land.in_place:
-            await asyncio.sleep(0)
+        on_item(land.item, await land_async(land, verify=False))  # one-sided reads: see the module docstring

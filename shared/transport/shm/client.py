@@ -40,7 +40,7 @@ from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.transport import cuda_ipc, memfd, shm_io
 from droidmesh.shared.transport.address import check_unix_path
-from droidmesh.shared.transport.bulk import Landing, OnItem, landings
+from droidmesh.shared.transport.bulk import Landing, OnItem, land_async, landings
 from droidmesh.shared.transport.client import ChannelClient
 from droidmesh.shared.transport.codecs import asks_device
 from droidmesh.shared.transport.exports import Export, Mapping, Mappings, Opener, check_region
@@ -343,7 +343,7 @@ class ShmBulkClient(ChannelClient[_Conn]):
                     _read_device(device)
                     await _all_done(run_futures)
                     for land, _ in run:
-                        on_item(land.item, land.land(verify=False))  # raw: in place, or from host staging
+                        on_item(land.item, await land_async(land, verify=False))  # raw: in place, or from host staging
             for i in plan.to_keep:  # read once with preadv; mapped for the pulls after
                 conn.kept.keep(fds[i], plan.identities[i])
             ok = True

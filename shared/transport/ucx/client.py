@@ -34,7 +34,7 @@ import torch
 
 from droidmesh.shared.errors import BadMessageError, PeerUnreachableError, TransferError
 from droidmesh.shared.transport.address import on_this_host, parse_host_port
-from droidmesh.shared.transport.bulk import OnItem, landings
+from droidmesh.shared.transport.bulk import OnItem, land_async, landings
 from droidmesh.shared.transport.client import ChannelClient
 from droidmesh.shared.transport.ucp_address import check_peer
 from droidmesh.shared.transport.ucx import ops, runtime, wireup
@@ -94,8 +94,8 @@ class UcxBulkClient(ChannelClient[_Connection]):
         receives = [ops.op(ep.recv(ucx_buffer(land.recv))) for land in lands]
         for land, received in zip(lands, receives, strict=True):
             await asyncio.shield(received)  # in order: E first, so the engine can start while the rest streams
-            on_item(land.item, land.land())
-            await asyncio.sleep(0)  # items that have all arrived are verified and decoded one hold of the loop each
+            on_item(land.item, await land_async(land))  # decoded on a thread (`land_async`)
+            await asyncio.sleep(0)  # items that have all arrived are verified one hold of the loop each
         return sum(land.header.nbytes for land in lands)
 
     async def _wire(self, conn: _Connection, request: PullRequest) -> Any:
