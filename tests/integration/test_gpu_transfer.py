@@ -9,11 +9,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from droidmesh.shared.tools.bench import gpu_transfer
+from droidmesh.shared.tools.bench import gpu_transfer, nixl_reexport
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,3 +52,29 @@ def test_missing_modules_stop_the_script_with_their_names(tmp_path):
                           env={**os.environ, "PYTHON": str(bare)}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "MISSING Python modules: torch" in proc.stderr and "Traceback" not in proc.stderr
 
+
+
+def _children_running(role_module: str) -> list[int]:
+    """Pids of this process's children running `role_module`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and role_module.encode() in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_the_reexport_probe_kills_a_child_that_misses_its_deadline():
+    """No child answers within 0.2 s (each is still importing torch): the verdict says which and
+    why, nothing is raised, and no child is left running."""
+    t0 = time.monotonic()
+    report = nixl_reexport.probe(torch.device("cpu"), deadline_s=0.2)
+    assert report["outcome"] == "untested"
+    assert report["verdict"] == "reexport: untested: owner: no answer within 0.2s"
+    assert time.monotonic() - t0 < 2 * nixl_reexport.STOP_S  # terminated at once: none had answered
+    assert set(report["logs"]) == {"owner", "sandbox", "reader"}
+    assert _children_running(nixl_reexport.ROLES_MODULE) == []

@@ -46,7 +46,9 @@ def test_the_tiny_transfer_step_leaves_its_log_and_json(tmp_path):
 
 def test_the_tiny_nixl_step_measures_the_channel_beside_nixl_itself(tmp_path):
     """The nixl step's own JSON (beside the transfer step's): the channel and NIXL's own READ on the
-    same memory (on the CPU, host memory), per size and for a plan; no ucx or shm rows."""
+    same memory (on the CPU, host memory), per size and for a plan; no ucx or shm rows. First, its
+    re-export probe: a sandbox process registers memory it holds only as an import (on the CPU the
+    owner's memfd) with NIXL, and a third process READs it, bytes checked."""
     proc = _session(tmp_path, "--tiny", "--steps", "nixl")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "gpu-transfer-nixl.json").read_text())
@@ -60,3 +62,9 @@ def test_the_tiny_nixl_step_measures_the_channel_beside_nixl_itself(tmp_path):
     assert kept["screen"] == "accepted: 2 descriptors"  # the receiver's screen passes NIXL's own metadata
     assert base64.b64decode(kept["metadata_b64"]).startswith(b"nixlSerDes|")
     assert not (tmp_path / "gpu-transfer.json").exists()
+    probe = report["reexport"]  # its verdict in the step's log and JSON
+    assert probe["outcome"] == "works" and probe["verdict"].startswith("reexport: works at "), probe
+    assert probe["verdict"] in proc.stdout and probe["memory"] == "DRAM" and probe["bytes"] == 1 << 20
+    assert probe["own"]["match"] and probe["import"]["match"] and probe["import"]["gb_s"] > 0
+    assert probe["import"]["transport"]  # read from the reader's UCX tables
+    assert probe["screen"] == "accepted: 1 descriptors"  # the receiver's screen passes the import's keys

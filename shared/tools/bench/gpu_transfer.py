@@ -16,7 +16,9 @@ Sequence:
      when its payload has landed and passed its checksum); the path the capability check gives
      and the protocol UCX printed for sending that memory (`ucx_proto.ucx_tables`);
   5. the same over the shm channel (`shm_rows`: device exports opened once by the receiver; per
-     size, a 60-item plan in one pull, and the fixed cost of a 4 KiB pull);
+     size, a 60-item plan in one pull, and the fixed cost of a 4 KiB pull); with `--channels nixl`,
+     first the re-export probe (`nixl_reexport`: can NIXL in a sandbox serve memory it holds only as
+     an import?), then the nixl channel beside NIXL's own READ (`nixl_rows`);
   6. a table on stdout; JSON to `--json`, else `$OUT/gpu-transfer.json` when `OUT` is set.
 What is missing (ucxx, a server that cannot start) becomes the rows' `unavailable` reason and a
 `missing` entry with exit status 2, never a traceback; the copy reference is measured regardless.
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from droidmesh.shared.tools.bench import nixl_reexport
 from droidmesh.shared.tools.bench.bulk_transfer import MIB, pull_rates
 from droidmesh.shared.tools.bench.nixl_raw import raw_rates
 from droidmesh.shared.tools.bench.tensor_proc import NIXL_RAW, TensorServer
@@ -95,6 +98,7 @@ def measure(sizes: list[int], device: torch.device, repeats: int,
     rates, lines = _ucx_rates(sizes, device, repeats, report["missing"]) if "ucx" in channels else ({}, [])
     report["shm"] = shm_rows(sizes, device, repeats, refs) if "shm" in channels else None
     if "nixl" in channels:
+        report["reexport"] = reexport(device)
         report["nixl"] = nixl_rows(sizes, device, repeats, refs)
         report["missing"] += [f"nixl: {report['nixl']['missing']}"] if report["nixl"]["missing"] else []
     tables = ucx_tables(lines)  # tag-send tables by memory type
@@ -203,6 +207,18 @@ def nixl_rows(sizes: list[int], device: torch.device, repeats: int, refs: dict[i
     return out
 
 
+def reexport(device: torch.device) -> dict[str, Any]:
+    """Whether NIXL in a sandbox can serve memory it holds only as an import (`nixl_reexport`):
+    its verdict printed at once, before the step's longer measurements (a time-out of the step
+    cannot lose it), and what the receiver's screen says of the import's own metadata. Never
+    raises: its failures are its verdict, not the step's."""
+    result = nixl_reexport.probe(device)
+    if result["metadata_b64"]:
+        result["screen"] = screen_verdict(result["metadata_b64"], device.type == "cuda")
+    print(result["verdict"], flush=True)
+    return result
+
+
 def _nixl_rates(transport: str, sizes: list[int], device: torch.device, repeats: int, items: int,
                 keep: dict[str, Any] | None = None) -> dict[int, float]:
     """Pull rates of the nixl channel, or NIXL's own READ (`nixl_raw`), from a server on `device`.
@@ -259,6 +275,11 @@ def table(report: dict[str, Any]) -> str:
         missing += f"MISSING (shm): {report['shm']['missing']}\n" if report["shm"]["missing"] else ""
     if report.get("nixl"):
         rows += _nixl_table(report["nixl"])
+    if report.get("reexport"):
+        probe = report["reexport"]
+        rows.append(probe["verdict"])
+        if probe.get("screen"):
+            rows.append(f"the receiver's metadata screen on the import's {probe['memory']} metadata: {probe['screen']}")
     return head + "\n".join(rows) + "\n" + missing
 
 

@@ -35,7 +35,7 @@ from droidmesh.shared.tools.bench.tensor_server import ERROR_PREFIX, one_line, t
 RAW_PREFIX = "NIXL_RAW="
 
 
-def _agent(role: str) -> Any:
+def api_agent(role: str) -> Any:
     import importlib
     import importlib.util
 
@@ -83,7 +83,7 @@ def raw_rates(line: str, sizes: list[int], items: int, repeats: int, read: int |
     read = read or items
     info = json.loads(line)
     memory, index = info.get("memory", "DRAM"), int(info.get("device", 0))
-    agent = _agent("receiver")
+    agent = api_agent("receiver")
     peer = agent.add_remote_agent(base64.b64decode(info["metadata"]))
     peer = peer.decode() if isinstance(peer, bytes) else peer
     rates = {}
@@ -91,10 +91,23 @@ def raw_rates(line: str, sizes: list[int], items: int, repeats: int, read: int |
         into = [torch.zeros(n // 2, dtype=torch.bfloat16, device=device) for _ in range(read)]  # written: pages exist
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)  # zeroed before any READ lands in them
-        registered = agent.register_memory(into)
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", into)
-        remote = agent.prep_xfer_dlist(peer, [(a, b, index) for a, b in info["contexts"][str(n)][:read]], memory)
-        handle = agent.make_prepped_xfer("READ", local, list(range(read)), remote, list(range(read)))
+        remote = [(a, b, index) for a, b in info["contexts"][str(n)][:read]]
+        times = timed_reads(agent, peer, into, remote, memory, repeats)
+        rates[n] = n * read / statistics.median(times[1:]) / 1e9
+    agent.remove_remote_agent(peer)
+    return rates
+
+
+def timed_reads(agent: Any, peer: str, into: list[torch.Tensor], remote: list[tuple[int, int, int]], memory: str,
+                repeats: int) -> list[float]:
+    """Seconds of each of `repeats` + 1 READs (the first a warm-up) of `remote` regions (address,
+    bytes, device) of `peer` into `into`, registered for them: both descriptor lists and the READ
+    prepared once, then re-posted and polled to completion. `into` keeps the last READ's bytes."""
+    registered = agent.register_memory(into)
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", into)
+    far = agent.prep_xfer_dlist(peer, remote, memory)
+    handle = agent.make_prepped_xfer("READ", local, list(range(len(into))), far, list(range(len(remote))))
+    try:
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
@@ -104,13 +117,12 @@ def raw_rates(line: str, sizes: list[int], items: int, repeats: int, read: int |
             times.append(time.perf_counter() - t0)
             if state != "DONE":
                 raise RuntimeError(f"NIXL READ failed ({state})")
+        return times
+    finally:
         agent.release_xfer_handle(handle)
         agent.release_dlist_handle(local)
-        agent.release_dlist_handle(remote)
+        agent.release_dlist_handle(far)
         agent.deregister_memory(registered)
-        rates[n] = n * read / statistics.median(times[1:]) / 1e9
-    agent.remove_remote_agent(peer)
-    return rates
 
 
 def main(argv: list[str]) -> int:

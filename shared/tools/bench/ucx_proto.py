@@ -13,7 +13,8 @@ import re
 # UCX prints the tables of the protocols it selected (one per endpoint configuration and
 # operation) on stdout when UCX_PROTO_INFO=y: each titled "<context> <cfg#N> | <operation>", then
 # one row per message-size range with the protocol and the transport (`sysv/memory`, `tcp/lo`,
-# `cuda_ipc/cuda`, ...) that carry it. The operation names the memory type last.
+# `cuda_ipc/cuda`, ...) that carry it. The operation names the memory type last. UCX 1.21 puts the
+# title's two parts on lines of their own and names both memory types ("... into host memory from host").
 UCX_TAG_SEND = "tagged message by ucp_tag_send* from "  # the ucx channel's sender: each payload
 UCX_GET = "remote memory read by ucp_get* from "  # the nixl channel's receiver reads each payload
 _UCX_RANGE = re.compile(r"(\d+[KMG]?)(?:\.\.(\d+[KMG]?|inf))?")
@@ -37,10 +38,14 @@ def ucx_tables(lines: list[str], operation: str = UCX_TAG_SEND) -> dict[str, Pro
     the last table of the operation."""
     tables: dict[str, Protocols] = {}
     current: Protocols | None = None
+    context = False  # UCX 1.21 prints a title on two lines: "<context> <cfg>", then "<operation>"
     for line in lines:
         if "|" not in line:
             continue
         cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
+        if context and len(cells) == 1:
+            cells = ["cfg#", cells[0]]
+        context = len(cells) == 1 and "cfg#" in cells[0]
         if len(cells) == 2 and "cfg#" in cells[0]:  # a table's title: "<context> <cfg> | <operation>"
             current = None
             if cells[1].startswith(operation):

@@ -83,3 +83,15 @@ def test_transfer_rows_over_the_inproc_channel():
         assert row["memcpy_cold_gb_s"] > 0
     assert r["over_memcpy"] == {"inproc": None}  # no row of 16 MiB or more
     assert r["ucx_over_memcpy"] is None
+
+
+def test_ucx_tables_with_the_title_on_two_lines():
+    """UCX 1.21 prints "<context> <cfg>" and the operation on lines of their own."""
+    lines = ["[1] [vm:1:0]   | ucp_context_0 intra-node cfg#1 |",
+             "[1] [vm:1:0]   | remote memory read by ucp_get*(multi) into host memory from host |",
+             "[1] [vm:1:0]   +--------+-------------+------------+",
+             "[1] [vm:1:0]   | Range  | Description |   Config   |",
+             "[1] [vm:1:0]   | 0..inf | zero-copy   | cma/memory |"]
+    tables = ucx_proto.ucx_tables(lines, "remote memory read by ucp_get")
+    assert tables == {"*(multi) into host memory from host": [(0, math.inf, "cma/memory: zero-copy")]}
+    assert ucx_proto.ucx_tables(lines[1:], "remote memory read by ucp_get") == {}  # an operation without its context line
