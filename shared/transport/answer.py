@@ -18,8 +18,6 @@ out: every send has a deadline).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -29,7 +27,7 @@ import torch
 
 from droidmesh.shared.errors import BadMessageError, DroidMeshError, IntegrityError, TransferError
 from droidmesh.shared.model.device import dtype_name
-from droidmesh.shared.transport import codecs, integrity
+from droidmesh.shared.transport import codecs, integrity, workers
 from droidmesh.shared.transport.bulk import Authorize, Pin, PullHold, TensorLookup, token_axis
 from droidmesh.shared.transport.limits import MAX_CODEC_PARAMS, MAX_ITEMS, MAX_LAYERS, MAX_STR, MAX_TOKENS
 from droidmesh.shared.wire.schemas import LOWRANK_CODEC, CodecParams, PullItem, PullRequest, PullResponse, TensorHeader
@@ -158,7 +156,7 @@ async def answer_async(request: PullRequest, lookup: TensorLookup, authorize: Au
     try:
         if not _has_work(begun, checksums):
             return _served(begun, _encode(request.context_id, begun, checksums))
-        future = asyncio.get_running_loop().run_in_executor(_encoder(), _encode, request.context_id, begun, checksums)
+        future = asyncio.get_running_loop().run_in_executor(workers.encoders(), _encode, request.context_id, begun, checksums)
         return _served(begun, await asyncio.shield(future))
     except asyncio.CancelledError:
         if future is None:
@@ -177,17 +175,6 @@ def _refused(hold: PullHold, e: DroidMeshError) -> Served:
     """A pull refused after its hold was taken: released, the refusal answered."""
     hold.release()
     return Served(refusal(e), [], _NoHold().release)
-
-
-ENCODERS = 2  # threads: one long encoding (a big int4 plan) leaves the other for the pulls behind it
-
-
-@functools.cache
-def _encoder() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads encodings run on, a pull's items in turn on one of them: the working memory
-    they take beyond the pull budget (an int4 encoding's float32 copy of the item it is on, on a
-    GPU sender's device) and the CPU beside the engine's thread stay those of ENCODERS items."""
-    return concurrent.futures.ThreadPoolExecutor(ENCODERS, thread_name_prefix="droidmesh-encode")
 
 
 def _begin(request: PullRequest, lookup: TensorLookup, authorize: Authorize | None, pin: Pin | None) -> _Begun:

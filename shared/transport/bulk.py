@@ -37,10 +37,7 @@ codec's bound for that buffer (`landings`).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -49,7 +46,7 @@ import torch
 from droidmesh.shared.errors import IntegrityError, TransferError
 from droidmesh.shared.kv import streams
 from droidmesh.shared.model.device import dtype_name
-from droidmesh.shared.transport import codecs, integrity, placement
+from droidmesh.shared.transport import codecs, integrity, placement, workers
 from droidmesh.shared.transport.limits import (  # the limits every request meets, re-exported: callers import them here
     MAX_CODEC_PARAMS as MAX_CODEC_PARAMS,
 )
@@ -168,32 +165,14 @@ class Landing:
         return not self.in_place or (verify and self.out.device.type == "cuda")
 
 
-DECODERS = 2  # threads: one long decoding (a big int4 item) leaves the other for the pulls beside it
-
-
-@functools.cache
-def _decoder() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads landed items are decoded on, shared by a receiver's pulls: the working memory
-    decoding takes (int4's float copy of the item it is on) and the CPU beside the engine's thread
-    stay those of DECODERS items."""
-    return concurrent.futures.ThreadPoolExecutor(DECODERS, thread_name_prefix="droidmesh-decode")
-
-
 async def land_async(land: Landing, verify: bool = True) -> torch.Tensor:
     """`land.land(verify)` for a client on an event loop: on a decoding thread when it costs time,
     so the loop keeps streaming other requests' tokens meanwhile; else on the loop (a thread hop
-    would cost more). Cancelled while the thread decodes, it returns once the thread is done: the
-    caller's buffer is written no more once its pull has ended."""
+    would cost more). Cancelled, it returns once the thread is done with the caller's buffer
+    (`workers.run_settled`): it is written no more once its pull has ended."""
     if not land.costs_time(verify):
         return land.land(verify)
-    future = asyncio.get_running_loop().run_in_executor(_decoder(), land.land, verify)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await asyncio.wait([future])  # bounded by one item's decoding; its own error is the pull's no more
-        if not future.cancelled():
-            future.exception()
-        raise
+    return await workers.run_settled(workers.decoders(), land.land, verify)
 
 
 def landings(request: PullRequest, response: PullResponse, into: Sequence[torch.Tensor]) -> list[Landing]:

@@ -9,7 +9,6 @@ encoded tensors, which the caller drops. `export` blocks for the copy; `export_a
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from droidmesh.shared.transport import codecs, memfd
+from droidmesh.shared.transport import codecs, memfd, workers
 from droidmesh.shared.wire.sandbox import SandboxRegion
 from droidmesh.shared.wire.schemas import PullRequest
 
@@ -36,16 +35,12 @@ class Exported:
 
 async def export_async(payloads: Sequence[torch.Tensor]) -> Exported:
     """`export` on the event loop when every payload lies in a placed memfd (nothing to copy: a
-    thread hop would cost more), else on a worker thread; if the caller is cancelled meanwhile,
-    the copy it made is closed once made."""
+    thread hop would cost more), else on a copying thread. Cancelled, it returns once the copy is
+    made and closed (`workers.run_settled`): the pull's hold, released after this, charges it
+    while it is made."""
     if all(memfd.placed(p) is not None or not p.numel() for p in payloads):
         return export(payloads)
-    future = asyncio.get_running_loop().run_in_executor(None, export, payloads)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else f.result().close())
-        raise
+    return await workers.run_settled(workers.copiers(), export, payloads, abandon=Exported.close)
 
 
 def host_only(request: PullRequest) -> PullRequest:

@@ -37,7 +37,7 @@ import torch
 
 from droidmesh.shared.errors import DroidMeshError
 from droidmesh.shared.model.device import dtype_name
-from droidmesh.shared.transport import codecs, cuda_ipc, memfd, shm_io
+from droidmesh.shared.transport import codecs, cuda_ipc, memfd, shm_io, workers
 from droidmesh.shared.transport.answer import admit, refusal
 from droidmesh.shared.transport.bulk import MAX_REQUEST_BYTES, Authorize, Pin, PullHold, TensorLookup, token_axis
 from droidmesh.shared.transport.exports import Export, Exporter, Sent
@@ -255,14 +255,7 @@ def _peer(conn: socket.socket) -> str:
 
 
 async def _off_loop(make: Callable[..., int], *args: object) -> int:
-    """A descriptor made on a worker thread. Cancelled first, it returns once the thread is done
-    (closing what it made): the pull's hold, released after this, charges the copy while it is
-    made, and the stored views it reads stay held until then."""
-    future = asyncio.get_running_loop().run_in_executor(None, make, *args)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await asyncio.wait([future])  # bounded by one pull's copy, within the pull budget
-        if not future.cancelled() and future.exception() is None:
-            os.close(future.result())
-        raise
+    """A descriptor made on a copying thread (`workers.copiers`). Cancelled, it returns once the thread is done
+    (`workers.run_settled`), closing what it made: the pull's hold, released after this, charges
+    the copy while it is made, and the stored views it reads stay held until then."""
+    return await workers.run_settled(workers.copiers(), make, *args, abandon=os.close)

@@ -51,7 +51,7 @@ def test_a_host_payload_received_in_place_lands_on_the_loop_and_a_quantized_one_
     torch.testing.assert_close(got_int8, t, atol=t.abs().max().item() / 100, rtol=0)  # int8: 1/127 of the row's range
 
 
-def test_a_cancelled_landing_returns_only_once_its_decoding_thread_is_done():
+def test_a_landing_cancelled_twice_returns_only_once_its_decoding_thread_is_done():
     t = torch.randn(1, 2, 32, 16)
     land = _landing(t, "int8")
     entered, gate, finished = threading.Event(), threading.Event(), threading.Event()
@@ -69,8 +69,10 @@ def test_a_cancelled_landing_returns_only_once_its_decoding_thread_is_done():
         task = asyncio.ensure_future(land_async(land))
         await asyncio.to_thread(entered.wait, 10)
         task.cancel()
+        await asyncio.sleep(0.01)
+        task.cancel()  # a pull's deadline, then its request's cancel
         await asyncio.sleep(0.05)
-        waited = not task.done()  # the cancel waits for the thread writing the caller's buffer
+        waited = not task.done()  # the cancels wait for the thread writing the caller's buffer
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task

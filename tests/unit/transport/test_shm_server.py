@@ -11,7 +11,7 @@ import pytest
 from droidmesh.shared.transport.shm.server import _off_loop
 
 
-def test_a_cancelled_copy_returns_once_the_copy_is_done_and_closes_what_it_made():
+def test_a_copy_cancelled_twice_returns_once_the_copy_is_done_and_closes_what_it_made():
     """The pull's hold is released after `_off_loop` returns: a cancel must not return while the
     copy it charges still runs, nor leave its descriptor open."""
     entered, gate = threading.Event(), threading.Event()
@@ -27,6 +27,8 @@ def test_a_cancelled_copy_returns_once_the_copy_is_done_and_closes_what_it_made(
         task = asyncio.ensure_future(_off_loop(make))
         await asyncio.to_thread(entered.wait, 10)
         task.cancel()
+        await asyncio.sleep(0.01)
+        task.cancel()  # a connection's cancel, then the server's close cancelling it again
         await asyncio.sleep(0.05)
         returned_early = task.done()
         gate.set()
