@@ -253,3 +253,40 @@ def test_a_ucx_receiver_that_leaves_mid_pull_is_a_cancelled_send(monkeypatch):
         asyncio.run(run())
     failed = [e for e in _send_failures(logs) if e["event"] == "ucx_send_failed"]
     assert len(failed) == 1 and failed[0]["error"].startswith("cancelled"), logs
+    assert not [e for e in _send_failures(logs) if e["event"] == "ucx_connection_dropped"], logs  # the receiver's doing
+
+
+def test_a_sandbox_that_dies_on_its_own_mid_pull_is_a_crash_not_a_receiver_that_left(monkeypatch):
+    """The sandbox crashes (killed here) while the receiver is still connected and pulling: the
+    sender logs the sandbox's death, and does not blame the receiver for leaving, even when the
+    receiver, its pull failed, closes its connection before the sender has seen the death."""
+    issuer = TokenIssuer(ttl_s=60)
+    recv = host.Sandbox.recv
+
+    async def dying_recv(self, kind, deadline_s):
+        if kind is SandboxServed:
+            os.kill(self.pid, signal.SIGKILL)  # a crash in UCX, say
+        return await recv(self, kind, deadline_s)
+
+    monkeypatch.setattr(host.Sandbox, "recv", dying_recv)
+
+    async def run() -> list:
+        srv, address, _ = await _server("ucx", issuer)
+        client = make_client("ucx")
+        try:
+            into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
+            outcome = await asyncio.gather(client.pull(address, PullRequest(context_id="a", items=ITEMS,
+                                                                            token=issuer.issue("a")[0]),
+                                                       into, lambda *a: None, 10), return_exceptions=True)
+            await client.close()
+            await _until(lambda: srv.sandboxes.live() == 0, "the connection ends")  # type: ignore[attr-defined]
+            return outcome
+        finally:
+            await client.close()
+            await srv.close()
+
+    with structlog.testing.capture_logs() as logs:
+        outcome = asyncio.run(run())
+    assert isinstance(outcome[0], Exception)  # the receiver's pull failed: its sender's sandbox died
+    warned = [(e["event"], e.get("reason", e.get("error", e.get("status")))) for e in logs if e["log_level"] == "warning"]
+    assert ("sandbox_died", "signal SIGKILL") in warned and not [w for w in warned if w[0] == "ucx_send_failed"], warned

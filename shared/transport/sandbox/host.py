@@ -47,7 +47,12 @@ died_total = 0  # sandboxes that ended by a signal or an error status while serv
 
 
 class SandboxDied(TransferError):
-    """A sandbox process ended while its connection needed it."""
+    """A sandbox process ended while its connection needed it: `ended_by_us` (killed or closed by
+    the sender, e.g. when its receiver went) or on its own (a crash: logged as `sandbox_died`)."""
+
+    def __init__(self, message: str, ended_by_us: bool):
+        super().__init__(message)
+        self.ended_by_us = ended_by_us
 
 
 class Sandbox:
@@ -82,7 +87,7 @@ class Sandbox:
 
     async def send(self, msg: schemas.Message, fds: Sequence[int] = ()) -> None:
         if self.closed:
-            raise SandboxDied(f"{self.channel} sandbox {self.pid} was ended")
+            raise SandboxDied(f"{self.channel} sandbox {self.pid} was ended", ended_by_us=True)
         try:
             async with asyncio.timeout(ORDER_S):
                 await shm_io.send_frame(self.sock, schemas.encode(msg), list(fds))
@@ -96,7 +101,7 @@ class Sandbox:
         """The sandbox's next report, which must be a `kind`, within `deadline_s` (None: the
         caller bounds the wait); `SandboxDied` when it ended, `TransferError` when it failed."""
         if self.closed:
-            raise SandboxDied(f"{self.channel} sandbox {self.pid} was ended")
+            raise SandboxDied(f"{self.channel} sandbox {self.pid} was ended", ended_by_us=True)
         try:
             async with asyncio.timeout(deadline_s):
                 data, _ = await shm_io.recv_frame(self.sock, MAX_REPORT_BYTES, 0)
@@ -139,7 +144,7 @@ class Sandbox:
             status = None
         self._count(status, on_its_own=on_its_own and status != 0)
         self.close()
-        return SandboxDied(f"{self.channel} sandbox {self.pid} ended ({_status(status)}): {why}")
+        return SandboxDied(f"{self.channel} sandbox {self.pid} ended ({_status(status)}): {why}", ended_by_us=not on_its_own)
 
     def kill(self) -> None:
         """End the process now (asyncio's child watcher reaps it); a wait on it then ends with

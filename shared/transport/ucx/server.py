@@ -165,11 +165,9 @@ class UcxBulkServer:
                 served = await self._answer(ask.request)
         except SlotEnded:
             raise
-        except SandboxDied as e:  # unless the receiver went (its sandbox with it), the sandbox died on its own
-            if lifeline is None or not lifeline.ended():
-                log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
         except Exception as e:  # a bad peer, a failed or dead sandbox: this connection ends, never the server
-            log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
+            if lifeline is None or not lifeline.ended():  # else the receiver went (a cut send is logged as such)
+                log.warning("ucx_connection_dropped", peer=str(peer), reason=f"{type(e).__name__}: {e}"[:300])
         finally:
             if lifeline is not None:
                 lifeline.close()
@@ -188,8 +186,8 @@ class UcxBulkServer:
                     await sandbox.send(SandboxServe(pull_id=pull_id, response=schemas.encode(served.response),
                                                     regions=exported.regions, fds=len(exported.fds)), exported.fds)
                     done = await sandbox.recv(SandboxServed, SEND_S + 10.0)  # the sandbox's own deadline reports first
-            except SandboxDied:
-                if sandbox.closed:  # ended by us: the receiver left with sends still unfinished
+            except SandboxDied as e:
+                if e.ended_by_us:  # by the lifeline: the receiver left with sends still unfinished
                     log.warning("ucx_send_failed", error="cancelled: the receiver went mid-pull; its sandbox ended")
                 raise
             finally:
