@@ -16,8 +16,9 @@ Sequence (the processes and what each does: `nixl_reexport_roles`):
      fails: STAGE: ERROR [the first error line UCX or NIXL logged]", or "reexport: untested: ..."
      where the probe's own set-up failed (the owner's export, the sandbox's agent or import, a
      READ of the sandbox's own allocation).
-Every wait has a deadline (DEADLINE_S for the whole probe), after which a child is killed: a hung
-NIXL call costs the step that much and no more, and no failure here is raised to the caller.
+Every wait has a deadline (DEADLINE_S for the whole probe), after which a child is terminated,
+then killed: a hung NIXL call costs the step DEADLINE_S and the children's stops (a few STOP_S),
+and no failure here is raised to the caller. The children die with the probe's process (a parent-death signal).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from droidmesh.shared.service.launch import dies_with_parent
 from droidmesh.shared.tools.bench.bulk_transfer import MIB
 from droidmesh.shared.tools.bench.nixl_reexport_roles import MARK, PREFIX, TARGETS
 from droidmesh.shared.tools.bench.tensor_server import one_line
@@ -57,7 +59,8 @@ class _Child:
         self.role = role
         self.proc = subprocess.Popen([sys.executable, "-m", ROLES_MODULE, role, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})},
+                                     preexec_fn=dies_with_parent())  # a probe killed by its step's timeout takes them along
         self.lines: list[str] = []
         self._changed = threading.Condition()
         self._ended = False
@@ -188,7 +191,8 @@ def probe(device: torch.device, nbytes: int | None = None, repeats: int | None =
 
 
 def _run(report: dict[str, Any], args: list[str], end: float, deadline_s: float, children: list[_Child]) -> None:
-    children += [_Child("owner", args), _Child("sandbox", args), _Child("reader", args, {"UCX_PROTO_INFO": "y"})]
+    for role, env in (("owner", None), ("sandbox", None), ("reader", {"UCX_PROTO_INFO": "y"})):
+        children.append(_Child(role, args, env))  # each as it starts: a failed start stops those before it
     reader = children[2]
     for child, after in zip(children, children[1:], strict=False):  # each given the answer of the one before
         answer = child.answers(1, end)
