@@ -279,6 +279,8 @@ def test_a_profile_whose_plan_fails_the_test_split_is_not_published(mesh, tiny_m
     assert reply.message.startswith("summ -> qa: the chosen plan FAILS on test: [-100.0%, -100.0%] against full "
                                     "prefill, 95 % over 6 rows"), reply.message
     assert reply.message.endswith("not published (the receivers keep the pair's current config)")
+    # logged before the reply was sent; read from its pipe by a thread of ours, maybe after the reply
+    profiler.wait_for(lambda line: '"profile_not_published"' in line, 30, "the profile_not_published line")
     assert [e["request_id"] for e in profiler.events("profile_not_published")] == ["fails-test"]
     assert asyncio.run(_versions(url, pw)) == before
 
