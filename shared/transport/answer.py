@@ -17,7 +17,6 @@ out: every send has a deadline).
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -146,27 +145,21 @@ async def answer_async(request: PullRequest, lookup: TensorLookup, authorize: Au
     is the loop's), and whatever encoding costs time (quantizing, copying device memory to the
     host, a payload's checksum) runs on an encoding thread, so the sender keeps granting other
     pulls and beating its heartbeat meanwhile. A pull with nothing to do (its items' own bytes,
-    their checksums known) is answered on the loop: a thread hop would cost more. Cancelled while
-    the thread encodes, the hold is released once it is done."""
+    their checksums known) is answered on the loop: a thread hop would cost more. Cancelled, the
+    hold is released once the thread is done (`workers.run_settled`; an encoding not begun never
+    runs)."""
     try:
         begun = _begin(request, lookup, authorize, pin)
     except DroidMeshError as e:
         return Served(refusal(e), [], _NoHold().release)
-    future: asyncio.Future[_Encoded] | None = None
     try:
         if not _has_work(begun, checksums):
             return _served(begun, _encode(request.context_id, begun, checksums))
-        future = asyncio.get_running_loop().run_in_executor(workers.encoders(), _encode, request.context_id, begun, checksums)
-        return _served(begun, await asyncio.shield(future))
-    except asyncio.CancelledError:
-        if future is None:
-            begun.hold.release()
-        else:
-            future.add_done_callback(lambda _: begun.hold.release())
-        raise
+        return _served(begun, await workers.run_settled(workers.encoders(), _encode, request.context_id, begun,
+                                                        checksums))
     except DroidMeshError as e:
         return _refused(begun.hold, e)
-    except BaseException:
+    except BaseException:  # a cancel included: the encoding is done or was never begun
         begun.hold.release()
         raise
 
