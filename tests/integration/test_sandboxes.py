@@ -176,6 +176,27 @@ def _send_failures(logs: list[dict]) -> list[dict]:
     return [e for e in logs if e["event"] in ("ucx_send_failed", "ucx_connection_dropped") and e["log_level"] == "warning"]
 
 
+async def _pull_then_close(issuer: TokenIssuer, timeout_s: float, closed: asyncio.Event | None = None):
+    """One pull of ITEMS from a ucx server of `_server`'s contexts, the receiver closing its
+    connection at once after it (then setting `closed`), until the sender has ended that
+    connection: (the pull's result or error, its buffers, what the server held)."""
+    srv, address, held = await _server("ucx", issuer)
+    client = make_client("ucx")
+    try:
+        into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
+        (outcome,) = await asyncio.gather(client.pull(address, PullRequest(context_id="a", items=ITEMS,
+                                                                           token=issuer.issue("a")[0]),
+                                                      into, lambda *a: None, timeout_s), return_exceptions=True)
+        await client.close()  # at once: the sandbox's report of its sends may not have reached the server
+        if closed is not None:
+            closed.set()
+        await _until(lambda: srv.sandboxes.live() == 0, "the connection ends")  # type: ignore[attr-defined]
+        return outcome, into, held
+    finally:
+        await client.close()
+        await srv.close()
+
+
 def test_a_ucx_receiver_closing_right_after_its_pull_completed_is_no_failed_send(monkeypatch):
     """A receiver that closes its connection as soon as its pull completed: the sandbox's report
     that its sends completed (which trails the receiver's last receive) is read only after the
@@ -200,24 +221,10 @@ def test_a_ucx_receiver_closing_right_after_its_pull_completed_is_no_failed_send
     monkeypatch.setattr(server.UcxBulkServer, "_serve_connection", serve_connection)
     monkeypatch.setattr(host.Sandbox, "recv", late_recv)
 
-    async def run() -> bool:
-        srv, address, held = await _server("ucx", issuer)
-        client = make_client("ucx")
-        try:
-            into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
-            await client.pull(address, PullRequest(context_id="a", items=ITEMS, token=issuer.issue("a")[0]), into,
-                              lambda *a: None, 30)
-            await client.close()  # at once: the sandbox's report of its sends may not have reached the server
-            closed.set()
-            await _until(lambda: srv.sandboxes.live() == 0, "the connection ends")  # type: ignore[attr-defined]
-            # bitwise: the channel copies the stored bytes
-            return all(torch.equal(t, held["a"][(it.layer, it.kind)]) for it, t in zip(ITEMS, into, strict=True))
-        finally:
-            await client.close()
-            await srv.close()
-
     with structlog.testing.capture_logs() as logs:
-        assert asyncio.run(run())
+        outcome, into, held = asyncio.run(_pull_then_close(issuer, 30, closed))
+    assert not isinstance(outcome, BaseException), outcome
+    assert all(torch.equal(t, held["a"][(it.layer, it.kind)]) for it, t in zip(ITEMS, into, strict=True))  # bitwise: copied
     assert not _send_failures(logs), logs
 
 
@@ -270,23 +277,8 @@ def test_a_sandbox_that_dies_on_its_own_mid_pull_is_a_crash_not_a_receiver_that_
 
     monkeypatch.setattr(host.Sandbox, "recv", dying_recv)
 
-    async def run() -> list:
-        srv, address, _ = await _server("ucx", issuer)
-        client = make_client("ucx")
-        try:
-            into = [torch.empty(1, 2, 33, 8) for _ in ITEMS]
-            outcome = await asyncio.gather(client.pull(address, PullRequest(context_id="a", items=ITEMS,
-                                                                            token=issuer.issue("a")[0]),
-                                                       into, lambda *a: None, 10), return_exceptions=True)
-            await client.close()
-            await _until(lambda: srv.sandboxes.live() == 0, "the connection ends")  # type: ignore[attr-defined]
-            return outcome
-        finally:
-            await client.close()
-            await srv.close()
-
     with structlog.testing.capture_logs() as logs:
-        outcome = asyncio.run(run())
-    assert isinstance(outcome[0], Exception)  # the receiver's pull failed: its sender's sandbox died
+        outcome, _, _ = asyncio.run(_pull_then_close(issuer, 10))
+    assert isinstance(outcome, Exception)  # the receiver's pull failed: its sender's sandbox died
     warned = [(e["event"], e.get("reason", e.get("error", e.get("status")))) for e in logs if e["log_level"] == "warning"]
     assert ("sandbox_died", "signal SIGKILL") in warned and not [w for w in warned if w[0] == "ucx_send_failed"], warned

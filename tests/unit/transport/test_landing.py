@@ -12,6 +12,7 @@ from droidmesh.shared.errors import IntegrityError
 from droidmesh.shared.transport import codecs, integrity, placement
 from droidmesh.shared.transport.bulk import Landing, land_async
 from droidmesh.shared.wire.schemas import PullItem, TensorHeader
+from tests.unit.transport.cancels import returned_early
 
 
 def _landing(t: torch.Tensor, codec_name: str, checksum: str | None = None) -> Landing:
@@ -65,20 +66,7 @@ def test_a_landing_cancelled_twice_returns_only_once_its_decoding_thread_is_done
 
     land.codec = type("Gated", (), {"decode": staticmethod(gated)})()
 
-    async def cancel_mid_decode():
-        task = asyncio.ensure_future(land_async(land))
-        await asyncio.to_thread(entered.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0.01)
-        task.cancel()  # a pull's deadline, then its request's cancel
-        await asyncio.sleep(0.05)
-        waited = not task.done()  # the cancels wait for the thread writing the caller's buffer
-        gate.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return waited
-
-    assert asyncio.run(cancel_mid_decode())
+    assert not asyncio.run(returned_early(land_async(land), entered, gate))
     assert finished.is_set()
 
 

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from droidmesh.shared.transport.shm.server import _off_loop
+from tests.unit.transport.cancels import returned_early
 
 
 def test_a_copy_cancelled_twice_returns_once_the_copy_is_done_and_closes_what_it_made():
@@ -23,19 +24,6 @@ def test_a_copy_cancelled_twice_returns_once_the_copy_is_done_and_closes_what_it
         made.append(os.memfd_create("copy"))
         return made[-1]
 
-    async def cancel_mid_copy():
-        task = asyncio.ensure_future(_off_loop(make))
-        await asyncio.to_thread(entered.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0.01)
-        task.cancel()  # a connection's cancel, then the server's close cancelling it again
-        await asyncio.sleep(0.05)
-        returned_early = task.done()
-        gate.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return returned_early
-
-    assert not asyncio.run(cancel_mid_copy())
+    assert not asyncio.run(returned_early(_off_loop(make), entered, gate))
     with pytest.raises(OSError):
         os.fstat(made[0])  # closed by the cancelled caller

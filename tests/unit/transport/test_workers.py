@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from droidmesh.shared.transport.workers import run_settled
+from tests.unit.transport.cancels import returned_early
 
 
 def _gated(entered: threading.Event, gate: threading.Event, done: list[str], name: str):
@@ -25,21 +26,9 @@ def test_however_many_cancels_come_a_running_job_is_waited_for_and_what_it_made_
     pool = concurrent.futures.ThreadPoolExecutor(1)
     entered, gate, done, abandoned = threading.Event(), threading.Event(), [], []
 
-    async def cancel_twice():
-        task = asyncio.ensure_future(run_settled(pool, _gated(entered, gate, done, "job"), abandon=abandoned.append))
-        await asyncio.to_thread(entered.wait, 10)
-        task.cancel()
-        await asyncio.sleep(0.01)
-        task.cancel()  # a pull's deadline, then its request's cancel
-        await asyncio.sleep(0.05)
-        early = task.done()
-        gate.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return early
-
+    job = run_settled(pool, _gated(entered, gate, done, "job"), abandon=abandoned.append)
     try:
-        assert not asyncio.run(cancel_twice())
+        assert not asyncio.run(returned_early(job, entered, gate))
     finally:
         pool.shutdown()
     assert done == ["job"] and abandoned == ["job"]
