@@ -73,7 +73,8 @@ INVOCATIONS: list[tuple[str, list[str]]] = [
     ("bench pipeline", ["--tokens", "32", "--repeats", "1"]),
     ("bench bandwidth", ["--tokens", "32", "--repeats", "1", "--rates", "0"]),  # reports a skip without netns rights
     ("bench transfer", ["--sizes", "65536", "--repeats", "1"]),
-    ("bench sender-loop", ["--tokens", "32", "--repeats", "1", "--codecs", "raw,int4"]),
+    ("bench sender-loop", ["--tokens", "32", "--repeats", "1", "--codecs", "raw,int4", "--client-process",
+                           "--json", "{tmp}/sender-loop.json"]),
     ("bench hosts", ["--engine", str(REPO / "docs" / "bench" / "gpu" / "check-h200-llama3-8b-graphs.json"),
                      "--contexts", "4096", "--plot", "{tmp}/hosts.png"]),
     ("bench control", ["--events", "10"]),
@@ -436,6 +437,7 @@ def expect_bench_sender_loop(r: Ran) -> None:
     rows = table(r.out, "codec", "pull_ms", "lag_max_ms", "lag_p99_ms", "ticks", "receiver_lag_max_ms")
     assert col(rows, "codec") == ["raw", "int4"]
     assert all(float(x["pull_ms"]) > 0 and int(x["ticks"]) > 0 for x in rows)
+    assert json.loads((r.tmp / "sender-loop.json").read_text())["client"] == "process"
 
 
 def expect_bench_hosts(r: Ran) -> None:

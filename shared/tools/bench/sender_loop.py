@@ -11,13 +11,17 @@ connections, after one pull that warms the channel; the stored tensors are re-ma
 pull, so its first checksums are new, as for a newly captured context. Per codec: the pull's
 median time, the sender loop's worst and 99th-percentile lag during the pulls (ms), and the
 receiving loop's worst (a receiver lands and decodes each item on its loop, with a ticker of its
-own here). One process (two threads, two loops): each side's work shares the GIL with the
-other's loop, so a lag here is an upper bound of a sender's or a receiver's own.
+own here). By default one process (two threads, two loops): each side's work shares the GIL
+with the other's loop, so a lag here is an upper bound of a sender's or a receiver's own. With
+`client_process` the client runs in a process of its own (one, started once), as a receiver
+does: each side's lag is its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import multiprocessing
 import statistics
 import threading
 import time
@@ -89,9 +93,10 @@ class _Sender:
 
 
 def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats: int, device: str = "cpu",
-            progress: Callable[[str], None] = lambda _: None) -> dict:
+            progress: Callable[[str], None] = lambda _: None, client_process: bool = False) -> dict:
     """Per codec: median pull seconds and the sender loop's lag (worst, p99) over `repeats` pulls of
-    a context held on `device` (a GPU sender's: each item copied to pinned host memory per pull)."""
+    a context held on `device` (a GPU sender's: each item copied to pinned host memory per pull);
+    with `client_process`, the pulls from a process of their own."""
     w = widths(shape)
     kv_shape = (1, w.kv_heads, tokens, w.head_dim)  # [1, kvh, T, hd]
     dev = resolve_device(device)
@@ -101,17 +106,18 @@ def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats
 
     items = [PullItem(l, kind) for l in range(w.layers) for kind in ("K", "V")]
     rows = []
+    client = _Client(client_process)
     sender = _Sender(transport, make_context)
     try:
         sender.renew()
-        asyncio.run(_pull(transport, sender.address, items, kv_shape, "raw"))  # warm: the first sandbox, UCX's start
+        client.pull(transport, sender.address, items, kv_shape, "raw")  # warm: the first sandbox, UCX's start
         for codec in codecs_:
             seconds, lags, receiving = [], [], []
             for i in range(repeats):
                 progress(f"{codec} {i + 1}/{repeats}")
                 sender.renew()
                 sender.ticker.lags.clear()
-                took, client_lags = asyncio.run(_pull(transport, sender.address, items, kv_shape, codec))
+                took, client_lags = client.pull(transport, sender.address, items, kv_shape, codec)
                 seconds.append(took)
                 lags.extend(sender.ticker.lags)
                 receiving.extend(client_lags)
@@ -121,9 +127,34 @@ def measure(transport: str, shape: str, tokens: int, codecs_: list[str], repeats
                          "ticks": len(lags), "receiver_lag_max_ms": round(max(receiving, default=0.0) * 1e3, 2)})
     finally:
         sender.close()
+        client.close()
     nbytes = 2 * w.layers * torch.Size(kv_shape).numel() * 2
     return {"transport": transport, "device": str(dev), "shape": shape, "tokens": tokens, "items": len(items), "raw_bytes": nbytes,
-            "tick_s": TICK_S, "repeats": repeats, "rows": rows}
+            "tick_s": TICK_S, "repeats": repeats, "client": "process" if client_process else "thread", "rows": rows}
+
+
+class _Client:
+    """Where the pulls run: this process's main thread, or one process of their own (spawned, so
+    it starts no copy of the sender's threads)."""
+
+    def __init__(self, own_process: bool):
+        self._pool = (concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                      if own_process else None)
+
+    def pull(self, transport: str, address: str, items: list[PullItem], kv_shape: tuple[int, ...],
+             codec: str) -> tuple[float, list[float]]:
+        if self._pool is None:
+            return _pull_now(transport, address, items, kv_shape, codec)
+        return self._pool.submit(_pull_now, transport, address, items, kv_shape, codec).result(300)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+
+def _pull_now(transport: str, address: str, items: list[PullItem], kv_shape: tuple[int, ...],
+              codec: str) -> tuple[float, list[float]]:
+    return asyncio.run(_pull(transport, address, items, kv_shape, codec))
 
 
 async def _pull(transport: str, address: str, items: list[PullItem], kv_shape: tuple[int, ...],

@@ -172,14 +172,17 @@ def stall(json_path, group, transport, n, k, words, log_dir) -> None:
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1, 100))
 @click.option("--device", default="cpu", show_default=True, callback=device_name,
               help="Where the sender holds the context: cpu, cuda or cuda:N.")
-def sender_loop(json_path, transport, shape, tokens, codec_list, repeats, device) -> None:
+@click.option("--client-process", is_flag=True,
+              help="Pull from a process of its own, as a receiver does (default: a thread of this one, sharing its GIL).")
+def sender_loop(json_path, transport, shape, tokens, codec_list, repeats, device, client_process) -> None:
     """A sender's event loop while it answers pulls: the longest it could not run (its lag) during
     a pull of every layer's K / V, per codec, for a newly captured context."""
     from droidmesh.shared.errors import DroidMeshError
     from droidmesh.shared.tools.bench import sender_loop as suite
 
     try:
-        r = suite.measure(transport, shape, tokens, codec_list, repeats, device, progress=lambda s: click.echo(f"  {s}", err=True))
+        r = suite.measure(transport, shape, tokens, codec_list, repeats, device,
+                          progress=lambda s: click.echo(f"  {s}", err=True), client_process=client_process)
     except DroidMeshError as e:
         raise click.ClickException(str(e)) from None
     click.echo(suite.title(r))
