@@ -50,7 +50,7 @@ class SandboxDied(TransferError):
     """A sandbox process ended while its connection needed it: `ended_by_us` (killed or closed by
     the sender, e.g. when its receiver went) or on its own (a crash: logged as `sandbox_died`)."""
 
-    def __init__(self, message: str, ended_by_us: bool):
+    def __init__(self, message: str, ended_by_us: bool = False):  # a default: unpickling passes the message alone
         super().__init__(message)
         self.ended_by_us = ended_by_us
 
