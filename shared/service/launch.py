@@ -15,6 +15,7 @@ take its children along). Processes a child starts in turn are its own business.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import json
 import os
@@ -152,15 +153,16 @@ _SPAWNER = _Spawner()
 class Proc:
     """A child process whose combined output is captured line by line (and kept in `lines`)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log_path: Path | None = None):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
+                 stdin: bool = False):
         self.name = name
         self._terminated = False
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in stop()
         self.popen = _SPAWNER.popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
-            start_new_session=True,
+            argv, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, **(env or {})}, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"log-{name}")
         self._reader.start()
@@ -193,6 +195,18 @@ class Proc:
                 if left <= 0:
                     raise TimeoutError(f"{self.name}: no {what} within {timeout}s:\n" + self.tail())
                 self._cond.wait(min(left, 0.5))
+
+    def write_line(self, line: str) -> None:
+        """A line to its stdin (started with `stdin=True`); nothing if it has ended."""
+        assert self.popen.stdin is not None
+        with contextlib.suppress(OSError):
+            self.popen.stdin.write(line + "\n")
+            self.popen.stdin.flush()
+
+    def close_stdin(self) -> None:
+        assert self.popen.stdin is not None
+        with contextlib.suppress(OSError):
+            self.popen.stdin.close()
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.lines[-n:])

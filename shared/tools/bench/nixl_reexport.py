@@ -24,19 +24,18 @@ and no failure here is raised to the caller. The children die with the probe's p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from droidmesh.shared.service.launch import dies_with_parent
+from droidmesh.shared.service.launch import Proc
 from droidmesh.shared.tools.bench.bulk_transfer import MIB
 from droidmesh.shared.tools.bench.nixl_reexport_roles import MARK, PREFIX, TARGETS
 from droidmesh.shared.tools.bench.tensor_server import one_line
@@ -52,81 +51,58 @@ _FAILURE = re.compile(r"\b(error|failed)\b", re.IGNORECASE)
 
 
 class _Child:
-    """One role in a child process: its input written to its stdin (then held open: its life)
-    and every line it prints, read by a thread of its own."""
+    """One role in a child process (`launch.Proc`: forked by the launcher's own thread, so it dies
+    with this process, and every line it prints kept): its input written to its stdin, then held
+    open (its life)."""
 
     def __init__(self, role: str, args: list[str], env: dict[str, str] | None = None):
         self.role = role
-        self.proc = subprocess.Popen([sys.executable, "-m", ROLES_MODULE, role, *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})},
-                                     preexec_fn=dies_with_parent())  # a probe killed by its step's timeout takes them along
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
-        self._ended = False
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
+        self.proc = Proc(role, [sys.executable, "-m", ROLES_MODULE, role, *args], env=env, stdin=True)
+
+    @property
+    def lines(self) -> list[str]:
+        return self.proc.lines
 
     def give(self, line: str) -> None:
-        """Its input: the answer of the role before it."""
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except OSError:
-            pass  # it died already: said when its answer is awaited
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._ended = True
-            self._changed.notify_all()
+        """Its input: the answer of the role before it (if it died already, that is said when its
+        answer is awaited)."""
+        self.proc.write_line(line)
 
     def answers(self, count: int, end: float) -> list[dict[str, Any]]:
         """Its first `count` answers, or as many as it printed before it ended or `end` (monotonic) passed."""
-        with self._changed:
-            while True:
-                found = [json.loads(x[x.index(PREFIX) + len(PREFIX):]) for x in self.lines if PREFIX in x]
-                left = end - time.monotonic()
-                if len(found) >= count or self._ended or left <= 0:
-                    return found[:count]
-                self._changed.wait(left)
+        seen = 0
+
+        def enough(line: str) -> bool:
+            nonlocal seen
+            seen += PREFIX in line
+            return seen >= count
+
+        with contextlib.suppress(RuntimeError, TimeoutError):  # it ended, or time ran out: what it said
+            self.proc.wait_for(enough, max(0.0, end - time.monotonic()), f"{count} answers")
+        found = [json.loads(x[x.index(PREFIX) + len(PREFIX):]) for x in list(self.lines) if PREFIX in x]
+        return found[:count]
 
     def why(self, deadline_s: float) -> str:
         """Why an answer is missing: it ended (its first error line), or it was still running."""
-        with self._changed:
-            ended, lines = self._ended, list(self.lines)
-        if not ended:
+        status = self.proc.popen.poll()
+        if status is None:
             return f"no answer within {deadline_s:g}s"
+        lines = list(self.lines)
         last = next((x for x in reversed(lines) if x.strip()), "no output")
-        return f"exited ({self.proc.wait()}): {first_error(lines) or last.strip()}"
+        return f"exited ({status}): {first_error(lines) or last.strip()}"
 
     def close(self) -> None:
         """Close its stdin: an owner or sandbox then ends on its own."""
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        except OSError:
-            pass
+        self.proc.close_stdin()
 
     def answered(self) -> bool:
-        with self._changed:
-            return any(PREFIX in x for x in self.lines)
+        return any(PREFIX in x for x in list(self.lines))
 
     def end(self, grace: float) -> None:
         """Wait `grace` seconds for its own exit, then terminate it, then kill it; its last lines read."""
-        for stop, wait_s in ((lambda: None, grace), (self.proc.terminate, STOP_S), (self.proc.kill, STOP_S)):
-            stop()
-            try:
-                self.proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        self._thread.join(STOP_S)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.popen.wait(grace)
+        self.proc.stop(STOP_S)
 
 
 def _stop(children: list[_Child]) -> None:
