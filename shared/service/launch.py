@@ -15,7 +15,6 @@ take its children along). Processes a child starts in turn are its own business.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import ctypes
 import json
 import os
@@ -151,7 +150,8 @@ _SPAWNER = _Spawner()
 
 
 class Proc:
-    """A child process whose combined output is captured line by line (and kept in `lines`)."""
+    """A child process whose combined output is captured line by line (and kept in `lines`); with
+    `stdin`, its input is `popen.stdin` (text)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log_path: Path | None = None,
                  stdin: bool = False):
@@ -195,18 +195,6 @@ class Proc:
                 if left <= 0:
                     raise TimeoutError(f"{self.name}: no {what} within {timeout}s:\n" + self.tail())
                 self._cond.wait(min(left, 0.5))
-
-    def write_line(self, line: str) -> None:
-        """A line to its stdin (started with `stdin=True`); nothing if it has ended."""
-        assert self.popen.stdin is not None
-        with contextlib.suppress(OSError):
-            self.popen.stdin.write(line + "\n")
-            self.popen.stdin.flush()
-
-    def close_stdin(self) -> None:
-        assert self.popen.stdin is not None
-        with contextlib.suppress(OSError):
-            self.popen.stdin.close()
 
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.lines[-n:])

@@ -66,7 +66,10 @@ class _Child:
     def give(self, line: str) -> None:
         """Its input: the answer of the role before it (if it died already, that is said when its
         answer is awaited)."""
-        self.proc.write_line(line)
+        assert self.proc.popen.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.popen.stdin.write(line + "\n")
+            self.proc.popen.stdin.flush()
 
     def answers(self, count: int, end: float) -> list[dict[str, Any]]:
         """Its first `count` answers, or as many as it printed before it ended or `end` (monotonic) passed."""
@@ -93,7 +96,9 @@ class _Child:
 
     def close(self) -> None:
         """Close its stdin: an owner or sandbox then ends on its own."""
-        self.proc.close_stdin()
+        assert self.proc.popen.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.popen.stdin.close()
 
     def answered(self) -> bool:
         return any(PREFIX in x for x in list(self.lines))
