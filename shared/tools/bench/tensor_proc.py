@@ -1,25 +1,25 @@
 """The tensor server of `bench transfer` and the GPU transfer check, run as a child process.
 
 Used by `bulk_transfer` and `gpu_transfer` from the measuring process's main thread: `TensorServer`
-starts `shared.tools.bench.tensor_server` (or `nixl_raw`) and a daemon thread that reads every line it
-prints; `wait_ready` blocks until its address or its refusal line (at most `SERVER_START_S`).
-It trusts the child's first `BULK_ADDRESS=` / `NIXL_RAW=` / `BULK_ERROR=` line.
+starts `shared.tools.bench.tensor_server` (or `nixl_raw`) as a `launch.Proc` (its lines kept by the
+launcher's reader; it dies with this process); `wait_ready` blocks until its address or its refusal
+line (at most `SERVER_START_S`). It trusts the child's first `BULK_ADDRESS=` / `NIXL_RAW=` /
+`BULK_ERROR=` line.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import threading
 
 import torch
 
+from droidmesh.shared.service.launch import Proc
 from droidmesh.shared.tools.bench.nixl_raw import RAW_PREFIX
 from droidmesh.shared.tools.bench.tensor_server import ADDRESS_PREFIX, ERROR_PREFIX
 
 NIXL_RAW = "nixl_raw"  # `bench transfer`'s row of NIXL itself (`nixl_raw.py`), beside the channels
 SERVER_START_S = 120.0  # the server builds every tensor (256 MiB of randn) before it listens
+STOP_S = 10.0  # SIGTERM, then SIGKILL
 
 
 class TensorServer:
@@ -30,7 +30,7 @@ class TensorServer:
 
     def __init__(self, transport: str, sizes: list[int], *, device: str | torch.device = "cpu",
                  env: dict[str, str] | None = None, items: int = 1, nats_url: str = ""):
-        env = {**os.environ, **(env or {})}
+        env = dict(env or {})
         if transport == "ucx":
             env.setdefault("UCX_PROTO_INFO", "y")
         sizes_arg = ",".join(map(str, sizes))
@@ -41,42 +41,31 @@ class TensorServer:
             argv = ["-m", "droidmesh.shared.tools.bench.tensor_server", transport, sizes_arg, "--device", str(device),
                     "--items", str(items), *(["--nats", nats_url] if nats_url else [])]
             self._prefix = ADDRESS_PREFIX
-        self.proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
-        self.lines: list[str] = []
+        self.proc = Proc(f"tensor-server-{transport}", [sys.executable, *argv], env=env)
         self.address: str | None = None
         self.error: str | None = None
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.startswith(self._prefix):
-                self.address = line[len(self._prefix):].strip()
-                self._ready.set()
-            elif line.startswith(ERROR_PREFIX):
-                self.error = line[len(ERROR_PREFIX):].strip()
-                self._ready.set()
-        if self.address is None and self.error is None:
-            last = next((x for x in reversed(self.lines) if x.strip()), "no output")
-            self.error = f"tensor server exited ({self.proc.poll()}): {last.strip()}"
-        self._ready.set()
+    @property
+    def lines(self) -> list[str]:
+        return self.proc.lines
 
     def wait_ready(self, timeout_s: float = SERVER_START_S) -> None:
-        if not self._ready.wait(timeout_s):
+        """Its address, or why it has none (`error`): its refusal line, its exit, or the deadline."""
+        try:
+            line = self.proc.wait_for(lambda x: x.startswith((self._prefix, ERROR_PREFIX)), timeout_s, "address")
+        except TimeoutError:
             self.error = f"tensor server did not listen within {timeout_s:.0f}s"
+            return
+        except RuntimeError:  # it exited first
+            last = next((x for x in reversed(self.proc.lines) if x.strip()), "no output")
+            self.error = f"tensor server exited ({self.proc.popen.poll()}): {last.strip()}"
+            return
+        if line.startswith(self._prefix):
+            self.address = line[len(self._prefix):].strip()
+        else:
+            self.error = line[len(ERROR_PREFIX):].strip()
 
     def stop(self) -> list[str]:
         """Terminate it; return everything it printed (complete once it has exited)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._reader.join(5)
-        return self.lines
+        self.proc.stop(STOP_S)
+        return self.proc.lines
