@@ -4,6 +4,8 @@ checkpoints the zoo's ci tier really trained (built once per session)."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +20,8 @@ from droidmesh.shared.model.adapter import ModelAdapter, load_model
 from droidmesh.shared.service.launch import Proc, start_nats, start_service
 from droidmesh.shared.tasks import vocab
 from droidmesh.shared.wire.hashing import PUBLIC
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def words(n: int, offset: int = 0) -> str:
@@ -54,6 +58,29 @@ def real_tier() -> Path:
     except DroidMeshError as e:
         pytest.skip(f"the real tier cannot be built here: {e}")
     return zoo_dir("real")
+
+
+def vllm_python() -> Path:
+    """The vLLM environment's Python (`infra/vllm/install.sh`), failing in one line unless it runs
+    DroidMesh from this checkout: the environment is shared by every checkout on the host, and
+    installs DroidMesh editable from the last one that ran the script (a clean clone's, since
+    deleted, say), whose code a test here would otherwise run, or fail to find."""
+    from droidmesh.shared.engines.vllm.client import PYTHON
+
+    if not PYTHON.is_file():
+        pytest.fail(f"no vLLM environment at {PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
+    if (found := _vllm_droidmesh(PYTHON)) != str(ROOT / "shared"):
+        pytest.fail(f"the vLLM environment at {PYTHON.parent.parent} runs DroidMesh from {found}, not from this "
+                    "checkout: run `bash infra/vllm/install.sh` here")
+    return PYTHON
+
+
+@functools.cache
+def _vllm_droidmesh(python: Path) -> str:
+    """Where `python` imports `droidmesh.shared` from, or why it cannot."""
+    out = subprocess.run([str(python), "-c", "import droidmesh.shared as s, pathlib; print(pathlib.Path(s.__file__).resolve().parent)"],
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() if out.returncode == 0 else f"nowhere ({(out.stderr.strip().splitlines() or ['?'])[-1]})"
 
 
 @pytest.fixture

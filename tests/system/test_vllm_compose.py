@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
+from droidmesh.shared.engines.vllm.client import ServedEngine
 from droidmesh.shared.kv.policy import plan_of
 from droidmesh.shared.mesh.nats_auth import Roster
 from droidmesh.shared.model import text
@@ -25,7 +25,7 @@ from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.service.launch import free_port, start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
 from droidmesh.shared.tools.apps.serve_config import load_config
-from tests.system.conftest import until_indexed, words
+from tests.system.conftest import until_indexed, vllm_python, words
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
@@ -55,8 +55,7 @@ def compose_command(url: str, password_file: Path, port: int) -> tuple[list[str]
 
 
 def test_composes_vllm_service_reuses_the_senders_context_under_the_published_plan(tmp_path):
-    if not PYTHON.is_file():
-        pytest.fail(f"no vLLM environment at {PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
+    python = vllm_python()
     cfg = load_config(str(DEMO / "profiles" / "summ-to-qa.json"))
     plan = plan_of(cfg.chosen.plan)
     roster = Roster(senders=(("summ", "summ"),), receivers=("qa",))
@@ -71,7 +70,7 @@ def test_composes_vllm_service_reuses_the_senders_context_under_the_published_pl
         port = free_port()
         args, extra = compose_command(access.url, password, port)
         assert extra["nats_user"] == "receiver-qa" and extra["transport"] == "ucx"
-        engine = ServedEngine(PYTHON, {"name": "qa"}, tmp_path, port, args=args,
+        engine = ServedEngine(python, {"name": "qa"}, tmp_path, port, args=args,
                               env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
         try:
             receiver = load_model(DEMO / "qa", device="cpu", dtype="float32", name="qa")

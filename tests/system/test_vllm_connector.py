@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
+from droidmesh.shared.engines.vllm.client import ServedEngine
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.sources import CapturedSource
@@ -32,12 +32,11 @@ from droidmesh.shared.model.names import ModelRef
 from droidmesh.shared.service.launch import free_port, start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
 from droidmesh.shared.tools.bench import vllm_reuse
-from tests.system.conftest import until_indexed
+from tests.system.conftest import until_indexed, vllm_python
 
 pytestmark = [pytest.mark.timeout(1200),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
-VLLM_PYTHON = PYTHON
 HOSTILE = "hostile"  # the id of a sender of base serving garbage of the right layout
 GARBLER = Path(__file__).with_name("garbage_sender.py")
 PLAN = vllm_reuse.PLAN  # the tier's plan for base -> docqa: 3 of 30 layers from E_6
@@ -62,8 +61,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"no vLLM environment at {VLLM_PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
+    python = vllm_python()
     base, docqa = ModelRef(real_tier / "base", "base"), ModelRef(real_tier / "docqa", "docqa")
     work = tmp_path_factory.mktemp("vllm")
     roster = Roster(senders=(("base", "base"), (HOSTILE, "base")), receivers=("docqa",))
@@ -80,7 +78,7 @@ def served(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         connector = {"nats_url": access.url, "nats_user": receiver_user("docqa"), "nats_password_file": str(password),
                      "models": {"base": str(base.path), "docqa": str(docqa.path)}, "base_model": "base",
                      "transport": "shm", "reuse_timeout_s": 10.0, "async_load": True}
-        engine = ServedEngine(VLLM_PYTHON, {"model": str(base.path), "name": "base", "dtype": "float32",
+        engine = ServedEngine(python, {"model": str(base.path), "name": "base", "dtype": "float32",
                                             "loras": {"docqa": str(docqa.path)}, "connector": connector}, work,
                               free_port(), env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
         try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from droidmesh.shared.engines.vllm.client import PYTHON, ServedEngine
+from droidmesh.shared.engines.vllm.client import ServedEngine
 from droidmesh.shared.kv.capture import capture_prefill
 from droidmesh.shared.kv.partial import generate
 from droidmesh.shared.kv.sources import CapturedSource
@@ -26,7 +26,7 @@ from droidmesh.shared.service.launch import free_port, start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs
 from droidmesh.shared.tools.bench import vllm_reuse
 from droidmesh.shared.wire import schemas
-from tests.system.conftest import until_indexed
+from tests.system.conftest import until_indexed, vllm_python
 
 pytestmark = [pytest.mark.timeout(1200),
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
@@ -45,8 +45,7 @@ def test_the_cache_layout_reads_back_what_vllms_write_op_wrote():
     written at shuffled blocks (a partial last one) come back bit for bit, for every layout this
     CPU's attention picks (fp32 and bf16; block sizes 16, 32, 128). The backends the connector
     knows by name are vLLM's own (its registry's classes answer those names)."""
-    if not PYTHON.is_file():
-        pytest.fail(f"no vLLM environment at {PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
+    python = vllm_python()
     script = """
 import torch
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -64,7 +63,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 names = [pages.CPU_BACKEND, *sorted(pages.FLASH_BACKENDS)]
 print("names", all(AttentionBackendEnum[n].get_class().get_name() == n for n in names))
 """
-    out = subprocess.run([str(PYTHON), "-c", script], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split("\n")
     results = [line.split() for line in lines if line.strip() and not line.startswith("Triton")]
@@ -74,8 +73,7 @@ print("names", all(AttentionBackendEnum[n].get_class().get_name() == n for n in 
 @pytest.fixture(scope="module")
 def sending(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServedEngine, object]]:
     """The mesh (broker, DroidMesh receiver of docqa) and vLLM serving base, holding its prefills."""
-    if not PYTHON.is_file():
-        pytest.fail(f"no vLLM environment at {PYTHON.parent.parent}: run `bash infra/vllm/install.sh`")
+    python = vllm_python()
     base, docqa = ModelRef(real_tier / "base", "base"), ModelRef(real_tier / "docqa", "docqa")
     work = tmp_path_factory.mktemp("vllm-sender")
     roster = Roster(senders=(), receivers=("base", "docqa"), holders=(("base", HOLDER),))
@@ -92,7 +90,7 @@ def sending(real_tier: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                      "models": {"base": str(base.path), "docqa": str(docqa.path)}, "base_model": "base",
                      "transport": "shm", "reuse_timeout_s": 30.0,
                      "hold": True, "holder_id": HOLDER, "hold_e_layers": list(PLAN.e_layers), "readers": ["docqa"]}
-        engine = ServedEngine(PYTHON, {"model": str(base.path), "name": "base", "dtype": "float32",
+        engine = ServedEngine(python, {"model": str(base.path), "name": "base", "dtype": "float32",
                                        "loras": {"docqa": str(docqa.path)}, "connector": connector}, work, free_port(),
                               env={**THREADS, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING"})
         try:
