@@ -1,7 +1,7 @@
 """Pack the wheels a GPU check lacks into one small archive that travels with the working tree.
 
 A GPU machine has torch and transformers but not the bulk channels' native stacks, and a call
-carries at most 64 MiB: the tree (~48 MB) plus the UCX CUDA wheels (53 MB) or `nixl-cu13`
+carries at most 64 MiB: the tree (~47 MiB) plus the UCX CUDA wheels (53 MB) or `nixl-cu13`
 (59 MB) does not fit. Most of those wheels is never loaded by a channel: static libraries, perf
 tools, headers, NIXL's torch-extension builds for three torch versions, and NIXL plugins for
 object stores, GDS and DOCA with their libraries (grpc, aws, azure, etcd...). This keeps what a

@@ -4,8 +4,9 @@ Layout of the tier directory (default $DROIDMESH_ZOO_DIR/real or ~/.cache/droidm
     manifest.json   models (sha256 of every file), pairs, each fine-tune's data, steps, time and loss
     base/           the dequantized float32 checkpoint (`shared.zoo.realbase`; fetched, never committed)
     <fine-tune>/    a peft LoRA adapter whose base is ../base
-The adapters and the manifest are committed in the repository's zoo/real, so a build on a fresh
-clone only fetches the base and copies them; `--force` trains them again (an hour or so on two
+The adapters and the manifest are committed in the repository's zoo/real (the weights packed, as
+`adapter_model.safetensors.xz`: `packed.py`), so a build on a fresh clone only fetches the base and
+copies them out; `--force` trains them again (an hour or so on two
 cores). Training rows come from the train split of `shared.tasks.realtext` (split by source file),
 so no test context was ever trained on.
 """
@@ -27,6 +28,7 @@ from tqdm import tqdm
 
 from droidmesh.shared.model.names import Pair, sha256_file
 from droidmesh.shared.tasks.realtext import SOURCES, make_real_rows
+from droidmesh.shared.zoo import packed
 from droidmesh.shared.zoo.manifest import MANIFEST, REPO_ZOO, read_manifest, zoo_dir
 from droidmesh.shared.zoo.realbase import FACTS, write_base
 
@@ -71,15 +73,19 @@ def build_real(out_dir: str | Path | None = None, *, force: bool = False,
     history: dict[str, Any] = dict((committed or {}).get("history", {})) if not force else {}
     for ft in FINE_TUNES:
         src = REPO_ZOO / TIER / ft.name
-        if not force and committed and _intact(src, committed["models"].get(ft.name)):
+        entry = (committed or {}).get("models", {}).get(ft.name)
+        if not force and entry and _intact(src, entry):
             if src.resolve() != (out / ft.name).resolve():
-                shutil.rmtree(out / ft.name, ignore_errors=True)
-                shutil.copytree(src, out / ft.name)
+                _copy_out(src, entry, out / ft.name)
             say(f"{ft.name}: committed adapter (trained {history.get(ft.name, {}).get('seconds', '?')} s)")
         else:
             history[ft.name] = train_lora(out / "base", out / ft.name, ft, say)
         models[ft.name] = {**_files_entry(out, ft.name, "adapter_model.safetensors"), "kind": "lora", "parent": "base",
                            "task": ft.task, "lora_r": ft.r, "data": SOURCES[ft.task.split("/")[0]]}
+    if out.resolve() == (REPO_ZOO / TIER).resolve():  # the committed tier refreshed: its weights are committed packed
+        for ft in FINE_TUNES:
+            if (weights := out / ft.name / "adapter_model.safetensors").is_file():
+                packed.pack(weights)
     for extra in ("profiles", "eval"):  # committed measurements travel with the adapters they measured
         src = REPO_ZOO / TIER / extra
         if src.is_dir() and src.resolve() != (out / extra).resolve():
@@ -106,15 +112,24 @@ def _ensure_base(out: Path, committed: dict[str, Any] | None, say: Callable[[str
 
 
 def _intact(src: Path, entry: dict[str, Any] | None) -> bool:
+    """Whether `src` holds every file `entry` names with its bytes (a committed file may be packed)."""
     if not entry or not (src / "adapter_config.json").is_file():
         return False
-    return all((src / f).is_file() and sha256_file(src / f) == h for f, h in entry.get("files", {}).items())
+    return all(packed.sha256(src, f) == h for f, h in entry.get("files", {}).items())
+
+
+def _copy_out(src: Path, entry: dict[str, Any], to: Path) -> None:
+    """The committed adapter's files (those `entry` names), unpacked, as the whole of `to`."""
+    shutil.rmtree(to, ignore_errors=True)
+    for f in entry.get("files", {}):
+        packed.copy_out(src, f, to / f)
 
 
 def _files_entry(out: Path, name: str, weights: str) -> dict[str, Any]:
     d = out / name
-    return {"path": name, "weights": weights, "sha256": sha256_file(d / weights), "layers": 30,
-            "files": {f.name: sha256_file(f) for f in sorted(d.iterdir()) if f.is_file()}}
+    names = sorted({packed.unpacked_name(f) for f in d.iterdir() if f.is_file() and not f.name.startswith(".")})
+    return {"path": name, "weights": weights, "sha256": packed.sha256(d, weights), "layers": 30,
+            "files": {f: packed.sha256(d, f) for f in names}}
 
 
 def _recipe_hash() -> str:
