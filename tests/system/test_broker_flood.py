@@ -32,12 +32,12 @@ def test_an_in_cap_flood_from_one_sender_neither_bloats_the_broker_nor_expires_t
             # heartbeats every 2 s: expiry after 6 s without one, a margin for a busy machine
             figs = asyncio.run(run_against(url, passwords, broker, FLOOD_SPEC, heartbeat_s=2.0, recover_s=60))
             alive = broker.popen.poll() is None
-            over_lines = [e for e in broker.events("sender_over_budget") if e.get("sender") == FLOOD]
         finally:
-            broker.stop()
+            broker.stop()  # its every line read: the counts below are exact
+    over_lines = [e for e in broker.events("sender_over_budget") if e.get("sender") == FLOOD]
     assert alive, broker.tail()
     assert figs.flood_events == FLOOD_SPEC.events
-    assert figs.honest_expired == 0, [e for e in broker.events("sender_expired") if e.get("sender_id") == HONEST]
+    assert not [e for e in broker.events("sender_expired") if e.get("sender_id") == HONEST]
     assert figs.recovered_after_s is not None, "the honest context was not found after the flood"
     assert figs.index_bytes is not None and figs.index_bytes <= BUDGET + (1 << 20), figs  # + the honest holder
     assert figs.rss_peak_mb - figs.rss_before_mb < 200, figs.as_dict()

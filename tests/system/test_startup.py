@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import pytest
@@ -24,8 +23,8 @@ def test_sigterm_while_connecting_to_an_unreachable_nats(services):
     proc.wait_for(lambda l: '"event": "nats_error"' in l, 60, "a failed connection attempt")
     port = health_port(proc)
     assert http_get(port, "/livez")[0] == 200 and http_get(port, "/readyz")[0] == 503
-    proc.popen.send_signal(signal.SIGTERM)
-    assert proc.popen.wait(60) == 0, proc.tail()
+    proc.signal_stop()  # SIGTERM; `stop` then waits for the exit and for its last lines to be read
+    assert proc.stop(grace=60) == 0, proc.tail()
     (stopping,) = proc.events("stopping")
     assert stopping["signal"] == "SIGTERM" and stopping["phase"] == "connecting"
     assert proc.events("stopped") and not proc.events("ready")
