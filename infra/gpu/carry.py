@@ -24,8 +24,9 @@ match the GPU machine's Python (3.12 there): `--check` can load them only under 
 
 A call carries the tree and the archive together, so after packing it prints their sum against
 the call's 64 MiB and fails (exit 1) when they do not fit. `ARCHIVE_ROOM` is the room the tree
-must leave for the largest archive a check needs (the transfer check's: 13.6 MiB); a unit test
-holds the tree to it, so the tree cannot outgrow a GPU call unnoticed.
+must leave for the largest archive a session call carries (the mesh archive: 11.6 MiB; the nixl
+step's call carries NIXL alone, 8.2 MiB); a unit test holds the tree to it, so the tree cannot
+outgrow a GPU call unnoticed.
 
 `infra/gpu/prepare.sh` unpacks it with `CARRY=build/gpu-carry.tar.xz` and puts it on PYTHONPATH.
 `--check` imports what the archive holds (ucxx, msgspec, structlog, nats-py) and starts a NIXL
@@ -54,7 +55,19 @@ PROGRAMS = ("nats-server",)  # of the wheels' scripts, what a check runs (NIXL's
 UCX_CORE = ("libucs.so", "libucs_signal.so", "libuct.so", "libucp.so", "libucm.so")  # libucx/load.py, and libucm
 MIB = 1 << 20
 CALL_BYTES = 64 * MIB  # what one device call carries: the working tree, shared/ and carried paths
-ARCHIVE_ROOM = 14 * MIB  # the largest archive a check carries (transfer check, UCX set + nixl-cu13: 13.6 MiB)
+ARCHIVE_ROOM = 12 * MIB  # the largest archive a session call carries (the mesh archive: 11.6 MiB)
+# Modules a GPU machine lacks (../shared/notes/gpu-findings.md) that no session archive carries:
+# the task scorers. Nothing a session step runs may import them (`SESSION_MODULES`; the profile
+# check carries their wheels itself).
+NOT_CARRIED = ("rapidfuzz", "rouge_score", "nltk", "absl")
+# What `session.sh`'s steps run as `python -m` (the checks, their child processes, the services)
+SESSION_MODULES = (
+    "droidmesh.shared.tools.bench.gpu_transfer", "droidmesh.shared.tools.bench.tensor_server",
+    "droidmesh.shared.tools.bench.nixl_raw", "droidmesh.shared.tools.bench.nixl_reexport_roles",
+    "droidmesh.shared.tools.bench.mesh_check", "droidmesh.shared.tools.bench.gpu_check",
+    "droidmesh.shared.transport.sandbox.child", "droidmesh.services.sender.service",
+    "droidmesh.services.receiver.service", "droidmesh.services.cache_broker.service",
+)
 
 
 def tree_bytes(root: Path) -> int:

@@ -7,7 +7,7 @@
 #                                            on device exports (CUDA IPC), against the device's copy
 #   mesh      infra/gpu/mesh-check.sh       the whole mesh: TTFT through it against the engine alone
 #   nixl      infra/gpu/transfer-check.sh --channels nixl   the nixl channel against NIXL's own
-#                                            READ of device memory (needs the transfer archive: NIXL),
+#                                            READ of device memory (needs the nixl archive: NIXL),
 #                                            after the re-export probe's verdict line ("reexport: ...")
 #   check     infra/gpu/check.sh            the engine alone (TTFT per plan, exactness, graphs)
 #   CARRY=build/gpu-mesh.tar.xz bash infra/gpu/session.sh [--steps transfer,mesh,nixl,check] [--budget S] [--tiny]

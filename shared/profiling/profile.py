@@ -6,8 +6,8 @@ made, and its test split, where it is checked), optionally more oracles for othe
 suites, other tasks, a user's other files: the chosen config is applied to them unchanged,
 the transfer check), plus the receiver for the latency fit, and for the transfer search
 (`transfer.py`) the sender and the train contexts. Output: the profile JSON (schema in `run`'s
-docstring) and the SCD maps files it names; `recompute_config` turns the JSON into the
-published `RecomputeConfig`.
+docstring) and the SCD maps files it names; `published.recompute_config` turns the JSON
+into the published `RecomputeConfig`.
 
 `profile_checkpoints` is called by `droidmesh profile` (`job.py`, on the CLI's thread) and by the
 profiler service (in its torch worker thread); it blocks for the whole profile, as `run` does.
@@ -24,11 +24,11 @@ import msgspec
 from tqdm import tqdm
 
 from droidmesh.shared.errors import BadRequestError
-from droidmesh.shared.kv import policy
 from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.model.device import DEFAULT_DEVICE
 from droidmesh.shared.model.names import ModelRef, Pair
 from droidmesh.shared.profiling import cost, datasets, evidence, fidelity, latency, search, transfer
+from droidmesh.shared.profiling.published import recompute_config
 from droidmesh.shared.profiling.search import Evaluate, Memo
 from droidmesh.shared.wire import schemas
 
@@ -254,47 +254,6 @@ def _test_check(test: Evaluate, plan: ReusePlan, result: dict[str, Any], toleran
     if interval is None:
         return {"test_interval": None}
     return {"test_interval": interval, "passes_test": evidence.PASSES[interval["verdict"]]}
-
-
-def recompute_config(result: dict[str, Any], sender: ModelRef, receiver: ModelRef, version: int
-                     ) -> schemas.RecomputeConfig:
-    """The published config of a profile result (`run`'s JSON, fresh or read back from a file):
-    the one place a profile becomes a `RecomputeConfig`."""
-
-    def point(p: dict[str, Any], quality: str = "quality") -> schemas.FrontierPoint:
-        plan = ReusePlan.recompute(p["start"], p["end"]) if p["end"] > p["start"] else ReusePlan.full_reuse()
-        return schemas.FrontierPoint(plan=policy.spec_of(plan), recomputed_layers=p["end"] - p["start"],
-                                     quality=p[quality])
-
-    def coded(c: dict[str, Any]) -> schemas.FrontierPoint:
-        plan = ReusePlan.recompute_groups(c["plan"]["groups"]).patched(c["plan"]["patch"])
-        return schemas.FrontierPoint(plan=policy.spec_of(plan, c["codec"], c["codec_params"]),
-                                     recomputed_layers=c["recomputed_layers"], quality=c["quality_train"],
-                                     wire_bytes_per_token=c["wire_bytes_per_token"])
-
-    # The transfer search's configs meeting the rule, sent coded: a receiver picks among them by
-    # its measured bandwidth (raw ones are the group search's points already).
-    extra = [coded(c) for c in (result.get("transfer") or {}).get("configs", []) if c["meets_rule"] and c["codec"] != "raw"]
-
-    fit = result.get("latency_fit")
-    # The test split's check travels with the config (recomputed, not read: a profile JSON
-    # written before the check existed has both qualities too).
-    chosen_test, full_prefill_test = result["chosen"].get("quality_test"), result["full_prefill"].get("quality_test")
-    interval = result["chosen"].get("test_interval")
-    passes = (evidence.PASSES[interval["verdict"]] if interval else None if chosen_test is None or full_prefill_test is None
-              else evidence.passes_test(chosen_test, full_prefill_test, result["tolerance"]))
-    return schemas.RecomputeConfig(
-        sender_model=sender.name, receiver_model=receiver.name, sender_sha256=sender.sha256,
-        receiver_sha256=receiver.sha256, profile_version=version, task=result["task"],
-        tolerance=result["tolerance"], chosen=point(result["chosen"], "quality_train"),
-        frontier=[point(p) for p in result["frontier"]] + extra, full_prefill_quality=result["full_prefill"]["quality_train"],
-        full_reuse_quality=result["full_reuse"]["quality_train"], total_layers=result["total_layers"],
-        latency=schemas.LatencyFit(**fit) if fit else None, created_at=time.time(),
-        chosen_quality_test=chosen_test, full_prefill_quality_test=full_prefill_test, passes_test=passes,
-        test_rows=interval["rows"] if interval else None,
-        test_interval=[interval["rel_lo"], interval["rel_hi"]] if interval and interval["rel_lo"] is not None else None,
-        test_verdict=interval["verdict"] if interval else None,
-    )
 
 
 def robustness(result: dict[str, Any], plan: ReusePlan, test: Evaluate,

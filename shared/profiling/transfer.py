@@ -18,7 +18,7 @@ Sequence, for the group G = [s, e) the DroidSpeak search chose (`profile.run`):
      max(the latency fit's recompute time, bytes / bandwidth) (`policy.prefill_seconds`; a
      patch layer's projections are not charged: they are a small fraction of one layer);
   5. `chosen_by_link`: per rate and length, the fastest config meeting the rule. The configs
-     meeting it become extra frontier points of the published config (`profile.recompute_config`),
+     meeting it become extra frontier points of the published config (`published.recompute_config`),
      so a receiver picks among them by the bandwidth it measures.
 Lowrank maps files are returned by sha256 (the caller writes `maps/<sha256>.safetensors`), never
 put in the JSON.

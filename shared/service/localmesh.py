@@ -25,7 +25,7 @@ from droidmesh.shared.mesh.client import MeshClient
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, sender_user
 from droidmesh.shared.model.device import DEVICE_ENV
 from droidmesh.shared.model.names import ModelRef, Pair
-from droidmesh.shared.profiling.profile import recompute_config
+from droidmesh.shared.profiling.published import recompute_config
 from droidmesh.shared.service.launch import Proc, start_secure_nats, start_service
 from droidmesh.shared.wire import schemas
 

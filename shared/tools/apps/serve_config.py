@@ -59,7 +59,7 @@ def read_json(path: str) -> dict[str, Any]:
 
 def _from_profile(path: str, data: dict[str, Any], sender: str | None, receiver: str | None,
                   version: int) -> schemas.RecomputeConfig:
-    from droidmesh.shared.profiling.profile import recompute_config
+    from droidmesh.shared.profiling.published import recompute_config
     from droidmesh.shared.zoo.manifest import resolve_model
 
     missing = [k for k in PROFILE_KEYS if k not in data]

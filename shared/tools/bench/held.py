@@ -39,7 +39,7 @@ from droidmesh.shared.kv.sources import CapturedSource
 from droidmesh.shared.mesh.nats_auth import MeshAccess, Roster, receiver_user
 from droidmesh.shared.model import text
 from droidmesh.shared.model.names import ModelRef, Pair
-from droidmesh.shared.profiling.profile import recompute_config
+from droidmesh.shared.profiling.published import recompute_config
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.service.localmesh import THREADS, connect_as, mesh, publish_configs
 from droidmesh.shared.wire import schemas

@@ -43,7 +43,7 @@ from droidmesh.shared.kv.plan import ReusePlan
 from droidmesh.shared.mesh.nats_auth import Roster, receiver_user
 from droidmesh.shared.model import text
 from droidmesh.shared.model.names import ModelRef
-from droidmesh.shared.profiling.profile import recompute_config
+from droidmesh.shared.profiling.published import recompute_config
 from droidmesh.shared.service.launch import start_service
 from droidmesh.shared.service.localmesh import NO_HEALTH_PORT, THREADS, connect_as, mesh, publish_configs, start_sender
 from droidmesh.shared.tasks import intervals

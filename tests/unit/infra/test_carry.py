@@ -81,11 +81,11 @@ def test_only_the_named_nixl_plugins_are_roots(tmp_path, plugins):
 
 def test_the_tree_leaves_a_device_call_room_for_the_largest_archive():
     """What travels to a GPU machine is the tree plus a check's archive, 64 MiB in all: a tree that
-    grew past `CALL_BYTES - ARCHIVE_ROOM` would make the transfer check impossible to send."""
+    grew past `CALL_BYTES - ARCHIVE_ROOM` would make a session call impossible to send."""
     carry = _carry()
     tree = carry.tree_bytes(ROOT)
     assert tree + carry.ARCHIVE_ROOM <= carry.CALL_BYTES, (
-        f"the tree is {tree / carry.MIB:.1f} MiB: with the transfer check's archive it no longer fits one "
+        f"the tree is {tree / carry.MIB:.1f} MiB: with the mesh archive it no longer fits one "
         f"{carry.CALL_BYTES / carry.MIB:.0f} MiB device call (make it lighter: docs/bench, zoo/)")
 
 
