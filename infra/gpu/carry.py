@@ -8,7 +8,10 @@ object stores, GDS and DOCA with their libraries (grpc, aws, azure, etcd...). Th
 channel loads:
 
 * every Python extension module of the kept packages, the UCX core libraries `libucx.load`
-  opens by name, UCX's transport modules (`libucx/lib/ucx`, loaded at run time; not perftest),
+  opens by name, UCX's transport modules (loaded at run time from the `ucx/` folder beside its
+  `libuct`: `libucx/lib/ucx`, and `nixl_cu13.libs/ucx` for the UCX NIXL bundles; not perftest;
+  without them UCX runs on its built-in transports alone, TCP and shared memory, and never sees
+  device memory),
   and NIXL's UCX plugin (NIXL loads a plugin by its name);
 * every shared library those reach through their ELF `NEEDED` entries, resolved inside the
   archive by file name (the wheels' `$ORIGIN` run paths point there);
@@ -25,7 +28,7 @@ match the GPU machine's Python (3.12 there): `--check` can load them only under 
 A call carries the tree and the archive together, so after packing it prints their sum against
 the call's 64 MiB and fails (exit 1) when they do not fit. `ARCHIVE_ROOM` is the room the tree
 must leave for the largest archive a session call carries (the mesh archive: 11.6 MiB; the nixl
-step's call carries NIXL alone, 8.2 MiB); a unit test holds the tree to it, so the tree cannot
+step's call carries NIXL alone, 9.0 MiB); a unit test holds the tree to it, so the tree cannot
 outgrow a GPU call unnoticed.
 
 `infra/gpu/prepare.sh` unpacks it with `CARRY=build/gpu-carry.tar.xz` and puts it on PYTHONPATH.
@@ -119,7 +122,8 @@ def roots(stage: Path, plugins: tuple[str, ...]) -> list[Path]:
         if not path.is_file() or "perftest" in rel:
             continue
         extension = ".cpython-" in path.name or path.name.endswith(".abi3.so")
-        ucx = rel.startswith("libucx/lib/") and (path.name.split(".so")[0] + ".so" in UCX_CORE or "/ucx/" in rel)
+        core = rel.startswith("libucx/lib/") and path.name.split(".so")[0] + ".so" in UCX_CORE
+        ucx = core or path.parent.name == "ucx"  # a UCX's transport modules: libucx's, and NIXL's own UCX's
         plugin = "/plugins/" in rel or "/nixl/" in rel
         if extension or ucx or (plugin and any(f"libplugin_{p}.so" == path.name for p in plugins)):
             out.append(path)

@@ -111,3 +111,17 @@ def test_an_archive_that_does_not_fit_a_call_with_the_tree_fails(tmp_path, capsy
     assert carry.fits(tmp_path, carry.CALL_BYTES - 4095) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("carry: over a call's 64 MiB")
+
+
+def test_every_bundled_ucxs_transport_modules_are_roots_but_perftest(tmp_path):
+    """libucx's modules and those of the UCX the NIXL wheel bundles (beside its own libuct): without
+    them UCX has TCP and shared memory only, so NIXL would never see device memory."""
+    carry = _carry()
+    for rel in ("libucx/lib/ucx/libuct_cuda.so.0.0.0", "nixl_cu13.libs/ucx/libuct_cuda.so.0.0.0",
+                "nixl_cu13.libs/ucx/libuct_cma.so.0.0.0", "nixl_cu13.libs/ucx/libucx_perftest_cuda.so.0.0.0",
+                "nixl_cu13.libs/libuct-1141f529.so.0.0.0"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"\x7fELF")
+    found = {p.relative_to(tmp_path).as_posix() for p in carry.roots(tmp_path, ("UCX",))}
+    assert found == {"libucx/lib/ucx/libuct_cuda.so.0.0.0", "nixl_cu13.libs/ucx/libuct_cuda.so.0.0.0",
+                     "nixl_cu13.libs/ucx/libuct_cma.so.0.0.0"}
