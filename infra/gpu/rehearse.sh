@@ -31,6 +31,7 @@ pip_download() { "$py" -m pip download -q --no-deps -d "$1" "${platform[@]}" "${
 for archive in mesh nixl; do
   if [ ! -f "build/gpu-$archive.tar.xz" ]; then
     wheels=build/wheels-$archive
+    rm -rf "$wheels"  # the newest wheels, no older version beside them
     if [ "$archive" = mesh ]; then pip_download "$wheels" "${mesh_wheels[@]}"; else pip_download "$wheels" "${nixl_wheels[@]}"; fi
     "$py" infra/gpu/carry.py "$wheels" "build/gpu-$archive.tar.xz" --check
   fi

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from droidmesh.shared.errors import CheckpointNotFoundError
 from droidmesh.shared.model.names import Pair, sha256_file
 from droidmesh.shared.tasks.realtext import SOURCES, make_real_rows
 from droidmesh.shared.zoo import packed
@@ -74,18 +75,16 @@ def build_real(out_dir: str | Path | None = None, *, force: bool = False,
     for ft in FINE_TUNES:
         src = REPO_ZOO / TIER / ft.name
         entry = (committed or {}).get("models", {}).get(ft.name)
-        if not force and entry and _intact(src, entry):
-            if src.resolve() != (out / ft.name).resolve():
-                _copy_out(src, entry, out / ft.name)
+        if not force and entry:  # the committed adapter, checked against its manifest, unpacked into `out`
+            _copy_out(src, entry, out / ft.name)
             say(f"{ft.name}: committed adapter (trained {history.get(ft.name, {}).get('seconds', '?')} s)")
         else:
             history[ft.name] = train_lora(out / "base", out / ft.name, ft, say)
         models[ft.name] = {**_files_entry(out, ft.name, "adapter_model.safetensors"), "kind": "lora", "parent": "base",
                            "task": ft.task, "lora_r": ft.r, "data": SOURCES[ft.task.split("/")[0]]}
     if out.resolve() == (REPO_ZOO / TIER).resolve():  # the committed tier refreshed: its weights are committed packed
-        for ft in FINE_TUNES:
-            if (weights := out / ft.name / "adapter_model.safetensors").is_file():
-                packed.pack(weights)
+        for ft in FINE_TUNES:  # (the unpacked ones stay, git-ignored: the tier stays loadable where it is)
+            packed.pack(out / ft.name / "adapter_model.safetensors")
     for extra in ("profiles", "eval"):  # committed measurements travel with the adapters they measured
         src = REPO_ZOO / TIER / extra
         if src.is_dir() and src.resolve() != (out / extra).resolve():
@@ -111,25 +110,37 @@ def _ensure_base(out: Path, committed: dict[str, Any] | None, say: Callable[[str
     return facts
 
 
-def _intact(src: Path, entry: dict[str, Any] | None) -> bool:
-    """Whether `src` holds every file `entry` names with its bytes (a committed file may be packed)."""
-    if not entry or not (src / "adapter_config.json").is_file():
-        return False
-    return all(packed.sha256(src, f) == h for f, h in entry.get("files", {}).items())
+def _found(src: Path, entry: dict[str, Any]) -> dict[str, Path]:
+    """Each file `entry` names, as the copy in `src` (as it is, or packed) with the bytes it hashes;
+    `CheckpointNotFoundError` naming the first missing or damaged one (`--force` trains it again,
+    which takes an hour or so: never done unasked)."""
+    found = {}
+    for name, want in entry.get("files", {}).items():
+        path = packed.matching(src, name, want)
+        if path is None:
+            raise CheckpointNotFoundError(f"{src / name}: the committed file is missing or does not match its manifest "
+                                          f"(a damaged checkout?); `droidmesh zoo build --tier real --force` trains it again")
+        found[name] = path
+    return found
 
 
 def _copy_out(src: Path, entry: dict[str, Any], to: Path) -> None:
-    """The committed adapter's files (those `entry` names), unpacked, as the whole of `to`."""
-    shutil.rmtree(to, ignore_errors=True)
-    for f in entry.get("files", {}):
-        packed.copy_out(src, f, to / f)
+    """The committed adapter's files (those `entry` names, checked first), unpacked, as the whole of
+    `to`; where `to` is `src` itself (the repository's tier built in place), only the unpacked files
+    it lacks are added."""
+    found = _found(src, entry)
+    if src.resolve() != to.resolve():
+        shutil.rmtree(to, ignore_errors=True)
+    for name, path in found.items():
+        if path != to / name:
+            packed.copy_out(path, to / name)
 
 
 def _files_entry(out: Path, name: str, weights: str) -> dict[str, Any]:
     d = out / name
-    names = sorted({packed.unpacked_name(f) for f in d.iterdir() if f.is_file() and not f.name.startswith(".")})
-    return {"path": name, "weights": weights, "sha256": packed.sha256(d, weights), "layers": 30,
-            "files": {f: packed.sha256(d, f) for f in names}}
+    files = sorted(f for f in d.iterdir() if f.is_file() and not f.name.startswith(".") and not f.name.endswith(packed.SUFFIX))
+    return {"path": name, "weights": weights, "sha256": sha256_file(d / weights), "layers": 30,
+            "files": {f.name: sha256_file(f) for f in files}}
 
 
 def _recipe_hash() -> str:

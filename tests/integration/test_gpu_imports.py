@@ -1,5 +1,5 @@
 """What a GPU session's steps run imports only what a GPU machine has or the session's archives
-carry (`infra/gpu/carry.py`: `SESSION_MODULES`, `NOT_CARRIED`): a module one of them pulls in
+carry (`infra/gpu/carry.py`: `SESSION_CALLS`, `NOT_CARRIED`): a module one of them pulls in
 that the machine lacks stops the step at its first line, and a lent GPU's call with it."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,9 +35,11 @@ def _carry():
     return module
 
 
-def test_no_session_step_imports_a_module_the_gpu_machine_lacks_and_no_archive_carries():
+@pytest.mark.parametrize("call", ["mesh", "nixl"])
+def test_no_session_step_imports_a_module_the_gpu_machine_lacks_or_its_archive_does_not_carry(call):
     carry = _carry()
-    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps([carry.SESSION_MODULES, carry.NOT_CARRIED])],
+    modules, lacks = carry.SESSION_CALLS[call]
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps([modules, [*carry.NOT_CARRIED, *lacks]])],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}  # {first module that imports them: [them]}

@@ -9,6 +9,7 @@ line (at most `SERVER_START_S`). It trusts the child's first `BULK_ADDRESS=` / `
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -31,7 +32,7 @@ class TensorServer:
     def __init__(self, transport: str, sizes: list[int], *, device: str | torch.device = "cpu",
                  env: dict[str, str] | None = None, items: int = 1, nats_url: str = ""):
         env = dict(env or {})
-        if transport == "ucx":
+        if transport == "ucx" and "UCX_PROTO_INFO" not in os.environ:  # the caller's own setting wins
             env.setdefault("UCX_PROTO_INFO", "y")
         sizes_arg = ",".join(map(str, sizes))
         if transport == NIXL_RAW:
