@@ -65,14 +65,12 @@ NOT_CARRIED = ("rapidfuzz", "rouge_score", "nltk", "absl")
 # Per session call: what its steps run as `python -m` (the checks, the processes they start, the
 # services), none of which may import NOT_CARRIED or what that call's archive lacks besides.
 _BENCH = "droidmesh.shared.tools.bench."
+_EITHER = (_BENCH + "gpu_transfer", _BENCH + "tensor_server", _BENCH + "gpu_check", "droidmesh.shared.transport.sandbox.child")
 SESSION_CALLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "mesh": ((_BENCH + "gpu_transfer", _BENCH + "tensor_server", _BENCH + "mesh_check", _BENCH + "probe",
-              _BENCH + "gpu_check", "droidmesh.shared.transport.sandbox.child", "droidmesh.services.sender.service",
+    "mesh": ((*_EITHER, _BENCH + "mesh_check", _BENCH + "probe", "droidmesh.services.sender.service",
               "droidmesh.services.receiver.service", "droidmesh.services.cache_broker.service"),
              ("nixl_cu13", "nixl_cu12", "nixl")),
-    "nixl": ((_BENCH + "gpu_transfer", _BENCH + "tensor_server", _BENCH + "nixl_raw", _BENCH + "nixl_reexport_roles",
-              _BENCH + "gpu_check", "droidmesh.shared.transport.sandbox.child"),
-             ("ucxx", "nats")),
+    "nixl": ((*_EITHER, _BENCH + "nixl_raw", _BENCH + "nixl_reexport_roles"), ("ucxx", "nats")),
 }
 
 

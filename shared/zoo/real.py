@@ -72,6 +72,7 @@ def build_real(out_dir: str | Path | None = None, *, force: bool = False,
     models: dict[str, Any] = {"base": {**_files_entry(out, "base", "model.safetensors"), "kind": "full", "parent": None,
                                        "task": "pretrained (SmolLM2-135M-Instruct)", **base_facts}}
     history: dict[str, Any] = dict((committed or {}).get("history", {})) if not force else {}
+    trained = []
     for ft in FINE_TUNES:
         src = REPO_ZOO / TIER / ft.name
         entry = (committed or {}).get("models", {}).get(ft.name)
@@ -80,11 +81,12 @@ def build_real(out_dir: str | Path | None = None, *, force: bool = False,
             say(f"{ft.name}: committed adapter (trained {history.get(ft.name, {}).get('seconds', '?')} s)")
         else:
             history[ft.name] = train_lora(out / "base", out / ft.name, ft, say)
+            trained.append(ft.name)
         models[ft.name] = {**_files_entry(out, ft.name, "adapter_model.safetensors"), "kind": "lora", "parent": "base",
                            "task": ft.task, "lora_r": ft.r, "data": SOURCES[ft.task.split("/")[0]]}
-    if out.resolve() == (REPO_ZOO / TIER).resolve():  # the committed tier refreshed: its weights are committed packed
-        for ft in FINE_TUNES:  # (the unpacked ones stay, git-ignored: the tier stays loadable where it is)
-            packed.pack(out / ft.name / "adapter_model.safetensors")
+    if out.resolve() == (REPO_ZOO / TIER).resolve():  # the committed tier refreshed: its new weights are committed packed
+        for name in trained:  # (the unpacked ones stay, git-ignored: the tier stays loadable where it is)
+            packed.pack(out / name / "adapter_model.safetensors")
     for extra in ("profiles", "eval"):  # committed measurements travel with the adapters they measured
         src = REPO_ZOO / TIER / extra
         if src.is_dir() and src.resolve() != (out / extra).resolve():
@@ -110,30 +112,22 @@ def _ensure_base(out: Path, committed: dict[str, Any] | None, say: Callable[[str
     return facts
 
 
-def _found(src: Path, entry: dict[str, Any]) -> dict[str, Path]:
-    """Each file `entry` names, as the copy in `src` (as it is, or packed) with the bytes it hashes;
-    `CheckpointNotFoundError` naming the first missing or damaged one (`--force` trains it again,
-    which takes an hour or so: never done unasked)."""
-    found = {}
+def _copy_out(src: Path, entry: dict[str, Any], to: Path) -> None:
+    """The committed adapter's files (those `entry` names), each from the copy in `src` (as it is,
+    or packed) with the bytes it hashes, unpacked, as the whole of `to`; where `to` is `src` itself
+    (the repository's tier built in place), only the unpacked files it lacks are added.
+    `CheckpointNotFoundError` naming the first missing or damaged one, leaving no part of `to`
+    (`--force` trains it again, which takes an hour or so: never done unasked)."""
+    in_place = src.resolve() == to.resolve()
+    if not in_place:
+        shutil.rmtree(to, ignore_errors=True)
     for name, want in entry.get("files", {}).items():
-        path = packed.matching(src, name, want)
-        if path is None:
+        if not any(packed.sha256_of(path) == want if path == to / name else packed.copy_out(path, to / name, want)
+                   for path in packed.copies(src, name)):
+            if not in_place:
+                shutil.rmtree(to, ignore_errors=True)
             raise CheckpointNotFoundError(f"{src / name}: the committed file is missing or does not match its manifest "
                                           f"(a damaged checkout?); `droidmesh zoo build --tier real --force` trains it again")
-        found[name] = path
-    return found
-
-
-def _copy_out(src: Path, entry: dict[str, Any], to: Path) -> None:
-    """The committed adapter's files (those `entry` names, checked first), unpacked, as the whole of
-    `to`; where `to` is `src` itself (the repository's tier built in place), only the unpacked files
-    it lacks are added."""
-    found = _found(src, entry)
-    if src.resolve() != to.resolve():
-        shutil.rmtree(to, ignore_errors=True)
-    for name, path in found.items():
-        if path != to / name:
-            packed.copy_out(path, to / name)
 
 
 def _files_entry(out: Path, name: str, weights: str) -> dict[str, Any]:

@@ -100,8 +100,9 @@ def test_the_committed_real_tier_holds_its_adapters_packed_and_intact():
     tier = REPO_ZOO / real.TIER
     manifest = json.loads((tier / "manifest.json").read_text())
     for ft in real.FINE_TUNES:
-        found = real._found(tier / ft.name, manifest["models"][ft.name])
-        assert found[NAME].name == NAME + ".xz" or (tier / ft.name / (NAME + ".xz")).is_file(), ft.name
+        files = manifest["models"][ft.name]["files"]
+        found = {name: packed.matching(tier / ft.name, name, want) for name, want in files.items()}
+        assert None not in found.values() and (tier / ft.name / (NAME + ".xz")).is_file(), ft.name
     tracked = subprocess.run(["git", "ls-files", str(tier)], cwd=tier, capture_output=True, text=True).stdout.split()
     if tracked:  # a checkout (an installed package has no git)
         assert not [t for t in tracked if t.endswith(".safetensors")]
